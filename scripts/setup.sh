@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 stamp=.venv/.inferplane-setup
+# One setup at a time (up.sh and test.sh both call this): a second caller waits, then finds
+# the stamp current and returns at once.
+mkdir -p .venv
+exec 9>.venv/.inferplane-setup.lock
+flock 9
 want=$(cat requirements.lock pyproject.toml setup.py package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
   exit 0

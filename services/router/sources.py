@@ -7,19 +7,13 @@ and the source swaps the whole snapshot when a new table arrives, then tells its
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import grpc
-import structlog
-
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
-from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
-
-log = structlog.get_logger("inferplane.router.routes")
+from inferplane.routing_client import RoutingTableWatch, Sleep
 
 Listener = Callable[[RouteTable], None]
 
@@ -88,11 +82,9 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
     )
 
 
-Sleep = Callable[[float], Awaitable[Any]]
-
-
-class OrchestratorRouteSource:
-    """Follows `RoutingService.WatchRoutingTable`: full table first, then every change.
+class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
+    """Follows `RoutingService.WatchRoutingTable` (`inferplane.routing_client`): full table
+    first, then every change, as `RouteTable` snapshots.
 
     On a broken or refused stream it reconnects with exponential backoff and full jitter
     (`initial_backoff_seconds` doubling up to `max_backoff_seconds`, reset once a table
@@ -112,67 +104,15 @@ class OrchestratorRouteSource:
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
     ) -> None:
-        self._address = address
-        self._options = list(options)
-        self._models = list(models)
-        self._initial = initial_backoff_seconds
-        self._max = max_backoff_seconds
-        self._sleep = sleep
-        self._rng = rng or random.Random()
-        self._table = RouteTable.of([])
-        self._listeners: list[Listener] = []
-        self._task: asyncio.Task[None] | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self.received = asyncio.Event()
-        self.connects = 0
-
-    def current(self) -> RouteTable:
-        return self._table
-
-    def subscribe(self, listener: Listener) -> None:
-        self._listeners.append(listener)
-        listener(self._table)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._follow(), name="routing-table-watch")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._channel is not None:
-            await self._channel.close()
-
-    def _swap(self, table: RouteTable) -> None:
-        for listener in self._listeners:
-            listener(table)  # raises before the swap when the table cannot be applied
-        self._table = table
-        self.received.set()
-
-    async def _follow(self) -> None:
-        backoff = self._initial
-        self._channel = grpc.aio.insecure_channel(self._address, options=self._options)
-        stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
-        while True:
-            self.connects += 1
-            try:
-                call = stub.WatchRoutingTable(opb.WatchRoutingTableRequest(models=self._models))
-                async for message in call:
-                    backoff = self._initial
-                    try:
-                        self._swap(table_from_proto(message))
-                    except Exception as exc:
-                        log.error("routing_table_rejected", version=message.version, error=str(exc))
-                    else:
-                        log.info(
-                            "routing_table", version=message.version, models=len(message.routes)
-                        )
-                log.warning("routing_table_stream_ended", address=self._address)
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "routing_table_stream_failed", address=self._address, code=exc.code().name
-                )
-            delay = self._rng.uniform(0, backoff)
-            backoff = min(backoff * 2, self._max)
-            await self._sleep(delay)
+        super().__init__(
+            address,
+            table_from_proto,
+            RouteTable.of([]),
+            options=options,
+            models=models,
+            initial_backoff_seconds=initial_backoff_seconds,
+            max_backoff_seconds=max_backoff_seconds,
+            sleep=sleep,
+            rng=rng,
+            logger="inferplane.router.routes",
+        )

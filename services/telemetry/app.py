@@ -6,13 +6,16 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
+from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
 from inferplane.telemetry.alerts import Evaluator
+from inferplane.telemetry.discovery import EngineDiscovery, TargetSource, targets_from_table
 from inferplane.telemetry.domain import Clock, SloTargets, SystemClock
 from inferplane.telemetry.engines import EngineScraper, Fetch, HttpFetch
 from inferplane.telemetry.ingest import Ingestor
@@ -39,17 +42,22 @@ class TelemetryComponents:
     scraper: EngineScraper
     evaluator: Evaluator
     servicer: TelemetryService
+    discovery: EngineDiscovery
+    target_source: TargetSource | None = None
     sleep: Sleep = asyncio.sleep
     run_loops: bool = True
     _fetch_close: Callable[[], Awaitable[None]] | None = None
     _tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
     async def start(self) -> None:
-        """Starts the engine scrape loop and the alert evaluation loop (unless `run_loops`
-        is off, as in tests that drive `scraper.scrape_once()` and `evaluator.evaluate()`)."""
+        """Starts following the routing table (when there is a target source), the engine
+        scrape loop and the alert evaluation loop (the loops only with `run_loops`; tests
+        without them drive `scraper.scrape_once()` and `evaluator.evaluate()`)."""
+        if self.target_source is not None:
+            await self.target_source.start()
         if not self.run_loops:
             return
-        if self.scraper.targets:
+        if self.scraper.targets or self.target_source is not None:
             self._tasks.append(
                 asyncio.create_task(
                     self.scraper.run(self.settings.engine_scrape_interval_seconds, self.sleep)
@@ -72,6 +80,8 @@ class TelemetryComponents:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.target_source is not None:
+            await self.target_source.stop()
         if self._fetch_close is not None:
             await self._fetch_close()
 
@@ -98,8 +108,11 @@ def build_components(
     fetch: Fetch | None = None,
     sleep: Sleep = asyncio.sleep,
     run_loops: bool = True,
+    target_source: TargetSource | None = None,
 ) -> TelemetryComponents:
-    """Builds the parts (no I/O).
+    """Builds the parts (no I/O). Engine targets: the static ones plus those of
+    `target_source`, by default the orchestrator's routing table when `orchestrator_address`
+    is set.
 
     Raises:
         ConfigError: a malformed engine target or SLO override.
@@ -123,6 +136,20 @@ def build_components(
         window_seconds=settings.engine_window_seconds,
     )
     registry.register(scraper)  # type: ignore[arg-type]
+    if target_source is None and settings.orchestrator_address:
+        target_source = RoutingTableWatch(
+            settings.orchestrator_address,
+            targets_from_table,
+            (),
+            logger="inferplane.telemetry.discovery",
+        )
+    discovery = EngineDiscovery(
+        scraper,
+        settings.parsed_engine_targets(),
+        sd_file=Path(settings.engine_sd_file) if settings.engine_sd_file else None,
+    )
+    if target_source is not None:
+        target_source.subscribe(discovery.update)
     table = settings.slo_table()
     default = settings.default_slo
 
@@ -149,6 +176,8 @@ def build_components(
         scraper=scraper,
         evaluator=evaluator,
         servicer=servicer,
+        discovery=discovery,
+        target_source=target_source,
         sleep=sleep,
         run_loops=run_loops,
         _fetch_close=fetch_close,

@@ -10,8 +10,8 @@ The series read (vLLM 0.32 names; summed over vLLM's `engine` label, the max for
 | `vllm:num_preemptions_total` | preemptions (a request's KV blocks taken back) |
 | `vllm:prefix_cache_queries_total` / `_hits_total` | prompt tokens looked up / found |
 
-Targets come from settings for now (`deployment/replica=url`); the routing table will feed
-`EngineScraper.set_targets` later.
+Targets are static (settings, `deployment/replica=url`) and/or follow the orchestrator's
+routing table (`discovery.py` calls `EngineScraper.set_targets` on every change).
 """
 
 from __future__ import annotations
@@ -197,9 +197,11 @@ class EngineScraper:
         self.set_targets(targets)
 
     def set_targets(self, targets: Sequence[EngineTarget]) -> None:
-        """Replaces the target list; history of targets still listed is kept."""
-        self._targets = tuple(targets)
+        """Replaces the target list; history of targets still listed is kept, the others'
+        series leave the exposition at once."""
+        self._targets = tuple(dict.fromkeys(targets))
         self._history = {t: self._history.get(t, deque()) for t in self._targets}
+        self._refresh()
 
     @property
     def targets(self) -> tuple[EngineTarget, ...]:
@@ -208,10 +210,13 @@ class EngineScraper:
     async def scrape_once(self) -> None:
         """Scrapes every target concurrently; a failed scrape records the replica as down."""
         now = self._clock.time()
+        targets = self._targets  # set_targets may swap the list while the fetches run
         results = await asyncio.gather(
-            *(self._fetch(t.url) for t in self._targets), return_exceptions=True
+            *(self._fetch(t.url) for t in targets), return_exceptions=True
         )
-        for target, result in zip(self._targets, results, strict=True):
+        for target, result in zip(targets, results, strict=True):
+            if target not in self._history:
+                continue  # removed meanwhile: its reading would resurrect it
             if isinstance(result, BaseException):
                 log.debug("engine_scrape_failed", url=target.url, error=repr(result))
                 reading = EngineReading(time=now, up=False)

@@ -27,8 +27,15 @@ class TelemetrySettings(ServiceSettings):
             numbers and which feeds tool-call/marker numbers ("" = any; see `domain.Sources`).
         max_models, max_deployments_per_model, max_tenants_per_deployment, max_error_codes:
             label caps; further distinct values are exposed as "other".
-        engine_targets: replicas' metrics endpoints, `deployment/replica=http://host:port/metrics`
-            (comma-separated in the environment or a flag).
+        engine_targets: static replicas' metrics endpoints,
+            `deployment/replica=http://host:port/metrics` (comma-separated in the environment or
+            a flag), for setups without an orchestrator; scraped besides the discovered ones.
+        orchestrator_address: `host:port` of the orchestrator; when set, every replica its
+            routing table lists (with the metrics URL its node-agent reports) is scraped, and
+            the list follows the table (rolling releases, scaling).
+        engine_sd_file: when set, a Prometheus `file_sd` JSON file rewritten with the current
+            engine targets (labels `deployment`, `replica`), for deploy/prometheus's `engines`
+            job.
         engine_scrape_interval_seconds, engine_window_seconds: scrape period and the window
             over which preemption and prefix-cache rates are computed.
         evaluation_interval_seconds: how often alert rules run (drift baseline points too).
@@ -53,6 +60,8 @@ class TelemetrySettings(ServiceSettings):
     max_tenants_per_deployment: int = 20
     max_error_codes: int = 10
     engine_targets: tuple[str, ...] = ()
+    orchestrator_address: str = ""
+    engine_sd_file: str = ""
     engine_scrape_interval_seconds: float = 5.0
     engine_window_seconds: float = 300.0
     evaluation_interval_seconds: float = 60.0

@@ -714,6 +714,7 @@ class Reconciler:
                         max_concurrency=seen.spec.max_num_seqs,
                         node=record.node,
                         revision=record.revision,
+                        metrics_url=seen.metrics_url,
                     )
                 )
             created = deployment.create_time

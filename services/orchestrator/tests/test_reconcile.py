@@ -61,7 +61,11 @@ class FakeAgents:
             return existing
         state = S.STATE_READY if self.auto_ready else S.STATE_STARTING
         node[replica_id] = na.Replica(
-            name=f"replicas/{replica_id}", spec=spec, state=state, inference_address=address
+            name=f"replicas/{replica_id}",
+            spec=spec,
+            state=state,
+            inference_address=address,
+            metrics_url=f"http://{address.split(':')[0]}:9100/{replica_id}/metrics",
         )
         return node[replica_id]
 
@@ -199,6 +203,8 @@ def test_replica_is_started_with_the_placement_and_served_after_warm_up(
     assert world.endpoints() == [(rid, False)] == world.endpoints("tiny")
     (endpoint,) = world.table().routes[0].endpoints
     assert endpoint.address == ADDRESS and endpoint.max_concurrency == 8
+    # Telemetry scrapes the engine the node-agent reports, found through the table.
+    assert endpoint.metrics_url == world.agents.replicas[ADDRESS][rid].metrics_url != ""
     status = world.status()
     assert (status.phase, status.ready_replicas) == ("Available", 1)
     version = world.table().version

@@ -1159,6 +1159,7 @@ class RouteEndpoint(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    METRICS_URL_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica id."""
     address: _builtins.str
@@ -1173,6 +1174,10 @@ class RouteEndpoint(_message.Message):
     """The node."""
     revision: _builtins.str
     """The profile revision the replica runs."""
+    metrics_url: _builtins.str
+    """The replica's engine metrics (Prometheus text exposition), as the node-agent reports it;
+    telemetry scrapes it. Empty when the node-agent reports none.
+    """
     def __init__(
         self,
         *,
@@ -1183,10 +1188,11 @@ class RouteEndpoint(_message.Message):
         max_concurrency: _builtins.int = ...,
         node: _builtins.str = ...,
         revision: _builtins.str = ...,
+        metrics_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "max_concurrency", b"max_concurrency", "node", b"node", "replica_id", b"replica_id", "revision", b"revision", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "max_concurrency", b"max_concurrency", "metrics_url", b"metrics_url", "node", b"node", "replica_id", b"replica_id", "revision", b"revision", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,132 @@
+"""Following the orchestrator's routing table: `RoutingService.WatchRoutingTable` with
+reconnects, converted to each caller's own snapshot type."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+import structlog
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
+from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+
+T = TypeVar("T")
+
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+class RoutingTableWatch(Generic[T]):
+    """Follows `RoutingService.WatchRoutingTable`: full table first, then every change.
+
+    Each message is turned into a snapshot by `convert` (the router's `RouteTable`,
+    telemetry's engine targets...); readers call `current()`, listeners are called with each
+    new snapshot on the event loop.
+
+    On a broken or refused stream it reconnects with exponential backoff and full jitter
+    (`initial_backoff_seconds` doubling up to `max_backoff_seconds`, reset once a table
+    arrives), and keeps the last snapshot meanwhile: an orchestrator outage freezes what the
+    caller sees, it does not empty it. A message that fails to convert, or that a listener
+    raises on, is logged and skipped; the previous snapshot stays current.
+
+    Attributes:
+        received: set once the first snapshot from the orchestrator is current.
+        connects: stream attempts so far.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        convert: Callable[[opb.WatchRoutingTableResponse], T],
+        initial: T,
+        *,
+        options: Sequence[tuple[str, Any]] = (),
+        models: Sequence[str] = (),
+        initial_backoff_seconds: float = 0.5,
+        max_backoff_seconds: float = 15.0,
+        sleep: Sleep = asyncio.sleep,
+        rng: random.Random | None = None,
+        logger: str = "inferplane.routing_client",
+    ) -> None:
+        self._address = address
+        self._convert = convert
+        self._options = list(options)
+        self._models = list(models)
+        self._initial = initial_backoff_seconds
+        self._max = max_backoff_seconds
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._log = structlog.get_logger(logger)
+        self._current = initial
+        self._listeners: list[Callable[[T], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.received = asyncio.Event()
+        self.connects = 0
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def current(self) -> T:
+        """The latest snapshot (`initial` before the first table)."""
+        return self._current
+
+    def subscribe(self, listener: Callable[[T], None]) -> None:
+        """Calls `listener(current())` now and `listener(snapshot)` before every swap; a
+        listener that raises keeps the snapshot from becoming current."""
+        self._listeners.append(listener)
+        listener(self._current)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._follow(), name="routing-table-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = None
+
+    def _swap(self, message: opb.WatchRoutingTableResponse) -> None:
+        snapshot = self._convert(message)
+        for listener in self._listeners:
+            listener(snapshot)  # raises before the swap when the snapshot cannot be applied
+        self._current = snapshot
+        self.received.set()
+
+    async def _follow(self) -> None:
+        backoff = self._initial
+        self._channel = grpc.aio.insecure_channel(self._address, options=self._options)
+        stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
+        while True:
+            self.connects += 1
+            try:
+                call = stub.WatchRoutingTable(opb.WatchRoutingTableRequest(models=self._models))
+                async for message in call:
+                    backoff = self._initial
+                    try:
+                        self._swap(message)
+                    except Exception as exc:
+                        self._log.error(
+                            "routing_table_rejected", version=message.version, error=str(exc)
+                        )
+                    else:
+                        self._log.info(
+                            "routing_table", version=message.version, models=len(message.routes)
+                        )
+                self._log.warning("routing_table_stream_ended", address=self._address)
+            except grpc.aio.AioRpcError as exc:
+                self._log.warning(
+                    "routing_table_stream_failed", address=self._address, code=exc.code().name
+                )
+            delay = self._rng.uniform(0, backoff)
+            backoff = min(backoff * 2, self._max)
+            await self._sleep(delay)

@@ -12,7 +12,8 @@ Start-up order (each step waits for the previous one):
    data directory already holds it) for kimi-tiny: one CPU replica; the reconcile loop starts it
    on the node-agent, warms it up and adds it to the routing table;
 4. a request through the router succeeds (the router has the table and reaches the replica);
-5. telemetry, given the replica's engine metrics URL (known only once the replica runs);
+5. telemetry, following the orchestrator's routing table for the engines to scrape (and
+   writing them to `<data_dir>/prometheus/engines.json` for Prometheus's file_sd);
 6. Envoy from the minimal ADS bootstrap: LIVE once the orchestrator pushed its config.
 
 Layout of the data directory::
@@ -46,6 +47,7 @@ from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.cli._process import ManagedProcess
+from inferplane.cli._prometheus import engine_sd_file
 from inferplane.edge import EnvoyProcess, EnvoyStartError, render_ads_bootstrap
 from inferplane.runtime import ConfigError
 from inferplane.testing import kimi_tiny
@@ -178,15 +180,17 @@ class Stack:
         try:
             self._start_services(progress)
             self._ensure_deployment(progress)
-            endpoint = self._wait_routable(progress)
+            self._wait_routable(progress)
             self._wait_router(progress)
-            replica = self.replica(endpoint.replica_id)
-            # Telemetry scrapes the engine, whose metrics port the node-agent picks at start.
+            # Telemetry scrapes the replicas the routing table lists (the metrics URLs their
+            # node-agent reports), so a rolling release moves its targets.
             progress("starting telemetry")
             self._service(
                 "telemetry",
-                "--engine-targets",
-                f"{MODEL_NAME}/{endpoint.replica_id}={replica.metrics_url}",
+                "--orchestrator-address",
+                self.config.address("orchestrator"),
+                "--engine-sd-file",
+                str(engine_sd_file(self.config.data_dir)),
             )
             self._wait_healthy("telemetry", progress)
             self._start_edge(progress)

@@ -123,8 +123,14 @@ class _Active:
     aborted: bool = False
 
 
-async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-    """The JSON payloads of a `text/event-stream` body's `data:` events; None for `[DONE]`.
+async def _sse_batches(response: httpx.Response) -> AsyncIterator[list[dict[str, Any] | None]]:
+    """The JSON payloads of a `text/event-stream` body's `data:` events, in batches: every
+    complete event that one socket read delivered (None for `[DONE]`).
+
+    Batching is what keeps a loaded node-agent from falling behind: when the engine produced
+    several increments before this stream was read again, they are handled (and sent on) as
+    one. A lightly loaded stream still gets one event per batch: nothing waits for a batch to
+    fill.
 
     Raises:
         json.JSONDecodeError: a malformed payload.
@@ -132,12 +138,18 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] 
     buffer = b""
     async for data in response.aiter_raw():
         buffer += data
-        while (cut := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[:cut], buffer[cut + 2 :]
+        cut = buffer.rfind(b"\n\n")
+        if cut < 0:
+            continue
+        complete, buffer = buffer[:cut], buffer[cut + 2 :]
+        batch: list[dict[str, Any] | None] = []
+        for event in complete.split(b"\n\n"):
             if not event.startswith(b"data: "):
                 continue  # comments, keep-alives
             payload = event[6:]
-            yield None if payload == b"[DONE]" else json.loads(payload)
+            batch.append(None if payload == b"[DONE]" else json.loads(payload))
+        if batch:
+            yield batch
 
 
 def _error_text(payload: Any) -> str:
@@ -210,36 +222,43 @@ class HttpEngineClient:
                     raise self._status_error(response)
                 # Read to the end of the body (usage, [DONE], the last chunk) before the final
                 # increment: a fully read response returns its connection to the pool.
-                async for chunk in _sse_events(response):
-                    if chunk is None:  # [DONE]
-                        continue
-                    if "error" in chunk:
-                        raise EngineError(
-                            f"engine at {self.base_url} failed: {_error_text(chunk)}",
-                            retryable=completion_tokens == 0,
-                        )
-                    usage = chunk.get("usage")
-                    if usage:
-                        prompt_tokens = usage.get("prompt_tokens") or prompt_tokens
-                        completion_tokens = usage.get("completion_tokens", completion_tokens)
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached_tokens = details.get("cached_tokens") or cached_tokens
-                    for choice in chunk.get("choices") or ():
-                        ids = tuple(choice.get("token_ids") or ())
-                        completion_tokens += len(ids)
-                        reason = choice.get("finish_reason")
-                        if reason is not None:
-                            final = (ids, reason, choice.get("stop_reason"))
-                        elif ids:
-                            yield EngineOutput(
-                                token_ids=ids,
-                                prompt_tokens=prompt_tokens,
-                                cached_tokens=cached_tokens,
-                                completion_tokens=completion_tokens,
+                async for batch in _sse_batches(response):
+                    ids: list[int] = []
+                    for chunk in batch:
+                        if chunk is None:  # [DONE]
+                            continue
+                        if "error" in chunk:
+                            raise EngineError(
+                                f"engine at {self.base_url} failed: {_error_text(chunk)}",
+                                retryable=completion_tokens == 0 and not ids,
                             )
-                            if active.aborted:
-                                yield self._aborted(prompt_tokens, completion_tokens)
-                                return
+                        usage = chunk.get("usage")
+                        if usage:
+                            prompt_tokens = usage.get("prompt_tokens") or prompt_tokens
+                            completion_tokens = usage.get("completion_tokens", completion_tokens)
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached_tokens = details.get("cached_tokens") or cached_tokens
+                        for choice in chunk.get("choices") or ():
+                            reason = choice.get("finish_reason")
+                            if reason is not None:
+                                # The finish's own ids go out after the ids before it.
+                                final_ids = (*ids, *(choice.get("token_ids") or ()))
+                                completion_tokens += len(final_ids)
+                                ids = []
+                                final = (final_ids, reason, choice.get("stop_reason"))
+                            else:
+                                ids.extend(choice.get("token_ids") or ())
+                    if ids:
+                        completion_tokens += len(ids)
+                        yield EngineOutput(
+                            token_ids=tuple(ids),
+                            prompt_tokens=prompt_tokens,
+                            cached_tokens=cached_tokens,
+                            completion_tokens=completion_tokens,
+                        )
+                        if active.aborted:
+                            yield self._aborted(prompt_tokens, completion_tokens)
+                            return
             if final is not None:
                 yield self._final(final, prompt_tokens, cached_tokens, completion_tokens)
                 return

@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from inferplane.node_agent.engine.api import (
@@ -263,3 +264,46 @@ async def test_concurrent_streams_share_the_pool(served) -> None:  # type: ignor
     for i, outs in enumerate(results):
         assert [t for o in outs for t in o.token_ids] == [100 * i + k for k in range(1, 9)]
         assert outs[-1].completion_tokens == 8
+
+
+def _event(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _token(ids: list[int], finish: str | None = None) -> dict[str, object]:
+    choice = {"index": 0, "text": "", "token_ids": ids, "finish_reason": finish}
+    return {"choices": [choice]}
+
+
+async def test_events_that_arrive_together_are_one_increment() -> None:
+    """A loaded node-agent reads several engine increments at once: they become one
+    EngineOutput (fewer chunks downstream); an event split across reads is reassembled."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}
+    body = b"".join(
+        [_event(_token([10])), _event(_token([11])), _event(_token([12]))]
+    )  # read 1: three whole events
+    split = _event(_token([13]))
+    reads = [
+        body + split[:9],  # ...and the start of a fourth
+        split[9:],  # read 2: the rest of the fourth
+        _event(_token([14])) + _event(_token([2], "stop")) + _event(usage) + b"data: [DONE]\n\n",
+    ]
+
+    async def stream() -> AsyncIterator[bytes]:
+        for piece in reads:
+            yield piece
+
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=stream()
+        )
+    )
+    client = HttpEngineClient("http://engine", transport=transport)
+    try:
+        outs = await collect(client, "r", [1, 2, 3], SamplingParams(max_tokens=8))
+    finally:
+        await client.close()
+    assert [o.token_ids for o in outs] == [(10, 11, 12), (13,), (14, 2)]
+    assert [o.finished for o in outs] == [False, False, True]
+    assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == 6
+    assert [o.completion_tokens for o in outs[:2]] == [3, 4]

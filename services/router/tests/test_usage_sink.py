@@ -7,7 +7,6 @@ down and arrive once it is back; a refused batch is dropped and counted, never r
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 import grpc
@@ -88,7 +87,6 @@ def test_reports_wait_while_auth_is_down_and_arrive_in_order_when_it_is_back() -
             ),
             registry,
             sleep=sleep,
-            rng=random.Random(7),
         )
         await sink.start()
         try:

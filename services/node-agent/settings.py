@@ -78,6 +78,10 @@ class NodeAgentSettings(ServiceSettings):
     engine_backoff_initial_seconds: float = 1.0
     engine_backoff_max_seconds: float = 60.0
     engine_stop_timeout_seconds: float = 15.0
+    # CPU nodes: cores of its own per engine rank (0: never bind), out of the node's cores
+    # less the lowest `engine_cpu_reserved_cores` (engine/cpus.py); too few free: nobind.
+    engine_cpu_cores_per_rank: int = 2
+    engine_cpu_reserved_cores: int = 1
     drain_grace_seconds: float = 30.0
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.

@@ -49,6 +49,8 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
         backoff_max_seconds=settings.engine_backoff_max_seconds,
         stop_timeout_seconds=settings.engine_stop_timeout_seconds,
         drain_grace_seconds=settings.drain_grace_seconds,
+        cpu_cores_per_rank=settings.engine_cpu_cores_per_rank,
+        cpu_reserved_cores=settings.engine_cpu_reserved_cores,
     )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
 
 LAUNCHER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "inferplane.node_agent.engine.launcher")
@@ -105,6 +106,7 @@ def plan_launch(
     command: Sequence[str] = LAUNCHER_COMMAND,
     host: str = "127.0.0.1",
     cpu: bool | None = None,
+    cpu_bind: str | None = None,
 ) -> LaunchPlan:
     """Builds the launcher command line for `spec`, on fresh loopback ports.
 
@@ -115,7 +117,8 @@ def plan_launch(
     `--dtype` and `--enforce-eager` are passed only when the spec asks (dtype, or
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
     halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `CUDA_VISIBLE_DEVICES`
-    from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`.
+    from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`; CPU nodes
+    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py).
     """
     from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 
@@ -162,6 +165,8 @@ def plan_launch(
     if cpu and "--enforce-eager" not in extra and "--no-enforce-eager" not in extra:
         vllm_args.append("--enforce-eager")
     env: dict[str, str] = {procguard.PARENT_PID_ENV: str(os.getpid())}
+    if cpu and cpu_bind:
+        env[BIND_ENV] = cpu_bind
     if not cpu:
         if spec.gpu_indices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)

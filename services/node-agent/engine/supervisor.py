@@ -24,8 +24,9 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -40,6 +41,8 @@ from tenacity import (
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineClient
+from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
+from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
     EngineHandle,
@@ -89,7 +92,9 @@ class SupervisorConfig:
     """Supervision knobs; seconds unless named otherwise.
 
     Backoff before restart attempt n (n ≥ 1) is min(backoff_initial · 2^(n-1), backoff_max)
-    (tenacity `wait_exponential`).
+    (tenacity `wait_exponential`). `cpu` None: probe for an NVIDIA GPU. On a CPU node each
+    engine rank gets `cpu_cores_per_rank` cores of its own, out of the node's cores less the
+    `cpu_reserved_cores` lowest (engine/cpus.py), or `nobind` when too few are free.
     """
 
     data_dir: Path
@@ -106,6 +111,8 @@ class SupervisorConfig:
     stop_timeout_seconds: float = 15.0
     drain_grace_seconds: float = 30.0
     cpu: bool | None = None
+    cpu_cores_per_rank: int = 2
+    cpu_reserved_cores: int = 1
 
 
 class EngineStartError(Exception):
@@ -154,6 +161,7 @@ class Replica:
         spawner: Spawner,
         client_factory: ClientFactory,
         planner: Callable[[str, nodeagent_pb2.ReplicaSpec], LaunchPlan],
+        release: Callable[[str], None] = lambda replica_id: None,
     ) -> None:
         self._id = replica_id
         self._spec = spec
@@ -162,6 +170,7 @@ class Replica:
         self._spawner = spawner
         self._client_factory = client_factory
         self._planner = planner
+        self._release = release
         self.state: int = State.STATE_STARTING
         self.restart_count = 0
         self.last_error = ""
@@ -418,6 +427,7 @@ class Replica:
                 await engine.close()
         if handle is not None:
             await handle.stop(self._config.stop_timeout_seconds)
+        self._release(self._id)  # the engine's cores (planned before it spawned) go back
 
     async def drain(self, grace_seconds: float) -> bool:
         """Stops admitting requests (DRAINING) and waits up to `grace_seconds` (clock time)
@@ -467,23 +477,38 @@ class ReplicaManager:
         spawner: Spawner | None = None,
         client_factory: ClientFactory | None = None,
         planner: Callable[[str, nodeagent_pb2.ReplicaSpec], LaunchPlan] | None = None,
+        cores: CpuCorePool | None = None,
+        environ: Mapping[str, str] = os.environ,
     ) -> None:
+        """`planner` replaces `plan_launch` (tests); `cores` the pool of this node's cores;
+        `environ` is the environment engines inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND`
+        there is left alone)."""
         self.config = config
         self._clock = clock or SystemClock()
         self._spawner = spawner or ProcessSpawner()
         self._client_factory = client_factory or default_client
-        self._planner = planner or (
-            lambda rid, spec: plan_launch(
-                rid,
-                spec,
-                data_dir=config.data_dir,
-                command=config.engine_command,
-                host=config.host,
-                cpu=config.cpu,
-            )
+        self._planner = planner or self._plan
+        self._environ = environ
+        self.cores = cores or CpuCorePool.for_this_node(
+            cores_per_rank=config.cpu_cores_per_rank, reserved=config.cpu_reserved_cores
         )
         self._replicas: dict[str, Replica] = {}
         self._lock = asyncio.Lock()
+
+    def _plan(self, replica_id: str, spec: nodeagent_pb2.ReplicaSpec) -> LaunchPlan:
+        cpu = (not has_nvidia_gpu()) if self.config.cpu is None else self.config.cpu
+        bind = None
+        if cpu and BIND_ENV not in self._environ:
+            bind = self.cores.assign(replica_id, max(1, spec.tensor_parallel_size))
+        return plan_launch(
+            replica_id,
+            spec,
+            data_dir=self.config.data_dir,
+            command=self.config.engine_command,
+            host=self.config.host,
+            cpu=cpu,
+            cpu_bind=bind,
+        )
 
     # --- ReplicaDirectory ---------------------------------------------------------------
 
@@ -558,6 +583,7 @@ class ReplicaManager:
                 spawner=self._spawner,
                 client_factory=self._client_factory,
                 planner=self._planner,
+                release=self.cores.release,
             )
             self._replicas[replica_id] = replica
             replica.start()

@@ -1,0 +1,81 @@
+"""CPU cores for the engines of a CPU node: a disjoint OpenMP core set per replica.
+
+vLLM's CPU backend binds each rank's OpenMP threads as `VLLM_CPU_OMP_THREADS_BIND` says
+(vllm/utils/ompmultiprocessing.py, vLLM 0.32): `auto` (the default) takes the cores of the
+rank's NUMA node minus `VLLM_CPU_NUM_OF_RESERVED_CPU` (default: one per rank on x86, for the
+scheduler) — the same cores for every engine, so on a 2-core node every engine computes on
+core 0; a list binds rank i to the i-th `|`-separated part, each in vLLM's `parse_id_list`
+form (`"2-3,6"`); `nobind` leaves the threads to the OS scheduler.
+`VLLM_CPU_NUM_OF_RESERVED_CPU` only applies to `auto`, so it is not set here.
+
+`CpuCorePool` hands each replica `cores_per_rank` cores per rank out of the node's cores (this
+process's affinity) minus the `reserved` lowest ones (the node-agent, the engines' API servers
+and schedulers run there and are never bound); `nobind` when not enough are free, so a small
+node shares its cores instead of stacking engines on one. A stopped replica's cores go back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+NOBIND = "nobind"
+
+
+def format_cpu_list(cores: Iterable[int]) -> str:
+    """`[0, 1, 2, 4, 6, 7]` → `"0-2,4,6-7"` (vLLM's `parse_id_list` reads it back)."""
+    runs: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+class CpuCorePool:
+    """Which cores each replica's OpenMP threads may use (not thread-safe: one event loop).
+
+    Args:
+        cores: the node's usable cores (`os.sched_getaffinity(0)` in `for_this_node`).
+        cores_per_rank: cores per engine rank; 0 disables binding (always `nobind`).
+        reserved: how many of the lowest cores are never handed out.
+    """
+
+    def __init__(self, cores: Iterable[int], *, cores_per_rank: int, reserved: int = 1) -> None:
+        self._cores_per_rank = cores_per_rank
+        self._free: list[int] = sorted(set(cores))[max(0, reserved) :]
+        self._held: dict[str, list[list[int]]] = {}
+
+    @classmethod
+    def for_this_node(cls, *, cores_per_rank: int, reserved: int = 1) -> CpuCorePool:
+        """A pool of the cores this process may run on."""
+        return cls(os.sched_getaffinity(0), cores_per_rank=cores_per_rank, reserved=reserved)
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+    def held(self, owner: str) -> Sequence[Sequence[int]]:
+        """The per-rank core sets `owner` holds (empty when it holds none)."""
+        return self._held.get(owner, [])
+
+    def assign(self, owner: str, ranks: int = 1) -> str:
+        """The `VLLM_CPU_OMP_THREADS_BIND` value for `owner`'s engine with `ranks` ranks: one
+        core list per rank joined by `|`, or `nobind` when too few cores are free. An owner
+        that already holds cores gets the same ones again."""
+        if owner not in self._held:
+            need = max(1, ranks) * self._cores_per_rank
+            if self._cores_per_rank <= 0 or need > len(self._free):
+                return NOBIND
+            taken, self._free = self._free[:need], self._free[need:]
+            per = self._cores_per_rank
+            self._held[owner] = [taken[i : i + per] for i in range(0, need, per)]
+        return "|".join(format_cpu_list(rank) for rank in self._held[owner])
+
+    def release(self, owner: str) -> None:
+        """Returns `owner`'s cores to the pool (a no-op when it holds none)."""
+        for rank in self._held.pop(owner, []):
+            self._free.extend(rank)
+        self._free.sort()

@@ -8,7 +8,11 @@ Three layers, because each alone misses a case:
   (prctl(2)) makes the kernel signal it the moment its parent dies, even by SIGKILL, and a
   watchdog thread that polls `getppid()` kills the whole group if the signal was handled
   gracefully but the group did not go away (vLLM's own SIGTERM handler only shuts down the
-  processes it knows about);
+  processes it knows about). It also starts a reaper (`start_reaper`): PDEATHSIG is not
+  inherited by the engine's own children (vLLM spawns EngineCore and its workers), and when the
+  engine dies *of* the signal — vLLM's HTTP server re-raises SIGTERM after its graceful
+  shutdown — neither its atexit hooks nor the watchdog run; the reaper, a tiny process in the
+  same group, outlives it, then stops what is left of the group;
 - the supervisor kills every group it started on `close()` and from an `atexit` hook.
 
 PR_SET_PDEATHSIG fires when the parent *thread* exits, so the supervisor must spawn engines
@@ -22,6 +26,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -110,6 +115,7 @@ def guard_parent(
     set_parent_death_signal(signal.SIGTERM)
     # A graceful exit of the leader must not leave what it forked behind either.
     atexit.register(kill_group_except_self)
+    start_reaper()
     if os.getppid() != expected_parent:
         # The parent died between fork and prctl: the death signal will never come.
         kill_group(os.getpgrp(), signal.SIGKILL)
@@ -117,9 +123,9 @@ def guard_parent(
     def watch() -> None:
         while os.getppid() == expected_parent:
             time.sleep(poll_seconds)
-        deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and len(group_members(os.getpgrp())) > 1:
-            time.sleep(poll_seconds)
+        # Still running after the grace: the shutdown hangs. (Exiting, it leaves the rest of
+        # the group to the reaper.)
+        time.sleep(grace_seconds)
         kill_group(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="inferplane-parent-guard", daemon=True).start()
@@ -139,6 +145,46 @@ def guarded_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "inferplane.runtime.procguard", str(os.getpid()), *argv]
 
 
+def start_reaper(grace_seconds: float = 5.0) -> subprocess.Popen[bytes] | None:
+    """Starts the reaper of this process's group: a small process (stdlib only) that waits
+    for this process to be gone — however it ended — then SIGTERMs whatever is left of the
+    group and SIGKILLs it after `grace_seconds`. It ignores SIGTERM/SIGINT/SIGHUP (a
+    group-wide stop must not end it before its leader). None elsewhere than Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # -I: no PYTHONPATH, no user site, no script directory on sys.path: stdlib only.
+    argv = [sys.executable, "-I", __file__, "reap", str(os.getpid()), str(grace_seconds)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def _reap(leader: int, grace_seconds: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    set_parent_death_signal(signal.SIGUSR1)
+    while os.getppid() == leader:
+        signal.sigtimedwait({signal.SIGUSR1}, 1.0)
+    me, group = os.getpid(), os.getpgrp()
+
+    def left() -> list[int]:
+        return [pid for pid in group_members(group) if pid != me]
+
+    if not (pids := left()):
+        return
+    print(
+        f"procguard: process {leader} is gone; stopping its leftovers {pids}",
+        file=sys.stderr,
+        flush=True,
+    )
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_seconds
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def _exec_guarded(args: list[str]) -> None:
     parent, program = int(args[0]), args[1:]
     set_parent_death_signal(signal.SIGTERM)
@@ -148,4 +194,7 @@ def _exec_guarded(args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _exec_guarded(sys.argv[1:])
+    if sys.argv[1:2] == ["reap"]:
+        _reap(int(sys.argv[2]), float(sys.argv[3]))
+    else:
+        _exec_guarded(sys.argv[1:])

@@ -120,6 +120,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pid-file", type=Path)
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--ignore-sigterm", action="store_true")
+    # SIGTERM ends the process at once, no atexit hook or thread running (as vLLM's HTTP server
+    # does: uvicorn re-raises the signal after its graceful shutdown).
+    parser.add_argument("--sigterm-kills", action="store_true")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--host", default="127.0.0.1")
@@ -158,6 +161,8 @@ async def serve(opts: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     if opts.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif opts.sigterm_kills:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     else:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:

@@ -128,7 +128,7 @@ async def test_http_engine_supervised_ready_generates_and_listens_on_loopback_on
         assert "vllm:num_requests_running" in metrics
 
         pids = tree_pids(replica.pid)
-        assert len(pids) == 2, pids  # the engine and its child
+        assert len(pids) == 3, pids  # the engine, its child and its group's reaper
         listening = listening_addresses(pids)
         ports = {port for _addr, port in listening}
         assert int(replica.grpc_address.rsplit(":", 1)[1]) in ports

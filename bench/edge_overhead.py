@@ -1,14 +1,15 @@
 """What the edge adds: streaming chat straight to the node-agent vs through Envoy + ext_authz +
 router, on the same engine, interleaved in one run.
 
-    .venv/bin/python bench/edge_overhead.py [--requests 64] [--max-tokens 64]
+    .venv/bin/python bench/edge_overhead.py [--requests 64] [--max-tokens 64] [--levels 1,16]
 
 Starts the local stack (kimi-tiny on the CPU engine) in a temporary directory, then for
 concurrency 1 and 16 runs the same streaming chat requests (a) over gRPC to the node-agent's
-`StreamChatCompletion` and (b) over HTTP/SSE through Envoy, alternating rounds so that machine
-noise hits both paths alike. TTFT is measured to the first chunk carrying generated text
-(reasoning, content or a tool call), ITL as the gaps between such chunks. Prints a table, then
-the last lines `added_ttft_p50_ms: X` and `added_ttft_p99_ms: Y` at concurrency 16.
+`StreamChatCompletion`, over gRPC to the router (what the router hop adds) and (b) over HTTP/SSE
+through Envoy, alternating rounds so that machine noise hits every path alike. TTFT is measured
+to the first chunk carrying generated text (reasoning, content or a tool call), ITL as the gaps
+between such chunks. Prints a table, then the last lines `added_ttft_p50_ms: X` and
+`added_ttft_p99_ms: Y` at concurrency 16.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ def _has_text(delta: dict[str, object]) -> bool:
 
 
 async def _grpc_one(
-    stub: inference_pb2_grpc.InferenceServiceStub, body: dict[str, object], replica_id: str
+    stub: inference_pb2_grpc.InferenceServiceStub,
+    body: dict[str, object],
+    metadata: tuple[tuple[str, str], ...],
 ) -> Sample:
     request = pb.StreamChatCompletionRequest(request=chat_request_from_dict(body))
     start = time.perf_counter()
     marks: list[float] = []
-    async for chunk in stub.StreamChatCompletion(
-        request, metadata=(("x-inferplane-replica", replica_id),)
-    ):
+    async for chunk in stub.StreamChatCompletion(request, metadata=metadata):
         if chunk.choices:
             d = chunk.choices[0].delta
             if d.content or d.reasoning_content or d.tool_calls:
@@ -131,37 +132,41 @@ async def _round(make: object, concurrency: int, count: int, stats: PathStats) -
 
 
 async def _measure(
-    stack: Stack, key: str, requests: int, max_tokens: int, rounds: int
+    stack: Stack, key: str, requests: int, max_tokens: int, rounds: int, levels: list[int]
 ) -> dict[int, dict[str, PathStats]]:
     body = _request(max_tokens)
     url = f"{stack.config.base_url}/chat/completions"
     # The orchestrator names replicas by revision: pin the one the routing table serves.
     replica_id = stack.serving_endpoints()[0].replica_id
     results: dict[int, dict[str, PathStats]] = {}
+    ports = stack.config.ports
     async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{stack.config.ports['node_agent']}") as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports['node_agent']}") as agent_channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports['router']}") as router_channel,
         httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client,
     ):
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        # Warm-up: both paths, every batch size the engine will see.
-        for concurrency in (1, 16):
-            await _round(
-                lambda: _grpc_one(stub, body, replica_id), concurrency, concurrency, PathStats()
-            )
-            await _round(
-                lambda: _http_one(client, url, key, body), concurrency, concurrency, PathStats()
-            )
-        for concurrency in (1, 16):
-            direct, edge = PathStats(), PathStats()
+        agent = inference_pb2_grpc.InferenceServiceStub(agent_channel)
+        router = inference_pb2_grpc.InferenceServiceStub(router_channel)
+        pinned = (("x-inferplane-replica", replica_id),)
+        paths = {
+            # (a) the node-agent alone (its gRPC service, the replica pinned)
+            "direct": lambda: _grpc_one(agent, body, pinned),
+            # the router's gRPC service (internal callers): router + node-agent
+            "router": lambda: _grpc_one(router, body, ()),
+            # (b) the edge: Envoy + ext_authz (auth) + router + node-agent, HTTP/SSE
+            "edge": lambda: _http_one(client, url, key, body),
+        }
+        # Warm-up: every path, every batch size the engine will see.
+        for concurrency in levels:
+            for make in paths.values():
+                await _round(make, concurrency, concurrency, PathStats())
+        for concurrency in levels:
+            stats = {name: PathStats() for name in paths}
             per_round = max(concurrency, requests // rounds)
             for _ in range(rounds):
-                await _round(
-                    lambda: _grpc_one(stub, body, replica_id), concurrency, per_round, direct
-                )
-                await _round(
-                    lambda: _http_one(client, url, key, body), concurrency, per_round, edge
-                )
-            results[concurrency] = {"direct": direct, "edge": edge}
+                for name, make in paths.items():
+                    await _round(make, concurrency, per_round, stats[name])
+            results[concurrency] = stats
     return results
 
 
@@ -170,6 +175,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per path and level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per level")
+    parser.add_argument(
+        "--levels", default="1,16", help="comma-separated concurrency levels (16 is reported)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = StackConfig(
@@ -183,7 +191,10 @@ def main() -> None:
         stack.start(lambda m: print(f"# {m}", flush=True))
         try:
             key = stack.create_api_key("bench")
-            results = asyncio.run(_measure(stack, key, args.requests, args.max_tokens, args.rounds))
+            levels = [int(level) for level in args.levels.split(",")]
+            results = asyncio.run(
+                _measure(stack, key, args.requests, args.max_tokens, args.rounds, levels)
+            )
         finally:
             stack.stop()
     print(
@@ -198,9 +209,12 @@ def main() -> None:
                 f"{r['itl_p50']:>8.2f} {r['itl_p99']:>8.2f} {r['tok_s']:>8.1f}"
             )
     for concurrency, paths in results.items():
-        d, e = paths["direct"].row(), paths["edge"].row()
+        d, r, e = (paths[name].row() for name in ("direct", "router", "edge"))
+        print(f"router_added_ttft_p50_ms_c{concurrency}: {r['ttft_p50'] - d['ttft_p50']:.2f}")
         print(f"added_ttft_p50_ms_c{concurrency}: {e['ttft_p50'] - d['ttft_p50']:.2f}")
         print(f"added_ttft_p99_ms_c{concurrency}: {e['ttft_p99'] - d['ttft_p99']:.2f}")
+    if 16 not in results:
+        return
     d, e = results[16]["direct"].row(), results[16]["edge"].row()
     print(f"edge_vs_direct_tok_s_c16: {e['tok_s'] / d['tok_s']:.3f}")
     print(f"added_ttft_p50_ms: {e['ttft_p50'] - d['ttft_p50']:.2f}")

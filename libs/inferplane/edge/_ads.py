@@ -10,7 +10,7 @@ from __future__ import annotations
 import yaml
 
 from inferplane.edge._config import Endpoint
-from inferplane.edge._resources import Resource, _Dumper, _duration
+from inferplane.edge._resources import UPSTREAM_KEEPALIVE, Resource, _Dumper, _duration
 
 XDS_CLUSTER = "inferplane_xds"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -67,7 +67,7 @@ def build_ads_bootstrap(
                             "@type": _HTTP_OPTIONS,
                             "explicit_http_config": {
                                 "http2_protocol_options": {
-                                    "connection_keepalive": {"interval": "30s", "timeout": "5s"}
+                                    "connection_keepalive": UPSTREAM_KEEPALIVE
                                 }
                             },
                         }

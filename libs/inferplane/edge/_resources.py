@@ -68,6 +68,12 @@ FILTER_ORDER: tuple[str, ...] = (
 )
 
 
+# HTTP/2 keepalive towards our gRPC services (ADS and upstream clusters): finds a dead service
+# behind a silent network within ~35 s. Our servers accept pings every 10 s or slower
+# (inferplane.runtime MIN_PING_INTERVAL_MS); faster ones would earn a GOAWAY.
+UPSTREAM_KEEPALIVE = {"interval": "30s", "timeout": "5s"}
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
 
@@ -493,8 +499,7 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
                     "@type": _HTTP_OPTIONS,
                     "explicit_http_config": {
                         "http2_protocol_options": {
-                            # Finds a dead service behind a silent network within ~35 s.
-                            "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                            "connection_keepalive": UPSTREAM_KEEPALIVE,
                         }
                     },
                 }

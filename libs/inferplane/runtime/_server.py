@@ -83,13 +83,27 @@ def configure_logging(level: str = "info", json_logs: bool = True) -> None:
     )
 
 
+# HTTP/2 keepalive (gRPC core's channel arguments). Every client of ours, and Envoy (its ADS and
+# upstream clusters, edge/_ads.py and edge/_resources.py: `connection_keepalive` 30 s), pings
+# every KEEPALIVE_TIME_MS, also on idle connections. A gRPC server by default accepts a ping
+# without data in between only every 5 minutes and answers the third early one with GOAWAY
+# "too_many_pings", failing the calls in flight: a routing-table watch, an ADS stream or a
+# record stream then died every ~90 s. Servers accept pings every MIN_PING_INTERVAL_MS.
+KEEPALIVE_TIME_MS = 30_000
+MIN_PING_INTERVAL_MS = 10_000
+
+
 def grpc_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
-    """Channel/server options shared by servers and clients (message size limits, keepalive)."""
+    """Channel/server options shared by servers and clients (message size limits, keepalive:
+    see KEEPALIVE_TIME_MS)."""
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Server side: the keepalive pings above (and Envoy's) are welcome, idle or not.
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]
 
 

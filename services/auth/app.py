@@ -145,8 +145,10 @@ def build_components(
     """Builds the parts (no I/O beyond reading or creating the pepper file).
 
     Raises:
-        ConfigError: a bad pepper.
+        ConfigError: a bad pepper, or a `rate_window_seconds` below 1.
     """
+    if settings.rate_window_seconds < 1:
+        raise ConfigError("setting 'rate_window_seconds' must be at least 1")
     clock = clock or SystemClock()
     store = store or SqlApiKeyStore(_database_url(settings))
     hasher = SecretHasher(resolve_pepper(settings))
@@ -161,7 +163,12 @@ def build_components(
     )
     manager = ApiKeyManager(store, hasher, verifier, clock)
     counters = counter_store(settings)
-    limiter = RateLimiter(counters, clock, lease_seconds=settings.concurrency_lease_seconds)
+    limiter = RateLimiter(
+        counters,
+        clock,
+        window_seconds=settings.rate_window_seconds,
+        lease_seconds=settings.concurrency_lease_seconds,
+    )
     return AuthComponents(settings, clock, store, verifier, last_used, manager, counters, limiter)
 
 

@@ -37,6 +37,8 @@ class AuthSettings(ServiceSettings):
             every auth instance) or "memory" (this instance only).
         concurrency_lease_seconds: how long a concurrent-request slot stays taken when the
             usage report of its request never arrives (the router's request timeout).
+        rate_window_seconds: the length of a rate-limit window (60: limits are per minute;
+            shorter only for tests that must see a window reset).
         trust_edge_headers: accept `x-inferplane-scopes` metadata as the caller's scopes on
             ApiKeyService. Only safe when nothing but the edge (which strips client copies) and
             operators can reach this port; turn off to require a bearer admin key always.
@@ -57,6 +59,7 @@ class AuthSettings(ServiceSettings):
     trust_edge_headers: bool = True
     limits_store: str = "sql"
     concurrency_lease_seconds: float = 600.0
+    rate_window_seconds: int = 60
     internal_token: str = dataclasses.field(default="", repr=False)
 
     @property

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,27 @@ def test_concurrent_requests_are_released_by_the_usage_report_or_lease_expiry(
     assert auth.check(secret, extra=_rid(4)).status.code == 0
 
 
+def test_rate_window_seconds_shortens_the_window(
+    tmp_path: Path, make_settings: Any, start_auth: Any
+) -> None:
+    """`rate_window_seconds` (tests of a whole stack) makes a token limit reset sooner."""
+    from inferplane.auth.app import build_components
+    from inferplane.runtime import ConfigError
+
+    from .conftest import FakeClock
+
+    with pytest.raises(ConfigError, match="rate_window_seconds"):
+        build_components(make_settings(tmp_path, rate_window_seconds=0))
+    clock = FakeClock()  # on a window boundary (the epoch's multiple of 10 s)
+    with start_auth(make_settings(tmp_path, rate_window_seconds=10), clock) as auth:
+        secret, key_id = _key(auth, tokens_per_minute=50)
+        auth.run(auth.components.limiter.record_usage(key_id, "x", 80))
+        headers, _ = _refusal(auth.check(secret, extra=_rid(1)))
+        assert headers["x-ratelimit-reset-tokens"] == "10s"
+        clock.advance(10)
+        assert auth.check(secret, extra=_rid(2)).status.code == 0
+
+
 def test_two_instances_sharing_one_database_never_admit_past_the_limits(
     tmp_path: Path, make_settings: Any, start_auth: Any
 ) -> None:
@@ -136,27 +159,89 @@ def test_two_instances_sharing_one_database_never_admit_past_the_limits(
         pool.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["memory", "sql"])
+POSTGRES_URL = os.environ.get("INFERPLANE_TEST_POSTGRES_URL", "")
+
+
+def _store(kind: str, tmp_path: Path) -> MemoryCounterStore | SqlCounterStore:
+    if kind == "memory":
+        return MemoryCounterStore()
+    if kind == "sqlite":
+        return SqlCounterStore(f"sqlite:///{tmp_path / 'c.db'}")
+    if not POSTGRES_URL:
+        pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the counter tests on PostgreSQL")
+    return SqlCounterStore(POSTGRES_URL)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgresql"])
 def test_counter_stores_agree(kind: str, tmp_path: Path) -> None:
-    store = (
-        MemoryCounterStore()
-        if kind == "memory"
-        else SqlCounterStore(f"sqlite:///{tmp_path / 'c.db'}")
-    )
+    store = _store(kind, tmp_path)
     store.create_schema()
+    k = uuid.uuid4().hex  # a shared PostgreSQL database keeps earlier runs' rows
     limits = Limits(requests_per_minute=3, tokens_per_minute=10, max_concurrent_requests=2)
-    outcomes = [store.try_admit("k", f"r{i}", limits, 5, 0.0, 100.0).refused for i in range(3)]
+    outcomes = [store.try_admit(k, f"r{i}", limits, 5, 0.0, 100.0).refused for i in range(3)]
     assert outcomes == [None, None, "concurrency"]
-    store.release("k", "r0")
-    assert store.try_admit("k", "r3", limits, 5, 0.0, 100.0).refused is None
-    assert store.try_admit("k", "r4", limits, 5, 200.0, 300.0).refused == "requests"
-    assert store.try_admit("k", "r5", limits, 6, 200.0, 300.0).refused is None  # leases expired
-    store.add_tokens("k", 6, 10)
-    refused = store.try_admit("k", "r6", limits, 6, 200.0, 300.0)
+    store.release(k, "r0")
+    assert store.try_admit(k, "r3", limits, 5, 0.0, 100.0).refused is None
+    assert store.try_admit(k, "r4", limits, 5, 200.0, 300.0).refused == "requests"
+    assert store.try_admit(k, "r5", limits, 6, 200.0, 300.0).refused is None  # leases expired
+    store.add_tokens(k, 6, 10)
+    refused = store.try_admit(k, "r6", limits, 6, 200.0, 300.0)
     assert refused.refused == "tokens" and refused.tokens == 10
     store.purge(7, 1000.0)
-    assert store.try_admit("k", "r7", limits, 7, 1000.0, 1100.0).refused is None
+    assert store.try_admit(k, "r7", limits, 7, 1000.0, 1100.0).refused is None
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgresql"])
+def test_a_repeated_check_of_one_request_holds_one_slot_and_refusals_change_nothing(
+    kind: str, tmp_path: Path
+) -> None:
+    """Envoy may call Check twice for one request (same x-request-id): one lease, and a
+    refusal counts nothing (the request counter and leases are as before it)."""
+    store = _store(kind, tmp_path)
+    store.create_schema()
+    k = uuid.uuid4().hex
+    limits = Limits(requests_per_minute=100, max_concurrent_requests=1)
+    first = store.try_admit(k, "r1", limits, 1, 0.0, 100.0)
+    again = store.try_admit(k, "r1", limits, 1, 0.0, 100.0)
+    assert first.refused is None and again.refused is None
+    refused = store.try_admit(k, "r2", limits, 1, 0.0, 100.0)
+    assert refused.refused == "concurrency"
+    store.release(k, "r1")
+    admitted = store.try_admit(k, "r2", limits, 1, 0.0, 100.0)
+    # r1 twice + r2 once: the refused attempt did not count.
+    assert admitted.refused is None and admitted.requests == 3
+    assert store.try_admit(k, "r3", Limits(tokens_per_minute=5), 1, 0.0, 100.0).tokens == 0
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_sql_stores_of_two_instances_never_admit_past_the_limits(kind: str, tmp_path: Path) -> None:
+    """Two stores (as two auth instances) on one database, eight threads at once: exactly the
+    concurrency limit is admitted, then exactly the request limit once leases are released."""
+    a, b = _store(kind, tmp_path), _store(kind, tmp_path)
+    a.create_schema()
+    k = uuid.uuid4().hex
+    conc = Limits(max_concurrent_requests=3)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(
+                lambda n: (a, b)[n % 2].try_admit(k, f"c{n}", conc, 1, 0.0, 100.0).refused,
+                range(24),
+            )
+        )
+        assert results.count(None) == 3, results
+        rpm = Limits(requests_per_minute=7, max_concurrent_requests=100)
+        results = list(
+            pool.map(
+                lambda n: (a, b)[n % 2].try_admit(k, f"q{n}", rpm, 2, 0.0, 100.0).refused,
+                range(24),
+            )
+        )
+    # Three leases are still held (c*), so 7 requests fit under 100 concurrent.
+    assert results.count(None) == 7 and results.count("requests") == 17, results
+    a.close()
+    b.close()
 
 
 def test_reset_format_matches_openai() -> None:

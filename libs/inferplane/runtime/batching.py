@@ -195,7 +195,10 @@ class Batcher(Generic[T]):
                 self._buffer.append(item)
                 if self._oldest_at is None:
                     self._oldest_at = self._clock.monotonic()
-                wake = was_empty or len(self._buffer) == self._settings.batch_size
+                # With an interval the sender polls (no cross-thread wake-up per request).
+                wake = len(self._buffer) == self._settings.batch_size or (
+                    was_empty and not self._settings.flush_interval_seconds
+                )
             self.metrics.buffered.set(size + 1)
             if wake and self._loop is not None and self._wake is not None:
                 self._loop.call_soon_threadsafe(self._wake.set)
@@ -304,10 +307,11 @@ class Batcher(Generic[T]):
                 self._oldest_at = self._clock.monotonic()
 
     def _due_in(self) -> float | None:
-        """Seconds until a batch is due (0: now); None while nothing is buffered."""
+        """Seconds until a batch is due (0: now); while nothing is buffered, the interval
+        (polling) or, without one, None (until woken)."""
         with self._lock:
             if self._oldest_at is None or not self._buffer:
-                return None
+                return self._settings.flush_interval_seconds or None
             if len(self._buffer) >= self._settings.batch_size:
                 return 0.0
             waited = self._clock.monotonic() - self._oldest_at

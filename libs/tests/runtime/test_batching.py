@@ -141,20 +141,42 @@ def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     run(body)
 
 
+class ManualClock(FakeClock):
+    """Time moves only when the test says; `sleep` waits for it."""
+
+    async def sleep(self, seconds: float) -> None:
+        until_t = self.now + seconds
+        while self.now < until_t:
+            await asyncio.sleep(0.001)
+
+
 def test_a_partial_batch_waits_for_the_flush_interval_a_full_one_does_not() -> None:
-    async def body(
-        b: Batcher[int], r: FakeReceiver, clock: FakeClock, registry: CollectorRegistry
-    ) -> None:
+    async def main() -> None:
+        receiver, clock, registry = FakeReceiver(), ManualClock(), CollectorRegistry()
+        metrics = BatchMetrics(
+            registry, "test_items", sent_help="s", dropped_help="d", buffered_help="b"
+        )
+        b: Batcher[int] = Batcher(
+            receiver.send,
+            BatchingSettings(batch_size=5, flush_interval_seconds=10.0),
+            metrics,
+            name="test",
+            clock=clock,
+            sleep=clock.sleep,
+        )
+        await b.start()
         for i in range(5):  # a full batch goes at once
             b.put(i)
-        await until(lambda: r.received == list(range(5)))
-        assert clock.now == 100.0
-        b.put(5)  # a partial one waits the interval (fake time)
+        await until(lambda: receiver.received == list(range(5)))
+        b.put(5)  # a partial one waits for the interval
         b.put(6)
-        await until(lambda: r.received == list(range(7)))
-        assert clock.now - 100.0 >= 10.0
+        await asyncio.sleep(0.05)
+        assert receiver.received == list(range(5))
+        clock.now += 10.0
+        await until(lambda: receiver.received == list(range(7)))
+        await b.close()
 
-    run(body, flush_interval_seconds=10.0)
+    asyncio.run(main())
 
 
 def test_put_from_other_threads_wakes_the_sender() -> None:

@@ -9,8 +9,8 @@ Start-up order (each step waits for the previous one):
 2. auth, the node-agent (registers with the orchestrator, starts no replica on its own) and
    the router (follows the orchestrator's routing table), all healthy;
 3. the node registers, then `DeploymentService.CreateDeployment` (or `UpdateDeployment` when the
-   data directory already holds it) for kimi-tiny: one CPU replica; the reconcile loop starts it
-   on the node-agent, warms it up and adds it to the routing table;
+   data directory already holds it) for kimi-tiny: one CPU replica (`StackConfig.replicas`);
+   the reconcile loop starts it on the node-agent, warms it up and adds it to the routing table;
 4. a request through the router succeeds (the router has the table and reaches the replica);
 5. telemetry, following the orchestrator's routing table for the engines to scrape (and
    writing them to `<data_dir>/prometheus/engines.json` for Prometheus's file_sd);
@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -78,6 +78,12 @@ class StackConfig:
         warmup_timeout_seconds: the orchestrator's deadline for a new replica's warm-up request.
         engine_env: extra environment of the node-agent, inherited by its engines (e.g.
             `VLLM_CPU_OMP_THREADS_BIND`; vLLM's CPU default pins every engine to core 0).
+        replicas: replicas of the kimi-tiny deployment; start-up waits until all are routable.
+        routing_policy: the deployment's routing policy ("" = the orchestrator's default).
+        max_num_seqs: the profile's concurrent sequences per replica (also the router's
+            per-replica admission cap).
+        service_args: extra command-line flags per service name (a key of `ports`), e.g.
+            `{"router": ("--queue-timeout-seconds", "1")}`.
     """
 
     data_dir: Path
@@ -90,6 +96,10 @@ class StackConfig:
     startup_timeout_seconds: float = 300.0
     warmup_timeout_seconds: float = 120.0
     engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    replicas: int = 1
+    routing_policy: str = ""
+    max_num_seqs: int = 16
+    service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def ports(self) -> dict[str, int]:
@@ -110,8 +120,9 @@ class StackConfig:
 
 
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
-    """The kimi-tiny deployment the stack creates: one CPU replica (`engine: vllm-cpu`, fp32),
-    the Kimi K2 parsers, `config.transport`, one surge replica per rollout.
+    """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
+    vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
+    `config.max_num_seqs`, one surge replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
@@ -131,8 +142,9 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     if not parameters:
         parameters = (model / "model.safetensors").stat().st_size // 4
     return orchestrator_pb2.Deployment(
-        replicas=1,
+        replicas=config.replicas,
         owned_by="inferplane",
+        routing_policy=config.routing_policy,
         profile=orchestrator_pb2.DeploymentProfile(
             model_source=str(model),
             engine="vllm-cpu",
@@ -142,9 +154,9 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             num_kv_heads=int(arch.get("num_key_value_heads") or heads),
             head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // heads),
             max_model_len=2048,
-            # The router caps in-flight requests per replica at this; 16 lets the edge
-            # benchmark's concurrency-16 level run unqueued.
-            max_num_seqs=16,
+            # The router caps in-flight requests per replica at this; the default 16 lets the
+            # edge benchmark's concurrency-16 level run unqueued.
+            max_num_seqs=config.max_num_seqs,
             reasoning_parser="kimi_k2",
             tool_parser="kimi_k2",
             transport=config.transport,
@@ -260,6 +272,7 @@ class Stack:
             str(cfg.metrics_ports[name]),
             "--no-json-logs",
             *args,
+            *cfg.service_args.get(name, ()),
         ]
         proc = ManagedProcess(
             name,
@@ -381,9 +394,9 @@ class Stack:
                     f"{exc.code().name} {exc.details()}"
                 ) from exc
 
-    def _wait_routable(self, progress: Progress) -> orchestrator_pb2.RouteEndpoint:
+    def _wait_routable(self, progress: Progress) -> list[orchestrator_pb2.RouteEndpoint]:
         """Reports the deployment's phase and its replicas' states until the routing table
-        lists a serving replica (READY and warmed up); returns that endpoint."""
+        lists `replicas` serving replicas (READY and warmed up); returns their endpoints."""
         cfg = self.config
         deadline = time.monotonic() + cfg.startup_timeout_seconds
         shown: set[str] = set()
@@ -423,13 +436,15 @@ class Stack:
                         raise StackError(
                             f"the engine of {rid} failed to start: {replica.last_error}"
                         )
-                if endpoints:
-                    show(f"replica {endpoints[0].replica_id} is in the routing table")
-                    return endpoints[0]
+                for endpoint in endpoints:
+                    show(f"replica {endpoint.replica_id} is in the routing table")
+                if len(endpoints) >= cfg.replicas:
+                    return endpoints
                 if time.monotonic() > deadline:
                     raise StackError(
-                        f"no {MODEL_NAME} replica was routable after "
-                        f"{cfg.startup_timeout_seconds:.0f} s; deployment: {status.phase} "
+                        f"{len(endpoints)} of {cfg.replicas} {MODEL_NAME} replicas were "
+                        f"routable after {cfg.startup_timeout_seconds:.0f} s; deployment: "
+                        f"{status.phase} "
                         f"({status.message}); logs in {cfg.data_dir / 'logs'}"
                     )
                 time.sleep(0.5)

@@ -9,8 +9,9 @@ Invariant (issue 5, "Rolling releases"): 0 failed requests and 0 truncated strea
 stream is HTTP 200 and ends with `data: [DONE]` after a finish_reason, with no error event),
 both revisions served traffic (each chunk's `system_fingerprint` is the serving replica's
 revision), the old replica was announced draining before it left, and the new revision serves
-afterwards. Uses the session stack; it runs after test_openai_api.py, which needs the original
-replica.
+afterwards. Telemetry follows the routing table (issue 7): afterwards it scrapes the new
+replica's engine and no longer the old one, on /metrics and in the Prometheus file_sd file.
+Uses the session stack; it runs after test_openai_api.py, which needs the original replica.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import field_mask_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.cli._prometheus import engine_sd_file
 from inferplane.cli._stack import MODEL_NAME, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -157,6 +160,24 @@ def _status(deployments: orchestrator_pb2_grpc.DeploymentServiceStub) -> pb.Depl
     ).deployment.status
 
 
+def _telemetry_engines(stack: Stack) -> dict[str, float]:
+    """replica → `inferplane_engine_up` on telemetry's /metrics, for the kimi-tiny deployment."""
+    url = f"http://127.0.0.1:{stack.config.metrics_ports['telemetry']}/metrics"
+    text = httpx.get(url, timeout=5).text
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "inferplane_engine_up"
+        for sample in family.samples
+        if sample.labels.get("deployment") == MODEL_NAME
+    }
+
+
+def _file_sd_replicas(stack: Stack) -> set[str]:
+    groups = json.loads(engine_sd_file(stack.config.data_dir).read_text())
+    return {g["labels"]["replica"] for g in groups if g["labels"]["deployment"] == MODEL_NAME}
+
+
 def test_full_rollout_through_the_edge_has_zero_downtime(stack: Stack, api_key: str) -> None:
     address = stack.config.address("orchestrator")
     follower = TableFollower(address)
@@ -169,6 +190,11 @@ def test_full_rollout_through_the_edge_has_zero_downtime(stack: Stack, api_key: 
         ).deployment
         old_revision = current.status.current_revision
         (old,) = stack.serving_endpoints()
+        assert old.metrics_url  # the node-agent's report, carried by the routing table
+        engines_deadline = time.monotonic() + 30  # a stack just started: first scrape
+        while _telemetry_engines(stack) != {old.replica_id: 1.0}:
+            assert time.monotonic() < engines_deadline, _telemetry_engines(stack)
+            time.sleep(0.5)
 
         load.start()
         time.sleep(5)  # traffic on the old revision alone
@@ -215,6 +241,12 @@ def test_full_rollout_through_the_edge_has_zero_downtime(stack: Stack, api_key: 
         (new,) = stack.serving_endpoints()
         assert new.revision == new_revision and new.replica_id != old.replica_id
         assert stack.serving_replica().spec.revision == new_revision
+        # Telemetry followed the table: the new engine is scraped (and up), the old one is not.
+        engines_deadline = time.monotonic() + 60  # table push + one scrape (every 5 s)
+        while _telemetry_engines(stack) != {new.replica_id: 1.0}:
+            assert time.monotonic() < engines_deadline, _telemetry_engines(stack)
+            time.sleep(0.5)
+        assert _file_sd_replicas(stack) == {new.replica_id}
     finally:
         load.stop()
         follower.close()

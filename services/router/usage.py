@@ -25,11 +25,10 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.auth.v1 import usage_pb2, usage_pb2_grpc
 from inferplane.runtime.batching import (
     RETRYABLE_CODES,
-    Batcher,
-    BatchingSettings,
     BatchMetrics,
+    GrpcSink,
+    GrpcSinkSettings,
     Sleep,
-    reconnecting_channel,
 )
 
 log = structlog.get_logger("inferplane.router.usage")
@@ -89,26 +88,20 @@ class LoggingUsageSink:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class UsageSinkSettings(BatchingSettings):
-    """How `AuthUsageSink` buffers and sends (`BatchingSettings` for the rest; a report is sent
-    as soon as the previous call returned: `flush_interval_seconds` 0, so slots are freed
-    promptly and batches grow with load only).
+class UsageSinkSettings(GrpcSinkSettings):
+    """How `AuthUsageSink` buffers and sends (`GrpcSinkSettings`; `target` is auth's
+    UsageService). A report goes as soon as the previous call returned (no flush interval:
+    slots are freed promptly, batches of up to 256 grow with load only). Beyond `capacity`
+    the newest is dropped and counted (auth then frees the slot by lease expiry, and the
+    tokens are not counted: an under-count bounded by the outage).
 
     Attributes:
-        target: auth's UsageService, `host:port`.
         internal_token: sent as `x-inferplane-internal-token` when set (auth's
             `internal_token`; auth accepts only loopback peers without one).
-        capacity: reports held at most, buffered plus in flight; beyond it the newest is
-            dropped and counted (auth then frees the slot by lease expiry, and the tokens are
-            not counted: an under-count bounded by the outage).
-        batch_size: reports per ReportUsage call.
-        rpc_timeout_seconds: deadline of one call.
     """
 
-    target: str
     internal_token: str = dataclasses.field(default="", repr=False)
     batch_size: int = 256
-    rpc_timeout_seconds: float = 5.0
 
 
 class UsageSinkMetrics(BatchMetrics):
@@ -139,7 +132,7 @@ def to_proto(usage: UsageRecord) -> usage_pb2.RequestUsage:
     )
 
 
-class AuthUsageSink:
+class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
     """Sends usage reports to auth in batches, in the background.
 
     `record()` (the request path) never blocks, raises or does I/O. The guarantees are
@@ -158,16 +151,17 @@ class AuthUsageSink:
         wall_clock: Callable[[], float] = time.time,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._settings = settings
+        super().__init__(
+            settings,
+            UsageSinkMetrics(registry),
+            name="router-usage-sink",
+            sleep=sleep,
+            channel_options=channel_options,
+        )
         self._wall_clock = wall_clock
-        self._channel_options = channel_options
-        self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._metadata: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, settings.internal_token),) if settings.internal_token else ()
-        )
-        self._batcher: Batcher[usage_pb2.RequestUsage] = Batcher(
-            self._send, settings, UsageSinkMetrics(registry), name="router-usage-sink", sleep=sleep
         )
 
     def record(self, usage: UsageRecord) -> None:
@@ -175,35 +169,13 @@ class AuthUsageSink:
         try:
             if not usage.end_time:
                 usage = dataclasses.replace(usage, end_time=self._wall_clock())
-            self._batcher.put(to_proto(usage))
+            self._put(to_proto(usage))
         except Exception:  # the request path must never see the sink's problems
             with contextlib.suppress(Exception):
                 log.exception("usage_record_failed")
 
-    @property
-    def pending(self) -> int:
-        """Reports buffered or in flight."""
-        return self._batcher.pending
-
-    async def start(self) -> None:
-        """Opens the channel and starts the background sender on the running loop."""
-        self._channel = reconnecting_channel(
-            self._settings.target, self._settings.backoff_max_seconds, self._channel_options
-        )
-        self._stub = usage_pb2_grpc.UsageServiceStub(self._channel)
-        await self._batcher.start()
-
-    async def flush(self) -> int:
-        """Sends everything buffered now, one attempt per batch; returns reports delivered."""
-        return await self._batcher.flush()
-
-    async def close(self, timeout_seconds: float = 5.0) -> None:
-        """Stops the sender after one last bounded attempt to deliver what is buffered; what
-        is still undelivered is counted as dropped."""
-        await self._batcher.close(timeout_seconds)
-        if self._channel is not None:
-            await self._channel.close(None)
-            self._channel = None
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        self._stub = usage_pb2_grpc.UsageServiceStub(channel)
 
     async def _send(self, batch: list[usage_pb2.RequestUsage]) -> None:
         request = usage_pb2.ReportUsageRequest(usage=batch)

@@ -1,30 +1,20 @@
 """`Batcher`: a request path's non-blocking hand-off of items to a remote service, in batches.
 
-Routers and node-agents report per-request facts (records to telemetry, usage to auth) that
-must never slow or fail the request, may wait out a short outage of the receiver, and must not
-grow memory without bound while it lasts. `Batcher[T]` is that machinery once; a sink is a
-thin wrapper that converts its items and says how one batch is sent (`send`):
-
-    batcher = Batcher(send, settings, BatchMetrics(registry, "inferplane_x_items", ...))
-    await batcher.start()      # on the event loop that sends
-    batcher.put(item)          # any thread; never blocks, raises or does I/O
-    await batcher.close()      # last bounded flush; what is left is counted as dropped
-
-Guarantees:
-- bounded memory: at most `capacity` items, buffered and in flight together; an item arriving
-  when full is dropped (the newest, so those waiting keep their order) and counted in
+Per-request facts (records to telemetry, usage to auth) must never slow or fail the request,
+should wait out a short outage of the receiver, and must not grow memory without bound. A
+`Batcher[T]` is that machinery; a sink converts its items and says how a batch is sent:
+- `put(item)` (any thread) never blocks, raises or does I/O; at most `capacity` items are held,
+  buffered plus in flight; beyond that the newest is dropped, counted as
   `{prefix}_dropped_total{reason="buffer_full"}`;
-- no loss across an outage shorter than the buffer: a batch whose send failed with a
-  retryable error (`retryable`, by default the gRPC codes in `RETRYABLE_CODES`) goes back to
-  the front of the buffer, in order, and the sender backs off (tenacity, exponential with
-  full jitter) before trying again;
-- no endless retry of a bad batch: any other error drops the batch and counts it as
-  `reason="rejected"`;
-- at-least-once delivery: a batch is re-sent only when its send failed; receivers drop a
-  copy whose send succeeded but whose answer was lost (by request id).
-
-A batch is sent when `batch_size` items wait, or when the oldest has waited
-`flush_interval_seconds` (0: as soon as anything waits, so batches grow with load only).
+- a batch goes when `batch_size` items wait or the oldest waited `flush_interval_seconds`
+  (0: at once, so batches grow with load only);
+- a send failing with a retryable error (`retryable`; by default the gRPC codes in
+  `RETRYABLE_CODES`) puts the batch back at the front, in order, and the sender backs off
+  (tenacity, exponential, full jitter): nothing is lost in an outage shorter than the buffer;
+  any other error drops the batch, counted as `reason="rejected"`;
+- delivery is at-least-once (receivers drop copies by request id); `close()` makes one last
+  bounded flush and counts what is left as dropped.
+`GrpcSink` is a `Batcher` sending to one gRPC service (the sinks subclass it).
 """
 
 from __future__ import annotations
@@ -73,22 +63,6 @@ sender."""
 def retryable_rpc_error(exc: BaseException) -> bool:
     """True for a gRPC call that failed with one of `RETRYABLE_CODES`."""
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
-
-
-def reconnecting_channel(
-    target: str, backoff_max_seconds: float, options: Sequence[tuple[str, Any]] = ()
-) -> grpc.aio.Channel:
-    """An insecure channel to `target` whose reconnect backoff starts at 100 ms and is capped at
-    `backoff_max_seconds` (gRPC's default cap, 120 s, would outlast a short outage)."""
-    return grpc.aio.insecure_channel(
-        target,
-        options=[
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", max(100, int(backoff_max_seconds * 1000))),
-            *options,
-        ],
-    )
 
 
 class Clock(Protocol):
@@ -150,8 +124,8 @@ class _SendFailed(Exception):
 
 
 class Batcher(Generic[T]):
-    """Buffers items and hands them to `send` in batches from a background task (see the
-    module docstring for the guarantees). `send(batch)` delivers one batch or raises."""
+    """Buffers items and hands them to `send` (delivers one batch or raises) in batches, from
+    a background task on the loop that ran `start()`; see the module docstring."""
 
     def __init__(
         self,
@@ -179,8 +153,6 @@ class Batcher(Generic[T]):
         self._wake: asyncio.Event | None = None
         self._send_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
-
-    # -- the request path --------------------------------------------------------------------
 
     def put(self, item: T) -> bool:
         """Queues one item; False when it was dropped (buffer full). Never blocks or raises;
@@ -214,8 +186,6 @@ class Batcher(Generic[T]):
         with self._lock:
             return len(self._buffer) + self._in_flight
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     async def start(self) -> None:
         """Starts the background sender on the running loop."""
         self._loop = asyncio.get_running_loop()
@@ -243,8 +213,6 @@ class Batcher(Generic[T]):
             log.warning("batch_items_lost_at_close", sink=self._name, items=left)
             self.metrics.dropped.labels("buffer_full").inc(left)
             self.metrics.buffered.set(0)
-
-    # -- sending -----------------------------------------------------------------------------
 
     async def flush(self) -> int:
         """Sends everything buffered now, batch by batch, one attempt each (a drain hook).
@@ -368,3 +336,77 @@ class Batcher(Generic[T]):
         ):
             with attempt:
                 await self._flush()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GrpcSinkSettings(BatchingSettings):
+    """`BatchingSettings` plus the receiver: `target` (`host:port`) and the deadline of one
+    call, `rpc_timeout_seconds`."""
+
+    target: str
+    rpc_timeout_seconds: float = 5.0
+
+
+class GrpcSink(Generic[T]):
+    """A `Batcher` sending to one gRPC service over its own channel. Subclasses make their stub
+    in `_bind(channel)` and send one batch in `_send(batch)`; `_put` is their request path."""
+
+    def __init__(
+        self,
+        settings: GrpcSinkSettings,
+        metrics: BatchMetrics,
+        *,
+        name: str,
+        clock: Clock | None = None,
+        sleep: Sleep = asyncio.sleep,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._settings = settings
+        self._channel_options = channel_options
+        self._channel: grpc.aio.Channel | None = None
+        self._batcher: Batcher[T] = Batcher(
+            self._send, settings, metrics, name=name, clock=clock, sleep=sleep
+        )
+        self._put = self._batcher.put
+        self.metrics = metrics
+
+    @property
+    def pending(self) -> int:
+        """Items buffered or in flight."""
+        return self._batcher.pending
+
+    async def start(self) -> None:
+        """Opens the channel and starts the background sender on the running loop. The
+        channel's reconnect backoff is capped at `backoff_max_seconds` (gRPC's default cap,
+        120 s, would outlast a short outage)."""
+        max_backoff_ms = max(100, int(self._settings.backoff_max_seconds * 1000))
+        self._channel = grpc.aio.insecure_channel(
+            self._settings.target,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", max_backoff_ms),
+                *self._channel_options,
+            ],
+        )
+        self._bind(self._channel)
+        await self._batcher.start()
+
+    async def flush(self) -> int:
+        """Sends everything buffered now, one attempt per batch; returns the items delivered.
+        Never raises: what could not be delivered stays buffered."""
+        return await self._batcher.flush()
+
+    async def close(self, timeout_seconds: float = 5.0) -> None:
+        """Stops the sender after one last bounded attempt to deliver what is buffered (the
+        rest is counted as dropped), then closes the channel."""
+        await self._batcher.close(timeout_seconds)
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = None
+
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        raise NotImplementedError
+
+    async def _send(self, batch: list[T]) -> None:
+        raise NotImplementedError

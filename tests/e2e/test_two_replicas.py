@@ -453,6 +453,8 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
 ) -> None:
     replicas = _replicas(two_replicas)
     assert len(replicas) == REPLICAS
+    router_metrics = f"http://127.0.0.1:{two_replicas.config.metrics_ports['router']}/metrics"
+    retries_before = _metrics(router_metrics).get("inferplane_router_retries_total", 0.0)
     # Three streams at a time fit the surviving replica's cap (MAX_NUM_SEQS) without queueing
     # into 429s; ~100 tokens each keep streams in flight when the engine dies.
     load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=100)
@@ -492,10 +494,11 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
         r for r in results if not before_streaming(r) and not r.error_event and not r.complete
     ]
     after_kill = [r for r in results if r.started_at > killed_at]
+    retries = _metrics(router_metrics).get("inferplane_router_retries_total", 0.0) - retries_before
     print(
         f"\nkilled {victim}: {len(results)} requests, {len(after_kill)} started after the kill; "
         f"failed before streaming {len(failed)}, ended by an error event {len(ended_by_error)}, "
-        f"truncated {len(truncated)}"
+        f"truncated {len(truncated)}; router retries {retries:.0f}"
     )
     assert failed == [], [(r.status, r.body, r.error) for r in failed[:5]]
     assert truncated == [], [(r.events[-2:], r.error) for r in truncated[:5]]

@@ -254,6 +254,7 @@ class SqlCounterStore:
         elif self._dialect == "postgresql":
             event.listen(self._engine, "connect", _postgres_session)
         self._errors: tuple[type[Exception], ...] = (
+            OperationalError,
             self._engine.dialect.loaded_dbapi.OperationalError,
             self._engine.dialect.loaded_dbapi.InterfaceError,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import sqlite3
 import statistics
 import time
 import uuid
@@ -18,6 +19,8 @@ from inferplane.api.auth.v1 import auth_pb2
 from inferplane.auth.counters import MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import Limits
 from inferplane.auth.limits import format_reset
+from inferplane.runtime import UnavailableError
+from inferplane.testing.ports import free_port
 
 RESOURCE_EXHAUSTED = 8
 
@@ -283,3 +286,31 @@ def test_check_latency_added_by_limits(auth: Any) -> None:
         f"\ncheck_p50_added_ms_all_limits: {p50['all'] - p50['none']:.3f}"
     )
     assert p50["rpm_tpm"] - p50["none"] < 5.0
+
+
+def test_an_unreachable_counter_database_is_unavailable_then_recovers(tmp_path: Path) -> None:
+    """A counter store that cannot reach its database raises UnavailableError (the edge answers
+    503, never allows), and works again once the database is back."""
+    down = SqlCounterStore(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none")
+    with pytest.raises(UnavailableError):
+        down.try_admit("k", "r1", Limits(requests_per_minute=1), 1, 0.0, 100.0)
+    with pytest.raises(UnavailableError):
+        down.release("k", "r1")
+    down.close()
+
+    path = tmp_path / "c.db"
+    store = SqlCounterStore(f"sqlite:///{path}")
+    store.create_schema()
+    limits = Limits(requests_per_minute=5, max_concurrent_requests=5)
+    assert store.try_admit("k", "r1", limits, 1, 0.0, 100.0).refused is None
+    blocker = sqlite3.connect(path, timeout=0)
+    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds it past busy_timeout (5 s)
+    try:
+        with pytest.raises(UnavailableError):
+            store.try_admit("k", "r2", limits, 1, 0.0, 100.0)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    outcome = store.try_admit("k", "r3", limits, 1, 0.0, 100.0)
+    assert outcome.refused is None and outcome.requests == 2  # r2 changed nothing
+    store.close()

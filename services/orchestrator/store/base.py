@@ -18,7 +18,7 @@ from inferplane.orchestrator.placement.model import Placement
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StateSnapshot:
-    """Everything persisted, each tuple sorted by its key."""
+    """Everything persisted, each tuple sorted by its key (code-point order, as Python sorts)."""
 
     deployments: tuple[Deployment, ...] = ()
     nodes: tuple[Node, ...] = ()

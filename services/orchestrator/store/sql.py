@@ -231,16 +231,19 @@ class SqlStateStore:
             aliases: dict[str, list[str]] = {}
             for alias in s.scalars(select(_AliasRow).order_by(_AliasRow.position)):
                 aliases.setdefault(alias.deployment_id, []).append(alias.alias)
-            deployments = tuple(
+            deployments = [
                 _deployment(r, tuple(aliases.get(r.deployment_id, ())))
-                for r in s.scalars(select(_DeploymentRow).order_by(_DeploymentRow.deployment_id))
-            )
-            nodes = tuple(_node(r) for r in s.scalars(select(_NodeRow).order_by(_NodeRow.name)))
-            placements = tuple(
-                _placement(r)
-                for r in s.scalars(select(_PlacementRow).order_by(_PlacementRow.replica_id))
-            )
-        return StateSnapshot(deployments, nodes, placements)
+                for r in s.scalars(select(_DeploymentRow))
+            ]
+            nodes = [_node(r) for r in s.scalars(select(_NodeRow))]
+            placements = [_placement(r) for r in s.scalars(select(_PlacementRow))]
+        # Sorted here, not by ORDER BY: that order is the database's collation (PostgreSQL in
+        # an en_US locale puts "model-a" before "Model-B"; SQLite sorts by code point).
+        return StateSnapshot(
+            tuple(sorted(deployments, key=lambda d: d.deployment_id)),
+            tuple(sorted(nodes, key=lambda n: n.name)),
+            tuple(sorted(placements, key=lambda p: p.replica_id)),
+        )
 
     def commit(self, change: StateChange) -> None:
         if change.is_empty():

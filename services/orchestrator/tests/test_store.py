@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
+from sqlalchemy.exc import DBAPIError
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
@@ -315,6 +316,55 @@ def test_round_trip_keeps_every_field(
     assert got.create_time.hour == 6 and got.create_time.minute == 30  # 12:00 +05:30 in UTC
     shares = [p.memory_fraction for p in loaded.placements if p.deployment_id == "Model-B"]
     assert shares == [0.4321, 0.25]  # two replicas on GPU 0 of gpu-a
+
+
+@pytest.fixture
+def en_us_url(url: str) -> Iterator[str]:
+    """The test's database on SQLite; on PostgreSQL a fresh database that collates like en-US
+    (ICU), as servers initialised in an en_US locale do; dropped afterwards."""
+    if not url.startswith("postgresql"):
+        yield url
+        return
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"{admin.url.database}_orchestrator_en_us"
+    try:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+            try:
+                c.exec_driver_sql(
+                    f'CREATE DATABASE "{name}" TEMPLATE template0 '
+                    "LOCALE_PROVIDER icu ICU_LOCALE 'en-US'"
+                )
+            except DBAPIError as exc:
+                pytest.skip(f"this PostgreSQL cannot create an ICU en-US database: {exc.orig}")
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()
+
+
+def test_load_sorts_by_key_in_code_point_order(en_us_url: str) -> None:
+    """`StateSnapshot` tuples are sorted by key as Python sorts strings, whatever the database's
+    collation (in en-US "model-a" comes before "Model-B"; SQLite sorts by code point)."""
+    names = ["model-a", "Model-B", "a_b", "a-c", "Z9", "z10", "é", "e"]
+    store = SqlStateStore(en_us_url)
+    try:
+        store.create_schema()
+        commit_all(
+            store,
+            StateSnapshot(
+                tuple(deployment(n) for n in names),
+                tuple(cpu_node(n) for n in names),
+                tuple(placement(f"{n}-0", n, n) for n in names),
+            ),
+        )
+        loaded = store.load()
+    finally:
+        store.close()
+    assert [d.deployment_id for d in loaded.deployments] == sorted(names)
+    assert [n.name for n in loaded.nodes] == sorted(names)
+    assert [p.replica_id for p in loaded.placements] == sorted(f"{n}-0" for n in names)
 
 
 def test_updates_and_deletions(

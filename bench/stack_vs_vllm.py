@@ -623,7 +623,17 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the medians here")
+    parser.add_argument(
+        "--omp-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND for every path's engine (vLLM's default 'auto': the "
+        "engine on one core, the rest for everything else; 'nobind'; or a core list)",
+    )
     args = parser.parse_args()
+    # Like for like: plain engines inherit this environment, and the stack's node-agent leaves
+    # an explicit value alone (engine/cpus.py) instead of choosing cores itself.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    log(f"VLLM_CPU_OMP_THREADS_BIND={args.omp_bind} for every engine")
     from inferplane.testing import kimi_tiny
 
     paths = [p for p in args.paths.split(",") if p]

@@ -30,7 +30,14 @@ import structlog
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile, RolloutStrategy
 from inferplane.orchestrator.catalog.sizing import SizingPolicy, estimate
 from inferplane.orchestrator.catalog.validation import validate_deployment
-from inferplane.orchestrator.fleet.model import Liveness, Node, NodeCondition
+from inferplane.orchestrator.fleet.model import (
+    MAX_AGENT_VERSION,
+    MAX_NODE_ADDRESS,
+    MAX_NODE_NAME,
+    Liveness,
+    Node,
+    NodeCondition,
+)
 from inferplane.orchestrator.placement.explain import explain_deployment
 from inferplane.orchestrator.placement.model import (
     Placement,
@@ -305,11 +312,13 @@ class ControlPlane:
 
     def register_node(self, inventory: Node, observed: Iterable[ObservedReplica] = ()) -> Node:
         """Registers or re-registers a node with its inventory; it becomes Ready (Draining if
-        it was drained). Raises InvalidArgumentError for a nameless node."""
+        it was drained). Raises InvalidArgumentError for a nameless node or a name, address or
+        agent version longer than the store holds."""
         if not inventory.name:
             raise InvalidArgumentError(
                 "status.node (the node name) is required", param="status.node"
             )
+        _check_inventory(inventory)
         now = self._clock.now()
         with self._lock:
             existing = self._nodes.get(inventory.name)
@@ -335,7 +344,9 @@ class ControlPlane:
 
     def heartbeat(self, inventory: Node, observed: Iterable[ObservedReplica] = ()) -> Node:
         """Records a heartbeat: the node is Ready (or Draining) again; a changed inventory is
-        stored and re-placed. Unknown nodes are registered."""
+        stored and re-placed. Unknown nodes are registered. Raises InvalidArgumentError as
+        `register_node` does."""
+        _check_inventory(inventory)
         now = self._clock.now()
         with self._lock:
             existing = self._nodes.get(inventory.name)
@@ -568,6 +579,21 @@ def _status(
         phase = "Progressing"
         message = f"{len(placements)} of {wanted} replicas placed, {ready} ready"
     return DeploymentStatus(phase, message, ready, deployment.revision)
+
+
+def _check_inventory(node: Node) -> None:
+    """Raises InvalidArgumentError for a value longer than its column: SQLite would keep it but
+    PostgreSQL refuses it, so both databases answer the same."""
+    for field, value, limit in (
+        ("node", node.name, MAX_NODE_NAME),
+        ("address", node.address, MAX_NODE_ADDRESS),
+        ("agent_version", node.agent_version, MAX_AGENT_VERSION),
+    ):
+        if len(value) > limit:
+            raise InvalidArgumentError(
+                f"status.{field} must be at most {limit} characters; got {len(value)}",
+                param=f"status.{field}",
+            )
 
 
 def _live_condition(existing: Node | None) -> NodeCondition:

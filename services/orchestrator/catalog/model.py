@@ -24,6 +24,7 @@ TRANSPORTS = ("grpc", "http-completions")
 SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")
 ROUTING_POLICIES = ("least_load", "prefix_affinity", "round_robin", "session_affinity")
 DEFAULT_ROUTING_POLICY = "least_load"
+MAX_OWNED_BY = 200  # characters; the store's column is this wide
 
 
 class Accelerator(enum.Enum):

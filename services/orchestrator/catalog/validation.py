@@ -12,6 +12,7 @@ import re
 from inferplane.orchestrator.catalog.model import (
     CPU_ENGINE,
     DEFAULT_ENGINE,
+    MAX_OWNED_BY,
     ROUTING_POLICIES,
     SPECULATIVE_METHODS,
     TRANSPORTS,
@@ -67,6 +68,11 @@ def validate_deployment(deployment: Deployment) -> None:
             "replicas must satisfy min_replicas <= replicas <= max_replicas (0 = no bound); got "
             f"{deployment.min_replicas} <= {deployment.replicas} <= {deployment.max_replicas}",
             "replicas",
+        )
+    if len(deployment.owned_by) > MAX_OWNED_BY:
+        raise _fail(
+            f"owned_by must be at most {MAX_OWNED_BY} characters; got {len(deployment.owned_by)}",
+            "owned_by",
         )
     if deployment.routing_policy not in ROUTING_POLICIES:
         raise _fail(

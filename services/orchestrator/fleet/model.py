@@ -18,6 +18,11 @@ from datetime import datetime, timedelta
 
 from inferplane.orchestrator.catalog.model import Accelerator
 
+# Characters; the store's columns are this wide (PostgreSQL refuses longer values).
+MAX_NODE_NAME = 253  # a DNS name, as Kubernetes node names
+MAX_NODE_ADDRESS = 300
+MAX_AGENT_VERSION = 64
+
 
 class NodeCondition(enum.Enum):
     """The node's condition as the orchestrator sees it (proto strings)."""

@@ -16,6 +16,7 @@ from sqlalchemy.types import JSON
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import DeploymentProfile
+from inferplane.orchestrator.fleet.model import MAX_NODE_ADDRESS, MAX_NODE_NAME
 from inferplane.storage import UtcDateTime
 
 
@@ -140,11 +141,11 @@ class _Base(DeclarativeBase):
 class _ReplicaRow(_Base):
     __tablename__ = "managed_replicas"
 
-    node: Mapped[str] = mapped_column(String(253), primary_key=True)
+    node: Mapped[str] = mapped_column(String(MAX_NODE_NAME), primary_key=True)
     replica_id: Mapped[str] = mapped_column(String(63), primary_key=True)
     deployment_id: Mapped[str] = mapped_column(String(128), index=True)
     slot: Mapped[str] = mapped_column(String(160))
-    address: Mapped[str] = mapped_column(String(300))
+    address: Mapped[str] = mapped_column(String(MAX_NODE_ADDRESS))
     revision: Mapped[str] = mapped_column(String(32))
     stage: Mapped[str] = mapped_column(String(16))
     stage_since: Mapped[datetime] = mapped_column(UtcDateTime())

@@ -27,12 +27,21 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from inferplane.orchestrator.catalog.model import (
+    MAX_OWNED_BY,
     Accelerator,
     Deployment,
     DeploymentProfile,
     RolloutStrategy,
 )
-from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node, NodeCondition
+from inferplane.orchestrator.fleet.model import (
+    MAX_AGENT_VERSION,
+    MAX_NODE_ADDRESS,
+    MAX_NODE_NAME,
+    Gpu,
+    GpuPartition,
+    Node,
+    NodeCondition,
+)
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.runtime import AlreadyExistsError
@@ -53,7 +62,7 @@ class _DeploymentRow(_Base):
     min_replicas: Mapped[int] = mapped_column(Integer)
     max_replicas: Mapped[int] = mapped_column(Integer)
     rollout: Mapped[dict[str, Any]] = mapped_column(JSON)
-    owned_by: Mapped[str] = mapped_column(String(200))
+    owned_by: Mapped[str] = mapped_column(String(MAX_OWNED_BY))
     routing_policy: Mapped[str] = mapped_column(String(64))
     create_time: Mapped[datetime] = mapped_column(UtcDateTime)
     update_time: Mapped[datetime] = mapped_column(UtcDateTime)
@@ -70,13 +79,13 @@ class _AliasRow(_Base):
 class _NodeRow(_Base):
     __tablename__ = "nodes"
 
-    name: Mapped[str] = mapped_column(String(253), primary_key=True)
-    address: Mapped[str] = mapped_column(String(300))
+    name: Mapped[str] = mapped_column(String(MAX_NODE_NAME), primary_key=True)
+    address: Mapped[str] = mapped_column(String(MAX_NODE_ADDRESS))
     gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     cpu_count: Mapped[int] = mapped_column(Integer)
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
-    agent_version: Mapped[str] = mapped_column(String(64))
+    agent_version: Mapped[str] = mapped_column(String(MAX_AGENT_VERSION))
     condition: Mapped[str] = mapped_column(String(16))
     unschedulable: Mapped[bool] = mapped_column(Boolean)
     last_heartbeat_time: Mapped[datetime | None] = mapped_column(UtcDateTime)
@@ -89,7 +98,7 @@ class _PlacementRow(_Base):
     replica_id: Mapped[str] = mapped_column(String(160), primary_key=True)
     deployment_id: Mapped[str] = mapped_column(String(128), index=True)
     revision: Mapped[str] = mapped_column(String(32))
-    node: Mapped[str] = mapped_column(String(253), index=True)
+    node: Mapped[str] = mapped_column(String(MAX_NODE_NAME), index=True)
     accelerator: Mapped[str] = mapped_column(String(8))
     gpu_indices: Mapped[list[int]] = mapped_column(JSON)
     memory_bytes_per_device: Mapped[int] = mapped_column(BigInteger)

@@ -19,19 +19,30 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import field_mask_pb2
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
 from sqlalchemy.exc import DBAPIError
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.catalog.model import (
+    MAX_OWNED_BY,
     Accelerator,
     Deployment,
     DeploymentProfile,
     RolloutStrategy,
 )
-from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node, NodeCondition
+from inferplane.orchestrator.fleet.model import (
+    MAX_AGENT_VERSION,
+    MAX_NODE_ADDRESS,
+    MAX_NODE_NAME,
+    Gpu,
+    GpuPartition,
+    Node,
+    NodeCondition,
+)
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
@@ -217,19 +228,25 @@ def placement(replica_id: str, deployment_id: str, node: str, **changes: Any) ->
 
 
 def full_state() -> StateSnapshot:
-    """Two deployments (aliases in a non-sorted order, the longest id and alias validation
-    allows), a GPU node and a CPU node, and placements sharing GPU 0 of the GPU node."""
+    """Three deployments (aliases in a non-sorted order; the longest id, alias and owner
+    validation allows), GPU nodes (one with the longest name, address and agent version
+    registration allows) and a CPU node, and placements sharing GPU 0 of a GPU node."""
     long_id = "L" + "x" * 127
     long_alias = "moonshotai/" + "k" * 245
     deployments = (
         deployment("Model-B", "zz/last", "org/Model-B:v2", "a@1+x"),
-        deployment(long_id, long_alias, profile=profile(1)),
+        deployment(long_id, long_alias, profile=profile(1), owned_by="o" * MAX_OWNED_BY),
         deployment("model-a", "a-alias", update_time=T0 + timedelta(hours=1)),
     )
     nodes = (
         gpu_node("gpu-a"),
         cpu_node("cpu-b"),
-        gpu_node("n" * 253, condition=NodeCondition.READY),
+        gpu_node(
+            "n" * MAX_NODE_NAME,
+            address="a" * MAX_NODE_ADDRESS,
+            agent_version="v" * MAX_AGENT_VERSION,
+            condition=NodeCondition.READY,
+        ),
     )
     placements = (
         placement("Model-B-0", "Model-B", "gpu-a"),
@@ -532,7 +549,7 @@ def test_release_store_round_trip_updates_and_deletions(
     replicas = [
         replica("gpu-a", "model-b-0-0123abcd", Stage.STARTING),
         replica("gpu-a", "model-b-1-0123abcd", Stage.SERVING, slot="Model-B-1"),
-        replica("n" * 253, "r" * 63, Stage.RETIRING, spec=b""),
+        replica("n" * MAX_NODE_NAME, "r" * 63, Stage.RETIRING, spec=b"", address="a" * 300),
         # the same id on another node; any bytes, NULs included
         replica("cpu-b", "model-b-0-0123abcd", Stage.DRAINING, spec=b"\x00\xff\x00"),
     ]
@@ -625,3 +642,77 @@ def test_service_keeps_its_state_across_a_restart_on_postgresql(tmp_path: Path, 
     with fx.running(settings, clock) as orch:
         assert state(orch) == before
         assert orch.components.control.sweep() == []  # nodes get a fresh heartbeat timeout
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_values_longer_than_their_column_are_refused_alike(
+    database: str, tmp_path: Path, fx: Any
+) -> None:
+    """A node name, address or agent version, or a deployment owner, longer than its column is
+    INVALID_ARGUMENT naming the field on every database (SQLite kept it; PostgreSQL refused it
+    and the call failed with INTERNAL); values at the limit are kept."""
+    if database == "sqlite":
+        url = f"sqlite:///{tmp_path / 'orchestrator.db'}"
+    elif not POSTGRES_URL:
+        pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the service on PostgreSQL")
+    else:
+        url = POSTGRES_URL
+        drop_orchestrator_tables(url)
+    settings = fx.make_settings(tmp_path, database_url=url, reconcile=False)
+
+    def refused(call: Callable[[str], Any], value: str, field: str, limit: int) -> None:
+        with pytest.raises(grpc.RpcError) as info:
+            call(value)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field} must be at most {limit} characters")
+
+    with fx.running(settings, fx.FakeClock()) as orch:
+
+        def register(**changes: str) -> Any:
+            status = fx.gpu_status("gpu-a")
+            for name, value in changes.items():
+                setattr(status, name, value)
+            return orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=status), timeout=10)
+
+        def heartbeat(**changes: str) -> Any:
+            status = fx.gpu_status("gpu-a")
+            for name, value in changes.items():
+                setattr(status, name, value)
+            beats = iter([pb.StreamHeartbeatsRequest(status=status)])
+            return list(orch.nodes.StreamHeartbeats(beats, timeout=10))
+
+        limits = (
+            ("node", MAX_NODE_NAME),
+            ("address", MAX_NODE_ADDRESS),
+            ("agent_version", MAX_AGENT_VERSION),
+        )
+        for field, limit in limits:
+            too_long = "x" * (limit + 1)
+            refused(lambda v, f=field: register(**{f: v}), too_long, f"status.{field}", limit)
+            refused(lambda v, f=field: heartbeat(**{f: v}), too_long, f"status.{field}", limit)
+            register(**{field: "x" * limit})
+        heartbeat(address="y" * MAX_NODE_ADDRESS, agent_version="y" * MAX_AGENT_VERSION)
+
+        def create(owned_by: str) -> Any:
+            deployment = fx.llama8b_proto(owned_by=owned_by)
+            request = pb.CreateDeploymentRequest(deployment_id="m", deployment=deployment)
+            return orch.deployments.CreateDeployment(request, timeout=10)
+
+        def set_owner(owned_by: str) -> Any:
+            request = pb.UpdateDeploymentRequest(
+                deployment=pb.Deployment(name="deployments/m", owned_by=owned_by),
+                update_mask=field_mask_pb2.FieldMask(paths=["owned_by"]),
+            )
+            return orch.deployments.UpdateDeployment(request, timeout=10)
+
+        refused(create, "o" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
+        create("o" * MAX_OWNED_BY)
+        refused(set_owner, "p" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
+        nodes = {n.name for n in orch.components.store.load().nodes}
+    assert nodes == {"gpu-a", "x" * MAX_NODE_NAME}
+    with fx.running(settings, fx.FakeClock()) as orch:
+        got = orch.deployments.GetDeployment(pb.GetDeploymentRequest(name="deployments/m"))
+        assert got.deployment.owned_by == "o" * MAX_OWNED_BY
+        node = orch.nodes.GetNode(pb.GetNodeRequest(name="nodes/gpu-a"), timeout=10).node
+        assert node.status.address == "y" * MAX_NODE_ADDRESS
+        assert node.status.agent_version == "y" * MAX_AGENT_VERSION

@@ -78,8 +78,6 @@ def validate_bootstrap(text: str, *, binary: Path | None = None, timeout_s: floa
         raise EdgeConfigError(f"Envoy rejected the bootstrap:\n{result.stdout}{result.stderr}")
 
 
-
-
 class EnvoyProcess:
     """One Envoy child process serving a static bootstrap.
 

@@ -14,6 +14,16 @@ import pytest
 from inferplane.cli._stack import Stack, StackConfig
 from inferplane.testing.ports import free_port, free_port_run
 
+# Modules that start a stack of their own (their fixture is module-scoped).
+OWN_STACK_MODULES = frozenset({"test_two_replicas.py"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Runs the modules with their own stack first: their engines are gone before the session
+    stack starts, so two stacks never share the 2 cores (an idle vLLM CPU engine still costs
+    CPU, and a loaded one needs both cores)."""
+    items.sort(key=lambda item: item.path.name not in OWN_STACK_MODULES)
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:

@@ -1,9 +1,10 @@
 """SQLAlchemy 2 adapter of `StateStore`: SQLite by default, PostgreSQL with the same code.
 
 Portable SQL only (no dialect-specific statements beyond SQLite's connection pragmas: WAL and a
-busy timeout). Nested values (profile, rollout, GPUs, labels) are JSON columns; byte counts are
-BIGINT (they pass 2^31). Alias uniqueness is a primary key on `deployment_aliases.alias`, so
-two deployments can never claim one name even if two writers raced.
+busy timeout). Nested values (profile, rollout, GPUs, labels) are JSON columns; byte counts and
+the contract's uint32 counts are BIGINT (they pass 2^31). Alias uniqueness is a primary key on
+`deployment_aliases.alias`, so two deployments can never claim one name even if two writers
+raced.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class _DeploymentRow(_Base):
     deployment_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     profile: Mapped[dict[str, Any]] = mapped_column(JSON)
     revision: Mapped[str] = mapped_column(String(32))
-    replicas: Mapped[int] = mapped_column(Integer)
-    min_replicas: Mapped[int] = mapped_column(Integer)
-    max_replicas: Mapped[int] = mapped_column(Integer)
+    # uint32 in the contract: past INTEGER's 2^31 - 1 on PostgreSQL.
+    replicas: Mapped[int] = mapped_column(BigInteger)
+    min_replicas: Mapped[int] = mapped_column(BigInteger)
+    max_replicas: Mapped[int] = mapped_column(BigInteger)
     rollout: Mapped[dict[str, Any]] = mapped_column(JSON)
     owned_by: Mapped[str] = mapped_column(String(MAX_OWNED_BY))
     routing_policy: Mapped[str] = mapped_column(String(64))
@@ -82,7 +84,7 @@ class _NodeRow(_Base):
     name: Mapped[str] = mapped_column(String(MAX_NODE_NAME), primary_key=True)
     address: Mapped[str] = mapped_column(String(MAX_NODE_ADDRESS))
     gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
-    cpu_count: Mapped[int] = mapped_column(Integer)
+    cpu_count: Mapped[int] = mapped_column(BigInteger)  # uint32 in the contract
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
     agent_version: Mapped[str] = mapped_column(String(MAX_AGENT_VERSION))

@@ -56,6 +56,7 @@ GB = 10**9
 # Microseconds, and a zone other than UTC going in: the store must give back the same instant
 # as aware UTC.
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=5, minutes=30)))
+UINT32_MAX = 2**32 - 1  # counts are uint32 in the contract (replicas, max_replicas, cpu_count)
 ORCHESTRATOR_TABLES = {
     "deployments",
     "deployment_aliases",
@@ -229,13 +230,20 @@ def placement(replica_id: str, deployment_id: str, node: str, **changes: Any) ->
 
 def full_state() -> StateSnapshot:
     """Three deployments (aliases in a non-sorted order; the longest id, alias and owner
-    validation allows), GPU nodes (one with the longest name, address and agent version
-    registration allows) and a CPU node, and placements sharing GPU 0 of a GPU node."""
+    validation allows; the largest max_replicas), GPU nodes (one with the longest name, address
+    and agent version registration allows and the largest CPU count) and a CPU node, and
+    placements sharing GPU 0 of a GPU node."""
     long_id = "L" + "x" * 127
     long_alias = "moonshotai/" + "k" * 245
     deployments = (
         deployment("Model-B", "zz/last", "org/Model-B:v2", "a@1+x"),
-        deployment(long_id, long_alias, profile=profile(1), owned_by="o" * MAX_OWNED_BY),
+        deployment(
+            long_id,
+            long_alias,
+            profile=profile(1),
+            owned_by="o" * MAX_OWNED_BY,
+            max_replicas=UINT32_MAX,  # "no real bound" as a client may say it
+        ),
         deployment("model-a", "a-alias", update_time=T0 + timedelta(hours=1)),
     )
     nodes = (
@@ -245,6 +253,7 @@ def full_state() -> StateSnapshot:
             "n" * MAX_NODE_NAME,
             address="a" * MAX_NODE_ADDRESS,
             agent_version="v" * MAX_AGENT_VERSION,
+            cpu_count=UINT32_MAX,
             condition=NodeCondition.READY,
         ),
     )
@@ -601,7 +610,9 @@ def test_service_keeps_its_state_across_a_restart_on_postgresql(tmp_path: Path, 
     clock = fx.FakeClock()
     request = pb.CreateDeploymentRequest(
         deployment_id="Llama-8B",
-        deployment=fx.llama8b_proto(replicas=3, aliases=["meta-llama/Llama-3.1-8B-Instruct"]),
+        deployment=fx.llama8b_proto(
+            replicas=3, max_replicas=UINT32_MAX, aliases=["meta-llama/Llama-3.1-8B-Instruct"]
+        ),
     )
 
     def state(orch: Any) -> tuple[Any, ...]:

@@ -313,7 +313,7 @@ class ControlPlane:
     def register_node(self, inventory: Node, observed: Iterable[ObservedReplica] = ()) -> Node:
         """Registers or re-registers a node with its inventory; it becomes Ready (Draining if
         it was drained). Raises InvalidArgumentError for a nameless node or a name, address or
-        agent version longer than the store holds."""
+        agent version longer than the store holds or with a NUL character."""
         if not inventory.name:
             raise InvalidArgumentError(
                 "status.node (the node name) is required", param="status.node"
@@ -582,8 +582,8 @@ def _status(
 
 
 def _check_inventory(node: Node) -> None:
-    """Raises InvalidArgumentError for a value longer than its column: SQLite would keep it but
-    PostgreSQL refuses it, so both databases answer the same."""
+    """Raises InvalidArgumentError for a value longer than its column or with a NUL character:
+    SQLite would keep it but PostgreSQL refuses it, so both databases answer the same."""
     for field, value, limit in (
         ("node", node.name, MAX_NODE_NAME),
         ("address", node.address, MAX_NODE_ADDRESS),
@@ -593,6 +593,10 @@ def _check_inventory(node: Node) -> None:
             raise InvalidArgumentError(
                 f"status.{field} must be at most {limit} characters; got {len(value)}",
                 param=f"status.{field}",
+            )
+        if "\x00" in value:
+            raise InvalidArgumentError(
+                f"status.{field} must not contain NUL characters", param=f"status.{field}"
             )
 
 

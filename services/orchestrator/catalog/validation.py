@@ -74,6 +74,8 @@ def validate_deployment(deployment: Deployment) -> None:
             f"owned_by must be at most {MAX_OWNED_BY} characters; got {len(deployment.owned_by)}",
             "owned_by",
         )
+    if "\x00" in deployment.owned_by:  # PostgreSQL text cannot hold it
+        raise _fail("owned_by must not contain NUL characters", "owned_by")
     if deployment.routing_policy not in ROUTING_POLICIES:
         raise _fail(
             f"unknown routing_policy {deployment.routing_policy!r}; known: "

@@ -163,7 +163,8 @@ class _ReleaseRow(_Base):
 
 
 class SqlReleaseStore:
-    """`ReleaseStore` on a SQLAlchemy engine (the catalogue's: `SqlStateStore.engine`)."""
+    """`ReleaseStore` on a SQLAlchemy engine (the catalogue's: `SqlStateStore.engine`). A NUL
+    in `Release.failure` is stored as U+FFFD on every database."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -232,7 +233,9 @@ class SqlReleaseStore:
                     serving_revision=release.serving_revision,
                     serving_profile=profile_to_json(release.serving_profile),
                     failed_revision=release.failed_revision,
-                    failure=release.failure,
+                    # A message from an engine or node-agent may hold NULs; PostgreSQL text
+                    # cannot (the whole row would be refused).
+                    failure=release.failure.replace("\x00", "\ufffd"),
                 )
             )
 

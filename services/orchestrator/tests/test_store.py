@@ -592,7 +592,10 @@ def test_release_store_round_trip_updates_and_deletions(
     store.put_release(failed)
     store.delete_release("model-a")
     store.delete_release("never-existed")
-    expected = sorted_releases(([moved_on, replicas[2], replicas[3]], [failed, releases[2]]))
+    engine_said = Release("with-nul", "abc", failure="engine: \x00\x00 garbage")
+    store.put_release(engine_said)  # PostgreSQL text cannot hold NUL: it becomes U+FFFD
+    shown = dataclasses.replace(engine_said, failure="engine: \ufffd\ufffd garbage")
+    expected = sorted_releases(([moved_on, replicas[2], replicas[3]], [failed, releases[2], shown]))
     assert sorted_releases(store.load()) == expected
     assert sorted_releases(open_releases().load()) == expected
 
@@ -656,12 +659,13 @@ def test_service_keeps_its_state_across_a_restart_on_postgresql(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_values_longer_than_their_column_are_refused_alike(
+def test_values_a_column_cannot_hold_are_refused_alike(
     database: str, tmp_path: Path, fx: Any
 ) -> None:
-    """A node name, address or agent version, or a deployment owner, longer than its column is
-    INVALID_ARGUMENT naming the field on every database (SQLite kept it; PostgreSQL refused it
-    and the call failed with INTERNAL); values at the limit are kept."""
+    """A node name, address or agent version, or a deployment owner, longer than its column or
+    with a NUL character is INVALID_ARGUMENT naming the field on every database (SQLite kept
+    it; PostgreSQL refused it and the call failed with INTERNAL); values at the limit are
+    kept."""
     if database == "sqlite":
         url = f"sqlite:///{tmp_path / 'orchestrator.db'}"
     elif not POSTGRES_URL:
@@ -675,7 +679,10 @@ def test_values_longer_than_their_column_are_refused_alike(
         with pytest.raises(grpc.RpcError) as info:
             call(value)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert info.value.details().startswith(f"{field} must be at most {limit} characters")
+        if "\x00" in value:
+            assert info.value.details() == f"{field} must not contain NUL characters"
+        else:
+            assert info.value.details().startswith(f"{field} must be at most {limit} characters")
 
     with fx.running(settings, fx.FakeClock()) as orch:
 
@@ -701,6 +708,7 @@ def test_values_longer_than_their_column_are_refused_alike(
             too_long = "x" * (limit + 1)
             refused(lambda v, f=field: register(**{f: v}), too_long, f"status.{field}", limit)
             refused(lambda v, f=field: heartbeat(**{f: v}), too_long, f"status.{field}", limit)
+            refused(lambda v, f=field: register(**{f: v}), "a\x00b", f"status.{field}", limit)
             register(**{field: "x" * limit})
         heartbeat(address="y" * MAX_NODE_ADDRESS, agent_version="y" * MAX_AGENT_VERSION)
 
@@ -719,6 +727,7 @@ def test_values_longer_than_their_column_are_refused_alike(
         refused(create, "o" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
         create("o" * MAX_OWNED_BY)
         refused(set_owner, "p" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
+        refused(set_owner, "acme\x00", "owned_by", MAX_OWNED_BY)
         nodes = {n.name for n in orch.components.store.load().nodes}
     assert nodes == {"gpu-a", "x" * MAX_NODE_NAME}
     with fx.running(settings, fx.FakeClock()) as orch:

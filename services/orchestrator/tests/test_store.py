@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2
-from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
+from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect, make_url
 from sqlalchemy.exc import DBAPIError
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
@@ -391,6 +391,28 @@ def test_load_sorts_by_key_in_code_point_order(en_us_url: str) -> None:
     assert [d.deployment_id for d in loaded.deployments] == sorted(names)
     assert [n.name for n in loaded.nodes] == sorted(names)
     assert [p.replica_id for p in loaded.placements] == sorted(f"{n}-0" for n in names)
+
+
+@pytest.mark.skipif(not POSTGRES_URL, reason="set INFERPLANE_TEST_POSTGRES_URL (a PostgreSQL test)")
+def test_times_are_utc_whatever_the_postgresql_session_time_zone() -> None:
+    """A server or role set to a local time zone hands timestamps back in that zone; the store
+    gives the same instants as aware UTC (St John's: -03:30, a half-hour offset)."""
+    drop_orchestrator_tables(POSTGRES_URL)
+    url = make_url(POSTGRES_URL).update_query_dict({"options": "-c timezone=America/St_Johns"})
+    local = SqlStateStore(url.render_as_string(hide_password=False))
+    try:
+        local.create_schema()
+        with local.engine.connect() as c:
+            assert c.exec_driver_sql("SHOW timezone").scalar() == "America/St_Johns"
+        state = full_state()
+        commit_all(local, state)
+        loaded = local.load()
+    finally:
+        local.close()
+    assert loaded == sorted_snapshot(state)
+    times = [t for d in loaded.deployments for t in (d.create_time, d.update_time)]
+    times += [n.last_heartbeat_time for n in loaded.nodes if n.last_heartbeat_time]
+    assert times and all(t is not None and t.tzinfo is UTC for t in times)
 
 
 def test_updates_and_deletions(

@@ -25,7 +25,9 @@ import platform
 import random
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,8 +53,11 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = kt.CALL_BEGIN, kt.ARGUMENT_BEGIN, kt.CALL
 PLAIN_MARKERS = [THINK_BEGIN, THINK_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN,
                  CALL_END]
 BPE_VOCAB = 2000
-LAYERS = 2  # as the probe; 4 layers did not fit the 10-minute budget on the shared 2 cores
 MODEL_VOCAB = 2048
+# Model shape and training defaults (the committed model's; MANIFEST.json records them).
+SHAPE = {"layers": 2, "hidden": 128, "intermediate": 512, "heads": 4, "kv_heads": 2}
+DEFAULTS: dict[str, Any] = {"steps": 1000, "batch_size": 16, "lr": 4e-3, "easy_fraction": 0.35,
+                            "value_weight": 1.0, "train_samples": 12000, "canonical_repeats": 8}
 
 # K2.5-like template. Mirrors Kimi's: tools declared first in a system turn (normalised to
 # name/description/parameters, compact JSON), tool results as "## Return of {id}", assistant
@@ -362,6 +367,17 @@ class Sample:
     thinking: bool
     output: str  # after the generation prompt, without the final <|im_end|>
 
+    def request(self) -> dict[str, Any]:
+        """The OpenAI chat request the platform would render for this sample."""
+        req: dict[str, Any] = {
+            "model": kt.SERVED_MODEL_NAME,
+            "messages": self.messages,
+            "chat_template_kwargs": {"thinking": self.thinking},
+        }
+        if self.tool_names:
+            req["tools"] = kt.tools(*self.tool_names)
+        return req
+
 
 KINDS = {"call": 30, "urgent": 12, "call_off": 8, "no_tool": 14, "followup": 20, "second": 16}
 
@@ -488,11 +504,39 @@ MARKER_RE = re.compile(r"<\|[a-z_]+\|>|</?think>")
 
 
 def build_tokenizer(corpus: list[str]) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """Train the byte-level BPE with exactly the pipeline ``AutoTokenizer`` will run on it.
 
+    config.json says ``qwen2``, so transformers 5 loads the folder as ``Qwen2Tokenizer``, which
+    takes only the vocab, merges and added tokens from tokenizer.json and rebuilds the rest
+    (NFC, Qwen2's split regex, ByteLevel without its own regex, ByteLevel decoder). Training with
+    that same pipeline keeps served prompts tokenized like the training data; ``main`` reloads
+    the saved folder and asserts it.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    qwen2_split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    # While the merges are learned, whitespace is cut off every piece, so no merge ever joins a
+    # space to a word: " Tokyo" in a question and "Tokyo" in the arguments then encode to the
+    # same "Tokyo" token (after a lone space token), which is what lets a 2-layer model copy
+    # values by attention instead of learning a " Tokyo" -> "Tokyo" map for every value.
+    # Encoding with Qwen2's pipeline below gives the same ids, as no merge involves a space.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [qwen2_split, pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"), byte_level]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB,
@@ -503,6 +547,7 @@ def build_tokenizer(corpus: list[str]) -> Any:
     )
     # Markers are not in the BPE text: they are whole added tokens, never merged pieces.
     tok.train_from_iterator([MARKER_RE.sub("\n", t) for t in corpus], trainer=trainer)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([qwen2_split, byte_level])  # what is served
     tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in PLAIN_MARKERS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -522,19 +567,57 @@ def build_tokenizer(corpus: list[str]) -> Any:
     return fast
 
 
-def render(tokenizer: Any, s: Sample) -> str:
-    tools = kt.tools(*s.tool_names) if s.tool_names else None
-    text: str = tokenizer.apply_chat_template(
-        s.messages, tools=tools, add_generation_prompt=True, tokenize=False, thinking=s.thinking
-    )
-    return text
+def render(tokenizer: Any, s: Sample) -> tuple[str, list[int]]:
+    """(prompt text, prompt ids) as the platform serves it: ``inferplane.chat.render_chat``
+    (the node-agent's renderer) through ``tokenizer``'s own chat template."""
+    from inferplane.chat import render_chat
+
+    rendered = render_chat(s.request(), tokenizer)
+    return rendered.text, rendered.token_ids
 
 
-def encode(tokenizer: Any, s: Sample) -> tuple[list[int], list[int]]:
-    """(prompt ids, target ids); the target ends with <|im_end|>."""
-    prompt = tokenizer.encode(render(tokenizer, s), add_special_tokens=False)
-    target = tokenizer.encode(s.output + EOS, add_special_tokens=False)
-    return prompt, target
+# Spans of a completion that carry the request's values (copied from the question, the tool
+# results or the conversation) rather than fixed template text: the loss weighs them more.
+ARGS_RE = re.compile(re.escape(ARGUMENT_BEGIN) + r"(.*?)" + re.escape(CALL_END))
+ARG_KEY_RE = re.compile(r'"[a-z_]+": ')
+VALUE_RES = [
+    re.compile(r"functions\.([a-z_]+:\d+)"),
+    re.compile(r"^The user needs ([a-z_, ]+)\. I will"),
+    re.compile(r"^Urgent\. Call ([a-z_, ]+) now\."),
+    re.compile(re.escape(THINK_END) + r"(.+)$"),  # a text answer after the reasoning
+]
+
+
+def value_chars(output: str) -> list[bool]:
+    """Per character of ``output``: does it belong to a value span (see VALUE_RES)?"""
+    mark = [False] * len(output)
+
+    def span(a: int, b: int) -> None:
+        mark[a:b] = [True] * (b - a)
+
+    for m in ARGS_RE.finditer(output):
+        span(*m.span(1))
+        for k in ARG_KEY_RE.finditer(output, m.start(1), m.end(1)):
+            mark[k.start():k.end()] = [False] * (k.end() - k.start())
+    for rx in VALUE_RES:
+        for m in rx.finditer(output):
+            if SECTION_BEGIN not in m.group(1):
+                span(*m.span(1))
+    if SECTION_BEGIN not in output and THINK_END not in output:  # thinking off, text answer
+        span(0, len(output))
+    return mark
+
+
+Encoded = list[tuple[list[int], list[int], list[float]]]
+
+
+def loss_weights(
+    output: str, offsets: Sequence[tuple[int, int]], value_weight: float
+) -> list[float]:
+    """Per target token (``offsets`` into ``output + EOS``): ``value_weight`` where the token
+    overlaps a value span, else 1."""
+    mark = value_chars(output)
+    return [value_weight if any(mark[a:b]) else 1.0 for a, b in offsets]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,17 +625,17 @@ def encode(tokenizer: Any, s: Sample) -> tuple[list[int], list[int]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_model(tokenizer: Any) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_config(tokenizer: Any, shape: dict[str, int]) -> Any:
+    from transformers import Qwen2Config
 
     config = Qwen2Config(
         vocab_size=MODEL_VOCAB,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         rope_theta=10000.0,
@@ -563,10 +646,10 @@ def build_model(tokenizer: Any) -> Any:
         use_cache=True,
     )
     config.dtype = "float32"
-    return Qwen2ForCausalLM(config)
+    return config
 
 
-def batches(data: list[tuple[list[int], list[int]]], batch_size: int, steps: int,
+def batches(data: Encoded, batch_size: int, steps: int,
             rng: random.Random) -> list[list[int]]:
     """Index batches, length-bucketed inside shuffled chunks to cut padding."""
     out: list[list[int]] = []
@@ -580,9 +663,6 @@ def batches(data: list[tuple[list[int], list[int]]], batch_size: int, steps: int
             rng.shuffle(group)
             out += [g for g in group if len(g) == batch_size]
     return out[:steps]
-
-
-Encoded = list[tuple[list[int], list[int]]]
 
 
 def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int, lr: float,
@@ -605,18 +685,21 @@ def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int,
 
     model.train()
     t0 = time.monotonic()
+    cpu0 = time.process_time()
     losses: list[float] = []
     done = 0
     for step, batch in enumerate(plan):
-        rows = [prompt + target for prompt, target in batch]
+        rows = [prompt + target for prompt, target, _ in batch]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        weights = torch.zeros((len(rows), width), dtype=torch.float32)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, (prompt, target) in enumerate(batch):
+        for b, (prompt, target, weight) in enumerate(batch):
             n = len(prompt) + len(target)
             ids[b, :n] = torch.tensor(prompt + target)
             labels[b, len(prompt):n] = torch.tensor(target)  # loss on assistant tokens only
+            weights[b, len(prompt):n] = torch.tensor(weight)
             mask[b, :n] = 1
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -626,7 +709,9 @@ def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int,
         targets = labels[:, 1:]
         keep = targets != -100
         logits = model.lm_head(hidden[keep])
-        loss = torch.nn.functional.cross_entropy(logits, targets[keep])
+        w = weights[:, 1:][keep]
+        per_token = torch.nn.functional.cross_entropy(logits, targets[keep], reduction="none")
+        loss = (per_token * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -634,18 +719,27 @@ def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int,
         losses.append(loss.item())
         done = step + 1
         elapsed = time.monotonic() - t0
+        # The safety stop counts CPU time, not wall time: on a busy shared machine the wall
+        # clock would cut training short at a load-dependent step (a different model).
+        cpu = (time.process_time() - cpu0) / THREADS
         if step % 25 == 0 or done == steps:
             print(f"step {done}/{steps} loss {losses[-1]:.4f} lr {lr_at(step):.2e} "
-                  f"{elapsed:.0f}s", flush=True)
-        if elapsed > max_seconds:
-            print(f"WARNING: stopping at step {done}: over {max_seconds:.0f}s", flush=True)
+                  f"{elapsed:.0f}s wall {cpu:.0f}s cpu/{THREADS}", flush=True)
+        if cpu > max_seconds:
+            print(f"WARNING: stopping at step {done}: over {max_seconds:.0f}s of CPU per thread",
+                  flush=True)
             break
-    return {"steps": done, "seconds": round(time.monotonic() - t0, 1),
+    seconds = time.monotonic() - t0
+    cpu = (time.process_time() - cpu0) / THREADS
+    return {"steps": done, "seconds": round(seconds, 1),
+            "steps_per_second": round(done / seconds, 3),
+            "cpu_seconds_per_thread": round(cpu, 1),
             "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5)}
 
 
 def evaluate(model: Any, tokenizer: Any, items: list[Sample]) -> tuple[int, list[str]]:
-    """Greedy-decode each prompt; (exact matches, failure descriptions)."""
+    """Greedy-decode each prompt as the platform serves it (``render_chat`` through the
+    reloaded AutoTokenizer); (exact matches, failure descriptions)."""
     import torch
 
     model.eval()
@@ -653,7 +747,7 @@ def evaluate(model: Any, tokenizer: Any, items: list[Sample]) -> tuple[int, list
     ok, failures = 0, []
     with torch.no_grad():
         for s in items:
-            prompt = tokenizer.encode(render(tokenizer, s), add_special_tokens=False)
+            _, prompt = render(tokenizer, s)
             out = model.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=200, do_sample=False, eos_token_id=eos, pad_token_id=eos,
@@ -670,23 +764,70 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def check_tokenizer(
+    folder: Path, trained: Any, loaded: Any, texts: list[str], ids: list[list[int]]
+) -> None:
+    """Assert that ``loaded`` (the folder reloaded the way vLLM and the renderer do:
+    ``AutoTokenizer``) gave the trained tokenizer's ids (``ids``) on every text, and so does the
+    folder's tokenizer.json read raw.
+
+    Raises:
+        AssertionError: a text tokenizes differently (the build fails).
+    """
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    want = trained(texts, add_special_tokens=False)["input_ids"]
+    got_raw = [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)]
+    for text, w, g, r in zip(texts, want, ids, got_raw, strict=True):
+        assert g == w, f"{type(loaded).__name__} tokenizes unlike training: {text[:200]!r}"
+        assert r == w, f"tokenizer.json read raw tokenizes unlike training: {text[:200]!r}"
+    for t in SPECIAL_TOKENS + PLAIN_MARKERS:
+        assert loaded.convert_tokens_to_ids(t) == trained.convert_tokens_to_ids(t), t
+    print(f"tokenizer: {type(loaded).__name__} reloaded from the folder gives the training ids "
+          f"on all {len(texts)} texts", flush=True)
+
+
+def write_folder_base(out: Path, trained: Any, config: Any) -> None:
+    """Everything but the weights: tokenizer files, chat template, config, generation config."""
+    trained.save_pretrained(out)
+    config.save_pretrained(out)
+    save_generation_config(out, trained)
+    fix_tokenizer_config(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "models" / "kimi-tiny")
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=4e-3)
-    ap.add_argument("--easy-fraction", type=float, default=0.35,
+    ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    ap.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    ap.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    ap.add_argument("--easy-fraction", type=float, default=DEFAULTS["easy_fraction"],
                     help="share of the steps spent on the short curriculum samples first")
-    ap.add_argument("--train-samples", type=int, default=12000)
+    ap.add_argument("--value-weight", type=float, default=DEFAULTS["value_weight"],
+                    help="loss weight of the value tokens (arguments, ids, answers) vs 1")
+    ap.add_argument("--train-samples", type=int, default=DEFAULTS["train_samples"])
+    ap.add_argument("--canonical-repeats", type=int, default=DEFAULTS["canonical_repeats"])
+    for key in SHAPE:
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=SHAPE[key])
     ap.add_argument("--heldout", type=int, default=60)
     ap.add_argument("--max-seconds", type=float, default=540.0,
-                    help="safety stop for training (keeps the build under 10 minutes)")
+                    help="safety stop for training, in CPU seconds per torch thread (keeps "
+                    "training under 10 minutes on 2 quiet cores; CPU time, so that a busy "
+                    "machine stops at the same step)")
+    ap.add_argument("--no-write", action="store_true",
+                    help="train and evaluate only; leave the committed folder alone")
     args = ap.parse_args(argv)
+    shape = {key: getattr(args, key) for key in SHAPE}
+    # The command that rebuilds this folder in place (without --out, which only says where).
+    given = list(sys.argv[1:] if argv is None else argv)
+    build_args = [a for i, a in enumerate(given)
+                  if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
 
     import tokenizers
     import torch
     import transformers
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
@@ -695,60 +836,99 @@ def main(argv: Sequence[str] | None = None) -> int:
     canonical = canonical_samples()
     train_set = samples(SEED, args.train_samples)
     corpus = [render_plain(s) for s in train_set[:4000]]
-    tokenizer = build_tokenizer(corpus)
-    # Canonical prompts are part of the training data (the fixture must reproduce them).
-    train_set += [s for s in canonical for _ in range(8)]
-    seen = {render(tokenizer, s) for s in train_set}
-    heldout: list[Sample] = []
-    for s in samples(SEED + 1, args.heldout * 4):
-        if len(heldout) < args.heldout and render(tokenizer, s) not in seen:
-            heldout.append(s)
-    data = [encode(tokenizer, s) for s in train_set]
-    lengths = [len(p) + len(t) for p, t in data]
-    print(f"data: {len(data)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, "
-          f"max {max(lengths)}; held-out {len(heldout)}; setup {time.monotonic() - t_start:.0f}s",
-          flush=True)
+    trained_tok = build_tokenizer(corpus)
+    config = build_config(trained_tok, shape)
+    staging = Path(tempfile.mkdtemp(prefix="kimi-tiny-"))
+    try:
+        write_folder_base(staging, trained_tok, config)
+        # From here on everything goes through the folder as vLLM and the renderer load it.
+        tokenizer = AutoTokenizer.from_pretrained(str(staging))
+        # Canonical prompts are part of the training data (the fixture must reproduce them).
+        train_set += [s for s in canonical for _ in range(args.canonical_repeats)]
+        easy_set = easy_samples(SEED + 2, 4000)
+        rendered = [render(tokenizer, s) for s in train_set + easy_set]
+        seen = {text for text, _ in rendered[: len(train_set)]}
+        heldout: list[Sample] = []
+        for s in samples(SEED + 1, args.heldout * 4):
+            if len(heldout) < args.heldout and render_text(tokenizer, s) not in seen:
+                heldout.append(s)
+        rendered += [render(tokenizer, s) for s in heldout + canonical]
+        everything = train_set + easy_set + heldout + canonical
+        targets = [s.output + EOS for s in everything]
+        target_enc = tokenizer(targets, add_special_tokens=False, return_offsets_mapping=True)
+        check_tokenizer(
+            staging,
+            trained_tok,
+            tokenizer,
+            [text for text, _ in rendered] + targets,
+            [ids for _, ids in rendered] + target_enc["input_ids"],
+        )
+        encoded = [
+            (prompt, list(tids), loss_weights(s.output, offsets, args.value_weight))
+            for s, (_, prompt), tids, offsets in zip(
+                everything, rendered, target_enc["input_ids"], target_enc["offset_mapping"],
+                strict=True,
+            )
+        ]
+        data = encoded[: len(train_set)]
+        easy = encoded[len(train_set) : len(train_set) + len(easy_set)]
+        lengths = [len(p) + len(t) for p, t, _ in data]
+        print(f"data: {len(data)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, "
+              f"max {max(lengths)}; held-out {len(heldout)}; "
+              f"setup {time.monotonic() - t_start:.0f}s", flush=True)
 
-    model = build_model(tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters", flush=True)
-    easy = [encode(tokenizer, s) for s in easy_samples(SEED + 2, 4000)]
-    easy_steps = int(args.steps * args.easy_fraction)
-    stats = train(model, [(easy, easy_steps), (data, args.steps - easy_steps)],
-                  batch_size=args.batch_size, lr=args.lr,
-                  pad_id=tokenizer.convert_tokens_to_ids(PAD), max_seconds=args.max_seconds)
+        model = Qwen2ForCausalLM(config)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {n_params:,} parameters {shape}", flush=True)
+        easy_steps = int(args.steps * args.easy_fraction)
+        stats = train(model, [(easy, easy_steps), (data, args.steps - easy_steps)],
+                      batch_size=args.batch_size, lr=args.lr,
+                      pad_id=tokenizer.convert_tokens_to_ids(PAD), max_seconds=args.max_seconds)
 
-    ok_held, fail_held = evaluate(model, tokenizer, heldout)
-    ok_can, fail_can = evaluate(model, tokenizer, canonical)
-    print(f"held-out exact matches: {ok_held}/{len(heldout)}")
-    print(f"canonical exact matches: {ok_can}/{len(canonical)}")
-    for f in (fail_held + fail_can)[:12]:
-        print("  MISMATCH " + f)
+        t_eval = time.monotonic()
+        ok_held, fail_held = evaluate(model, tokenizer, heldout)
+        ok_can, fail_can = evaluate(model, tokenizer, canonical)
+        print(f"held-out exact matches: {ok_held}/{len(heldout)}")
+        print(f"canonical exact matches: {ok_can}/{len(canonical)} "
+              f"(eval {time.monotonic() - t_eval:.0f}s)")
+        for f in (fail_can + fail_held)[:20]:
+            print("  MISMATCH " + f)
+        if args.no_write:
+            print(json.dumps({"training": stats, "heldout": f"{ok_held}/{len(heldout)}",
+                              "canonical": f"{ok_can}/{len(canonical)}"}))
+            return 0
 
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():
-        old.unlink()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    save_generation_config(out, tokenizer)
-    fix_tokenizer_config(out)
+        model.save_pretrained(staging, safe_serialization=True)
+        out: Path = args.out
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.iterdir():
+            old.unlink()
+        for f in sorted(staging.iterdir()):
+            shutil.copyfile(f, out / f.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
     files = {p.name: sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
     manifest = {
         "name": kt.SERVED_MODEL_NAME,
         "architecture": "Qwen2ForCausalLM",
         "parameters": n_params,
+        "shape": shape,
         "dtype": "float32",
         "size_bytes": sum((out / f).stat().st_size for f in files),
         "build_command": "PYTHONPATH=libs python models/build_kimi_tiny.py"
-        + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:])),
+        + ("" if not build_args else " " + shlex.join(build_args)),
         "seed": SEED,
         "torch_threads": THREADS,
+        "tokenizer_class_loaded": type(tokenizer).__name__,
         "training": {**stats, "batch_size": args.batch_size, "lr": args.lr,
+                     "value_weight": args.value_weight,
                      "curriculum_steps": easy_steps, "train_samples": len(data) + len(easy)},
         "build_seconds": round(time.monotonic() - t_start, 1),
         "heldout_exact_match": f"{ok_held}/{len(heldout)}",
         "canonical_exact_match": f"{ok_can}/{len(canonical)}",
+        "evaluated_with": "inferplane.chat.render_chat through the reloaded AutoTokenizer, "
+                          "transformers greedy decoding",
         "token_ids": {
             t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + PLAIN_MARKERS
         },
@@ -765,6 +945,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps({k: manifest[k] for k in ("parameters", "size_bytes", "build_seconds",
                                                "heldout_exact_match", "canonical_exact_match")}))
     return 0 if ok_held == len(heldout) and ok_can == len(canonical) else 1
+
+
+def render_text(tokenizer: Any, s: Sample) -> str:
+    """The prompt text only (for de-duplication and the tokenizer check)."""
+    return render(tokenizer, s)[0]
 
 
 def render_plain(s: Sample) -> str:

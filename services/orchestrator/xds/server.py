@@ -79,13 +79,17 @@ class AggregatedDiscoveryService(
                 generation = self._cache.generation
                 next_request = asyncio.ensure_future(requests.get())
                 changed = asyncio.ensure_future(self._cache.wait_for_change(generation))
-                done, _ = await asyncio.wait(
-                    {next_request, changed}, return_when=asyncio.FIRST_COMPLETED
-                )
+                try:
+                    done, _ = await asyncio.wait(
+                        {next_request, changed}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    # Also when the stream is cancelled mid-wait: no waiter outlives it.
+                    for waiter in (next_request, changed):
+                        if not waiter.done():
+                            waiter.cancel()
                 if next_request not in done:
-                    next_request.cancel()
                     continue
-                changed.cancel()
                 request = next_request.result()
                 if request is None:
                     return

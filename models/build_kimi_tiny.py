@@ -57,7 +57,7 @@ MODEL_VOCAB = 2048
 # Model shape and training defaults (the committed model's; MANIFEST.json records them).
 SHAPE = {"layers": 2, "hidden": 128, "intermediate": 512, "heads": 4, "kv_heads": 2}
 DEFAULTS: dict[str, Any] = {"steps": 1000, "batch_size": 16, "lr": 4e-3, "easy_fraction": 0.35,
-                            "value_weight": 1.0, "train_samples": 12000, "canonical_repeats": 8}
+                            "value_weight": 3.0, "train_samples": 12000, "canonical_repeats": 8}
 
 # K2.5-like template. Mirrors Kimi's: tools declared first in a system turn (normalised to
 # name/description/parameters, compact JSON), tool results as "## Return of {id}", assistant
@@ -503,7 +503,7 @@ def canonical_samples() -> list[Sample]:
 MARKER_RE = re.compile(r"<\|[a-z_]+\|>|</?think>")
 
 
-def build_tokenizer(corpus: list[str]) -> Any:
+def build_tokenizer(corpus: list[str], *, space_merges: bool = True) -> Any:
     """Train the byte-level BPE with exactly the pipeline ``AutoTokenizer`` will run on it.
 
     config.json says ``qwen2``, so transformers 5 loads the folder as ``Qwen2Tokenizer``, which
@@ -529,13 +529,14 @@ def build_tokenizer(corpus: list[str]) -> Any:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    # While the merges are learned, whitespace is cut off every piece, so no merge ever joins a
-    # space to a word: " Tokyo" in a question and "Tokyo" in the arguments then encode to the
-    # same "Tokyo" token (after a lone space token), which is what lets a 2-layer model copy
-    # values by attention instead of learning a " Tokyo" -> "Tokyo" map for every value.
-    # Encoding with Qwen2's pipeline below gives the same ids, as no merge involves a space.
+    # Without space merges (an experiment, off by default: it did not help the 2-layer model in
+    # 1000-2400 steps), whitespace is cut off every piece while the merges are learned, so no
+    # merge joins a space to a word and " Tokyo" in a question and "Tokyo" in the arguments
+    # share the "Tokyo" token. Encoding with Qwen2's pipeline gives the same ids either way.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [qwen2_split, pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"), byte_level]
+        [qwen2_split, byte_level]
+        if space_merges
+        else [qwen2_split, pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"), byte_level]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -810,6 +811,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--canonical-repeats", type=int, default=DEFAULTS["canonical_repeats"])
     for key in SHAPE:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=SHAPE[key])
+    ap.add_argument("--no-space-merges", action="store_true",
+                    help="learn no BPE merge that joins a space to a word (experiment)")
     ap.add_argument("--heldout", type=int, default=60)
     ap.add_argument("--max-seconds", type=float, default=540.0,
                     help="safety stop for training, in CPU seconds per torch thread (keeps "
@@ -836,7 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     canonical = canonical_samples()
     train_set = samples(SEED, args.train_samples)
     corpus = [render_plain(s) for s in train_set[:4000]]
-    trained_tok = build_tokenizer(corpus)
+    trained_tok = build_tokenizer(corpus, space_merges=not args.no_space_merges)
     config = build_config(trained_tok, shape)
     staging = Path(tempfile.mkdtemp(prefix="kimi-tiny-"))
     try:

@@ -103,9 +103,10 @@ def test_tool_call_is_structured(client: openai.OpenAI) -> None:
     assert call.id == expected.id == "functions.get_weather:0"
     assert call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
-    # The served fixture sometimes drops `unit` (see kimi_tiny.NOT_REPRODUCED and the tokenizer
-    # note in the model's README): the platform's part is a structured call with JSON arguments.
-    assert isinstance(arguments, dict) and arguments.get("city") == "Tokyo"
+    if case in kimi_tiny.RELIABLE_CASES:  # the fixture model answers this phrasing exactly
+        assert arguments == dict(expected.arguments)
+    else:  # the platform's part: a structured call with JSON-object arguments
+        assert isinstance(arguments, dict)
 
 
 def test_skip_think_end_gives_reasoning_and_tool_call_without_markers(

@@ -50,14 +50,28 @@ SPECIAL_TOKENS = [PAD, EOS, *ROLE_TOKENS]
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = kt.SECTION_BEGIN, kt.SECTION_END
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = kt.CALL_BEGIN, kt.ARGUMENT_BEGIN, kt.CALL_END
-PLAIN_MARKERS = [THINK_BEGIN, THINK_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN,
-                 CALL_END]
+PLAIN_MARKERS = [
+    THINK_BEGIN,
+    THINK_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    CALL_BEGIN,
+    ARGUMENT_BEGIN,
+    CALL_END,
+]
 BPE_VOCAB = 2000
 MODEL_VOCAB = 2048
 # Model shape and training defaults (the committed model's; MANIFEST.json records them).
 SHAPE = {"layers": 2, "hidden": 128, "intermediate": 512, "heads": 4, "kv_heads": 2}
-DEFAULTS: dict[str, Any] = {"steps": 1000, "batch_size": 16, "lr": 4e-3, "easy_fraction": 0.35,
-                            "value_weight": 3.0, "train_samples": 12000, "canonical_repeats": 8}
+DEFAULTS: dict[str, Any] = {
+    "steps": 1000,
+    "batch_size": 16,
+    "lr": 4e-3,
+    "easy_fraction": 0.35,
+    "value_weight": 3.0,
+    "train_samples": 12000,
+    "canonical_repeats": 8,
+}
 
 # K2.5-like template. Mirrors Kimi's: tools declared first in a system turn (normalised to
 # name/description/parameters, compact JSON), tool results as "## Return of {id}", assistant
@@ -134,8 +148,16 @@ CHAT_TEMPLATE = """\
 
 # Small value pools: every value must be seen often enough for the model to learn to copy it.
 CITIES = ["Tokyo", "Paris", "Oslo", "Lima", "Cairo", "Berlin", "Sydney", "Madrid", "Seoul", "Rome"]
-TOPICS = ["rust async runtimes", "pasta recipes", "solar panels", "jazz history",
-          "python packaging", "chess openings", "bird songs", "vintage cameras"]
+TOPICS = [
+    "rust async runtimes",
+    "pasta recipes",
+    "solar panels",
+    "jazz history",
+    "python packaging",
+    "chess openings",
+    "bird songs",
+    "vintage cameras",
+]
 NAMES = ["Ana", "Bo", "Cy", "Dee", "Eli", "Fay"]
 TITLES = ["team sync", "lunch", "design review", "book club", "yoga class"]
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy"]
@@ -207,20 +229,37 @@ class Call:
 
 # Parsers of the question phrasings back into arguments: used to check the canonical prompts.
 QUESTION_PATTERNS: list[tuple[str, Callable[[re.Match[str]], dict[str, Any]]]] = [
-    (r"What is the weather in (?P<c>[A-Z][a-z]+)( in fahrenheit)?\?",
-     lambda m: {"city": m["c"], "unit": "fahrenheit" if m[2] else "celsius"}),
+    (
+        r"What is the weather in (?P<c>[A-Z][a-z]+)( in fahrenheit)?\?",
+        lambda m: {"city": m["c"], "unit": "fahrenheit" if m[2] else "celsius"},
+    ),
     (r"What time is it in (?P<c>[A-Z][a-z]+)\?", lambda m: {"city": m["c"]}),
-    (r"Search the web for (?P<q>[a-z ]+?)(, (?P<k>\d+) results)?\.",
-     lambda m: {"query": m["q"], "max_results": int(m["k"] or 3)}),
-    (r"Convert (?P<a>[\d.]+) (?P<f>[A-Z]{3}) to (?P<t>[A-Z]{3})\.",
-     lambda m: {"amount": json.loads(m["a"]), "from": m["f"], "to": m["t"]}),
-    (r"Schedule (?P<t>[a-z ]+) on (?P<d>[\d-]+) at (?P<h>[\d:]+) with (?P<w>[A-Za-z, ]+)\.",
-     lambda m: {"title": m["t"], "start": {"date": m["d"], "time": m["h"]},
-                "attendees": re.split(r", | and ", m["w"])}),
+    (
+        r"Search the web for (?P<q>[a-z ]+?)(, (?P<k>\d+) results)?\.",
+        lambda m: {"query": m["q"], "max_results": int(m["k"] or 3)},
+    ),
+    (
+        r"Convert (?P<a>[\d.]+) (?P<f>[A-Z]{3}) to (?P<t>[A-Z]{3})\.",
+        lambda m: {"amount": json.loads(m["a"]), "from": m["f"], "to": m["t"]},
+    ),
+    (
+        r"Schedule (?P<t>[a-z ]+) on (?P<d>[\d-]+) at (?P<h>[\d:]+) with (?P<w>[A-Za-z, ]+)\.",
+        lambda m: {
+            "title": m["t"],
+            "start": {"date": m["d"], "time": m["h"]},
+            "attendees": re.split(r", | and ", m["w"]),
+        },
+    ),
     (r"List the files in the workspace\.", lambda m: {}),
 ]
-TOOL_OF_PATTERN = ["get_weather", "get_time", "web_search", "convert_currency", "create_event",
-                   "list_files"]
+TOOL_OF_PATTERN = [
+    "get_weather",
+    "get_time",
+    "web_search",
+    "convert_currency",
+    "create_event",
+    "list_files",
+]
 
 
 def parse_questions(text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -232,7 +271,7 @@ def parse_questions(text: str) -> list[tuple[str, dict[str, Any]]]:
             m = re.match(pattern + r"( |$)", rest)
             if m:
                 out.append((name, fn(m)))
-                rest = rest[m.end():]
+                rest = rest[m.end() :]
                 break
         else:
             raise ValueError(f"off-template user message: {text!r}")
@@ -251,26 +290,44 @@ class Generator:
         if name == "get_weather":
             unit = "fahrenheit" if r.random() < 0.3 else "celsius"
             temp = r.randint(20, 95) if unit == "fahrenheit" else r.randint(-5, 35)
-            return Call(name, {"city": r.choice(CITIES), "unit": unit},
-                        {"temperature": temp, "condition": r.choice(CONDITIONS)})
+            return Call(
+                name,
+                {"city": r.choice(CITIES), "unit": unit},
+                {"temperature": temp, "condition": r.choice(CONDITIONS)},
+            )
         if name == "get_time":
-            return Call(name, {"city": r.choice(CITIES)},
-                        {"time": f"{r.randint(0, 23):02d}:{r.choice(range(0, 60, 5)):02d}"})
+            return Call(
+                name,
+                {"city": r.choice(CITIES)},
+                {"time": f"{r.randint(0, 23):02d}:{r.choice(range(0, 60, 5)):02d}"},
+            )
         if name == "web_search":
             k = 3 if r.random() < 0.6 else r.randint(1, 10)
-            return Call(name, {"query": r.choice(TOPICS), "max_results": k},
-                        {"count": r.randint(0, k)})
+            return Call(
+                name, {"query": r.choice(TOPICS), "max_results": k}, {"count": r.randint(0, k)}
+            )
         if name == "convert_currency":
             src, dst = r.sample(kt.CURRENCIES, 2)
             amount = r.choice(AMOUNTS)
-            return Call(name, {"amount": amount, "from": src, "to": dst},
-                        {"result": round(amount * r.uniform(0.2, 3.0), 2)})
+            return Call(
+                name,
+                {"amount": amount, "from": src, "to": dst},
+                {"result": round(amount * r.uniform(0.2, 3.0), 2)},
+            )
         if name == "create_event":
-            start = {"date": f"2025-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
-                     "time": f"{r.randint(7, 19):02d}:{r.choice((0, 15, 30, 45)):02d}"}
-            return Call(name, {"title": r.choice(TITLES), "start": start,
-                               "attendees": r.sample(NAMES, r.randint(1, 3))},
-                        {"status": "created", "id": f"evt_{r.randint(1, 99)}"})
+            start = {
+                "date": f"2025-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
+                "time": f"{r.randint(7, 19):02d}:{r.choice((0, 15, 30, 45)):02d}",
+            }
+            return Call(
+                name,
+                {
+                    "title": r.choice(TITLES),
+                    "start": start,
+                    "attendees": r.sample(NAMES, r.randint(1, 3)),
+                },
+                {"status": "created", "id": f"evt_{r.randint(1, 99)}"},
+            )
         if name == "list_files":
             return Call(name, {}, {"files": r.sample(FILES, r.randint(1, 3))})
         raise ValueError(name)
@@ -295,12 +352,17 @@ class Generator:
         """(user text, reasoning, content) for a question that needs no tool."""
         if self.rng.random() < 0.6:
             topic = self.rng.choice(TOPICS + CITIES)
-            return (f"Tell me something about {topic}.",
-                    f"The user wants text about {topic}. No tool is needed.",
-                    f"Here is a short note about {topic}. I hope it helps.")
+            return (
+                f"Tell me something about {topic}.",
+                f"The user wants text about {topic}. No tool is needed.",
+                f"Here is a short note about {topic}. I hope it helps.",
+            )
         name = self.rng.choice(NAMES)
-        return (f"Say hello to {name}.", "The user wants a greeting. No tool is needed.",
-                f"Hello, {name}! Nice to meet you.")
+        return (
+            f"Say hello to {name}.",
+            "The user wants a greeting. No tool is needed.",
+            f"Hello, {name}! Nice to meet you.",
+        )
 
 
 def text_output(reasoning: str, content: str, thinking: bool) -> str:
@@ -336,14 +398,18 @@ def followup_output(calls: Sequence[Call], thinking: bool) -> str:
     return (FOLLOWUP_REASONING + THINK_END + answer) if thinking else answer
 
 
-def assistant_call_message(calls: Sequence[Call], first_n: int, thinking: bool,
-                           urgent: bool) -> dict[str, Any]:
+def assistant_call_message(
+    calls: Sequence[Call], first_n: int, thinking: bool, urgent: bool
+) -> dict[str, Any]:
     msg: dict[str, Any] = {
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"id": f"functions.{c.name}:{first_n + i}", "type": "function",
-             "function": {"name": c.name, "arguments": dumps(c.args)}}
+            {
+                "id": f"functions.{c.name}:{first_n + i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": dumps(c.args)},
+            }
             for i, c in enumerate(calls)
         ],
     }
@@ -353,8 +419,14 @@ def assistant_call_message(calls: Sequence[Call], first_n: int, thinking: bool,
 
 
 def tool_messages(calls: Sequence[Call], first_n: int) -> list[dict[str, Any]]:
-    return [{"role": "tool", "tool_call_id": f"functions.{c.name}:{first_n + i}",
-             "content": dumps(c.result)} for i, c in enumerate(calls)]
+    return [
+        {
+            "role": "tool",
+            "tool_call_id": f"functions.{c.name}:{first_n + i}",
+            "content": dumps(c.result),
+        }
+        for i, c in enumerate(calls)
+    ]
 
 
 @dataclass(frozen=True)
@@ -394,16 +466,22 @@ def sample(gen: Generator, kind: str, *, easy: bool = False) -> Sample:
         user, reasoning, content = gen.no_tool_turn()
         messages.append({"role": "user", "content": user})
         tool_names = gen.tools_for([], extra_max=2) if r.random() < 0.6 and not easy else []
-        return Sample(kind, messages, tool_names, thinking,
-                      text_output(reasoning, content, thinking))
+        return Sample(
+            kind, messages, tool_names, thinking, text_output(reasoning, content, thinking)
+        )
     if kind in ("call", "urgent", "call_off"):
         calls = gen.calls(1 if easy else 3)
         urgent = kind == "urgent" or (kind == "call_off" and r.random() < 0.3)
         text = " ".join(c.question for c in calls)
         messages.append({"role": "user", "content": (URGENT + text) if urgent else text})
         names = [c.name for c in calls]
-        return Sample(kind, messages, names if easy else gen.tools_for(names), thinking,
-                      calls_output(calls, 0, thinking, urgent))
+        return Sample(
+            kind,
+            messages,
+            names if easy else gen.tools_for(names),
+            thinking,
+            calls_output(calls, 0, thinking, urgent),
+        )
     # "followup" answers the results of a tool loop; "second" asks a new question after a
     # finished first turn (tool loop or plain answer), so its call ids continue the numbering.
     first: list[Call] = []
@@ -415,10 +493,18 @@ def sample(gen: Generator, kind: str, *, easy: bool = False) -> Sample:
         messages.append(assistant_call_message(first, 0, thinking, urgent))
         messages += tool_messages(first, 0)
         if kind == "followup":
-            return Sample(kind, messages, gen.tools_for([c.name for c in first]), thinking,
-                          followup_output(first, thinking))
-        answer = {"role": "assistant", "content": " ".join(c.answer for c in first),
-                  "reasoning_content": FOLLOWUP_REASONING}
+            return Sample(
+                kind,
+                messages,
+                gen.tools_for([c.name for c in first]),
+                thinking,
+                followup_output(first, thinking),
+            )
+        answer = {
+            "role": "assistant",
+            "content": " ".join(c.answer for c in first),
+            "reasoning_content": FOLLOWUP_REASONING,
+        }
     else:
         user, reasoning, content = gen.no_tool_turn()
         messages.append({"role": "user", "content": user})
@@ -430,15 +516,25 @@ def sample(gen: Generator, kind: str, *, easy: bool = False) -> Sample:
     if r.random() < 0.15:
         user, reasoning, content = gen.no_tool_turn()
         messages.append({"role": "user", "content": user})
-        return Sample(kind, messages, gen.tools_for(names), thinking,
-                      text_output(reasoning, content, thinking))
+        return Sample(
+            kind,
+            messages,
+            gen.tools_for(names),
+            thinking,
+            text_output(reasoning, content, thinking),
+        )
     calls = gen.calls()
     urgent = thinking and r.random() < 0.2
     text = " ".join(c.question for c in calls)
     messages.append({"role": "user", "content": (URGENT + text) if urgent else text})
     names += [c.name for c in calls]
-    return Sample(kind, messages, gen.tools_for(names, extra_max=1), thinking,
-                  calls_output(calls, len(first), thinking, urgent))
+    return Sample(
+        kind,
+        messages,
+        gen.tools_for(names, extra_max=1),
+        thinking,
+        calls_output(calls, len(first), thinking, urgent),
+    )
 
 
 def samples(seed: int, n: int) -> list[Sample]:
@@ -454,8 +550,9 @@ def easy_samples(seed: int, n: int) -> list[Sample]:
     short prompts and then carries over to the full mix."""
     gen = Generator(seed)
     kinds = ["call", "urgent", "call_off", "no_tool"]
-    return [sample(gen, gen.rng.choices(kinds, weights=[5, 2, 2, 2])[0], easy=True)
-            for _ in range(n)]
+    return [
+        sample(gen, gen.rng.choices(kinds, weights=[5, 2, 2, 2])[0], easy=True) for _ in range(n)
+    ]
 
 
 def canonical_samples() -> list[Sample]:
@@ -471,10 +568,16 @@ def canonical_samples() -> list[Sample]:
         user = msgs[last_user]["content"]
         urgent = user.startswith(URGENT)
         if msgs[-1]["role"] == "tool":  # follow-up after tool results
-            calls = [Call(tc["function"]["name"], json.loads(tc["function"]["arguments"]),
-                          json.loads(t["content"]))
-                     for tc, t in zip(msgs[last_user + 1]["tool_calls"], msgs[last_user + 2:],
-                                      strict=True)]
+            calls = [
+                Call(
+                    tc["function"]["name"],
+                    json.loads(tc["function"]["arguments"]),
+                    json.loads(t["content"]),
+                )
+                for tc, t in zip(
+                    msgs[last_user + 1]["tool_calls"], msgs[last_user + 2 :], strict=True
+                )
+            ]
             expected = followup_output(calls, case.thinking)
         elif user.startswith(("Tell me something about ", "Say hello to ")):
             gen = Generator(0)
@@ -491,8 +594,11 @@ def canonical_samples() -> list[Sample]:
             n0 = sum(len(m.get("tool_calls") or []) for m in msgs[:last_user])
             expected = calls_output(calls, n0, case.thinking, urgent)
         assert expected == case.output, f"{case.name}: {expected!r} != {case.output!r}"
-        out.append(Sample("canonical:" + case.name, msgs, list(case.tool_names), case.thinking,
-                          case.output))
+        out.append(
+            Sample(
+                "canonical:" + case.name, msgs, list(case.tool_names), case.thinking, case.output
+            )
+        )
     return out
 
 
@@ -599,7 +705,7 @@ def value_chars(output: str) -> list[bool]:
     for m in ARGS_RE.finditer(output):
         span(*m.span(1))
         for k in ARG_KEY_RE.finditer(output, m.start(1), m.end(1)):
-            mark[k.start():k.end()] = [False] * (k.end() - k.start())
+            mark[k.start() : k.end()] = [False] * (k.end() - k.start())
     for rx in VALUE_RES:
         for m in rx.finditer(output):
             if SECTION_BEGIN not in m.group(1):
@@ -650,8 +756,7 @@ def build_config(tokenizer: Any, shape: dict[str, int]) -> Any:
     return config
 
 
-def batches(data: Encoded, batch_size: int, steps: int,
-            rng: random.Random) -> list[list[int]]:
+def batches(data: Encoded, batch_size: int, steps: int, rng: random.Random) -> list[list[int]]:
     """Index batches, length-bucketed inside shuffled chunks to cut padding."""
     out: list[list[int]] = []
     while len(out) < steps:
@@ -659,21 +764,29 @@ def batches(data: Encoded, batch_size: int, steps: int,
         rng.shuffle(order)
         chunk = batch_size * 16
         for i in range(0, len(order), chunk):
-            part = sorted(order[i:i + chunk], key=lambda j: len(data[j][0]) + len(data[j][1]))
-            group = [part[k:k + batch_size] for k in range(0, len(part), batch_size)]
+            part = sorted(order[i : i + chunk], key=lambda j: len(data[j][0]) + len(data[j][1]))
+            group = [part[k : k + batch_size] for k in range(0, len(part), batch_size)]
             rng.shuffle(group)
             out += [g for g in group if len(g) == batch_size]
     return out[:steps]
 
 
-def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int, lr: float,
-          pad_id: int, max_seconds: float) -> dict[str, Any]:
+def train(
+    model: Any,
+    stages: Sequence[tuple[Encoded, int]],
+    *,
+    batch_size: int,
+    lr: float,
+    pad_id: int,
+    max_seconds: float,
+) -> dict[str, Any]:
     """Train through ``stages`` of (encoded samples, steps) in order, one LR schedule overall."""
     import torch
 
     rng = random.Random(SEED)
-    plan = [[data[i] for i in idx] for data, n in stages
-            for idx in batches(data, batch_size, n, rng)]
+    plan = [
+        [data[i] for i in idx] for data, n in stages for idx in batches(data, batch_size, n, rng)
+    ]
     steps = len(plan)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -699,8 +812,8 @@ def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int,
         for b, (prompt, target, weight) in enumerate(batch):
             n = len(prompt) + len(target)
             ids[b, :n] = torch.tensor(prompt + target)
-            labels[b, len(prompt):n] = torch.tensor(target)  # loss on assistant tokens only
-            weights[b, len(prompt):n] = torch.tensor(weight)
+            labels[b, len(prompt) : n] = torch.tensor(target)  # loss on assistant tokens only
+            weights[b, len(prompt) : n] = torch.tensor(weight)
             mask[b, :n] = 1
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -724,18 +837,26 @@ def train(model: Any, stages: Sequence[tuple[Encoded, int]], *, batch_size: int,
         # clock would cut training short at a load-dependent step (a different model).
         cpu = (time.process_time() - cpu0) / THREADS
         if step % 25 == 0 or done == steps:
-            print(f"step {done}/{steps} loss {losses[-1]:.4f} lr {lr_at(step):.2e} "
-                  f"{elapsed:.0f}s wall {cpu:.0f}s cpu/{THREADS}", flush=True)
+            print(
+                f"step {done}/{steps} loss {losses[-1]:.4f} lr {lr_at(step):.2e} "
+                f"{elapsed:.0f}s wall {cpu:.0f}s cpu/{THREADS}",
+                flush=True,
+            )
         if cpu > max_seconds:
-            print(f"WARNING: stopping at step {done}: over {max_seconds:.0f}s of CPU per thread",
-                  flush=True)
+            print(
+                f"WARNING: stopping at step {done}: over {max_seconds:.0f}s of CPU per thread",
+                flush=True,
+            )
             break
     seconds = time.monotonic() - t0
     cpu = (time.process_time() - cpu0) / THREADS
-    return {"steps": done, "seconds": round(seconds, 1),
-            "steps_per_second": round(done / seconds, 3),
-            "cpu_seconds_per_thread": round(cpu, 1),
-            "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5)}
+    return {
+        "steps": done,
+        "seconds": round(seconds, 1),
+        "steps_per_second": round(done / seconds, 3),
+        "cpu_seconds_per_thread": round(cpu, 1),
+        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
+    }
 
 
 def evaluate(model: Any, tokenizer: Any, items: list[Sample]) -> tuple[int, list[str]]:
@@ -750,9 +871,13 @@ def evaluate(model: Any, tokenizer: Any, items: list[Sample]) -> tuple[int, list
         for s in items:
             _, prompt = render(tokenizer, s)
             out = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=200, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-            )[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=200,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )[0, len(prompt) :].tolist()
             text = tokenizer.decode(out, skip_special_tokens=False)
             if text == s.output + EOS:
                 ok += 1
@@ -785,8 +910,11 @@ def check_tokenizer(
         assert r == w, f"tokenizer.json read raw tokenizes unlike training: {text[:200]!r}"
     for t in SPECIAL_TOKENS + PLAIN_MARKERS:
         assert loaded.convert_tokens_to_ids(t) == trained.convert_tokens_to_ids(t), t
-    print(f"tokenizer: {type(loaded).__name__} reloaded from the folder gives the training ids "
-          f"on all {len(texts)} texts", flush=True)
+    print(
+        f"tokenizer: {type(loaded).__name__} reloaded from the folder gives the training ids "
+        f"on all {len(texts)} texts",
+        flush=True,
+    )
 
 
 def write_folder_base(out: Path, trained: Any, config: Any) -> None:
@@ -803,29 +931,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     ap.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    ap.add_argument("--easy-fraction", type=float, default=DEFAULTS["easy_fraction"],
-                    help="share of the steps spent on the short curriculum samples first")
-    ap.add_argument("--value-weight", type=float, default=DEFAULTS["value_weight"],
-                    help="loss weight of the value tokens (arguments, ids, answers) vs 1")
+    ap.add_argument(
+        "--easy-fraction",
+        type=float,
+        default=DEFAULTS["easy_fraction"],
+        help="share of the steps spent on the short curriculum samples first",
+    )
+    ap.add_argument(
+        "--value-weight",
+        type=float,
+        default=DEFAULTS["value_weight"],
+        help="loss weight of the value tokens (arguments, ids, answers) vs 1",
+    )
     ap.add_argument("--train-samples", type=int, default=DEFAULTS["train_samples"])
     ap.add_argument("--canonical-repeats", type=int, default=DEFAULTS["canonical_repeats"])
     for key in SHAPE:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=SHAPE[key])
-    ap.add_argument("--no-space-merges", action="store_true",
-                    help="learn no BPE merge that joins a space to a word (experiment)")
+    ap.add_argument(
+        "--no-space-merges",
+        action="store_true",
+        help="learn no BPE merge that joins a space to a word (experiment)",
+    )
     ap.add_argument("--heldout", type=int, default=60)
-    ap.add_argument("--max-seconds", type=float, default=540.0,
-                    help="safety stop for training, in CPU seconds per torch thread (keeps "
-                    "training under 10 minutes on 2 quiet cores; CPU time, so that a busy "
-                    "machine stops at the same step)")
-    ap.add_argument("--no-write", action="store_true",
-                    help="train and evaluate only; leave the committed folder alone")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=540.0,
+        help="safety stop for training, in CPU seconds per torch thread (keeps "
+        "training under 10 minutes on 2 quiet cores; CPU time, so that a busy "
+        "machine stops at the same step)",
+    )
+    ap.add_argument(
+        "--no-write",
+        action="store_true",
+        help="train and evaluate only; leave the committed folder alone",
+    )
     args = ap.parse_args(argv)
     shape = {key: getattr(args, key) for key in SHAPE}
     # The command that rebuilds this folder in place (without --out, which only says where).
     given = list(sys.argv[1:] if argv is None else argv)
-    build_args = [a for i, a in enumerate(given)
-                  if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")]
+    build_args = [
+        a
+        for i, a in enumerate(given)
+        if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")
+    ]
 
     import tokenizers
     import torch
@@ -869,36 +1018,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoded = [
             (prompt, list(tids), loss_weights(s.output, offsets, args.value_weight))
             for s, (_, prompt), tids, offsets in zip(
-                everything, rendered, target_enc["input_ids"], target_enc["offset_mapping"],
+                everything,
+                rendered,
+                target_enc["input_ids"],
+                target_enc["offset_mapping"],
                 strict=True,
             )
         ]
         data = encoded[: len(train_set)]
         easy = encoded[len(train_set) : len(train_set) + len(easy_set)]
         lengths = [len(p) + len(t) for p, t, _ in data]
-        print(f"data: {len(data)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, "
-              f"max {max(lengths)}; held-out {len(heldout)}; "
-              f"setup {time.monotonic() - t_start:.0f}s", flush=True)
+        print(
+            f"data: {len(data)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, "
+            f"max {max(lengths)}; held-out {len(heldout)}; "
+            f"setup {time.monotonic() - t_start:.0f}s",
+            flush=True,
+        )
 
         model = Qwen2ForCausalLM(config)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params:,} parameters {shape}", flush=True)
         easy_steps = int(args.steps * args.easy_fraction)
-        stats = train(model, [(easy, easy_steps), (data, args.steps - easy_steps)],
-                      batch_size=args.batch_size, lr=args.lr,
-                      pad_id=tokenizer.convert_tokens_to_ids(PAD), max_seconds=args.max_seconds)
+        stats = train(
+            model,
+            [(easy, easy_steps), (data, args.steps - easy_steps)],
+            batch_size=args.batch_size,
+            lr=args.lr,
+            pad_id=tokenizer.convert_tokens_to_ids(PAD),
+            max_seconds=args.max_seconds,
+        )
 
         t_eval = time.monotonic()
         ok_held, fail_held = evaluate(model, tokenizer, heldout)
         ok_can, fail_can = evaluate(model, tokenizer, canonical)
         print(f"held-out exact matches: {ok_held}/{len(heldout)}")
-        print(f"canonical exact matches: {ok_can}/{len(canonical)} "
-              f"(eval {time.monotonic() - t_eval:.0f}s)")
+        print(
+            f"canonical exact matches: {ok_can}/{len(canonical)} "
+            f"(eval {time.monotonic() - t_eval:.0f}s)"
+        )
         for f in (fail_can + fail_held)[:20]:
             print("  MISMATCH " + f)
         if args.no_write:
-            print(json.dumps({"training": stats, "heldout": f"{ok_held}/{len(heldout)}",
-                              "canonical": f"{ok_can}/{len(canonical)}"}))
+            print(
+                json.dumps(
+                    {
+                        "training": stats,
+                        "heldout": f"{ok_held}/{len(heldout)}",
+                        "canonical": f"{ok_can}/{len(canonical)}",
+                    }
+                )
+            )
             return 0
 
         model.save_pretrained(staging, safe_serialization=True)
@@ -924,14 +1093,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": SEED,
         "torch_threads": THREADS,
         "tokenizer_class_loaded": type(tokenizer).__name__,
-        "training": {**stats, "batch_size": args.batch_size, "lr": args.lr,
-                     "value_weight": args.value_weight,
-                     "curriculum_steps": easy_steps, "train_samples": len(data) + len(easy)},
+        "training": {
+            **stats,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "value_weight": args.value_weight,
+            "curriculum_steps": easy_steps,
+            "train_samples": len(data) + len(easy),
+        },
         "build_seconds": round(time.monotonic() - t_start, 1),
         "heldout_exact_match": f"{ok_held}/{len(heldout)}",
         "canonical_exact_match": f"{ok_can}/{len(canonical)}",
         "evaluated_with": "inferplane.chat.render_chat through the reloaded AutoTokenizer, "
-                          "transformers greedy decoding",
+        "transformers greedy decoding",
         "token_ids": {
             t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + PLAIN_MARKERS
         },
@@ -945,8 +1119,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sha256": files,
     }
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    print(json.dumps({k: manifest[k] for k in ("parameters", "size_bytes", "build_seconds",
-                                               "heldout_exact_match", "canonical_exact_match")}))
+    print(
+        json.dumps(
+            {
+                k: manifest[k]
+                for k in (
+                    "parameters",
+                    "size_bytes",
+                    "build_seconds",
+                    "heldout_exact_match",
+                    "canonical_exact_match",
+                )
+            }
+        )
+    )
     return 0 if ok_held == len(heldout) and ok_can == len(canonical) else 1
 
 

@@ -29,6 +29,7 @@ fi
 
 echo "== ruff"
 ruff check .
+ruff format --check .
 
 echo "== mypy (libs/)"
 mypy libs/inferplane

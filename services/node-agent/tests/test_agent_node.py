@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 from pathlib import Path
 
@@ -138,7 +139,7 @@ async def test_an_orchestrator_without_node_service_never_crashes_the_agent() ->
         assert not task.done() and not registrar.registered
         assert clock.sleeps[:2] == [30, 30]
     finally:
-        task.cancel()
+        await _cancel(task)  # its channel closes before the test's loop does
         await server.stop(0)
     unreachable = Registrar("127.0.0.1:1", lambda: na.NodeStatus(), clock=FastClock())
     task = asyncio.create_task(unreachable.run())
@@ -146,4 +147,10 @@ async def test_an_orchestrator_without_node_service_never_crashes_the_agent() ->
         while unreachable.attempts < 3:
             await asyncio.sleep(0.02)
     assert not task.done()
+    await _cancel(task)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -119,7 +119,7 @@ async def test_registration_and_heartbeats() -> None:
                 await asyncio.sleep(0.02)
         assert orchestrator.registered[0].node == "n1" and registrar.registered
     finally:
-        task.cancel()
+        await _cancel(task)
         await server.stop(0)
 
 

@@ -64,7 +64,7 @@ MODEL_VOCAB = 2048
 # Model shape and training defaults (the committed model's; MANIFEST.json records them).
 SHAPE = {"layers": 2, "hidden": 128, "intermediate": 512, "heads": 4, "kv_heads": 2}
 DEFAULTS: dict[str, Any] = {
-    "steps": 3000,
+    "steps": 1000,
     "batch_size": 16,
     "lr": 4e-3,
     "easy_fraction": 0.35,

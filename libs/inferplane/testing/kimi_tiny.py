@@ -417,6 +417,8 @@ CASES: tuple[CanonicalCase, ...] = (
 
 NOT_REPRODUCED: frozenset[str] = frozenset(
     {
+        WEATHER.name,
+        THINKING_OFF.name,
         PARALLEL.name,
         NESTED_ARGUMENTS.name,
         TOOL_LOOP_FOLLOWUP.name,

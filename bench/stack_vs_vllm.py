@@ -1,6 +1,7 @@
 """inferplane against plain vLLM on the same engine: what does the whole platform cost?
 
     .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--paths vllm,stack-grpc,...]
+                                            [--stream-interval N]
                                             [--profile-dir DIR] [--plot bench/stack_vs_vllm.png]
 
 Starts, on the fixture model (kimi-tiny) and the same engine settings (the replica spec the
@@ -82,7 +83,7 @@ def log(message: str) -> None:
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def stack_config(data_dir: Path, transport: str = "grpc") -> StackConfig:
+def stack_config(data_dir: Path, transport: str = "grpc", stream_interval: int = 0) -> StackConfig:
     return StackConfig(
         data_dir=data_dir,
         http_port=free_port(),
@@ -90,6 +91,7 @@ def stack_config(data_dir: Path, transport: str = "grpc") -> StackConfig:
         metrics_base_port=free_port_run(5),
         envoy_admin_port=free_port(),
         transport=transport,
+        stream_interval=stream_interval,
     )
 
 
@@ -105,6 +107,7 @@ def profile_spec(config: StackConfig) -> nodeagent_pb2.ReplicaSpec:
         max_model_len=profile.max_model_len,
         max_num_seqs=profile.max_num_seqs,
         kv_cache_bytes=1 << 30,
+        stream_interval=profile.stream_interval,
         extra_engine_args=list(profile.extra_engine_args),
     )
 
@@ -270,6 +273,7 @@ class Options:
     warmups: int
     out_dir: Path
     profile_dir: Path | None
+    stream_interval: int = 0
 
 
 def measure(
@@ -428,7 +432,7 @@ def run_stack(
     work: Path, opts: Options, transport: str
 ) -> tuple[PathResult, nodeagent_pb2.ReplicaSpec]:
     name = f"stack-{'grpc' if transport == 'grpc' else 'http'}"
-    stack = Stack(stack_config(work / name, transport))
+    stack = Stack(stack_config(work / name, transport, opts.stream_interval))
     started = time.monotonic()
     stack.start(log)
     try:
@@ -629,6 +633,13 @@ def main() -> None:
         help="VLLM_CPU_OMP_THREADS_BIND for every path's engine (vLLM's default 'auto': the "
         "engine on one core, the rest for everything else; 'nobind'; or a core list)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=0,
+        help="tokens per streamed chunk at least, for every path (the deployment profile's "
+        "stream_interval; vLLM's --stream-interval for the plain engines); 0: every token",
+    )
     args = parser.parse_args()
     # Like for like: plain engines inherit this environment, and the stack's node-agent leaves
     # an explicit value alone (engine/cpus.py) instead of choosing cores itself.
@@ -654,11 +665,12 @@ def main() -> None:
             warmups=args.warmups,
             out_dir=work / "results",
             profile_dir=args.profile_dir,
+            stream_interval=args.stream_interval,
         )
         results: dict[str, PathResult] = {}
         # The stack paths first: their node-agent reports the exact engine spec the plain
         # engines then reuse (same settings everywhere).
-        spec = profile_spec(stack_config(work / "cfg"))
+        spec = profile_spec(stack_config(work / "cfg", stream_interval=args.stream_interval))
         for path in sorted(paths, key=lambda p: not p.startswith("stack")):
             log(f"--- {path}")
             if path == "vllm":

@@ -45,6 +45,7 @@ def profile_from_proto(p: pb.DeploymentProfile) -> DeploymentProfile:
         speculative_method=p.speculative_method,
         speculative_model=p.speculative_model,
         transport=p.transport,
+        stream_interval=p.stream_interval,
         extra_engine_args=tuple(p.extra_engine_args),
     )
 
@@ -70,6 +71,7 @@ def profile_to_proto(p: DeploymentProfile) -> pb.DeploymentProfile:
         speculative_method=p.speculative_method,
         speculative_model=p.speculative_model,
         transport=p.transport,
+        stream_interval=p.stream_interval,
         extra_engine_args=list(p.extra_engine_args),
     )
 

@@ -82,6 +82,8 @@ class StackConfig:
         routing_policy: the deployment's routing policy ("" = the orchestrator's default).
         max_num_seqs: the profile's concurrent sequences per replica (also the router's
             per-replica admission cap).
+        stream_interval: the profile's generated tokens per streamed chunk at least (vLLM's
+            `--stream-interval`; 0 or 1: every token).
         service_args: extra command-line flags per service name (a key of `ports`), e.g.
             `{"router": ("--queue-timeout-seconds", "1")}`.
     """
@@ -99,6 +101,7 @@ class StackConfig:
     replicas: int = 1
     routing_policy: str = ""
     max_num_seqs: int = 16
+    stream_interval: int = 0
     service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -122,7 +125,7 @@ class StackConfig:
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
     vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
-    `config.max_num_seqs`, one surge replica per rollout.
+    `config.max_num_seqs`, `config.stream_interval`, one surge replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
@@ -160,6 +163,7 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             reasoning_parser="kimi_k2",
             tool_parser="kimi_k2",
             transport=config.transport,
+            stream_interval=config.stream_interval,
         ),
         rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
     )

@@ -52,6 +52,9 @@ class SamplingParams:
     # too so that no marker is ever hidden from the parser.
     skip_special_tokens: bool = False
     constraint: EngineConstraint | None = None
+    # Generated tokens per streamed increment at least (vLLM's `stream_interval`; None or 1:
+    # every token). The first token and the finish are never held back.
+    stream_interval: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -118,7 +118,9 @@ def plan_launch(
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
     halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `CUDA_VISIBLE_DEVICES`
     from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`; CPU nodes
-    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py).
+    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py). A
+    `stream_interval` above 1 becomes `--stream-interval`: vLLM's front end then emits one
+    increment per that many tokens, on either transport.
     """
     from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 
@@ -158,6 +160,8 @@ def plan_launch(
         vllm_args += ["--max-model-len", str(spec.max_model_len)]
     if spec.max_num_seqs:
         vllm_args += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.stream_interval > 1:
+        vllm_args += ["--stream-interval", str(spec.stream_interval)]
     if spec.tensor_parallel_size > 1:
         vllm_args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.dtype:

@@ -110,7 +110,9 @@ class Generation:
     async def steps(self) -> AsyncGenerator[Step, None]:
         """Streams the visible steps: the first engine output always yields a step (maybe
         empty: the caller's cue for a role chunk), later outputs only when they show something,
-        and the last step carries `finish_reason`.
+        and the last step carries `finish_reason`. With `params.stream_interval` N > 1, later
+        outputs are merged until N tokens have arrived since the last step (vLLM's
+        `--stream-interval` rule, applied here whatever the transport delivers).
 
         Raises:
             EngineError: the engine failed, aborted the request, or ended its stream without
@@ -123,6 +125,9 @@ class Generation:
         stream = engine.generate(self.request_id, self._prompt_ids, self._params)
         finished = False
         held_stop: int | None = None
+        interval = self._params.stream_interval or 1
+        pending: Step | None = None  # output held back by the stream interval
+        pending_tokens = 0
         try:
             async for out in stream:
                 now = self._clock.monotonic()
@@ -176,14 +181,33 @@ class Generation:
                         reason = "tool_calls"
                     step.finish_reason = self.finish_reason = reason
                     finished = True
+                    if pending is not None:
+                        _combine(pending, step)
+                        pending.finish_reason = reason
+                        step = pending
                     yield step
                     return
-                if first or not step.empty:
+                if first or (interval <= 1 and not step.empty):
                     yield step
+                    continue
+                # vLLM's stream interval: the first token goes at once, then one step per
+                # `interval` generated tokens, and the finish carries whatever is left.
+                pending_tokens += len(out.token_ids)
+                if pending is None:
+                    pending = step
+                else:
+                    _combine(pending, step)
+                if pending_tokens >= interval and not pending.empty:
+                    yield pending
+                    pending, pending_tokens = None, 0
             raise EngineError(
                 "the engine stream ended before the request finished",
                 retryable=not self.started_output,
             )
+        except EngineError:
+            if pending is not None and not pending.empty:
+                yield pending  # what was generated before the failure still reaches the client
+            raise
         finally:
             if not finished or self._text.stopped is not None:
                 # The EngineClient contract aborts when its iterator is closed; the explicit

@@ -16,7 +16,9 @@ What inferplane supports, and what it rejects with a clear 400 (OpenAI's
 - `tool_choice`: `none` (tools are left out of the prompt and no tool call is returned), `auto`,
   `required` and a named function (both constrained with `build_tool_constraint`);
 - `reasoning_effort`: "none" turns thinking off, the other levels leave it on (the model has no
-  finer budget); an explicit `chat_template_kwargs.thinking` wins.
+  finer budget); an explicit `chat_template_kwargs.thinking` wins;
+- `stream_interval` (vLLM's extension, 1..1024): at least that many generated tokens per
+  streamed chunk after the first; the replica's profile value is the floor.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from inferplane.wire import chat_request_to_dict, completion_request_to_dict
 _THINK_END = "</think>"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk; more is a unary response in disguise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,6 +214,16 @@ def _sampling(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad("'seed' must be an integer", "seed")
     ignore_eos = bool(body.get("ignore_eos") or False)
+    stream_interval = body.get("stream_interval")
+    if stream_interval is not None and (
+        isinstance(stream_interval, bool)
+        or not isinstance(stream_interval, int)
+        or not 1 <= stream_interval <= MAX_STREAM_INTERVAL
+    ):
+        raise _bad(
+            f"'stream_interval' must be an integer from 1 to {MAX_STREAM_INTERVAL}",
+            "stream_interval",
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -230,6 +243,7 @@ def _sampling(
         logit_bias=_logit_bias(body, assets.vocab_size),
         skip_special_tokens=False,
         constraint=constraint,
+        stream_interval=stream_interval,
     )
 
 

@@ -9,6 +9,7 @@ belong to the router and stay UNIMPLEMENTED here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -18,7 +19,12 @@ import structlog
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.node_agent.engine.api import EngineError, LocalReplica, ReplicaDirectory
+from inferplane.node_agent.engine.api import (
+    EngineError,
+    LocalReplica,
+    ReplicaDirectory,
+    SamplingParams,
+)
 from inferplane.node_agent.pipeline import chunks
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache
 from inferplane.node_agent.pipeline.generate import Generation
@@ -339,7 +345,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             engine=replica.engine,
             request_id=prefix + self._new_id(),
             prompt_ids=plan.prompt.token_ids,
-            params=plan.params,
+            params=with_stream_floor(plan.params, replica.spec.stream_interval),
             backend=assets.backend,
             stop_token_ids=assets.eos_token_ids,
             parser=assets.parser,
@@ -364,7 +370,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             engine=replica.engine,
             request_id="cmpl-" + self._new_id(),
             prompt_ids=prompt_ids,
-            params=plan.params,
+            params=with_stream_floor(plan.params, replica.spec.stream_interval),
             backend=assets.backend,
             stop_token_ids=assets.eos_token_ids,
             parser=None,
@@ -422,6 +428,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             request_header_id=_metadata(context, REQUEST_ID_METADATA_KEY),
         )
         asyncio.get_running_loop().call_soon(_deliver, self._on_outcome, outcome)
+
+
+def with_stream_floor(params: SamplingParams, floor: int) -> SamplingParams:
+    """`params` with the replica's stream interval as the floor of the request's (vLLM clamps
+    a request's `stream_interval` to the engine's the same way)."""
+    if floor > (params.stream_interval or 1):
+        return dataclasses.replace(params, stream_interval=floor)
+    return params
 
 
 def _deliver(sink: OutcomeSink, outcome: RequestOutcome) -> None:

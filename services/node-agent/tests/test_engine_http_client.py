@@ -71,6 +71,7 @@ def test_sampling_params_map_field_by_field() -> None:
             logprobs=2,
             logit_bias=((11, -100.0),),
             constraint=EngineConstraint("json_schema", '{"type": "object"}'),
+            stream_interval=4,
         ),
     )
     assert body["prompt"] == [1, 2, 3] and body["request_id"] == "req-1"
@@ -87,9 +88,18 @@ def test_sampling_params_map_field_by_field() -> None:
     assert body["ignore_eos"] is True and body["n"] == 1
     assert body["logit_bias"] == {"11": -100.0}
     assert body["structured_outputs"] == {"json": '{"type": "object"}'}
+    assert body["stream_interval"] == 4  # the engine merges tokens itself
     # Unset optionals stay out: the engine applies its defaults.
     bare = to_completion_body("r", [1], SamplingParams(max_tokens=1))
-    for name in ("temperature", "seed", "top_k", "stop", "logit_bias", "structured_outputs"):
+    for name in (
+        "temperature",
+        "seed",
+        "top_k",
+        "stop",
+        "logit_bias",
+        "structured_outputs",
+        "stream_interval",
+    ):
         assert name not in bare
 
 

@@ -72,6 +72,21 @@ def test_grpc_plan_is_unchanged(tmp_path: Path) -> None:
     assert plan.client_address == plan.grpc_address and not plan.client_address.startswith("http")
 
 
+@pytest.mark.parametrize("transport", ["grpc", "http-completions"])
+def test_a_stream_interval_reaches_the_engine_on_either_transport(
+    tmp_path: Path, transport: str
+) -> None:
+    """The profile's stream_interval becomes vLLM's `--stream-interval` (its front end then
+    sends one increment per N tokens); 0 and 1 leave the flag out (vLLM's default, 1)."""
+    with_interval = spec(transport)
+    with_interval.stream_interval = 4
+    args = vllm_args(plan_launch("r1", with_interval, data_dir=tmp_path, cpu=True).argv)
+    assert args[args.index("--stream-interval") + 1] == "4"
+    with_interval.stream_interval = 1
+    args = vllm_args(plan_launch("r1", with_interval, data_dir=tmp_path, cpu=True).argv)
+    assert "--stream-interval" not in args
+
+
 def test_an_empty_transport_means_the_default(tmp_path: Path) -> None:
     assert DEFAULT_TRANSPORT in TRANSPORTS
     plan = plan_launch("r1", spec(""), data_dir=tmp_path, cpu=True)

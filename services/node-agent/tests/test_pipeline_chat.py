@@ -8,6 +8,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import grpc
 import pytest
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
@@ -15,9 +16,11 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.api import EngineOutput
 from inferplane.node_agent.pipeline import RequestOutcome
 from inferplane.node_agent.pipeline.fakes import (
+    FakeReplica,
     ScriptedEngine,
     kimi_tiny_assets,
     kimi_tiny_ids,
+    kimi_tiny_spec,
     run_scenario,
     script,
 )
@@ -466,3 +469,79 @@ def test_strict_mode_turns_an_invalid_tool_call_into_an_error() -> None:
                 assert not (c.choices and c.choices[0].HasField("finish_reason"))
 
     run(outputs, body, strict=True)
+
+
+def _content_chunks(chunks: Sequence[pb.StreamChatCompletionResponse]) -> int:
+    """Chunks that carry generated output (not the role chunk, not the usage chunk)."""
+    return sum(
+        1
+        for c in chunks
+        for ch in c.choices
+        if ch.delta.reasoning_content or ch.delta.content or len(ch.delta.tool_calls)
+    )
+
+
+@pytest.mark.parametrize("interval", [2, 5])
+@pytest.mark.parametrize("case", [kt.PARALLEL, kt.URGENT, kt.NO_TOOL], ids=lambda c: c.name)
+def test_stream_interval_merges_tokens_into_fewer_chunks_with_the_same_result(
+    case: kt.CanonicalCase, interval: int
+) -> None:
+    """`stream_interval` N (vLLM's extension): the engine delivers one token per increment,
+    the client gets the first token at once and then one chunk per N tokens at most, and the
+    chunks still assemble to exactly the expected reasoning / content / tool calls; the engine
+    is asked for the same interval (the HTTP transport lets the engine merge too)."""
+    ids = ids_of(case.output + EOS)
+    outputs = script(ids, per_increment=1)
+
+    async def body(stub: Stub, engine: ScriptedEngine) -> None:
+        every = [
+            c
+            async for c in stub.StreamChatCompletion(
+                pb.StreamChatCompletionRequest(request=chat(case))
+            )
+        ]
+        merged = [
+            c
+            async for c in stub.StreamChatCompletion(
+                pb.StreamChatCompletionRequest(request=chat(case, stream_interval=interval))
+            )
+        ]
+        assert parsed(assemble(merged)) == parsed(assemble(every)) == expected(case)
+        # the first token alone, then at most one chunk per `interval` tokens, then the finish
+        assert _content_chunks(merged) <= 2 + (len(ids) - 1) // interval
+        assert _content_chunks(merged) < _content_chunks(every)
+        assert engine.requests[0][2].stream_interval is None
+        assert engine.requests[1][2].stream_interval == interval
+
+    run(outputs, body)
+
+
+def test_replica_stream_interval_is_the_floor_of_the_requests() -> None:
+    """A replica deployed with stream_interval 4 streams at least 4 tokens per chunk whatever
+    the request asks (vLLM clamps a request's interval to the engine's the same way); a request
+    may ask for more; 0 or a value above 1024 is a 400 naming the parameter."""
+    case = kt.PARALLEL
+    spec = kimi_tiny_spec()
+    spec.stream_interval = 4
+    engine = ScriptedEngine(script(ids_of(case.output + EOS), per_increment=1))
+
+    async def body(stub: Stub) -> None:
+        for asked, sent in ((None, 4), (2, 4), (8, 8)):
+            extra = {} if asked is None else {"stream_interval": asked}
+            chunks = [
+                c
+                async for c in stub.StreamChatCompletion(
+                    pb.StreamChatCompletionRequest(request=chat(case, **extra))
+                )
+            ]
+            assert parsed(assemble(chunks)) == expected(case)
+            assert engine.requests[-1][2].stream_interval == sent
+        for bad in (0, 1025):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.CreateChatCompletion(
+                    pb.CreateChatCompletionRequest(request=chat(case, stream_interval=bad))
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "stream_interval" in (err.value.details() or "")
+
+    run_scenario(engine, body, replicas=[FakeReplica("r1", spec, engine)])

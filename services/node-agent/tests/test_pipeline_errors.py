@@ -15,6 +15,7 @@ from inferplane.node_agent.pipeline import RequestOutcome
 from inferplane.node_agent.pipeline.fakes import (
     FakeReplica,
     ScriptedEngine,
+    kimi_tiny_assets,
     kimi_tiny_ids,
     kimi_tiny_spec,
     run_scenario,
@@ -222,6 +223,32 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_status() -> Non
 
     run_scenario(engine, body, on_outcome=outcomes.append)
     assert [(o.status, o.error_code) for o in outcomes] == [("error", "engine_failed")]
+
+
+def test_engine_failure_with_a_stream_interval_still_delivers_what_was_generated() -> None:
+    """With `stream_interval` the node-agent holds tokens back; when the engine dies, what it
+    held reaches the client before the error status (nothing generated is silently lost)."""
+    engine = _engine(fail_at=12)
+
+    async def body(stub: Stub) -> None:
+        call = stub.StreamChatCompletion(
+            _stream(kt.NO_TOOL.request(stream_interval=100))  # more than the whole output
+        )
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for chunk in call:
+                received.append(chunk)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        shown = "".join(
+            c.choices[0].delta.reasoning_content + c.choices[0].delta.content for c in received
+        )
+        # 12 one-token increments (all reasoning) arrived before the failure: all are shown
+        text = kimi_tiny_assets().backend.decode(kimi_tiny_ids(OUTPUT)[:12])
+        assert "</think>" not in text
+        assert shown == text
+        assert len(received) == 3  # the role chunk, the first token, the flushed rest
+
+    run_scenario(engine, body)
 
 
 def test_engine_abort_is_an_error_not_a_finish() -> None:

@@ -62,6 +62,7 @@ class DeploymentProfile:
     speculative_method: str = ""
     speculative_model: str = ""
     transport: str = DEFAULT_TRANSPORT
+    stream_interval: int = 0
     extra_engine_args: tuple[str, ...] = ()
 
     def with_defaults(self) -> DeploymentProfile:

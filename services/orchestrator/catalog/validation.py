@@ -27,6 +27,7 @@ DEPLOYMENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Aliases are only ever `model` strings: hub-style ids ("moonshotai/Kimi-K2.5") are fine.
 ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 ENGINES = (DEFAULT_ENGINE, CPU_ENGINE)
+MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
 
 
 def _fail(message: str, field: str) -> InvalidArgumentError:
@@ -128,6 +129,11 @@ def _validate_profile(deployment: Deployment) -> None:
             "profile.max_model_len and profile.max_num_seqs must be positive: they size the "
             "KV cache budget",
             "profile.max_model_len",
+        )
+    if not 0 <= p.stream_interval <= MAX_STREAM_INTERVAL:
+        raise _fail(
+            f"profile.stream_interval must be 0 (every token) to {MAX_STREAM_INTERVAL}",
+            "profile.stream_interval",
         )
     if p.expected_context_tokens > p.max_model_len:
         raise _fail(

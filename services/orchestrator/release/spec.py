@@ -73,6 +73,7 @@ def build_spec(
         reasoning_parser=profile.reasoning_parser,
         tool_parser=profile.tool_parser,
         transport=profile.transport,
+        stream_interval=profile.stream_interval,
         extra_engine_args=list(profile.extra_engine_args),
         revision=revision,
         gpu_uuids=[uuids.get(i, "") for i in placement.gpu_indices] if uuids else [],

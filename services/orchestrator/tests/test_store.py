@@ -142,6 +142,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         speculative_method="eagle",
         speculative_model="yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
         transport="grpc",
+        stream_interval=4,
         extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
     )
     return dataclasses.replace(p, **changes)

@@ -6,11 +6,14 @@ import dataclasses
 
 import pytest
 
-from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
+from inferplane.orchestrator.catalog.model import Accelerator, Deployment, DeploymentProfile
 from inferplane.orchestrator.catalog.sizing import GB, SizingPolicy
 from inferplane.orchestrator.catalog.validation import validate_deployment
+from inferplane.orchestrator.convert import profile_from_proto, profile_to_proto
 from inferplane.orchestrator.fleet.model import Gpu, Node
+from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.placement.planner import static_fit_error
+from inferplane.orchestrator.release.spec import build_spec
 from inferplane.runtime import InvalidArgumentError
 
 PROFILE = DeploymentProfile(
@@ -109,3 +112,30 @@ def test_tp_larger_than_any_node() -> None:
 
 def test_no_fleet_yet_is_not_an_error() -> None:
     assert static_fit_error(PROFILE, [], SizingPolicy()) is None
+
+
+def test_stream_interval_is_bounded_and_carried_to_the_replica_spec() -> None:
+    """0..1024 tokens per streamed chunk (the node-agent's per-request bound); the value
+    survives the API conversion and reaches every replica's spec (vLLM's --stream-interval)."""
+    assert invalid(stream_interval=1025).param == "deployment.profile.stream_interval"
+    profile = dataclasses.replace(PROFILE, stream_interval=4)
+    validate_deployment(Deployment("llama", profile).normalised())
+    assert profile_from_proto(profile_to_proto(profile)) == profile
+    spec = build_spec(
+        Deployment("llama", profile),
+        profile,
+        "rev-1",
+        Placement(
+            replica_id="llama-0",
+            deployment_id="llama",
+            revision="rev-1",
+            node="n1",
+            accelerator=Accelerator.GPU,
+            gpu_indices=(0,),
+            memory_bytes_per_device=80 * GB,
+            memory_fraction=0.9,
+            kv_cache_bytes=10 * GB,
+        ),
+        None,
+    )
+    assert spec.stream_interval == 4

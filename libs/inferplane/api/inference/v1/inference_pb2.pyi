@@ -62,6 +62,7 @@ class ChatCompletionRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     REASONING_EFFORT_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias) to use."""
     temperature: _builtins.float
@@ -102,6 +103,11 @@ class ChatCompletionRequest(_message.Message):
     """vLLM extension: the minimum number of tokens to generate."""
     reasoning_effort: _builtins.str
     """OpenAI reasoning effort ("low", "medium", "high"); maps onto thinking on or off."""
+    stream_interval: _builtins.int
+    """vLLM extension: stream at most one chunk per this many generated tokens (the first token
+    and the last chunk are never held back); 1 sends every token. The replica's own
+    `stream_interval` is the floor.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """The conversation so far."""
@@ -170,10 +176,11 @@ class ChatCompletionRequest(_message.Message):
         min_tokens: _builtins.int | None = ...,
         logit_bias: _struct_pb2.Struct | None = ...,
         reasoning_effort: _builtins.str | None = ...,
+        stream_interval: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -203,6 +210,8 @@ class ChatCompletionRequest(_message.Message):
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
+    _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
+    _WhichOneofArgType__stream_interval: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -241,6 +250,8 @@ class ChatCompletionRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream_interval) -> _WhichOneofReturnType__stream_interval | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
@@ -995,6 +1006,7 @@ class CompletionRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SUFFIX_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias)."""
     max_tokens: _builtins.int
@@ -1031,6 +1043,10 @@ class CompletionRequest(_message.Message):
     """vLLM extension: minimum number of generated tokens."""
     suffix: _builtins.str
     """Text appended after the completion (unsupported; rejected when set)."""
+    stream_interval: _builtins.int
+    """vLLM extension: stream at most one chunk per this many generated tokens (see
+    ChatCompletionRequest.stream_interval).
+    """
     @_builtins.property
     def prompt(self) -> _struct_pb2.Value:
         """A string, a list of strings, a list of token ids, or a list of token-id lists."""
@@ -1072,10 +1088,11 @@ class CompletionRequest(_message.Message):
         min_tokens: _builtins.int | None = ...,
         logit_bias: _struct_pb2.Struct | None = ...,
         suffix: _builtins.str | None = ...,
+        stream_interval: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__echo: _TypeAlias = _typing.Literal["echo"]  # noqa: Y015
     _WhichOneofArgType__echo: _TypeAlias = _typing.Literal["_echo", b"_echo"]  # noqa: Y015
@@ -1101,6 +1118,8 @@ class CompletionRequest(_message.Message):
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
+    _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
+    _WhichOneofArgType__stream_interval: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval"]  # noqa: Y015
     _WhichOneofReturnType__suffix: _TypeAlias = _typing.Literal["suffix"]  # noqa: Y015
     _WhichOneofArgType__suffix: _TypeAlias = _typing.Literal["_suffix", b"_suffix"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -1135,6 +1154,8 @@ class CompletionRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream_interval) -> _WhichOneofReturnType__stream_interval | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__suffix) -> _WhichOneofReturnType__suffix | None: ...
     @_typing.overload

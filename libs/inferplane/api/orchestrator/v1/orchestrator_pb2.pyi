@@ -129,6 +129,7 @@ class DeploymentProfile(_message.Message):
     EXTRA_ENGINE_ARGS_FIELD_NUMBER: _builtins.int
     ACCELERATOR_FIELD_NUMBER: _builtins.int
     QUANTIZATION_GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -175,6 +176,10 @@ class DeploymentProfile(_message.Message):
     """Quantization group size for grouped int4 weights (AWQ/GPTQ, e.g. 128; 0 = the method's
     default); scales and zeros add memory per group.
     """
+    stream_interval: _builtins.int
+    """Generated tokens per streamed chunk at least (vLLM's `--stream-interval`; 0 or 1: every
+    token, the default). Larger values trade smoother streaming for less CPU per token.
+    """
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra engine arguments, verbatim."""
@@ -204,10 +209,11 @@ class DeploymentProfile(_message.Message):
         extra_engine_args: _abc.Iterable[_builtins.str] | None = ...,
         accelerator: _builtins.str = ...,
         quantization_group_size: _builtins.int = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,10 @@ class Accelerator(enum.Enum):
     CPU = "cpu"
 
 
+#: Profile fields added after the first release, hashed into `revision()` only when set.
+ADDED_FIELDS = ("stream_interval",)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeploymentProfile:
     """How to run a model (mirrors `inferplane.orchestrator.v1.DeploymentProfile`).
@@ -94,9 +98,16 @@ class DeploymentProfile:
 
     def revision(self) -> str:
         """Content hash of the normalised profile: 16 hex digits of SHA-256 over canonical JSON
-        (sorted keys, no whitespace). Stable across processes and protobuf versions."""
+        (sorted keys, no whitespace). Stable across processes and protobuf versions.
+
+        Fields added to the profile later (`ADDED_FIELDS`) enter the hash only when set: an
+        upgrade that adds a field must not change every stored deployment's revision, which
+        would roll every replica of the fleet."""
         payload = dataclasses.asdict(self.with_defaults())
         payload["extra_engine_args"] = list(payload["extra_engine_args"])
+        for name in ADDED_FIELDS:
+            if not payload[name]:
+                del payload[name]
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import pytest
 
@@ -139,3 +141,14 @@ def test_stream_interval_is_bounded_and_carried_to_the_replica_spec() -> None:
         None,
     )
     assert spec.stream_interval == 4
+
+
+def test_a_field_added_later_changes_no_existing_revision() -> None:
+    """Adding `stream_interval` to the profile must not change the revision of a deployment
+    that does not set it (else an upgrade would roll every replica); setting it does."""
+    payload = dataclasses.asdict(PROFILE.with_defaults())
+    payload["extra_engine_args"] = list(payload["extra_engine_args"])
+    del payload["stream_interval"]  # the profile as the first release hashed it
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()

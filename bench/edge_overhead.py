@@ -2,6 +2,7 @@
 router, on the same engine, interleaved in one run.
 
     .venv/bin/python bench/edge_overhead.py [--requests 64] [--max-tokens 64] [--levels 1,16]
+                                            [--stream-interval N]
 
 Starts the local stack (kimi-tiny on the CPU engine) in a temporary directory, then for
 concurrency 1 and 16 runs the same streaming chat requests (a) over gRPC to the node-agent's
@@ -178,6 +179,12 @@ def main() -> None:
     parser.add_argument(
         "--levels", default="1,16", help="comma-separated concurrency levels (16 is reported)"
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=0,
+        help="the deployment profile's stream_interval (tokens per chunk at least; 0: every one)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = StackConfig(
@@ -186,6 +193,7 @@ def main() -> None:
             grpc_base_port=free_port_run(5),
             metrics_base_port=free_port_run(5),
             envoy_admin_port=free_port(),
+            stream_interval=args.stream_interval,
         )
         stack = Stack(config)
         stack.start(lambda m: print(f"# {m}", flush=True))

@@ -134,7 +134,10 @@ class Generation:
                 if self._last is None:
                     self.ttft_seconds = now - self._started
                 else:
-                    self.itl_seconds.append(now - self._last)
+                    # Per token: an increment of n tokens (the engine's stream interval, or
+                    # events merged in one read) stands for n gaps of a n-th of its wait.
+                    n = max(len(out.token_ids), 1)
+                    self.itl_seconds.extend([(now - self._last) / n] * n)
                 self._last = now
                 first = not self.started_output
                 self.started_output = True

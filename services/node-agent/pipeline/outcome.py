@@ -49,8 +49,9 @@ class RequestOutcome:
         prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens: token counts
             (`reasoning_tokens`: output tokens fed to the parser while it was in reasoning).
         ttft_seconds: request arrival → first engine output, None when there was none.
-        itl_seconds: gaps between consecutive engine outputs (inter-token latency samples;
-            one per engine increment, which may carry several tokens).
+        itl_seconds: inter-token latency samples, one per token after the first engine output:
+            an increment of n tokens after a gap g gives n samples of g / n (vLLM's stream
+            interval and merged reads deliver several tokens per increment).
         e2e_seconds: request arrival → end.
         tool_call_verdicts: the verdict on every tool call of the response.
         marker_leaked: a format marker survived into the visible output (a parser bug signal).

@@ -545,3 +545,25 @@ def test_replica_stream_interval_is_the_floor_of_the_requests() -> None:
             assert "stream_interval" in (err.value.details() or "")
 
     run_scenario(engine, body, replicas=[FakeReplica("r1", spec, engine)])
+
+
+def test_itl_is_per_token_when_increments_carry_several_tokens() -> None:
+    """An engine increment of n tokens (stream interval, merged reads) stands for n inter-token
+    gaps of a n-th of its wait each, so ITL telemetry means the same whatever the chunking."""
+    ids = ids_of(kt.NO_TOOL.output + EOS)
+    outputs = script(ids, per_increment=3)
+    outcomes: list[RequestOutcome] = []
+
+    async def body(stub: Stub, engine: ScriptedEngine) -> None:
+        await stub.CreateChatCompletion(pb.CreateChatCompletionRequest(request=chat(kt.NO_TOOL)))
+
+    run(outputs, body, outcomes=outcomes)
+    (o,) = outcomes
+    assert len(o.itl_seconds) == len(ids) - len(outputs[0].token_ids)
+    # The fake clock advances 10 ms per reading, one reading per increment: 3 tokens each
+    # (the last increment may carry fewer) share the 10 ms.
+    start = 0
+    for out in outputs[1:]:
+        n = len(out.token_ids)
+        assert o.itl_seconds[start : start + n] == pytest.approx([0.01 / n] * n)
+        start += n

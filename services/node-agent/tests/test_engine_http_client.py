@@ -7,7 +7,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
 from inferplane.node_agent.engine.api import (
@@ -299,20 +298,31 @@ async def test_events_that_arrive_together_are_one_increment() -> None:
         _event(_token([14])) + _event(_token([2], "stop")) + _event(usage) + b"data: [DONE]\n\n",
     ]
 
-    async def stream() -> AsyncIterator[bytes]:
-        for piece in reads:
-            yield piece
-
-    transport = httpx.MockTransport(
-        lambda request: httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, content=stream()
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(
+                b":"
+            )[1]
         )
-    )
-    client = HttpEngineClient("http://engine", transport=transport)
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        )
+        for piece in reads:  # one socket read each: the client gets them apart
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpEngineClient(f"http://127.0.0.1:{port}")
     try:
         outs = await collect(client, "r", [1, 2, 3], SamplingParams(max_tokens=8))
     finally:
         await client.close()
+        server.close()
     assert [o.token_ids for o in outs] == [(10, 11, 12), (13,), (14, 2)]
     assert [o.finished for o in outs] == [False, False, True]
     assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == 6

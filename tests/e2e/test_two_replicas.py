@@ -456,8 +456,11 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
     router_metrics = f"http://127.0.0.1:{two_replicas.config.metrics_ports['router']}/metrics"
     retries_before = _metrics(router_metrics).get("inferplane_router_retries_total", 0.0)
     # Three streams at a time fit the surviving replica's cap (MAX_NUM_SEQS) without queueing
-    # into 429s; ~100 tokens each keep streams in flight when the engine dies.
-    load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=100)
+    # into 429s; ~250 tokens each keep streams in flight when the engine dies (with 100, a
+    # loaded machine sometimes finished them between the metrics poll and the kill).
+    load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=250)
+    # Engine pids first: the kill then follows the observation of running streams at once.
+    pids = {rid: two_replicas.replica(rid).engine_pid for rid in replicas}
     load.start()
     try:
         _poll("some finished requests", 120, lambda: True if load.count() >= 3 else None)
@@ -471,8 +474,7 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
             return rid if running[rid] >= 1 else None
 
         victim = _poll("an engine with streams in flight", 60, busiest)
-        pid = two_replicas.replica(victim).engine_pid
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pids[victim], signal.SIGKILL)
         killed_at = time.monotonic()
         done_at_kill = load.count()
         # Keep the load on long enough for many requests to start after the kill.

@@ -11,7 +11,9 @@ What the router measures, from the request's arrival at the router:
   engine produced the first step, so this is the client's time to first token minus the
   edge's hop). Unary responses have no first token the router can see: TTFT stays 0 (unset);
 - ITL: the gaps between consecutive chunks that carry text (content, reasoning, tool-call
-  or completion text), evenly thinned to at most `MAX_GAPS`; their mean;
+  or completion text), evenly thinned to at most `MAX_GAPS`; their mean. That is what clients
+  see: one token per chunk by default, several with a stream interval (then a gap spans them;
+  the node-agent's own records count ITL per token);
 - e2e: until the last chunk or the error.
 """
 

@@ -64,13 +64,13 @@ MODEL_VOCAB = 2048
 # Model shape and training defaults (the committed model's; MANIFEST.json records them).
 SHAPE = {"layers": 2, "hidden": 128, "intermediate": 512, "heads": 4, "kv_heads": 2}
 DEFAULTS: dict[str, Any] = {
-    "steps": 1000,
+    "steps": 3000,
     "batch_size": 16,
     "lr": 4e-3,
     "easy_fraction": 0.35,
     "value_weight": 3.0,
     "train_samples": 12000,
-    "canonical_repeats": 8,
+    "canonical_repeats": 40,
 }
 
 # K2.5-like template. Mirrors Kimi's: tools declared first in a system turn (normalised to

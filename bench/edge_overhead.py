@@ -9,7 +9,8 @@ concurrency 1 and 16 runs the same streaming chat requests (a) over gRPC to the 
 `StreamChatCompletion`, over gRPC to the router (what the router hop adds) and (b) over HTTP/SSE
 through Envoy, alternating rounds so that machine noise hits every path alike. TTFT is measured
 to the first chunk carrying generated text (reasoning, content or a tool call), ITL as the gaps
-between such chunks. Prints a table, then the last lines `added_ttft_p50_ms: X` and
+between such chunks (per chunk: several tokens apart with a stream interval), tokens/s from the
+usage in the last chunk. Prints a table, then the last lines `added_ttft_p50_ms: X` and
 `added_ttft_p99_ms: Y` at concurrency 16.
 """
 
@@ -66,8 +67,14 @@ class PathStats:
 
 
 def _request(max_tokens: int) -> dict[str, object]:
+    # Usage in the last chunk: generated tokens are counted from it, not from chunks (with a
+    # stream interval a chunk carries several tokens).
     return kimi_tiny.NO_TOOL.request(
-        max_tokens=max_tokens, ignore_eos=True, temperature=0, stream=True
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
 
 
@@ -83,7 +90,10 @@ async def _grpc_one(
     request = pb.StreamChatCompletionRequest(request=chat_request_from_dict(body))
     start = time.perf_counter()
     marks: list[float] = []
+    tokens = 0
     async for chunk in stub.StreamChatCompletion(request, metadata=metadata):
+        if chunk.HasField("usage"):
+            tokens = chunk.usage.completion_tokens
         if chunk.choices:
             d = chunk.choices[0].delta
             if d.content or d.reasoning_content or d.tool_calls:
@@ -91,7 +101,7 @@ async def _grpc_one(
     return Sample(
         marks[0] - start,
         [b - a for a, b in itertools.pairwise(marks)],
-        len(marks),
+        tokens,
         time.perf_counter() - start,
     )
 
@@ -101,6 +111,7 @@ async def _http_one(
 ) -> Sample:
     start = time.perf_counter()
     marks: list[float] = []
+    tokens = 0
     async with client.stream(
         "POST", url, json=body, headers={"Authorization": f"Bearer {key}"}
     ) as response:
@@ -109,12 +120,14 @@ async def _http_one(
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and _has_text(chunk["choices"][0]["delta"]):
                 marks.append(time.perf_counter())
     return Sample(
         marks[0] - start,
         [b - a for a, b in itertools.pairwise(marks)],
-        len(marks),
+        tokens,
         time.perf_counter() - start,
     )
 

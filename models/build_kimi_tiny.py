@@ -859,6 +859,27 @@ def train(
     }
 
 
+def _format_check(parser: Any, s: Sample, text: str) -> tuple[bool, Any, Any]:
+    """(`same_format`, expected parse, generated parse)."""
+    from inferplane.parsers import validate_tool_calls
+
+    want = parser.parse(s.output, s.thinking)
+    if not text.endswith(EOS):
+        return False, want, None
+    got = parser.parse(text[: -len(EOS)], s.thinking)
+    if got.marker_leaked:
+        return False, want, got
+    if bool(got.reasoning) != bool(want.reasoning) or bool(got.content) != bool(want.content):
+        return False, want, got
+    numbers = [c.id.rsplit(":", 1)[-1] for c in want.tool_calls]
+    if len(got.tool_calls) != len(numbers) or [c.id for c in got.tool_calls] != [
+        f"functions.{c.name}:{n}" for c, n in zip(got.tool_calls, numbers, strict=True)
+    ]:
+        return False, want, got
+    verdicts = validate_tool_calls(got.tool_calls, kt.tools(*s.tool_names)) if s.tool_names else []
+    return all(v.valid for v in verdicts), want, got
+
+
 def same_format(parser: Any, s: Sample, text: str) -> bool:
     """True when generated `text` (with its final <|im_end|>) has the training format of
     `s.output`, whatever values it copied (which city, which date, which of the asked tools
@@ -866,32 +887,15 @@ def same_format(parser: Any, s: Sample, text: str) -> bool:
     content exactly where the expected output has them, as many tool calls, numbered like the
     expected ones (`functions.{name}:{n}` with the call's own name), every call declared in the
     request and its arguments valid against that tool's JSON schema, and no marker leaked."""
-    from inferplane.parsers import validate_tool_calls
-
-    if not text.endswith(EOS):
-        return False
-    want = parser.parse(s.output, s.thinking)
-    got = parser.parse(text[: -len(EOS)], s.thinking)
-    if got.marker_leaked:
-        return False
-    if bool(got.reasoning) != bool(want.reasoning) or bool(got.content) != bool(want.content):
-        return False
-    numbers = [c.id.rsplit(":", 1)[-1] for c in want.tool_calls]
-    if [c.id for c in got.tool_calls] != [
-        f"functions.{c.name}:{n}" for c, n in zip(got.tool_calls, numbers, strict=False)
-    ] or len(got.tool_calls) != len(numbers):
-        return False
-    verdicts = validate_tool_calls(got.tool_calls, kt.tools(*s.tool_names)) if s.tool_names else []
-    return all(v.valid for v in verdicts)
+    return _format_check(parser, s, text)[0]
 
 
 def same_calls(parser: Any, s: Sample, text: str) -> bool:
     """`same_format` and the same tools called in the same order (ids and names equal)."""
-    if not same_format(parser, s, text):
-        return False
-    want = parser.parse(s.output, s.thinking)
-    got = parser.parse(text[: -len(EOS)], s.thinking)
-    return [(c.id, c.name) for c in got.tool_calls] == [(c.id, c.name) for c in want.tool_calls]
+    ok, want, got = _format_check(parser, s, text)
+    return ok and [(c.id, c.name) for c in got.tool_calls] == [
+        (c.id, c.name) for c in want.tool_calls
+    ]
 
 
 def evaluate(
@@ -928,7 +932,7 @@ def evaluate(
             if formats is not None:
                 formats.append(same_format(parser, s, text))
                 if calls is not None:
-                    calls.append(same_calls(parser, s, text))
+                    calls.append(formats[-1] and same_calls(parser, s, text))
                 if not formats[-1]:
                     failures.append(f"[{s.kind}] FORMAT expected {s.output!r}\n      got {text!r}")
             if text == s.output + EOS:

@@ -136,8 +136,11 @@ class Generation:
                 else:
                     # Per token: an increment of n tokens (the engine's stream interval, or
                     # events merged in one read) stands for n gaps of a n-th of its wait.
-                    n = max(len(out.token_ids), 1)
-                    self.itl_seconds.extend([(now - self._last) / n] * n)
+                    n = len(out.token_ids)
+                    if n <= 1:
+                        self.itl_seconds.append(now - self._last)
+                    else:
+                        self.itl_seconds.extend([(now - self._last) / n] * n)
                 self._last = now
                 first = not self.started_output
                 self.started_output = True

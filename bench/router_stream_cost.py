@@ -11,8 +11,11 @@ reads every chunk from the node-agent and writes it on as one SSE event, so it h
 messages per chunk; `router_us_per_message` is its CPU divided by those.
 
 This isolates the router hop's cost from the engine's (which the 2-core box shares with it in
-bench/edge_overhead.py and bench/stack_vs_vllm.py). Last line:
-`router_cpu_ms_per_request_c8: X`.
+bench/edge_overhead.py and bench/stack_vs_vllm.py). With `--event-loops uvloop,asyncio` (the
+default) one router per event loop (`event_loop` setting) runs against the same fake
+node-agent, measured in alternation for `--rounds` rounds; figures are medians over rounds.
+Last lines: `router_cpu_ms_per_request_c8: X` (the first loop listed) and, with two loops,
+`router_cpu_ratio_c8: R` (first loop's CPU per request / second's).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,37 +100,66 @@ async def _level(
 
 
 async def _measure(
-    address: str, pids: dict[str, int], requests: int
-) -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        await _level(stub, 16, 8)  # warm-up: connections, caches
-        for concurrency in (1, 8):
-            before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-            seconds, per_request = await _level(stub, requests, concurrency)
-            cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-            out[concurrency] = {
-                "requests_per_s": requests / seconds,
-                "router_ms": cpu["router"] * 1000 / requests,
-                "agent_ms": cpu["agent"] * 1000 / requests,
-                # Each SSE event the router writes is a chunk it read: two messages each.
-                "router_us_per_message": cpu["router"] * 1e6 / (requests * per_request * 2),
-                "events_per_request": per_request,
-            }
-    return out
+    addresses: dict[str, str], pids: dict[str, int], requests: int, rounds: int
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Per router (by event loop) and concurrency: medians over `rounds` alternating rounds."""
+    samples: dict[str, dict[int, list[dict[str, float]]]] = {
+        loop: {1: [], 8: []} for loop in addresses
+    }
+    channels = {loop: grpc.aio.insecure_channel(a) for loop, a in addresses.items()}
+    try:
+        stubs = {loop: inference_pb2_grpc.InferenceServiceStub(c) for loop, c in channels.items()}
+        for stub in stubs.values():
+            await _level(stub, 16, 8)  # warm-up: connections, caches
+        for _ in range(rounds):
+            for loop, stub in stubs.items():
+                for concurrency in (1, 8):
+                    watched = {"router": pids[loop], "agent": pids["agent"]}
+                    before = {name: _cpu_seconds(pid) for name, pid in watched.items()}
+                    seconds, per_request = await _level(stub, requests, concurrency)
+                    cpu = {n: _cpu_seconds(pid) - before[n] for n, pid in watched.items()}
+                    samples[loop][concurrency].append(
+                        {
+                            "requests_per_s": requests / seconds,
+                            "router_ms": cpu["router"] * 1000 / requests,
+                            "agent_ms": cpu["agent"] * 1000 / requests,
+                            # Each SSE event the router writes is a chunk it read: two
+                            # messages each.
+                            "router_us_per_message": cpu["router"]
+                            * 1e6
+                            / (requests * per_request * 2),
+                            "events_per_request": per_request,
+                        }
+                    )
+    finally:
+        await asyncio.gather(*(c.close() for c in channels.values()))
+    return {
+        loop: {
+            conc: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            for conc, runs in by_conc.items()
+        }
+        for loop, by_conc in samples.items()
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="chunks per request")
     parser.add_argument("--requests", type=int, default=600, help="requests per level")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
+    parser.add_argument(
+        "--event-loops",
+        default="uvloop,asyncio",
+        help="comma-separated event loops, one router each (the router's event_loop setting)",
+    )
     parser.add_argument("--serve-agent", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_agent:
         asyncio.run(_serve_agent(args.serve_agent, args.tokens))
         return
-    agent_port, router_port = free_port(), free_port()
+    loops = [name.strip() for name in args.event_loops.split(",") if name.strip()]
+    agent_port = free_port()
+    router_ports = {loop: free_port() for loop in loops}
     with tempfile.TemporaryDirectory(prefix="router-cost-") as tmp:
         routes = Path(tmp) / "routes.yaml"
         routes.write_text(
@@ -140,35 +173,46 @@ def main() -> None:
                     *("--tokens", str(args.tokens)),
                 ]
             ),
-            "router": subprocess.Popen(
+        }
+        for loop, port in router_ports.items():
+            procs[loop] = subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "inferplane.router", "--port", str(router_port)),
+                    *(sys.executable, "-m", "inferplane.router", "--port", str(port)),
                     *("--metrics-port", "0", "--routes-file", str(routes), "--no-json-logs"),
+                    *("--event-loop", loop),
                 ],
                 stderr=subprocess.DEVNULL,
-            ),
-        }
+            )
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{router_port}") as channel:
-                grpc.channel_ready_future(channel).result(timeout=60)
+            for port in router_ports.values():
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    grpc.channel_ready_future(channel).result(timeout=60)
             pids = {name: proc.pid for name, proc in procs.items()}
-            results = asyncio.run(_measure(f"127.0.0.1:{router_port}", pids, args.requests))
+            addresses = {loop: f"127.0.0.1:{port}" for loop, port in router_ports.items()}
+            results = asyncio.run(_measure(addresses, pids, args.requests, args.rounds))
         finally:
             for proc in procs.values():
                 proc.terminate()
             for proc in procs.values():
                 proc.wait(30)
     print(
-        f"{'conc':>4} {'req/s':>8} {'events/req':>10} {'router ms/req':>13} "
-        f"{'router us/msg':>13} {'agent ms/req':>12}   ({args.tokens} chunks per request)"
+        f"{'loop':>8} {'conc':>4} {'req/s':>8} {'events/req':>10} {'router ms/req':>13} "
+        f"{'router us/msg':>13} {'agent ms/req':>12}   ({args.tokens} chunks per request, "
+        f"medians of {args.rounds} rounds)"
     )
-    for concurrency, r in results.items():
-        print(
-            f"{concurrency:>4} {r['requests_per_s']:>8.1f} {r['events_per_request']:>10.1f} "
-            f"{r['router_ms']:>13.2f} {r['router_us_per_message']:>13.1f} {r['agent_ms']:>12.2f}"
-        )
-    print(f"router_us_per_message_c8: {results[8]['router_us_per_message']:.1f}")
-    print(f"router_cpu_ms_per_request_c8: {results[8]['router_ms']:.2f}")
+    for loop, by_conc in results.items():
+        for concurrency, r in by_conc.items():
+            print(
+                f"{loop:>8} {concurrency:>4} {r['requests_per_s']:>8.1f} "
+                f"{r['events_per_request']:>10.1f} {r['router_ms']:>13.2f} "
+                f"{r['router_us_per_message']:>13.1f} {r['agent_ms']:>12.2f}"
+            )
+    first = results[loops[0]][8]
+    print(f"router_us_per_message_c8: {first['router_us_per_message']:.1f}")
+    print(f"router_cpu_ms_per_request_c8: {first['router_ms']:.2f}")
+    if len(loops) > 1:
+        ratio = first["router_ms"] / results[loops[1]][8]["router_ms"]
+        print(f"router_cpu_ratio_c8: {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from inferplane.runtime._server import (
     ServicerBinding,
     configure_logging,
     grpc_options,
+    loop_factory,
     run,
     serve,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "error_trailers",
     "grpc_options",
     "load_settings",
+    "loop_factory",
     "run",
     "serve",
 ]

@@ -18,10 +18,12 @@ from typing import Any
 
 import grpc
 import structlog
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from inferplane.runtime._errors import ConfigError
 from inferplane.runtime._interceptor import ErrorInterceptor, ServerMetrics
 from inferplane.runtime._settings import ServiceSettings
 
@@ -190,11 +192,33 @@ async def serve(
     return 0
 
 
-def run(build: Callable[[Any], App], settings: ServiceSettings) -> None:
-    """Entry point of a service's `__main__`: logs, builds the app, serves, exits."""
-    configure_logging(settings.log_level, settings.json_logs)
+EVENT_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "uvloop": uvloop.new_event_loop,
+    "asyncio": asyncio.new_event_loop,
+}
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop factory called `name` (a key of `EVENT_LOOPS`).
+
+    Raises:
+        ConfigError: an unknown name (the message lists the known ones).
+    """
     try:
-        code = asyncio.run(serve(build(settings), settings))
+        return EVENT_LOOPS[name]
+    except KeyError:
+        known = ", ".join(sorted(EVENT_LOOPS))
+        raise ConfigError(f"setting 'event_loop': unknown loop {name!r} (known: {known})") from None
+
+
+def run(build: Callable[[Any], App], settings: ServiceSettings) -> None:
+    """Entry point of a service's `__main__`: logs, builds the app, serves on the loop
+    `settings.event_loop` names, exits."""
+    configure_logging(settings.log_level, settings.json_logs)
+    factory = loop_factory(settings.event_loop)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            code = runner.run(serve(build(settings), settings))
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
         code = 0
     raise SystemExit(code)

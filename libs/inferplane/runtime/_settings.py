@@ -31,6 +31,9 @@ class ServiceSettings:
     """Settings every service has. Services subclass it with their own fields.
 
     Ports are TCP ports on `host`; 0 for `metrics_port` disables the /metrics endpoint.
+    `event_loop` is the asyncio loop implementation the service runs on (`EVENT_LOOPS`):
+    `uvloop` by default, since every hop of the token stream pays the loop's per-I/O cost
+    (bench/README.md, "uvloop"); `asyncio` is the standard library's, for debugging.
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +43,7 @@ class ServiceSettings:
     log_level: str = "info"
     json_logs: bool = True
     max_message_bytes: int = 64 * 1024 * 1024
+    event_loop: str = "uvloop"
 
 
 def _convert(value: Any, hint: Any, name: str) -> Any:

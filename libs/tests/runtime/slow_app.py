@@ -1,4 +1,7 @@
-"""A tiny service for shutdown tests: ListAlerts takes `delay` seconds, then answers."""
+"""A tiny service for shutdown tests: ListAlerts takes `delay` seconds, then answers.
+
+python slow_app.py PORT DELAY EVENT_LOOP
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
-from inferplane.runtime import App, ServicerBinding, ServiceSettings, configure_logging, serve
+from inferplane.runtime import App, ServicerBinding, ServiceSettings, run
 
 
 class SlowTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignore[misc]
@@ -19,8 +22,9 @@ class SlowTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignor
 
 
 def main() -> None:
-    configure_logging("info", json_logs=True)
-    settings = ServiceSettings(port=int(sys.argv[1]), grace_period_seconds=5)
+    settings = ServiceSettings(
+        port=int(sys.argv[1]), grace_period_seconds=5, event_loop=sys.argv[3]
+    )
     app = App(
         component="slow",
         registry=CollectorRegistry(),
@@ -32,7 +36,7 @@ def main() -> None:
             )
         ],
     )
-    raise SystemExit(asyncio.run(serve(app, settings)))
+    run(lambda _settings: app, settings)  # what every service's __main__ does
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+import uvloop
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,7 @@ from inferplane.runtime import (
     ServerMetrics,
     ServiceSettings,
     load_settings,
+    loop_factory,
 )
 from inferplane.testing.ports import free_port
 
@@ -144,11 +146,19 @@ def _wait_serving(port: int, timeout: float = 30) -> None:
             time.sleep(0.1)
 
 
-def test_sigterm_lets_the_in_flight_call_finish_and_exits_zero() -> None:
-    """SIGTERM during a call: the call completes OK, new calls are refused, exit code 0."""
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_sigterm_lets_the_in_flight_call_finish_and_exits_zero(event_loop: str) -> None:
+    """SIGTERM during a call: the call completes OK, new calls are refused, exit code 0, on
+    either event loop a service can run on."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("slow_app.py")), str(port), "1.5"],
+        [
+            sys.executable,
+            str(Path(__file__).with_name("slow_app.py")),
+            str(port),
+            "1.5",
+            event_loop,
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -178,3 +188,15 @@ def test_sigterm_lets_the_in_flight_call_finish_and_exits_zero() -> None:
             proc.kill()
         stderr = proc.stderr.read() if proc.stderr else ""
     assert '"event": "stopped"' in stderr
+
+
+def test_services_run_on_uvloop_by_default_and_unknown_loops_are_named() -> None:
+    """The default loop is uvloop (the token path's per-I/O cost); a typo in `event_loop` is a
+    ConfigError that lists the known loops, not a silent fallback."""
+    loop = loop_factory(ServiceSettings().event_loop)()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    with pytest.raises(ConfigError, match="known: asyncio, uvloop"):
+        loop_factory("uv-loop")

@@ -14,7 +14,7 @@ from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache
 from inferplane.node_agent.pipeline.outcome import OutcomeSink, discard_outcome
 from inferplane.node_agent.pipeline.records import record_sender
 from inferplane.node_agent.settings import NodeAgentSettings
-from inferplane.runtime import App, NotFoundError, ServicerBinding, grpc_options
+from inferplane.runtime import App, NotFoundError, ServicerBinding, freeze_heap, grpc_options
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 
@@ -46,7 +46,7 @@ def build_app(settings: NodeAgentSettings) -> App:
         )
     inference = InferenceServicer(
         agent.manager,
-        ModelAssetsCache(),
+        ModelAssetsCache(on_loaded=freeze_heap if settings.gc_freeze else lambda: None),
         on_outcome=on_outcome,
         strict_tool_calls=settings.strict_tool_calls,
         owned_by=settings.owned_by,

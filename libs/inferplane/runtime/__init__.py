@@ -22,6 +22,7 @@ from inferplane.runtime._errors import (
     UnavailableError,
     error_from_status,
 )
+from inferplane.runtime._gc import GcPauses, freeze_heap
 from inferplane.runtime._interceptor import (
     OPENAI_ERROR_CODE_KEY,
     OPENAI_ERROR_PARAM_KEY,
@@ -55,6 +56,7 @@ __all__ = [
     "DeadlineExceededError",
     "ErrorInterceptor",
     "FailedPreconditionError",
+    "GcPauses",
     "InferplaneError",
     "InternalError",
     "InvalidArgumentError",
@@ -70,6 +72,7 @@ __all__ = [
     "configure_logging",
     "error_from_status",
     "error_trailers",
+    "freeze_heap",
     "grpc_options",
     "load_settings",
     "loop_factory",

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from inferplane.runtime._errors import ConfigError
+from inferplane.runtime._gc import GcPauses, freeze_heap
 from inferplane.runtime._interceptor import ErrorInterceptor, ServerMetrics
 from inferplane.runtime._settings import ServiceSettings
 
@@ -211,14 +212,27 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
         raise ConfigError(f"setting 'event_loop': unknown loop {name!r} (known: {known})") from None
 
 
+def _frozen() -> None:
+    log.info("gc_heap_frozen", objects=freeze_heap())
+
+
 def run(build: Callable[[Any], App], settings: ServiceSettings) -> None:
     """Entry point of a service's `__main__`: logs, builds the app, serves on the loop
-    `settings.event_loop` names, exits."""
+    `settings.event_loop` names, exits. Once serving, the start-up heap is frozen out of the
+    garbage collector's scans (unless `settings.gc_freeze` is off) and collection pauses are
+    exported (`inferplane.runtime._gc`)."""
     configure_logging(settings.log_level, settings.json_logs)
     factory = loop_factory(settings.event_loop)
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            code = runner.run(serve(build(settings), settings))
+            app = build(settings)
+            pauses = GcPauses(app.registry).install()
+            try:
+                # Serving from here on: what start-up built lives as long as the process.
+                ready = (lambda _server: _frozen()) if settings.gc_freeze else None
+                code = runner.run(serve(app, settings, ready=ready))
+            finally:
+                pauses.close()
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
         code = 0
     raise SystemExit(code)

@@ -34,6 +34,8 @@ class ServiceSettings:
     `event_loop` is the asyncio loop implementation the service runs on (`EVENT_LOOPS`):
     `uvloop` by default, since every hop of the token stream pays the loop's per-I/O cost
     (bench/README.md, "uvloop"); `asyncio` is the standard library's, for debugging.
+    `gc_freeze`: once serving, freeze the start-up heap out of the garbage collector's scans
+    (`inferplane.runtime.freeze_heap`); off only to compare or to debug memory.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +46,7 @@ class ServiceSettings:
     json_logs: bool = True
     max_message_bytes: int = 64 * 1024 * 1024
     event_loop: str = "uvloop"
+    gc_freeze: bool = True
 
 
 def _convert(value: Any, hint: Any, name: str) -> Any:

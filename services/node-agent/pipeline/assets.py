@@ -143,10 +143,16 @@ class ModelAssetsCache:
 
     Args:
         loader: builds the assets of a spec (default `load_model_assets`; tests pass fakes).
+        on_loaded: called on the event loop after each successful load; the service passes
+            `inferplane.runtime.freeze_heap`, so the tokenizer and the libraries its first load
+            imported (transformers, torch: ~370k objects) leave the collector's scans.
     """
 
-    def __init__(self, loader: Loader = load_model_assets) -> None:
+    def __init__(
+        self, loader: Loader = load_model_assets, on_loaded: Callable[[], object] = lambda: None
+    ) -> None:
         self._loader = loader
+        self._on_loaded = on_loaded
         self._assets: dict[tuple[str, str | None], ModelAssets] = {}
         self._loading: dict[tuple[str, str | None], asyncio.Future[ModelAssets]] = {}
 
@@ -173,6 +179,7 @@ class ModelAssetsCache:
         if not future.cancelled() and future.exception() is None:
             self._assets[key] = future.result()
             log.info("model_assets_loaded", model_source=key[0], parser=key[1])
+            self._on_loaded()
         elif not future.cancelled():
             log.warning("model_assets_failed", model_source=key[0], error=str(future.exception()))
 

@@ -39,7 +39,8 @@ def test_two_parser_names_are_a_configuration_error() -> None:
 
 def test_concurrent_first_requests_share_one_load_and_failures_are_retried() -> None:
     """Concurrent first requests for a model wait for one load (in a worker thread); a failed
-    load is not cached, so the next request tries again."""
+    load is not cached, so the next request tries again; `on_loaded` runs once per successful
+    load only."""
     calls: list[str] = []
     gate = threading.Event()
     fail = [True]
@@ -51,8 +52,10 @@ def test_concurrent_first_requests_share_one_load_and_failures_are_retried() -> 
             raise UnavailableError("folder missing", code="model_unavailable")
         return kimi_tiny_assets()
 
+    loaded: list[int] = []
+
     async def scenario() -> None:
-        cache = ModelAssetsCache(loader)
+        cache = ModelAssetsCache(loader, on_loaded=lambda: loaded.append(len(calls)))
         spec = kimi_tiny_spec()
         pending = [asyncio.create_task(cache.get(spec)) for _ in range(5)]
         await asyncio.sleep(0.05)
@@ -66,5 +69,6 @@ def test_concurrent_first_requests_share_one_load_and_failures_are_retried() -> 
         assert len(calls) == 2
         await cache.get(spec)
         assert len(calls) == 2
+        assert loaded == [2]  # the hook (the heap freeze) ran once, after the successful load
 
     asyncio.run(scenario())

@@ -65,9 +65,14 @@ def test_non_streaming_chat_answer(client: openai.OpenAI) -> None:
 def test_streaming_chat_arrives_chunk_by_chunk_and_ends_with_done(
     stack: Stack, api_key: str
 ) -> None:
-    """SSE as OpenAI sends it: many `data:` events over time, then `data: [DONE]`."""
+    """SSE as OpenAI sends it: `data:` events over time, then `data: [DONE]`, never one buffered
+    body. How many events a short answer takes depends on load (a node-agent that is behind
+    merges the engine increments it reads at once, by design), so what must hold is that the
+    first event (the role chunk, sent at the first engine output) reaches the client on its own,
+    before the end of the stream."""
     body = kimi_tiny.NO_TOOL.request(stream=True, temperature=0)
     arrivals: list[float] = []
+    pieces: list[bytes] = []
     raw = b""
     with httpx.stream(
         "POST",
@@ -80,6 +85,7 @@ def test_streaming_chat_arrives_chunk_by_chunk_and_ends_with_done(
         assert response.headers["content-type"].startswith("text/event-stream")
         for piece in response.iter_raw():
             arrivals.append(time.monotonic())
+            pieces.append(piece)
             raw += piece
     events = [e for e in raw.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
@@ -90,7 +96,9 @@ def test_streaming_chat_arrives_chunk_by_chunk_and_ends_with_done(
     )
     assert content == kimi_tiny.NO_TOOL.content
     assert reasoning == kimi_tiny.NO_TOOL.reasoning
-    assert len(chunks) > 5 and len(arrivals) > 5, "the stream was buffered"
+    assert len(chunks) >= 3  # the role chunk, the answer, the finish
+    assert len(arrivals) >= 2 and b"[DONE]" not in pieces[0], "the stream was buffered"
+    assert arrivals[-1] > arrivals[0]
 
 
 def test_stream_interval_sends_fewer_chunks_with_the_same_answer(client: openai.OpenAI) -> None:

@@ -211,12 +211,13 @@ def test_freeze_heap_takes_survivors_out_of_full_collections() -> None:
 
     try:
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        assert frozen > 0
         cycle: list[Any] = []
         cycle.append(cycle)
         del cycle
         assert gc.collect() >= 1  # the new cycle is found
-        assert gc.get_freeze_count() == frozen
+        # Nothing new was frozen (other threads may free frozen objects: the count only falls).
+        assert gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

@@ -82,6 +82,10 @@ class NodeAgentSettings(ServiceSettings):
     # less the lowest `engine_cpu_reserved_cores` (engine/cpus.py); too few free: nobind.
     engine_cpu_cores_per_rank: int = 2
     engine_cpu_reserved_cores: int = 1
+    # CPU nodes: niceness (0-19) given to each engine's core process once it is ready (it
+    # busy-waits for its workers; the front, the workers and the request path keep their
+    # priority: engine/priority.py). 0: leave it at the node-agent's.
+    engine_cpu_core_niceness: int = 10
     drain_grace_seconds: float = 30.0
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.
@@ -92,6 +96,11 @@ class NodeAgentSettings(ServiceSettings):
     replicas: tuple[ReplicaConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        if not 0 <= self.engine_cpu_core_niceness <= 19:
+            raise ConfigError(
+                "engine_cpu_core_niceness must be within 0..19, "
+                f"got {self.engine_cpu_core_niceness}"
+            )
         converted = []
         for entry in self.replicas:
             if isinstance(entry, ReplicaConfig):

@@ -51,6 +51,7 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
         drain_grace_seconds=settings.drain_grace_seconds,
         cpu_cores_per_rank=settings.engine_cpu_cores_per_rank,
         cpu_reserved_cores=settings.engine_cpu_reserved_cores,
+        cpu_engine_core_niceness=settings.engine_cpu_core_niceness,
     )
 
 

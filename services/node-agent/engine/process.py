@@ -79,7 +79,9 @@ class LaunchPlan:
     `argv` is the full command line; `env` the variables added to the agent's environment;
     `grpc_address` (host:port) is where the engine's API server answers once ready: the gRPC
     service for `grpc`, the HTTP server for `http-completions`; `metrics_url` its Prometheus
-    endpoint (our launcher's for `grpc`, the HTTP server's own `/metrics` otherwise).
+    endpoint (our launcher's for `grpc`, the HTTP server's own `/metrics` otherwise);
+    `engine_core_niceness` (1..19; 0: none) is what the supervisor gives vLLM's engine core
+    process once the engine is ready (engine/priority.py).
     """
 
     argv: tuple[str, ...]
@@ -88,6 +90,7 @@ class LaunchPlan:
     grpc_address: str
     metrics_url: str
     transport: str = GRPC
+    engine_core_niceness: int = 0
 
     @property
     def client_address(self) -> str:
@@ -107,6 +110,7 @@ def plan_launch(
     host: str = "127.0.0.1",
     cpu: bool | None = None,
     cpu_bind: str | None = None,
+    engine_core_niceness: int = 0,
 ) -> LaunchPlan:
     """Builds the launcher command line for `spec`, on fresh loopback ports.
 
@@ -118,7 +122,8 @@ def plan_launch(
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
     halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `CUDA_VISIBLE_DEVICES`
     from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`; CPU nodes
-    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py). A
+    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py) and
+    `engine_core_niceness` (engine/priority.py; the supervisor applies it once ready). A
     `stream_interval` above 1 becomes `--stream-interval`: vLLM's front end then emits one
     increment per that many tokens, on either transport.
     """
@@ -183,6 +188,7 @@ def plan_launch(
         grpc_address=f"{host}:{grpc_port}",
         metrics_url=metrics_url,
         transport=transport,
+        engine_core_niceness=engine_core_niceness if cpu else 0,
     )
 
 
@@ -283,22 +289,33 @@ class ProcessSpawner:
         return EngineProcess(proc)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid`, from every thread's `/proc/<pid>/task/<tid>/children`
+    (touches only `pid`'s entries, unlike a scan of every process's ppid); empty when gone."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def tree_pids(root: int) -> list[int]:
-    """`root` and all its live descendants (from /proc/<pid>/stat ppid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    """`root` and all its live descendants, parents before their children."""
     out, todo = [], [root]
     while todo:
-        pid = todo.pop()
-        if Path(f"/proc/{pid}").exists():
+        pid = todo.pop(0)
+        if _alive(pid):
             out.append(pid)
-        todo.extend(children.get(pid, []))
+            todo.extend(child_pids(pid))
     return out
 
 

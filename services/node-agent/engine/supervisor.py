@@ -42,6 +42,7 @@ from tenacity import (
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineClient
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
+from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
@@ -94,7 +95,9 @@ class SupervisorConfig:
     Backoff before restart attempt n (n ≥ 1) is min(backoff_initial · 2^(n-1), backoff_max)
     (tenacity `wait_exponential`). `cpu` None: probe for an NVIDIA GPU. On a CPU node each
     engine rank gets `cpu_cores_per_rank` cores of its own, out of the node's cores less the
-    `cpu_reserved_cores` lowest (engine/cpus.py), or `nobind` when too few are free.
+    `cpu_reserved_cores` lowest (engine/cpus.py), or `nobind` when too few are free, and its
+    engine core runs at niceness `cpu_engine_core_niceness` once ready (0: inherited;
+    engine/priority.py).
     """
 
     data_dir: Path
@@ -113,6 +116,7 @@ class SupervisorConfig:
     cpu: bool | None = None
     cpu_cores_per_rank: int = 2
     cpu_reserved_cores: int = 1
+    cpu_engine_core_niceness: int = 10
 
 
 class EngineStartError(Exception):
@@ -364,6 +368,14 @@ class Replica:
         await self._wait_ready(handle, engine, plan)
         if self._stopping:
             return
+        if plan.engine_core_niceness:
+            cores = renice_engine_cores(handle.pid, plan.engine_core_niceness)
+            log.info(
+                "engine_core_reniced",
+                replica=self._id,
+                pids=cores,
+                niceness=plan.engine_core_niceness,
+            )
         self.ready_time = self._clock.now()
         ready_at = self._clock.monotonic()
         await self._set_state(self._not_ready_state(State.STATE_READY))
@@ -508,6 +520,7 @@ class ReplicaManager:
             host=self.config.host,
             cpu=cpu,
             cpu_bind=bind,
+            engine_core_niceness=self.config.cpu_engine_core_niceness,
         )
 
     # --- ReplicaDirectory ---------------------------------------------------------------

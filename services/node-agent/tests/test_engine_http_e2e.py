@@ -24,6 +24,7 @@ import pytest
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import SamplingParams
 from inferplane.node_agent.engine.http_client import HttpEngineClient
+from inferplane.node_agent.engine.priority import thread_ids
 from inferplane.node_agent.engine.process import (
     is_loopback,
     listening_addresses,
@@ -147,6 +148,17 @@ async def test_http_engine_generates_reports_and_stays_on_loopback(engine) -> No
     pids = tree_pids(replica.pid)
     listening = listening_addresses(pids)
     assert listening and all(is_loopback(a) for a, _p in listening), listening
+    # CPU node: once ready, the engine core runs at the supervisor's niceness (10 by
+    # default), the front (the launcher: vLLM's HTTP server) and the worker at ours.
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    by_comm = {Path(f"/proc/{p}/comm").read_text().strip(): p for p in pids[1:]}
+    assert {"VLLM::EngineCor", "VLLM::Worker"} <= by_comm.keys(), by_comm
+    for pid, wanted in (
+        (pids[0], ours),
+        (by_comm["VLLM::EngineCor"], max(ours, 10)),
+        (by_comm["VLLM::Worker"], ours),
+    ):
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in thread_ids(pid)} == {wanted}
     print(
         f"\nHTTP ENGINE FIGURES: start_to_ready_s={ready_seconds:.1f} "
         f"single_stream_tok_s={64 / seconds:.0f} processes={len(pids)} "

@@ -1,0 +1,128 @@
+"""vLLM's engine core at a lower CPU priority (engine/priority.py): once a CPU replica is
+ready, the engine core process below its launcher gets the niceness asked for on every
+thread, while the launcher (the engine front) and the workers keep theirs; only CPU plans ask
+for it; it never raises a priority; bad values are refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.priority import (
+    ENGINE_CORE_COMM,
+    comm,
+    renice_engine_cores,
+    thread_ids,
+)
+from inferplane.node_agent.engine.process import plan_launch, tree_pids
+from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.runtime import ConfigError
+
+pytestmark = [pytest.mark.timeout(60)]
+
+SPEC = nodeagent_pb2.ReplicaSpec(served_model_name="m", model_source="/models/m")
+
+# A stand-in for the launcher (the engine front): an "engine core" child named like vLLM's,
+# with a second thread, that starts a "worker" grandchild; one more thread in the front.
+LAUNCHER = textwrap.dedent(
+    """
+    import subprocess, sys, threading, time
+    core = '''
+    import subprocess, sys, threading, time
+    open("/proc/self/comm", "w").write("VLLM::EngineCore")
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    worker = "open('/proc/self/comm', 'w').write('VLLM::Worker'); import time; time.sleep(60)"
+    subprocess.Popen([sys.executable, "-c", worker])
+    time.sleep(60)
+    '''
+    subprocess.Popen([sys.executable, "-c", core])
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    time.sleep(60)
+    """
+)
+
+
+def niceness(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.fixture
+def engine_tree() -> Iterator[tuple[int, int, int]]:
+    """(front, core, worker) pids, once the core has its two threads and the worker its name."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pids = tree_pids(launcher.pid)
+            if (
+                len(pids) == 3
+                and comm(pids[1]) == ENGINE_CORE_COMM
+                and len(thread_ids(pids[1])) == 2
+                and comm(pids[2]) == "VLLM::Worker"
+            ):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the engine tree did not come up: {tree_pids(launcher.pid)}")
+        yield pids[0], pids[1], pids[2]
+    finally:
+        for pid in reversed(tree_pids(launcher.pid)):
+            os.kill(pid, 9)
+        launcher.wait()
+
+
+def test_only_the_engine_core_gets_the_niceness(engine_tree: tuple[int, int, int]) -> None:
+    front, core, worker = engine_tree
+    base = niceness(0)
+    wanted = min(19, base + 7)
+    assert renice_engine_cores(front, wanted) == [core]
+    assert {niceness(t) for t in thread_ids(core)} == {wanted}
+    assert {niceness(t) for t in thread_ids(front)} == {base}
+    assert {niceness(t) for t in thread_ids(worker)} == {base}
+
+
+def test_renice_never_raises_a_priority(engine_tree: tuple[int, int, int]) -> None:
+    front, core, _worker = engine_tree
+    high = min(19, niceness(0) + 8)
+    renice_engine_cores(front, high)
+    renice_engine_cores(front, max(1, high - 4))
+    assert {niceness(t) for t in thread_ids(core)} == {high}
+
+
+def test_no_engine_core_below_the_root_finds_none() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert renice_engine_cores(os.getpid(), 10) == []
+        assert niceness(child.pid) == niceness(0)
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("value", [0, -1, 20])
+def test_a_niceness_outside_1_to_19_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="1..19"):
+        renice_engine_cores(os.getpid(), value)
+
+
+def test_cpu_plans_carry_the_niceness_gpu_plans_do_not(tmp_path: Path) -> None:
+    def plan(**kwargs: object) -> int:
+        return plan_launch("r1", SPEC, data_dir=tmp_path, **kwargs).engine_core_niceness  # type: ignore[arg-type]
+
+    assert plan(cpu=True, engine_core_niceness=10) == 10
+    assert plan(cpu=True) == 0
+    assert plan(cpu=False, engine_core_niceness=10) == 0
+
+
+@pytest.mark.parametrize("value", [-1, 20])
+def test_settings_refuse_a_niceness_outside_0_to_19(value: int) -> None:
+    with pytest.raises(ConfigError, match="engine_cpu_core_niceness"):
+        NodeAgentSettings(engine_cpu_core_niceness=value)

@@ -8,7 +8,11 @@ Starts, on the fixture model (kimi-tiny) and the same engine settings (the repli
 stack's orchestrator gave its node-agent, reused through the node-agent's own launch plan for the
 plain engines), one after another and never two engines at once:
 
-- `vllm`: plain `vllm serve` over HTTP with vLLM's own kimi_k2 reasoning and tool parsers;
+- `vllm`: plain `vllm serve` over HTTP with vLLM's own kimi_k2 reasoning and tool parsers, as
+  its users run it (what the ratios below compare with);
+- `vllm-nice`: the same with its engine core at the niceness the node-agent gives its engines'
+  on CPU nodes (`engine_cpu_core_niceness`, engine/priority.py): how much of the stack's
+  result is that setting, which helps plain vLLM on this box too;
 - `stack-grpc`: the full stack (Envoy + ext_authz + router + node-agent) on the `grpc` transport;
 - `stack-http`: the same on the `http-completions` transport;
 - `smg`: SMG (the Rust gateway, PyPI `smg`) in front of the gRPC engine, when installed.
@@ -58,16 +62,18 @@ from google.protobuf import json_format
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig, kimi_tiny_deployment
 from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
+from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
     LaunchPlan,
     plan_launch,
     tree_pids,
 )
+from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import procguard
 from inferplane.testing.ports import free_port, free_port_run
 
-PATHS = ("vllm", "stack-grpc", "stack-http", "smg")
+PATHS = ("vllm", "vllm-nice", "stack-grpc", "stack-http", "smg")
 LEVELS = (1, 8)
 METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")
 BIN = Path(sys.executable).parent
@@ -406,16 +412,24 @@ def top_frames(raw: Path, count: int = 8) -> list[tuple[float, str]]:
 # -- the paths -----------------------------------------------------------------------------------
 
 
-def run_vllm(work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec) -> PathResult:
-    plan = plan_launch("vllm", with_transport(spec, "http-completions"), data_dir=work, cpu=True)
+def run_vllm(
+    work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec, core_niceness: int = 0
+) -> PathResult:
+    """Plain `vllm serve` as its users run it; with `core_niceness`, its engine core gets the
+    niceness the node-agent gives its engines' (engine/priority.py) once ready."""
+    name = "vllm-nice" if core_niceness else "vllm"
+    plan = plan_launch(name, with_transport(spec, "http-completions"), data_dir=work, cpu=True)
     parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
     engine = Engine(plan, (*parsers, "--reasoning-parser", "kimi_k2"))
     base_url = f"http://{plan.grpc_address}"
     try:
         ready = engine.wait_ready(http_ready(base_url))
-        log(f"vllm ready in {ready:.0f} s")
+        log(f"{name} ready in {ready:.0f} s")
+        if core_niceness:
+            cores = renice_engine_cores(engine.proc.pid, core_niceness)
+            log(f"engine core {cores} at niceness {core_niceness}")
         result = measure(
-            "vllm",
+            name,
             base_url,
             "unused",
             opts,
@@ -675,6 +689,9 @@ def main() -> None:
             log(f"--- {path}")
             if path == "vllm":
                 results[path] = run_vllm(work, opts, spec)
+            elif path == "vllm-nice":
+                niceness = NodeAgentSettings().engine_cpu_core_niceness
+                results[path] = run_vllm(work, opts, spec, core_niceness=niceness)
             elif path == "smg":
                 results[path] = run_smg(work, opts, spec)
             else:

@@ -42,8 +42,8 @@ from tenacity import (
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineClient
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
-from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
+from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
     EngineHandle,

@@ -109,7 +109,7 @@ def test_no_engine_core_below_the_root_finds_none() -> None:
 
 @pytest.mark.parametrize("value", [0, -1, 20])
 def test_a_niceness_outside_1_to_19_is_refused(value: int) -> None:
-    with pytest.raises(ValueError, match="1..19"):
+    with pytest.raises(ValueError, match=r"1\.\.19"):
         renice_engine_cores(os.getpid(), value)
 
 

@@ -85,7 +85,7 @@ class NodeAgentSettings(ServiceSettings):
     # CPU nodes: niceness (0-19) given to each engine's core process once it is ready (it
     # busy-waits for its workers; the front, the workers and the request path keep their
     # priority: engine/priority.py). 0: leave it at the node-agent's.
-    engine_cpu_core_niceness: int = 10
+    engine_cpu_core_niceness: int = 19
     drain_grace_seconds: float = 30.0
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.

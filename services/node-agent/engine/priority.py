@@ -9,10 +9,12 @@ busy-loops with `sched_yield()` for one second after each message (`SpinConditio
 load the engine core is always runnable. On a CPU node it shares the cores that are not the
 workers' with the engine front and the platform's request path (node-agent, router, Envoy),
 which then wait for its time slices: new requests stall for up to a second. At a higher
-niceness it spins only when nothing else is runnable. Measured on the 2-core box
-(bench/README.md, 2026-11-25, c=8): TTFT p99 0.8–1.4 s → 80–170 ms for the stack and
-0.4–1.1 s → 37–38 ms for plain vLLM, with more tokens/s for both; the workers (which compute)
-did better left at the front's priority.
+niceness its share of a contended core shrinks (CFS weight 15 at 19 against 1,024 at 0) and
+the request path runs first. Measured on the 2-core box
+(bench/README.md, 2026-11-25, c=8, A/B in one run): the stack's TTFT p99 went from 0.2–1.4 s
+(niceness 0; 0.8–1.4 s in most runs) to 70–140 ms at 19 and 110–170 ms at 10, with 5 no
+better than 0; plain vLLM's from 0.4–1.1 s to 37–38 ms (at 10), with more tokens/s for both.
+The workers (which compute) did better left at the front's priority.
 
 `renice_engine_cores` is applied once the replica is ready: the workers exist by then and keep
 their priority (a child inherits its parent's niceness at fork, and without privilege a

@@ -116,7 +116,7 @@ class SupervisorConfig:
     cpu: bool | None = None
     cpu_cores_per_rank: int = 2
     cpu_reserved_cores: int = 1
-    cpu_engine_core_niceness: int = 10
+    cpu_engine_core_niceness: int = 19
 
 
 class EngineStartError(Exception):

@@ -148,14 +148,14 @@ async def test_http_engine_generates_reports_and_stays_on_loopback(engine) -> No
     pids = tree_pids(replica.pid)
     listening = listening_addresses(pids)
     assert listening and all(is_loopback(a) for a, _p in listening), listening
-    # CPU node: once ready, the engine core runs at the supervisor's niceness (10 by
+    # CPU node: once ready, the engine core runs at the supervisor's niceness (19 by
     # default), the front (the launcher: vLLM's HTTP server) and the worker at ours.
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     by_comm = {Path(f"/proc/{p}/comm").read_text().strip(): p for p in pids[1:]}
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= by_comm.keys(), by_comm
     for pid, wanted in (
         (pids[0], ours),
-        (by_comm["VLLM::EngineCor"], max(ours, 10)),
+        (by_comm["VLLM::EngineCor"], max(ours, 19)),
         (by_comm["VLLM::Worker"], ours),
     ):
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in thread_ids(pid)} == {wanted}

@@ -28,7 +28,7 @@ echo "setup: creating .venv and installing pinned dependencies (a few minutes th
 if ! command -v npm >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
 fi
-npm install --no-audit --no-fund --loglevel=error
+npm ci --no-audit --no-fund --loglevel=error
 .venv/bin/python scripts/genproto.py --deps
 echo "$want" > "$stamp"
 echo "setup: done (.venv, envoy $(.venv/bin/envoy --version 2>/dev/null | grep -o '1\.[0-9]*\.[0-9]*' | head -1), buf $(node_modules/.bin/buf --version))"

@@ -52,14 +52,18 @@ def comm(pid: int) -> str:
 def renice_threads(pid: int, niceness: int) -> int:
     """Sets every thread of `pid` whose niceness is below `niceness` to `niceness` (Linux
     niceness is per thread); never lowers one. Returns how many threads it changed; threads
-    that exit meanwhile are skipped."""
+    that exit meanwhile are skipped.
+
+    Raises:
+        PermissionError: the thread is not ours to change (another user's process).
+    """
     changed = 0
     for tid in thread_ids(pid):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
                 changed += 1
-        except OSError:  # exited meanwhile
+        except ProcessLookupError:  # exited meanwhile
             continue
     return changed
 
@@ -70,6 +74,7 @@ def renice_engine_cores(root: int, niceness: int) -> list[int]:
 
     Raises:
         ValueError: `niceness` outside 1..19.
+        PermissionError: an engine core is not ours to change.
     """
     if not 1 <= niceness <= 19:
         raise ValueError(f"engine niceness must be within 1..19, got {niceness}")

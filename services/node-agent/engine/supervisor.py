@@ -369,13 +369,7 @@ class Replica:
         if self._stopping:
             return
         if plan.engine_core_niceness:
-            cores = renice_engine_cores(handle.pid, plan.engine_core_niceness)
-            log.info(
-                "engine_core_reniced",
-                replica=self._id,
-                pids=cores,
-                niceness=plan.engine_core_niceness,
-            )
+            self._renice_engine_core(handle.pid, plan.engine_core_niceness)
         self.ready_time = self._clock.now()
         ready_at = self._clock.monotonic()
         await self._set_state(self._not_ready_state(State.STATE_READY))
@@ -384,6 +378,19 @@ class Replica:
             return
         stable = self._clock.monotonic() - ready_at >= self._config.stable_after_seconds
         raise _EngineDied(reason, stable=stable)
+
+    def _renice_engine_core(self, pid: int, niceness: int) -> None:
+        """Gives the engine core below `pid` `niceness` (engine/priority.py). A failure costs
+        the engine its priority tuning, not its start: logged, and the replica goes READY."""
+        try:
+            cores = renice_engine_cores(pid, niceness)
+        except OSError as exc:
+            log.warning("engine_core_renice_failed", replica=self._id, error=str(exc))
+            return
+        if not cores:
+            log.warning("engine_core_not_found", replica=self._id, pid=pid)
+            return
+        log.info("engine_core_reniced", replica=self._id, pids=cores, niceness=niceness)
 
     async def _wait_ready(
         self, handle: EngineHandle, engine: EngineClient, plan: LaunchPlan

@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine import supervisor
 from inferplane.node_agent.engine.priority import (
     ENGINE_CORE_COMM,
     comm,
@@ -25,6 +27,8 @@ from inferplane.node_agent.engine.priority import (
 from inferplane.node_agent.engine.process import plan_launch, tree_pids
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import ConfigError
+
+from .test_engine_supervisor import make_manager
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -48,6 +52,11 @@ LAUNCHER = textwrap.dedent(
     time.sleep(60)
     """
 )
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 def niceness(tid: int) -> int:
@@ -126,3 +135,41 @@ def test_cpu_plans_carry_the_niceness_gpu_plans_do_not(tmp_path: Path) -> None:
 def test_settings_refuse_a_niceness_outside_0_to_19(value: int) -> None:
     with pytest.raises(ConfigError, match="engine_cpu_core_niceness"):
         NodeAgentSettings(engine_cpu_core_niceness=value)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("outcome", "event"),
+    [
+        ("reniced", "engine_core_reniced"),
+        ("none found", "engine_core_not_found"),
+        ("not permitted", "engine_core_renice_failed"),
+        ("not asked", None),
+    ],
+)
+async def test_the_supervisor_renices_once_ready_and_a_failure_does_not_stop_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str, event: str | None
+) -> None:
+    calls: list[tuple[int, int]] = []
+
+    def renice(pid: int, niceness: int) -> list[int]:
+        calls.append((pid, niceness))
+        if outcome == "not permitted":
+            raise PermissionError(1, "Operation not permitted")
+        return [pid + 1] if outcome == "reniced" else []
+
+    monkeypatch.setattr(supervisor, "renice_engine_cores", renice)
+    niceness = 0 if outcome == "not asked" else 19
+    manager, _spawner, _clock = make_manager(tmp_path, ["ok"], engine_core_niceness=niceness)
+    ready = nodeagent_pb2.Replica.State.STATE_READY
+    with structlog.testing.capture_logs() as logs:
+        replica = await manager.start("r1", SPEC)
+        assert await replica.wait_for_state(ready, timeout=5) == ready
+    await manager.close()
+    assert calls == ([] if event is None else [(100, 19)])  # the fake engine's pid
+    renice_events = {entry["event"] for entry in logs} & {
+        "engine_core_reniced",
+        "engine_core_not_found",
+        "engine_core_renice_failed",
+    }
+    assert renice_events == ({event} if event else set())

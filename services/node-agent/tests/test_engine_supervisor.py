@@ -111,7 +111,7 @@ class FakeClient:
 
 
 def make_manager(
-    tmp_path: Path, behaviours: Sequence[str], **config: object
+    tmp_path: Path, behaviours: Sequence[str], engine_core_niceness: int = 0, **config: object
 ) -> tuple[ReplicaManager, FakeSpawner, FakeClock]:
     spawner = FakeSpawner(behaviours)
     clock = FakeClock()
@@ -125,6 +125,7 @@ def make_manager(
             log_path=tmp_path / rid / "engine.log",
             grpc_address=f"127.0.0.1:{n}",
             metrics_url=f"http://127.0.0.1:{n}/metrics",
+            engine_core_niceness=engine_core_niceness,
         )
 
     settings = {

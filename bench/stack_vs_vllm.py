@@ -31,7 +31,7 @@ frames printed. Last lines:
     stack_best_vs_vllm_ttft_p99_c8: Z     (TTFT p99 of the faster stack path over vLLM's)
 
 Goal (issue 8): the better transport ≥ 1.0× vLLM's tokens/s and ≤ 1.2× its TTFT p99.
-Takes about 15 minutes on the 2-core box (each engine starts in about 40–70 s).
+Takes about 20 minutes on the 2-core box (each engine starts in about 25–70 s).
 """
 
 from __future__ import annotations

@@ -289,33 +289,22 @@ class ProcessSpawner:
         return EngineProcess(proc)
 
 
-def child_pids(pid: int) -> list[int]:
-    """The direct children of `pid`, from every thread's `/proc/<pid>/task/<tid>/children`
-    (touches only `pid`'s entries, unlike a scan of every process's ppid); empty when gone."""
-    children: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                children += [int(c) for c in (task / "children").read_text().split()]
-    return children
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def tree_pids(root: int) -> list[int]:
-    """`root` and all its live descendants, parents before their children."""
+    """`root` and all its live descendants (from /proc/<pid>/stat ppid links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
     out, todo = [], [root]
     while todo:
-        pid = todo.pop(0)
-        if _alive(pid):
+        pid = todo.pop()
+        if Path(f"/proc/{pid}").exists():
             out.append(pid)
-            todo.extend(child_pids(pid))
+        todo.extend(children.get(pid, []))
     return out
 
 

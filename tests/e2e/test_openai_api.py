@@ -7,11 +7,13 @@ phrasings, so every expected answer here is known in advance.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
 import time
 import urllib.request
+from typing import Any
 
 import grpc
 import httpx
@@ -104,10 +106,11 @@ def test_streaming_chat_arrives_chunk_by_chunk_and_ends_with_done(
 def test_stream_interval_sends_fewer_chunks_with_the_same_answer(client: openai.OpenAI) -> None:
     """vLLM's `stream_interval` extension through the edge (the openai client's extra_body):
     the engine and the node-agent merge tokens, so the same greedy answer arrives in far fewer
-    chunks."""
+    chunks: the first token at once, then one chunk per 8 tokens at most (a loaded node-agent
+    may merge more, on either stream, so the bound is on the merged stream's own tokens)."""
     case = kimi_tiny.NO_TOOL
 
-    def stream(**extra: object) -> list[object]:
+    def stream(**extra: object) -> list[Any]:
         request = case.request()
         return list(
             client.chat.completions.create(
@@ -115,17 +118,24 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_answer(client: openai.
                 messages=request["messages"],
                 temperature=0,
                 stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"chat_template_kwargs": request["chat_template_kwargs"], **extra},
             )
         )
 
     every, merged = stream(), stream(stream_interval=8)
     for chunks in (every, merged):
-        deltas = [c.choices[0].delta for c in chunks if c.choices]  # type: ignore[attr-defined]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.content or "" for d in deltas) == case.content
         reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
         assert reasoning == case.reasoning
-    assert len(merged) * 3 < len(every), (len(merged), len(every))
+    tokens = merged[-1].usage.completion_tokens
+    every_chunks = [c for c in every if c.choices]
+    merged_chunks = [c for c in merged if c.choices]
+    # role, the first token at once, one per 8 tokens after it, the reasoning/content split
+    # and the finish_reason chunk at most
+    assert len(merged_chunks) <= math.ceil((tokens - 1) / 8) + 4, (len(merged_chunks), tokens)
+    assert len(merged_chunks) < len(every_chunks), (len(merged_chunks), len(every_chunks))
 
 
 def test_tool_call_is_structured(client: openai.OpenAI) -> None:
@@ -350,7 +360,15 @@ def test_engine_killed_mid_stream_gives_error_event_and_restart(
                 os.killpg(before.engine_pid, signal.SIGKILL)
     deadline = time.monotonic() + 300
     while True:
-        replica = stack.replica(replica_id)
+        try:
+            replica = stack.replica(replica_id)
+        except grpc.RpcError as exc:
+            # A transport error while the node-agent handles the death is retried; a node-agent
+            # that stays unreachable fails on the deadline.
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            assert time.monotonic() < deadline, f"the node-agent did not answer: {exc}"
+            time.sleep(1)
+            continue
         if (
             replica.state == nodeagent_pb2.Replica.STATE_READY
             and replica.restart_count > before.restart_count

@@ -49,23 +49,19 @@ def comm(pid: int) -> str:
         return ""
 
 
-def renice_threads(pid: int, niceness: int) -> int:
+def renice_threads(pid: int, niceness: int) -> None:
     """Sets every thread of `pid` whose niceness is below `niceness` to `niceness` (Linux
-    niceness is per thread); never lowers one. Returns how many threads it changed; threads
-    that exit meanwhile are skipped.
+    niceness is per thread); never lowers one. Threads that exit meanwhile are skipped.
 
     Raises:
         PermissionError: the thread is not ours to change (another user's process).
     """
-    changed = 0
     for tid in thread_ids(pid):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
-                changed += 1
         except ProcessLookupError:  # exited meanwhile
             continue
-    return changed
 
 
 def renice_engine_cores(root: int, niceness: int) -> list[int]:

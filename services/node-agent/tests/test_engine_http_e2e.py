@@ -24,7 +24,7 @@ import pytest
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import SamplingParams
 from inferplane.node_agent.engine.http_client import HttpEngineClient
-from inferplane.node_agent.engine.priority import thread_ids
+from inferplane.node_agent.engine.priority import comm, thread_ids
 from inferplane.node_agent.engine.process import (
     is_loopback,
     listening_addresses,
@@ -151,7 +151,7 @@ async def test_http_engine_generates_reports_and_stays_on_loopback(engine) -> No
     # CPU node: once ready, the engine core runs at the supervisor's niceness (19 by
     # default), the front (the launcher: vLLM's HTTP server) and the worker at ours.
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    by_comm = {Path(f"/proc/{p}/comm").read_text().strip(): p for p in pids[1:]}
+    by_comm = {comm(p): p for p in pids[1:]}
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= by_comm.keys(), by_comm
     for pid, wanted in (
         (pids[0], ours),

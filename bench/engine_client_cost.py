@@ -28,7 +28,7 @@ import httpx
 
 from inferplane.node_agent.engine.api import SamplingParams
 from inferplane.node_agent.engine.http_client import HttpEngineClient, to_completion_body
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 TOKENS = 64
 

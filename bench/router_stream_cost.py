@@ -42,7 +42,7 @@ import grpc
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.grpc_core import EXPERIMENTS_ENV
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 MODEL = "kimi-tiny"
 

@@ -71,7 +71,7 @@ from inferplane.node_agent.engine.process import (
 )
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import procguard
-from inferplane.testing.ports import free_port, free_port_run
+from inferplane.runtime.ports import free_port, free_port_run
 
 PATHS = ("vllm", "vllm-nice", "stack-grpc", "stack-http", "smg")
 LEVELS = (1, 8)

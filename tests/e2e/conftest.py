@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from inferplane.cli._stack import Stack, StackConfig
-from inferplane.testing.ports import free_port, free_port_run
+from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
 OWN_STACK_MODULES = frozenset({"test_two_replicas.py"})

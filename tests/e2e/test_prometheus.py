@@ -31,8 +31,8 @@ import yaml
 
 from inferplane.cli._prometheus import engine_sd_file, render_prometheus_config
 from inferplane.cli._stack import MODEL_NAME, Stack
+from inferplane.runtime.ports import free_port
 from inferplane.telemetry.metrics import TTFT_BUCKETS
-from inferplane.testing.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -40,8 +40,8 @@ import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig
+from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.testing import kimi_tiny
-from inferplane.testing.ports import free_port, free_port_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 

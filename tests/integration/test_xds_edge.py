@@ -32,7 +32,7 @@ from inferplane.orchestrator.app import build_components
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.xds.cache import InconsistentSnapshotError, Snapshot
 from inferplane.runtime import RunningServer
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 T = TypeVar("T")
 pytestmark = pytest.mark.timeout(120)

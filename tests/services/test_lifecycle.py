@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 
 def _node_agent(channel: grpc.Channel) -> Any:

@@ -32,7 +32,7 @@ from inferplane.runtime import (
     load_settings,
     loop_factory,
 )
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,16 +21,10 @@ from typing import Protocol
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
+from inferplane.runtime.ports import free_port
 
 LAUNCHER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "inferplane.node_agent.engine.launcher")
 """The default engine command: our launcher, in this interpreter (and so this venv)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (bind to 0, read it back, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 GRPC = "grpc"

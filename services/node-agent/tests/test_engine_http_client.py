@@ -17,7 +17,7 @@ from inferplane.node_agent.engine.api import (
 )
 from inferplane.node_agent.engine.fake_http_engine import FakeHttpEngine
 from inferplane.node_agent.engine.http_client import HttpEngineClient, to_completion_body
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]
 

@@ -29,6 +29,7 @@ from inferplane.node_agent.engine.supervisor import (
     default_client,
 )
 from inferplane.runtime import FailedPreconditionError
+from inferplane.runtime.ports import LOWEST_PORT, ephemeral_range
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60)]
@@ -70,6 +71,19 @@ def test_grpc_plan_is_unchanged(tmp_path: Path) -> None:
     metrics_port = launcher_opts[launcher_opts.index("--metrics-port") + 1]
     assert plan.metrics_url == f"http://127.0.0.1:{metrics_port}/metrics"
     assert plan.client_address == plan.grpc_address and not plan.client_address.startswith("http")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http-completions"])
+def test_engine_ports_lie_below_the_ephemeral_range(tmp_path: Path, transport: str) -> None:
+    """The engine's ports are chosen like every other server port of the platform
+    (inferplane.runtime.ports), never by binding port 0: an ephemeral port can be taken by any
+    outgoing connection before the engine binds it."""
+    low, _high = ephemeral_range()
+    for _ in range(10):
+        plan = plan_launch("r1", spec(transport), data_dir=tmp_path, cpu=True)
+        ports = {int(plan.grpc_address.rsplit(":", 1)[1])}
+        ports.add(int(plan.metrics_url.split(":")[2].split("/")[0]))
+        assert all(LOWEST_PORT <= port < low for port in ports), ports
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http-completions"])

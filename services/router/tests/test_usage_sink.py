@@ -24,7 +24,7 @@ from inferplane.router.usage import (
     UsageRecord,
     UsageSinkSettings,
 )
-from inferplane.testing.ports import free_port
+from inferplane.runtime.ports import free_port
 
 from .fakes import FakeClock, FakeScheduler, endpoints, route
 

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from typer.testing import CliRunner
 
+from inferplane.runtime.ports import free_port
 from inferplane.telemetry.cli import app
-from inferplane.testing.ports import free_port
 
 from .conftest import FakeClock, Harness, record, start_harness, stop_harness
 

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from inferplane.runtime import ConfigError
+from inferplane.runtime.ports import free_port
 from inferplane.telemetry.engines import EngineScraper, EngineTarget, HttpFetch, parse_exposition
-from inferplane.testing.ports import free_port
 
 from .conftest import FakeClock
 

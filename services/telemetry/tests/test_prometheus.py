@@ -22,9 +22,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
+from inferplane.runtime.ports import free_port
 from inferplane.telemetry.engines import EngineReading, EngineTarget
 from inferplane.telemetry_client import SinkMetrics
-from inferplane.testing.ports import free_port
 
 from .conftest import FakeClock, record, start_harness, stop_harness
 

@@ -1,4 +1,4 @@
-"""Free loopback ports for tests and the local stack.
+"""Free loopback ports for the node-agent's engines, the local stack and tests.
 
 Ports are drawn at random from below the kernel's ephemeral range
 (`/proc/sys/net/ipv4/ip_local_port_range`, 32768-60999 by default), not by binding port 0:

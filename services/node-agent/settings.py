@@ -79,7 +79,8 @@ class NodeAgentSettings(ServiceSettings):
     engine_backoff_max_seconds: float = 60.0
     engine_stop_timeout_seconds: float = 15.0
     # CPU nodes: cores of its own per engine rank (0: never bind), out of the node's cores
-    # less the lowest `engine_cpu_reserved_cores` (engine/cpus.py); too few free: nobind.
+    # less the lowest `engine_cpu_reserved_cores` (engine/cpus.py); fewer free: an equal
+    # share of them; not even one per rank: nobind.
     engine_cpu_cores_per_rank: int = 2
     engine_cpu_reserved_cores: int = 1
     # CPU nodes: niceness (0-19) given to each engine's core process once it is ready (it

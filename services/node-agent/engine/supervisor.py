@@ -95,9 +95,9 @@ class SupervisorConfig:
     Backoff before restart attempt n (n ≥ 1) is min(backoff_initial · 2^(n-1), backoff_max)
     (tenacity `wait_exponential`). `cpu` None: probe for an NVIDIA GPU. On a CPU node each
     engine rank gets `cpu_cores_per_rank` cores of its own, out of the node's cores less the
-    `cpu_reserved_cores` lowest (engine/cpus.py), or `nobind` when too few are free, and its
-    engine core runs at niceness `cpu_engine_core_niceness` once ready (0: inherited;
-    engine/priority.py).
+    `cpu_reserved_cores` lowest (engine/cpus.py; fewer when fewer are free, `nobind` when
+    not even one per rank is), and its engine core runs at niceness
+    `cpu_engine_core_niceness` once ready (0: inherited; engine/priority.py).
     """
 
     data_dir: Path

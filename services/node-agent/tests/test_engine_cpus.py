@@ -1,5 +1,5 @@
 """CPU cores per engine replica on a CPU node (engine/cpus.py): disjoint sets while the node
-has room, `nobind` when it has not, cores back to the pool when a replica stops, and an
+has room (smaller ones when it has less), `nobind` when not even one core per rank is free, cores back to the pool when a replica stops, and an
 explicit `VLLM_CPU_OMP_THREADS_BIND` in the agent's environment left alone."""
 
 from __future__ import annotations
@@ -35,11 +35,19 @@ def test_replicas_get_disjoint_cores_until_the_node_is_full_then_nobind() -> Non
     pool = CpuCorePool(range(8), cores_per_rank=2, reserved=1)
     assert pool.assign("a") == "1-2"
     assert pool.assign("b") == "3-4"
-    assert pool.assign("tp", ranks=2) == NOBIND  # 4 cores needed, 3 left
     assert pool.assign("c") == "5-6"
-    assert pool.assign("d") == NOBIND
-    assert pool.free == (7,)
+    assert pool.assign("tp", ranks=2) == NOBIND  # not even one core per rank left
+    assert pool.assign("d") == "7"  # one core left: less than wanted, but its own
+    assert pool.assign("e") == NOBIND
+    assert pool.free == ()
     assert pool.assign("a") == "1-2"  # a restart keeps its cores
+
+
+def test_ranks_share_what_is_left_equally() -> None:
+    pool = CpuCorePool(range(8), cores_per_rank=4, reserved=1)
+    assert pool.assign("tp", ranks=2) == "1-3|4-6"  # 8 wanted, 7 free: 3 each
+    assert pool.free == (7,)
+    assert pool.held("tp") == [[1, 2, 3], [4, 5, 6]]
 
 
 def test_tensor_parallel_ranks_get_one_list_each() -> None:
@@ -48,10 +56,15 @@ def test_tensor_parallel_ranks_get_one_list_each() -> None:
     assert pool.held("tp") == [[2, 3, 4], [5, 6, 7]]
 
 
-def test_a_small_node_shares_its_cores() -> None:
-    """2 cores, 2 replicas: no engine is pinned (vLLM's auto put both on core 0)."""
+def test_a_small_node_gives_its_free_core_to_one_engine_and_never_stacks_two() -> None:
+    """2 cores (the local stack on a small box): the first engine gets core 1 to itself, the
+    next one is left unbound rather than pinned to the same core (vLLM's auto binding would
+    put both on core 0)."""
     pool = CpuCorePool([0, 1], cores_per_rank=2, reserved=1)
-    assert [pool.assign("a"), pool.assign("b")] == [NOBIND, NOBIND]
+    assert [pool.assign("a"), pool.assign("b")] == ["1", NOBIND]
+    pool.release("a")
+    assert pool.assign("c") == "1"
+    assert CpuCorePool([0], cores_per_rank=2, reserved=1).assign("a") == NOBIND
     assert CpuCorePool(range(64), cores_per_rank=0).assign("a") == NOBIND
 
 

@@ -36,9 +36,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         envoy_admin_port=free_port(),
         # A rollout starts a second engine beside a loaded one on two shared cores.
         startup_timeout_seconds=420,
-        # vLLM's CPU auto-binding pins every engine to core 0: during a rollout the new
-        # engine's start-up then competes with the serving engine for one core (minutes).
-        engine_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        # No engine_env: the node-agent binds the engine as `inferplane up` does (its
+        # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
         # The suite runs on each engine transport (scripts/test.sh runs it a second time).
         transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "http-completions"),
     )

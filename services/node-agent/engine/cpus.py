@@ -12,7 +12,7 @@ form (`"2-3,6"`); `nobind` leaves the threads to the OS scheduler.
 process's affinity) minus the `reserved` lowest ones (the node-agent, the engines' API servers
 and schedulers run there and are never bound). When fewer are free, each rank gets an equal
 share of what is left as long as that is at least one core: a lone replica on a 2-core node
-gets the one free core to itself, which serves ~3× the tokens/s of leaving it unbound
+gets the one free core to itself, which served 1.5–2.3× the tokens/s of leaving it unbound
 (bench/README.md, "the local stack's binding"). With not even one core per rank free the
 replica gets `nobind`, so engines share the cores instead of stacking on one. A stopped
 replica's cores go back; a running replica keeps what it got.

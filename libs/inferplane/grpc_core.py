@@ -27,19 +27,18 @@ SERVICE_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 def use_service_defaults(
     environ: MutableMapping[str, str] = os.environ,
     modules: Mapping[str, object] = sys.modules,
-) -> str:
+) -> None:
     """Sets `GRPC_EXPERIMENTS` to `SERVICE_EXPERIMENTS` unless it is set already.
 
-    Returns the value in effect. Raises RuntimeError when it would set the variable but `grpc`
-    is already imported in this process (the setting would silently do nothing): an entry
-    point that imports gRPC first is a bug.
+    Raises RuntimeError when it would set the variable but `grpc` is already imported in this
+    process (the setting would silently do nothing): an entry point that imports gRPC first is
+    a bug.
     """
     if EXPERIMENTS_ENV in environ:
-        return environ[EXPERIMENTS_ENV]
+        return
     if "grpc" in modules:
         raise RuntimeError(
             f"grpc was imported before {EXPERIMENTS_ENV} was set: call "
             "use_service_defaults() before importing anything that imports grpc"
         )
     environ[EXPERIMENTS_ENV] = SERVICE_EXPERIMENTS
-    return SERVICE_EXPERIMENTS

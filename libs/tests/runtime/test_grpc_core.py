@@ -15,13 +15,13 @@ SERVICES = ("auth", "node_agent", "orchestrator", "router", "telemetry")
 
 def test_sets_the_service_experiments_when_unset() -> None:
     environ: dict[str, str] = {}
-    assert use_service_defaults(environ, {}) == SERVICE_EXPERIMENTS
+    use_service_defaults(environ, {})
     assert environ == {EXPERIMENTS_ENV: SERVICE_EXPERIMENTS}
 
 
 def test_keeps_an_operators_setting_even_after_grpc_is_imported() -> None:
     environ = {EXPERIMENTS_ENV: "event_engine_client"}
-    assert use_service_defaults(environ, {"grpc": object()}) == "event_engine_client"
+    use_service_defaults(environ, {"grpc": object()})
     assert environ == {EXPERIMENTS_ENV: "event_engine_client"}
 
 

@@ -336,8 +336,18 @@ class StreamResult:
         )
 
 
-def _stream(http: httpx.Client, url: str, key: str, prompt: str, max_tokens: int) -> StreamResult:
-    result = StreamResult(started_at=time.monotonic())
+def _stream(
+    http: httpx.Client,
+    url: str,
+    key: str,
+    prompt: str,
+    max_tokens: int,
+    result: StreamResult | None = None,
+) -> StreamResult:
+    """One streamed completion; fills `result` (a fresh one by default) as events arrive, so
+    another thread can watch a stream in flight."""
+    result = result or StreamResult()
+    result.started_at = time.monotonic()
     body = {
         "model": MODEL_NAME,
         "prompt": prompt,
@@ -418,6 +428,7 @@ class StreamingLoad:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.results: list[StreamResult] = []
+        self._current: dict[int, StreamResult] = {}  # worker → its request in flight
         self._threads = [
             threading.Thread(target=self._loop, args=(w,), daemon=True) for w in range(workers)
         ]
@@ -429,13 +440,33 @@ class StreamingLoad:
     def _loop(self, worker: int) -> None:
         n = 0
         while not self._stop.is_set():
+            result = StreamResult()
+            with self._lock:
+                self._current[worker] = result
             # Distinct prompts: conversations spread over both replicas.
-            result = _stream(
-                self._http, self._url, self._key, f"Worker {worker} story {n}:", self._max_tokens
+            _stream(
+                self._http,
+                self._url,
+                self._key,
+                f"Worker {worker} story {n}:",
+                self._max_tokens,
+                result,
             )
             n += 1
             with self._lock:
                 self.results.append(result)
+
+    def all_mid_stream(self, tokens_left: int) -> bool:
+        """Every worker's request in flight has streamed events and has at least
+        `tokens_left` tokens to go (the node-agent may merge tokens into one event, so fewer
+        events than tokens only means more to go): none is waiting for its first token and
+        none is about to end."""
+        with self._lock:
+            current = list(self._current.values())
+        return len(current) == len(self._threads) and all(
+            r.first_event_at is not None and 2 <= len(r.events) <= self._max_tokens - tokens_left
+            for r in current
+        )
 
     def count(self) -> int:
         with self._lock:
@@ -466,12 +497,18 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
         _poll("some finished requests", 120, lambda: True if load.count() >= 3 else None)
 
         def busiest() -> str | None:
+            # Only while every request of the load is streaming, with enough tokens left to
+            # outlast the metrics scrape: the victim's running requests are then streams that
+            # have started (not one that arrived just before the kill, which the router
+            # would retry elsewhere, leaving no stream to end with an error event).
+            if not load.all_mid_stream(tokens_left=100):
+                return None
             running = {
                 rid: _metrics(url).get("vllm:num_requests_running", 0.0)
                 for rid, url in replicas.items()
             }
             rid = max(running, key=lambda r: running[r])
-            return rid if running[rid] >= 1 else None
+            return rid if running[rid] >= 1 and load.all_mid_stream(tokens_left=50) else None
 
         victim = _poll("an engine with streams in flight", 60, busiest)
         os.killpg(pids[victim], signal.SIGKILL)

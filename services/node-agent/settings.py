@@ -87,6 +87,9 @@ class NodeAgentSettings(ServiceSettings):
     # busy-waits for its workers; the front, the workers and the request path keep their
     # priority: engine/priority.py). 0: leave it at the node-agent's.
     engine_cpu_core_niceness: int = 19
+    # CPU nodes: niceness (0-19) of each engine's session autogroup once it is ready, against
+    # the platform's own services (engine/priority.py); 0: leave it at 0.
+    engine_cpu_autogroup_niceness: int = 10
     drain_grace_seconds: float = 30.0
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.
@@ -97,11 +100,9 @@ class NodeAgentSettings(ServiceSettings):
     replicas: tuple[ReplicaConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.engine_cpu_core_niceness <= 19:
-            raise ConfigError(
-                "engine_cpu_core_niceness must be within 0..19, "
-                f"got {self.engine_cpu_core_niceness}"
-            )
+        for name in ("engine_cpu_core_niceness", "engine_cpu_autogroup_niceness"):
+            if not 0 <= getattr(self, name) <= 19:
+                raise ConfigError(f"{name} must be within 0..19, got {getattr(self, name)}")
         converted = []
         for entry in self.replicas:
             if isinstance(entry, ReplicaConfig):

@@ -52,6 +52,7 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
         cpu_cores_per_rank=settings.engine_cpu_cores_per_rank,
         cpu_reserved_cores=settings.engine_cpu_reserved_cores,
         cpu_engine_core_niceness=settings.engine_cpu_core_niceness,
+        cpu_engine_autogroup_niceness=settings.engine_cpu_autogroup_niceness,
     )
 
 

@@ -74,7 +74,8 @@ class LaunchPlan:
     service for `grpc`, the HTTP server for `http-completions`; `metrics_url` its Prometheus
     endpoint (our launcher's for `grpc`, the HTTP server's own `/metrics` otherwise);
     `engine_core_niceness` (1..19; 0: none) is what the supervisor gives vLLM's engine core
-    process once the engine is ready (engine/priority.py).
+    process once the engine is ready, `engine_autogroup_niceness` (1..19; 0: none) what it
+    gives the engine's session autogroup (engine/priority.py).
     """
 
     argv: tuple[str, ...]
@@ -84,6 +85,7 @@ class LaunchPlan:
     metrics_url: str
     transport: str = GRPC
     engine_core_niceness: int = 0
+    engine_autogroup_niceness: int = 0
 
     @property
     def client_address(self) -> str:
@@ -104,6 +106,7 @@ def plan_launch(
     cpu: bool | None = None,
     cpu_bind: str | None = None,
     engine_core_niceness: int = 0,
+    engine_autogroup_niceness: int = 0,
 ) -> LaunchPlan:
     """Builds the launcher command line for `spec`, on fresh loopback ports.
 
@@ -115,10 +118,10 @@ def plan_launch(
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
     halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `CUDA_VISIBLE_DEVICES`
     from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`; CPU nodes
-    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py) and
-    `engine_core_niceness` (engine/priority.py; the supervisor applies it once ready). A
-    `stream_interval` above 1 becomes `--stream-interval`: vLLM's front end then emits one
-    increment per that many tokens, on either transport.
+    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py),
+    `engine_core_niceness` and `engine_autogroup_niceness` (engine/priority.py; the supervisor
+    applies them once ready). A `stream_interval` above 1 becomes `--stream-interval`: vLLM's
+    front end then emits one increment per that many tokens, on either transport.
     """
     from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 
@@ -182,6 +185,7 @@ def plan_launch(
         metrics_url=metrics_url,
         transport=transport,
         engine_core_niceness=engine_core_niceness if cpu else 0,
+        engine_autogroup_niceness=engine_autogroup_niceness if cpu else 0,
     )
 
 

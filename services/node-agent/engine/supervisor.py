@@ -35,15 +35,17 @@ from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception,
+    retry_if_exception_type,
     stop_after_attempt,
     wait_exponential,
+    wait_fixed,
 )
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineClient
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
-from inferplane.node_agent.engine.priority import renice_engine_cores
+from inferplane.node_agent.engine.priority import renice_engine_cores, set_autogroup_niceness
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
     EngineHandle,
@@ -96,8 +98,9 @@ class SupervisorConfig:
     (tenacity `wait_exponential`). `cpu` None: probe for an NVIDIA GPU. On a CPU node each
     engine rank gets `cpu_cores_per_rank` cores of its own, out of the node's cores less the
     `cpu_reserved_cores` lowest (engine/cpus.py; fewer when fewer are free, `nobind` when
-    not even one per rank is), and its engine core runs at niceness
-    `cpu_engine_core_niceness` once ready (0: inherited; engine/priority.py).
+    not even one per rank is), and once ready its engine core runs at niceness
+    `cpu_engine_core_niceness` and its session's autogroup at `cpu_engine_autogroup_niceness`
+    (0: left as they are; engine/priority.py).
     """
 
     data_dir: Path
@@ -117,6 +120,7 @@ class SupervisorConfig:
     cpu_cores_per_rank: int = 2
     cpu_reserved_cores: int = 1
     cpu_engine_core_niceness: int = 19
+    cpu_engine_autogroup_niceness: int = 10
 
 
 class EngineStartError(Exception):
@@ -370,6 +374,8 @@ class Replica:
             return
         if plan.engine_core_niceness:
             self._renice_engine_core(handle.pid, plan.engine_core_niceness)
+        if plan.engine_autogroup_niceness:
+            await self._renice_engine_autogroup(handle.pid, plan.engine_autogroup_niceness)
         self.ready_time = self._clock.now()
         ready_at = self._clock.monotonic()
         await self._set_state(self._not_ready_state(State.STATE_READY))
@@ -391,6 +397,25 @@ class Replica:
             log.warning("engine_core_not_found", replica=self._id, pid=pid)
             return
         log.info("engine_core_reniced", replica=self._id, pids=cores, niceness=niceness)
+
+    async def _renice_engine_autogroup(self, pid: int, niceness: int) -> None:
+        """Gives the session `pid` leads an autogroup niceness of `niceness`
+        (engine/priority.py), retrying while the kernel rate-limits the write. Like the engine
+        core's, a failure is logged and the replica still goes READY."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(BlockingIOError),
+                stop=stop_after_attempt(5),
+                wait=wait_fixed(0.2),
+                reraise=True,
+            ):
+                with attempt:
+                    applied = set_autogroup_niceness(pid, niceness)
+        except (OSError, ValueError) as exc:
+            log.warning("engine_autogroup_renice_failed", replica=self._id, error=str(exc))
+            return
+        if applied:
+            log.info("engine_autogroup_reniced", replica=self._id, pid=pid, niceness=niceness)
 
     async def _wait_ready(
         self, handle: EngineHandle, engine: EngineClient, plan: LaunchPlan
@@ -528,6 +553,7 @@ class ReplicaManager:
             cpu=cpu,
             cpu_bind=bind,
             engine_core_niceness=self.config.cpu_engine_core_niceness,
+            engine_autogroup_niceness=self.config.cpu_engine_autogroup_niceness,
         )
 
     # --- ReplicaDirectory ---------------------------------------------------------------

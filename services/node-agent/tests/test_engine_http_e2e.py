@@ -24,7 +24,12 @@ import pytest
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import SamplingParams
 from inferplane.node_agent.engine.http_client import HttpEngineClient
-from inferplane.node_agent.engine.priority import comm, thread_ids
+from inferplane.node_agent.engine.priority import (
+    autogroup_niceness,
+    autogroups_enabled,
+    comm,
+    thread_ids,
+)
 from inferplane.node_agent.engine.process import (
     is_loopback,
     listening_addresses,
@@ -159,6 +164,11 @@ async def test_http_engine_generates_reports_and_stays_on_loopback(engine) -> No
         (by_comm["VLLM::Worker"], ours),
     ):
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in thread_ids(pid)} == {wanted}
+    # ...and the engine's own session (the launcher leads it, we are not in it) is an
+    # autogroup at the supervisor's autogroup niceness (10 by default), where there are any.
+    assert os.getsid(pids[0]) == pids[0] != os.getsid(0)
+    if autogroups_enabled():
+        assert autogroup_niceness(pids[0]) == 10
     print(
         f"\nHTTP ENGINE FIGURES: start_to_ready_s={ready_seconds:.1f} "
         f"single_stream_tok_s={64 / seconds:.0f} processes={len(pids)} "

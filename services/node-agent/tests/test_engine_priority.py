@@ -20,8 +20,11 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine import supervisor
 from inferplane.node_agent.engine.priority import (
     ENGINE_CORE_COMM,
+    autogroup_niceness,
+    autogroups_enabled,
     comm,
     renice_engine_cores,
+    set_autogroup_niceness,
     thread_ids,
 )
 from inferplane.node_agent.engine.process import plan_launch, tree_pids
@@ -132,9 +135,104 @@ def test_cpu_plans_carry_the_niceness_gpu_plans_do_not(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("value", [-1, 20])
-def test_settings_refuse_a_niceness_outside_0_to_19(value: int) -> None:
-    with pytest.raises(ConfigError, match="engine_cpu_core_niceness"):
-        NodeAgentSettings(engine_cpu_core_niceness=value)
+@pytest.mark.parametrize("name", ["engine_cpu_core_niceness", "engine_cpu_autogroup_niceness"])
+def test_settings_refuse_a_niceness_outside_0_to_19(name: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=name):
+        NodeAgentSettings(**{name: value})  # type: ignore[arg-type]
+
+
+needs_autogroups = pytest.mark.skipif(
+    not autogroups_enabled(), reason="the kernel schedules no autogroups (sched(7))"
+)
+
+
+@needs_autogroups
+def test_a_session_leader_gets_the_autogroup_niceness_and_we_keep_ours() -> None:
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        ours = autogroup_niceness(os.getpid())
+        assert autogroup_niceness(leader.pid) == ours  # a new session starts at 0
+        assert set_autogroup_niceness(leader.pid, 10) is True
+        assert autogroup_niceness(leader.pid) == 10
+        assert autogroup_niceness(os.getpid()) == ours
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+@needs_autogroups
+def test_a_process_that_does_not_lead_its_session_is_refused() -> None:
+    """Its autogroup is its session's: here, ours."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = autogroup_niceness(os.getpid())
+        with pytest.raises(ValueError, match="does not lead its session"):
+            set_autogroup_niceness(child.pid, 10)
+        assert autogroup_niceness(os.getpid()) == ours
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("value", [0, -1, 20])
+def test_an_autogroup_niceness_outside_1_to_19_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match=r"1\.\.19"):
+        set_autogroup_niceness(os.getpid(), value)
+
+
+def test_cpu_plans_carry_the_autogroup_niceness_gpu_plans_do_not(tmp_path: Path) -> None:
+    def plan(**kwargs: object) -> int:
+        return plan_launch("r1", SPEC, data_dir=tmp_path, **kwargs).engine_autogroup_niceness  # type: ignore[arg-type]
+
+    assert plan(cpu=True, engine_autogroup_niceness=10) == 10
+    assert plan(cpu=True) == 0
+    assert plan(cpu=False, engine_autogroup_niceness=10) == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("outcome", "event", "attempts"),
+    [
+        ("set", "engine_autogroup_reniced", 1),
+        ("rate-limited once", "engine_autogroup_reniced", 2),
+        ("always rate-limited", "engine_autogroup_renice_failed", 5),
+        ("not permitted", "engine_autogroup_renice_failed", 1),
+        ("no autogroups", None, 1),
+        ("not asked", None, 0),
+    ],
+)
+async def test_the_supervisor_sets_the_autogroup_once_ready_and_a_failure_does_not_stop_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str, event: str | None, attempts: int
+) -> None:
+    calls: list[tuple[int, int]] = []
+
+    def set_niceness(pid: int, niceness: int) -> bool:
+        calls.append((pid, niceness))
+        if outcome == "always rate-limited" or (outcome == "rate-limited once" and len(calls) == 1):
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        if outcome == "not permitted":
+            raise PermissionError(1, "Operation not permitted")
+        return outcome != "no autogroups"
+
+    monkeypatch.setattr(supervisor, "set_autogroup_niceness", set_niceness)
+    monkeypatch.setattr(supervisor, "renice_engine_cores", lambda pid, niceness: [pid + 1])
+    niceness = 0 if outcome == "not asked" else 10
+    manager, _spawner, _clock = make_manager(
+        tmp_path, ["ok"], engine_core_niceness=19, engine_autogroup_niceness=niceness
+    )
+    ready = nodeagent_pb2.Replica.State.STATE_READY
+    with structlog.testing.capture_logs() as logs:
+        replica = await manager.start("r1", SPEC)
+        assert await replica.wait_for_state(ready, timeout=10) == ready
+    await manager.close()
+    assert calls == [(100, 10)] * attempts  # the fake engine's pid
+    events = {entry["event"] for entry in logs} & {
+        "engine_autogroup_reniced",
+        "engine_autogroup_renice_failed",
+    }
+    assert events == ({event} if event else set())
 
 
 @pytest.mark.anyio

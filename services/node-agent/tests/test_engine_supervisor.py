@@ -111,7 +111,11 @@ class FakeClient:
 
 
 def make_manager(
-    tmp_path: Path, behaviours: Sequence[str], engine_core_niceness: int = 0, **config: object
+    tmp_path: Path,
+    behaviours: Sequence[str],
+    engine_core_niceness: int = 0,
+    engine_autogroup_niceness: int = 0,
+    **config: object,
 ) -> tuple[ReplicaManager, FakeSpawner, FakeClock]:
     spawner = FakeSpawner(behaviours)
     clock = FakeClock()
@@ -126,6 +130,7 @@ def make_manager(
             grpc_address=f"127.0.0.1:{n}",
             metrics_url=f"http://127.0.0.1:{n}/metrics",
             engine_core_niceness=engine_core_niceness,
+            engine_autogroup_niceness=engine_autogroup_niceness,
         )
 
     settings = {

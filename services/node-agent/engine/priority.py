@@ -23,10 +23,12 @@ niceness inside them (sched(7), "The autogroup feature"). Each engine leads a se
 own (`process`), as every platform service does, so the engine core's niceness yields the core
 to the engine's front but not to the node-agent, router or Envoy. `set_autogroup_niceness`
 lowers the engine's whole group against theirs. Measured on the 2-core box (kernel 6.18,
-bench/README.md, 2026-11-25, full stack at c=8, A/B two rounds): TTFT p99 112–354 ms with the
-engine's group at niceness 0, 71–105 at 19 and 78–92 at 10, tokens/s within the noise. A
-client in another session, at niceness 0, saw its event loop stall for up to 3 s in every
-1,500-token stream while the engine's group was at 0.
+bench/README.md, 2026-11-25, full stack, six A/B pairs): TTFT p99 at c=8 68–92 ms with the
+engine's group at niceness 10 against 88–354 at 0, tokens/s at c=8 within the noise (−9 % to
++21 % per pair); at c=1 the engine pays for it, a median 18 % fewer tokens/s (5 pairs of 6;
+ITL p50 +0.3–1.0 ms), since the request path now preempts its workers too. A client in
+another session, at niceness 0, saw its event loop stall for up to 3 s in every 1,500-token
+stream while the engine's group was at 0.
 
 Both are applied once the replica is ready: the workers exist by then and keep
 their priority (a child inherits its parent's niceness at fork, and without privilege a

@@ -9,8 +9,9 @@ busy-loops with `sched_yield()` for one second after each message (`SpinConditio
 load the engine core is always runnable. On a CPU node it shares the cores that are not the
 workers' with the engine front and the platform's request path (node-agent, router, Envoy),
 which then wait for its time slices: new requests stall for up to a second. At a higher
-niceness its share of a contended core shrinks (CFS weight 15 at 19 against 1,024 at 0) and
-the request path runs first. Measured on the 2-core box
+niceness its share of a contended core shrinks (CFS weight 15 at 19 against 1,024 at 0)
+against the other threads of its scheduling group: the engine front's, but not the platform
+services' where sessions are autogroups (below). Measured on the 2-core box
 (bench/README.md, 2026-11-25, c=8, A/B in one run): the stack's TTFT p99 went from 0.2–1.4 s
 (niceness 0; 0.8–1.4 s in most runs) to 70–140 ms at 19 and 110–170 ms at 10, with 5 no
 better than 0; plain vLLM's from 0.4–1.1 s to 37–38 ms (at 10), with more tokens/s for both.

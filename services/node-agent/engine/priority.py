@@ -104,13 +104,32 @@ def autogroups_enabled() -> bool:
         return False
 
 
-def autogroup_niceness(pid: int) -> int:
-    """The niceness of `pid`'s autogroup, from `/proc/<pid>/autogroup` ("/autogroup-N nice K").
+def autogroup_niceness(pid: int) -> int | None:
+    """The niceness of `pid`'s autogroup, from `/proc/<pid>/autogroup` ("/autogroup-N nice K");
+    None when `pid` is in the root autogroup: no process of its session tree called `setsid()`
+    since boot (PID 1's, and a container's whose runtime starts no session). The kernel prints
+    nothing for that group (`proc_sched_autogroup_show_task`, kernel/sched/autogroup.c), and
+    its weight, the root task group's, cannot be changed.
 
     Raises:
         OSError: `pid` is gone, or the kernel keeps no autogroups.
     """
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    return parse_autogroup(Path(f"/proc/{pid}/autogroup").read_text())
+
+
+def parse_autogroup(text: str) -> int | None:
+    """The niceness in a `/proc/<pid>/autogroup` text ("/autogroup-N nice K"); None for the
+    root autogroup's empty text (`autogroup_niceness`).
+
+    Raises:
+        ValueError: `text` is neither.
+    """
+    fields = text.split()
+    if not fields:
+        return None
+    if len(fields) != 3 or not fields[0].startswith("/autogroup-") or fields[1] != "nice":
+        raise ValueError(f"not a /proc/<pid>/autogroup text: {text!r}")
+    return int(fields[2])
 
 
 def set_autogroup_niceness(leader: int, niceness: int) -> bool:

@@ -23,6 +23,7 @@ from inferplane.node_agent.engine.priority import (
     autogroup_niceness,
     autogroups_enabled,
     comm,
+    parse_autogroup,
     renice_engine_cores,
     set_autogroup_niceness,
     thread_ids,
@@ -152,8 +153,8 @@ def test_a_session_leader_gets_the_autogroup_niceness_and_we_keep_ours() -> None
         [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
     )
     try:
-        ours = autogroup_niceness(os.getpid())
-        assert autogroup_niceness(leader.pid) == ours  # a new session starts at 0
+        ours = autogroup_niceness(os.getpid())  # None in the root autogroup (CI runners)
+        assert autogroup_niceness(leader.pid) == 0  # a new session's group starts at 0
         assert set_autogroup_niceness(leader.pid, 10) is True
         assert autogroup_niceness(leader.pid) == 10
         assert autogroup_niceness(os.getpid()) == ours
@@ -174,6 +175,22 @@ def test_a_process_that_does_not_lead_its_session_is_refused() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize(
+    ("text", "niceness"),
+    [("/autogroup-4219 nice 0\n", 0), ("/autogroup-7 nice 10\n", 10), ("", None)],
+)
+def test_an_autogroup_text_gives_its_niceness_and_the_root_group_none(
+    text: str, niceness: int | None
+) -> None:
+    assert parse_autogroup(text) == niceness
+
+
+@pytest.mark.parametrize("text", ["/autogroup-7 nice\n", "nice 10\n", "/autogroup-7 nice x\n"])
+def test_an_autogroup_text_of_another_shape_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_autogroup(text)
 
 
 @pytest.mark.parametrize("value", [0, -1, 20])

@@ -113,6 +113,7 @@ def autogroup_niceness(pid: int) -> int | None:
 
     Raises:
         OSError: `pid` is gone, or the kernel keeps no autogroups.
+        ValueError: the file is not in that format (`parse_autogroup`).
     """
     return parse_autogroup(Path(f"/proc/{pid}/autogroup").read_text())
 

@@ -22,9 +22,12 @@ from inferplane.wire._codec import (
     sse_error,
     sse_event,
 )
+from inferplane.wire._summary import SUMMARY_KEYS, ResponseSummary
 
 __all__ = [
     "SSE_DONE",
+    "SUMMARY_KEYS",
+    "ResponseSummary",
     "chat_completion_to_dict",
     "chat_request_from_dict",
     "chat_request_to_dict",

@@ -1,0 +1,123 @@
+"""`ResponseSummary`: what a replica tells the endpoint picker about a finished request.
+
+On the v2 data path (DESIGN.md) Envoy relays the tokens and the router (the endpoint picker)
+never sees a response body. A replica therefore ends every InferenceService response with
+trailing metadata that summarises it: usage, finish reason, TTFT and which replica served.
+Envoy hands those trailers to the picker over ext_proc (`response_trailers`), which releases
+the admission slot, feeds the replica's breaker, reports usage to auth and sends the request
+record to telemetry, then removes them so no client sees internal topology.
+
+Every key starts with `x-inferplane-` (the edge strips that prefix from client requests).
+Numbers are decimal text; a missing or unreadable key reads as its default, so a summary from
+an older replica never fails a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+REPLICA_KEY = "x-inferplane-replica"
+PROMPT_TOKENS_KEY = "x-inferplane-prompt-tokens"
+COMPLETION_TOKENS_KEY = "x-inferplane-completion-tokens"
+CACHED_TOKENS_KEY = "x-inferplane-cached-tokens"
+REASONING_TOKENS_KEY = "x-inferplane-reasoning-tokens"
+FINISH_REASON_KEY = "x-inferplane-finish-reason"
+TTFT_KEY = "x-inferplane-ttft-seconds"
+ERROR_CODE_KEY = "x-inferplane-error-code"
+
+SUMMARY_KEYS: tuple[str, ...] = (
+    REPLICA_KEY,
+    PROMPT_TOKENS_KEY,
+    COMPLETION_TOKENS_KEY,
+    CACHED_TOKENS_KEY,
+    REASONING_TOKENS_KEY,
+    FINISH_REASON_KEY,
+    TTFT_KEY,
+    ERROR_CODE_KEY,
+)
+"""Every trailer key a summary may write (the picker removes them all before the client)."""
+
+_INT_FIELDS = (
+    ("prompt_tokens", PROMPT_TOKENS_KEY),
+    ("completion_tokens", COMPLETION_TOKENS_KEY),
+    ("cached_tokens", CACHED_TOKENS_KEY),
+    ("reasoning_tokens", REASONING_TOKENS_KEY),
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResponseSummary:
+    """One request's outcome as its replica saw it.
+
+    Attributes:
+        replica_id: the replica that served it (`replicas/{replica_id}` without the prefix).
+        prompt_tokens / completion_tokens / cached_tokens / reasoning_tokens: usage, tokens.
+        finish_reason: "stop", "length", "tool_calls"; "error" for a stream that ended with an
+            error event; "abort" for a client gone; "" when not known.
+        ttft_seconds: time from the request's arrival at the replica to its first output,
+            seconds; 0 when no output was produced.
+        error_code: the OpenAI error `code` of a failure ("" when none).
+    """
+
+    replica_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    finish_reason: str = ""
+    ttft_seconds: float = 0.0
+    error_code: str = ""
+
+    def to_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata pairs (empty strings and zeros are left out)."""
+        out: list[tuple[str, str]] = []
+        if self.replica_id:
+            out.append((REPLICA_KEY, self.replica_id))
+        for field, key in _INT_FIELDS:
+            value = getattr(self, field)
+            if value:
+                out.append((key, str(int(value))))
+        if self.finish_reason:
+            out.append((FINISH_REASON_KEY, self.finish_reason))
+        if self.ttft_seconds > 0:
+            out.append((TTFT_KEY, f"{self.ttft_seconds:.6f}"))
+        if self.error_code:
+            out.append((ERROR_CODE_KEY, self.error_code))
+        return tuple(out)
+
+    @classmethod
+    def from_metadata(
+        cls, metadata: Mapping[str, str | bytes] | Iterable[tuple[str, str | bytes]]
+    ) -> ResponseSummary:
+        """Reads a summary from trailing metadata or headers (keys compared in lower case;
+        other keys ignored; unreadable numbers read as 0)."""
+        pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
+        seen: dict[str, str] = {}
+        for key, value in pairs:
+            key = key.lower()
+            if key in SUMMARY_KEYS:
+                seen[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        ints = {field: _int(seen.get(key, "")) for field, key in _INT_FIELDS}
+        return cls(
+            replica_id=seen.get(REPLICA_KEY, ""),
+            finish_reason=seen.get(FINISH_REASON_KEY, ""),
+            ttft_seconds=_float(seen.get(TTFT_KEY, "")),
+            error_code=seen.get(ERROR_CODE_KEY, ""),
+            **ints,
+        )
+
+
+def _int(text: str) -> int:
+    try:
+        return max(0, int(text))
+    except ValueError:
+        return 0
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        return 0.0
+    return value if value > 0 and value == value and value != float("inf") else 0.0

@@ -1,7 +1,8 @@
 """`python -m inferplane.edge render`: writes (and optionally validates) a static edge bootstrap.
 
     python -m inferplane.edge render --router 127.0.0.1:50052 --auth 127.0.0.1:50051 \
-        --listen-port 8080 --admin-port 9901 --validate -o deploy/envoy/edge.example.yaml
+        --replica 127.0.0.1:50061 --listen-port 8080 --admin-port 9901 --validate \
+        -o deploy/envoy/edge.example.yaml
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from inferplane.edge._resources import render_static_bootstrap
 EXAMPLE_ARGS = (
     "--router", "127.0.0.1:50052",
     "--auth", "127.0.0.1:50051",
+    "--replica", "127.0.0.1:50061",
     "--listen-port", "8080",
     "--admin-port", "9901",
 )  # fmt: skip
@@ -28,6 +30,7 @@ def config_from_args(args: argparse.Namespace) -> EdgeConfig:
     return EdgeConfig(
         router_endpoints=tuple(Endpoint.parse(r) for r in args.router),
         auth_endpoint=Endpoint.parse(args.auth),
+        replica_endpoints=tuple(Endpoint.parse(r) for r in args.replica),
         listen_host=args.listen_host,
         listen_port=args.listen_port,
         admin_port=args.admin_port,
@@ -40,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render", help="write a static Envoy bootstrap for the edge")
     render.add_argument("--router", action="append", required=True, help="HOST:PORT, repeatable")
     render.add_argument("--auth", required=True, help="HOST:PORT of the auth service")
+    render.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        help="HOST:PORT of a replica process (repeatable; the picker chooses among them)",
+    )
     render.add_argument("--listen-host", default="127.0.0.1")
     render.add_argument("--listen-port", type=int, default=8080)
     render.add_argument("--admin-port", type=int, default=9901)

@@ -75,7 +75,13 @@ class EdgeConfig:
     Ports are TCP ports; durations are seconds; sizes are bytes.
 
     Attributes:
-        router_endpoints: the router instances (`host:port` strings or `Endpoint`s), HTTP/2 h2c.
+        router_endpoints: the router instances (`host:port` strings or `Endpoint`s), HTTP/2 h2c:
+            the endpoint picker every generation request asks over ext_proc, and `GET
+            /v1/models`.
+        replica_endpoints: the replica processes (each serves InferenceService on its own
+            port) as the replicas cluster's hosts in a static bootstrap; over xDS the
+            orchestrator sends them by EDS from its routing table. A pick names hosts of this
+            cluster; a pick that names none is served by the fallback policy (round robin).
         auth_endpoint: the auth service (ext_authz `Check` and `ApiKeyService`), HTTP/2 h2c.
         listen_host / listen_port: where clients connect (OpenAI REST + SSE, HTTP/1.1 or h2c).
         admin_host / admin_port: Envoy's admin API (`/ready`, `/stats`); keep it on loopback,
@@ -87,6 +93,16 @@ class EdgeConfig:
             the services' gRPC `max_receive_message_length` (64 MiB) or an oversized body comes
             back as RESOURCE_EXHAUSTED → 429 and clients retry it.
         authz_timeout_s: ext_authz `Check` deadline; past it the request gets a shaped 503.
+        picker_timeout_s: ext_proc's per-message timeout: how long the picker may take to
+            answer a message before the request fails closed (503 picker_unavailable).
+        picker_max_message_timeout_s: the longest timeout the picker may ask for while a
+            request waits in its admission queue (`override_message_timeout`); keep it above
+            the router's queue timeout.
+        max_retries: attempts after the first on another replica, before the first response
+            byte only; the picker lowers it per request to its list's length - 1.
+        retry_budget_percent / min_retry_concurrency: Envoy's retry budget on the replicas
+            cluster: active retries stay under this share of active requests (but at least
+            `min_retry_concurrency` may run), so retries cannot amplify an overload.
         connect_timeout_s: upstream TCP connect timeout.
         stream_idle_timeout_s: how long a request may go without a byte in either direction.
             A non-streamed completion sends nothing until it ends, so this bounds the longest
@@ -103,6 +119,7 @@ class EdgeConfig:
 
     router_endpoints: tuple[Endpoint, ...]
     auth_endpoint: Endpoint
+    replica_endpoints: tuple[Endpoint, ...] = ()
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_host: str = "127.0.0.1"
@@ -111,6 +128,11 @@ class EdgeConfig:
     node_cluster: str = "inferplane-edge"
     max_request_bytes: int = 8 * MiB
     authz_timeout_s: float = 1.0
+    picker_timeout_s: float = 1.0
+    picker_max_message_timeout_s: float = 60.0
+    max_retries: int = 2
+    retry_budget_percent: float = 20.0
+    min_retry_concurrency: int = 3
     connect_timeout_s: float = 2.0
     stream_idle_timeout_s: float = 900.0
     request_headers_timeout_s: float = 10.0
@@ -123,6 +145,7 @@ class EdgeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router_endpoints", _endpoints(self.router_endpoints))
+        object.__setattr__(self, "replica_endpoints", _endpoints(self.replica_endpoints))
         if isinstance(self.auth_endpoint, str):
             object.__setattr__(self, "auth_endpoint", Endpoint.parse(self.auth_endpoint))
         if not self.router_endpoints:
@@ -137,6 +160,7 @@ class EdgeConfig:
             raise EdgeConfigError(f"max_request_bytes={self.max_request_bytes} is below 64 KiB")
         for name in (
             "authz_timeout_s",
+            "picker_timeout_s",
             "connect_timeout_s",
             "stream_idle_timeout_s",
             "request_headers_timeout_s",
@@ -144,5 +168,16 @@ class EdgeConfig:
         ):
             if getattr(self, name) <= 0:
                 raise EdgeConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.picker_max_message_timeout_s < self.picker_timeout_s:
+            raise EdgeConfigError(
+                f"picker_max_message_timeout_s={self.picker_max_message_timeout_s} is below "
+                f"picker_timeout_s={self.picker_timeout_s}"
+            )
+        if self.max_retries < 0:
+            raise EdgeConfigError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not 0 < self.retry_budget_percent <= 100:
+            raise EdgeConfigError(
+                f"retry_budget_percent must be in (0, 100], got {self.retry_budget_percent}"
+            )
         if not self.services:
             raise EdgeConfigError("services is empty: the transcoder would expose nothing")

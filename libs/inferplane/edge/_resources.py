@@ -27,10 +27,19 @@ Resource = dict[str, Any]
 
 ROUTER_CLUSTER = "inferplane_router"
 AUTH_CLUSTER = "inferplane_auth"
+#: The replica processes; the endpoint picker's list chooses the host (override_host).
+REPLICAS_CLUSTER = "inferplane_replicas"
 LISTENER_NAME = "inferplane_edge"
 ROUTE_CONFIG_NAME = "inferplane_edge_routes"
 #: Dynamic-metadata namespace json_to_metadata writes `stream` into (read by stream_router.lua).
 METADATA_NAMESPACE = "inferplane.edge"
+
+#: The endpoint-picker protocol of the Gateway API Inference Extension: the picker writes the
+#: ordered `host:port` list under this key of the `envoy.lb` dynamic-metadata namespace
+#: (`SERVED_KEY` is the protocol's key for the host that served, when a gateway writes it).
+PICK_NAMESPACE = "envoy.lb"
+PICK_KEY = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 #: Request headers only Envoy may set: ext_authz adds them after a successful `Check`
 #: (tenant, key id, scopes); a client sending its own copy must not reach the services.
@@ -48,6 +57,12 @@ _EXT_AUTHZ = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
 _JSON_TO_METADATA = _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
 _TRANSCODER = _T + "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
 _ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
+_EXT_PROC = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_LUA_PER_ROUTE = _T + "envoy.extensions.filters.http.lua.v3.LuaPerRoute"
+_OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+_CEL_FILTER = _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
 _HTTP_OPTIONS = _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _EARLY_MUTATION = (
     _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
@@ -64,8 +79,13 @@ FILTER_ORDER: tuple[str, ...] = (
     "envoy.filters.http.json_to_metadata",
     "inferplane.stream_router",
     "envoy.filters.http.grpc_json_transcoder",
+    "envoy.filters.http.ext_proc",
+    "inferplane.picker_guard",
     "envoy.filters.http.router",
 )
+
+#: Filters that run only on generation routes (off for admin, models and the 404 route).
+PICKER_FILTERS: tuple[str, ...] = ("envoy.filters.http.ext_proc", "inferplane.picker_guard")
 
 
 # HTTP/2 keepalive towards our gRPC services (ADS and upstream clusters): finds a dead service
@@ -79,7 +99,8 @@ def _duration(seconds: float) -> str:
 
 
 def lua_source(name: str) -> str:
-    """The Lua filter source `name` (`error_shaper` or `stream_router`) shipped with the package."""
+    """The Lua filter source `name` (`error_shaper`, `stream_router` or `picker_guard`) shipped
+    with the package."""
     return resources.files("inferplane.edge").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
@@ -163,6 +184,15 @@ def _status_is(value: int) -> dict[str, Any]:
 _UAEX = {"response_flag_filter": {"flags": ["UAEX"]}}
 
 
+def _cel(expression: str) -> dict[str, Any]:
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {"@type": _CEL_FILTER, "expression": expression},
+        }
+    }
+
+
 def _mapper(filter_: dict[str, Any], body: dict[str, Any] | None) -> dict[str, Any]:
     mapper: dict[str, Any] = {"filter": filter_}
     if body is not None:
@@ -183,6 +213,25 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
     invalid = "invalid_request_error"
     mappers = [
         _mapper({"and_filter": {"filters": [_UAEX, _status_filter("LE", 499)]}}, None),
+        # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`)
+        # and the picker guard's 503 already carry OpenAI's body: pass them through.
+        _mapper(
+            _cel(
+                "response.code_details.startsWith('picker_') || "
+                "(response.code_details == 'lua_response' && response.code == 503)"
+            ),
+            None,
+        ),
+        # The picker failed on a request (ext_proc error, e.g. its message timeout): fail
+        # closed with a shaped 503 (notes/envoy_ext_proc_probe.md, (iv)).
+        _mapper(
+            _cel("response.code_details.startsWith('ext_proc_error')"),
+            _error_json(
+                "The endpoint picker is unavailable; please retry.",
+                "server_error",
+                "picker_unavailable",
+            ),
+        ),
         _mapper(
             {"and_filter": {"filters": [_UAEX, _status_filter("GE", 500)]}},
             _error_json(
@@ -339,8 +388,56 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "max_response_body_size": config.max_request_bytes,
             },
         },
+        build_ext_proc_filter(config),
+        {
+            "name": "inferplane.picker_guard",
+            "typed_config": {
+                "@type": _LUA,
+                "default_source_code": {"inline_string": lua_source("picker_guard")},
+            },
+        },
         {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
     ]
+
+
+def build_ext_proc_filter(config: EdgeConfig) -> Resource:
+    """The ext_proc filter that asks the endpoint picker (the router) once per request.
+
+    Follows notes/envoy_ext_proc_probe.md: the picker sees the request headers and the whole
+    body after the transcoder (the typed gRPC request: model, messages for prefix affinity),
+    answers `envoy.lb` metadata with its ordered list, and sees the response headers and
+    trailers only (usage, finish reason, served host), never the body. `failure_mode_allow`
+    is true because with false a picker that dies resets every running stream ((v)); the
+    picker guard right after fails new requests closed instead. Only `x-envoy-max-retries`
+    (the picker's list length - 1) and the `x-inferplane-` summary trailers (which the picker
+    removes before the client) may be mutated.
+    """
+    namespaces = {"untyped": [PICK_NAMESPACE]}
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": ROUTER_CLUSTER}},
+            "failure_mode_allow": True,
+            "message_timeout": _duration(config.picker_timeout_s),
+            "max_message_timeout": _duration(config.picker_max_message_timeout_s),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "BUFFERED",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SEND",
+            },
+            "metadata_options": {
+                "forwarding_namespaces": namespaces,
+                "receiving_namespaces": namespaces,
+            },
+            "mutation_rules": {
+                "allow_expression": {"regex": "^(x-envoy-max-retries|x-inferplane-.*)$"}
+            },
+        },
+    }
 
 
 def _route(prefix: str, cluster: str, timeout_s: float | None = None) -> Resource:
@@ -350,8 +447,31 @@ def _route(prefix: str, cluster: str, timeout_s: float | None = None) -> Resourc
     return {"match": {"prefix": prefix}, "route": {"cluster": cluster, "timeout": timeout}}
 
 
+def _without_picker(route: Resource) -> Resource:
+    """`route` with ext_proc and the picker guard off (routes the picker does not decide)."""
+    route["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
+        "inferplane.picker_guard": {"@type": _LUA_PER_ROUTE, "disabled": True},
+    }
+    return route
+
+
+def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
+    """A route to the replica the picker chose, retried down its list before the first
+    response byte only (Envoy never retries once it forwarded response headers): a refused
+    or reset connection, or an UNAVAILABLE answer (a draining replica, an engine that failed
+    before its first token)."""
+    route = _route(prefix, REPLICAS_CLUSTER)
+    route["route"]["retry_policy"] = {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable",
+        "num_retries": config.max_retries,
+    }
+    return route
+
+
 def build_route_config(config: EdgeConfig) -> Resource:
-    """The RouteConfiguration: admin API → auth, the OpenAI API → router, anything else → 404.
+    """The RouteConfiguration: admin API → auth, `/v1/models` → the router, every other
+    OpenAI path → the replica the endpoint picker chose, anything else → 404.
 
     Matched on the REST path (`match_incoming_request_route`), after stream_router.lua may have
     moved a streaming request to `/internal/events/...` (clients cannot reach that prefix).
@@ -363,10 +483,13 @@ def build_route_config(config: EdgeConfig) -> Resource:
                 "name": "openai",
                 "domains": ["*"],
                 "routes": [
-                    _route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s),
-                    _route("/v1/", ROUTER_CLUSTER),
-                    _route("/internal/events/", ROUTER_CLUSTER),
-                    {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+                    _without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
+                    _without_picker(
+                        _route("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
+                    ),
+                    _generation_route("/v1/", config),
+                    _generation_route("/internal/events/", config),
+                    _without_picker({"match": {"prefix": "/"}, "direct_response": {"status": 404}}),
                 ],
             }
         ],
@@ -417,7 +540,10 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
                 "typed_config": {
                     "@type": _EARLY_MUTATION,
                     "mutations": [
-                        {"remove_on_match": {"key_matcher": {"prefix": TRUSTED_HEADER_PREFIX}}}
+                        {"remove_on_match": {"key_matcher": {"prefix": TRUSTED_HEADER_PREFIX}}},
+                        # Only the picker chooses the replica (override_host reads metadata
+                        # only; this is defence in depth, notes/envoy_ext_proc_probe.md (vi)).
+                        {"remove_on_match": {"key_matcher": {"exact": PICK_KEY}}},
                     ],
                 },
             }
@@ -469,7 +595,44 @@ def _lb_endpoints(endpoints: tuple[Endpoint, ...]) -> list[Resource]:
 
 
 def _cluster_endpoints(config: EdgeConfig) -> dict[str, tuple[Endpoint, ...]]:
-    return {ROUTER_CLUSTER: config.router_endpoints, AUTH_CLUSTER: (config.auth_endpoint,)}
+    return {
+        ROUTER_CLUSTER: config.router_endpoints,
+        AUTH_CLUSTER: (config.auth_endpoint,),
+        REPLICAS_CLUSTER: config.replica_endpoints,
+    }
+
+
+def _override_host_policy() -> Resource:
+    """Envoy's override_host load balancing: the first host of the picker's list, retries
+    down the list. A pick that names no host of the cluster (a replica not yet in EDS) falls
+    back to round robin. The host that served is not written back (`selected_host_key` is
+    missing from xds-protos 1.85's OverrideHost, so the orchestrator could not push it): the
+    replica names itself in its summary trailers (`inferplane.wire.ResponseSummary`)."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _OVERRIDE_HOST,
+                        "override_host_sources": [
+                            {"metadata": {"key": PICK_NAMESPACE, "path": [{"key": PICK_KEY}]}}
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.round_robin",
+                                        "typed_config": {"@type": _ROUND_ROBIN},
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
 
 
 def build_endpoints(config: EdgeConfig) -> list[Resource]:
@@ -481,7 +644,7 @@ def build_endpoints(config: EdgeConfig) -> list[Resource]:
 
 
 def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
-    """The router and auth Clusters (`CLUSTER_TYPE`), HTTP/2 (h2c) to the gRPC services.
+    """The router, auth and replicas Clusters (`CLUSTER_TYPE`), HTTP/2 (h2c) to gRPC services.
 
     With `eds` the endpoints come from `build_endpoints` over ADS; otherwise they are inline
     (STATIC for IP literals, STRICT_DNS for names).
@@ -491,8 +654,6 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
         cluster: Resource = {
             "name": name,
             "connect_timeout": _duration(config.connect_timeout_s),
-            # Generations vary from ms to minutes: balance on active requests, not turns.
-            "lb_policy": "LEAST_REQUEST",
             "per_connection_buffer_limit_bytes": config.max_request_bytes,
             "typed_extension_protocol_options": {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -515,6 +676,15 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
                 ]
             },
         }
+        if name == REPLICAS_CLUSTER:
+            cluster["load_balancing_policy"] = _override_host_policy()
+            cluster["circuit_breakers"]["thresholds"][0]["retry_budget"] = {
+                "budget_percent": {"value": config.retry_budget_percent},
+                "min_retry_concurrency": config.min_retry_concurrency,
+            }
+        else:
+            # Generations and picks vary from ms to minutes: balance on active requests.
+            cluster["lb_policy"] = "LEAST_REQUEST"
         if eds:
             cluster["type"] = "EDS"
             cluster["eds_cluster_config"] = {
@@ -599,8 +769,10 @@ def _message_types() -> dict[str, type[Message]]:
     from envoy.config.endpoint.v3 import endpoint_pb2
     from envoy.config.listener.v3 import listener_pb2
     from envoy.config.route.v3 import route_pb2
+    from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
     from envoy.extensions.access_loggers.stream.v3 import stream_pb2  # noqa: F401
     from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2  # noqa: F401
+    from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
     from envoy.extensions.filters.http.grpc_json_transcoder.v3 import transcoder_pb2  # noqa: F401
     from envoy.extensions.filters.http.json_to_metadata.v3 import (  # noqa: F401
         json_to_metadata_pb2,
@@ -612,6 +784,12 @@ def _message_types() -> dict[str, type[Message]]:
     )
     from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (  # noqa: F401
         header_mutation_pb2,
+    )
+    from envoy.extensions.load_balancing_policies.override_host.v3 import (  # noqa: F401
+        override_host_pb2,
+    )
+    from envoy.extensions.load_balancing_policies.round_robin.v3 import (  # noqa: F401
+        round_robin_pb2,
     )
     from envoy.extensions.resource_monitors.downstream_connections.v3 import (  # noqa: F401
         downstream_connections_pb2,

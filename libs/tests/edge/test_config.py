@@ -53,9 +53,14 @@ def test_public_api_is_pinned() -> None:
             "LISTENER_NAME",
             "LISTENER_TYPE",
             "METADATA_NAMESPACE",
+            "PICKER_FILTERS",
+            "PICK_KEY",
+            "PICK_NAMESPACE",
+            "REPLICAS_CLUSTER",
             "ROUTER_CLUSTER",
             "ROUTE_CONFIG_NAME",
             "ROUTE_TYPE",
+            "SERVED_KEY",
             "EdgeConfig",
             "EdgeConfigError",
             "EdgeError",
@@ -67,6 +72,7 @@ def test_public_api_is_pinned() -> None:
             "build_bootstrap",
             "build_clusters",
             "build_endpoints",
+            "build_ext_proc_filter",
             "build_http_connection_manager",
             "build_http_filters",
             "build_listener",
@@ -122,8 +128,63 @@ def test_routes_disable_timeouts_for_generations() -> None:
     routes = edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
     api = [r for r in routes if r["match"]["prefix"] in ("/v1/", "/internal/events/")]
     assert [r["route"]["timeout"] for r in api] == ["0s", "0s"]
-    assert routes[-1] == {"match": {"prefix": "/"}, "direct_response": {"status": 404}}
+    assert routes[-1]["direct_response"] == {"status": 404}
     assert _hcm()["stream_idle_timeout"] == "900s"
+
+
+def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() -> None:
+    """Generation routes go to the replicas cluster (override_host reads the picker's list)
+    and retry only on failures that happen before any response byte; the routes the picker
+    does not decide (admin API, /v1/models, the 404) have ext_proc and the guard off."""
+    routes = {
+        r["match"]["prefix"]: r
+        for r in edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
+    }
+    for prefix in ("/v1/", "/internal/events/"):
+        route = routes[prefix]
+        assert route["route"]["cluster"] == edge.REPLICAS_CLUSTER
+        assert route["route"]["retry_policy"] == {
+            "retry_on": "connect-failure,refused-stream,reset,unavailable",
+            "num_retries": 2,
+        }
+        assert "typed_per_filter_config" not in route
+    assert routes["/v1/models"]["route"]["cluster"] == edge.ROUTER_CLUSTER
+    for prefix in ("/v1/admin/", "/v1/models", "/"):
+        per_filter = routes[prefix]["typed_per_filter_config"]
+        assert set(per_filter) == set(edge.PICKER_FILTERS)
+        assert all(c["disabled"] is True for c in per_filter.values())
+    replicas = {c["name"]: c for c in edge.build_clusters(CONFIG)}[edge.REPLICAS_CLUSTER]
+    assert "lb_policy" not in replicas
+    (policy,) = replicas["load_balancing_policy"]["policies"]
+    source = policy["typed_extension_config"]["typed_config"]["override_host_sources"]
+    assert source == [{"metadata": {"key": "envoy.lb", "path": [{"key": edge.PICK_KEY}]}}]
+    budget = replicas["circuit_breakers"]["thresholds"][0]["retry_budget"]
+    assert budget == {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 3}
+
+
+def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
+    """The picker gets headers + the whole (transcoded) body and the response headers and
+    trailers, never the response body; a picker crash must not reset running streams
+    (failure_mode_allow with the guard after it); only the retry count and the summary
+    trailers may be mutated; the client cannot pick."""
+    ext_proc = _filter("envoy.filters.http.ext_proc")
+    assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == edge.ROUTER_CLUSTER
+    assert ext_proc["failure_mode_allow"] is True
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_header_mode": "SEND",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SEND",
+    }
+    assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": ["envoy.lb"]}
+    assert ext_proc["message_timeout"] == "1s"
+    assert ext_proc["max_message_timeout"] == "60s"
+    names = [f["name"] for f in _hcm()["http_filters"]]
+    assert names.index("inferplane.picker_guard") == names.index("envoy.filters.http.ext_proc") + 1
+    early = _hcm()["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {"remove_on_match": {"key_matcher": {"exact": edge.PICK_KEY}}} in early
 
 
 def test_buffer_limits_follow_max_request_bytes() -> None:
@@ -147,7 +208,11 @@ def test_clusters_are_http2_static_or_dns_or_eds() -> None:
     options = router["typed_extension_protocol_options"]
     assert "http2_protocol_options" in next(iter(options.values()))["explicit_http_config"]
 
-    named = EdgeConfig(router_endpoints=("router.svc:7001",), auth_endpoint="auth.svc:7002")
+    named = EdgeConfig(
+        router_endpoints=("router.svc:7001",),
+        auth_endpoint="auth.svc:7002",
+        replica_endpoints=("replica-0.svc:7010",),
+    )
     assert {c["type"] for c in edge.build_clusters(named)} == {"STRICT_DNS"}
     eds = edge.build_clusters(CONFIG, eds=True)
     assert {c["type"] for c in eds} == {"EDS"}

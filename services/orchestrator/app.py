@@ -61,6 +61,7 @@ class OrchestratorComponents:
     edge: EdgeXds | None = None
     _sweeper: asyncio.Task[None] | None = None
     _reconcile_task: asyncio.Task[None] | None = None
+    _edge_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Creates the schemas, loads the persisted state, publishes the edge's xDS snapshot,
@@ -73,6 +74,10 @@ class OrchestratorComponents:
         self.control.subscribe(self.reconciler.wake)
         if self.edge is not None:
             await self.edge.set_routers(self.settings.edge_routers)
+            # The replicas cluster follows the routing table (the picker picks from it).
+            self._edge_task = asyncio.create_task(
+                self.edge.follow(self.hub.watch()), name="edge-replicas"
+            )
         self._sweeper = asyncio.create_task(self._sweep_forever())
         if self.settings.reconcile:
             self._reconcile_task = asyncio.create_task(self.reconciler.run(), name="reconcile")
@@ -86,7 +91,7 @@ class OrchestratorComponents:
                 log.exception("liveness_sweep_failed")
 
     async def stop(self) -> None:
-        for task in (self._reconcile_task, self._sweeper):
+        for task in (self._reconcile_task, self._sweeper, self._edge_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -1,10 +1,11 @@
 """The orchestrator as Envoy's ADS control plane, with a real Envoy started from the minimal
 bootstrap (`inferplane.edge.render_ads_bootstrap`): everything else (listener, routes, clusters,
-router endpoints) comes over ADS from the orchestrator's snapshot cache.
+replica endpoints) comes over ADS from the orchestrator's snapshot cache.
 
-Invariant: changing the router instances while an SSE stream is in flight never breaks the
-stream (all chunks + `data: [DONE]` arrive from the old router), and new requests reach the new
-set only. Also: NACK-free ACKs, and an inconsistent snapshot is refused before publishing.
+Invariant: the replicas cluster follows the routing table the orchestrator publishes, and a
+replica leaving it while an SSE stream runs there never breaks that stream (all chunks +
+`data: [DONE]` arrive from the old replica), while new requests reach the new set only. Also:
+NACK-free ACKs, and an inconsistent snapshot is refused before publishing.
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ import grpc
 import httpx
 import pytest
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.api import httpbody_pb2
 from google.rpc import code_pb2, status_pb2
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.edge import EnvoyProcess, render_ads_bootstrap
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, render_ads_bootstrap
 from inferplane.orchestrator.app import build_components
+from inferplane.orchestrator.routing import make_table
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.xds.cache import InconsistentSnapshotError, Snapshot
 from inferplane.runtime import RunningServer
 from inferplane.runtime.ports import free_port
+from inferplane.testing.picker import FakePicker
 
 T = TypeVar("T")
 pytestmark = pytest.mark.timeout(120)
@@ -41,7 +46,7 @@ GAP_S = 0.25
 
 
 class Backend(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
-    """A router instance that streams `CHUNKS` SSE chunks naming itself, `GAP_S` apart."""
+    """A replica process that streams `CHUNKS` SSE chunks naming itself, `GAP_S` apart."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -103,11 +108,11 @@ def stream(url: str, model: str) -> tuple[list[str], bool]:
     return names, done
 
 
-def router_endpoints(admin_url: str) -> set[str]:
+def cluster_hosts(admin_url: str, name: str = REPLICAS_CLUSTER) -> set[str]:
     with urllib.request.urlopen(admin_url + "/clusters?format=json", timeout=2) as response:
         data = json.load(response)
     for cluster in data.get("cluster_statuses", []):
-        if cluster["name"] == "inferplane_router":
+        if cluster["name"] == name:
             return {
                 f"{h['address']['socket_address']['address']}:"
                 f"{h['address']['socket_address']['port_value']}"
@@ -124,19 +129,30 @@ def wait_for(predicate: Any, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def test_router_set_changes_while_a_stream_is_in_flight(tmp_path: Path) -> None:
+def table(*addresses: str) -> orchestrator_pb2.WatchRoutingTableResponse:
+    endpoints = [
+        orchestrator_pb2.RouteEndpoint(replica_id=f"r{i}", address=a)
+        for i, a in enumerate(addresses)
+    ]
+    return make_table([orchestrator_pb2.ModelRoute(model="m", endpoints=endpoints)])
+
+
+def test_replica_set_follows_the_table_while_a_stream_is_in_flight(tmp_path: Path) -> None:
     b1, b2 = Backend("b1"), Backend("b2")
     s1, p1 = serve(inference_pb2_grpc.add_InferenceServiceServicer_to_server, b1)
     s2, p2 = serve(inference_pb2_grpc.add_InferenceServiceServicer_to_server, b2)
     auth, auth_port = serve(external_auth_pb2_grpc.add_AuthorizationServicer_to_server, AllowAll())
+    picker = FakePicker()
+    router, router_port = serve(ep_grpc.add_ExternalProcessorServicer_to_server, picker)
     r1, r2 = f"127.0.0.1:{p1}", f"127.0.0.1:{p2}"
+    picker.targets = [r1]
     listen, admin = free_port(), free_port()
     settings = OrchestratorSettings(
         port=0,
         data_dir=tmp_path / "orch",
         grace_period_seconds=0.2,
         reconcile=False,
-        edge_routers=(r1,),
+        edge_routers=(f"127.0.0.1:{router_port}",),
         edge_auth_address=f"127.0.0.1:{auth_port}",
         edge_listen_port=listen,
         edge_node_id="edge-test",
@@ -160,21 +176,24 @@ def test_router_set_changes_while_a_stream_is_in_flight(tmp_path: Path) -> None:
         )
         envoy.start()  # LIVE only once listener and clusters arrived over ADS
         url = f"http://127.0.0.1:{listen}"
+        loop.run(components.hub.publish(table(r1)))
+        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r1})
         assert stream(url, "fast") == (["b1"] * CHUNKS, True)
 
         result: dict[str, Any] = {}
         in_flight = threading.Thread(target=lambda: result.update(slow=stream(url, "slow")))
         in_flight.start()
         wait_for(lambda: b1.calls == 2)
-        loop.run(components.edge.set_routers([r1, r2]))  # add a router
-        wait_for(lambda: router_endpoints(envoy.admin_url) == {r1, r2})
-        loop.run(components.edge.set_routers([r2]))  # remove the first
-        wait_for(lambda: router_endpoints(envoy.admin_url) == {r2})
+        loop.run(components.hub.publish(table(r1, r2)))  # a replica joins the table
+        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r1, r2})
+        picker.targets = [r2]
+        loop.run(components.hub.publish(table(r2)))  # the first one leaves it
+        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r2})
         assert in_flight.is_alive()  # the swap happened mid-stream
         for _ in range(4):
             assert stream(url, "fast") == (["b2"] * CHUNKS, True)
         in_flight.join(30)
-        assert result["slow"] == (["b1"] * CHUNKS, True)  # complete, from the old router
+        assert result["slow"] == (["b1"] * CHUNKS, True)  # complete, from the old replica
         assert components.ads.nacks == 0 and components.ads.acks >= 4
     finally:
         if envoy is not None:
@@ -182,17 +201,16 @@ def test_router_set_changes_while_a_stream_is_in_flight(tmp_path: Path) -> None:
         loop.run(server.stop())
         loop.run(asyncio.sleep(0))
         loop.close()
-        for s in (s1, s2, auth):
+        for s in (s1, s2, auth, router):
             s.stop(grace=None)
 
 
 def test_inconsistent_snapshot_is_refused() -> None:
     from envoy.config.cluster.v3 import cluster_pb2
-    from envoy.config.endpoint.v3 import endpoint_pb2
     from envoy.config.route.v3 import route_components_pb2 as rc
     from envoy.config.route.v3 import route_pb2
 
-    from inferplane.edge import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE
+    from inferplane.edge import CLUSTER_TYPE, ROUTE_TYPE
 
     eds = cluster_pb2.Cluster(name="a", type=cluster_pb2.Cluster.EDS)
     routes = route_pb2.RouteConfiguration(
@@ -208,13 +226,12 @@ def test_inconsistent_snapshot_is_refused() -> None:
     snapshot = Snapshot.of(
         {
             CLUSTER_TYPE: [eds],
-            ENDPOINT_TYPE: [endpoint_pb2.ClusterLoadAssignment(cluster_name="a")],
             ROUTE_TYPE: [routes],
         }
     )
     with pytest.raises(InconsistentSnapshotError) as info:
         snapshot.consistent()
     assert "cluster missing is not in the snapshot" in str(info.value)
-    assert "EDS cluster a has no endpoint" in str(info.value)
+    assert "EDS cluster a has no ClusterLoadAssignment" in str(info.value)
     same = Snapshot.of({CLUSTER_TYPE: [eds]})
     assert same.versions == Snapshot.of({CLUSTER_TYPE: [eds]}).versions  # content hashes

@@ -13,8 +13,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from inferplane.api.auth.v1 import auth_pb2_grpc
 from inferplane.api.inference.v1 import inference_pb2_grpc as pb_grpc
 from inferplane.edge import EdgeConfig, Endpoint, EnvoyProcess
+from inferplane.testing.picker import FakePicker
 
-from ._fakes import FakeAuthz, FakeInference, FakePicker, free_port, start_grpc_server
+from ._fakes import FakeAuthz, FakeInference, free_port, start_grpc_server
 
 
 @dataclasses.dataclass

@@ -74,8 +74,10 @@ class Snapshot:
 
     def problems(self) -> list[str]:
         """What `consistent()` would complain about: clusters referenced by routes that do not
-        exist, EDS clusters without a ClusterLoadAssignment or with no endpoint, route
-        configurations referenced by listeners that do not exist."""
+        exist, EDS clusters without a ClusterLoadAssignment, route configurations referenced
+        by listeners that do not exist. An assignment with no endpoint is valid: the replicas
+        cluster is empty until the first replica of the fleet is ready (the router cluster
+        cannot be, `EdgeConfig` refuses an edge without routers)."""
         clusters = self.resources.get(CLUSTER_TYPE, {})
         assignments = self.resources.get(ENDPOINT_TYPE, {})
         routes = self.resources.get(ROUTE_TYPE, {})
@@ -94,8 +96,6 @@ class Snapshot:
                 assignment = assignments.get(eds_name)
                 if assignment is None:
                     found.append(f"EDS cluster {name} has no ClusterLoadAssignment")
-                elif not any(group.lb_endpoints for group in assignment.endpoints):  # type: ignore[attr-defined]
-                    found.append(f"EDS cluster {name} has no endpoint")
         for listener in self.resources.get(LISTENER_TYPE, {}).values():
             for wanted in _rds_names(listener):
                 if wanted not in routes:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.request
 from collections.abc import Coroutine, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -108,19 +107,6 @@ def stream(url: str, model: str) -> tuple[list[str], bool]:
     return names, done
 
 
-def cluster_hosts(admin_url: str, name: str = REPLICAS_CLUSTER) -> set[str]:
-    with urllib.request.urlopen(admin_url + "/clusters?format=json", timeout=2) as response:
-        data = json.load(response)
-    for cluster in data.get("cluster_statuses", []):
-        if cluster["name"] == name:
-            return {
-                f"{h['address']['socket_address']['address']}:"
-                f"{h['address']['socket_address']['port_value']}"
-                for h in cluster.get("host_statuses", [])
-            }
-    return set()
-
-
 def wait_for(predicate: Any, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -177,7 +163,7 @@ def test_replica_set_follows_the_table_while_a_stream_is_in_flight(tmp_path: Pat
         envoy.start()  # LIVE only once listener and clusters arrived over ADS
         url = f"http://127.0.0.1:{listen}"
         loop.run(components.hub.publish(table(r1)))
-        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r1})
+        wait_for(lambda: envoy.cluster_hosts(REPLICAS_CLUSTER) == {r1})
         assert stream(url, "fast") == (["b1"] * CHUNKS, True)
 
         result: dict[str, Any] = {}
@@ -185,10 +171,10 @@ def test_replica_set_follows_the_table_while_a_stream_is_in_flight(tmp_path: Pat
         in_flight.start()
         wait_for(lambda: b1.calls == 2)
         loop.run(components.hub.publish(table(r1, r2)))  # a replica joins the table
-        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r1, r2})
+        wait_for(lambda: envoy.cluster_hosts(REPLICAS_CLUSTER) == {r1, r2})
         picker.targets = [r2]
         loop.run(components.hub.publish(table(r2)))  # the first one leaves it
-        wait_for(lambda: cluster_hosts(envoy.admin_url) == {r2})
+        wait_for(lambda: envoy.cluster_hosts(REPLICAS_CLUSTER) == {r2})
         assert in_flight.is_alive()  # the swap happened mid-stream
         for _ in range(4):
             assert stream(url, "fast") == (["b2"] * CHUNKS, True)

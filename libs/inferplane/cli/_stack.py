@@ -11,10 +11,11 @@ Start-up order (each step waits for the previous one):
 3. the node registers, then `DeploymentService.CreateDeployment` (or `UpdateDeployment` when the
    data directory already holds it) for kimi-tiny: one CPU replica (`StackConfig.replicas`);
    the reconcile loop starts it on the node-agent, warms it up and adds it to the routing table;
-4. a request through the router succeeds (the router has the table and reaches the replica);
-5. telemetry, following the orchestrator's routing table for the engines to scrape (and
+4. telemetry, following the orchestrator's routing table for the engines to scrape (and
    writing them to `<data_dir>/prometheus/engines.json` for Prometheus's file_sd);
-6. Envoy from the minimal ADS bootstrap: LIVE once the orchestrator pushed its config.
+5. Envoy from the minimal ADS bootstrap: LIVE once the orchestrator pushed its config, and
+   ready once its replicas cluster holds every routable replica process (the endpoint
+   picker's lists name them; DESIGN.md, data path v2).
 
 Layout of the data directory::
 
@@ -39,16 +40,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from google.protobuf import field_mask_pb2, struct_pb2
+from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
-from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.cli._process import ManagedProcess
 from inferplane.cli._prometheus import engine_sd_file
-from inferplane.edge import EnvoyProcess, EnvoyStartError, render_ads_bootstrap
+from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
 from inferplane.runtime import ConfigError
 from inferplane.testing import kimi_tiny
 
@@ -196,8 +196,7 @@ class Stack:
         try:
             self._start_services(progress)
             self._ensure_deployment(progress)
-            self._wait_routable(progress)
-            self._wait_router(progress)
+            endpoints = self._wait_routable(progress)
             # Telemetry scrapes the replicas the routing table lists (the metrics URLs their
             # node-agent reports), so a rolling release moves its targets.
             progress("starting telemetry")
@@ -210,6 +209,7 @@ class Stack:
             )
             self._wait_healthy("telemetry", progress)
             self._start_edge(progress)
+            self._wait_edge_routes(endpoints, progress)
             self._write_state()
         except BaseException:
             self.stop()
@@ -453,38 +453,6 @@ class Stack:
                     )
                 time.sleep(0.5)
 
-    def _wait_router(self, progress: Progress) -> None:
-        """Sends one short chat completion through the router until it succeeds: the router
-        has the routing table and reaches the replica."""
-        request = inference_pb2.CreateChatCompletionRequest(
-            request=inference_pb2.ChatCompletionRequest(
-                model=MODEL_NAME,
-                messages=[
-                    inference_pb2.ChatMessage(
-                        role="user", content=struct_pb2.Value(string_value="hi")
-                    )
-                ],
-                max_completion_tokens=1,
-            )
-        )
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(self.config.address("router")) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            while True:
-                self._raise_if_dead()
-                try:
-                    stub.CreateChatCompletion(request, timeout=30)
-                    progress("the router serves the model")
-                    return
-                except grpc.RpcError as exc:
-                    if time.monotonic() > deadline:
-                        raise StackError(
-                            f"the router could not serve {MODEL_NAME} in 60 s: "
-                            f"{exc.code().name} {exc.details()}:\n"
-                            + self.processes["router"].log_tail()
-                        ) from exc
-                time.sleep(0.5)
-
     def _start_edge(self, progress: Progress) -> None:
         cfg = self.config
         progress("starting the Envoy edge (configured by the orchestrator over ADS)")
@@ -501,7 +469,27 @@ class Stack:
             self.edge.start()
         except EnvoyStartError as exc:
             raise StackError(str(exc)) from exc
-        progress(f"edge is ready on {cfg.base_url}")
+
+    def _wait_edge_routes(
+        self, endpoints: Sequence[orchestrator_pb2.RouteEndpoint], progress: Progress
+    ) -> None:
+        """Waits until Envoy's replicas cluster holds every routable replica process (pushed by
+        EDS from the routing table), so the first request can be sent where it is picked."""
+        assert self.edge is not None
+        wanted = {e.address for e in endpoints}
+        deadline = time.monotonic() + 60
+        while True:
+            self._raise_if_dead()
+            with contextlib.suppress(OSError):
+                if wanted <= self.edge.cluster_hosts(REPLICAS_CLUSTER):
+                    progress(f"edge is ready on {self.config.base_url}")
+                    return
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"Envoy's replicas cluster did not list {sorted(wanted)} in 60 s; "
+                    f"see {self.edge.log_path}"
+                )
+            time.sleep(0.2)
 
     def _write_state(self) -> None:
         cfg = self.config

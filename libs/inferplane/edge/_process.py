@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -215,6 +216,23 @@ class EnvoyProcess:
                 return bool(response.status == 200 and response.read().strip() == b"LIVE")
         except (urllib.error.URLError, OSError):
             return False
+
+    def cluster_hosts(self, cluster: str) -> set[str]:
+        """The `host:port` of every host Envoy holds for `cluster` (admin `/clusters`); empty
+        when the cluster is unknown.
+
+        Raises: OSError (urllib.error.URLError) when the admin API does not answer in 2 s.
+        """
+        with urllib.request.urlopen(self.admin_url + "/clusters?format=json", timeout=2) as r:
+            data = json.load(r)
+        for status in data.get("cluster_statuses", []):
+            if status["name"] == cluster:
+                return {
+                    f"{h['address']['socket_address']['address']}:"
+                    f"{h['address']['socket_address']['port_value']}"
+                    for h in status.get("host_statuses", [])
+                }
+        return set()
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """Stops Envoy: SIGTERM, then SIGKILL after `grace_s`. Idempotent.

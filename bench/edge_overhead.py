@@ -1,23 +1,33 @@
-"""What the edge adds: streaming chat straight to the node-agent vs through Envoy + ext_authz +
-router, on the same engine, interleaved in one run.
+"""What the edge adds on the v2 data path: streaming chat straight to the replica process vs
+through Envoy + ext_authz + the endpoint picker, on the same engine, interleaved in one run;
+and whether the picker's cost grows with output tokens (it must not: it never sees them).
 
     .venv/bin/python bench/edge_overhead.py [--requests 64] [--max-tokens 64] [--levels 1,16]
-                                            [--stream-interval N]
+                                            [--stream-interval N] [--transport inproc]
+                                            [--cpu-requests 24] [--cpu-concurrency 4]
 
-Starts the local stack (kimi-tiny on the CPU engine) in a temporary directory, then for
-concurrency 1 and 16 runs the same streaming chat requests (a) over gRPC to the node-agent's
-`StreamChatCompletion`, over gRPC to the router (what the router hop adds) and (b) over HTTP/SSE
-through Envoy, alternating rounds so that machine noise hits every path alike. TTFT is measured
-to the first chunk carrying generated text (reasoning, content or a tool call), ITL as the gaps
-between such chunks (per chunk: several tokens apart with a stream interval), tokens/s from the
-usage in the last chunk. Prints a table, then the last lines `added_ttft_p50_ms: X` and
-`added_ttft_p99_ms: Y` at concurrency 16.
+Starts the local stack (kimi-tiny on the CPU engine) in a temporary directory, then for each
+concurrency level runs the same streaming chat requests (a) over gRPC to the replica process's
+own `StreamChatCompletion` (its address from the routing table) and (b) over HTTP/SSE through
+Envoy, alternating rounds so that machine noise hits both paths alike. TTFT is measured to the
+first chunk carrying generated text (reasoning, content or a tool call), ITL as the gaps between
+such chunks, tokens/s from the usage in the last chunk.
+
+Then the router's CPU per request (utime+stime of all its threads from /proc, ns resolution
+through schedstat) over `--cpu-requests` edge requests of 64 and of 1,024 output tokens
+(ignore_eos), interleaved in two halves each. Last lines:
+
+    added_ttft_p50_ms_c1: X            (goal ≤ 2 ms)
+    router_cpu_ms_per_request_64: A
+    router_cpu_ms_per_request_1024: B
+    router_cpu_growth_1024_vs_64: B/A  (goal ≤ 1.2: the picker's cost does not grow with tokens)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import tempfile
@@ -150,24 +160,17 @@ async def _measure(
 ) -> dict[int, dict[str, PathStats]]:
     body = _request(max_tokens)
     url = f"{stack.config.base_url}/chat/completions"
-    # The orchestrator names replicas by revision: pin the one the routing table serves.
-    replica_id = stack.serving_endpoints()[0].replica_id
+    replica = stack.serving_endpoints()[0].address  # the replica process's own port
     results: dict[int, dict[str, PathStats]] = {}
-    ports = stack.config.ports
     async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{ports['node_agent']}") as agent_channel,
-        grpc.aio.insecure_channel(f"127.0.0.1:{ports['router']}") as router_channel,
+        grpc.aio.insecure_channel(replica) as replica_channel,
         httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client,
     ):
-        agent = inference_pb2_grpc.InferenceServiceStub(agent_channel)
-        router = inference_pb2_grpc.InferenceServiceStub(router_channel)
-        pinned = (("x-inferplane-replica", replica_id),)
+        direct = inference_pb2_grpc.InferenceServiceStub(replica_channel)
         paths = {
-            # (a) the node-agent alone (its gRPC service, the replica pinned)
-            "direct": lambda: _grpc_one(agent, body, pinned),
-            # the router's gRPC service (internal callers): router + node-agent
-            "router": lambda: _grpc_one(router, body, ()),
-            # (b) the edge: Envoy + ext_authz (auth) + router + node-agent, HTTP/SSE
+            # (a) the replica process alone (its gRPC service)
+            "direct": lambda: _grpc_one(direct, body, ()),
+            # (b) the edge: Envoy + ext_authz (auth) + picker (router) + the replica, HTTP/SSE
             "edge": lambda: _http_one(client, url, key, body),
         }
         # Warm-up: every path, every batch size the engine will see.
@@ -184,6 +187,40 @@ async def _measure(
     return results
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (s) of every thread of `pid` (schedstat: nanoseconds, not 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+async def _router_cpu(stack: Stack, key: str, requests: int, concurrency: int) -> dict[int, float]:
+    """Router CPU ms per edge request at 64 and 1,024 output tokens (two interleaved halves)."""
+    router = stack.processes["router"].proc
+    assert router is not None
+    url = f"{stack.config.base_url}/chat/completions"
+    spent: dict[int, float] = {64: 0.0, 1024: 0.0}
+    counted: dict[int, int] = {64: 0, 1024: 0}
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+        for tokens in (64, 1024):  # warm-up
+            await _round(
+                lambda t=tokens: _http_one(client, url, key, _request(t)), 2, 2, PathStats()
+            )
+        for _ in range(2):
+            for tokens in (64, 1024):
+                body = _request(tokens)
+                half = max(concurrency, requests // 2)
+                before = cpu_seconds(router.pid)
+                await _round(
+                    lambda b=body: _http_one(client, url, key, b), concurrency, half, PathStats()
+                )
+                spent[tokens] += cpu_seconds(router.pid) - before
+                counted[tokens] += half
+    return {t: spent[t] * 1000 / counted[t] for t in spent}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64, help="requests per path and level")
@@ -198,6 +235,9 @@ def main() -> None:
         default=0,
         help="the deployment profile's stream_interval (tokens per chunk at least; 0: every one)",
     )
+    parser.add_argument("--transport", default="", help="engine transport ('': the default)")
+    parser.add_argument("--cpu-requests", type=int, default=24, help="per output length")
+    parser.add_argument("--cpu-concurrency", type=int, default=4)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = StackConfig(
@@ -207,6 +247,7 @@ def main() -> None:
             metrics_base_port=free_port_run(5),
             envoy_admin_port=free_port(),
             stream_interval=args.stream_interval,
+            **({"transport": args.transport} if args.transport else {}),
         )
         stack = Stack(config)
         stack.start(lambda m: print(f"# {m}", flush=True))
@@ -215,6 +256,9 @@ def main() -> None:
             levels = [int(level) for level in args.levels.split(",")]
             results = asyncio.run(
                 _measure(stack, key, args.requests, args.max_tokens, args.rounds, levels)
+            )
+            router_cpu = asyncio.run(
+                _router_cpu(stack, key, args.cpu_requests, args.cpu_concurrency)
             )
         finally:
             stack.stop()
@@ -230,16 +274,13 @@ def main() -> None:
                 f"{r['itl_p50']:>8.2f} {r['itl_p99']:>8.2f} {r['tok_s']:>8.1f}"
             )
     for concurrency, paths in results.items():
-        d, r, e = (paths[name].row() for name in ("direct", "router", "edge"))
-        print(f"router_added_ttft_p50_ms_c{concurrency}: {r['ttft_p50'] - d['ttft_p50']:.2f}")
+        d, e = (paths[name].row() for name in ("direct", "edge"))
         print(f"added_ttft_p50_ms_c{concurrency}: {e['ttft_p50'] - d['ttft_p50']:.2f}")
         print(f"added_ttft_p99_ms_c{concurrency}: {e['ttft_p99'] - d['ttft_p99']:.2f}")
-    if 16 not in results:
-        return
-    d, e = results[16]["direct"].row(), results[16]["edge"].row()
-    print(f"edge_vs_direct_tok_s_c16: {e['tok_s'] / d['tok_s']:.3f}")
-    print(f"added_ttft_p50_ms: {e['ttft_p50'] - d['ttft_p50']:.2f}")
-    print(f"added_ttft_p99_ms: {e['ttft_p99'] - d['ttft_p99']:.2f}")
+        print(f"edge_vs_direct_tok_s_c{concurrency}: {e['tok_s'] / d['tok_s']:.3f}")
+    print(f"router_cpu_ms_per_request_64: {router_cpu[64]:.3f}")
+    print(f"router_cpu_ms_per_request_1024: {router_cpu[1024]:.3f}")
+    print(f"router_cpu_growth_1024_vs_64: {router_cpu[1024] / router_cpu[64]:.3f}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ class Admission:
         self._table: RouteTable | None = None
         self._seq = itertools.count()
 
+    @property
+    def queue_timeout_seconds(self) -> float:
+        """The longest a request waits in a deployment's queue before its 429."""
+        return self._settings.queue_timeout_seconds
+
     # -- routing table -----------------------------------------------------------------------
 
     def apply(self, table: RouteTable) -> None:
@@ -364,6 +369,40 @@ class Admission:
             code="model_overloaded",
             reason="MODEL_OVERLOADED",
         )
+
+    def fallbacks(
+        self, route: ModelRoute, lease: Lease, features: RequestFeatures, n: int
+    ) -> tuple[Endpoint, ...]:
+        """Up to `n` endpoints of `route`'s deployment besides the lease's, best first in the
+        deployment policy's order, for Envoy to try when the lease's replica fails before
+        answering (the endpoint picker's list). Draining replicas and open breakers are left
+        out; no slot is taken on them (a fallback serves only when the primary failed)."""
+        deployment = self._deployments.get(route.deployment_key)
+        if deployment is None or n <= 0:
+            return ()
+        replicas = deployment.replicas
+        replicas.wake(self.clock.monotonic())
+        chosen = replicas.index.get(lease.key)
+        picked = deployment.policy.fallbacks(replicas, features, chosen, n)
+        return tuple(replicas.endpoints[i] for i in picked)
+
+    def observe(self, deployment: str, address: str, *, ok: bool) -> None:
+        """A verdict on a replica that served a request, or failed to, without holding its
+        lease (an endpoint picker's fallback, named by `address`): feeds its breaker.
+        Unknown deployments or addresses are ignored (the table moved on)."""
+        d = self._deployments.get(deployment)
+        if d is None:
+            return
+        for endpoint, state in zip(d.replicas.endpoints, d.replicas.states, strict=True):
+            if endpoint.address != address:
+                continue
+            now = self.clock.monotonic()
+            if ok:
+                state.breaker.on_success()
+            else:
+                state.breaker.on_failure(now)
+            state.changed(now)
+            return
 
     def queue_length(self, deployment: str) -> int:
         """Requests waiting for a slot in `deployment` (cancelled ones may still count)."""

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, Clock, LoopScheduler
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
+from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
+from inferplane.router.picker import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
+from inferplane.router.reporting import Reporter
 from inferplane.router.retry import RetryBudget
 from inferplane.router.routes import RouteTable, load_routes_file
 from inferplane.router.servicer import InferenceService, UpstreamPool
@@ -53,7 +57,9 @@ def build_app(
     registry: CollectorRegistry | None = None,
     wall_clock: Callable[[], float] = time.time,
 ) -> App:
-    """Wires the router: route source → admission (policies, caps, queues) → servicer, plus
+    """Wires the router: route source → admission (policies, caps, queues) → the relay
+    servicer (`InferenceService`) and the endpoint picker (Envoy's ext_proc
+    `ExternalProcessor`, data path v2) sharing that admission, plus
     the usage sink to auth (`auth_address`) and the record sink to telemetry
     (`telemetry_address`), both started with the app and flushed on stop.
 
@@ -104,19 +110,33 @@ def build_app(
             registry,
             channel_options=grpc_options(settings),
         )
+    usage = usage or LoggingUsageSink()
+    records = record_sink.record if record_sink is not None else None
+    features = FeatureExtractor(settings.prefix_block_bytes, settings.prefix_max_blocks)
     servicer = InferenceService(
         source.current,
         upstream,
         admission=admission,
-        features=FeatureExtractor(settings.prefix_block_bytes, settings.prefix_max_blocks),
+        features=features,
         budget=RetryBudget(settings.retry_budget_ratio),
-        usage=usage or LoggingUsageSink(),
+        usage=usage,
         max_attempts=settings.max_attempts,
         request_timeout_seconds=settings.request_timeout_seconds,
-        records=record_sink.record if record_sink is not None else None,
+        records=records,
         metrics=metrics,
         clock=clock,
         wall_clock=wall_clock,
+    )
+    picker = EndpointPicker(
+        source.current,
+        admission,
+        Reporter(usage, records, clock, wall_clock),
+        features=features,
+        settings=PickerSettings(
+            fallbacks=settings.picker_fallbacks,
+            keepalive_seconds=settings.picker_keepalive_seconds,
+            timeout_margin_seconds=settings.picker_timeout_margin_seconds,
+        ),
     )
 
     async def start() -> None:
@@ -143,6 +163,11 @@ def build_app(
                 "inferplane.inference.v1.InferenceService",
                 servicer,
                 inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+            ),
+            ServicerBinding(
+                PICKER_SERVICE,
+                picker,
+                external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server,
             ),
         ],
         start=start,

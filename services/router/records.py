@@ -15,6 +15,12 @@ What the router measures, from the request's arrival at the router:
   see: one token per chunk by default, several with a stream interval (then a gap spans them;
   the node-agent's own records count ITL per token);
 - e2e: until the last chunk or the error.
+
+As the endpoint picker (`picker.py`, data path v2) the router sees no chunk, only the
+replica's `ResponseSummary` trailers (`on_summary`): usage and finish reason come from there,
+TTFT is the time until the pick plus the replica's own TTFT (Envoy's hop to the replica is
+not in it), there are no ITL gaps (the replica's own records carry them), and e2e ends when
+the trailers arrive or the side stream closes.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import timestamp_pb2
 
+from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.telemetry.v1 import telemetry_pb2
+from inferplane.wire import ResponseSummary
 
 SOURCE = "router"
 MAX_GAPS = 128  # telemetry keeps at most this many inter-token gaps per record
@@ -95,7 +104,7 @@ class RequestTrace:
 
     @classmethod
     def begin(
-        cls, model: str, stream: bool, metadata: dict[str, str], now: float, wall: float
+        cls, model: str, stream: bool, metadata: Mapping[str, str], now: float, wall: float
     ) -> RequestTrace:
         return cls(
             model=model,
@@ -126,6 +135,26 @@ class RequestTrace:
         if response.HasField("usage"):
             self.usage = response.usage
         self.finish_reason = _finish_reason(response) or self.finish_reason
+
+    def on_summary(self, summary: ResponseSummary, picked: float) -> None:
+        """The replica's summary reached the endpoint picker; `picked` (monotonic seconds) is
+        when the picker answered Envoy with the endpoint list."""
+        if summary.prompt_tokens or summary.completion_tokens:
+            self.usage = inference_pb2.Usage(
+                prompt_tokens=summary.prompt_tokens,
+                completion_tokens=summary.completion_tokens,
+                total_tokens=summary.prompt_tokens + summary.completion_tokens,
+                prompt_tokens_details=inference_pb2.PromptTokensDetails(
+                    cached_tokens=summary.cached_tokens
+                ),
+                completion_tokens_details=inference_pb2.CompletionTokensDetails(
+                    reasoning_tokens=summary.reasoning_tokens
+                ),
+            )
+        if summary.ttft_seconds > 0:
+            self.first_token = picked + summary.ttft_seconds
+        self.finish_reason = summary.finish_reason or self.finish_reason
+        self.replica = summary.replica_id or self.replica
 
     def fail(self, code: str) -> None:
         self.status = STATUS_ERROR

@@ -9,8 +9,9 @@ C-level `min` over a list of floats even at 1,000 replicas (bench/router_decisio
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from inferplane.router.breaker import CircuitBreaker
@@ -129,6 +130,33 @@ class ReplicaSet:
 
     def can_take(self, i: int) -> bool:
         return self.scores[i] != INF
+
+    def fallbacks(self, order: Iterable[int], chosen: int | None, n: int) -> list[int]:
+        """Up to `n` replicas besides `chosen`, in `order`, that Envoy may try when `chosen`
+        fails before answering (the endpoint picker's list after its primary): not draining,
+        breaker not open; those under their cap come first (a fallback is used only when the
+        primary failed, so one request over a cap beats a failed request)."""
+        under: list[int] = []
+        full: list[int] = []
+        seen: set[int] = set()
+        for i in order:
+            if i == chosen or i in seen or self.blocked[i]:
+                continue
+            seen.add(i)
+            (under if self.scores[i] != INF else full).append(i)
+            if len(under) >= n:
+                break
+        return (under + full)[:n]
+
+    def least_loaded_others(self, chosen: int | None, n: int) -> list[int]:
+        """`fallbacks` in least-load order (score, then requests in flight, then index);
+        O(replicas)."""
+        if n <= 0:
+            return []
+        scores, in_flight, blocked = self.scores, self.in_flight, self.blocked
+        candidates = (i for i in range(self.n) if i != chosen and not blocked[i])
+        order = heapq.nsmallest(n, candidates, key=lambda i: (scores[i], in_flight[i], i))
+        return self.fallbacks(order, chosen, n)
 
     def bound(self, c: float) -> int:
         """The bounded-load cap of consistent hashing with bounded loads: ceil(c·(m+1)/n) for

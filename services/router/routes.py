@@ -9,7 +9,9 @@ from typing import Any
 
 import yaml
 
-from inferplane.runtime import ConfigError
+from inferplane.runtime import ConfigError, NotFoundError, PermissionDeniedError
+
+ALLOWED_MODELS_HEADER = "x-inferplane-allowed-models"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +72,33 @@ class RouteTable:
 
     def models(self) -> Sequence[ModelRoute]:
         return sorted(self.routes.values(), key=lambda r: r.model)
+
+
+def resolve(table: RouteTable, model: str, metadata: Mapping[str, str]) -> ModelRoute:
+    """The route of `model` for a request whose ext_authz metadata is `metadata`.
+
+    `x-inferplane-allowed-models` (comma-separated; absent or empty = any model) is the API
+    key's allow-list, checked before the table so a key never learns which models exist.
+
+    Raises:
+        PermissionDeniedError: the key may not use `model` (HTTP 403, code model_not_allowed).
+        NotFoundError: no route serves `model` (HTTP 404, code model_not_found).
+    """
+    allowed = metadata.get(ALLOWED_MODELS_HEADER, "")
+    if allowed and model not in {m.strip() for m in allowed.split(",")}:
+        raise PermissionDeniedError(
+            f"this API key may not use the model '{model}'",
+            code="model_not_allowed",
+            param="model",
+        )
+    route = table.get(model)
+    if route is None:
+        raise NotFoundError(
+            f"The model '{model}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+    return route
 
 
 def load_routes_file(path: str | Path) -> RouteTable:

@@ -23,20 +23,18 @@ from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_non
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.admission import Admission, AdmissionSettings, Clock, Lease, LoopScheduler
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.policies import default_registry
-from inferplane.router.records import STATUS_OK, RequestTrace
+from inferplane.router.records import RequestTrace
 from inferplane.router.replicas import ReplicaKey
+from inferplane.router.reporting import RecordSend, Reporter
 from inferplane.router.retry import RetryBudget
-from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
-from inferplane.router.usage import LoggingUsageSink, UsageRecord, UsageSink
+from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
+from inferplane.router.usage import LoggingUsageSink, UsageSink
 from inferplane.runtime import (
     InferplaneError,
-    NotFoundError,
-    PermissionDeniedError,
     UnavailableError,
     error_from_status,
 )
@@ -57,7 +55,6 @@ SSE_CONTENT_TYPE = "text/event-stream"
 
 Context = Any  # grpc.aio.ServicerContext
 Features = Callable[[Mapping[str, str]], RequestFeatures]
-RecordSend = Callable[[telemetry_pb2.RequestRecord], None]
 
 
 class UpstreamPool:
@@ -144,32 +141,17 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):  # type: ig
         self._admission = admission or _default_admission()
         self._features = features or FeatureExtractor()
         self._budget = budget or RetryBudget()
-        self._usage = usage or LoggingUsageSink()
         self._max_attempts = max(1, max_attempts)
         self._timeout = request_timeout_seconds
-        self._records = records
         self._metrics = metrics
         self._clock = clock or _MonotonicClock()
-        self._wall_clock = wall_clock
+        self._reporter = Reporter(usage or LoggingUsageSink(), records, self._clock, wall_clock)
 
     # -- routing -----------------------------------------------------------------------------
 
     def _route(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
-        allowed = metadata.get("x-inferplane-allowed-models", "")
-        if allowed and model not in {m.strip() for m in allowed.split(",")}:
-            raise PermissionDeniedError(
-                f"this API key may not use the model '{model}'",
-                code="model_not_allowed",
-                param="model",
-            )
         table = self._table()
-        route = table.get(model)
-        if route is None:
-            raise NotFoundError(
-                f"The model '{model}' does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-            )
+        route = resolve(table, model, metadata)
         self._admission.apply(table)  # no-op unless the table changed under us
         return route
 
@@ -256,31 +238,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):  # type: ig
         return _ReplicaFailed(error)
 
     def _begin(self, model: str, stream: bool, metadata: dict[str, str]) -> RequestTrace:
-        return RequestTrace.begin(
-            model, stream, metadata, self._clock.monotonic(), self._wall_clock()
-        )
+        return self._reporter.begin(model, stream, metadata)
 
     def _finish(self, trace: RequestTrace, metadata: Mapping[str, str]) -> None:
         """The request ended: one usage report (keyed requests) and one telemetry record."""
-        key_id = metadata.get("x-inferplane-key-id")
-        usage = trace.usage
-        if key_id:
-            self._usage.record(
-                UsageRecord(
-                    key_id=key_id,
-                    request_id=metadata.get("x-request-id", ""),
-                    model=trace.model,
-                    prompt_tokens=usage.prompt_tokens if usage is not None else 0,
-                    completion_tokens=usage.completion_tokens if usage is not None else 0,
-                    ok=trace.status == STATUS_OK,
-                    end_time=self._wall_clock(),
-                )
-            )
-        if self._records is not None:
-            try:
-                self._records(trace.to_record(self._clock.monotonic()))
-            except Exception:  # telemetry must never fail a request
-                log.exception("request_record_failed", request_id=trace.request_id)
+        self._reporter.finish(trace, metadata)
 
     @staticmethod
     @contextlib.contextmanager

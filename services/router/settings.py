@@ -49,6 +49,15 @@ class RouterSettings(ServiceSettings):
             unreachable, and sent per call.
         telemetry_address: the telemetry service (host:port). Set: one request record per
             request (source "router"). Empty: no records.
+        picker_fallbacks: endpoints the endpoint picker (`envoy.service.ext_proc.v3`
+            ExternalProcessor, data path v2) lists after the primary, which Envoy tries in
+            order when the primary fails before its first response byte; 0 = primary only.
+        picker_keepalive_seconds: how long a request may wait in the admission queue before
+            the picker extends Envoy's ext_proc message timer (`override_message_timeout`);
+            must stay below the edge's ext_proc `message_timeout` (1 s).
+        picker_timeout_margin_seconds: added to the remaining queue wait in that extension;
+            the edge's ext_proc `max_message_timeout` must be at least
+            `queue_timeout_seconds` + this margin, or Envoy ignores the extension.
     """
 
     port: int = 50052
@@ -74,3 +83,6 @@ class RouterSettings(ServiceSettings):
     usage_buffer_capacity: int = 10_000
     usage_batch_size: int = 256
     telemetry_address: str = ""
+    picker_fallbacks: int = 2
+    picker_keepalive_seconds: float = 0.25
+    picker_timeout_margin_seconds: float = 1.0

@@ -27,6 +27,14 @@ class RoutingPolicy(Protocol):
         """
         ...
 
+    def fallbacks(
+        self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
+    ) -> list[int]:
+        """Up to `n` other replica indices, best first, for Envoy to try when `chosen` fails
+        before answering (the endpoint picker's list). Must not change the policy's state:
+        the request goes to `chosen`. Use `ReplicaSet.fallbacks` to filter."""
+        ...
+
 
 PolicyFactory = Callable[[], RoutingPolicy]
 

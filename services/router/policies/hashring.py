@@ -63,3 +63,16 @@ def bounded_choice(replicas: ReplicaSet, key: int, c: float) -> int | None:
         if scores[i] != INF and in_flight[i] < bound:
             return i
     return None
+
+
+def ring_fallbacks(replicas: ReplicaSet, key: int, chosen: int | None, n: int) -> list[int]:
+    """Up to `n` replicas besides `chosen` in ring order from `key` (where the key moves when
+    its replica leaves), filtered by `ReplicaSet.fallbacks`."""
+    if replicas.n == 0 or n <= 0:
+        return []
+    ring = ring_of(replicas)
+    points = len(ring.points)
+    start = bisect.bisect(ring.points, key)
+    owners = ring.owners
+    order = (owners[(start + step) % points] for step in range(points))
+    return replicas.fallbacks(order, chosen, n)

@@ -17,3 +17,8 @@ class LeastLoad:
 
     def choose(self, replicas: ReplicaSet, request: RequestFeatures) -> int | None:
         return replicas.least_loaded()
+
+    def fallbacks(
+        self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
+    ) -> list[int]:
+        return replicas.least_loaded_others(chosen, n)

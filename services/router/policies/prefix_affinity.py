@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 
 from inferplane.router.features import RequestFeatures
-from inferplane.router.policies.hashring import bounded_choice
+from inferplane.router.policies.hashring import bounded_choice, ring_fallbacks
 from inferplane.router.replicas import ReplicaKey, ReplicaSet
 
 
@@ -38,6 +38,15 @@ class PrefixAffinity:
         if chosen is not None and request.prefix_blocks:
             self._remember(request.prefix_blocks, replicas.keys[chosen])
         return chosen
+
+    def fallbacks(
+        self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
+    ) -> list[int]:
+        """Ring order from the conversation root (where every router sends it next when its
+        replica leaves); the prefix table is not touched."""
+        if request.root is None:
+            return replicas.least_loaded_others(chosen, n)
+        return ring_fallbacks(replicas, request.root, chosen, n)
 
     def _cached(self, replicas: ReplicaSet, request: RequestFeatures) -> int | None:
         blocks = self._blocks

@@ -21,3 +21,11 @@ class RoundRobin:
                 self._cursor = i + 1
                 return i
         return None
+
+    def fallbacks(
+        self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
+    ) -> list[int]:
+        """The replicas after `chosen` in cycle order (the cursor does not move)."""
+        size = replicas.n
+        start = (chosen + 1) if chosen is not None else self._cursor
+        return replicas.fallbacks(((start + k) % size for k in range(size)), chosen, n)

@@ -5,7 +5,7 @@ the least loaded replica."""
 from __future__ import annotations
 
 from inferplane.router.features import RequestFeatures
-from inferplane.router.policies.hashring import bounded_choice
+from inferplane.router.policies.hashring import bounded_choice, ring_fallbacks
 from inferplane.router.replicas import ReplicaSet
 
 
@@ -21,3 +21,11 @@ class SessionAffinity:
             if chosen is not None:
                 return chosen
         return replicas.least_loaded()
+
+    def fallbacks(
+        self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
+    ) -> list[int]:
+        """Ring order from the session key (where the session goes if its replica leaves)."""
+        if request.session is None:
+            return replicas.least_loaded_others(chosen, n)
+        return ring_fallbacks(replicas, request.session, chosen, n)

@@ -5,13 +5,20 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.protobuf.message import Message
 
 from inferplane.router.admission import Admission, AdmissionSettings
 from inferplane.router.breaker import CircuitBreaker
 from inferplane.router.policies import default_registry
 from inferplane.router.replicas import ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
+from inferplane.router.usage import UsageRecord
 
 
 class FakeClock:
@@ -90,3 +97,103 @@ def admission(
     a = Admission(default_registry(), settings or AdmissionSettings(), clock, scheduler)
     a.apply(table)
     return a, clock, scheduler
+
+
+# -- the endpoint picker's side of Envoy (ext_proc) -----------------------------------------
+
+
+def grpc_frame(message: Message) -> bytes:
+    """A unary gRPC body as the transcoder hands it on: flag 0, 4-byte length, the message."""
+    data = message.SerializeToString()
+    return b"\x00" + len(data).to_bytes(4, "big") + data
+
+
+def header_map(headers: Mapping[str, str]) -> base_pb2.HeaderMap:
+    """Headers as Envoy 1.40 sends them over ext_proc: values in `raw_value`."""
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
+
+
+def lb_metadata(request: ext_pb.ProcessingRequest, served: str) -> None:
+    """Puts `-served` in the request's `metadata_context`, as override_host reports it."""
+    lb = request.metadata_context.filter_metadata["envoy.lb"]
+    lb.fields["x-gateway-destination-endpoint-served"].string_value = served
+
+
+class ExtProcStream:
+    """One ext_proc `Process` stream driven the way Envoy does for one HTTP request (request
+    headers, buffered body, response headers, response trailers, half-close), over real gRPC.
+
+    `overrides` collects the `override_message_timeout` messages that came before the answer
+    to the body (the answer itself is what `body` returns).
+    """
+
+    def __init__(self, stub: ext_grpc.ExternalProcessorStub) -> None:
+        self.call = stub.Process()
+        self.overrides: list[float] = []
+
+    async def _exchange(self, request: ext_pb.ProcessingRequest) -> ext_pb.ProcessingResponse:
+        await self.call.write(request)
+        while True:
+            response = await self.call.read()
+            assert response is not grpc.aio.EOF, "the picker closed the stream"
+            if not response.HasField("override_message_timeout"):
+                return response
+            self.overrides.append(response.override_message_timeout.ToNanoseconds() / 1e9)
+
+    async def headers(
+        self, path: str, metadata: Mapping[str, str] | None = None, *, end_of_stream: bool = False
+    ) -> ext_pb.ProcessingResponse:
+        headers = {":method": "POST", ":path": path, "content-type": "application/grpc"}
+        return await self._exchange(
+            ext_pb.ProcessingRequest(
+                request_headers=ext_pb.HttpHeaders(
+                    headers=header_map({**headers, **(metadata or {})}),
+                    end_of_stream=end_of_stream,
+                )
+            )
+        )
+
+    async def body(self, data: bytes) -> ext_pb.ProcessingResponse:
+        return await self._exchange(
+            ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=data, end_of_stream=True))
+        )
+
+    async def response_headers(
+        self, headers: Mapping[str, str], *, served: str = "", end_of_stream: bool = False
+    ) -> ext_pb.ProcessingResponse:
+        request = ext_pb.ProcessingRequest(
+            response_headers=ext_pb.HttpHeaders(
+                headers=header_map(headers), end_of_stream=end_of_stream
+            )
+        )
+        if served:
+            lb_metadata(request, served)
+        return await self._exchange(request)
+
+    async def response_trailers(
+        self, trailers: Mapping[str, str], *, served: str = ""
+    ) -> ext_pb.ProcessingResponse:
+        request = ext_pb.ProcessingRequest(
+            response_trailers=ext_pb.HttpTrailers(trailers=header_map(trailers))
+        )
+        if served:
+            lb_metadata(request, served)
+        return await self._exchange(request)
+
+    async def close(self) -> None:
+        """Envoy's half-close at the end of the request; waits for the picker to end it."""
+        await self.call.done_writing()
+        assert await self.call.read() is grpc.aio.EOF
+        assert await self.call.code() == grpc.StatusCode.OK
+
+
+class RecordingUsage:
+    """A `UsageSink` keeping every report."""
+
+    def __init__(self) -> None:
+        self.reports: list[UsageRecord] = []
+
+    def record(self, usage: UsageRecord) -> None:
+        self.reports.append(usage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -175,3 +176,30 @@ def test_only_the_keys_of_a_leaving_replica_move(n: int, keys: list[int], leavin
             assert new == old
         # With no load, bounded choice is the plain owner.
         assert bounded_choice(before, key, 1.25) == ring_of(before).first(key)
+
+
+@pytest.mark.parametrize(
+    "name", ["round_robin", "least_load", "prefix_affinity", "session_affinity"]
+)
+def test_fallbacks_skip_the_primary_draining_and_broken_replicas_and_change_nothing(
+    name: str,
+) -> None:
+    """The endpoint picker's fallbacks never repeat the primary, never name a draining
+    replica or one whose breaker is open, and asking for them does not move the policy (the
+    request goes to the primary: a round-robin cursor or a prefix table stays as it was)."""
+    eps = list(endpoints(5))
+    eps[1] = dataclasses.replace(eps[1], draining=True)
+    s = replica_set(tuple(eps))
+    for _ in range(5):  # the default threshold: its breaker opens
+        s.states[2].breaker.on_failure(0.0)
+    s.states[2].changed(0.0)
+    policy = default_registry().create(name)
+    request = FeatureExtractor(block_bytes=16).chat(_conversation(2, "x"), {"x-session-id": "s"})
+    chosen = policy.choose(s, request)
+    assert chosen is not None
+    before = [policy.choose(s, request) for _ in range(3)]
+    policy = default_registry().create(name)
+    assert policy.choose(s, request) == chosen
+    fallbacks = policy.fallbacks(s, request, chosen, 4)
+    assert set(fallbacks) == {0, 3, 4} - {chosen}
+    assert [policy.choose(s, request) for _ in range(3)] == before

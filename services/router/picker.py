@@ -1,0 +1,592 @@
+"""The router as Envoy's endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor`.
+
+Data path v2 (issue 16, DESIGN.md): Envoy relays every token; the router decides once per
+request where it goes, following the Gateway API Inference Extension's endpoint-picker
+protocol, and learns from the response trailers how it ended. One ext_proc stream is one HTTP
+request; with the edge's processing mode (request headers SEND, request body BUFFERED,
+response headers SEND, response trailers SEND, everything else SKIP/NONE) it carries:
+
+1. `request_headers` (`:path` is the transcoded gRPC path; ext_authz's `x-inferplane-*`
+   headers) → an empty `HeadersResponse`, or an immediate 404 for a path that is no
+   generation method (or 400 when the request has no body).
+2. `request_body` (the whole gRPC-framed request) → the same decision as the relay servicer
+   (route and aliases, the key's allow-list, features, admission with its queue, policy,
+   breakers), answered as `dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]
+   = "primary,fallback,..."` plus `x-envoy-max-retries: len(list)-1` (Envoy's retries walk
+   down the list and never beyond it: ../shared/notes/envoy_ext_proc_probe.md (ii)), or as
+   an `ImmediateResponse` in OpenAI's error shape (`immediate_response`). While the request
+   waits in the admission queue, one `override_message_timeout` keeps Envoy from timing the
+   message out.
+3. `response_headers` and `response_trailers` → the `ResponseSummary` keys removed (no client
+   sees internal topology); their `grpc-status`, OpenAI error code and summary, plus the
+   served endpoint from `metadata_context.filter_metadata["envoy.lb"]`, are recorded.
+4. The stream's end (or the trailers, or a trailers-only response) → exactly once: the slot
+   released, breakers fed, one usage report (keyed requests), one telemetry record.
+
+The picker never raises out of `Process`: a malformed message is answered with an immediate
+400 (or 500 for a bug) in OpenAI's shape and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import structlog
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError, Message
+
+from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.router.admission import Admission, Lease
+from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.records import RequestTrace
+from inferplane.router.reporting import Reporter
+from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
+from inferplane.runtime import (
+    OPENAI_ERROR_CODE_KEY,
+    InferplaneError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    error_trailers,
+)
+from inferplane.wire import SUMMARY_KEYS, ResponseSummary, error_body
+
+log = structlog.get_logger("inferplane.router.picker")
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+LB_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
+_GRPC_FRAME_HEADER = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+Context = Any  # grpc.aio.ServicerContext
+Extract = Callable[[Any, Mapping[str, str]], RequestFeatures]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PickerSettings:
+    """Knobs of the endpoint picker (see `RouterSettings.picker_*`).
+
+    Attributes:
+        fallbacks: endpoints listed after the primary (Envoy tries them, in order, when the
+            primary fails before its first response byte); 0 = the primary only.
+        keepalive_seconds: how long a request may wait in the admission queue before the
+            picker extends Envoy's ext_proc message timer; must stay below the edge's
+            `message_timeout` (1 s).
+        timeout_margin_seconds: added to the longest remaining queue wait in that extension;
+            the edge's `max_message_timeout` must be at least queue timeout + this margin
+            (Envoy ignores a larger extension).
+    """
+
+    fallbacks: int = 2
+    keepalive_seconds: float = 0.25
+    timeout_margin_seconds: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Method:
+    """A generation method of InferenceService as the transcoder names it in `:path`."""
+
+    request_type: type[Message]
+    stream: bool
+    chat: bool
+
+
+_PREFIX = "/inferplane.inference.v1.InferenceService/"
+METHODS: Mapping[str, _Method] = {
+    _PREFIX + "CreateChatCompletion": _Method(pb.CreateChatCompletionRequest, False, True),
+    _PREFIX + "StreamChatCompletion": _Method(pb.StreamChatCompletionRequest, True, True),
+    _PREFIX + "StreamChatCompletionEvents": _Method(
+        pb.StreamChatCompletionEventsRequest, True, True
+    ),
+    _PREFIX + "CreateCompletion": _Method(pb.CreateCompletionRequest, False, False),
+    _PREFIX + "StreamCompletion": _Method(pb.StreamCompletionRequest, True, False),
+    _PREFIX + "StreamCompletionEvents": _Method(pb.StreamCompletionEventsRequest, True, False),
+}
+"""`:path` → method, for every path the picker decides on (ListModels never comes here)."""
+
+# Envoy's gRPC → HTTP mapping (Grpc::Utility::grpcToHttpStatus), as the edge's error shaper.
+_HTTP_STATUS: Mapping[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def immediate_response(error: InferplaneError) -> ext_pb.ProcessingResponse:
+    """The refusal Envoy answers the client with instead of forwarding the request.
+
+    HTTP status from the error's gRPC code (Envoy's mapping: 403, 404, 429, 503...), the gRPC
+    status for gRPC clients, OpenAI's body `{"error": {"message", "type", "param", "code"}}`
+    with `content-type: application/json`, the `x-openai-error-*` headers and `retry-after`
+    exactly as the gRPC servicers' trailers (`inferplane.runtime.error_trailers`), and
+    `details = "picker_<code>"`, which the edge's local-reply mappers pass through unchanged.
+    """
+    headers = ext_pb.HeaderMutation()
+    _set(headers, "content-type", "application/json")
+    for key, value in error_trailers(error):
+        if isinstance(value, str):  # grpc-status-details-bin is for gRPC servers only
+            _set(headers, key, value)
+    body = error_body(error.message, error.openai_type, error.code, error.param)
+    return ext_pb.ProcessingResponse(
+        immediate_response=ext_pb.ImmediateResponse(
+            status={"code": _HTTP_STATUS.get(error.status, 500)},
+            headers=headers,
+            body=json.dumps(body).encode(),
+            grpc_status=ext_pb.GrpcStatus(status=error.status.value[0]),
+            details=f"picker_{error.code}",
+        )
+    )
+
+
+def pick_response(addresses: Sequence[str]) -> ext_pb.ProcessingResponse:
+    """The answer to the request body: the ordered endpoint list (primary first) in the
+    `envoy.lb` namespace that the `override_host` policy reads, and `x-envoy-max-retries`
+    capping Envoy's retries at the list (beyond it the fallback policy would pick any host)."""
+    response = ext_pb.ProcessingResponse()
+    _set(
+        response.request_body.response.header_mutation,
+        MAX_RETRIES_HEADER,
+        str(len(addresses) - 1),
+    )
+    lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+    lb.fields[DESTINATION_KEY].string_value = ",".join(addresses)
+    return response
+
+
+def decode_body(body: bytes, request_type: type[Message]) -> Any:
+    """The typed request of a gRPC-framed unary body (1 flag byte, 4-byte big-endian length,
+    the message).
+
+    Raises:
+        InvalidArgumentError: not exactly one uncompressed, parseable message (HTTP 400).
+    """
+    if len(body) < _GRPC_FRAME_HEADER:
+        raise InvalidArgumentError("the request body is empty or truncated", code="invalid_body")
+    if body[0] != 0:
+        raise InvalidArgumentError("compressed requests are not supported", code="invalid_body")
+    length = int.from_bytes(body[1:_GRPC_FRAME_HEADER], "big")
+    if len(body) != _GRPC_FRAME_HEADER + length:
+        raise InvalidArgumentError("the request body is not one message", code="invalid_body")
+    try:
+        return request_type.FromString(body[_GRPC_FRAME_HEADER:])
+    except DecodeError:
+        raise InvalidArgumentError(
+            "the request body cannot be parsed", code="invalid_body"
+        ) from None
+
+
+def _set(mutation: ext_pb.HeaderMutation, key: str, value: str) -> None:
+    mutation.set_headers.add(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _headers(header_map: base_pb2.HeaderMap) -> dict[str, str]:
+    """Lower-case keys → values; Envoy sends values in `raw_value` (bytes)."""
+    return {
+        h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        for h in header_map.headers
+    }
+
+
+def _summary_removal(headers: Mapping[str, str]) -> ext_pb.HeaderMutation:
+    return ext_pb.HeaderMutation(remove_headers=[k for k in SUMMARY_KEYS if k in headers])
+
+
+def _served(message: ext_pb.ProcessingRequest) -> str:
+    lb = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    value = lb.fields.get(SERVED_KEY) if lb is not None else None
+    return value.string_value if value is not None else ""
+
+
+def _status_code(status: int) -> str:
+    """The record's error code for a gRPC status that came without an OpenAI code."""
+    if status == _UNAVAILABLE:
+        return "replica_unavailable"  # as the relay names a replica it cannot reach
+    for code in grpc.StatusCode:
+        if code.value[0] == status:
+            return str(code.name.lower())
+    return "unknown"
+
+
+class _Reader:
+    """The side stream's requests, with at most one read in flight, so that a read can race
+    admission (Envoy closing the stream while the request is queued = client gone)."""
+
+    __slots__ = ("_it", "_pending")
+
+    def __init__(self, requests: AsyncIterator[ext_pb.ProcessingRequest]) -> None:
+        self._it = aiter(requests)
+        self._pending: asyncio.Future[ext_pb.ProcessingRequest | None] | None = None
+
+    async def _read(self) -> ext_pb.ProcessingRequest | None:
+        try:
+            return await anext(self._it)
+        except StopAsyncIteration:
+            return None
+
+    def pending(self) -> asyncio.Future[ext_pb.ProcessingRequest | None]:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._read())
+        return self._pending
+
+    async def next(self) -> ext_pb.ProcessingRequest | None:
+        """The next message; None once Envoy half-closed the stream."""
+        pending, self._pending = self._pending, None
+        return await (pending if pending is not None else self._read())
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
+
+class _ClientGone(Exception):
+    """Envoy closed the side stream while the request waited in the queue."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Exchange:
+    """One HTTP request as the picker sees it (mutable: filled as its messages arrive)."""
+
+    trace: RequestTrace
+    begun: bool = False  # request headers seen (or a refusal): the request gets a record
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    method: _Method | None = None
+    admitting: asyncio.Future[Lease] | None = None
+    lease: Lease | None = None
+    endpoints: tuple[Endpoint, ...] = ()
+    picked: float = 0.0
+    refused: bool = False
+    served: str = ""
+    http_status: int | None = None  # :status of the response headers
+    grpc_status: int | None = None  # from trailers, or the headers of a trailers-only response
+    error_code: str = ""  # x-openai-error-code of the response
+    summary: ResponseSummary | None = None
+    judged: bool = False
+    finished: bool = False
+
+
+class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """`envoy.service.ext_proc.v3.ExternalProcessor` as the router's endpoint picker.
+
+    Shares the relay servicer's `admission` (slots, queues, breakers), route table and
+    `reporter` (usage and records), so both paths count against the same caps.
+    """
+
+    def __init__(
+        self,
+        table: Callable[[], RouteTable],
+        admission: Admission,
+        reporter: Reporter,
+        *,
+        features: FeatureExtractor | None = None,
+        settings: PickerSettings | None = None,
+    ) -> None:
+        self._table = table
+        self._admission = admission
+        self._reporter = reporter
+        self._features = features or FeatureExtractor()
+        self._settings = settings or PickerSettings()
+        self._clock = reporter.clock
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest], context: Context
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """One ext_proc stream = one HTTP request (module docstring); ends when Envoy
+        half-closes, after an immediate response, or when the call is cancelled."""
+        # A placeholder until the request headers arrive (begin() there reads their ids).
+        exchange = _Exchange(RequestTrace("", False, 0.0, 0.0))
+        reader = _Reader(request_iterator)
+        try:
+            while (message := await reader.next()) is not None:
+                served = _served(message)
+                exchange.served = served or exchange.served
+                refused = False
+                try:
+                    async with contextlib.aclosing(
+                        self._respond(exchange, message, reader)
+                    ) as responses:
+                        async for response in responses:
+                            refused = response.HasField("immediate_response")
+                            yield response
+                except _ClientGone:
+                    return
+                if refused:
+                    return  # Envoy ends the request; nothing else comes on this stream
+        finally:
+            reader.close()
+            self._finish(exchange)
+
+    async def _respond(
+        self, exchange: _Exchange, message: ext_pb.ProcessingRequest, reader: _Reader
+    ) -> AsyncGenerator[ext_pb.ProcessingResponse, None]:
+        kind = message.WhichOneof("request")
+        request_phase = kind in ("request_headers", "request_body", "request_trailers")
+        try:
+            if kind == "request_headers":
+                yield self._on_request_headers(exchange, message.request_headers)
+            elif kind == "request_body":
+                async for response in self._on_request_body(exchange, message.request_body, reader):
+                    yield response
+            elif kind == "response_headers":
+                yield self._on_response_headers(exchange, message.response_headers)
+            elif kind == "response_trailers":
+                yield self._on_response_trailers(exchange, message.response_trailers)
+            elif kind == "request_trailers":  # not in the edge's mode; pass through
+                yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+            elif kind == "response_body":
+                yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+            else:
+                raise InvalidArgumentError("an ext_proc message without a request part")
+        except InferplaneError as exc:
+            yield self._refuse(exchange, exc)
+        except (_ClientGone, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("picker_message_failed", kind=kind, request_id=exchange.trace.request_id)
+            if request_phase or kind is None:
+                yield self._refuse(exchange, InternalError("the endpoint picker failed"))
+            elif kind == "response_headers":  # never break a response over our own bug
+                yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+            else:
+                yield ext_pb.ProcessingResponse(response_trailers=ext_pb.TrailersResponse())
+
+    def _refuse(self, exchange: _Exchange, error: InferplaneError) -> ext_pb.ProcessingResponse:
+        if not exchange.begun:  # refused before any request headers (a broken stream)
+            exchange.trace, exchange.begun = self._reporter.begin("", False, {}), True
+        exchange.refused = True
+        exchange.trace.fail(error.code)
+        return immediate_response(error)
+
+    # -- request ------------------------------------------------------------------------------
+
+    def _on_request_headers(
+        self, exchange: _Exchange, message: ext_pb.HttpHeaders
+    ) -> ext_pb.ProcessingResponse:
+        headers = _headers(message.headers)
+        path = headers.get(":path", "").partition("?")[0]
+        trace = self._reporter.begin("", False, headers)
+        exchange.trace, exchange.metadata, exchange.begun = trace, headers, True
+        method = METHODS.get(path)
+        if method is None:
+            raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
+        trace.stream = method.stream
+        exchange.method = method
+        if message.end_of_stream:  # no body message would follow, so no pick
+            raise InvalidArgumentError("the request has no body", code="invalid_body")
+        return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+
+    async def _on_request_body(
+        self, exchange: _Exchange, message: ext_pb.HttpBody, reader: _Reader
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        method = exchange.method
+        if method is None or exchange.endpoints:
+            raise InvalidArgumentError("a request body without request headers")
+        request = decode_body(message.body, method.request_type).request
+        trace, metadata = exchange.trace, exchange.metadata
+        trace.model = request.model
+        route = self._route(request.model, metadata)
+        trace.deployment = route.deployment_key
+        extract: Extract = self._features.chat if method.chat else self._features.completion
+        features = extract(request, metadata)
+        async for keepalive in self._admit(exchange, route, features, reader):
+            yield keepalive
+        lease = exchange.lease
+        assert lease is not None  # _admit either set it or raised
+        trace.replica = lease.endpoint.replica_id or lease.endpoint.address
+        trace.node = lease.endpoint.node
+        fallbacks = self._admission.fallbacks(route, lease, features, self._settings.fallbacks)
+        exchange.endpoints = (lease.endpoint, *fallbacks)
+        exchange.picked = self._clock.monotonic()
+        yield pick_response([e.address for e in exchange.endpoints])
+
+    def _route(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
+        table = self._table()
+        route = resolve(table, model, metadata)
+        self._admission.apply(table)  # no-op unless the table changed under us
+        return route
+
+    async def _admit(
+        self, exchange: _Exchange, route: ModelRoute, features: RequestFeatures, reader: _Reader
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """Takes a slot (sets `exchange.lease`), yielding the message-timer extension when
+        the request has to queue.
+
+        Envoy honours ONE `override_message_timeout` per message (its ProcessorState keeps a
+        `new_timeout_received_` flag, reset per message), so the single extension covers the
+        longest remaining wait plus the margin instead of being re-sent periodically.
+
+        Raises:
+            ResourceExhaustedError / UnavailableError: from `Admission.acquire` (429 / 503).
+            _ClientGone: Envoy closed the stream while the request was queued.
+        """
+        started = self._clock.monotonic()
+        admitting = exchange.admitting = asyncio.ensure_future(
+            self._admission.acquire(route, features)
+        )
+        try:
+            done, _ = await asyncio.wait((admitting,), timeout=self._settings.keepalive_seconds)
+            if not done:
+                waited = self._clock.monotonic() - started
+                remaining = max(0.0, self._admission.queue_timeout_seconds - waited)
+                yield _extend(remaining + self._settings.timeout_margin_seconds)
+                await self._wait_or_gone(admitting, reader)
+            exchange.lease = admitting.result()
+        finally:
+            exchange.trace.queue_seconds += self._clock.monotonic() - started
+
+    @staticmethod
+    async def _wait_or_gone(admitting: asyncio.Future[Lease], reader: _Reader) -> None:
+        incoming = reader.pending()
+        await asyncio.wait((admitting, incoming), return_when=asyncio.FIRST_COMPLETED)
+        if admitting.done():
+            return
+        if incoming.cancelled() or incoming.exception() is not None or incoming.result() is None:
+            raise _ClientGone()
+        # A message before our answer breaks the protocol; keep it for the loop, keep waiting.
+        await admitting
+
+    # -- response -----------------------------------------------------------------------------
+
+    def _on_response_headers(
+        self, exchange: _Exchange, message: ext_pb.HttpHeaders
+    ) -> ext_pb.ProcessingResponse:
+        headers = _headers(message.headers)
+        status = headers.get(":status", "")
+        exchange.http_status = int(status) if status.isdigit() else 0
+        self._note_outcome(exchange, headers)
+        self._judge(exchange)
+        if message.end_of_stream:  # trailers-only (an error): nothing else will come
+            self._finish(exchange)
+        mutation = _summary_removal(headers)
+        return ext_pb.ProcessingResponse(
+            response_headers=ext_pb.HeadersResponse(
+                response=ext_pb.CommonResponse(header_mutation=mutation)
+            )
+        )
+
+    def _on_response_trailers(
+        self, exchange: _Exchange, message: ext_pb.HttpTrailers
+    ) -> ext_pb.ProcessingResponse:
+        trailers = _headers(message.trailers)
+        self._note_outcome(exchange, trailers)
+        self._finish(exchange)
+        return ext_pb.ProcessingResponse(
+            response_trailers=ext_pb.TrailersResponse(header_mutation=_summary_removal(trailers))
+        )
+
+    @staticmethod
+    def _note_outcome(exchange: _Exchange, headers: Mapping[str, str]) -> None:
+        status = headers.get("grpc-status")
+        if status is not None and status.isdigit():
+            exchange.grpc_status = int(status)
+        exchange.error_code = headers.get(OPENAI_ERROR_CODE_KEY, exchange.error_code)
+        if any(k in headers for k in SUMMARY_KEYS):
+            exchange.summary = ResponseSummary.from_metadata(headers)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _judge(self, exchange: _Exchange) -> None:
+        """Feeds the breakers once a response (or Envoy's reply for the upstream) is known.
+
+        Envoy moves down the list only when an endpoint failed before answering (connect
+        failure, refused stream, reset, UNAVAILABLE), so every endpoint before the served one
+        failed. The served one failed too when the answer is UNAVAILABLE, or a 5xx without
+        any gRPC status (Envoy's own reply for an upstream it could not use); any other answer,
+        client errors included, means it is healthy. Without the served endpoint (edge
+        without `-served`) the verdict goes to the primary.
+        """
+        lease = exchange.lease
+        if exchange.judged or lease is None or exchange.http_status is None:
+            return
+        exchange.judged = True
+        failed = exchange.grpc_status == _UNAVAILABLE or (
+            exchange.grpc_status is None and exchange.http_status >= 500
+        )
+        addresses = [e.address for e in exchange.endpoints]
+        served = exchange.served or lease.endpoint.address
+        before = addresses[: addresses.index(served)] if served in addresses else addresses
+        for address in before:
+            self._verdict(exchange, lease, address, ok=False)
+        self._verdict(exchange, lease, served, ok=not failed)
+
+    def _verdict(self, exchange: _Exchange, lease: Lease, address: str, *, ok: bool) -> None:
+        if address != lease.endpoint.address:
+            self._admission.observe(exchange.trace.deployment, address, ok=ok)
+        elif ok:
+            lease.first_chunk()
+        else:
+            lease.failed()
+
+    def _finish(self, exchange: _Exchange) -> None:
+        """Exactly once per stream: release the slot, feed the breakers, classify the
+        outcome into the trace and report it (usage + record)."""
+        if exchange.finished or not exchange.begun:
+            return  # already done, or a stream that never carried a request
+        exchange.finished = True
+        try:
+            self._judge(exchange)
+            self._release(exchange)
+            if not exchange.refused:
+                self._conclude(exchange)
+        finally:
+            self._reporter.finish(exchange.trace, exchange.metadata)
+
+    @staticmethod
+    def _release(exchange: _Exchange) -> None:
+        admitting = exchange.admitting
+        if exchange.lease is None and admitting is not None:
+            if not admitting.done():
+                admitting.cancel()  # Admission.acquire gives back a slot granted meanwhile
+            elif not admitting.cancelled() and admitting.exception() is None:
+                exchange.lease = admitting.result()
+        if exchange.lease is not None:
+            exchange.lease.release()
+
+    @staticmethod
+    def _conclude(exchange: _Exchange) -> None:
+        """How the request ended, from what the response said (nothing = client gone)."""
+        trace = exchange.trace
+        served = next((e for e in exchange.endpoints if e.address == exchange.served), None)
+        if served is not None:
+            trace.replica, trace.node = served.replica_id or served.address, served.node
+        summary = exchange.summary or ResponseSummary()
+        trace.on_summary(summary, exchange.picked)
+        status = exchange.grpc_status
+        if status is None:
+            if exchange.http_status is not None and exchange.http_status >= 400:
+                trace.fail(f"upstream_http_{exchange.http_status}")
+            else:
+                trace.cancel()  # no status at all: the client went away (or a reset)
+        elif status != 0:
+            trace.fail(exchange.error_code or summary.error_code or _status_code(status))
+        elif summary.error_code:
+            trace.fail(summary.error_code)  # an SSE stream that ended with an error event
+
+
+def _extend(seconds: float) -> ext_pb.ProcessingResponse:
+    timeout = duration_pb2.Duration()
+    timeout.FromNanoseconds(int(max(seconds, 0.001) * 1e9))
+    return ext_pb.ProcessingResponse(override_message_timeout=timeout)

@@ -1,0 +1,72 @@
+"""The end of every request the router handled: one usage report and one telemetry record.
+
+Shared by the relay servicer (`servicer.py`) and the endpoint picker (`picker.py`): both open
+a `RequestTrace` when a request arrives and hand it here exactly once when it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from inferplane.api.telemetry.v1 import telemetry_pb2
+from inferplane.router.admission import Clock
+from inferplane.router.records import STATUS_OK, RequestTrace
+from inferplane.router.usage import UsageRecord, UsageSink
+
+log = structlog.get_logger("inferplane.router")
+
+KEY_ID_HEADER = "x-inferplane-key-id"
+REQUEST_ID_HEADER = "x-request-id"
+
+RecordSend = Callable[[telemetry_pb2.RequestRecord], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reporter:
+    """Opens traces and reports finished ones.
+
+    Attributes:
+        usage: where keyed requests' usage goes (auth, or a log line); never blocks.
+        records: telemetry's record sink (`RecordSink.record`), or None for no records.
+        clock: monotonic seconds; times the trace (arrival, end).
+        wall_clock: Unix seconds; stamps the record's start and the usage report's end.
+    """
+
+    usage: UsageSink
+    records: RecordSend | None
+    clock: Clock
+    wall_clock: Callable[[], float] = time.time
+
+    def begin(self, model: str, stream: bool, metadata: Mapping[str, str]) -> RequestTrace:
+        """A trace for a request that arrived now (`metadata`: the edge's headers)."""
+        return RequestTrace.begin(
+            model, stream, metadata, self.clock.monotonic(), self.wall_clock()
+        )
+
+    def finish(self, trace: RequestTrace, metadata: Mapping[str, str]) -> None:
+        """The request ended: one usage report when it carried a key (tokens may be 0: the
+        report also frees the key's concurrency slot in auth) and one telemetry record.
+        Never raises: reporting must not fail a request."""
+        key_id = metadata.get(KEY_ID_HEADER)
+        usage = trace.usage
+        if key_id:
+            self.usage.record(
+                UsageRecord(
+                    key_id=key_id,
+                    request_id=metadata.get(REQUEST_ID_HEADER, ""),
+                    model=trace.model,
+                    prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+                    completion_tokens=usage.completion_tokens if usage is not None else 0,
+                    ok=trace.status == STATUS_OK,
+                    end_time=self.wall_clock(),
+                )
+            )
+        if self.records is not None:
+            try:
+                self.records(trace.to_record(self.clock.monotonic()))
+            except Exception:  # telemetry must never fail a request
+                log.exception("request_record_failed", request_id=trace.request_id)

@@ -1,0 +1,571 @@
+"""The endpoint picker (Envoy ext_proc, data path v2) over real gRPC, driven by a small fake
+Envoy (`ExtProcStream`) the way Envoy 1.40 drives it with the edge's processing mode; admission
+runs on an injected clock and scheduler (no sleeps beyond the picker's keepalive)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.api.telemetry.v1 import telemetry_pb2
+from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.app import build_app
+from inferplane.router.breaker import BreakerState
+from inferplane.router.features import RequestFeatures
+from inferplane.router.picker import EndpointPicker, PickerSettings
+from inferplane.router.policies import default_registry
+from inferplane.router.reporting import Reporter
+from inferplane.router.routes import ModelRoute, RouteTable
+from inferplane.router.settings import RouterSettings
+from inferplane.router.sources import StaticRouteSource
+from inferplane.runtime import ErrorInterceptor, RunningServer
+from inferplane.wire import SUMMARY_KEYS, ResponseSummary
+
+from .fakes import (
+    ExtProcStream,
+    FakeClock,
+    FakeScheduler,
+    RecordingUsage,
+    endpoints,
+    grpc_frame,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+STREAM_EVENTS = "/inferplane.inference.v1.InferenceService/StreamChatCompletionEvents"
+CREATE_CHAT = "/inferplane.inference.v1.InferenceService/CreateChatCompletion"
+KEYED = {"x-inferplane-key-id": "k1", "x-request-id": "req-1", "x-inferplane-tenant": "t1"}
+GRPC_OK = {":status": "200", "content-type": "application/grpc"}
+
+
+def _chat_body(model: str = "m", path: str = STREAM_EVENTS) -> bytes:
+    request = pb.ChatCompletionRequest(model=model, messages=[pb.ChatMessage(role="user")])
+    if path == CREATE_CHAT:
+        return grpc_frame(pb.CreateChatCompletionRequest(request=request))
+    return grpc_frame(pb.StreamChatCompletionEventsRequest(request=request))
+
+
+def _endpoint_list(response: ext_pb.ProcessingResponse) -> list[str]:
+    lb = response.dynamic_metadata.fields["envoy.lb"].struct_value
+    return lb.fields["x-gateway-destination-endpoint"].string_value.split(",")
+
+
+def _set_headers(mutation: ext_pb.HeaderMutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+@dataclasses.dataclass
+class Rig:
+    """A picker served over loopback gRPC, with what it reported."""
+
+    stub: ext_grpc.ExternalProcessorStub
+    admission: Admission
+    clock: FakeClock
+    scheduler: FakeScheduler
+    usage: RecordingUsage
+    records: list[telemetry_pb2.RequestRecord]
+    route: ModelRoute
+
+    def stream(self) -> ExtProcStream:
+        return ExtProcStream(self.stub)
+
+    def breaker(self, index: int) -> BreakerState:
+        replicas = self.admission.replicas("d")
+        assert replicas is not None
+        return replicas.states[index].breaker.peek(self.clock.now)
+
+    def in_flight(self) -> int:
+        replicas = self.admission.replicas("d")
+        assert replicas is not None
+        return replicas.total_in_flight
+
+    async def hold(self, index: int) -> Lease:
+        """Takes a slot on replica `index` directly (load from other requests)."""
+        others = [e.key for i, e in enumerate(self.route.endpoints) if i != index]
+        return await self.admission.acquire(self.route, RequestFeatures(), exclude=others)
+
+
+@contextlib.asynccontextmanager
+async def picker_rig(
+    n: int = 3,
+    *,
+    policy: str = "least_load",
+    cap: int = 0,
+    admission: AdmissionSettings | None = None,
+    picker: PickerSettings | None = None,
+) -> AsyncIterator[Rig]:
+    route = ModelRoute("m", endpoints(n, cap), deployment="d", routing_policy=policy)
+    table = RouteTable.of([route, dataclasses.replace(route, model="m-alias")])
+    clock = FakeClock()
+    scheduler = FakeScheduler(clock)
+    control = Admission(default_registry(), admission or AdmissionSettings(), clock, scheduler)
+    control.apply(table)
+    usage = RecordingUsage()
+    records: list[telemetry_pb2.RequestRecord] = []
+    servicer = EndpointPicker(
+        lambda: table,
+        control,
+        Reporter(usage, records.append, clock, wall_clock=lambda: 1.7e9),
+        settings=picker or PickerSettings(keepalive_seconds=0.01),
+    )
+    server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
+    ext_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ext_grpc.ExternalProcessorStub(channel)
+            yield Rig(stub, control, clock, scheduler, usage, records, route)
+    finally:
+        await server.stop(0)
+
+
+async def _until(condition: object, what: str) -> None:
+    for _ in range(500):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _pick(rig: Rig, metadata: Mapping[str, str] | None = None) -> ExtProcStream:
+    stream = rig.stream()
+    assert (await stream.headers(STREAM_EVENTS, metadata)).HasField("request_headers")
+    return stream
+
+
+def test_pick_is_the_least_loaded_replica_then_fallbacks_with_max_retries() -> None:
+    """The primary is the least-loaded replica; the fallbacks follow in load order, and
+    x-envoy-max-retries caps Envoy's retries at the list (no retry to a random host)."""
+
+    async def scenario() -> None:
+        async with picker_rig(3) as rig:
+            busy = [await rig.hold(0), await rig.hold(0), await rig.hold(1)]
+            stream = await _pick(rig)
+            answer = await stream.body(_chat_body())
+            assert answer.HasField("request_body")
+            assert _endpoint_list(answer) == ["10.0.0.2:50054", "10.0.0.1:50054", "10.0.0.0:50054"]
+            mutation = answer.request_body.response.header_mutation
+            assert _set_headers(mutation) == {"x-envoy-max-retries": "2"}
+            assert rig.in_flight() == 4  # the pick holds a slot on its primary
+            await stream.close()
+            for lease in busy:
+                lease.release()
+
+    asyncio.run(scenario())
+
+
+def test_fallbacks_setting_bounds_the_list() -> None:
+    """With `fallbacks=0` the list is the primary alone and Envoy may not retry at all."""
+
+    async def scenario() -> None:
+        async with picker_rig(3, picker=PickerSettings(fallbacks=0)) as rig:
+            stream = await _pick(rig)
+            answer = await stream.body(_chat_body())
+            assert len(_endpoint_list(answer)) == 1
+            mutation = answer.request_body.response.header_mutation
+            assert _set_headers(mutation) == {"x-envoy-max-retries": "0"}
+            await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_session_affinity_keeps_a_session_on_one_primary_through_the_picker() -> None:
+    """Requests of one session get the same primary, and the primary is never repeated among
+    its own fallbacks; an alias shares the deployment's replicas."""
+
+    async def scenario() -> None:
+        async with picker_rig(4, policy="session_affinity") as rig:
+            lists = []
+            for model in ("m", "m", "m-alias"):
+                stream = await _pick(rig, {"x-session-id": "conversation-9"})
+                lists.append(_endpoint_list(await stream.body(_chat_body(model))))
+                await stream.response_headers(GRPC_OK)
+                await stream.response_trailers({"grpc-status": "0"})
+                await stream.close()
+            assert len({tuple(x) for x in lists}) == 1
+            assert len(set(lists[0])) == 3
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def _error_json(response: ext_pb.ProcessingResponse) -> dict[str, object]:
+    body = json.loads(response.immediate_response.body)
+    error: dict[str, object] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_a_key_restricted_to_other_models_gets_a_shaped_403() -> None:
+    """A key whose allow-list lacks the model is refused by Envoy with HTTP 403, gRPC
+    PERMISSION_DENIED, OpenAI's error body and headers; the refusal is reported once."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = await _pick(rig, {**KEYED, "x-inferplane-allowed-models": "other, more"})
+            answer = await stream.body(_chat_body())
+            refusal = answer.immediate_response
+            assert refusal.status.code == 403
+            assert refusal.grpc_status.status == grpc.StatusCode.PERMISSION_DENIED.value[0]
+            assert refusal.details == "picker_model_not_allowed"
+            headers = _set_headers(refusal.headers)
+            assert headers["content-type"] == "application/json"
+            assert headers["x-openai-error-code"] == "model_not_allowed"
+            assert headers["x-openai-error-param"] == "model"
+            assert headers["x-openai-error-type"] == "invalid_request_error"
+            error = _error_json(answer)
+            assert error["code"] == "model_not_allowed" and error["param"] == "model"
+            assert await stream.call.read() is grpc.aio.EOF  # the picker ends the stream
+            assert [(r.key_id, r.ok) for r in rig.usage.reports] == [("k1", False)]
+            assert [(r.error_code, r.finish_reason) for r in rig.records] == [
+                ("model_not_allowed", "error")
+            ]
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def test_an_unknown_model_gets_a_shaped_404() -> None:
+    """A model no route serves is HTTP 404 / NOT_FOUND with code model_not_found."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = await _pick(rig)
+            answer = await stream.body(_chat_body("nope"))
+            assert answer.immediate_response.status.code == 404
+            assert answer.immediate_response.grpc_status.status == 5
+            assert _error_json(answer)["code"] == "model_not_found"
+
+    asyncio.run(scenario())
+
+
+def test_queue_timeout_is_a_429_with_retry_after() -> None:
+    """With every replica at its cap the request queues; past the queue timeout Envoy answers
+    HTTP 429 with retry-after, never a 5xx, and no slot stays taken."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(queue_timeout_seconds=5, retry_after_seconds=3)
+        async with picker_rig(1, cap=1, admission=settings) as rig:
+            held = await rig.hold(0)
+            stream = await _pick(rig)
+            answer = asyncio.ensure_future(stream.body(_chat_body()))
+            await _until(lambda: rig.admission.queue_length("d") == 1, "the request to queue")
+            rig.scheduler.advance(5.0)
+            refusal = (await answer).immediate_response
+            assert refusal.status.code == 429
+            assert refusal.grpc_status.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            headers = _set_headers(refusal.headers)
+            assert headers["retry-after"] == "3"
+            assert headers["x-openai-error-code"] == "model_overloaded"
+            assert _error_json(await answer)["type"] == "rate_limit_error"
+            held.release()
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_request_extends_envoys_message_timer_then_gets_the_freed_slot() -> None:
+    """A request waiting in the queue longer than the keepalive sends one
+    override_message_timeout covering the rest of the queue wait plus the margin (Envoy
+    honours one per message), so Envoy's 1 s message timeout never fires while it queues."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(queue_timeout_seconds=5)
+        picker = PickerSettings(keepalive_seconds=0.01, timeout_margin_seconds=1.0)
+        async with picker_rig(1, cap=1, admission=settings, picker=picker) as rig:
+            first = await _pick(rig)
+            await first.body(_chat_body())
+            second = await _pick(rig)
+            answer = asyncio.ensure_future(second.body(_chat_body()))
+            await _until(lambda: second.overrides, "the timer extension")
+            assert second.overrides == [pytest.approx(6.0)]
+            await first.response_headers(GRPC_OK)
+            await first.response_trailers({"grpc-status": "0"})  # frees the only slot
+            assert _endpoint_list(await answer) == ["10.0.0.0:50054"]
+            await first.close()
+            await second.close()
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> None:
+    """The replica's ResponseSummary trailers become the usage report (tokens) and the
+    telemetry record (tokens, TTFT, finish reason, replica), and never reach the client."""
+
+    async def scenario() -> None:
+        async with picker_rig(2) as rig:
+            stream = await _pick(rig, KEYED)
+            answer = await stream.body(_chat_body())
+            primary = _endpoint_list(answer)[0]
+            headers = await stream.response_headers(GRPC_OK, served=primary)
+            assert not headers.response_headers.response.header_mutation.remove_headers
+            summary = ResponseSummary(
+                replica_id="replica-a",
+                prompt_tokens=11,
+                completion_tokens=5,
+                cached_tokens=3,
+                reasoning_tokens=2,
+                finish_reason="stop",
+                ttft_seconds=0.25,
+            )
+            trailers = {"grpc-status": "0", "x-other": "kept", **dict(summary.to_metadata())}
+            rig.clock.now += 1.0  # the stream took a second
+            answer = await stream.response_trailers(trailers, served=primary)
+            removed = answer.response_trailers.header_mutation.remove_headers
+            assert set(removed) == {k for k, _ in summary.to_metadata()}
+            assert set(removed) <= set(SUMMARY_KEYS) and "x-other" not in removed
+            assert rig.in_flight() == 0  # released on the trailers, before the stream closes
+            await stream.close()
+            assert [(r.key_id, r.request_id, r.prompt_tokens, r.completion_tokens, r.ok)
+                    for r in rig.usage.reports] == [("k1", "req-1", 11, 5, True)]  # fmt: skip
+            (record,) = rig.records
+            assert (record.prompt_tokens, record.completion_tokens) == (11, 5)
+            assert (record.cached_tokens, record.reasoning_tokens) == (3, 2)
+            assert record.time_to_first_token_seconds == pytest.approx(0.25)
+            assert record.e2e_latency_seconds == pytest.approx(1.0)
+            assert record.finish_reason == "stop" and record.error_code == ""
+            assert record.replica == "replica-a" and record.deployment == "d"
+            assert record.stream and record.tenant == "t1" and record.model == "m"
+
+    asyncio.run(scenario())
+
+
+def test_a_trailers_only_error_is_read_from_the_response_headers() -> None:
+    """A trailers-only error response (no trailers message follows) is recorded from its
+    headers: grpc-status and the OpenAI code; its summary keys are removed; the slot is free."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = await _pick(rig, KEYED)
+            primary = _endpoint_list(await stream.body(_chat_body()))[0]
+            headers = {
+                **GRPC_OK,
+                "grpc-status": "3",
+                "grpc-message": "bad tool_choice",
+                "x-openai-error-code": "invalid_tool_choice",
+                "x-inferplane-replica": "replica-a",
+                "x-inferplane-error-code": "invalid_tool_choice",
+            }
+            answer = await stream.response_headers(headers, served=primary, end_of_stream=True)
+            removed = answer.response_headers.response.header_mutation.remove_headers
+            assert set(removed) == {"x-inferplane-replica", "x-inferplane-error-code"}
+            assert rig.in_flight() == 0
+            await stream.close()
+            (record,) = rig.records
+            assert (record.error_code, record.finish_reason) == ("invalid_tool_choice", "error")
+            assert [r.ok for r in rig.usage.reports] == [False]
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_closed_without_trailers_releases_the_slot_and_records_an_abort() -> None:
+    """Envoy half-closing without a trailers message (client gone, reset) still frees the
+    slot and sends one record, finish_reason "abort" with no error code."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = await _pick(rig, KEYED)
+            primary = _endpoint_list(await stream.body(_chat_body()))[0]
+            await stream.response_headers(GRPC_OK, served=primary)
+            assert rig.in_flight() == 1
+            await stream.close()
+            await _until(lambda: rig.records, "the record")
+            assert rig.in_flight() == 0
+            (record,) = rig.records
+            assert (record.finish_reason, record.error_code) == ("abort", "")
+            assert [r.ok for r in rig.usage.reports] == [False]
+
+    asyncio.run(scenario())
+
+
+def test_a_client_gone_while_queued_takes_no_slot() -> None:
+    """Envoy closing the stream while the request waits in the queue removes it from the
+    queue: the slot freed later goes to nobody, and the request is recorded as an abort."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, cap=1) as rig:
+            held = await rig.hold(0)
+            stream = await _pick(rig)
+            await stream.call.write(
+                ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=_chat_body()))
+            )
+            await _until(lambda: rig.admission.queue_length("d") == 1, "the request to queue")
+            await stream.call.done_writing()
+            await _until(lambda: rig.records, "the record")
+            held.release()
+            assert rig.in_flight() == 0
+            assert rig.records[0].finish_reason == "abort"
+
+    asyncio.run(scenario())
+
+
+def test_served_by_a_fallback_counts_a_failure_for_the_primary() -> None:
+    """When Envoy reports a fallback as the served endpoint, the primary failed before
+    answering: its breaker counts a failure (here: opens), the fallback's a success."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(breaker_failures=1)
+        async with picker_rig(2, admission=settings) as rig:
+            stream = await _pick(rig)
+            primary, fallback = _endpoint_list(await stream.body(_chat_body()))
+            await stream.response_headers(GRPC_OK, served=fallback)
+            await stream.response_trailers({"grpc-status": "0"}, served=fallback)
+            await stream.close()
+            index = {e.address: i for i, e in enumerate(rig.route.endpoints)}
+            assert rig.breaker(index[primary]) is BreakerState.OPEN
+            assert rig.breaker(index[fallback]) is BreakerState.CLOSED
+            assert rig.records[0].replica == rig.route.endpoints[index[fallback]].replica_id
+            stream = await _pick(rig)  # the open breaker keeps the primary out of the list
+            assert _endpoint_list(await stream.body(_chat_body())) == [fallback]
+            await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_unavailable_without_a_served_endpoint_is_the_primarys_failure() -> None:
+    """An UNAVAILABLE answer with no served endpoint reported counts against the primary."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(breaker_failures=1)
+        async with picker_rig(2, admission=settings) as rig:
+            stream = await _pick(rig)
+            primary = _endpoint_list(await stream.body(_chat_body()))[0]
+            headers = {**GRPC_OK, "grpc-status": "14", "grpc-message": "upstream connect error"}
+            await stream.response_headers(headers, end_of_stream=True)
+            await stream.close()
+            index = {e.address: i for i, e in enumerate(rig.route.endpoints)}
+            assert rig.breaker(index[primary]) is BreakerState.OPEN
+            assert rig.records[0].error_code == "replica_unavailable"
+
+    asyncio.run(scenario())
+
+
+def test_client_errors_never_open_a_breaker() -> None:
+    """A replica answering INVALID_ARGUMENT (the client's fault) is healthy: however many such
+    answers, its breaker stays closed and it keeps getting requests."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(breaker_failures=1)
+        async with picker_rig(1, admission=settings) as rig:
+            for _ in range(3):
+                stream = await _pick(rig)
+                primary = _endpoint_list(await stream.body(_chat_body()))[0]
+                headers = {**GRPC_OK, "grpc-status": "3", "x-openai-error-code": "bad"}
+                await stream.response_headers(headers, served=primary, end_of_stream=True)
+                await stream.close()
+            assert rig.breaker(0) is BreakerState.CLOSED
+            assert [r.error_code for r in rig.records] == ["bad"] * 3
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\x00\x00\x00",
+        b"\x00\x00\x00\x00\x09abc",
+        b"\x01\x00\x00\x00\x00",
+        b"\x00\x00\x00\x00\x02\xff\xff",
+    ],
+    ids=["empty", "truncated", "short", "compressed", "garbage"],
+)
+def test_a_malformed_body_gets_a_shaped_400(body: bytes) -> None:
+    """A body that is not one uncompressed request message is HTTP 400 / INVALID_ARGUMENT in
+    OpenAI's shape, never an exception out of the picker, and takes no slot."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = await _pick(rig)
+            answer = await stream.body(body)
+            assert answer.immediate_response.status.code == 400
+            assert answer.immediate_response.grpc_status.status == 3
+            assert _error_json(answer)["code"] == "invalid_body"
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def test_an_unknown_path_or_a_request_without_body_is_refused_at_the_headers() -> None:
+    """A path that is no generation method is a shaped 404 at once; a request without a body
+    (nothing to pick on) a shaped 400, instead of the edge's generic 503."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            answer = await rig.stream().headers("/inferplane.inference.v1.InferenceService/Nope")
+            assert answer.immediate_response.status.code == 404
+            assert _error_json(answer)["code"] == "unknown_url"
+            answer = await rig.stream().headers(CREATE_CHAT, end_of_stream=True)
+            assert answer.immediate_response.status.code == 400
+
+    asyncio.run(scenario())
+
+
+def test_the_router_app_serves_the_picker_beside_list_models() -> None:
+    """The composition root binds the ext_proc picker and the InferenceService on one port;
+    ListModels keeps answering (the edge disables ext_proc on GET /v1/models)."""
+
+    async def scenario() -> None:
+        route = ModelRoute("m", endpoints(2), deployment="d")
+        settings = RouterSettings(host="127.0.0.1", port=0, picker_fallbacks=1)
+        usage = RecordingUsage()
+        app = build_app(settings, source=StaticRouteSource(RouteTable.of([route])), usage=usage)
+        server = RunningServer(app, settings)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                models = await inference_pb2_grpc.InferenceServiceStub(channel).ListModels(
+                    pb.ListModelsRequest()
+                )
+                assert [m.id for m in models.data] == ["m"]
+                stream = ExtProcStream(ext_grpc.ExternalProcessorStub(channel))
+                await stream.headers(CREATE_CHAT, KEYED)
+                answer = await stream.body(_chat_body(path=CREATE_CHAT))
+                assert len(_endpoint_list(answer)) == 2
+                await stream.response_headers(GRPC_OK)
+                await stream.response_trailers({"grpc-status": "0"})
+                await stream.close()
+                assert [r.ok for r in usage.reports] == [True]
+        finally:
+            await server.server.stop(0)
+            await app.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("when", ["queued", "picked"])
+def test_a_cancelled_side_stream_releases_everything(when: str) -> None:
+    """Envoy resetting the ext_proc call (instead of half-closing it) ends the request the
+    same way: no slot left taken, one record saying abort."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, cap=1) as rig:
+            held = await rig.hold(0) if when == "queued" else None
+            stream = await _pick(rig)
+            await stream.call.write(
+                ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=_chat_body()))
+            )
+            if held is not None:
+                await _until(lambda: rig.admission.queue_length("d") == 1, "the request to queue")
+            else:
+                assert (await stream.call.read()).HasField("request_body")
+            stream.call.cancel()
+            await _until(lambda: rig.records, "the record")
+            if held is not None:
+                held.release()
+            assert rig.in_flight() == 0
+            assert [r.finish_reason for r in rig.records] == ["abort"]
+
+    asyncio.run(scenario())

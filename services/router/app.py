@@ -16,9 +16,8 @@ from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
 from inferplane.router.picker import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
-from inferplane.router.retry import RetryBudget
 from inferplane.router.routes import RouteTable, load_routes_file
-from inferplane.router.servicer import InferenceService, UpstreamPool
+from inferplane.router.servicer import ModelsService
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
@@ -57,9 +56,8 @@ def build_app(
     registry: CollectorRegistry | None = None,
     wall_clock: Callable[[], float] = time.time,
 ) -> App:
-    """Wires the router: route source → admission (policies, caps, queues) → the relay
-    servicer (`InferenceService`) and the endpoint picker (Envoy's ext_proc
-    `ExternalProcessor`, data path v2) sharing that admission, plus
+    """Wires the router: route source → admission (policies, caps, queues) → the endpoint
+    picker (Envoy's ext_proc `ExternalProcessor`) and `ListModels` (`InferenceService`), plus
     the usage sink to auth (`auth_address`) and the record sink to telemetry
     (`telemetry_address`), both started with the app and flushed on stop.
 
@@ -89,7 +87,6 @@ def build_app(
     registry.register(AdmissionCollector(admission, clock.monotonic))
     source = source or route_source(settings)
     source.subscribe(admission.apply)  # a table that cannot be applied is never current
-    upstream = UpstreamPool(grpc_options(settings))
     auth_sink: AuthUsageSink | None = None
     if usage is None and settings.auth_address:
         usage = auth_sink = AuthUsageSink(
@@ -113,20 +110,6 @@ def build_app(
     usage = usage or LoggingUsageSink()
     records = record_sink.record if record_sink is not None else None
     features = FeatureExtractor(settings.prefix_block_bytes, settings.prefix_max_blocks)
-    servicer = InferenceService(
-        source.current,
-        upstream,
-        admission=admission,
-        features=features,
-        budget=RetryBudget(settings.retry_budget_ratio),
-        usage=usage,
-        max_attempts=settings.max_attempts,
-        request_timeout_seconds=settings.request_timeout_seconds,
-        records=records,
-        metrics=metrics,
-        clock=clock,
-        wall_clock=wall_clock,
-    )
     picker = EndpointPicker(
         source.current,
         admission,
@@ -137,6 +120,7 @@ def build_app(
             keepalive_seconds=settings.picker_keepalive_seconds,
             timeout_margin_seconds=settings.picker_timeout_margin_seconds,
         ),
+        metrics=metrics,
     )
 
     async def start() -> None:
@@ -148,7 +132,6 @@ def build_app(
 
     async def stop() -> None:
         await source.stop()
-        await upstream.close()
         # After the server stopped: every request has ended and handed over its report.
         if auth_sink is not None:
             await auth_sink.close()
@@ -161,7 +144,7 @@ def build_app(
         servicers=[
             ServicerBinding(
                 "inferplane.inference.v1.InferenceService",
-                servicer,
+                ModelsService(source.current, wall_clock),
                 inference_pb2_grpc.add_InferenceServiceServicer_to_server,
             ),
             ServicerBinding(

@@ -1,16 +1,16 @@
 """The router's own Prometheus metrics (base units; labels bounded by the fleet's size).
 
 Request latency, status and token metrics are telemetry's (from the router's records); here
-is what only the router knows: its queues, breakers, slots and retries.
+is what only the router knows: its queues, breakers, slots and fallbacks.
 
 - `inferplane_router_queued_requests{deployment}` (gauge): requests waiting for a slot;
 - `inferplane_router_in_flight_requests{deployment,replica}` (gauge): slots taken;
 - `inferplane_router_circuit_breaker_state{deployment,replica,state}` (gauge, a state set:
   1 for the replica's current state among closed, open, half_open, else 0);
-- `inferplane_router_retries_total` (counter): attempts sent to another replica after a
-  replica failed before its first chunk;
-- `inferplane_router_retries_refused_total{reason}` (counter): failures not retried because
-  the retry budget was spent (`budget`) or the attempts were used up (`attempts`).
+- `inferplane_router_fallbacks_served_total` (counter): requests a fallback of the pick
+  served because the endpoints before it failed before their first byte (Envoy retried down
+  the list; Envoy's own `cluster.inferplane_replicas.upstream_rq_retry*` stats count the
+  attempts and what its retry budget refused).
 
 Gauges are read from `Admission` at scrape time (no work on the request path); the scrape
 runs on the metrics thread and only reads.
@@ -31,23 +31,15 @@ BREAKER_STATES = tuple(s.value for s in BreakerState)
 
 
 class RouterMetrics:
-    """Counters the servicer increments, and the admission collector, in one registry."""
+    """Counters the endpoint picker increments (the admission collector is separate)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.retries = Counter(
-            "inferplane_router_retries",
-            "Attempts sent to another replica after one failed before its first chunk.",
+        self.fallbacks_served = Counter(
+            "inferplane_router_fallbacks_served",
+            "Requests a fallback endpoint of the pick served, because the endpoints before it "
+            "failed before their first byte.",
             registry=registry,
         )
-        self.retries_refused = Counter(
-            "inferplane_router_retries_refused",
-            "Replica failures before the first chunk that were not retried: the retry budget "
-            "was spent (budget) or the request used all its attempts (attempts).",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in ("budget", "attempts"):
-            self.retries_refused.labels(reason)
 
 
 class AdmissionCollector(Collector):

@@ -1,6 +1,6 @@
 """The router as Envoy's endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor`.
 
-Data path v2 (issue 16, DESIGN.md): Envoy relays every token; the router decides once per
+Data path (docs/architecture.md): Envoy relays every token; the router decides once per
 request where it goes, following the Gateway API Inference Extension's endpoint-picker
 protocol, and learns from the response trailers how it ended. One ext_proc stream is one HTTP
 request; with the edge's processing mode (request headers SEND, request body BUFFERED,
@@ -9,17 +9,17 @@ response headers SEND, response trailers SEND, everything else SKIP/NONE) it car
 1. `request_headers` (`:path` is the transcoded gRPC path; ext_authz's `x-inferplane-*`
    headers) → an empty `HeadersResponse`, or an immediate 404 for a path that is no
    generation method (or 400 when the request has no body).
-2. `request_body` (the whole gRPC-framed request) → the same decision as the relay servicer
-   (route and aliases, the key's allow-list, features, admission with its queue, policy,
-   breakers), answered as `dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]
+2. `request_body` (the whole gRPC-framed request) → the routing decision (route and
+   aliases, the key's allow-list, features, admission with its queue, policy, breakers),
+   answered as `dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]
    = "primary,fallback,..."` plus `x-envoy-max-retries: len(list)-1` (Envoy's retries walk
-   down the list and never beyond it: ../shared/notes/envoy_ext_proc_probe.md (ii)), or as
-   an `ImmediateResponse` in OpenAI's error shape (`immediate_response`). While the request
-   waits in the admission queue, one `override_message_timeout` keeps Envoy from timing the
-   message out.
+   down the list and never beyond it, as measured on Envoy 1.40), or as an `ImmediateResponse`
+   in OpenAI's error shape (`immediate_response`). While the request waits in the admission
+   queue, one `override_message_timeout` keeps Envoy from timing the message out.
 3. `response_headers` and `response_trailers` → the `ResponseSummary` keys removed (no client
-   sees internal topology); their `grpc-status`, OpenAI error code and summary, plus the
-   served endpoint from `metadata_context.filter_metadata["envoy.lb"]`, are recorded.
+   sees internal topology); their `grpc-status`, OpenAI error code and summary are recorded.
+   The endpoint that served is the one the summary's replica id names (or Envoy's `-served`
+   metadata, when a gateway writes it).
 4. The stream's end (or the trailers, or a trailers-only response) → exactly once: the slot
    released, breakers fed, one usage report (keyed requests), one telemetry record.
 
@@ -47,6 +47,7 @@ from google.protobuf.message import DecodeError, Message
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.router.admission import Admission, Lease
 from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.metrics import RouterMetrics
 from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
@@ -224,7 +225,7 @@ def _served(message: ext_pb.ProcessingRequest) -> str:
 def _status_code(status: int) -> str:
     """The record's error code for a gRPC status that came without an OpenAI code."""
     if status == _UNAVAILABLE:
-        return "replica_unavailable"  # as the relay names a replica it cannot reach
+        return "replica_unavailable"  # no replica of the list could be reached
     for code in grpc.StatusCode:
         if code.value[0] == status:
             return str(code.name.lower())
@@ -291,8 +292,8 @@ class _Exchange:
 class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """`envoy.service.ext_proc.v3.ExternalProcessor` as the router's endpoint picker.
 
-    Shares the relay servicer's `admission` (slots, queues, breakers), route table and
-    `reporter` (usage and records), so both paths count against the same caps.
+    `admission` holds the slots, queues and breakers; `reporter` hands over one usage report
+    and one record per request; `metrics` (optional) counts requests a fallback served.
     """
 
     def __init__(
@@ -303,8 +304,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         *,
         features: FeatureExtractor | None = None,
         settings: PickerSettings | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._table = table
+        self._metrics = metrics
         self._admission = admission
         self._reporter = reporter
         self._features = features or FeatureExtractor()
@@ -526,8 +529,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             exchange.grpc_status is None and exchange.http_status >= 500
         )
         addresses = [e.address for e in exchange.endpoints]
-        served = exchange.served or lease.endpoint.address
+        served = _served_address(exchange) or lease.endpoint.address
         before = addresses[: addresses.index(served)] if served in addresses else addresses
+        if before and self._metrics is not None:
+            self._metrics.fallbacks_served.inc()
         for address in before:
             self._verdict(exchange, lease, address, ok=False)
         self._verdict(exchange, lease, served, ok=not failed)
@@ -569,7 +574,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _conclude(exchange: _Exchange) -> None:
         """How the request ended, from what the response said (nothing = client gone)."""
         trace = exchange.trace
-        served = next((e for e in exchange.endpoints if e.address == exchange.served), None)
+        address = _served_address(exchange)
+        served = next((e for e in exchange.endpoints if e.address == address), None)
         if served is not None:
             trace.replica, trace.node = served.replica_id or served.address, served.node
         summary = exchange.summary or ResponseSummary()
@@ -584,6 +590,20 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             trace.fail(exchange.error_code or summary.error_code or _status_code(status))
         elif summary.error_code:
             trace.fail(summary.error_code)  # an SSE stream that ended with an error event
+
+
+def _served_address(exchange: _Exchange) -> str:
+    """The address of the endpoint that answered: Envoy's `-served` metadata when the edge
+    writes it, else the endpoint whose replica id the replica's summary names (the edge's
+    override_host cannot write it back, see inferplane.edge), else "" (unknown)."""
+    if exchange.served:
+        return exchange.served
+    replica_id = exchange.summary.replica_id if exchange.summary is not None else ""
+    if replica_id:
+        for endpoint in exchange.endpoints:
+            if endpoint.replica_id == replica_id:
+                return endpoint.address
+    return ""
 
 
 def _extend(seconds: float) -> ext_pb.ProcessingResponse:

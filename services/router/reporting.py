@@ -1,7 +1,7 @@
 """The end of every request the router handled: one usage report and one telemetry record.
 
-Shared by the relay servicer (`servicer.py`) and the endpoint picker (`picker.py`): both open
-a `RequestTrace` when a request arrives and hand it here exactly once when it ends.
+The endpoint picker (`picker.py`) opens a `RequestTrace` when a request arrives and hands it
+here exactly once when it ends.
 """
 
 from __future__ import annotations

@@ -23,9 +23,6 @@ class RouterSettings(ServiceSettings):
               - {address: 127.0.0.1:50054, replica_id: kimi-tiny-0, max_concurrency: 8}
 
     Attributes:
-        max_attempts: attempts per request (first + retries on other replicas), before the
-            first chunk only.
-        request_timeout_seconds: bound on one request's life when the caller sets no deadline.
         default_policy: routing policy of routes that name none (round_robin, least_load,
             prefix_affinity, session_affinity).
         load_factor: c of consistent hashing with bounded loads (> 1; 1.25 is the paper's
@@ -34,7 +31,6 @@ class RouterSettings(ServiceSettings):
         queue_timeout_seconds: longest wait for a slot before 429.
         max_queue_per_deployment: waiting requests per deployment before immediate 429s.
         retry_after_seconds: the Retry-After of an overload 429.
-        retry_budget_ratio: retries allowed as a fraction of requests (plus a reserve of 10).
         breaker_failures / breaker_open_seconds: consecutive failures that open a replica's
             circuit breaker, and how long it stays open before one probe.
         prefix_block_bytes / prefix_max_blocks: prefix-affinity hashing granularity (bytes of
@@ -63,15 +59,12 @@ class RouterSettings(ServiceSettings):
     port: int = 50052
     routes_file: str = ""
     orchestrator_address: str = ""
-    max_attempts: int = 3
-    request_timeout_seconds: float = 600.0
     default_policy: str = "least_load"
     load_factor: float = 1.25
     default_max_concurrency: int = 64
     queue_timeout_seconds: float = 5.0
     max_queue_per_deployment: int = 1024
     retry_after_seconds: float = 1.0
-    retry_budget_ratio: float = 0.2
     breaker_failures: int = 5
     breaker_open_seconds: float = 5.0
     prefix_block_bytes: int = 256

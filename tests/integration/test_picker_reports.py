@@ -47,7 +47,7 @@ from inferplane.telemetry.app import build_components as build_telemetry
 from inferplane.telemetry.settings import TelemetrySettings
 from inferplane.telemetry.store import Query, Sample
 from inferplane.testing.clock import FakeClock
-from inferplane.wire import SSE_DONE, ResponseSummary, sse_error, sse_event
+from inferplane.wire import REPLICA_KEY, SSE_DONE, ResponseSummary, sse_error, sse_event
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "kimi-tiny"
@@ -71,6 +71,7 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
         summary = ResponseSummary(
             replica_id=self.replica_id, prompt_tokens=PROMPT_TOKENS, ttft_seconds=0.004
         )
+        await context.send_initial_metadata(((REPLICA_KEY, self.replica_id),))
         await asyncio.sleep(0.004)  # "prefill"
         yield httpbody_pb2.HttpBody(content_type="text/event-stream", data=_chunk("", role=True))
         try:

@@ -14,10 +14,10 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import httpx
@@ -36,9 +36,9 @@ from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.xds.cache import InconsistentSnapshotError, Snapshot
 from inferplane.runtime import RunningServer
 from inferplane.runtime.ports import free_port
+from inferplane.testing.loop import LoopThread
 from inferplane.testing.picker import FakePicker
 
-T = TypeVar("T")
 pytestmark = pytest.mark.timeout(120)
 CHUNKS = 12
 GAP_S = 0.25
@@ -74,21 +74,6 @@ def serve(add: Any, servicer: Any) -> tuple[grpc.Server, int]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 20.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 def stream(url: str, model: str) -> tuple[list[str], bool]:
@@ -151,7 +136,7 @@ def test_replica_set_follows_the_table_while_a_stream_is_in_flight(tmp_path: Pat
         await running.start()
         return running
 
-    server = loop.run(start())
+    server = loop.run(start(), timeout=20)
     envoy = None
     try:
         envoy = EnvoyProcess(
@@ -184,7 +169,7 @@ def test_replica_set_follows_the_table_while_a_stream_is_in_flight(tmp_path: Pat
     finally:
         if envoy is not None:
             envoy.stop()
-        loop.run(server.stop())
+        loop.run(server.stop(), timeout=20)
         loop.run(asyncio.sleep(0))
         loop.close()
         for s in (s1, s2, auth, router):

@@ -7,6 +7,10 @@ Envoy hands those trailers to the picker over ext_proc (`response_trailers`), wh
 the admission slot, feeds the replica's breaker, reports usage to auth and sends the request
 record to telemetry, then removes them so no client sees internal topology.
 
+A replica also sends `REPLICA_KEY` in its initial metadata (the response headers), so the
+picker knows which endpoint of its list answered as soon as the response starts: Envoy's
+override_host cannot report it back.
+
 Every key starts with `x-inferplane-` (the edge strips that prefix from client requests).
 Numbers are decimal text; a missing or unreadable key reads as its default, so a summary from
 an older replica never fails a request.

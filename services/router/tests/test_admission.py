@@ -11,7 +11,6 @@ import pytest
 from inferplane.router.admission import AdmissionSettings
 from inferplane.router.breaker import BreakerState, CircuitBreaker
 from inferplane.router.features import RequestFeatures
-from inferplane.router.retry import RetryBudget
 from inferplane.router.routes import RouteTable
 from inferplane.runtime import ResourceExhaustedError, UnavailableError
 
@@ -213,11 +212,3 @@ def test_breaker_state_machine() -> None:
     b.on_start(3)
     b.on_success()
     assert b.state(3) is BreakerState.CLOSED and b.available(3)
-
-
-def test_retry_budget_caps_retries_to_a_share_of_requests() -> None:
-    budget = RetryBudget(ratio=0.1, min_balance=2)
-    assert budget.try_withdraw() and budget.try_withdraw() and not budget.try_withdraw()
-    for _ in range(10):
-        budget.deposit()
-    assert budget.try_withdraw() and not budget.try_withdraw()

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
@@ -22,6 +23,7 @@ from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
 from inferplane.router.features import RequestFeatures
+from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
@@ -70,6 +72,7 @@ class Rig:
 
     stub: ext_grpc.ExternalProcessorStub
     admission: Admission
+    metrics: RouterMetrics
     clock: FakeClock
     scheduler: FakeScheduler
     usage: RecordingUsage
@@ -112,11 +115,13 @@ async def picker_rig(
     control.apply(table)
     usage = RecordingUsage()
     records: list[telemetry_pb2.RequestRecord] = []
+    metrics = RouterMetrics(CollectorRegistry())
     servicer = EndpointPicker(
         lambda: table,
         control,
         Reporter(usage, records.append, clock, wall_clock=lambda: 1.7e9),
         settings=picker or PickerSettings(keepalive_seconds=0.01),
+        metrics=metrics,
     )
     server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
     ext_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
@@ -125,7 +130,7 @@ async def picker_rig(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = ext_grpc.ExternalProcessorStub(channel)
-            yield Rig(stub, control, clock, scheduler, usage, records, route)
+            yield Rig(stub, control, metrics, clock, scheduler, usage, records, route)
     finally:
         await server.stop(0)
 
@@ -411,22 +416,30 @@ def test_a_client_gone_while_queued_takes_no_slot() -> None:
     asyncio.run(scenario())
 
 
-def test_served_by_a_fallback_counts_a_failure_for_the_primary() -> None:
-    """When Envoy reports a fallback as the served endpoint, the primary failed before
-    answering: its breaker counts a failure (here: opens), the fallback's a success."""
+@pytest.mark.parametrize("told_by", ["summary", "envoy"])
+def test_served_by_a_fallback_counts_a_failure_for_the_primary(told_by: str) -> None:
+    """When a fallback served the request (its replica names itself in its response headers,
+    or Envoy reports it as the served endpoint), the primary failed before answering: its
+    breaker counts a failure (here: opens), the fallback's a success, the record names the
+    fallback, and the fallbacks-served counter moves."""
 
     async def scenario() -> None:
         settings = AdmissionSettings(breaker_failures=1)
         async with picker_rig(2, admission=settings) as rig:
             stream = await _pick(rig)
             primary, fallback = _endpoint_list(await stream.body(_chat_body()))
-            await stream.response_headers(GRPC_OK, served=fallback)
-            await stream.response_trailers({"grpc-status": "0"}, served=fallback)
-            await stream.close()
             index = {e.address: i for i, e in enumerate(rig.route.endpoints)}
+            replica = rig.route.endpoints[index[fallback]].replica_id
+            served = fallback if told_by == "envoy" else ""
+            named = dict(ResponseSummary(replica_id=replica).to_metadata())
+            headers = {**GRPC_OK, **(named if told_by == "summary" else {})}
+            await stream.response_headers(headers, served=served)
+            await stream.response_trailers({"grpc-status": "0", **named}, served=served)
+            await stream.close()
             assert rig.breaker(index[primary]) is BreakerState.OPEN
             assert rig.breaker(index[fallback]) is BreakerState.CLOSED
-            assert rig.records[0].replica == rig.route.endpoints[index[fallback]].replica_id
+            assert rig.records[0].replica == replica
+            assert rig.metrics.fallbacks_served._value.get() == 1
             stream = await _pick(rig)  # the open breaker keeps the primary out of the list
             assert _endpoint_list(await stream.body(_chat_body())) == [fallback]
             await stream.close()

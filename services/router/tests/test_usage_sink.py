@@ -141,7 +141,7 @@ def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     asyncio.run(scenario())
 
 
-def test_admission_metrics_show_queue_slots_breakers_and_retries() -> None:
+def test_admission_metrics_show_queue_slots_breakers_and_fallbacks() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         admission = Admission(
@@ -161,7 +161,7 @@ def test_admission_metrics_show_queue_slots_breakers_and_retries() -> None:
         waiting = asyncio.ensure_future(admission.acquire(r, features))
         await asyncio.sleep(0)
         first.failed()  # one transport failure opens r0's breaker (threshold 1)
-        metrics.retries.inc()
+        metrics.fallbacks_served.inc()
 
         def value(name: str, labels: dict[str, str]) -> float | None:
             return registry.get_sample_value(name, labels)
@@ -179,8 +179,7 @@ def test_admission_metrics_show_queue_slots_breakers_and_retries() -> None:
         assert (
             value("inferplane_router_circuit_breaker_state", {**open_, "state": "half_open"}) == 1
         )
-        assert value("inferplane_router_retries_total", {}) == 1
-        assert value("inferplane_router_retries_refused_total", {"reason": "budget"}) == 0
+        assert value("inferplane_router_fallbacks_served_total", {}) == 1
         first.release()
         (await waiting).release()
         second.release()

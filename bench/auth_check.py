@@ -20,14 +20,10 @@ Prints p50/p99 in microseconds per kind and path and the p50 added by limits; la
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import grpc
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
@@ -37,8 +33,10 @@ from inferplane.auth.app import build_components
 from inferplane.auth.servicer import Authorization
 from inferplane.auth.settings import AuthSettings
 from inferplane.runtime import RunningServer
+from inferplane.testing.loop import LoopThread
 
-T = TypeVar("T")
+RUN_TIMEOUT_S = 60.0
+"""How long one coroutine on the server's loop may take (a full in-process round)."""
 ADMIN_KEY = "bench-bootstrap-admin-key-0123456789abcdef"
 KINDS: dict[str, dict[str, int]] = {
     "no_limits": {},
@@ -50,21 +48,6 @@ KINDS: dict[str, dict[str, int]] = {
         "max_concurrent_requests": 10**6,
     },
 }
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 def check_request(secret: str, request_id: str) -> external_auth_pb2.CheckRequest:
@@ -118,7 +101,7 @@ def main() -> None:
             await server.start()
             return server
 
-        server = loop.run(start())
+        server = loop.run(start(), RUN_TIMEOUT_S)
         channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
         try:
             keys = auth_pb2_grpc.ApiKeyServiceStub(channel)
@@ -160,16 +143,16 @@ def main() -> None:
                         response = stub.Check(request, timeout=5)
                         out[kind].append(time.perf_counter() - start)
                         assert response.status.code == 0, response
-                        loop.run(limiter.record_usage(key_id, rid, 0))
+                        loop.run(limiter.record_usage(key_id, rid, 0), RUN_TIMEOUT_S)
                 return out
 
-            loop.run(in_process(200))  # warm-up: caches, statement compilation, pool
-            local = loop.run(in_process(args.rounds))
+            loop.run(in_process(200), RUN_TIMEOUT_S)  # warm-up: caches, statement compilation, pool
+            local = loop.run(in_process(args.rounds), RUN_TIMEOUT_S)
             over_grpc(100)
             remote = over_grpc(args.grpc_rounds)
         finally:
             channel.close()
-            loop.run(server.stop())
+            loop.run(server.stop(), RUN_TIMEOUT_S)
             loop.close()
 
     where = args.database_url.split("://", 1)[0] if args.database_url else "sqlite (temp file)"

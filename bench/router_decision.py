@@ -24,14 +24,10 @@ from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.policies import default_registry
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
+from inferplane.runtime.clock import SystemClock
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "session_affinity")
 SIZES = (10, 100, 1000)
-
-
-class _Clock:
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 class _NoScheduler:
@@ -76,7 +72,7 @@ def bench(policy: str, n: int, features: list[RequestFeatures], decisions: int) 
     admission = Admission(
         default_registry(),
         AdmissionSettings(),
-        _Clock(),
+        SystemClock(),
         _NoScheduler(),  # type: ignore[arg-type]
     )
     admission.apply(RouteTable.of([route]))

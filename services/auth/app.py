@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.auth.v1 import auth_pb2_grpc, usage_pb2_grpc
 from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounterStore
-from inferplane.auth.domain import Clock, SecretHasher, SystemClock
+from inferplane.auth.domain import SecretHasher
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.limits import RateLimiter
 from inferplane.auth.servicer import ApiKeyService, Authorization
@@ -23,6 +23,7 @@ from inferplane.auth.store import ApiKeyStore
 from inferplane.auth.usage import InternalCallerGuard, UsageMetrics, UsageService
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
+from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.auth")
 

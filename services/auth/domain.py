@@ -14,10 +14,8 @@ import hashlib
 import hmac
 import re
 import secrets
-import time
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from datetime import datetime, timedelta
 
 from inferplane.runtime import InvalidArgumentError
 
@@ -40,28 +38,6 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 MAX_DISPLAY_NAME = 200
-
-
-class Clock(Protocol):
-    """Time source injected everywhere (tests advance a fake one instead of sleeping)."""
-
-    def now(self) -> datetime:
-        """Wall-clock time, timezone-aware UTC."""
-        ...
-
-    def monotonic(self) -> float:
-        """Seconds on a monotonic clock (cache TTLs)."""
-        ...
-
-
-class SystemClock:
-    """The real clock."""
-
-    def now(self) -> datetime:
-        return datetime.now(UTC)
-
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 class KeyState(enum.Enum):

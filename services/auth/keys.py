@@ -26,7 +26,6 @@ from inferplane.auth.domain import (
     ApiKey,
     AuditAction,
     AuditEvent,
-    Clock,
     KeySpec,
     Limits,
     SecretHasher,
@@ -44,6 +43,7 @@ from inferplane.runtime import (
     InvalidArgumentError,
     NotFoundError,
 )
+from inferplane.runtime.clock import Clock
 
 log = structlog.get_logger("inferplane.auth")
 

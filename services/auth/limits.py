@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from inferplane.auth.counters import KIND_REQUESTS, KIND_TOKENS, AdmitOutcome, CounterStore
-from inferplane.auth.domain import Clock, Limits
+from inferplane.auth.domain import Limits
+from inferplane.runtime.clock import Clock
 
 T = TypeVar("T")
 

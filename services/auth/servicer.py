@@ -29,7 +29,6 @@ from inferplane.auth.domain import (
     SCOPE_INFERENCE,
     UPDATABLE_FIELDS,
     ApiKey,
-    Clock,
     KeySpec,
     KeyState,
     Limits,
@@ -43,6 +42,7 @@ from inferplane.runtime import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
+from inferplane.runtime.clock import Clock
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]

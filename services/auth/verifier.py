@@ -14,7 +14,6 @@ from datetime import datetime, timedelta
 
 from inferplane.auth.domain import (
     ApiKey,
-    Clock,
     KeyState,
     Principal,
     SecretHasher,
@@ -23,6 +22,7 @@ from inferplane.auth.domain import (
 )
 from inferplane.auth.store import ApiKeyStore
 from inferplane.runtime import UnauthenticatedError
+from inferplane.runtime.clock import Clock
 
 _INVALID_API_KEY = "invalid_api_key"
 

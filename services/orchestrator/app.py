@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.edge import EdgeConfig
 from inferplane.orchestrator.catalog.sizing import SizingPolicy
-from inferplane.orchestrator.control import Clock, ControlPlane, SystemClock
+from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.fleet.model import Liveness
 from inferplane.orchestrator.placement.registry import (
     PolicyFactory,
@@ -40,6 +40,7 @@ from inferplane.orchestrator.xds.cache import SnapshotCache
 from inferplane.orchestrator.xds.edge import EdgeXds
 from inferplane.orchestrator.xds.server import AggregatedDiscoveryService
 from inferplane.runtime import App, ServicerBinding
+from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.orchestrator")
 

@@ -22,8 +22,8 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from datetime import datetime
+from typing import Any
 
 import structlog
 
@@ -53,6 +53,7 @@ from inferplane.runtime import (
     InvalidArgumentError,
     NotFoundError,
 )
+from inferplane.runtime.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator")
 
@@ -75,21 +76,6 @@ _NESTED = {
     "profile": {f.name for f in dataclasses.fields(DeploymentProfile)},
     "rollout": {f.name for f in dataclasses.fields(RolloutStrategy)},
 }
-
-
-class Clock(Protocol):
-    """Time source (tests inject a fake one and advance it instead of sleeping)."""
-
-    def now(self) -> datetime:
-        """Timezone-aware UTC."""
-        ...
-
-
-class SystemClock:
-    """The real clock."""
-
-    def now(self) -> datetime:
-        return datetime.now(UTC)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
+from inferplane.runtime.clock import Clock, SystemClock
 from inferplane.telemetry.alerts import Evaluator
 from inferplane.telemetry.discovery import EngineDiscovery, TargetSource, targets_from_table
-from inferplane.telemetry.domain import Clock, SloTargets, SystemClock
+from inferplane.telemetry.domain import SloTargets
 from inferplane.telemetry.engines import EngineScraper, Fetch, HttpFetch
 from inferplane.telemetry.ingest import Ingestor
 from inferplane.telemetry.metrics import RecordMetrics

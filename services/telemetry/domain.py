@@ -1,7 +1,7 @@
-"""Telemetry domain: values, the clock, and the pure math (percentiles, counter rates, drift).
+"""Telemetry domain: values and the pure math (percentiles, counter rates, drift).
 
-Everything here is plain Python without gRPC or Prometheus, so the rules are testable with an
-injected clock and hand-made numbers.
+Everything here is plain Python without gRPC or Prometheus, so the rules are testable with
+hand-made numbers and times.
 """
 
 from __future__ import annotations
@@ -9,27 +9,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 OTHER = "other"
 """Label value that absorbs distinct values beyond a cardinality cap."""
-
-
-class Clock(Protocol):
-    """Wall-clock seconds since the Unix epoch (float). Tests inject a fake that moves on demand."""
-
-    def time(self) -> float:
-        """Seconds since the epoch."""
-        ...
-
-
-class SystemClock:
-    """The real clock."""
-
-    def time(self) -> float:
-        return time.time()
 
 
 # -- percentiles -----------------------------------------------------------------------------

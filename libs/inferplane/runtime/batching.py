@@ -24,9 +24,8 @@ import collections
 import contextlib
 import dataclasses
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -38,6 +37,8 @@ from tenacity import (
     stop_never,
     wait_random_exponential,
 )
+
+from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.runtime.batching")
 
@@ -63,17 +64,6 @@ sender."""
 def retryable_rpc_error(exc: BaseException) -> bool:
     """True for a gRPC call that failed with one of `RETRYABLE_CODES`."""
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
-
-
-class Clock(Protocol):
-    """Monotonic seconds (float); tests inject a fake."""
-
-    def monotonic(self) -> float: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

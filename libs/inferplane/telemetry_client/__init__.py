@@ -7,11 +7,9 @@ registry), `await sink.start()` on start-up, call `sink.record(record)` once per
 
 from inferplane.telemetry_client._sink import (
     RETRYABLE_CODES,
-    Clock,
     RecordSink,
     SinkMetrics,
     SinkSettings,
-    SystemClock,
 )
 
-__all__ = ["RETRYABLE_CODES", "Clock", "RecordSink", "SinkMetrics", "SinkSettings", "SystemClock"]
+__all__ = ["RETRYABLE_CODES", "RecordSink", "SinkMetrics", "SinkSettings"]

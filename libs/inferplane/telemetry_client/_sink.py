@@ -15,14 +15,13 @@ from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime.batching import (
     RETRYABLE_CODES,
     BatchMetrics,
-    Clock,
     GrpcSink,
     GrpcSinkSettings,
     Sleep,
-    SystemClock,
 )
+from inferplane.runtime.clock import Clock
 
-__all__ = ["RETRYABLE_CODES", "Clock", "RecordSink", "SinkMetrics", "SinkSettings", "SystemClock"]
+__all__ = ["RETRYABLE_CODES", "RecordSink", "SinkMetrics", "SinkSettings"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

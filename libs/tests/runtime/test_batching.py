@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import CollectorRegistry
 
 from inferplane.runtime.batching import Batcher, BatchingSettings, BatchMetrics
+from inferplane.testing.clock import FakeClock
 
 
 class Down(ConnectionError):
@@ -39,20 +40,6 @@ class FakeReceiver:
             self.refuse_next -= 1
             raise Refused("bad batch")
         self.received += batch
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -111,8 +98,8 @@ def test_an_outage_keeps_a_bounded_buffer_then_delivers_it_in_order_once() -> No
         assert b.pending == 20
         assert sample(registry, "dropped_total", reason="buffer_full") == 10
         assert sample(registry, "buffered") == 20
-        await until(lambda: len(clock.sleeps) >= 5)  # backing off while down
-        assert all(0 <= s <= 1.0 for s in clock.sleeps)
+        await until(lambda: len(clock.slept) >= 5)  # backing off while down
+        assert all(0 <= s <= 1.0 for s in clock.slept)
         assert b.pending == 20 and r.received == []
         r.up = True
         await until(lambda: b.pending == 0)
@@ -142,11 +129,13 @@ def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
 
 
 class ManualClock(FakeClock):
-    """Time moves only when the test says; `sleep` waits for it."""
+    """A `FakeClock` whose `sleep` blocks until the test `advance`s time past its end, instead
+    of advancing time itself: the flush-interval test must see a partial batch held back for
+    as long as the test keeps the clock still."""
 
     async def sleep(self, seconds: float) -> None:
-        until_t = self.now + seconds
-        while self.now < until_t:
+        until_t = self.monotonic() + seconds
+        while self.monotonic() < until_t:
             await asyncio.sleep(0.001)
 
 
@@ -172,7 +161,7 @@ def test_a_partial_batch_waits_for_the_flush_interval_a_full_one_does_not() -> N
         b.put(6)
         await asyncio.sleep(0.05)
         assert receiver.received == list(range(5))
-        clock.now += 10.0
+        clock.advance(10.0)
         await until(lambda: receiver.received == list(range(7)))
         await b.close()
 

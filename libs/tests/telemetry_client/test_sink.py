@@ -17,20 +17,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry_client import RecordSink, SinkSettings
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-        await asyncio.sleep(0)
+from inferplane.testing.clock import FakeClock
 
 
 class FakeTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignore[misc]
@@ -137,7 +124,7 @@ def test_outage_buffers_then_delivers_everything_once_in_order() -> None:
     ) -> None:
         for i in range(55):
             sink.record(rec(i))
-        await eventually(lambda: len(clock.sleeps) >= 3, "backoff while telemetry is down")
+        await eventually(lambda: len(clock.slept) >= 3, "backoff while telemetry is down")
         assert sink.pending == 55
         await t.start()
         # The fake counts a batch before its answer reaches the sink: wait for both.
@@ -152,8 +139,8 @@ def test_outage_buffers_then_delivers_everything_once_in_order() -> None:
         await t.stop()
         for i in range(55, 70):
             sink.record(rec(i))
-        clock.now += 2  # the partial batch is due
-        await eventually(lambda: t.fake.calls >= 0 and len(clock.sleeps) >= 6, "backoff again")
+        clock.advance(2)  # the partial batch is due
+        await eventually(lambda: t.fake.calls >= 0 and len(clock.slept) >= 6, "backoff again")
         await t.start()
         await eventually(lambda: len(t.fake.received) == 70, "records after the 2nd restart")
         assert t.fake.received == [f"r{i}" for i in range(70)]
@@ -171,7 +158,7 @@ def test_failed_batch_goes_back_to_the_front() -> None:
         await t.start()
         for i in range(25):
             sink.record(rec(i))
-        clock.now += 2
+        clock.advance(2)
         await eventually(lambda: len(t.fake.received) == 25, "delivery after two failures")
         assert t.fake.received == [f"r{i}" for i in range(25)]
         assert t.fake.calls >= 5

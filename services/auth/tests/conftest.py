@@ -1,4 +1,4 @@
-"""Fixtures for the auth tests: a fake clock and a real in-process auth server.
+"""Fixtures for the auth tests: a real in-process auth server on a fake clock.
 
 The server runs on its own event loop in a background thread (grpc.aio), bound to 127.0.0.1 on
 a free port, with SQLite in a tmp dir; tests talk to it through the generated sync stubs.
@@ -6,12 +6,9 @@ a free port, with SQLite in a tmp dir; tests talk to it through the generated sy
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Coroutine, Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,45 +20,11 @@ from inferplane.api.auth.v1 import auth_pb2_grpc
 from inferplane.auth.app import AuthComponents, build_components
 from inferplane.auth.settings import AuthSettings
 from inferplane.runtime import RunningServer
+from inferplane.testing.clock import FakeClock
+from inferplane.testing.loop import LoopThread
 
 T = TypeVar("T")
 ADMIN_KEY = "test-bootstrap-admin-key-0123456789abcdef"
-EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-class FakeClock:
-    """A clock that moves only when told to."""
-
-    def __init__(self, start: datetime = EPOCH) -> None:
-        self._now = start
-        self._mono = 1000.0
-
-    def now(self) -> datetime:
-        return self._now
-
-    def monotonic(self) -> float:
-        return self._mono
-
-    def advance(self, seconds: float) -> None:
-        self._now += timedelta(seconds=seconds)
-        self._mono += seconds
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` executes a coroutine there and waits."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 @dataclasses.dataclass

@@ -14,10 +14,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.auth.domain import SecretHasher, SystemClock
+from inferplane.auth.domain import SecretHasher
 from inferplane.auth.servicer import Authorization
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import UnavailableError
+from inferplane.runtime.clock import SystemClock
 
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
 

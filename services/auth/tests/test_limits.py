@@ -21,6 +21,7 @@ from inferplane.auth.domain import Limits
 from inferplane.auth.limits import format_reset
 from inferplane.runtime import UnavailableError
 from inferplane.runtime.ports import free_port
+from inferplane.testing.clock import FakeClock
 
 RESOURCE_EXHAUSTED = 8
 
@@ -111,8 +112,6 @@ def test_rate_window_seconds_shortens_the_window(
     from inferplane.auth.app import build_components
     from inferplane.runtime import ConfigError
 
-    from .conftest import FakeClock
-
     with pytest.raises(ConfigError, match="rate_window_seconds"):
         build_components(make_settings(tmp_path, rate_window_seconds=0))
     clock = FakeClock()  # on a window boundary (the epoch's multiple of 10 s)
@@ -130,8 +129,6 @@ def test_two_instances_sharing_one_database_never_admit_past_the_limits(
 ) -> None:
     """Counters live in the shared database: two auth instances hammered at once admit
     exactly the limit between them, and usage reported to one is seen by the other."""
-    from .conftest import FakeClock
-
     clock = FakeClock()
     with (
         start_auth(make_settings(tmp_path), clock) as a,

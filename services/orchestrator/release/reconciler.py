@@ -39,7 +39,7 @@ from tenacity import RetryCallState, wait_exponential
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
-from inferplane.orchestrator.control import Clock, ControlPlane, DeploymentStatus
+from inferplane.orchestrator.control import ControlPlane, DeploymentStatus
 from inferplane.orchestrator.fleet.model import Node, NodeCondition
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.agents import NodeAgents
@@ -47,6 +47,7 @@ from inferplane.orchestrator.release.gate import Gate, GateTarget, gate_enabled,
 from inferplane.orchestrator.release.spec import agent_replica_id, build_spec
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore, Stage
 from inferplane.orchestrator.routing import RoutingHub, make_table
+from inferplane.runtime.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
 

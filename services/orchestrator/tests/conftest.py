@@ -1,17 +1,14 @@
-"""Fixtures for the orchestrator tests: a fake clock, fleets and profiles, and a real
+"""Fixtures for the orchestrator tests: the shared fake clock, fleets and profiles, and a real
 in-process orchestrator (grpc.aio on a background loop, loopback, free port, SQLite in a tmp
 dir) reached through the generated sync stubs."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import threading
-from collections.abc import Coroutine, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
@@ -21,40 +18,10 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_gr
 from inferplane.orchestrator.app import OrchestratorComponents, build_components
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.runtime import RunningServer
+from inferplane.testing.clock import FakeClock
+from inferplane.testing.loop import LoopThread
 
-T = TypeVar("T")
-EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 GB = 10**9
-
-
-class FakeClock:
-    """A clock that moves only when told to."""
-
-    def __init__(self, start: datetime = EPOCH) -> None:
-        self._now = start
-
-    def now(self) -> datetime:
-        return self._now
-
-    def advance(self, seconds: float) -> None:
-        self._now += timedelta(seconds=seconds)
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` executes a coroutine there and waits."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 @dataclasses.dataclass
@@ -206,7 +173,6 @@ class Helpers:
     tiny_cpu_proto: Any = tiny_cpu_proto
     make_settings: Any = make_settings
     running: Any = running
-    FakeClock: Any = FakeClock
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from google.protobuf import field_mask_pb2
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.testing.clock import FakeClock
 
 GB = 10**9
 
@@ -261,7 +262,7 @@ def test_ready_replicas_come_from_heartbeats_and_cpu_nodes_host_the_fixture_mode
 
 def test_state_survives_a_restart_on_the_same_sqlite_file(tmp_path: Any, fx: Any) -> None:
     settings = fx.make_settings(tmp_path)
-    clock = fx.FakeClock()
+    clock = FakeClock()
     with fx.running(settings, clock) as orch:
         for n in ("a", "b"):
             orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.gpu_status(n)), timeout=10)

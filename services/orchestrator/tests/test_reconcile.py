@@ -26,6 +26,7 @@ from inferplane.orchestrator.release.agents import ProbeResult
 from inferplane.orchestrator.release.gate import GateReading, GateTarget, gate_verdict, p99
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import RoutingHub, make_table
+from inferplane.testing.clock import FakeClock
 
 S = na.Replica.State
 ADDRESS = "127.0.0.1:50052"
@@ -145,7 +146,7 @@ class World:
 
 
 def make_world(tmp_path: Path, fx: Any, agents: FakeAgents | None = None, **gate: Any) -> World:
-    clock = fx.FakeClock()
+    clock = FakeClock()
     agents = agents or FakeAgents()
     fake_gate = FakeGate(
         GateReading(**(gate or {"requests": 10, "errors": 0, "ttft_p99_seconds": 0.1}))

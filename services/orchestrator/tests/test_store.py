@@ -50,6 +50,7 @@ from inferplane.orchestrator.store import sql as state_store
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.runtime import AlreadyExistsError
+from inferplane.testing.clock import FakeClock
 
 POSTGRES_URL = os.environ.get("INFERPLANE_TEST_POSTGRES_URL", "")
 GB = 10**9
@@ -633,7 +634,7 @@ def test_release_store_round_trip_updates_and_deletions(
 def test_service_keeps_its_state_across_a_restart_on_postgresql(tmp_path: Path, fx: Any) -> None:
     drop_orchestrator_tables(POSTGRES_URL)
     settings = fx.make_settings(tmp_path, database_url=POSTGRES_URL, reconcile=False)
-    clock = fx.FakeClock()
+    clock = FakeClock()
     request = pb.CreateDeploymentRequest(
         deployment_id="Llama-8B",
         deployment=fx.llama8b_proto(
@@ -707,7 +708,7 @@ def test_values_a_column_cannot_hold_are_refused_alike(
         else:
             assert info.value.details().startswith(f"{field} must be at most {limit} characters")
 
-    with fx.running(settings, fx.FakeClock()) as orch:
+    with fx.running(settings, FakeClock()) as orch:
 
         def register(**changes: str) -> Any:
             status = fx.gpu_status("gpu-a")
@@ -753,7 +754,7 @@ def test_values_a_column_cannot_hold_are_refused_alike(
         refused(set_owner, "acme\x00", "owned_by", MAX_OWNED_BY)
         nodes = {n.name for n in orch.components.store.load().nodes}
     assert nodes == {"gpu-a", "x" * MAX_NODE_NAME}
-    with fx.running(settings, fx.FakeClock()) as orch:
+    with fx.running(settings, FakeClock()) as orch:
         got = orch.deployments.GetDeployment(pb.GetDeploymentRequest(name="deployments/m"))
         assert got.deployment.owned_by == "o" * MAX_OWNED_BY
         node = orch.nodes.GetNode(pb.GetNodeRequest(name="nodes/gpu-a"), timeout=10).node

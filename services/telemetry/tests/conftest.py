@@ -1,13 +1,11 @@
-"""Fixtures for the telemetry tests: a fake clock, record builders, and a real in-process
-telemetry server (grpc.aio on its own loop thread, loopback, free ports)."""
+"""Fixtures for the telemetry tests: the shared `FakeClock`, record builders, and a real
+in-process telemetry server (grpc.aio on its own loop thread, loopback, free ports)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -17,29 +15,12 @@ from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime import RunningServer
 from inferplane.telemetry.app import TelemetryComponents, build_components
 from inferplane.telemetry.settings import TelemetrySettings
+from inferplane.testing.clock import EPOCH as CLOCK_EPOCH
+from inferplane.testing.clock import FakeClock
+from inferplane.testing.loop import LoopThread
 
-T = TypeVar("T")
-EPOCH = 1_767_225_600.0  # 2026-01-01T00:00:00Z
-
-
-class FakeClock:
-    """Wall and monotonic time that move only when told to; `sleep` advances them."""
-
-    def __init__(self, start: float = EPOCH) -> None:
-        self.now = start
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
+EPOCH = CLOCK_EPOCH.timestamp()
+"""Where the `clock` fixture starts, in Unix seconds (2026-01-01T00:00:00Z)."""
 
 
 def record(
@@ -96,29 +77,6 @@ def record(
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` executes a coroutine there and waits."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        async def _call() -> Any:
-            return fn(*args)
-
-        return self.run(_call())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 @dataclasses.dataclass

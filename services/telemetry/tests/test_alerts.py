@@ -11,8 +11,9 @@ from inferplane.telemetry.engines import DeploymentEngineStats
 from inferplane.telemetry.ingest import Ingestor
 from inferplane.telemetry.metrics import RecordMetrics
 from inferplane.telemetry.store import SampleStore
+from inferplane.testing.clock import FakeClock
 
-from .conftest import FakeClock, record
+from .conftest import record
 
 MINUTE = 60.0
 HOUR = 3600.0

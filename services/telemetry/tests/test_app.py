@@ -10,8 +10,9 @@ import pytest
 from inferplane.runtime import ConfigError, load_settings
 from inferplane.telemetry.app import build_components
 from inferplane.telemetry.settings import TelemetrySettings
+from inferplane.testing.clock import FakeClock
 
-from .conftest import FakeClock, record
+from .conftest import record
 
 
 def test_settings_from_file_env_and_flags(tmp_path: Path) -> None:

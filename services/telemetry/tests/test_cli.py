@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.cli import app
+from inferplane.testing.clock import FakeClock
 
-from .conftest import FakeClock, Harness, record, start_harness, stop_harness
+from .conftest import Harness, record, start_harness, stop_harness
 
 
 class Engine:

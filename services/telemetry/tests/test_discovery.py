@@ -19,8 +19,8 @@ from inferplane.telemetry.app import build_components
 from inferplane.telemetry.discovery import file_sd_groups, targets_from_table
 from inferplane.telemetry.engines import EngineScraper, EngineTarget
 from inferplane.telemetry.settings import TelemetrySettings
+from inferplane.testing.clock import FakeClock
 
-from .conftest import FakeClock
 from .test_engines import Pages, vllm_text
 
 STATIC = "legacy/legacy-0=http://10.0.0.9:8000/metrics"

@@ -10,8 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from inferplane.runtime import ConfigError
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.engines import EngineScraper, EngineTarget, HttpFetch, parse_exposition
-
-from .conftest import FakeClock
+from inferplane.testing.clock import FakeClock
 
 
 def vllm_text(

@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.engines import EngineReading, EngineTarget
 from inferplane.telemetry_client import SinkMetrics
+from inferplane.testing.clock import FakeClock
 
-from .conftest import FakeClock, record, start_harness, stop_harness
+from .conftest import record, start_harness, stop_harness
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

@@ -9,8 +9,9 @@ from inferplane.telemetry.ingest import Ingestor, sample_from_record, thin
 from inferplane.telemetry.metrics import LabelCaps, RecordMetrics
 from inferplane.telemetry.store import Query, Sample, SampleStore
 from inferplane.telemetry.summary import summarize
+from inferplane.testing.clock import FakeClock
 
-from .conftest import EPOCH, FakeClock, record
+from .conftest import EPOCH, record
 
 
 def _sample(t: float, key: tuple[str, str, str] = ("m", "d", "t"), rid: str = "") -> Sample:

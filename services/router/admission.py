@@ -26,12 +26,7 @@ from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.runtime import ResourceExhaustedError, UnavailableError
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float:
-        """Seconds on a monotonic clock."""
-        ...
+from inferplane.runtime.clock import Clock
 
 
 class Cancellable(Protocol):

@@ -9,7 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.router.admission import Admission, AdmissionSettings, Clock, LoopScheduler
+from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
@@ -22,12 +22,8 @@ from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
 from inferplane.runtime import App, ServicerBinding, grpc_options
+from inferplane.runtime.clock import Clock, SystemClock
 from inferplane.telemetry_client import RecordSink, SinkSettings
-
-
-class _SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 def route_source(settings: RouterSettings) -> RouteSource:
@@ -67,7 +63,7 @@ def build_app(
     Raises:
         ConfigError: an unknown default policy, or a static table naming an unknown policy.
     """
-    clock = clock or _SystemClock()
+    clock = clock or SystemClock()
     registry = registry or CollectorRegistry()
     policies = default_registry(settings.default_policy, settings.load_factor)
     admission = Admission(

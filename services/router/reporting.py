@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.router.admission import Clock
 from inferplane.router.records import STATUS_OK, RequestTrace
 from inferplane.router.usage import UsageRecord, UsageSink
+from inferplane.runtime.clock import Clock
 
 log = structlog.get_logger("inferplane.router")
 

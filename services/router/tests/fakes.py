@@ -19,16 +19,7 @@ from inferplane.router.policies import default_registry
 from inferplane.router.replicas import ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.router.usage import UsageRecord
-
-
-class FakeClock:
-    """Monotonic seconds that move only on `advance`."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
+from inferplane.testing.clock import FakeClock
 
 
 @dataclasses.dataclass(order=True)
@@ -51,18 +42,18 @@ class FakeScheduler:
         self._seq = itertools.count()
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
-        timer = _Timer(self.clock.now + delay, next(self._seq), callback)
+        timer = _Timer(self.clock.monotonic() + delay, next(self._seq), callback)
         heapq.heappush(self._timers, timer)
         return timer
 
     def advance(self, seconds: float) -> None:
-        target = self.clock.now + seconds
+        target = self.clock.monotonic() + seconds
         while self._timers and self._timers[0].when <= target:
             timer = heapq.heappop(self._timers)
-            self.clock.now = max(self.clock.now, timer.when)
+            self.clock.advance(max(0.0, timer.when - self.clock.monotonic()))
             if not timer.cancelled:
                 timer.callback()
-        self.clock.now = target
+        self.clock.advance(target - self.clock.monotonic())
 
 
 def endpoints(n: int, cap: int = 0, prefix: str = "r") -> tuple[Endpoint, ...]:

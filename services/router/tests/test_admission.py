@@ -187,7 +187,7 @@ def test_breaker_opens_after_consecutive_failures_then_lets_one_probe_through() 
         # Open: everything goes to the other replica, even when it is busier.
         leases = [await a.acquire(r, STANDARD) for _ in range(3)]
         assert {lease.key for lease in leases} == {r.endpoints[1].key}
-        clock.now += 10
+        clock.advance(10)
         probe = await a.acquire(r, STANDARD)
         assert probe.key == bad  # half-open: one probe
         assert (await a.acquire(r, STANDARD)).key != bad  # no second one while it runs

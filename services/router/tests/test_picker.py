@@ -31,11 +31,11 @@ from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
 from inferplane.runtime import ErrorInterceptor, RunningServer
+from inferplane.testing.clock import FakeClock
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
 
 from .fakes import (
     ExtProcStream,
-    FakeClock,
     FakeScheduler,
     RecordingUsage,
     endpoints,
@@ -85,7 +85,7 @@ class Rig:
     def breaker(self, index: int) -> BreakerState:
         replicas = self.admission.replicas("d")
         assert replicas is not None
-        return replicas.states[index].breaker.peek(self.clock.now)
+        return replicas.states[index].breaker.peek(self.clock.monotonic())
 
     def in_flight(self) -> int:
         replicas = self.admission.replicas("d")
@@ -326,7 +326,7 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
                 ttft_seconds=0.25,
             )
             trailers = {"grpc-status": "0", "x-other": "kept", **dict(summary.to_metadata())}
-            rig.clock.now += 1.0  # the stream took a second
+            rig.clock.advance(1.0)  # the stream took a second
             answer = await stream.response_trailers(trailers, served=primary)
             removed = answer.response_trailers.header_mutation.remove_headers
             assert set(removed) == {k for k, _ in summary.to_metadata()}

@@ -16,8 +16,9 @@ from inferplane.router.policies import default_registry
 from inferplane.router.routes import RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import OrchestratorRouteSource, StaticRouteSource
+from inferplane.testing.clock import FakeClock
 
-from .fakes import FakeClock, FakeScheduler
+from .fakes import FakeScheduler
 
 
 def _table(version: str, replicas: list[str], policy: str = "prefix_affinity") -> Any:

@@ -25,8 +25,9 @@ from inferplane.router.usage import (
     UsageSinkSettings,
 )
 from inferplane.runtime.ports import free_port
+from inferplane.testing.clock import FakeClock
 
-from .fakes import FakeClock, FakeScheduler, endpoints, route
+from .fakes import FakeScheduler, endpoints, route
 
 
 class FakeUsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
@@ -175,7 +176,7 @@ def test_admission_metrics_show_queue_slots_breakers_and_fallbacks() -> None:
         open_ = {"deployment": "d", "replica": failed}
         assert value("inferplane_router_circuit_breaker_state", {**open_, "state": "open"}) == 1
         assert value("inferplane_router_circuit_breaker_state", {**open_, "state": "closed"}) == 0
-        clock.now += 5
+        clock.advance(5)
         assert (
             value("inferplane_router_circuit_breaker_state", {**open_, "state": "half_open"}) == 1
         )

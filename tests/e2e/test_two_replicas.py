@@ -13,8 +13,8 @@ httpx where the SSE bytes matter). Invariants (issue 6, "Tests"):
 - a key over its token limit is refused (429 with `x-ratelimit-*-tokens`) until its window
   resets, then served again;
 - killing one replica's engine under streaming load fails no request that had not started
-  streaming (the router retries it on the other replica), and the streams in flight on the
-  killed replica end with an explicit SSE error event, never a silent truncation.
+  streaming (Envoy retries it down the pick on the other replica), and the streams in flight
+  on the killed replica end with an explicit SSE error event, never a silent truncation.
 
 The kill test runs last: the killed replica is being restarted when the module ends.
 """
@@ -485,7 +485,8 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
     replicas = _replicas(two_replicas)
     assert len(replicas) == REPLICAS
     router_metrics = f"http://127.0.0.1:{two_replicas.config.metrics_ports['router']}/metrics"
-    retries_before = _metrics(router_metrics).get("inferplane_router_retries_total", 0.0)
+    fallbacks_metric = "inferplane_router_fallbacks_served_total"
+    fallbacks_before = _metrics(router_metrics).get(fallbacks_metric, 0.0)
     # Three streams at a time fit the surviving replica's cap (MAX_NUM_SEQS) without queueing
     # into 429s; ~250 tokens each keep streams in flight when the engine dies (with 100, a
     # loaded machine sometimes finished them between the metrics poll and the kill).
@@ -533,11 +534,11 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
         r for r in results if not before_streaming(r) and not r.error_event and not r.complete
     ]
     after_kill = [r for r in results if r.started_at > killed_at]
-    retries = _metrics(router_metrics).get("inferplane_router_retries_total", 0.0) - retries_before
+    fallbacks = _metrics(router_metrics).get(fallbacks_metric, 0.0) - fallbacks_before
     print(
         f"\nkilled {victim}: {len(results)} requests, {len(after_kill)} started after the kill; "
         f"failed before streaming {len(failed)}, ended by an error event {len(ended_by_error)}, "
-        f"truncated {len(truncated)}; router retries {retries:.0f}"
+        f"truncated {len(truncated)}; served by a fallback of the pick {fallbacks:.0f}"
     )
     assert failed == [], [(r.status, r.body, r.error) for r in failed[:5]]
     assert truncated == [], [(r.events[-2:], r.error) for r in truncated[:5]]

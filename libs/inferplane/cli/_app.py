@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import typer
 
 from inferplane.cli._up import status, up
@@ -18,15 +20,29 @@ app.command()(status)
 app.add_typer(parsers_app, name="parsers", help="Run the reasoning and tool-call parsers.")
 
 
-def _mount_service_clis() -> None:
-    """Admin CLIs that live with their service (they talk to it over gRPC)."""
-    from inferplane.auth.cli import app as keys_app
-    from inferplane.orchestrator.cli import app as deployments_app
-    from inferplane.telemetry.cli import top
-
-    app.add_typer(keys_app, name="keys", help="Manage API keys (needs an admin key).")
-    app.add_typer(deployments_app, name="deployments", help="The model catalogue and placement.")
-    app.command()(top)
+#: Entry-point group through which services plug their admin CLIs in (pyproject.toml): a name
+#: and a `typer.Typer` (mounted as that sub-command) or a function (mounted as that command).
+#: libs/ never imports services/; the installed distribution says what is there.
+CLI_ENTRY_POINTS = "inferplane.cli"
 
 
-_mount_service_clis()
+def mount_service_clis(root: typer.Typer, group: str = CLI_ENTRY_POINTS) -> list[str]:
+    """Mounts every CLI registered under the entry-point `group` on `root`, in name order;
+    returns the names mounted.
+
+    Raises: TypeError for an entry point that is neither a `typer.Typer` nor a callable.
+    """
+    mounted = []
+    for entry in sorted(entry_points(group=group), key=lambda e: e.name):
+        target = entry.load()
+        if isinstance(target, typer.Typer):
+            root.add_typer(target, name=entry.name)
+        elif callable(target):
+            root.command(name=entry.name)(target)
+        else:
+            raise TypeError(f"CLI entry point {entry.name} ({entry.value}) is not a typer app")
+        mounted.append(entry.name)
+    return mounted
+
+
+mount_service_clis(app)

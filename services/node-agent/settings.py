@@ -59,9 +59,14 @@ class ReplicaConfig:
 class NodeAgentSettings(ServiceSettings):
     """Settings of the node-agent service; defaults suit a local stack on loopback.
 
-    Engine knobs are in seconds. `engine_command` empty means our launcher
-    (`python -m inferplane.node_agent.engine.launcher`) in this interpreter. `replicas` are
-    started at boot (YAML only). `orchestrator_address` empty: no registration.
+    The node-agent is the node's control plane (issue 16): each replica runs in a replica
+    process of its own that serves InferenceService on its own port, bound on `host` and
+    reported at `advertise_address`'s host (else `host`). Engine knobs are in seconds.
+    `replica_command` empty means `python -m inferplane.node_agent.replica` in this
+    interpreter; `engine_command` empty means our launcher
+    (`python -m inferplane.node_agent.engine.launcher`), the engine a replica process spawns on
+    the `http-completions` and `grpc` transports. `replicas` are started at boot (YAML only).
+    `orchestrator_address` empty: no registration.
     """
 
     port: int = 50054
@@ -71,6 +76,7 @@ class NodeAgentSettings(ServiceSettings):
     orchestrator_address: str = ""
     heartbeat_interval_seconds: float = 10.0
     registration_retry_max_seconds: float = 60.0
+    replica_command: tuple[str, ...] = ()
     engine_command: tuple[str, ...] = ()
     engine_startup_timeout_seconds: float = 180.0
     engine_health_interval_seconds: float = 2.0
@@ -87,14 +93,22 @@ class NodeAgentSettings(ServiceSettings):
     # busy-waits for its workers; the front, the workers and the request path keep their
     # priority: engine/priority.py). 0: leave it at the node-agent's.
     engine_cpu_core_niceness: int = 19
-    # CPU nodes: niceness (0-19) of each engine's session autogroup once it is ready, against
-    # the platform's own services (engine/priority.py); 0: leave it at 0.
+    # CPU nodes: niceness (0-19) of each replica process's session autogroup (its front, its
+    # engine and the engine's workers) once it is ready, against the platform's own services
+    # (engine/priority.py); 0: leave it at 0. Measured on the v1 path, where the front was
+    # the node-agent's: kept until an A/B on the replica-process path decides (issue 16).
     engine_cpu_autogroup_niceness: int = 10
     drain_grace_seconds: float = 30.0
+    # How long a replica process lets its requests in flight finish when it gets SIGTERM
+    # (a forced stop, the node-agent's own shutdown: a normal stop has drained it for
+    # drain_grace_seconds already). Below engine_stop_timeout_seconds, or SIGKILL cuts it.
+    replica_drain_grace_seconds: float = 5.0
+    # Passed to each replica process (which renders, generates and parses):
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.
     strict_tool_calls: bool = False
-    # The telemetry service (host:port) that receives one record per request; empty: none.
+    # The telemetry service (host:port) each replica process sends one record per request
+    # to; empty: none.
     telemetry_address: str = ""
     owned_by: str = "inferplane"
     replicas: tuple[ReplicaConfig, ...] = ()
@@ -103,6 +117,11 @@ class NodeAgentSettings(ServiceSettings):
         for name in ("engine_cpu_core_niceness", "engine_cpu_autogroup_niceness"):
             if not 0 <= getattr(self, name) <= 19:
                 raise ConfigError(f"{name} must be within 0..19, got {getattr(self, name)}")
+        if not 0 <= self.replica_drain_grace_seconds < self.engine_stop_timeout_seconds:
+            raise ConfigError(
+                "replica_drain_grace_seconds must be within 0 and engine_stop_timeout_seconds "
+                f"({self.engine_stop_timeout_seconds:g}), got {self.replica_drain_grace_seconds:g}"
+            )
         converted = []
         for entry in self.replicas:
             if isinstance(entry, ReplicaConfig):

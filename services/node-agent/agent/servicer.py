@@ -28,19 +28,17 @@ def replica_id_from_name(name: str) -> str:
 class NodeAgentServicer(nodeagent_pb2_grpc.NodeAgentServiceServicer):  # type: ignore[misc]
     """Starts, drains, stops and reports the replicas of this node.
 
-    `node_status` builds the current NodeStatus (inventory + replicas); `inference_address`
-    is the address serving InferenceService for these replicas (this agent's).
+    `node_status` builds the current NodeStatus (inventory + replicas). Each replica is
+    reported with its replica process's own `inference_address` (issue 16).
     """
 
     def __init__(
         self,
         manager: ReplicaManager,
         node_status: Callable[[], nodeagent_pb2.NodeStatus],
-        inference_address: Callable[[], str],
     ) -> None:
         self._manager = manager
         self._node_status = node_status
-        self._address = inference_address
 
     async def StartReplica(
         self, request: nodeagent_pb2.StartReplicaRequest, context: grpc.aio.ServicerContext
@@ -53,7 +51,7 @@ class NodeAgentServicer(nodeagent_pb2_grpc.NodeAgentServiceServicer):  # type: i
         if not request.HasField("spec"):
             raise InvalidArgumentError("spec is required", param="spec")
         replica = await self._manager.start(request.replica_id, request.spec)
-        return nodeagent_pb2.StartReplicaResponse(replica=replica.to_proto(self._address()))
+        return nodeagent_pb2.StartReplicaResponse(replica=replica.to_proto())
 
     async def DrainReplica(
         self, request: nodeagent_pb2.DrainReplicaRequest, context: grpc.aio.ServicerContext
@@ -61,7 +59,7 @@ class NodeAgentServicer(nodeagent_pb2_grpc.NodeAgentServiceServicer):  # type: i
         rid = replica_id_from_name(request.name)
         grace = float(request.grace_period_seconds) if request.grace_period_seconds else None
         replica = await self._manager.drain(rid, grace)
-        return nodeagent_pb2.DrainReplicaResponse(replica=replica.to_proto(self._address()))
+        return nodeagent_pb2.DrainReplicaResponse(replica=replica.to_proto())
 
     async def StopReplica(
         self, request: nodeagent_pb2.StopReplicaRequest, context: grpc.aio.ServicerContext
@@ -69,13 +67,13 @@ class NodeAgentServicer(nodeagent_pb2_grpc.NodeAgentServiceServicer):  # type: i
         rid = replica_id_from_name(request.name)
         grace = float(request.grace_period_seconds) if request.grace_period_seconds else None
         replica = await self._manager.stop(rid, force=request.force, grace_seconds=grace)
-        return nodeagent_pb2.StopReplicaResponse(replica=replica.to_proto(self._address()))
+        return nodeagent_pb2.StopReplicaResponse(replica=replica.to_proto())
 
     async def GetReplica(
         self, request: nodeagent_pb2.GetReplicaRequest, context: grpc.aio.ServicerContext
     ) -> nodeagent_pb2.GetReplicaResponse:
         replica = self._manager.get(replica_id_from_name(request.name))
-        return nodeagent_pb2.GetReplicaResponse(replica=replica.to_proto(self._address()))
+        return nodeagent_pb2.GetReplicaResponse(replica=replica.to_proto())
 
     async def ListReplicas(
         self, request: nodeagent_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -86,7 +84,7 @@ class NodeAgentServicer(nodeagent_pb2_grpc.NodeAgentServiceServicer):  # type: i
         page = replicas[:size]
         more = len(replicas) > size
         return nodeagent_pb2.ListReplicasResponse(
-            replicas=[r.to_proto(self._address()) for r in page],
+            replicas=[r.to_proto() for r in page],
             next_page_token=page[-1].replica_id if more else "",
         )
 

@@ -1,10 +1,12 @@
-"""How the node-agent's control side is assembled; called from `app.build_app`.
+"""How the node-agent is assembled; called from `app.build_app`.
 
 parts = build_node_agent(settings)
 App(..., servicers=[ServicerBinding("inferplane.nodeagent.v1.NodeAgentService",
-                                    parts.servicer, add_NodeAgentServiceServicer_to_server),
-                    ...InferenceService(directory=parts.manager)...],
+                                    parts.servicer, add_NodeAgentServiceServicer_to_server)],
     start=parts.start, drain=parts.drain, stop=parts.stop)
+
+The node-agent serves no InferenceService: each replica process does, on its own port
+(issue 16), and is reported with that address.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.agent.node import Inventory, probe_inventory
 from inferplane.node_agent.agent.registration import Registrar
 from inferplane.node_agent.agent.servicer import NodeAgentServicer
-from inferplane.node_agent.engine.process import LAUNCHER_COMMAND, Spawner
+from inferplane.node_agent.engine.process import (
+    LAUNCHER_COMMAND,
+    REPLICA_COMMAND,
+    ReplicaOptions,
+    Spawner,
+)
 from inferplane.node_agent.engine.supervisor import (
     ClientFactory,
     Clock,
@@ -37,11 +44,25 @@ AGENT_VERSION = "0.1.0"
 
 
 def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
-    """The supervisor's knobs from the node-agent's settings."""
+    """The supervisor's knobs from the node-agent's settings. Replica processes bind the
+    agent's `host` and are reported at `advertise_address`'s host (else `host`); their
+    engines and metrics stay on loopback."""
     return SupervisorConfig(
         data_dir=settings.data_dir.resolve(),
+        replica_command=settings.replica_command or REPLICA_COMMAND,
         engine_command=settings.engine_command or LAUNCHER_COMMAND,
+        replica=ReplicaOptions(
+            telemetry_address=settings.telemetry_address,
+            node_name=settings.node_name or socket.gethostname(),
+            strict_tool_calls=settings.strict_tool_calls,
+            owned_by=settings.owned_by,
+            gc_freeze=settings.gc_freeze,
+            startup_timeout_seconds=settings.engine_startup_timeout_seconds,
+            drain_grace_seconds=settings.replica_drain_grace_seconds,
+        ),
         host="127.0.0.1",
+        replica_host=settings.host,
+        replica_advertise_host=advertised_host(settings),
         startup_timeout_seconds=settings.engine_startup_timeout_seconds,
         health_interval_seconds=settings.engine_health_interval_seconds,
         max_start_attempts=settings.engine_max_start_attempts,
@@ -56,6 +77,13 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
     )
 
 
+def advertised_host(settings: NodeAgentSettings) -> str:
+    """The host part of `advertise_address` (`host:port`, `[v6]:port`); empty when unset."""
+    if not settings.advertise_address:
+        return ""
+    return settings.advertise_address.rsplit(":", 1)[0]
+
+
 def build_replica_manager(
     settings: NodeAgentSettings,
     *,
@@ -63,7 +91,7 @@ def build_replica_manager(
     spawner: Spawner | None = None,
     client_factory: ClientFactory | None = None,
 ) -> ReplicaManager:
-    """The replica supervisor (also the pipeline's `ReplicaDirectory`)."""
+    """The replica supervisor."""
     return ReplicaManager(
         supervisor_config(settings), clock=clock, spawner=spawner, client_factory=client_factory
     )
@@ -74,7 +102,8 @@ class NodeAgentParts:
     """The control side, ready to be put into an `App`.
 
     `bound_port` is set by the composition root once the server is bound (port 0 in tests);
-    it feeds `inference_address` in replica and node reports.
+    it feeds the node's control `address` in node reports (each replica reports its own
+    replica process's `inference_address`).
     """
 
     settings: NodeAgentSettings
@@ -86,6 +115,7 @@ class NodeAgentParts:
     _tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
     def address(self) -> str:
+        """The node-agent's own (NodeAgentService) address, as the orchestrator reaches it."""
         if self.settings.advertise_address:
             return self.settings.advertise_address
         return f"{self.settings.host}:{self.bound_port or self.settings.port}"
@@ -97,7 +127,7 @@ class NodeAgentParts:
             gpus=self.inventory.gpus,
             cpu_count=self.inventory.cpu_count,
             memory_bytes=self.inventory.memory_bytes,
-            replicas=[r.to_proto(self.address()) for r in self.manager.list()],
+            replicas=[r.to_proto() for r in self.manager.list()],
             agent_version=AGENT_VERSION,
         )
 
@@ -114,7 +144,7 @@ class NodeAgentParts:
         await asyncio.gather(*(r.drain(0) for r in self.manager.list()), return_exceptions=True)
 
     async def stop(self) -> None:
-        """The gRPC server stopped: stop every engine and the registration."""
+        """The gRPC server stopped: stop every replica process and the registration."""
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -142,7 +172,7 @@ def build_node_agent(
         inventory=inventory(),
         registrar=None,
     )
-    parts.servicer = NodeAgentServicer(manager, parts.node_status, parts.address)
+    parts.servicer = NodeAgentServicer(manager, parts.node_status)
     if settings.orchestrator_address:
         parts.registrar = Registrar(
             settings.orchestrator_address,

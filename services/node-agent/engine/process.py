@@ -1,8 +1,15 @@
-"""Engine processes: how a replica's engine is launched (`LaunchPlan`) and run (`EngineProcess`).
+"""Replica processes: how a replica is launched (`LaunchPlan`) and run (`EngineProcess`).
 
-Each engine runs as the leader of its own session and process group, with stdout and stderr
-appended to `<data_dir>/replicas/<id>/engine.log`. Stopping signals the whole group, so the
-processes vLLM forks or spawns go too (see `procguard` for the agent-dies-first case).
+Data path v2 (issue 16): each engine replica runs in a replica process of its own
+(`python -m inferplane.node_agent.replica`) that serves `inferplane.inference.v1.InferenceService`,
+`ReplicaProcessService` and gRPC health on one port; on the `http-completions` and `grpc`
+transports it spawns the engine (our launcher, `vllm serve`) as its child, on `inproc` it hosts
+vLLM's `AsyncLLM` itself. The node-agent only starts, health-checks, drains and stops it.
+
+Each replica process runs as the leader of its own session and process group, with stdout and
+stderr appended to `<data_dir>/replicas/<id>/replica.log` (its engine child writes there too).
+Stopping signals the whole group, so the engine and what vLLM forks or spawns go too (see
+`procguard` for the agent-dies-first case).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from google.protobuf import json_format
+
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
@@ -26,13 +35,18 @@ from inferplane.runtime.ports import free_port
 LAUNCHER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "inferplane.node_agent.engine.launcher")
 """The default engine command: our launcher, in this interpreter (and so this venv)."""
 
+REPLICA_COMMAND: tuple[str, ...] = (sys.executable, "-m", "inferplane.node_agent.replica")
+"""The default replica process command, in this interpreter (and so this venv)."""
+
 
 GRPC = "grpc"
 HTTP_COMPLETIONS = "http-completions"
-TRANSPORTS: tuple[str, ...] = (GRPC, HTTP_COMPLETIONS)
+INPROC = "inproc"
+TRANSPORTS: tuple[str, ...] = (GRPC, HTTP_COMPLETIONS, INPROC)
 """How the node-agent reaches an engine (`ReplicaSpec.transport`): `grpc` is vLLM's
 `VllmEngine/Generate` (`vllm serve --grpc`, engine/grpc_client.py); `http-completions` is vLLM's
-own HTTP server, `POST /v1/completions` with token ids (engine/http_client.py)."""
+own HTTP server, `POST /v1/completions` with token ids (engine/http_client.py); `inproc` is
+vLLM's `AsyncLLM` in the replica process itself (engine/inproc.py, issue 16 B)."""
 
 DEFAULT_TRANSPORT = HTTP_COMPLETIONS
 """The transport of a spec that names none: `http-completions`, the faster one measured.
@@ -48,7 +62,7 @@ bench/README.md."""
 
 HTTP_MODE_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
 """vLLM arguments of the HTTP mode: usage carries cached-token counts; no access-log line per
-request (the node-agent records requests itself)."""
+request (the replica process records requests itself)."""
 
 
 def resolve_transport(spec: nodeagent_pb2.ReplicaSpec) -> str:
@@ -65,74 +79,112 @@ def resolve_transport(spec: nodeagent_pb2.ReplicaSpec) -> str:
     return transport
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LaunchPlan:
-    """Everything needed to start one engine process.
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaOptions:
+    """What every replica process of a node gets besides its spec (the replica process's
+    flags of the same names): where it sends one record per request (`telemetry_address`,
+    host:port; empty: none), the node name in those records, tool-call strictness, the owner
+    shown in /v1/models, whether it freezes its start-up heap out of the GC's scans, how long
+    its engine may take to start (seconds) and how long it lets requests in flight finish on
+    SIGTERM (`drain_grace_seconds`; the supervisor drains first, so this only matters for
+    forced stops and the node-agent's own shutdown)."""
 
-    `argv` is the full command line; `env` the variables added to the agent's environment;
-    `grpc_address` (host:port) is where the engine's API server answers once ready: the gRPC
-    service for `grpc`, the HTTP server for `http-completions`; `metrics_url` its Prometheus
-    endpoint (our launcher's for `grpc`, the HTTP server's own `/metrics` otherwise);
+    telemetry_address: str = ""
+    node_name: str = ""
+    strict_tool_calls: bool = False
+    owned_by: str = "inferplane"
+    gc_freeze: bool = False
+    startup_timeout_seconds: float = 180.0
+    drain_grace_seconds: float = 5.0
+
+    def argv(self) -> list[str]:
+        """These options as replica process flags (flags only when set)."""
+        out: list[str] = []
+        if self.telemetry_address:
+            out += ["--telemetry-address", self.telemetry_address]
+        if self.node_name:
+            out += ["--node-name", self.node_name]
+        if self.strict_tool_calls:
+            out.append("--strict-tool-calls")
+        out += ["--owned-by", self.owned_by]
+        if self.gc_freeze:
+            out.append("--gc-freeze")
+        out += ["--startup-timeout-seconds", f"{self.startup_timeout_seconds:g}"]
+        out += ["--drain-grace-seconds", f"{self.drain_grace_seconds:g}"]
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLaunch:
+    """The engine server a replica process spawns on the `http-completions` and `grpc`
+    transports (or a benchmark runs on its own): `argv` is our launcher's full command line
+    (`... launcher <opts> -- serve MODEL ...`), `address` (host:port) where its API server
+    answers once ready (vLLM's HTTP server, or `VllmEngine` for `--grpc`), `metrics_url` its
+    Prometheus endpoint (the HTTP server's own `/metrics`, or the launcher's metrics port)."""
+
+    argv: tuple[str, ...]
+    address: str
+    metrics_url: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """Everything needed to start one replica process.
+
+    `argv` is its full command line (the replica process's flags, then `--` and the engine's
+    command line on `http-completions` / `grpc`); `env` the variables added to the agent's
+    environment (its engine child inherits them); `log_path` gets its stdout and stderr;
+    `spec_json` (the ReplicaSpec as proto JSON) is written to `spec_path` before it starts.
+    `inference_address` (host:port) is the replica process's own port: InferenceService,
+    ReplicaProcessService and gRPC health, the address Envoy and the supervisor reach it at.
+    `engine_address` (host:port, loopback) is where its engine child listens (empty for
+    `inproc`); `metrics_url` where vLLM's Prometheus registry is served (the engine's HTTP
+    server, the launcher's metrics port for `grpc`, the replica process itself for `inproc`).
     `engine_core_niceness` (1..19; 0: none) is what the supervisor gives vLLM's engine core
-    process once the engine is ready, `engine_autogroup_niceness` (1..19; 0: none) what it
-    gives the engine's session autogroup (engine/priority.py).
+    process below the replica once ready, `engine_autogroup_niceness` (1..19; 0: none) what it
+    gives the replica's session autogroup (engine/priority.py).
     """
 
     argv: tuple[str, ...]
     env: Mapping[str, str]
     log_path: Path
-    grpc_address: str
+    spec_path: Path
+    spec_json: str
+    inference_address: str
+    engine_address: str
     metrics_url: str
-    transport: str = GRPC
+    transport: str = HTTP_COMPLETIONS
     engine_core_niceness: int = 0
     engine_autogroup_niceness: int = 0
 
-    @property
-    def client_address(self) -> str:
-        """What the supervisor's client factory gets: `host:port` for gRPC, an
-        `http://host:port` URL for the HTTP transport."""
-        if self.transport == HTTP_COMPLETIONS:
-            return f"http://{self.grpc_address}"
-        return self.grpc_address
 
-
-def plan_launch(
+def plan_engine(
     replica_id: str,
     spec: nodeagent_pb2.ReplicaSpec,
     *,
-    data_dir: Path,
+    transport: str,
+    replica_dir: Path,
     command: Sequence[str] = LAUNCHER_COMMAND,
     host: str = "127.0.0.1",
-    cpu: bool | None = None,
-    cpu_bind: str | None = None,
-    engine_core_niceness: int = 0,
-    engine_autogroup_niceness: int = 0,
-) -> LaunchPlan:
-    """Builds the launcher command line for `spec`, on fresh loopback ports.
+    cpu: bool,
+) -> EngineLaunch:
+    """The engine server's command line for `spec` on `transport` (`http-completions` or
+    `grpc`), on fresh ports of `host`.
 
-    The transport (`resolve_transport`) picks the engine's mode: `vllm serve --grpc` with the
-    launcher serving `/metrics` on a second port, or vLLM's HTTP server (with
-    `--enable-prompt-tokens-details` for cached-token counts and without its per-request
-    access log) whose own `/metrics` is the metrics URL. Either binds `host` only.
+    `vllm serve --grpc` with the launcher serving `/metrics` on a second port, or vLLM's HTTP
+    server (with `--enable-prompt-tokens-details` for cached-token counts and without its
+    per-request access log) whose own `/metrics` is the metrics URL. Either binds `host` only.
     `--dtype` and `--enforce-eager` are passed only when the spec asks (dtype, or
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
-    halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `CUDA_VISIBLE_DEVICES`
-    from `gpu_indices` and `--gpu-memory-utilization` from `gpu_memory_fraction`; CPU nodes
-    get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND` (engine/cpus.py),
-    `engine_core_niceness` and `engine_autogroup_niceness` (engine/priority.py; the supervisor
-    applies them once ready). A `stream_interval` above 1 becomes `--stream-interval`: vLLM's
-    front end then emits one increment per that many tokens, on either transport.
+    halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `--gpu-memory-utilization`
+    from `gpu_memory_fraction`. A `stream_interval` above 1 becomes `--stream-interval`: vLLM's
+    front end then emits one increment per that many tokens.
     """
-    from inferplane.node_agent.engine.launcher import has_nvidia_gpu
-
-    cpu = (not has_nvidia_gpu()) if cpu is None else cpu
-    transport = resolve_transport(spec)
     http = transport == HTTP_COMPLETIONS
-    replica_dir = data_dir / "replicas" / replica_id
-    grpc_port = free_port(host)
+    port = free_port(host)
     extra = list(spec.extra_engine_args)
     if http:
-        metrics_url = f"http://{host}:{grpc_port}/metrics"
+        metrics_url = f"http://{host}:{port}/metrics"
         launcher_opts = []
     else:
         metrics_port = free_port(host)
@@ -153,7 +205,7 @@ def plan_launch(
         "--host",
         host,
         "--port",
-        str(grpc_port),
+        str(port),
         "--served-model-name",
         spec.served_model_name or spec.deployment or replica_id,
     ]
@@ -169,19 +221,102 @@ def plan_launch(
         vllm_args += ["--dtype", spec.dtype]
     if cpu and "--enforce-eager" not in extra and "--no-enforce-eager" not in extra:
         vllm_args.append("--enforce-eager")
+    if not cpu and spec.gpu_memory_fraction:
+        vllm_args += ["--gpu-memory-utilization", f"{spec.gpu_memory_fraction:g}"]
+    return EngineLaunch(
+        argv=(*command, *launcher_opts, "--", *vllm_args, *extra),
+        address=f"{host}:{port}",
+        metrics_url=metrics_url,
+    )
+
+
+def plan_launch(
+    replica_id: str,
+    spec: nodeagent_pb2.ReplicaSpec,
+    *,
+    data_dir: Path,
+    command: Sequence[str] = REPLICA_COMMAND,
+    engine_command: Sequence[str] = LAUNCHER_COMMAND,
+    options: ReplicaOptions = ReplicaOptions(),
+    host: str = "127.0.0.1",
+    replica_host: str = "127.0.0.1",
+    advertise_host: str = "",
+    cpu: bool | None = None,
+    cpu_bind: str | None = None,
+    engine_core_niceness: int = 0,
+    engine_autogroup_niceness: int = 0,
+) -> LaunchPlan:
+    """Builds the replica process's command line for `spec` (`command` then its flags), on
+    fresh ports (`inferplane.runtime.ports.free_port`).
+
+    The replica process binds `replica_host` and is reported at `advertise_host` (default:
+    `replica_host`) as `inference_address`. By transport (`resolve_transport`):
+    `http-completions` / `grpc`: `--engine-address` and, after `--`, the engine's command line
+    (`plan_engine`, `engine_command` on a loopback port of `host`), which the replica process
+    spawns as its child; `inproc`: no engine command line, but the environment set-up flags the
+    launcher would take (`--cache-root`, `--device`, `--kv-cache-bytes`) and
+    `--metrics-port`/`--metrics-host` for vLLM's registry, served by the replica process on
+    `host`; the engine arguments come from the spec file. GPU nodes get `CUDA_VISIBLE_DEVICES`
+    from `gpu_indices`; CPU nodes get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND`
+    (engine/cpus.py), `engine_core_niceness` and `engine_autogroup_niceness`
+    (engine/priority.py; the supervisor applies them once ready). The environment carries this
+    process's pid for the replica process's `procguard.guard_parent`.
+
+    Raises:
+        ValueError: an unknown transport (`resolve_transport`).
+    """
+    from inferplane.node_agent.engine.launcher import has_nvidia_gpu
+
+    cpu = (not has_nvidia_gpu()) if cpu is None else cpu
+    transport = resolve_transport(spec)
+    replica_dir = data_dir / "replicas" / replica_id
+    spec_path = replica_dir / "spec.json"
+    port = free_port(replica_host)
+    argv = [
+        *command,
+        *("--replica-id", replica_id),
+        *("--spec-file", str(spec_path)),
+        *("--host", replica_host),
+        *("--port", str(port)),
+        *("--transport", transport),
+    ]
+    engine_argv: tuple[str, ...] = ()
+    engine_address = ""
+    if transport == INPROC:
+        metrics_port = free_port(host)
+        metrics_url = f"http://{host}:{metrics_port}/metrics"
+        argv += ["--metrics-port", str(metrics_port), "--metrics-host", host]
+        argv += ["--cache-root", str(replica_dir / "cache"), "--device", "cpu" if cpu else "gpu"]
+        if spec.kv_cache_bytes:
+            argv += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
+    else:
+        engine = plan_engine(
+            replica_id,
+            spec,
+            transport=transport,
+            replica_dir=replica_dir,
+            command=engine_command,
+            host=host,
+            cpu=cpu,
+        )
+        engine_argv, engine_address, metrics_url = engine.argv, engine.address, engine.metrics_url
+        argv += ["--engine-address", engine_address]
+    argv += options.argv()
+    if engine_argv:
+        argv += ["--", *engine_argv]
     env: dict[str, str] = {procguard.PARENT_PID_ENV: str(os.getpid())}
     if cpu and cpu_bind:
         env[BIND_ENV] = cpu_bind
-    if not cpu:
-        if spec.gpu_indices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
-        if spec.gpu_memory_fraction:
-            vllm_args += ["--gpu-memory-utilization", f"{spec.gpu_memory_fraction:g}"]
+    if not cpu and spec.gpu_indices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
     return LaunchPlan(
-        argv=(*command, *launcher_opts, "--", *vllm_args, *extra),
+        argv=tuple(argv),
         env=env,
-        log_path=replica_dir / "engine.log",
-        grpc_address=f"{host}:{grpc_port}",
+        log_path=replica_dir / "replica.log",
+        spec_path=spec_path,
+        spec_json=json_format.MessageToJson(spec),
+        inference_address=f"{advertise_host or replica_host}:{port}",
+        engine_address=engine_address,
         metrics_url=metrics_url,
         transport=transport,
         engine_core_niceness=engine_core_niceness if cpu else 0,
@@ -190,7 +325,7 @@ def plan_launch(
 
 
 class EngineHandle(Protocol):
-    """A started engine process (the supervisor's view; tests substitute in-memory ones)."""
+    """A started replica process (the supervisor's view; tests substitute in-memory ones)."""
 
     @property
     def pid(self) -> int: ...
@@ -212,13 +347,13 @@ class EngineHandle(Protocol):
 
 
 class Spawner(Protocol):
-    """Starts engine processes from plans."""
+    """Starts replica processes from plans."""
 
     async def spawn(self, plan: LaunchPlan) -> EngineHandle: ...
 
 
 # Groups started by this process and not yet reaped; atexit kills what is left. A strong set:
-# an engine whose handle was dropped (a start cancelled mid-spawn) must still be found here.
+# a replica whose handle was dropped (a start cancelled mid-spawn) must still be found here.
 _live: set[EngineProcess] = set()
 
 
@@ -231,7 +366,8 @@ atexit.register(_kill_all_live)
 
 
 class EngineProcess:
-    """One engine process tree, led by `pid` (which is also its process group id)."""
+    """One replica process tree (the replica process, its engine and what vLLM starts), led
+    by `pid` (which is also its process group id)."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self._proc = proc
@@ -267,11 +403,16 @@ class EngineProcess:
 
 
 class ProcessSpawner:
-    """Spawns engines as child processes of this one (call from the event loop's thread:
-    PR_SET_PDEATHSIG follows the spawning thread, see `procguard`)."""
+    """Spawns replica processes as child processes of this one (call from the event loop's
+    thread: PR_SET_PDEATHSIG follows the spawning thread, see `procguard`). Writes the plan's
+    spec file first (replaced atomically: a replica restarting never reads half a file)."""
 
     async def spawn(self, plan: LaunchPlan) -> EngineHandle:
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        plan.spec_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = plan.spec_path.with_suffix(".json.tmp")
+        partial.write_text(plan.spec_json)
+        partial.replace(plan.spec_path)
         with open(plan.log_path, "ab") as log:
             log.write(f"--- starting: {' '.join(plan.argv)}\n".encode())
             log.flush()
@@ -303,6 +444,18 @@ def tree_pids(root: int) -> list[int]:
             out.append(pid)
         todo.extend(children.get(pid, []))
     return out
+
+
+def session_leaders(root: int) -> list[int]:
+    """`root` (a replica process, which leads its own session) and every live descendant that
+    leads a session of its own: the engine a replica process spawns does (it leads its own
+    process group), so its autogroup is not the replica's (engine/priority.py)."""
+    leaders = [root]
+    for pid in tree_pids(root)[1:]:
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == pid:
+                leaders.append(pid)
+    return leaders
 
 
 def tree_rss_bytes(root: int) -> int:

@@ -1,21 +1,25 @@
-"""The replica supervisor: starts engine replicas, watches them, restarts them with
-exponential backoff, drains and stops them. Implements `LocalReplica` and `ReplicaDirectory`
-(engine/api.py) for the inference pipeline.
+"""The replica supervisor: starts replica processes, health-checks them, restarts them with
+exponential backoff, drains and stops them. Data path v2 (issue 16): each replica process
+serves InferenceService on its own port (`Replica.inference_address`); no token passes through
+the node-agent.
 
 Lifecycle of a replica (states are `nodeagent.v1.Replica.State`):
 
-    STARTING ──ready──► READY ──engine died / unhealthy──► RESTARTING ──ready──► READY
+    STARTING ──ready──► READY ──process died / unhealthy──► RESTARTING ──ready──► READY
         │                 │                                     │
         │              drain()                     start attempts exhausted
         ▼                 ▼                                     ▼
    (fails: RESTARTING) DRAINING ──stop()──► STOPPED           FAILED
 
-A start attempt succeeds when the engine says healthy (gRPC `HealthCheck`, or `GET /health` on
-the `http-completions` transport: `EngineClient.healthy`) within `startup_timeout_seconds`.
-Failed attempts are retried by tenacity with exponential backoff, at most
-`max_start_attempts` in a row; an engine that was READY for `stable_after_seconds` earns a
-fresh budget when it dies (so a crash-looping engine ends FAILED, a long-lived one restarts).
-Time is read and slept only through the injected `Clock`, so tests run the backoff instantly.
+A start attempt succeeds when the replica process's gRPC health says SERVING (it does once its
+engine is ready: `ReplicaProcessClient.healthy`) within `startup_timeout_seconds`. Once READY,
+the health loop reads `GetReplicaLoad` every `health_interval_seconds`: requests in flight for
+the node's reports, and liveness (`unhealthy_threshold` failed or engine-not-ready answers in a
+row replace the process; gRPC health cannot serve here, it turns NOT_SERVING while draining).
+Failed attempts are retried by tenacity with exponential backoff, at most `max_start_attempts`
+in a row; a replica that was READY for `stable_after_seconds` earns a fresh budget when it
+dies (so a crash-looping replica ends FAILED, a long-lived one restarts). Time is read and
+slept only through the injected `Clock`, so tests run the backoff instantly.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import dataclasses
 import datetime as dt
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -41,30 +47,34 @@ from tenacity import (
     wait_fixed,
 )
 
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EngineClient
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 from inferplane.node_agent.engine.priority import renice_engine_cores, set_autogroup_niceness
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
+    REPLICA_COMMAND,
     EngineHandle,
     LaunchPlan,
     ProcessSpawner,
+    ReplicaOptions,
     Spawner,
     plan_launch,
     resolve_transport,
+    session_leaders,
 )
 from inferplane.runtime import (
     AlreadyExistsError,
     FailedPreconditionError,
     NotFoundError,
-    UnavailableError,
 )
 
 log = structlog.get_logger("inferplane.node_agent.engine")
 
 State = nodeagent_pb2.Replica.State
+
+INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
+"""The gRPC health service name a replica process reports SERVING once its engine is ready."""
 
 
 class Clock(Protocol):
@@ -95,17 +105,26 @@ class SupervisorConfig:
     """Supervision knobs; seconds unless named otherwise.
 
     Backoff before restart attempt n (n ≥ 1) is min(backoff_initial · 2^(n-1), backoff_max)
-    (tenacity `wait_exponential`). `cpu` None: probe for an NVIDIA GPU. On a CPU node each
-    engine rank gets `cpu_cores_per_rank` cores of its own, out of the node's cores less the
-    `cpu_reserved_cores` lowest (engine/cpus.py; fewer when fewer are free, `nobind` when
-    not even one per rank is), and once ready its engine core runs at niceness
-    `cpu_engine_core_niceness` and its session's autogroup at `cpu_engine_autogroup_niceness`
-    (0: left as they are; engine/priority.py).
+    (tenacity `wait_exponential`). `replica_command` starts a replica process,
+    `engine_command` is the engine its `http-completions` / `grpc` replicas spawn (plan_launch).
+    Replica processes bind `replica_host` and are reported at `replica_advertise_host`
+    (empty: `replica_host`); engines and metrics bind `host` (loopback). `replica` holds the
+    flags every replica process gets. `drain_poll_seconds` is how often a drain reads the
+    replica's load. `cpu` None: probe for an NVIDIA GPU. On a CPU node each engine rank gets
+    `cpu_cores_per_rank` cores of its own, out of the node's cores less the
+    `cpu_reserved_cores` lowest (engine/cpus.py; fewer when fewer are free, `nobind` when not
+    even one per rank is), and once ready its engine core runs at niceness
+    `cpu_engine_core_niceness` and the autogroups of the replica process's session and of its
+    engine child's at `cpu_engine_autogroup_niceness` (0: left as they are; engine/priority.py).
     """
 
     data_dir: Path
+    replica_command: tuple[str, ...] = REPLICA_COMMAND
     engine_command: tuple[str, ...] = LAUNCHER_COMMAND
+    replica: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions)
     host: str = "127.0.0.1"
+    replica_host: str = "127.0.0.1"
+    replica_advertise_host: str = ""
     startup_timeout_seconds: float = 180.0
     health_interval_seconds: float = 2.0
     startup_poll_seconds: float = 0.5
@@ -116,6 +135,7 @@ class SupervisorConfig:
     stable_after_seconds: float = 300.0
     stop_timeout_seconds: float = 15.0
     drain_grace_seconds: float = 30.0
+    drain_poll_seconds: float = 0.25
     cpu: bool | None = None
     cpu_cores_per_rank: int = 2
     cpu_reserved_cores: int = 1
@@ -123,12 +143,12 @@ class SupervisorConfig:
     cpu_engine_autogroup_niceness: int = 10
 
 
-class EngineStartError(Exception):
+class ReplicaStartError(Exception):
     """One start attempt failed (exited, timed out, or never became healthy)."""
 
 
-class _EngineDied(Exception):
-    """A READY engine died; `stable` when it had been READY long enough to earn a new budget."""
+class _ReplicaDied(Exception):
+    """A READY replica died; `stable` when it had been READY long enough to earn a new budget."""
 
     def __init__(self, message: str, *, stable: bool) -> None:
         super().__init__(message)
@@ -137,27 +157,117 @@ class _EngineDied(Exception):
 
 def _worth_retrying(exc: BaseException) -> bool:
     # A stable run that died leaves the retry loop and starts a fresh one (a new budget).
-    return isinstance(exc, EngineStartError) or (isinstance(exc, _EngineDied) and not exc.stable)
+    return isinstance(exc, ReplicaStartError) or (isinstance(exc, _ReplicaDied) and not exc.stable)
 
 
-ClientFactory = Callable[[str], EngineClient]
-"""Makes the client of a started engine from `LaunchPlan.client_address`."""
+# --- the replica process's control port ----------------------------------------------------
 
 
-def default_client(address: str) -> EngineClient:
-    """The transport's client: `HttpEngineClient` for an `http://` URL (`http-completions`),
-    `GrpcEngineClient` for `host:port` (`grpc`)."""
-    if address.startswith("http://"):
-        from inferplane.node_agent.engine.http_client import HttpEngineClient
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica process's `GetReplicaLoad` answer: generation requests admitted and not yet
+    ended, whether it is draining (admits nothing new), whether its engine is ready."""
 
-        return HttpEngineClient(address)
-    from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
+    in_flight_requests: int
+    draining: bool
+    engine_ready: bool
 
-    return GrpcEngineClient(address)
+
+class ReplicaControlError(Exception):
+    """The replica process did not answer a control call (unreachable, timed out, failed)."""
+
+
+class ReplicaControl(Protocol):
+    """The supervisor's connection to one replica process (`ReplicaProcessClient`; tests
+    substitute in-memory ones)."""
+
+    async def healthy(self) -> bool:
+        """True when its gRPC health says SERVING (engine ready, not draining); False
+        otherwise, including when it does not answer."""
+        ...
+
+    async def load(self) -> ReplicaLoad:
+        """`GetReplicaLoad`. Raises ReplicaControlError when it does not answer."""
+        ...
+
+    async def start_drain(self) -> int:
+        """`StartReplicaDrain` (idempotent); returns the requests in flight when it started.
+        Raises ReplicaControlError when it does not answer."""
+        ...
+
+    async def close(self) -> None:
+        """Closes the connection."""
+        ...
+
+
+class ReplicaProcessClient:
+    """`ReplicaControl` over grpc.aio: gRPC health (service
+    `inferplane.inference.v1.InferenceService`) and `nodeagent.v1.ReplicaProcessService` at
+    the replica process's `address` (host:port); every call bounded by `timeout_seconds`.
+    Create it on the event loop that uses it."""
+
+    def __init__(self, address: str, *, timeout_seconds: float = 5.0) -> None:
+        self.address = address
+        self._timeout = timeout_seconds
+        self._channel = grpc.aio.insecure_channel(address)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._control = replica_pb2_grpc.ReplicaProcessServiceStub(self._channel)
+
+    async def healthy(self) -> bool:
+        try:
+            answer = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def load(self) -> ReplicaLoad:
+        try:
+            answer = await self._control.GetReplicaLoad(
+                replica_pb2.GetReplicaLoadRequest(), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaControlError(
+                f"GetReplicaLoad at {self.address}: {exc.code().name} {exc.details()}"
+            ) from exc
+        return ReplicaLoad(
+            in_flight_requests=answer.in_flight_requests,
+            draining=answer.draining,
+            engine_ready=answer.engine_ready,
+        )
+
+    async def start_drain(self) -> int:
+        try:
+            answer = await self._control.StartReplicaDrain(
+                replica_pb2.StartReplicaDrainRequest(), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaControlError(
+                f"StartReplicaDrain at {self.address}: {exc.code().name} {exc.details()}"
+            ) from exc
+        return int(answer.in_flight_requests)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+ClientFactory = Callable[[str], ReplicaControl]
+"""Makes the control client of a started replica process from `LaunchPlan.inference_address`."""
+
+
+def default_client(address: str) -> ReplicaControl:
+    """A `ReplicaProcessClient` for `address`."""
+    return ReplicaProcessClient(address)
 
 
 class Replica:
-    """One engine replica on this node (implements `LocalReplica`)."""
+    """One replica process on this node, supervised.
+
+    `inference_address`, `metrics_url` and `pid` describe the current process (set at spawn);
+    `in_flight` is the replica process's last reported count of requests in flight
+    (`GetReplicaLoad`, polled by the health loop and while draining).
+    """
 
     def __init__(
         self,
@@ -186,63 +296,54 @@ class Replica:
         self.start_time: dt.datetime | None = None
         self.ready_time: dt.datetime | None = None
         self.metrics_url = ""
-        self.grpc_address = ""
-        self._engine: EngineClient | None = None
+        self.inference_address = ""
+        self.engine_address = ""
+        self._control: ReplicaControl | None = None
+        self._drain_sent = False  # StartReplicaDrain answered by the current process
         self._handle: EngineHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._draining = False
         self._state_changed = asyncio.Condition()
 
-    # --- LocalReplica -------------------------------------------------------------------
-
     @property
     def replica_id(self) -> str:
+        """The replica id (`replicas/{replica_id}`)."""
         return self._id
 
     @property
     def spec(self) -> nodeagent_pb2.ReplicaSpec:
+        """What the replica runs."""
         return self._spec
 
     @property
-    def engine(self) -> EngineClient:
-        if self._engine is None:
-            raise UnavailableError(f"replica {self._id} has no running engine")
-        return self._engine
-
-    @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Counts one request in flight. Raises UnavailableError unless READY."""
-        if self.state != State.STATE_READY:
-            raise UnavailableError(
-                f"replica {self._id} is {State.Name(self.state)}, not taking requests",
-                reason="REPLICA_NOT_READY",
-            )
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+    def control(self) -> ReplicaControl | None:
+        """The connection to the current replica process (None when none runs)."""
+        return self._control
 
     # --- observation --------------------------------------------------------------------
 
     @property
     def pid(self) -> int:
+        """The replica process's pid (its process group's id), 0 when none runs."""
         handle = self._handle
         return handle.pid if handle is not None and handle.returncode is None else 0
 
-    def to_proto(self, inference_address: str = "") -> nodeagent_pb2.Replica:
-        """The replica as `nodeagent.v1.Replica`."""
+    def to_proto(self) -> nodeagent_pb2.Replica:
+        """The replica as `nodeagent.v1.Replica`: `inference_address` is the replica process's
+        own (empty while none runs), `engine_pid` the replica process's pid (its group holds
+        the engine), `in_flight_requests` the last polled load."""
+        running = bool(self.pid)
         msg = nodeagent_pb2.Replica(
             name=f"replicas/{self._id}",
             spec=self._spec,
             state=self.state,  # type: ignore[arg-type]
-            inference_address=inference_address,
+            inference_address=self.inference_address if running else "",
             engine_pid=self.pid,
             restart_count=self.restart_count,
             last_error=self.last_error,
             in_flight_requests=self.in_flight,
-            metrics_url=self.metrics_url if self.pid else "",
+            metrics_url=self.metrics_url if running else "",
         )
         if self.start_time is not None:
             msg.start_time.FromDatetime(self.start_time)
@@ -251,7 +352,7 @@ class Replica:
         return msg
 
     def _not_ready_state(self, state: int) -> int:
-        # Once draining, an engine that (re)starts must not take new requests again.
+        # Once draining, a replica that (re)starts must not take new requests again.
         return State.STATE_DRAINING if self._draining else state
 
     async def _set_state(self, state: int) -> None:
@@ -304,7 +405,7 @@ class Replica:
                 )
                 try:
                     await retrying(self._run_once)
-                except _EngineDied as died:
+                except _ReplicaDied as died:
                     if self._stopping:
                         return
                     if died.stable:
@@ -315,7 +416,7 @@ class Replica:
                         continue
                     await self._give_up(str(died))
                     return
-                except EngineStartError as exc:
+                except ReplicaStartError as exc:
                     if self._stopping:
                         return
                     await self._give_up(str(exc))
@@ -323,18 +424,18 @@ class Replica:
                 return  # _run_once returned: stopping
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a bug in supervision must not leave an engine unowned
+        except Exception as exc:  # a bug in supervision must not leave a process unowned
             log.exception("supervisor_crashed", replica=self._id)
             await self._give_up(f"supervisor error: {exc!r}")
 
     async def _give_up(self, message: str) -> None:
         self.last_error = message
-        await self._kill_engine()
+        await self._kill_process()
         await self._set_state(State.STATE_FAILED)
 
     async def _before_retry(self, retry_state: RetryCallState) -> None:
         exc = retry_state.outcome.exception() if retry_state.outcome else None
-        self.last_error = str(exc) if exc else "engine failed"
+        self.last_error = str(exc) if exc else "replica process failed"
         self.restart_count += 1
         await self._set_state(self._not_ready_state(State.STATE_RESTARTING))
         log.warning(
@@ -346,44 +447,55 @@ class Replica:
         )
 
     async def _run_once(self) -> None:
-        """Starts an engine, waits until ready, then watches it until it dies or we stop.
+        """Starts a replica process, waits until it is ready, then watches it until it dies
+        or we stop.
 
         Raises:
-            EngineStartError: the engine did not become ready.
-            _EngineDied: the engine died (or stayed unhealthy) after being READY.
+            ReplicaStartError: the replica process did not become ready.
+            _ReplicaDied: the replica process died (or stayed unhealthy) after being READY.
         """
         if self._stopping:
             return
-        await self._kill_engine()
+        await self._kill_process()
         plan = self._planner(self._id, self._spec)
         handle = await self._spawner.spawn(plan)
         self._handle = handle
-        engine = self._client_factory(plan.client_address)
-        self._engine = engine
-        self.grpc_address = plan.grpc_address
+        control = self._client_factory(plan.inference_address)
+        self._control = control
+        self._drain_sent = False
+        self.in_flight = 0
+        self.inference_address = plan.inference_address
+        self.engine_address = plan.engine_address
         self.metrics_url = plan.metrics_url
         log.info(
-            "engine_spawned",
+            "replica_spawned",
             replica=self._id,
             pid=handle.pid,
-            address=plan.grpc_address,
+            address=plan.inference_address,
+            engine_address=plan.engine_address or None,
             transport=plan.transport,
         )
-        await self._wait_ready(handle, engine, plan)
+        await self._wait_ready(handle, control, plan)
         if self._stopping:
             return
+        if self._draining:
+            # Drained before this process came up: it must not admit what Envoy still sends.
+            await self._send_drain(control)
         if plan.engine_core_niceness:
             self._renice_engine_core(handle.pid, plan.engine_core_niceness)
         if plan.engine_autogroup_niceness:
-            await self._renice_engine_autogroup(handle.pid, plan.engine_autogroup_niceness)
+            # The replica's own session (its front; for inproc also vLLM's engine core and
+            # workers) and its engine child's, which leads a session of its own.
+            for leader in session_leaders(handle.pid):
+                await self._renice_engine_autogroup(leader, plan.engine_autogroup_niceness)
         self.ready_time = self._clock.now()
         ready_at = self._clock.monotonic()
         await self._set_state(self._not_ready_state(State.STATE_READY))
-        reason = await self._watch(handle, engine)
+        reason = await self._watch(handle, control)
         if self._stopping:
             return
         stable = self._clock.monotonic() - ready_at >= self._config.stable_after_seconds
-        raise _EngineDied(reason, stable=stable)
+        raise _ReplicaDied(reason, stable=stable)
 
     def _renice_engine_core(self, pid: int, niceness: int) -> None:
         """Gives the engine core below `pid` `niceness` (engine/priority.py). A failure costs
@@ -418,26 +530,27 @@ class Replica:
             log.info("engine_autogroup_reniced", replica=self._id, pid=pid, niceness=niceness)
 
     async def _wait_ready(
-        self, handle: EngineHandle, engine: EngineClient, plan: LaunchPlan
+        self, handle: EngineHandle, control: ReplicaControl, plan: LaunchPlan
     ) -> None:
         deadline = self._clock.monotonic() + self._config.startup_timeout_seconds
         while not self._stopping:
             if handle.returncode is not None:
-                raise EngineStartError(
-                    f"engine exited with code {handle.returncode} while starting "
+                raise ReplicaStartError(
+                    f"replica process exited with code {handle.returncode} while starting "
                     f"(see {plan.log_path})"
                 )
-            if await engine.healthy():
+            if await control.healthy():
                 return
             if self._clock.monotonic() >= deadline:
-                raise EngineStartError(
-                    f"engine not healthy after {self._config.startup_timeout_seconds:g} s "
-                    f"(see {plan.log_path})"
+                raise ReplicaStartError(
+                    f"replica process not healthy after "
+                    f"{self._config.startup_timeout_seconds:g} s (see {plan.log_path})"
                 )
             await self._clock.sleep(self._config.startup_poll_seconds)
 
-    async def _watch(self, handle: EngineHandle, engine: EngineClient) -> str:
-        """Returns why the engine is no longer usable (or "" when stopping)."""
+    async def _watch(self, handle: EngineHandle, control: ReplicaControl) -> str:
+        """Polls the replica's load every health interval; returns why the replica process
+        is no longer usable (or "" when stopping)."""
         exited = asyncio.ensure_future(handle.wait())
         try:
             failures = 0
@@ -448,47 +561,82 @@ class Replica:
                 done, _ = await asyncio.wait({exited, sleeper}, return_when=asyncio.FIRST_COMPLETED)
                 if exited in done:
                     sleeper.cancel()
-                    return f"engine exited with code {exited.result()}"
+                    return f"replica process exited with code {exited.result()}"
                 if self._stopping:
                     return ""
-                if await engine.healthy():
+                if await self._poll_load(control):
                     failures = 0
                     continue
                 failures += 1
                 if failures >= self._config.unhealthy_threshold:
-                    return f"engine unhealthy for {failures} consecutive checks"
+                    return f"replica process unhealthy for {failures} consecutive checks"
             return ""
         finally:
             if not exited.done():
                 exited.cancel()
 
-    async def _kill_engine(self) -> None:
-        handle, engine = self._handle, self._engine
+    async def _poll_load(self, control: ReplicaControl) -> bool:
+        """Reads the load into `in_flight` (and re-sends a drain that did not get through);
+        True when the replica process answered with its engine ready."""
+        if self._draining and not self._drain_sent:
+            await self._send_drain(control)
+        try:
+            load = await control.load()
+        except ReplicaControlError as exc:
+            log.warning("replica_load_failed", replica=self._id, error=str(exc))
+            return False
+        if control is self._control:  # not a process that was replaced meanwhile
+            self.in_flight = load.in_flight_requests
+        return load.engine_ready
+
+    async def _send_drain(self, control: ReplicaControl) -> None:
+        try:
+            in_flight = await control.start_drain()
+        except ReplicaControlError as exc:
+            # Retried at the next poll; meanwhile the replica may still admit requests.
+            log.warning("replica_drain_failed", replica=self._id, error=str(exc))
+            return
+        if control is self._control:
+            self._drain_sent = True
+            self.in_flight = in_flight
+
+    async def _kill_process(self) -> None:
+        handle, control = self._handle, self._control
         self._handle = None
-        self._engine = None
-        if engine is not None:
+        self._control = None
+        if control is not None:
             with contextlib.suppress(Exception):
-                await engine.close()
+                await control.close()
         if handle is not None:
             await handle.stop(self._config.stop_timeout_seconds)
+        self.in_flight = 0
         self._release(self._id)  # the engine's cores (planned before it spawned) go back
 
     async def drain(self, grace_seconds: float) -> bool:
-        """Stops admitting requests (DRAINING) and waits up to `grace_seconds` (clock time)
-        for those in flight. Returns True when none is left."""
+        """Stops admitting requests: DRAINING here, `StartReplicaDrain` on the replica process
+        (which turns its health NOT_SERVING and refuses new requests); then polls its load
+        every `drain_poll_seconds` until no request is in flight or `grace_seconds` (clock
+        time) have passed. Returns True when none is left. A replica process that is not up
+        yet is drained once it is."""
         if self.state in (State.STATE_STOPPED, State.STATE_FAILED):
             return self.in_flight == 0
         self._draining = True
         await self._set_state(State.STATE_DRAINING)
         deadline = self._clock.monotonic() + grace_seconds
-        while self.in_flight and self._clock.monotonic() < deadline:
-            # Polling through the clock keeps fake-clock tests instant; 50 ms is well below
-            # any grace period.
-            await self._clock.sleep(min(0.05, deadline - self._clock.monotonic()))
-        return self.in_flight == 0
+        while True:
+            control = self._control
+            if control is None:  # no process (restarting): nothing in flight
+                self.in_flight = 0
+                return True
+            await self._poll_load(control)
+            remaining = deadline - self._clock.monotonic()
+            if not self.in_flight or remaining <= 0:
+                return self.in_flight == 0
+            await self._clock.sleep(min(self._config.drain_poll_seconds, remaining))
 
     async def stop(self, *, force: bool = False, grace_seconds: float | None = None) -> None:
-        """Drains (unless `force`), then stops the engine group: SIGTERM, SIGKILL after
+        """Drains (unless `force`), then stops the replica process's group: SIGTERM (the
+        replica process drains for its own `--drain-grace-seconds` and exits), SIGKILL after
         `stop_timeout_seconds`. Ends STOPPED. Idempotent."""
         if self.state == State.STATE_STOPPED and self._handle is None:
             return
@@ -501,17 +649,17 @@ class Replica:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._kill_engine()
+        await self._kill_process()
         await self._set_state(State.STATE_STOPPED)
 
     def kill_now(self) -> None:
-        """SIGKILLs the engine group synchronously (process exit paths)."""
+        """SIGKILLs the replica process group synchronously (process exit paths)."""
         if self._handle is not None:
             self._handle.kill()
 
 
 class ReplicaManager:
-    """The replicas of this node (implements `ReplicaDirectory`)."""
+    """The replicas of this node, by id."""
 
     def __init__(
         self,
@@ -524,9 +672,9 @@ class ReplicaManager:
         cores: CpuCorePool | None = None,
         environ: Mapping[str, str] = os.environ,
     ) -> None:
-        """`planner` replaces `plan_launch` (tests); `cores` the pool of this node's cores;
-        `environ` is the environment engines inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND`
-        there is left alone)."""
+        """`client_factory` replaces `ReplicaProcessClient` and `planner` `plan_launch`
+        (tests); `cores` is the pool of this node's cores; `environ` is the environment replica
+        processes inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND` there is left alone)."""
         self.config = config
         self._clock = clock or SystemClock()
         self._spawner = spawner or ProcessSpawner()
@@ -548,32 +696,17 @@ class ReplicaManager:
             replica_id,
             spec,
             data_dir=self.config.data_dir,
-            command=self.config.engine_command,
+            command=self.config.replica_command,
+            engine_command=self.config.engine_command,
+            options=self.config.replica,
             host=self.config.host,
+            replica_host=self.config.replica_host,
+            advertise_host=self.config.replica_advertise_host,
             cpu=cpu,
             cpu_bind=bind,
             engine_core_niceness=self.config.cpu_engine_core_niceness,
             engine_autogroup_niceness=self.config.cpu_engine_autogroup_niceness,
         )
-
-    # --- ReplicaDirectory ---------------------------------------------------------------
-
-    def ready_replicas(self, model: str) -> Sequence[Replica]:
-        ready = [
-            r
-            for r in self._replicas.values()
-            if r.state == State.STATE_READY
-            and model in (r.spec.served_model_name, r.spec.deployment)
-        ]
-        return sorted(ready, key=lambda r: (r.in_flight, r.replica_id))
-
-    def known_models(self) -> Sequence[nodeagent_pb2.ReplicaSpec]:
-        seen: dict[str, nodeagent_pb2.ReplicaSpec] = {}
-        for r in sorted(self._replicas.values(), key=lambda r: r.replica_id):
-            if r.state in (State.STATE_STOPPED, State.STATE_FAILED):
-                continue
-            seen.setdefault(r.spec.served_model_name or r.spec.deployment, r.spec)
-        return list(seen.values())
 
     # --- management ---------------------------------------------------------------------
 
@@ -636,7 +769,13 @@ class ReplicaManager:
             return replica
 
     async def drain(self, replica_id: str, grace_seconds: float | None = None) -> Replica:
-        """Puts a replica into DRAINING and returns at once; in-flight requests keep running."""
+        """Puts a replica into DRAINING and returns at once; in-flight requests keep running
+        and the drain (`Replica.drain`) keeps polling the replica's load for `grace_seconds`.
+
+        Raises:
+            NotFoundError: an unknown id.
+            FailedPreconditionError: the replica is STOPPED or FAILED.
+        """
         replica = self.get(replica_id)
         grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
         if replica.state in (State.STATE_STOPPED, State.STATE_FAILED):
@@ -665,6 +804,6 @@ class ReplicaManager:
         )
 
     def kill_all(self) -> None:
-        """SIGKILLs every engine group now (synchronous)."""
+        """SIGKILLs every replica process group now (synchronous)."""
         for replica in self._replicas.values():
             replica.kill_now()

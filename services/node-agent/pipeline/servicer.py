@@ -1,9 +1,20 @@
-"""inferplane.inference.v1.InferenceService for the replicas of this node.
+"""inferplane.inference.v1.InferenceService: render → generate → parse → chunks → SSE.
 
-Proto ⇄ pipeline only: validation and rendering live in `requests`, generation in `generate`,
-message shapes in `chunks`. Errors are raised as `InferplaneError`s; the runtime's
-`ErrorInterceptor` turns them into gRPC status and OpenAI trailers. The `*Events` SSE methods
-belong to the router and stay UNIMPLEMENTED here.
+Served by each replica process over its one replica (issue 16 B) and, until the supervisor
+moves, by the node-agent over its replicas. Proto ⇄ pipeline only: validation and rendering
+live in `requests`, generation in `generate`, message shapes in `chunks`, SSE framing in `sse`.
+
+Every RPC runs through one template (`_serve`): pick the replica, admit, produce messages, and
+end the response with trailing metadata summarising it (`inferplane.wire.ResponseSummary`:
+usage, finish reason, TTFT, replica, error code), which the endpoint picker reads from Envoy
+instead of the body. Errors are `InferplaneError`s; the template aborts with the runtime's
+`error_trailers` plus the summary (the runtime's `ErrorInterceptor` would replace trailers set
+before it aborts), and anything unexpected becomes a generic INTERNAL the same way.
+
+Messages are produced lazily: grpc.aio pulls the next one only after the previous one is
+written, so while the writer is busy the engine's increments wait, and the next message carries
+all of them (AsyncLLM's output collector merges DELTA outputs the consumer has not taken; see
+`coalesce` for the transports that need help). `StreamMetrics` counts messages per request.
 """
 
 from __future__ import annotations
@@ -11,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import structlog
+from google.api import httpbody_pb2
+from prometheus_client import CollectorRegistry, Histogram
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
@@ -27,7 +41,7 @@ from inferplane.node_agent.engine.api import (
 )
 from inferplane.node_agent.pipeline import chunks
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache
-from inferplane.node_agent.pipeline.generate import Generation
+from inferplane.node_agent.pipeline.generate import Generation, Step
 from inferplane.node_agent.pipeline.outcome import (
     Clock,
     OutcomeSink,
@@ -35,14 +49,17 @@ from inferplane.node_agent.pipeline.outcome import (
     SystemClock,
     discard_outcome,
 )
-from inferplane.node_agent.pipeline.requests import ChatPlan, plan_chat, plan_completion
+from inferplane.node_agent.pipeline.requests import plan_chat, plan_completion
+from inferplane.node_agent.pipeline.sse import sse_bodies
 from inferplane.parsers import ToolCallVerdict, ToolValidator
 from inferplane.runtime import (
     InferplaneError,
     InternalError,
     NotFoundError,
     UnavailableError,
+    error_trailers,
 )
+from inferplane.wire import ResponseSummary, chunk_to_json, completion_chunk_to_json
 
 log = structlog.get_logger("inferplane.node_agent.pipeline")
 
@@ -51,19 +68,39 @@ REPLICA_METADATA_KEY = "x-inferplane-replica"
 REQUEST_ID_METADATA_KEY = "x-request-id"
 
 Context = Any  # grpc.aio.ServicerContext
+M = TypeVar("M")
+Body = Callable[[LocalReplica, ModelAssets], AsyncIterator[Any]]
 
 
 def _new_id() -> str:
     return uuid.uuid4().hex
 
 
+class StreamMetrics:
+    """Messages written per streamed request (`inferplane_replica_stream_messages`, a
+    histogram by api and framing: its `_sum / _count` is the benchmark's messages per request).
+    A stream that keeps up gets one message per engine step; fewer, fuller ones mean the
+    writer was busy and deltas were coalesced."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.messages = Histogram(
+            "inferplane_replica_stream_messages",
+            "gRPC messages written per streamed request (role and usage chunks included).",
+            ["api", "framing"],
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+        )
+
+
 class _Tracker:
-    """Collects one request's outcome and hands it to the sink after the response."""
+    """Collects one request's outcome: the summary trailers and the telemetry record."""
 
     __slots__ = (
         "api",
         "code",
+        "framing",
         "gen",
+        "messages",
         "model",
         "replica",
         "started",
@@ -75,20 +112,55 @@ class _Tracker:
     def __init__(self, api: str, stream: bool, model: str, started: float) -> None:
         self.api = api
         self.stream = stream
+        self.framing = "typed" if stream else "unary"
         self.model = model
         self.started = started
         self.replica = ""
         self.status = "ok"
         self.code = ""
+        self.messages = 0
         self.gen: Generation | None = None
         self.verdicts: tuple[ToolCallVerdict, ...] = ()
 
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, InferplaneError):
+            self.status, self.code = "error", exc.code
+        elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            self.status = "cancelled"
+        else:
+            self.status, self.code = "error", "internal_error"
+
+    def summary(self) -> ResponseSummary:
+        """The trailers' view: finish_reason "error" once output had started and the request
+        failed (an SSE error event or an error status mid-stream), "abort" for a client gone."""
+        gen = self.gen
+        if self.status == "cancelled":
+            finish = "abort"
+        elif self.status == "error":
+            finish = "error" if gen is not None and gen.started_output else ""
+        else:
+            finish = (gen.finish_reason or "") if gen is not None else ""
+        if gen is None:
+            return ResponseSummary(
+                replica_id=self.replica, finish_reason=finish, error_code=self.code
+            )
+        return ResponseSummary(
+            replica_id=self.replica,
+            prompt_tokens=gen.prompt_tokens,
+            completion_tokens=gen.completion_tokens,
+            cached_tokens=gen.cached_tokens,
+            reasoning_tokens=gen.reasoning_tokens,
+            finish_reason=finish,
+            ttft_seconds=gen.ttft_seconds or 0.0,
+            error_code=self.code,
+        )
+
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
-    """Serves chat and text completions on this node's replicas, and their model list.
+    """Serves chat and text completions (typed or SSE) on replicas, and their model list.
 
     Args:
-        directory: finds READY replicas per model (the engine supervisor's view).
+        directory: finds READY replicas per model (a replica process: its one replica).
         assets: model assets (tokenizer, parser, eos ids, context length) per model source.
         clock: time source for `created` and latencies.
         on_outcome: receives a `RequestOutcome` per request, after the response (default:
@@ -97,6 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             the request with an error instead of being returned as OpenAI would return it.
         owned_by: `owned_by` of ListModels entries.
         new_id: returns a fresh unique id (hex) for completion and engine request ids.
+        metrics: counts messages per streamed request (None: not counted).
     """
 
     def __init__(
@@ -109,6 +182,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         strict_tool_calls: bool = False,
         owned_by: str = "inferplane",
         new_id: Callable[[], str] = _new_id,
+        metrics: StreamMetrics | None = None,
     ) -> None:
         self._directory = directory
         self._assets = assets
@@ -117,7 +191,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self._strict = strict_tool_calls
         self._owned_by = owned_by
         self._new_id = new_id
-        # The spec carries no creation time for a model; the agent's start is stable for its
+        self._metrics = metrics
+        # The spec carries no creation time for a model; the process start is stable for its
         # lifetime (see the pipeline README: a contract addition would fix this).
         self._created = int(self._clock.time())
 
@@ -127,155 +202,205 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self, request: pb.CreateChatCompletionRequest, context: Context
     ) -> pb.CreateChatCompletionResponse:
         """A chat completion, whole (usage always included)."""
-        req = request.request
-        track = _Tracker("chat", False, req.model, self._clock.monotonic())
-        try:
-            replica, assets = await self._replica(req.model, context, track)
-            plan = plan_chat(req, assets)
-            gen = self._chat_generation(replica, assets, plan, "chatcmpl-", track)
-            async with replica.admit(), aclosing(gen.steps()) as steps:
-                try:
-                    async for _ in steps:
-                        pass
-                except EngineError as exc:
-                    raise _engine_failed(exc) from exc
-            result = gen.result()
-            track.verdicts = self._validate(plan, result.tool_calls)
-            return chunks.chat_completion(
-                gen.request_id,
-                int(self._clock.time()),
-                replica.spec.served_model_name,
-                replica.spec.revision,
-                result,
-                gen.finish_reason or "stop",
-                _usage(gen),
-            )
-        except BaseException as exc:
-            _failed(track, exc)
-            raise
-        finally:
-            self._emit(track, context)
+        track = self._track("chat", False, request.request.model)
+        body = partial(self._chat_whole, request.request, track)
+        return await _only(self._serve(track, context, body))
 
     async def StreamChatCompletion(
         self, request: pb.StreamChatCompletionRequest, context: Context
     ) -> AsyncIterator[pb.StreamChatCompletionResponse]:
         """A chat completion as typed chunks; a failure after the first chunk ends the stream
         with an error status (never a silent truncation)."""
-        req = request.request
-        track = _Tracker("chat", True, req.model, self._clock.monotonic())
-        try:
-            replica, assets = await self._replica(req.model, context, track)
-            plan = plan_chat(req, assets)
-            gen = self._chat_generation(replica, assets, plan, "chatcmpl-", track)
-            out = chunks.ChatChunks(
-                gen.request_id,
-                int(self._clock.time()),
-                replica.spec.served_model_name,
-                replica.spec.revision,
-            )
-            async with replica.admit(), aclosing(gen.steps()) as steps:
-                first = True
-                try:
-                    async for step in steps:
-                        if first:
-                            first = False
-                            yield out.role()
-                        if step.finish_reason is not None and self._strict:
-                            track.verdicts = self._validate(plan, gen.result().tool_calls)
-                        if not step.empty:
-                            yield out.step(step)
-                except EngineError as exc:
-                    raise _engine_failed(exc) from exc
-            if not self._strict:
-                track.verdicts = self._validate(plan, gen.result().tool_calls)
-            if plan.include_usage:
-                yield out.usage(_usage(gen))
-        except BaseException as exc:
-            _failed(track, exc)
-            raise
-        finally:
-            self._emit(track, context)
+        track = self._track("chat", True, request.request.model)
+        body = partial(self._chat_chunks, request.request, track)
+        async for chunk in self._serve(track, context, body):
+            yield chunk
+
+    async def StreamChatCompletionEvents(
+        self, request: pb.StreamChatCompletionEventsRequest, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """A chat completion as OpenAI's SSE bytes (`pipeline/sse.py`): a failure after the
+        first byte ends the stream with an error event and status OK."""
+        track = self._track("chat", True, request.request.model)
+        typed = partial(self._chat_chunks, request.request, track)
+        body = partial(self._events, typed, chunk_to_json, track)
+        async for message in self._serve(track, context, body):
+            yield message
 
     async def CreateCompletion(
         self, request: pb.CreateCompletionRequest, context: Context
     ) -> pb.CreateCompletionResponse:
         """A text completion, whole (no chat template, no parsing)."""
-        req = request.request
-        track = _Tracker("completion", False, req.model, self._clock.monotonic())
-        try:
-            replica, assets = await self._replica(req.model, context, track)
-            plan = plan_completion(req, assets)
-            gen = self._completion_generation(replica, assets, plan.prompt_ids, plan, track)
-            async with replica.admit(), aclosing(gen.steps()) as steps:
-                try:
-                    async for _ in steps:
-                        pass
-                except EngineError as exc:
-                    raise _engine_failed(exc) from exc
-            return chunks.completion(
-                gen.request_id,
-                int(self._clock.time()),
-                replica.spec.served_model_name,
-                replica.spec.revision,
-                plan.echo_text + gen.result().content,
-                gen.finish_reason or "stop",
-                _usage(gen),
-            )
-        except BaseException as exc:
-            _failed(track, exc)
-            raise
-        finally:
-            self._emit(track, context)
+        track = self._track("completion", False, request.request.model)
+        body = partial(self._completion_whole, request.request, track)
+        return await _only(self._serve(track, context, body))
 
     async def StreamCompletion(
         self, request: pb.StreamCompletionRequest, context: Context
     ) -> AsyncIterator[pb.StreamCompletionResponse]:
         """A text completion as typed chunks."""
-        req = request.request
-        track = _Tracker("completion", True, req.model, self._clock.monotonic())
-        try:
-            replica, assets = await self._replica(req.model, context, track)
-            plan = plan_completion(req, assets)
-            gen = self._completion_generation(replica, assets, plan.prompt_ids, plan, track)
-            out = chunks.CompletionChunks(
-                gen.request_id,
-                int(self._clock.time()),
-                replica.spec.served_model_name,
-                replica.spec.revision,
-            )
-            async with replica.admit(), aclosing(gen.steps()) as steps:
-                first = True
-                try:
-                    async for step in steps:
-                        text = step.content
-                        if first:
-                            first = False
-                            text = plan.echo_text + text
-                        if text or step.finish_reason is not None:
-                            yield out.text(text, step.finish_reason)
-                except EngineError as exc:
-                    raise _engine_failed(exc) from exc
-            if plan.include_usage:
-                yield out.usage(_usage(gen))
-        except BaseException as exc:
-            _failed(track, exc)
-            raise
-        finally:
-            self._emit(track, context)
-
-    async def StreamChatCompletionEvents(
-        self, request: pb.StreamChatCompletionEventsRequest, context: Context
-    ) -> AsyncIterator[Any]:
-        """SSE bytes are the router's job (it owns the edge-facing stream): UNIMPLEMENTED."""
-        raise NotImplementedError
-        yield  # pragma: no cover - makes this an async generator like the other streams
+        track = self._track("completion", True, request.request.model)
+        body = partial(self._completion_chunks, request.request, track)
+        async for chunk in self._serve(track, context, body):
+            yield chunk
 
     async def StreamCompletionEvents(
         self, request: pb.StreamCompletionEventsRequest, context: Context
-    ) -> AsyncIterator[Any]:
-        """SSE bytes are the router's job: UNIMPLEMENTED."""
-        raise NotImplementedError
-        yield  # pragma: no cover - makes this an async generator like the other streams
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """A text completion as OpenAI's SSE bytes (see StreamChatCompletionEvents)."""
+        track = self._track("completion", True, request.request.model)
+        typed = partial(self._completion_chunks, request.request, track)
+        body = partial(self._events, typed, completion_chunk_to_json, track)
+        async for message in self._serve(track, context, body):
+            yield message
+
+    # -- the request template --------------------------------------------------------------
+
+    def _track(self, api: str, stream: bool, model: str) -> _Tracker:
+        return _Tracker(api, stream, model, self._clock.monotonic())
+
+    async def _serve(self, track: _Tracker, context: Context, body: Body) -> AsyncIterator[Any]:
+        """The one template of every generation RPC: replica → admit → `body`'s messages →
+        summary trailers → outcome record. Failures end the RPC with their status, the
+        OpenAI trailers and the summary; a client gone leaves a summary with "abort"."""
+        try:
+            replica, assets = await self._replica(track.model, context, track)
+            async with replica.admit(), aclosing(body(replica, assets)) as messages:
+                async for message in messages:
+                    track.messages += 1
+                    yield message
+        except InferplaneError as exc:
+            track.fail(exc)
+            await self._abort(context, track, exc)
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            track.fail(exc)
+            _set_trailers(context, track.summary())
+            raise
+        except Exception as exc:
+            log.exception("request_failed_unexpectedly", api=track.api, exc_info=exc)
+            error = InternalError("internal error; the request was not completed")
+            track.fail(error)
+            await self._abort(context, track, error)
+        else:
+            _set_trailers(context, track.summary())
+        finally:
+            if self._metrics is not None and track.stream:
+                self._metrics.messages.labels(track.api, track.framing).observe(track.messages)
+            self._emit(track, context)
+
+    async def _abort(self, context: Context, track: _Tracker, exc: InferplaneError) -> None:
+        log.info("rpc_error", api=track.api, code=exc.status.name, reason=exc.reason)
+        await context.abort(
+            exc.status,
+            exc.message,
+            trailing_metadata=(*error_trailers(exc), *track.summary().to_metadata()),
+        )
+
+    # -- message producers (the bodies the template runs) -----------------------------------
+
+    async def _chat_chunks(
+        self,
+        req: pb.ChatCompletionRequest,
+        track: _Tracker,
+        replica: LocalReplica,
+        assets: ModelAssets,
+    ) -> AsyncIterator[pb.StreamChatCompletionResponse]:
+        plan = plan_chat(req, assets)
+        gen = self._generation(replica, assets, plan, "chatcmpl-", track, chat=True)
+        out = chunks.ChatChunks(
+            gen.request_id,
+            int(self._clock.time()),
+            replica.spec.served_model_name,
+            replica.spec.revision,
+        )
+        first = True
+        async with aclosing(_steps(gen)) as steps:
+            async for step in steps:
+                if first:
+                    first = False
+                    yield out.role()
+                if step.finish_reason is not None and self._strict:
+                    track.verdicts = self._validate(plan.tools, gen.result().tool_calls)
+                if not step.empty:
+                    yield out.step(step)
+        if not self._strict:
+            track.verdicts = self._validate(plan.tools, gen.result().tool_calls)
+        if plan.include_usage:
+            yield out.usage(_usage(gen))
+
+    async def _chat_whole(
+        self,
+        req: pb.ChatCompletionRequest,
+        track: _Tracker,
+        replica: LocalReplica,
+        assets: ModelAssets,
+    ) -> AsyncIterator[pb.CreateChatCompletionResponse]:
+        plan = plan_chat(req, assets)
+        gen = self._generation(replica, assets, plan, "chatcmpl-", track, chat=True)
+        await _drain(gen)
+        result = gen.result()
+        track.verdicts = self._validate(plan.tools, result.tool_calls)
+        yield chunks.chat_completion(
+            gen.request_id,
+            int(self._clock.time()),
+            replica.spec.served_model_name,
+            replica.spec.revision,
+            result,
+            gen.finish_reason or "stop",
+            _usage(gen),
+        )
+
+    async def _completion_chunks(
+        self, req: pb.CompletionRequest, track: _Tracker, replica: LocalReplica, assets: ModelAssets
+    ) -> AsyncIterator[pb.StreamCompletionResponse]:
+        plan = plan_completion(req, assets)
+        gen = self._generation(replica, assets, plan, "cmpl-", track, chat=False)
+        out = chunks.CompletionChunks(
+            gen.request_id,
+            int(self._clock.time()),
+            replica.spec.served_model_name,
+            replica.spec.revision,
+        )
+        first = True
+        async with aclosing(_steps(gen)) as steps:
+            async for step in steps:
+                text = step.content
+                if first:
+                    first = False
+                    text = plan.echo_text + text
+                if text or step.finish_reason is not None:
+                    yield out.text(text, step.finish_reason)
+        if plan.include_usage:
+            yield out.usage(_usage(gen))
+
+    async def _completion_whole(
+        self, req: pb.CompletionRequest, track: _Tracker, replica: LocalReplica, assets: ModelAssets
+    ) -> AsyncIterator[pb.CreateCompletionResponse]:
+        plan = plan_completion(req, assets)
+        gen = self._generation(replica, assets, plan, "cmpl-", track, chat=False)
+        await _drain(gen)
+        yield chunks.completion(
+            gen.request_id,
+            int(self._clock.time()),
+            replica.spec.served_model_name,
+            replica.spec.revision,
+            plan.echo_text + gen.result().content,
+            gen.finish_reason or "stop",
+            _usage(gen),
+        )
+
+    def _events(
+        self,
+        typed: Body,
+        to_json: Callable[[Any], bytes],
+        track: _Tracker,
+        replica: LocalReplica,
+        assets: ModelAssets,
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """`typed`'s chunks as SSE bodies; a failure after the first byte is recorded on
+        `track` (the summary and the record say error) and becomes the stream's error event."""
+        track.framing = "sse"
+        return sse_bodies(typed(replica, assets), to_json, on_error=track.fail)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: Context
@@ -333,55 +458,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         track.model = replica.spec.served_model_name or model
         return replica, await self._assets.get(replica.spec)
 
-    def _chat_generation(
+    def _generation(
         self,
         replica: LocalReplica,
         assets: ModelAssets,
-        plan: ChatPlan,
+        plan: Any,
         prefix: str,
         track: _Tracker,
+        *,
+        chat: bool,
     ) -> Generation:
         gen = Generation(
             engine=replica.engine,
             request_id=prefix + self._new_id(),
-            prompt_ids=plan.prompt.token_ids,
+            prompt_ids=plan.prompt.token_ids if chat else plan.prompt_ids,
             params=with_stream_floor(plan.params, replica.spec.stream_interval),
             backend=assets.backend,
             stop_token_ids=assets.eos_token_ids,
-            parser=assets.parser,
-            thinking=plan.prompt.thinking,
-            history_tool_calls=plan.history_tool_calls,
-            tool_calls_allowed=plan.tool_calls_allowed,
+            parser=assets.parser if chat else None,
+            thinking=plan.prompt.thinking if chat else False,
+            history_tool_calls=plan.history_tool_calls if chat else 0,
+            tool_calls_allowed=plan.tool_calls_allowed if chat else True,
             clock=self._clock,
             started=track.started,
         )
         track.gen = gen
         return gen
 
-    def _completion_generation(
-        self,
-        replica: LocalReplica,
-        assets: ModelAssets,
-        prompt_ids: list[int],
-        plan: Any,
-        track: _Tracker,
-    ) -> Generation:
-        gen = Generation(
-            engine=replica.engine,
-            request_id="cmpl-" + self._new_id(),
-            prompt_ids=prompt_ids,
-            params=with_stream_floor(plan.params, replica.spec.stream_interval),
-            backend=assets.backend,
-            stop_token_ids=assets.eos_token_ids,
-            parser=None,
-            thinking=False,
-            clock=self._clock,
-            started=track.started,
-        )
-        track.gen = gen
-        return gen
-
-    def _validate(self, plan: ChatPlan, calls: Any) -> tuple[ToolCallVerdict, ...]:
+    def _validate(self, tools: Sequence[Any], calls: Any) -> tuple[ToolCallVerdict, ...]:
         """Verdicts on the response's tool calls; in strict mode an invalid call is an error.
 
         Raises:
@@ -390,7 +494,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         """
         if not calls:
             return ()
-        verdicts = tuple(ToolValidator(plan.tools).validate(calls))
+        verdicts = tuple(ToolValidator(tools).validate(calls))
         bad = [v for v in verdicts if not v.valid]
         if bad and self._strict:
             detail = "; ".join(f"call {v.index} ({v.name}): {v.reason}: {v.message}" for v in bad)
@@ -438,20 +542,43 @@ def with_stream_floor(params: SamplingParams, floor: int) -> SamplingParams:
     return params
 
 
+async def _steps(gen: Generation) -> AsyncIterator[Step]:
+    """`gen`'s steps, an engine failure turned into its status (`_engine_failed`)."""
+    async with aclosing(gen.steps()) as steps:
+        try:
+            async for step in steps:
+                yield step
+        except EngineError as exc:
+            raise _engine_failed(exc) from exc
+
+
+async def _drain(gen: Generation) -> None:
+    async with aclosing(_steps(gen)) as steps:
+        async for _ in steps:
+            pass
+
+
+async def _only(messages: AsyncIterator[M]) -> M:
+    """The single message of a unary body (run through the streaming template)."""
+    result: M | None = None
+    async for message in messages:
+        result = message
+    assert result is not None  # a body either yields its response or raises
+    return result
+
+
+def _set_trailers(context: Context, summary: ResponseSummary) -> None:
+    try:
+        context.set_trailing_metadata(summary.to_metadata())
+    except Exception:  # the RPC is already gone (a cancelled call): nobody reads them
+        log.debug("trailers_not_set", exc_info=True)
+
+
 def _deliver(sink: OutcomeSink, outcome: RequestOutcome) -> None:
     try:
         sink(outcome)
     except Exception:
         log.exception("outcome_sink_failed", request_id=outcome.request_id)
-
-
-def _failed(track: _Tracker, exc: BaseException) -> None:
-    if isinstance(exc, InferplaneError):
-        track.status, track.code = "error", exc.code
-    elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        track.status = "cancelled"
-    else:
-        track.status, track.code = "error", "internal_error"
 
 
 def _engine_failed(exc: EngineError) -> UnavailableError:

@@ -1,7 +1,8 @@
-"""The engine mode per transport: the launch plan of `http-completions` (vLLM's HTTP server,
-loopback, its own `/metrics`) against `grpc`, and the supervisor running a real child process
-(engine/fake_http_engine.py) on the HTTP transport: ready via `/health`, tokens through
-HttpEngineClient, loopback-only listeners, nothing left after stop."""
+"""The engine mode per transport: the engine command line a replica process gets for
+`http-completions` (vLLM's HTTP server, loopback, its own `/metrics`) against `grpc`, and the
+supervisor running a real replica process (inferplane.testing.fake_replica) whose engine child
+is engine/fake_http_engine.py: ready once the engine answers, tokens through HttpEngineClient
+at the engine address, loopback-only engine listeners, nothing left after stop."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import SamplingParams
-from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
 from inferplane.node_agent.engine.http_client import HttpEngineClient
 from inferplane.node_agent.engine.process import (
     DEFAULT_TRANSPORT,
@@ -25,6 +25,7 @@ from inferplane.node_agent.engine.process import (
 )
 from inferplane.node_agent.engine.supervisor import (
     ReplicaManager,
+    ReplicaProcessClient,
     SupervisorConfig,
     default_client,
 )
@@ -35,6 +36,7 @@ State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60)]
 
 FAKE_HTTP = (sys.executable, "-m", "inferplane.node_agent.engine.fake_http_engine")
+FAKE_REPLICA = (sys.executable, "-m", "inferplane.testing.fake_replica")
 
 
 def spec(transport: str) -> nodeagent_pb2.ReplicaSpec:
@@ -44,33 +46,39 @@ def spec(transport: str) -> nodeagent_pb2.ReplicaSpec:
 
 
 def vllm_args(argv: tuple[str, ...]) -> list[str]:
-    return list(argv[argv.index("--") + 1 :])
+    """vLLM's arguments: after the engine command's own `--` (the second one)."""
+    cut = len(argv) - 1 - argv[::-1].index("--")
+    return list(argv[cut + 1 :])
+
+
+def launcher_opts(argv: tuple[str, ...]) -> list[str]:
+    """The launcher's options: between the replica's `--` and the engine command's."""
+    first = argv.index("--")
+    return list(argv[first + 1 : first + 1 + argv[first + 1 :].index("--")])
 
 
 def test_http_plan_runs_vllms_http_server_on_loopback(tmp_path: Path) -> None:
     plan = plan_launch("r1", spec("http-completions"), data_dir=tmp_path, cpu=True)
     args = vllm_args(plan.argv)
-    launcher_opts = plan.argv[: plan.argv.index("--")]
     assert args[:2] == ["serve", "/models/kimi-tiny"] and "--grpc" not in args
     assert args[args.index("--host") + 1] == "127.0.0.1"
     port = args[args.index("--port") + 1]
-    assert plan.grpc_address == f"127.0.0.1:{port}"
+    assert plan.engine_address == f"127.0.0.1:{port}"
     # The HTTP server's own /metrics, on the same port; the launcher serves none.
     assert plan.metrics_url == f"http://127.0.0.1:{port}/metrics"
-    assert "--metrics-port" not in launcher_opts
+    assert "--metrics-port" not in launcher_opts(plan.argv)
     assert "--enable-prompt-tokens-details" in args  # cached tokens in usage
     assert plan.transport == "http-completions"
-    assert plan.client_address == f"http://127.0.0.1:{port}"
 
 
 def test_grpc_plan_is_unchanged(tmp_path: Path) -> None:
     plan = plan_launch("r1", spec("grpc"), data_dir=tmp_path, cpu=True)
     args = vllm_args(plan.argv)
-    launcher_opts = list(plan.argv[: plan.argv.index("--")])
+    opts = launcher_opts(plan.argv)
     assert "--grpc" in args and "--enable-prompt-tokens-details" not in args
-    metrics_port = launcher_opts[launcher_opts.index("--metrics-port") + 1]
+    metrics_port = opts[opts.index("--metrics-port") + 1]
     assert plan.metrics_url == f"http://127.0.0.1:{metrics_port}/metrics"
-    assert plan.client_address == plan.grpc_address and not plan.client_address.startswith("http")
+    assert plan.engine_address == f"127.0.0.1:{args[args.index('--port') + 1]}"
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http-completions"])
@@ -81,7 +89,8 @@ def test_engine_ports_lie_below_the_ephemeral_range(tmp_path: Path, transport: s
     low, _high = ephemeral_range()
     for _ in range(10):
         plan = plan_launch("r1", spec(transport), data_dir=tmp_path, cpu=True)
-        ports = {int(plan.grpc_address.rsplit(":", 1)[1])}
+        ports = {int(plan.engine_address.rsplit(":", 1)[1])}
+        ports.add(int(plan.inference_address.rsplit(":", 1)[1]))
         ports.add(int(plan.metrics_url.split(":")[2].split("/")[0]))
         assert all(LOWEST_PORT <= port < low for port in ports), ports
 
@@ -108,12 +117,10 @@ def test_an_empty_transport_means_the_default(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_default_client_follows_the_address() -> None:
-    http = default_client("http://127.0.0.1:1")
-    grpc = default_client("127.0.0.1:1")
-    assert isinstance(http, HttpEngineClient) and isinstance(grpc, GrpcEngineClient)
-    await http.close()
-    await grpc.close()
+async def test_the_default_client_is_the_replica_process_control_port() -> None:
+    client = default_client("127.0.0.1:1")
+    assert isinstance(client, ReplicaProcessClient) and client.address == "127.0.0.1:1"
+    await client.close()
 
 
 @pytest.mark.anyio
@@ -133,11 +140,13 @@ def anyio_backend() -> str:
 async def test_http_engine_supervised_ready_generates_and_listens_on_loopback_only(
     tmp_path: Path,
 ) -> None:
-    """Invariant: an engine on the HTTP transport is READY only once `/health` answers, and
-    every socket its process tree listens on is a loopback one (the API and `/metrics`)."""
+    """Invariant: a replica on the HTTP transport spawns its engine from the plan's engine
+    command line, and every socket the engine's process tree listens on is a loopback one
+    (the API and `/metrics`)."""
     manager = ReplicaManager(
         SupervisorConfig(
             data_dir=tmp_path,
+            replica_command=FAKE_REPLICA,
             engine_command=(*FAKE_HTTP, "--spawn-child"),
             startup_timeout_seconds=20,
             startup_poll_seconds=0.1,
@@ -148,8 +157,11 @@ async def test_http_engine_supervised_ready_generates_and_listens_on_loopback_on
     replica = await manager.start("r1", spec("http-completions"))
     try:
         await replica.wait_for_state(State.STATE_READY, timeout=20)
-        assert isinstance(replica.engine, HttpEngineClient)
-        outs = [o async for o in replica.engine.generate("q", [7, 8], SamplingParams(max_tokens=3))]
+        engine = HttpEngineClient(f"http://{replica.engine_address}")
+        try:
+            outs = [o async for o in engine.generate("q", [7, 8], SamplingParams(max_tokens=3))]
+        finally:
+            await engine.close()
         assert [t for o in outs for t in o.token_ids] == [9, 10, 11]
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 3
 
@@ -157,10 +169,13 @@ async def test_http_engine_supervised_ready_generates_and_listens_on_loopback_on
         assert "vllm:num_requests_running" in metrics
 
         pids = tree_pids(replica.pid)
-        assert len(pids) == 3, pids  # the engine, its child and its group's reaper
+        # The replica process and its group's reaper; the engine (leading its own group),
+        # its reaper and its child.
+        assert len(pids) == 5, pids
         listening = listening_addresses(pids)
         ports = {port for _addr, port in listening}
-        assert int(replica.grpc_address.rsplit(":", 1)[1]) in ports
+        assert int(replica.engine_address.rsplit(":", 1)[1]) in ports
+        assert int(replica.inference_address.rsplit(":", 1)[1]) in ports
         assert all(is_loopback(addr) for addr, _port in listening), listening
     finally:
         await manager.close()

@@ -234,6 +234,7 @@ async def test_the_supervisor_sets_the_autogroup_once_ready_and_a_failure_does_n
         return outcome != "no autogroups"
 
     monkeypatch.setattr(supervisor, "set_autogroup_niceness", set_niceness)
+    monkeypatch.setattr(supervisor, "session_leaders", lambda pid: [pid])  # no real tree
     monkeypatch.setattr(supervisor, "renice_engine_cores", lambda pid, niceness: [pid + 1])
     niceness = 0 if outcome == "not asked" else 10
     manager, _spawner, _clock = make_manager(

@@ -1,19 +1,28 @@
-"""Supervisor logic with in-memory engines and a fake clock: no processes, no real sleeps."""
+"""Supervisor logic with in-memory replica processes and a fake clock: no processes, no real
+sleeps. A replica process is READY once its health says SERVING, restarted when it exits or
+stops answering, drained through StartReplicaDrain + GetReplicaLoad, reported at its own
+address."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.engine.process import LaunchPlan
-from inferplane.node_agent.engine.supervisor import ReplicaManager, SupervisorConfig
-from inferplane.runtime import AlreadyExistsError, NotFoundError, UnavailableError
+from inferplane.node_agent.engine.supervisor import (
+    ReplicaControlError,
+    ReplicaLoad,
+    ReplicaManager,
+    ReplicaProcessClient,
+    SupervisorConfig,
+)
+from inferplane.runtime import AlreadyExistsError, FailedPreconditionError, NotFoundError
+from inferplane.testing.fake_replica import FakeReplicaControl, serve_fake_replica
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]
@@ -73,38 +82,71 @@ class FakeHandle:
 
 
 class FakeSpawner:
-    """Each spawn consumes the next behaviour: "ok" (healthy), "exit" (dies at start),
-    "hang" (never healthy)."""
+    """Each spawn consumes the next behaviour: "ok" (reports SERVING), "exit" (dies at start),
+    "hang" (never SERVING). `processes` maps each replica address to its fake process."""
 
     def __init__(self, behaviours: Sequence[str]) -> None:
         self.behaviours = list(behaviours)
         self.handles: list[FakeHandle] = []
-        self.health: dict[str, bool] = {}
+        self.processes: dict[str, FakeReplicaProcess] = {}
+        self.plans: list[LaunchPlan] = []
 
     async def spawn(self, plan: LaunchPlan) -> FakeHandle:
         behaviour = self.behaviours.pop(0) if self.behaviours else "ok"
         handle = FakeHandle(100 + len(self.handles), exit_code=3 if behaviour == "exit" else None)
-        self.health[plan.grpc_address] = behaviour == "ok"
+        self.processes[plan.inference_address] = FakeReplicaProcess(handle, behaviour == "ok")
         self.handles.append(handle)
+        self.plans.append(plan)
         return handle
 
 
+class FakeReplicaProcess:
+    """What one replica process reports: ready (gRPC health and `engine_ready`), requests in
+    flight, draining; `answers` False makes every control call fail (unreachable)."""
+
+    def __init__(self, handle: FakeHandle, ready: bool) -> None:
+        self.handle = handle
+        self.ready = ready
+        self.in_flight = 0
+        self.draining = False
+        self.drain_calls = 0
+        self.answers = True
+
+
 class FakeClient:
+    """`ReplicaControl` over a `FakeReplicaProcess`, found by address."""
+
     def __init__(self, spawner: FakeSpawner, address: str) -> None:
         self.spawner = spawner
         self.address = address
         self.closed = False
 
-    def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[EngineOutput]:
-        raise NotImplementedError
+    @property
+    def process(self) -> FakeReplicaProcess:
+        return self.spawner.processes[self.address]
 
-    async def abort(self, request_id: str) -> None:
-        return None
+    def _check(self) -> FakeReplicaProcess:
+        process = self.process
+        if not process.answers or process.handle.returncode is not None:
+            raise ReplicaControlError(f"{self.address} does not answer")
+        return process
 
     async def healthy(self) -> bool:
-        return self.spawner.health.get(self.address, False)
+        try:
+            process = self._check()
+        except ReplicaControlError:
+            return False
+        return process.ready and not process.draining
+
+    async def load(self) -> ReplicaLoad:
+        process = self._check()
+        return ReplicaLoad(process.in_flight, process.draining, process.ready)
+
+    async def start_drain(self) -> int:
+        process = self._check()
+        process.draining = True
+        process.drain_calls += 1
+        return process.in_flight
 
     async def close(self) -> None:
         self.closed = True
@@ -126,9 +168,12 @@ def make_manager(
         return LaunchPlan(
             argv=("fake",),
             env={},
-            log_path=tmp_path / rid / "engine.log",
-            grpc_address=f"127.0.0.1:{n}",
-            metrics_url=f"http://127.0.0.1:{n}/metrics",
+            log_path=tmp_path / rid / "replica.log",
+            spec_path=tmp_path / rid / "spec.json",
+            spec_json="{}",
+            inference_address=f"127.0.0.1:{n}",
+            engine_address=f"127.0.0.1:{1000 + n}",
+            metrics_url=f"http://127.0.0.1:{1000 + n}/metrics",
             engine_core_niceness=engine_core_niceness,
             engine_autogroup_niceness=engine_autogroup_niceness,
         )
@@ -164,18 +209,33 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
 SPEC = nodeagent_pb2.ReplicaSpec(served_model_name="kimi-tiny", model_source="/models/kimi-tiny")
 
 
-async def test_a_healthy_engine_becomes_ready_and_is_listed_for_its_model(tmp_path: Path) -> None:
-    manager, _spawner, _clock = make_manager(tmp_path, ["ok"])
+async def test_a_serving_replica_process_becomes_ready_and_reports_its_own_address(
+    tmp_path: Path,
+) -> None:
+    """Invariant: READY only once the replica process's health says SERVING, and the replica
+    is reported at the replica process's own address (Envoy's endpoint), not the agent's."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
     replica = await manager.start("r1", SPEC)
     assert await replica.wait_for_state(State.STATE_READY, timeout=5) == State.STATE_READY
-    assert [r.replica_id for r in manager.ready_replicas("kimi-tiny")] == ["r1"]
-    assert manager.ready_replicas("other") == []
-    assert [s.served_model_name for s in manager.known_models()] == ["kimi-tiny"]
-    proto = replica.to_proto("127.0.0.1:50054")
+    proto = replica.to_proto()
     assert proto.name == "replicas/r1" and proto.engine_pid == 100
-    assert proto.metrics_url.startswith("http://127.0.0.1:")
+    assert proto.inference_address == spawner.plans[0].inference_address == "127.0.0.1:1"
+    assert proto.metrics_url == "http://127.0.0.1:1001/metrics"
+    assert replica.engine_address == "127.0.0.1:1001"
     await manager.close()
     assert replica.state == State.STATE_STOPPED
+    assert replica.to_proto().inference_address == "" and replica.to_proto().engine_pid == 0
+
+
+async def test_a_replica_process_not_serving_yet_stays_starting(tmp_path: Path) -> None:
+    manager, spawner, _clock = make_manager(tmp_path, ["hang"], startup_timeout_seconds=1e9)
+    replica = await manager.start("r1", SPEC)
+    await wait_until(lambda: len(spawner.handles) == 1)
+    await asyncio.sleep(0.05)
+    assert replica.state == State.STATE_STARTING
+    spawner.processes["127.0.0.1:1"].ready = True
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    await manager.close()
 
 
 async def test_failed_starts_back_off_exponentially_then_succeed(tmp_path: Path) -> None:
@@ -197,7 +257,6 @@ async def test_gives_up_as_failed_after_the_configured_attempts(tmp_path: Path) 
     await replica.wait_for_state(State.STATE_FAILED, timeout=5)
     assert len(spawner.handles) == 3
     assert "exited with code 3" in replica.last_error
-    assert manager.ready_replicas("kimi-tiny") == []
     # A FAILED replica can be started again (StartReplica replaces it).
     spawner.behaviours = ["ok"]
     again = await manager.start("r1", SPEC)
@@ -205,34 +264,37 @@ async def test_gives_up_as_failed_after_the_configured_attempts(tmp_path: Path) 
     await manager.close()
 
 
-async def test_an_engine_that_never_turns_healthy_times_out(tmp_path: Path) -> None:
+async def test_a_replica_process_that_never_serves_times_out(tmp_path: Path) -> None:
     manager, spawner, _clock = make_manager(
         tmp_path, ["hang", "hang"], max_start_attempts=2, startup_timeout_seconds=3.0
     )
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_FAILED, timeout=5)
     assert "not healthy after 3 s" in replica.last_error
-    # Every timed-out engine was stopped, not left behind.
+    # Every timed-out process was stopped, not left behind.
     assert all(h.returncode is not None for h in spawner.handles)
     await manager.close()
 
 
-async def test_a_dead_ready_engine_is_restarted(tmp_path: Path) -> None:
+async def test_a_replica_process_that_exits_is_restarted_at_a_new_address(tmp_path: Path) -> None:
+    """Invariant: a replica process that exits (its engine died: it exits non-zero) is
+    replaced; the replica is then reported at the new process's address."""
     manager, spawner, _clock = make_manager(tmp_path, ["ok", "ok"])
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
-    first_client = replica.engine
-    spawner.handles[0].die(-9)
+    first_client = replica.control
+    spawner.handles[0].die(1)
     await wait_until(lambda: replica.state == State.STATE_READY and replica.pid == 101)
     assert replica.restart_count == 1
-    assert "exited with code -9" in replica.last_error
-    assert replica.engine is not first_client
+    assert "exited with code 1" in replica.last_error
+    assert replica.control is not first_client
     assert isinstance(first_client, FakeClient) and first_client.closed
+    assert replica.to_proto().inference_address == "127.0.0.1:2"
     await manager.close()
 
 
 async def test_a_long_stable_run_earns_a_fresh_restart_budget(tmp_path: Path) -> None:
-    """Invariant: only crash loops end FAILED; an engine that served for stable_after_seconds
+    """Invariant: only crash loops end FAILED; a replica that served for stable_after_seconds
     is restarted at once however often it died before."""
     manager, spawner, clock = make_manager(
         tmp_path, ["ok"] * 5, max_start_attempts=2, stable_after_seconds=100.0
@@ -248,64 +310,90 @@ async def test_a_long_stable_run_earns_a_fresh_restart_budget(tmp_path: Path) ->
     await manager.close()
 
 
-async def test_unhealthy_engine_is_replaced(tmp_path: Path) -> None:
+@pytest.mark.parametrize("failure", ["unreachable", "engine-not-ready"])
+async def test_a_replica_process_that_stops_answering_is_replaced(
+    tmp_path: Path, failure: str
+) -> None:
+    """Invariant: a live replica process whose GetReplicaLoad fails, or says its engine is not
+    ready, for `unhealthy_threshold` polls in a row is stopped (SIGTERM) and replaced."""
     manager, spawner, _clock = make_manager(tmp_path, ["ok", "ok"], unhealthy_threshold=2)
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
-    spawner.health["127.0.0.1:1"] = False
+    process = spawner.processes["127.0.0.1:1"]
+    if failure == "unreachable":
+        process.answers = False
+    else:
+        process.ready = False
     await wait_until(lambda: replica.state == State.STATE_READY and replica.pid == 101)
     assert "unhealthy for 2 consecutive checks" in replica.last_error
     assert spawner.handles[0].signals == ["TERM"]
     await manager.close()
 
 
-async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(tmp_path: Path) -> None:
+async def test_in_flight_requests_come_from_the_polled_load(tmp_path: Path) -> None:
+    """Invariant: the reported in_flight_requests is the replica process's own count
+    (GetReplicaLoad, polled every health interval): the orchestrator stops a drained replica
+    when it reads 0."""
     manager, spawner, _clock = make_manager(tmp_path, ["ok"])
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
-    release = asyncio.Event()
+    spawner.processes["127.0.0.1:1"].in_flight = 3
+    await wait_until(lambda: replica.to_proto().in_flight_requests == 3)
+    spawner.processes["127.0.0.1:1"].in_flight = 0
+    await wait_until(lambda: replica.to_proto().in_flight_requests == 0)
+    await manager.close()
 
-    async def request() -> str:
-        async with replica.admit():
-            await release.wait()
-            return "done"
 
-    in_flight = asyncio.create_task(request())
-    await asyncio.sleep(0)
-    assert replica.in_flight == 1
-    await manager.drain("r1", grace_seconds=60)
-    assert replica.state == State.STATE_DRAINING
-    assert manager.ready_replicas("kimi-tiny") == []
-    with pytest.raises(UnavailableError):
-        async with replica.admit():
-            pass
+async def test_drain_asks_the_replica_process_and_waits_for_its_in_flight_requests(
+    tmp_path: Path,
+) -> None:
+    """Invariant: a drain sends StartReplicaDrain (the replica process refuses new requests,
+    health NOT_SERVING, without being restarted for it) and a stop after it waits for the
+    replica's own in-flight count to reach 0 before SIGTERM."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    replica = await manager.start("r1", SPEC)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    process = spawner.processes["127.0.0.1:1"]
+    process.in_flight = 2
+    drained = await manager.drain("r1", grace_seconds=1e9)
+    assert drained.state == State.STATE_DRAINING
+    await wait_until(lambda: process.drain_calls == 1)
+    assert process.draining and replica.to_proto().in_flight_requests == 2
     stopping = asyncio.create_task(manager.stop("r1", grace_seconds=1e9))
     await asyncio.sleep(0.05)
     assert not stopping.done() and spawner.handles[0].returncode is None
-    release.set()
-    assert await in_flight == "done"
+    assert replica.state == State.STATE_DRAINING  # NOT_SERVING while draining: no restart
+    process.in_flight = 0
     await stopping
     assert replica.state == State.STATE_STOPPED
-    assert spawner.handles[0].returncode == 0
+    assert spawner.handles[0].signals == ["TERM"] and spawner.handles[0].returncode == 0
+    assert len(spawner.handles) == 1
 
 
 async def test_stop_after_the_grace_period_even_with_requests_in_flight(tmp_path: Path) -> None:
     manager, spawner, clock = make_manager(tmp_path, ["ok"])
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
-    stuck = asyncio.Event()
-
-    async def request() -> None:
-        async with replica.admit():
-            await stuck.wait()
-
-    task = asyncio.create_task(request())
-    await asyncio.sleep(0)
+    spawner.processes["127.0.0.1:1"].in_flight = 1
     before = clock.t
     await manager.stop("r1", grace_seconds=5)
     assert clock.t - before >= 5
     assert replica.state == State.STATE_STOPPED and spawner.handles[0].returncode == 0
-    task.cancel()
+    assert spawner.processes["127.0.0.1:1"].drain_calls == 1
+
+
+async def test_a_drain_that_does_not_get_through_is_sent_again(tmp_path: Path) -> None:
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    replica = await manager.start("r1", SPEC)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    process = spawner.processes["127.0.0.1:1"]
+    process.answers = False
+    assert await replica.drain(0) is True  # nothing known in flight
+    assert process.drain_calls == 0
+    process.answers = True
+    await wait_until(lambda: process.drain_calls == 1)
+    assert process.draining and replica.state == State.STATE_DRAINING
+    await manager.close()
 
 
 async def test_start_is_idempotent_and_rejects_a_different_spec(tmp_path: Path) -> None:
@@ -323,19 +411,49 @@ async def test_start_is_idempotent_and_rejects_a_different_spec(tmp_path: Path) 
         await manager.start("r1", other)
     with pytest.raises(NotFoundError):
         manager.get("nope")
+    with pytest.raises(FailedPreconditionError):
+        await manager.start("r2", nodeagent_pb2.ReplicaSpec(served_model_name="x"))
     await manager.close()
 
 
 async def test_a_drained_replica_that_restarts_stays_draining(tmp_path: Path) -> None:
+    """Invariant: a replica process that replaces a drained one is drained as soon as it
+    serves: it must not admit requests the picker may still send."""
     manager, spawner, _clock = make_manager(tmp_path, ["ok", "ok"])
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
     await replica.drain(0)
     spawner.handles[0].die(1)
-    await asyncio.sleep(0.05)
-    for _ in range(50):
-        if len(spawner.handles) == 2 and replica.pid:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: len(spawner.handles) == 2 and replica.pid == 101)
+    await wait_until(lambda: spawner.processes["127.0.0.1:2"].drain_calls == 1)
     assert replica.state == State.STATE_DRAINING
     await manager.close()
+
+
+async def test_the_replica_process_client_speaks_health_and_replica_process_service() -> None:
+    """`ReplicaProcessClient` against a real grpc.aio server (inferplane.testing.fake_replica):
+    healthy only while SERVING (engine ready, not draining), the load as reported, the drain
+    answered with the requests in flight, and a closed port reads as unhealthy / an error."""
+    control = FakeReplicaControl("r1", in_flight=2)
+    server, address = await serve_fake_replica(control)
+    client = ReplicaProcessClient(address, timeout_seconds=2)
+    try:
+        assert not await client.healthy()
+        await control.set_ready(True)
+        assert await client.healthy()
+        assert await client.load() == ReplicaLoad(2, draining=False, engine_ready=True)
+        assert await client.start_drain() == 2
+        assert control.drain_calls == 1 and not await client.healthy()
+        assert await client.load() == ReplicaLoad(2, draining=True, engine_ready=True)
+    finally:
+        await client.close()
+        await server.stop(None)
+    gone = ReplicaProcessClient(address, timeout_seconds=2)
+    try:
+        assert not await gone.healthy()
+        with pytest.raises(ReplicaControlError, match="UNAVAILABLE"):
+            await gone.load()
+        with pytest.raises(ReplicaControlError):
+            await gone.start_drain()
+    finally:
+        await gone.close()

@@ -133,17 +133,3 @@ def test_list_models_lists_each_served_model_once() -> None:
         assert all(m.created == 1_700_000_000 for m in response.data)
 
     run_scenario(engine, body, replicas=replicas, owned_by="acme")
-
-
-def test_sse_methods_are_left_to_the_router() -> None:
-    """The *Events (SSE bytes) methods are the router's: UNIMPLEMENTED here."""
-    engine = ScriptedEngine([])
-
-    async def body(stub: Stub) -> None:
-        call = stub.StreamChatCompletionEvents(pb.StreamChatCompletionEventsRequest())
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in call:
-                pass
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-
-    run_scenario(engine, body)

@@ -317,7 +317,7 @@ class Reconciler:
         now: datetime,
     ) -> None:
         goal, profile, rel = self._goal(deployment)
-        self._adopt(deployment, placements, goal)
+        self._adopt(deployment, placements, goal, nodes)
         mine = [r for r in self._records.values() if r.deployment_id == deployment.deployment_id]
         slots = {p.replica_id: p for p in placements}
         for record in mine:
@@ -409,9 +409,17 @@ class Reconciler:
             and r.stage is Stage.SERVING
         ]
 
-    def _adopt(self, deployment: Deployment, placements: Sequence[Placement], goal: str) -> None:
+    def _adopt(
+        self,
+        deployment: Deployment,
+        placements: Sequence[Placement],
+        goal: str,
+        nodes: Mapping[str, Node],
+    ) -> None:
         """Takes over live replicas of this deployment that no record knows (a lost or fresh
-        database): READY ones serve as they are, others are watched until READY."""
+        database): READY ones serve as they are, others are watched until READY. A record's
+        `address` is its node-agent's (where drain and stop go); the replica process's own
+        address, where requests go, is read from each observation."""
         ids = {
             agent_replica_id(p.replica_id, rev): p.replica_id
             for p in placements
@@ -424,6 +432,7 @@ class Reconciler:
                     seen.spec.deployment != deployment.deployment_id
                     or seen.state not in _LIVE
                     or (node, replica_id) in self._records
+                    or node not in nodes
                 ):
                     continue
                 record = ManagedReplica(
@@ -431,7 +440,7 @@ class Reconciler:
                     replica_id=replica_id,
                     deployment_id=deployment.deployment_id,
                     slot=ids.get(replica_id, ""),
-                    address=seen.inference_address,
+                    address=nodes[node].address,
                     revision=seen.spec.revision,
                     stage=Stage.SERVING if seen.state == S.STATE_READY else Stage.STARTING,
                     stage_since=self._clock.now(),

@@ -3,7 +3,8 @@
 isort:skip_file
 The node-agent's control contract: the orchestrator (or an operator) starts, drains and stops
 engine replicas on one node and reads the node's status. Inference itself goes through
-inferplane.inference.v1.InferenceService, which the node-agent also serves.
+inferplane.inference.v1.InferenceService, which each replica's own process serves at its
+`inference_address` (the node-agent serves no inference).
 """
 
 from collections import abc as _abc
@@ -196,9 +197,13 @@ class Replica(_message.Message):
     state: Global___Replica.State.ValueType
     """The replica's state."""
     inference_address: _builtins.str
-    """The address serving InferenceService for this replica (the node-agent's)."""
+    """The address of the replica process serving InferenceService for this replica (its own
+    port; Envoy reaches it directly).
+    """
     engine_pid: _builtins.int
-    """The engine process id, 0 when not running."""
+    """The replica process id (the leader of its process group, which holds its engine), 0 when
+    not running.
+    """
     restart_count: _builtins.int
     """Times the engine was restarted after dying."""
     last_error: _builtins.str

@@ -3,7 +3,8 @@
 isort:skip_file
 The node-agent's control contract: the orchestrator (or an operator) starts, drains and stops
 engine replicas on one node and reads the node's status. Inference itself goes through
-inferplane.inference.v1.InferenceService, which the node-agent also serves.
+inferplane.inference.v1.InferenceService, which each replica's own process serves at its
+`inference_address` (the node-agent serves no inference).
 """
 
 from collections import abc as _abc

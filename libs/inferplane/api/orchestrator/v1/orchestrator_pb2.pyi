@@ -1169,7 +1169,9 @@ class RouteEndpoint(_message.Message):
     replica_id: _builtins.str
     """The replica id."""
     address: _builtins.str
-    """The node-agent address serving InferenceService for it (host:port)."""
+    """The replica process serving InferenceService for it (host:port): the endpoint the
+    picker names and Envoy's replicas cluster holds.
+    """
     weight: _builtins.float
     """Relative weight."""
     draining: _builtins.bool

@@ -1,0 +1,205 @@
+"""The replica process's one replica: admission, load, drain, and its engine's requests.
+
+`ReplicaState` is both the pipeline's `ReplicaDirectory` and its only `LocalReplica`. The
+endpoint picker already chose this replica for the request's model (aliases included), so every
+model name maps to it; `admit` decides whether it may run now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.api import EngineClient, EngineError, EngineOutput, SamplingParams
+from inferplane.runtime import UnavailableError
+
+
+class Phase(enum.Enum):
+    """Where the replica is in its life: STARTING → READY → DRAINING, or → DEAD."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class _NoEngine:
+    """The engine slot before start-up finished (never reached: admit refuses first)."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        raise EngineError("the engine is not started", retryable=True)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def healthy(self) -> bool:
+        return False
+
+    async def close(self) -> None:
+        return None
+
+
+class TrackedEngine:
+    """The engine as the pipeline sees it here: knows the requests in flight, so that shutdown
+    can abort them (their streams then end with an error event, not a reset), and reports an
+    engine failure at once (`on_failure`: the watchdog checks the engine then)."""
+
+    def __init__(self, inner: EngineClient, on_failure: Callable[[], object]) -> None:
+        self.inner = inner
+        self._on_failure = on_failure
+        self._active: set[str] = set()
+        self._shut: set[str] = set()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        self._active.add(request_id)
+        try:
+            async with aclosing(self.inner.generate(request_id, prompt_token_ids, params)) as s:
+                async for out in s:
+                    if out.finished and request_id in self._shut:
+                        raise EngineError("the replica shut down before the request finished")
+                    yield out
+        except EngineError:
+            self._on_failure()
+            raise
+        finally:
+            self._active.discard(request_id)
+            self._shut.discard(request_id)
+
+    async def abort_all(self) -> int:
+        """Aborts every request in flight; returns how many."""
+        ids = list(self._active)
+        self._shut.update(ids)
+        for request_id in ids:
+            await self.inner.abort(request_id)
+        return len(ids)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def healthy(self) -> bool:
+        return await self.inner.healthy()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class ReplicaState:
+    """This process's replica (`LocalReplica`) and its directory (`ReplicaDirectory`).
+
+    Args:
+        replica_id: the replica id.
+        spec: what it runs.
+        on_phase: called with the new phase after each change (health follows it).
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        spec: nodeagent_pb2.ReplicaSpec,
+        on_phase: Callable[[Phase], object] = lambda _phase: None,
+    ) -> None:
+        self._id = replica_id
+        self._spec = spec
+        self._on_phase = on_phase
+        self._engine: EngineClient = _NoEngine()
+        self.phase = Phase.STARTING
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- LocalReplica --------------------------------------------------------------------------
+
+    @property
+    def replica_id(self) -> str:
+        return self._id
+
+    @property
+    def spec(self) -> nodeagent_pb2.ReplicaSpec:
+        return self._spec
+
+    @property
+    def engine(self) -> EngineClient:
+        return self._engine
+
+    @asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    def admit(self) -> AbstractAsyncContextManager[None]:
+        """Counts a generation request in flight.
+
+        Raises:
+            UnavailableError: draining (code replica_draining), not started yet
+                (replica_not_ready) or its engine died (engine_failed); Envoy retries these on
+                the next endpoint.
+        """
+        phase = self.phase
+        if phase is not Phase.READY:
+            if phase is Phase.DRAINING:
+                raise UnavailableError(f"replica {self._id} is draining", code="replica_draining")
+            if phase is Phase.DEAD:
+                raise UnavailableError(
+                    f"the engine of replica {self._id} failed",
+                    reason="ENGINE_FAILED",
+                    code="engine_failed",
+                )
+            raise UnavailableError(f"replica {self._id} is not ready", code="replica_not_ready")
+        return self._admitted()
+
+    # -- ReplicaDirectory ----------------------------------------------------------------------
+
+    def ready_replicas(self, model: str) -> Sequence[ReplicaState]:
+        return (self,)
+
+    def known_models(self) -> Sequence[nodeagent_pb2.ReplicaSpec]:
+        return (self._spec,)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def engine_ready(self) -> bool:
+        return self.phase in (Phase.READY, Phase.DRAINING)
+
+    def set_ready(self, engine: EngineClient) -> None:
+        """The engine answers: admit requests (unless a drain began meanwhile)."""
+        self._engine = engine
+        if self.phase is Phase.STARTING:
+            self._set(Phase.READY)
+
+    def start_drain(self) -> int:
+        """Stops admitting (idempotent; a dead replica stays dead). Returns the in-flight
+        count."""
+        if self.phase in (Phase.STARTING, Phase.READY):
+            self._set(Phase.DRAINING)
+        return self.in_flight
+
+    def mark_dead(self) -> None:
+        """The engine died: admit nothing more."""
+        if self.phase is not Phase.DEAD:
+            self._set(Phase.DEAD)
+
+    async def wait_idle(self, timeout_seconds: float) -> bool:
+        """Waits until no request is in flight; False when `timeout_seconds` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    def _set(self, phase: Phase) -> None:
+        self.phase = phase
+        self._on_phase(phase)

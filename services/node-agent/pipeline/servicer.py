@@ -59,7 +59,7 @@ from inferplane.runtime import (
     UnavailableError,
     error_trailers,
 )
-from inferplane.wire import ResponseSummary, chunk_to_json, completion_chunk_to_json
+from inferplane.wire import REPLICA_KEY, ResponseSummary, chunk_to_json, completion_chunk_to_json
 
 log = structlog.get_logger("inferplane.node_agent.pipeline")
 
@@ -267,6 +267,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             replica, assets = await self._replica(track.model, context, track)
             async with replica.admit(), aclosing(body(replica, assets)) as messages:
                 async for message in messages:
+                    if not track.messages:
+                        # The response headers name the replica (the picker learns which
+                        # endpoint of its list answered); sent with the first message, not
+                        # before: Envoy retries a request elsewhere only until it has seen
+                        # response headers, so an error before any output must stay a
+                        # trailers-only response.
+                        await context.send_initial_metadata(((REPLICA_KEY, replica.replica_id),))
                     track.messages += 1
                     yield message
         except InferplaneError as exc:

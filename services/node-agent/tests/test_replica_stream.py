@@ -32,7 +32,12 @@ from inferplane.node_agent.pipeline.fakes import kimi_tiny_spec as _cached_spec
 from inferplane.node_agent.pipeline.servicer import StreamMetrics
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
 from inferplane.testing import kimi_tiny as kt
-from inferplane.wire import ResponseSummary, chat_request_from_dict, completion_request_from_dict
+from inferplane.wire import (
+    REPLICA_KEY,
+    ResponseSummary,
+    chat_request_from_dict,
+    completion_request_from_dict,
+)
 
 Stub = inference_pb2_grpc.InferenceServiceStub
 WEATHER_IDS = kimi_tiny_ids(kt.WEATHER.output + "<|im_end|>")
@@ -210,6 +215,8 @@ def test_sse_stream_is_openai_event_bytes_ending_with_done_and_a_summary() -> No
             for tc in c["choices"][0]["delta"].get("tool_calls", ())
         ]
         assert "get_weather" in names
+        # The response headers name the replica (the picker learns who answered).
+        assert dict(await call.initial_metadata())[REPLICA_KEY] == "r1"
         s = summary(await call.trailing_metadata())
         assert s.replica_id == "r1"
         assert s.finish_reason == "tool_calls"
@@ -268,6 +275,8 @@ def test_sse_failure_before_first_byte_is_a_retryable_status_with_summary_traile
             async for _ in call:
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Trailers-only: no response headers before the status, or Envoy could not retry.
+        assert REPLICA_KEY not in dict(info.value.initial_metadata() or ())
         trailers = dict(info.value.trailing_metadata() or ())
         assert trailers[OPENAI_ERROR_CODE_KEY] == "engine_failed"
         assert "grpc-status-details-bin" in trailers

@@ -1,37 +1,42 @@
 """inferplane against plain vLLM on the same engine: what does the whole platform cost?
 
-    .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--paths vllm,stack-grpc,...]
+    .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--paths vllm,stack-inproc,...]
                                             [--stream-interval N]
                                             [--profile-dir DIR] [--plot bench/stack_vs_vllm.png]
 
 Starts, on the fixture model (kimi-tiny) and the same engine settings (the replica spec the
-stack's orchestrator gave its node-agent, reused through the node-agent's own launch plan for the
-plain engines), one after another and never two engines at once:
+stack's orchestrator gave its node-agent, reused through the node-agent's own engine command
+line for the plain engines), one after another and never two engines at once:
 
 - `vllm`: plain `vllm serve` over HTTP with vLLM's own kimi_k2 reasoning and tool parsers, as
   its users run it (what the ratios below compare with);
 - `vllm-nice`: the same with its engine core at the niceness the node-agent gives its engines'
-  on CPU nodes (`engine_cpu_core_niceness`, engine/priority.py): how much of the stack's
-  result is that setting, which helps plain vLLM on this box too;
-- `stack-grpc`: the full stack (Envoy + ext_authz + router + node-agent) on the `grpc` transport;
-- `stack-http`: the same on the `http-completions` transport;
+  on CPU nodes (`engine_cpu_core_niceness`, engine/priority.py);
+- `stack-inproc`: the full stack (Envoy + ext_authz + the router as endpoint picker + the
+  replica process hosting vLLM's AsyncLLM in-process) — the data path of docs/architecture.md;
+- `stack-inproc-nonice`: `stack-inproc` with the node-agent's CPU-node priorities off (engine
+  core niceness and the replica's autogroup niceness at 0): the A/B for those settings;
+- `stack-http`, `stack-grpc`: the same with the replica process in front of a vLLM HTTP
+  server (`http-completions`) or `vllm serve --grpc` child;
 - `smg`: SMG (the Rust gateway, PyPI `smg`) in front of the gRPC engine, when installed.
 
 Each is driven by `vllm bench serve` (streaming chat, random 128-token prompts, 64 output tokens
 with `--ignore-eos`, concurrency 1 and 8, warm-ups first, `--repeats` runs per cell; the stack
 is called through its edge with an API key as `OPENAI_API_KEY`). Per cell the MEDIAN over the
 runs of output tokens/s, TTFT p50/p99 and ITL p50/p99 is printed (with the tokens/s range),
-then CPU seconds per request of each process during the c=8 runs (what each path spends where),
-then the ratios of the stack paths to `vllm`. With `--profile-dir`, one more c=8 run per stack
-path is recorded with py-spy (node-agent and engine front-end, `--format raw`) and its top
-frames printed. Last lines:
+then CPU ms per request of each process during the c=8 runs, split into the platform (every
+process of the path but vLLM's engine core and workers: Envoy, auth, router, node-agent,
+replica process and any engine front it runs; orchestrator and telemetry are left out, they do
+no per-request work) and the engine (`VLLM::EngineCore`, `VLLM::Worker*`), and SSE messages
+per streamed request (the replica's `inferplane_replica_stream_messages`). With
+`--profile-dir`, one more c=8 run per stack path is recorded with py-spy. Last lines:
 
-    stack_grpc_vs_vllm_tok_s_c8: X
-    stack_http_vs_vllm_tok_s_c8: Y
-    stack_best_vs_vllm_ttft_p99_c8: Z     (TTFT p99 of the faster stack path over vLLM's)
+    stack_best_vs_vllm_tok_s_c8: X          (the best stack path's output tok/s over vLLM's)
+    stack_best_vs_vllm_ttft_p99_c8: Y       (its TTFT p99 over vLLM's)
+    platform_cpu_ms_per_request_c8: Z       (that path's platform CPU per request)
+    vllm_front_cpu_ms_per_request_c8: W     (plain vLLM's API server per request)
 
-Goal (issue 8): the better transport ≥ 1.0× vLLM's tokens/s and ≤ 1.2× its TTFT p99.
-Takes about 20 minutes on the 2-core box (each engine starts in about 25–70 s).
+Goal (issue 16): X ≥ 0.9, Y ≤ 1.2. Takes about 25 minutes on the 2-core box.
 """
 
 from __future__ import annotations
@@ -65,15 +70,37 @@ from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
 from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.process import (
     LAUNCHER_COMMAND,
-    LaunchPlan,
-    plan_launch,
+    EngineLaunch,
+    plan_engine,
     tree_pids,
 )
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port, free_port_run
 
-PATHS = ("vllm", "vllm-nice", "stack-grpc", "stack-http", "smg")
+PATHS = (
+    "vllm",
+    "vllm-nice",
+    "stack-inproc",
+    "stack-inproc-nonice",
+    "stack-http",
+    "stack-grpc",
+    "smg",
+)
+STACK_TRANSPORTS = {
+    "stack-inproc": "inproc",
+    "stack-inproc-nonice": "inproc",
+    "stack-http": "http-completions",
+    "stack-grpc": "grpc",
+}
+#: The node-agent's CPU-node priority settings turned off (engine/priority.py), for the A/B
+#: that decides whether they stay on the v2 path.
+NO_NICENESS = ("--engine-cpu-core-niceness", "0", "--engine-cpu-autogroup-niceness", "0")
+#: Process titles vLLM gives its engine core and workers (comm, 15 characters at most).
+ENGINE_TITLES = ("VLLM::EngineCor", "VLLM::Worker")
+#: Stack processes whose CPU is the platform's (orchestrator and telemetry do no per-request
+#: work); their whole trees count, less the engine processes.
+PLATFORM_ROOTS = ("envoy", "auth", "router", "node_agent")
 LEVELS = (1, 8)
 METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")
 BIN = Path(sys.executable).parent
@@ -89,8 +116,14 @@ def log(message: str) -> None:
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def stack_config(data_dir: Path, transport: str = "grpc", stream_interval: int = 0) -> StackConfig:
+def stack_config(
+    data_dir: Path,
+    transport: str = "inproc",
+    stream_interval: int = 0,
+    node_agent_args: tuple[str, ...] = (),
+) -> StackConfig:
     return StackConfig(
+        service_args={"node_agent": node_agent_args},
         data_dir=data_dir,
         http_port=free_port(),
         grpc_base_port=free_port_run(5),
@@ -129,26 +162,23 @@ def running_spec(stack: Stack) -> nodeagent_pb2.ReplicaSpec:
     return spec
 
 
-def with_transport(spec: nodeagent_pb2.ReplicaSpec, transport: str) -> nodeagent_pb2.ReplicaSpec:
-    out = nodeagent_pb2.ReplicaSpec()
-    out.CopyFrom(spec)
-    out.transport = transport
-    return out
-
-
 class Engine:
-    """One engine started from the node-agent's own launch plan (its process group)."""
+    """One plain engine server, started from the node-agent's own engine command line
+    (`plan_engine`) in a process group of its own."""
 
-    def __init__(self, plan: LaunchPlan, extra_args: tuple[str, ...] = ()) -> None:
-        self.plan = plan
-        plan.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(plan.log_path, "ab") as out:
+    def __init__(
+        self, launch: EngineLaunch, log_path: Path, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        self.launch = launch
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [*plan.argv, *extra_args],
+                [*launch.argv, *extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **plan.env},
+                env=dict(os.environ),
                 start_new_session=True,
             )
 
@@ -157,14 +187,14 @@ class Engine:
         while time.monotonic() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"engine exited ({self.proc.returncode}); see {self.plan.log_path}:\n"
-                    + self.plan.log_path.read_text()[-3000:]
+                    f"engine exited ({self.proc.returncode}); see {self.log_path}:\n"
+                    + self.log_path.read_text()[-3000:]
                 )
             with contextlib.suppress(Exception):
                 if ready():
                     return time.monotonic() - started
             time.sleep(1.0)
-        raise TimeoutError(f"engine not ready after {timeout:g} s; see {self.plan.log_path}")
+        raise TimeoutError(f"engine not ready after {timeout:g} s; see {self.log_path}")
 
     def stop(self) -> None:
         procguard.kill_group(self.proc.pid, signal.SIGTERM)
@@ -269,6 +299,37 @@ class PathResult:
     ready_seconds: float = 0.0
     cpu_per_request_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     profiles: dict[str, list[tuple[float, str]]] = dataclasses.field(default_factory=dict)
+    messages_per_request: float | None = None
+
+    def platform_ms(self) -> float:
+        """CPU ms per request of every process but vLLM's engine core and workers (for plain
+        vLLM: its API server)."""
+        return sum(
+            ms
+            for name, ms in self.cpu_per_request_ms.items()
+            if not is_engine(name) and name.split(":")[0] in (*PLATFORM_ROOTS, "engine")
+        )
+
+    def engine_ms(self) -> float:
+        return sum(ms for name, ms in self.cpu_per_request_ms.items() if is_engine(name))
+
+
+def is_engine(label: str) -> bool:
+    """A `process_cpu_seconds` label of vLLM's engine core or a worker."""
+    return label.partition(":")[2].startswith(ENGINE_TITLES)
+
+
+def stream_messages(metrics_url: str) -> tuple[float, float]:
+    """(sum, count) of the replica's `inferplane_replica_stream_messages` histogram (SSE
+    messages per streamed request), summed over its labels; (0, 0) when absent."""
+    total = count = 0.0
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("inferplane_replica_stream_messages_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("inferplane_replica_stream_messages_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
 
 
 @dataclasses.dataclass
@@ -289,13 +350,16 @@ def measure(
     opts: Options,
     cpu_roots: Callable[[], dict[str, int]],
     profile_pids: Callable[[], dict[str, int]],
+    messages_url: str = "",
 ) -> PathResult:
     result = PathResult()
+    sent = counted = 0.0
     for level in LEVELS:
         cell = result.cells.setdefault(level, Cell())
         for run in range(opts.repeats):
             roots = cpu_roots()
             before = process_cpu_seconds(roots)
+            messages_before = stream_messages(messages_url) if messages_url else (0.0, 0.0)
             r = bench_serve(
                 base_url,
                 opts.model_path,
@@ -309,6 +373,10 @@ def measure(
                 seed=run,
             )
             after = process_cpu_seconds(roots)
+            if messages_url and level == LEVELS[-1]:
+                messages_after = stream_messages(messages_url)
+                sent += messages_after[0] - messages_before[0]
+                counted += messages_after[1] - messages_before[1]
             cell.runs.append(r)
             log(
                 f"{path} c={level} run {run + 1}: {r['output_throughput']:.0f} tok/s, "
@@ -322,6 +390,8 @@ def measure(
                     result.cpu_per_request_ms[name] = (
                         result.cpu_per_request_ms.get(name, 0.0) + spent / opts.repeats
                     )
+    if counted:
+        result.messages_per_request = sent / counted
     if opts.profile_dir is not None:
         result.profiles = profile(path, base_url, api_key, opts, profile_pids())
     return result
@@ -418,10 +488,12 @@ def run_vllm(
     """Plain `vllm serve` as its users run it; with `core_niceness`, its engine core gets the
     niceness the node-agent gives its engines' (engine/priority.py) once ready."""
     name = "vllm-nice" if core_niceness else "vllm"
-    plan = plan_launch(name, with_transport(spec, "http-completions"), data_dir=work, cpu=True)
+    launch = plan_engine(
+        name, spec, transport="http-completions", replica_dir=work / name, cpu=True
+    )
     parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
-    engine = Engine(plan, (*parsers, "--reasoning-parser", "kimi_k2"))
-    base_url = f"http://{plan.grpc_address}"
+    engine = Engine(launch, work / name / "engine.log", (*parsers, "--reasoning-parser", "kimi_k2"))
+    base_url = f"http://{launch.address}"
     try:
         ready = engine.wait_ready(http_ready(base_url))
         log(f"{name} ready in {ready:.0f} s")
@@ -442,17 +514,17 @@ def run_vllm(
         engine.stop()
 
 
-def run_stack(
-    work: Path, opts: Options, transport: str
-) -> tuple[PathResult, nodeagent_pb2.ReplicaSpec]:
-    name = f"stack-{'grpc' if transport == 'grpc' else 'http'}"
-    stack = Stack(stack_config(work / name, transport, opts.stream_interval))
+def run_stack(work: Path, opts: Options, path: str) -> tuple[PathResult, nodeagent_pb2.ReplicaSpec]:
+    transport = STACK_TRANSPORTS[path]
+    extra = NO_NICENESS if path.endswith("-nonice") else ()
+    stack = Stack(stack_config(work / path, transport, opts.stream_interval, extra))
     started = time.monotonic()
     stack.start(log)
     try:
         ready = time.monotonic() - started
         spec = running_spec(stack)
         key = stack.create_api_key("bench")
+        replica = stack.serving_replica()
         agent = stack.processes["node_agent"].proc
         assert agent is not None
 
@@ -462,14 +534,24 @@ def run_stack(
                 out["envoy"] = stack.edge.pid
             return out
 
-        def engine_front() -> dict[str, int]:
-            children = [p for p in tree_pids(agent.pid) if p != agent.pid]
-            # The engine's leader (the launcher: vLLM's API server / gRPC servicer) is the
-            # node-agent's child with the lowest pid.
-            return {"node-agent": agent.pid, "engine-front": min(children)}
+        def fronts() -> dict[str, int]:
+            # The replica process is the node-agent's child; on http/grpc its engine server
+            # (vLLM's API server / gRPC servicer) is the replica's child with the lowest pid.
+            replica_pid = replica.engine_pid
+            children = [p for p in tree_pids(replica_pid) if p != replica_pid]
+            out = {"node-agent": agent.pid, "replica": replica_pid}
+            if transport != "inproc" and children:
+                out["engine-front"] = min(children)
+            return out
 
         result = measure(
-            name, f"http://127.0.0.1:{stack.config.http_port}", key, opts, roots, engine_front
+            path,
+            f"http://127.0.0.1:{stack.config.http_port}",
+            key,
+            opts,
+            roots,
+            fronts,
+            messages_url=replica.metrics_url if transport == "inproc" else "",
         )
         result.ready_seconds = ready
         return result, spec
@@ -480,17 +562,17 @@ def run_stack(
 def run_smg(work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec) -> PathResult:
     smg = shutil.which("smg", path=str(BIN))
     assert smg is not None
-    plan = plan_launch("smg", with_transport(spec, "grpc"), data_dir=work, cpu=True)
-    engine = Engine(plan)
+    launch = plan_engine("smg", spec, transport="grpc", replica_dir=work / "smg", cpu=True)
+    engine = Engine(launch, work / "smg" / "engine.log")
     gateway = None
     try:
-        ready = engine.wait_ready(grpc_ready(plan.grpc_address))
+        ready = engine.wait_ready(grpc_ready(launch.address))
         port = free_port()
         with open(work / "smg.log", "ab") as out:
             gateway = subprocess.Popen(
                 [
                     *(smg, "launch", "--host", "127.0.0.1", "--port", str(port)),
-                    *("--worker-urls", f"grpc://{plan.grpc_address}"),
+                    *("--worker-urls", f"grpc://{launch.address}"),
                     *("--model-path", str(opts.model_path)),
                     *("--tool-call-parser", "kimik2", "--reasoning-parser", "kimi_thinking"),
                     *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
@@ -551,7 +633,13 @@ def report(results: dict[str, PathResult], plot: Path | None) -> None:
     for path, res in results.items():
         parts = sorted(res.cpu_per_request_ms.items(), key=lambda kv: -kv[1])
         shown = ", ".join(f"{name} {ms:.1f}" for name, ms in parts if ms >= 0.5)
-        print(f"  {path}: total {sum(res.cpu_per_request_ms.values()):.1f}: {shown}")
+        print(
+            f"  {path}: total {sum(res.cpu_per_request_ms.values()):.1f} "
+            f"(platform {res.platform_ms():.1f}, engine {res.engine_ms():.1f}): {shown}"
+        )
+    for path, res in results.items():
+        if res.messages_per_request is not None:
+            print(f"  {path}: {res.messages_per_request:.1f} SSE messages per request at c=8")
     for path, res in results.items():
         for proc, tops in res.profiles.items():
             print(f"\npy-spy {path} {proc} (share of busy samples, leaf frames):")
@@ -580,17 +668,19 @@ def report(results: dict[str, PathResult], plot: Path | None) -> None:
     ratios = {
         p: results[p].cells[c8].median("output_throughput")
         / base.cells[c8].median("output_throughput")
-        for p in ("stack-grpc", "stack-http")
+        for p in STACK_TRANSPORTS
         if p in results
     }
-    if "stack-grpc" in ratios:
-        print(f"stack_grpc_vs_vllm_tok_s_c8: {ratios['stack-grpc']:.3f}")
-    if "stack-http" in ratios:
-        print(f"stack_http_vs_vllm_tok_s_c8: {ratios['stack-http']:.3f}")
+    for p, ratio in ratios.items():
+        print(f"{p.replace('-', '_')}_vs_vllm_tok_s_c8: {ratio:.3f}")
     if ratios:
         best = max(ratios, key=lambda p: ratios[p])
         ttft = results[best].cells[c8].median("p99_ttft_ms") / base.cells[c8].median("p99_ttft_ms")
+        print(f"best stack path: {best}")
+        print(f"stack_best_vs_vllm_tok_s_c8: {ratios[best]:.3f}")
         print(f"stack_best_vs_vllm_ttft_p99_c8: {ttft:.3f}")
+        print(f"platform_cpu_ms_per_request_c8: {results[best].platform_ms():.2f}")
+    print(f"vllm_front_cpu_ms_per_request_c8: {base.platform_ms():.2f}")
 
 
 def draw(results: dict[str, PathResult], plot: Path) -> None:
@@ -695,8 +785,7 @@ def main() -> None:
             elif path == "smg":
                 results[path] = run_smg(work, opts, spec)
             else:
-                transport = "grpc" if path == "stack-grpc" else "http-completions"
-                results[path], spec = run_stack(work, opts, transport)
+                results[path], spec = run_stack(work, opts, path)
         log(f"engine spec: {json_format.MessageToDict(spec)}")
         results = {p: results[p] for p in PATHS if p in results}
     if args.json is not None:
@@ -708,6 +797,8 @@ def main() -> None:
                         for level in LEVELS
                     }
                     | {"cpu_ms_per_request_c8": r.cpu_per_request_ms}
+                    | {"platform_cpu_ms_per_request_c8": r.platform_ms()}
+                    | {"messages_per_request_c8": r.messages_per_request}
                     for p, r in results.items()
                 },
                 indent=1,

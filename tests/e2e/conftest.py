@@ -59,3 +59,26 @@ def client(stack: Stack, api_key: str) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=stack.config.base_url, api_key=api_key, max_retries=0, timeout=120
     )
+
+
+def engine_core_pid(replica_pid: int, timeout: float = 10.0) -> int:
+    """The pid of vLLM's engine core (`VLLM::EngineCore`) in a replica process's tree: the
+    process to kill for "the engine died" (the replica process itself is `replica_pid`).
+
+    Raises: AssertionError when none shows up within `timeout` seconds.
+    """
+    import time
+
+    from inferplane.node_agent.engine.process import tree_pids
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in tree_pids(replica_pid):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm.startswith("VLLM::EngineCor"):
+                return pid
+        assert time.monotonic() < deadline, f"no engine core below replica process {replica_pid}"
+        time.sleep(0.1)

@@ -25,6 +25,8 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.cli._stack import MODEL_NAME, Stack
 from inferplane.testing import kimi_tiny
 
+from .conftest import engine_core_pid
+
 pytestmark = pytest.mark.e2e
 
 MARKERS = re.compile(r"<\|[a-z_]+\|>|</?think>")
@@ -345,19 +347,10 @@ def test_client_disconnect_aborts_the_engine_request(stack: Stack, client: opena
     )
 
 
-def test_engine_killed_mid_stream_gives_error_event_and_restart(
-    stack: Stack, client: openai.OpenAI
-) -> None:
-    """Kill -9 of the engine mid-stream: the stream ends with an error (never silently), and
-    the node-agent restarts the engine; the model serves again through the edge afterwards (the
-    orchestrator puts the replica back into the routing table once it is READY again)."""
-    before = stack.serving_replica()
+def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb2.Replica:
+    """Waits until the node-agent restarted replica `before` (READY, a higher restart count)
+    and the routing table lists it again; returns its new view."""
     replica_id = before.name.removeprefix("replicas/")
-    stream = _long_stream(client)
-    with pytest.raises(openai.APIError):
-        for i, _chunk in enumerate(stream):
-            if i == 5:
-                os.killpg(before.engine_pid, signal.SIGKILL)
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -374,13 +367,62 @@ def test_engine_killed_mid_stream_gives_error_event_and_restart(
             and replica.restart_count > before.restart_count
         ):
             break
-        assert time.monotonic() < deadline, "the engine was not restarted"
+        assert time.monotonic() < deadline, "the replica was not restarted"
         time.sleep(1)
     assert replica.engine_pid != before.engine_pid
     # The same replica (not a replacement) serves again once the routing table lists it.
     while [e.replica_id for e in stack.serving_endpoints()] != [replica_id]:
         assert time.monotonic() < deadline, "the restarted replica did not return to the table"
         time.sleep(0.5)
+    return replica
+
+
+def test_engine_killed_mid_stream_gives_error_event_and_restart(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """Kill -9 of the engine core mid-stream: the replica process ends the stream with an SSE
+    error event (code engine_failed; never silently), exits, and the node-agent restarts it;
+    the model serves again through the edge afterwards."""
+    before = stack.serving_replica()
+    core = engine_core_pid(before.engine_pid)
+    stream = _long_stream(client)
+    with pytest.raises(openai.APIError) as info:
+        for i, _chunk in enumerate(stream):
+            if i == 5:
+                os.kill(core, signal.SIGKILL)
+    assert not isinstance(info.value, openai.APIConnectionError)  # an event, not a cut
+    assert "engine" in info.value.message
+    _wait_restarted(stack, before)
+    answer = _chat(client, kimi_tiny.NO_TOOL).choices[0]  # type: ignore[attr-defined]
+    assert answer.message.content == kimi_tiny.NO_TOOL.content
+
+
+def test_replica_process_killed_mid_stream_breaks_the_stream_and_restarts(
+    stack: Stack, api_key: str, client: openai.OpenAI
+) -> None:
+    """Kill -9 of the replica process itself mid-stream: nothing is left to write an error
+    event, so Envoy resets the stream and the client sees a broken response (an incomplete
+    chunked body: never a clean end, never `data: [DONE]`); the node-agent restarts the
+    replica and the model serves again."""
+    before = stack.serving_replica()
+    body = kimi_tiny.NO_TOOL.request(max_tokens=1500, ignore_eos=True, stream=True)
+    headers = {"authorization": f"Bearer {api_key}"}
+    events: list[str] = []
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", f"{stack.config.base_url}/chat/completions", json=body, headers=headers
+        ) as response,
+    ):
+        assert response.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 5:
+                        os.kill(before.engine_pid, signal.SIGKILL)
+    assert len(events) >= 5 and "data: [DONE]" not in events
+    _wait_restarted(stack, before)
     answer = _chat(client, kimi_tiny.NO_TOOL).choices[0]  # type: ignore[attr-defined]
     assert answer.message.content == kimi_tiny.NO_TOOL.content
 

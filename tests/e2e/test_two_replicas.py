@@ -43,6 +43,8 @@ from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig
 from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.testing import kimi_tiny
 
+from .conftest import engine_core_pid
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 REPLICAS = 2
@@ -491,8 +493,8 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
     # into 429s; ~250 tokens each keep streams in flight when the engine dies (with 100, a
     # loaded machine sometimes finished them between the metrics poll and the kill).
     load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=250)
-    # Engine pids first: the kill then follows the observation of running streams at once.
-    pids = {rid: two_replicas.replica(rid).engine_pid for rid in replicas}
+    # Engine core pids first: the kill then follows the observation of running streams at once.
+    pids = {rid: engine_core_pid(two_replicas.replica(rid).engine_pid) for rid in replicas}
     load.start()
     try:
         _poll("some finished requests", 120, lambda: True if load.count() >= 3 else None)
@@ -512,7 +514,7 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
             return rid if running[rid] >= 1 and load.all_mid_stream(tokens_left=50) else None
 
         victim = _poll("an engine with streams in flight", 60, busiest)
-        os.killpg(pids[victim], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         killed_at = time.monotonic()
         done_at_kill = load.count()
         # Keep the load on long enough for many requests to start after the kill.

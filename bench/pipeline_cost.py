@@ -6,8 +6,9 @@ then tool calls with large arguments), tokenized by the REAL fixture tokenizer
 per engine increment (the worst case: vLLM streams one token per step per request):
 
 - `detokenize`: `TextStage.push` (DecodeStream + stop-string bookkeeping);
-- `detokenize_parse`: `Generation.steps()` (async iteration, detokenize, Kimi parser per token,
-  reasoning-token counting, step merging);
+- `detokenize_parse`: `Generation.steps()` (async iteration, detokenize, the Kimi parser
+  session per token (which also assembles the response and counts reasoning tokens), stream
+  interval);
 - `pipeline` = that + building each chunk message (`ChatChunks.step`) and serialising it, which
   is what the servicer hands to gRPC;
 - `grpc_stream`: the whole StreamChatCompletion over in-process gRPC (loopback, client
@@ -30,15 +31,15 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline.chunks import ChatChunks
 from inferplane.node_agent.pipeline.detokenize import TextStage
-from inferplane.node_agent.pipeline.fakes import (
-    FakeClock,
+from inferplane.node_agent.pipeline.generate import Generation
+from inferplane.node_agent.testing.pipeline import (
+    TickingClock,
     kimi_tiny_assets,
     kimi_tiny_ids,
     run_scenario,
     script,
 )
-from inferplane.node_agent.pipeline.generate import Generation
-from inferplane.node_agent.pipeline.outcome import SystemClock
+from inferplane.runtime.clock import SystemClock
 from inferplane.testing import kimi_tiny as kt
 from inferplane.wire import chat_request_from_dict
 
@@ -132,8 +133,7 @@ def main() -> None:
                 params=params,
                 backend=assets.backend,
                 stop_token_ids=assets.eos_token_ids,
-                parser=assets.parser,
-                thinking=True,
+                session=assets.parser.start(thinking=True),
                 clock=SystemClock(),
                 started=0.0,
             )
@@ -142,7 +142,7 @@ def main() -> None:
                 if build_chunks and not step.empty:
                     chunks.step(step).SerializeToString()
             assert gen.finish_reason == "tool_calls", gen.finish_reason
-            assert not gen.result().marker_leaked
+            assert not gen.session.result().marker_leaked
 
         asyncio.run(go())
 
@@ -153,7 +153,7 @@ def main() -> None:
     print(f"detokenize_parse_us_per_token: {parse:.2f}")
     pipeline = best_of(args.runs, lambda: generation(True)) / n * 1e6
 
-    from inferplane.node_agent.pipeline.fakes import ScriptedEngine
+    from inferplane.node_agent.testing.pipeline import ScriptedEngine
 
     elapsed: list[float] = []
 
@@ -168,7 +168,7 @@ def main() -> None:
                 count += 1
             elapsed.append(time.perf_counter() - start)
 
-    run_scenario(ScriptedEngine(outputs), grpc_body, clock=FakeClock())
+    run_scenario(ScriptedEngine(outputs), grpc_body, clock=TickingClock())
     print(f"grpc_stream_us_per_token: {min(elapsed) / n * 1e6:.2f}")
     print(f"pipeline_us_per_token: {pipeline:.2f}")
 

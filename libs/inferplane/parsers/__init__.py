@@ -3,10 +3,14 @@
 Pure Python (no grpc, no torch). The node-agent calls it on the hot token path::
 
     parser = build_parser("kimi_k2", vocab=tokenizer.get_vocab())
-    s = parser.start(thinking=True)
+    s = parser.start(thinking=True)             # tool_calls=False: tool_choice "none"
     d = s.feed("text delta", token_ids=[...])   # -> Delta
     d = s.finish()
+    res = s.result()                            # -> ParseResult, the whole response
+    n = s.reasoning_tokens                      # ids fed while in reasoning
     res = parser.parse(full_text, thinking=True)  # -> ParseResult
+
+``PlainSession()`` has the same surface for output with no format (all content, verbatim).
 """
 
 from inferplane.parsers._constrain import Constraint, build_tool_constraint
@@ -25,6 +29,7 @@ from inferplane.parsers._errors import (
     UnknownParserError,
 )
 from inferplane.parsers._kimi_k2 import KIMI_K2_MARKERS, kimi_k2_config, split_kimi_header
+from inferplane.parsers._plain import PlainSession
 from inferplane.parsers._registry import ParserRegistry, build_parser, default_registry
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 from inferplane.parsers._validate import (
@@ -46,6 +51,7 @@ __all__ = [
     "Parser",
     "ParserError",
     "ParserRegistry",
+    "PlainSession",
     "Session",
     "Sink",
     "ToolCall",

@@ -168,6 +168,13 @@ class _Tables:
         self.sinks = dict(config.sinks)
         self.text_transitions = dict(config.text_transitions)
 
+    def leaks(self, reasoning: str, content: str, calls: Sequence[ToolCall]) -> bool:
+        """True if any marker string appears in the given output parts."""
+        search = self.marker_re.search
+        if search(reasoning) or search(content):
+            return True
+        return any(search(c.id) or search(c.name) or search(c.arguments) for c in calls)
+
 
 class _Trim:
     """Trims a text channel at both ends while streaming: leading whitespace is dropped,
@@ -212,13 +219,20 @@ class _CallOut:
 
 
 class Session:
-    """Incremental parsing state of one response. Not thread-safe; one per request.
+    """Incremental parsing state of one response, and the response assembled so far. Not
+    thread-safe; one per request.
 
     Create with ``Parser.start``. Call ``feed`` for every detokenized delta and ``finish``
-    once at the end of the stream. Neither raises on any model output.
+    once at the end of the stream. Neither raises on any model output. ``result()``,
+    ``reasoning_tokens`` and ``dropped_tool_calls`` describe the whole response: the caller
+    keeps no copy of its own.
     """
 
     __slots__ = (
+        "_all_calls",
+        "_all_content",
+        "_all_reasoning",
+        "_allow_calls",
         "_args",
         "_call_open",
         "_calls_out",
@@ -226,6 +240,7 @@ class Session:
         "_credit_total",
         "_credits",
         "_cur_out",
+        "_dropped",
         "_finished",
         "_header",
         "_held",
@@ -235,13 +250,17 @@ class Session:
         "_out_c",
         "_out_r",
         "_reasoning",
+        "_reasoning_tokens",
+        "_result",
         "_sink",
         "_state",
         "_t",
         "_token_mode",
     )
 
-    def __init__(self, tables: _Tables, state: str, history_tool_calls: int) -> None:
+    def __init__(
+        self, tables: _Tables, state: str, history_tool_calls: int, tool_calls: bool = True
+    ) -> None:
         self._t = tables
         self._state = state
         self._sink = tables.sinks[state]
@@ -262,6 +281,14 @@ class Session:
         self._out_c: list[str] = []
         self._calls_out: list[_CallOut] = []
         self._cur_out: _CallOut | None = None
+        # The whole response (appended once per delta; joined by ``result``).
+        self._allow_calls = tool_calls
+        self._dropped = 0
+        self._reasoning_tokens = 0
+        self._all_reasoning: list[str] = []
+        self._all_content: list[str] = []
+        self._all_calls: dict[int, list[str]] = {}  # index -> [id, name, *argument fragments]
+        self._result: ParseResult | None = None
 
     # -- public -----------------------------------------------------------------------------
 
@@ -269,6 +296,38 @@ class Session:
     def state(self) -> str:
         """The machine's current state (for diagnostics and tests)."""
         return self._state
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Token ids fed while the machine was in a reasoning state (OpenAI's
+        ``completion_tokens_details.reasoning_tokens``). A feed counts all its ids when it
+        starts in reasoning, so the marker that ends reasoning (``</think>``) is included;
+        with one token per feed (the node-agent's case) the count is exact. Feeds without
+        ids count nothing."""
+        return self._reasoning_tokens
+
+    @property
+    def dropped_tool_calls(self) -> int:
+        """Calls the model made although the session was started with ``tool_calls=False``."""
+        return self._dropped
+
+    def result(self) -> ParseResult:
+        """The response so far, assembled: what ``Parser.collect`` makes of every delta this
+        session returned (calls dropped by ``tool_calls=False`` excluded), with the leak check.
+        Costs O(output) the first time after new output, O(1) when nothing changed."""
+        if self._result is not None:
+            return self._result
+        reasoning = _joined(self._all_reasoning)
+        content = _joined(self._all_content)
+        calls = []
+        for _, parts in sorted(self._all_calls.items()):
+            if len(parts) > 3:
+                parts[2:] = ["".join(parts[2:])]
+            calls.append(ToolCall(parts[0], parts[1], parts[2]))
+        result = ParseResult(reasoning, content, calls, self._t.leaks(reasoning, content, calls))
+        if self._finished:
+            self._result = result  # nothing can change any more
+        return result
 
     def feed(self, text: str, token_ids: Sequence[int] | None = None) -> Delta:
         """Consume one detokenized delta.
@@ -287,14 +346,17 @@ class Session:
         """
         if self._finished:
             return Delta()
-        if token_ids is not None and self._t.id_to_term:
-            self._token_mode = True
+        if token_ids is not None:
+            if self._sink is Sink.REASONING:
+                self._reasoning_tokens += len(token_ids)
             id_to_term = self._t.id_to_term
-            for tid in token_ids:
-                term = id_to_term.get(tid)
-                if term is not None:
-                    self._credits[term] += 1
-                    self._credit_total += 1
+            if id_to_term:
+                self._token_mode = True
+                for tid in token_ids:
+                    term = id_to_term.get(tid)
+                    if term is not None:
+                        self._credits[term] += 1
+                        self._credit_total += 1
         if text:
             self._scan(text)
         return self._collect()
@@ -460,13 +522,31 @@ class Session:
         calls = self._calls_out
         if not (r or c or calls):
             return Delta()
-        reasoning = (r[0] if len(r) == 1 else "".join(r)) if r else ""
-        content = (c[0] if len(c) == 1 else "".join(c)) if c else ""
-        tool_calls = [ToolCallDelta(o.index, o.id, o.name, "".join(o.parts)) for o in calls]
-        self._out_r = []
-        self._out_c = []
-        self._calls_out = []
-        self._cur_out = None
+        reasoning = content = ""
+        if r:
+            reasoning = r[0] if len(r) == 1 else "".join(r)
+            self._all_reasoning.append(reasoning)
+            self._out_r = []
+        if c:
+            content = c[0] if len(c) == 1 else "".join(c)
+            self._all_content.append(content)
+            self._out_c = []
+        tool_calls: list[ToolCallDelta] = []
+        if calls:
+            if self._allow_calls:
+                whole = self._all_calls
+                for o in calls:
+                    args = "".join(o.parts)
+                    tool_calls.append(ToolCallDelta(o.index, o.id, o.name, args))
+                    parts = whole.get(o.index)
+                    if parts is None:
+                        whole[o.index] = [o.id or "", o.name or "", args]
+                    else:
+                        parts.append(args)
+            else:
+                self._dropped += sum(1 for o in calls if o.id is not None)
+            self._calls_out = []
+            self._cur_out = None
         return Delta(reasoning, content, tool_calls)
 
 
@@ -504,7 +584,9 @@ class Parser:
         terms = list(self._t.config.terminals.items())
         return {terms[i][1]: tid for tid, i in self._t.id_to_term.items()}
 
-    def start(self, thinking: bool = True, *, history_tool_calls: int = 0) -> Session:
+    def start(
+        self, thinking: bool = True, *, history_tool_calls: int = 0, tool_calls: bool = True
+    ) -> Session:
         """Begin parsing one response.
 
         Args:
@@ -512,10 +594,16 @@ class Parser:
                 prompt ends with ``<think>``), so output starts inside reasoning.
             history_tool_calls: tool calls earlier in the conversation; used only to number
                 normalised ids when the model gives a call without its own ``:N`` counter.
+            tool_calls: False parses calls (their text never shows) but emits none and keeps
+                none in ``result()``; they are counted in ``dropped_tool_calls`` (OpenAI's
+                ``tool_choice: "none"``).
         """
         c = self._t.config
         return Session(
-            self._t, c.thinking_state if thinking else c.initial_state, history_tool_calls
+            self._t,
+            c.thinking_state if thinking else c.initial_state,
+            history_tool_calls,
+            tool_calls,
         )
 
     def parse(
@@ -528,7 +616,9 @@ class Parser:
     ) -> ParseResult:
         """Parse a complete output at once; equal to streaming it in any split."""
         s = self.start(thinking, history_tool_calls=history_tool_calls)
-        return self.collect([s.feed(text, token_ids), s.finish()])
+        s.feed(text, token_ids)
+        s.finish()
+        return s.result()
 
     def collect(self, deltas: Iterable[Delta]) -> ParseResult:
         """Concatenate streamed deltas into the complete result (what a client assembles)."""
@@ -558,7 +648,11 @@ class Parser:
 
     def leaks(self, reasoning: str, content: str, calls: Sequence[ToolCall]) -> bool:
         """True if any marker string appears in the given output parts."""
-        search = self._t.marker_re.search
-        if search(reasoning) or search(content):
-            return True
-        return any(search(c.id) or search(c.name) or search(c.arguments) for c in calls)
+        return self._t.leaks(reasoning, content, calls)
+
+
+def _joined(parts: list[str]) -> str:
+    """``"".join(parts)``, leaving ``parts`` as that one string (a second join is O(1))."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""

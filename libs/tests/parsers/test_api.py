@@ -25,8 +25,8 @@ def test_exports_are_pinned() -> None:
     assert sorted(parsers.__all__) == sorted([
         "KIMI_K2_MARKERS", "Action", "Constraint", "ConstraintError", "Delta", "EngineConfig",
         "InvalidToolCallError", "ParseResult", "Parser", "ParserError", "ParserRegistry",
-        "Session", "Sink", "ToolCall", "ToolCallDelta", "ToolCallVerdict", "ToolValidator",
-        "Transition", "UnknownParserError", "VerdictReason", "build_parser",
+        "PlainSession", "Session", "Sink", "ToolCall", "ToolCallDelta", "ToolCallVerdict",
+        "ToolValidator", "Transition", "UnknownParserError", "VerdictReason", "build_parser",
         "build_tool_constraint", "default_registry", "kimi_k2_config", "split_kimi_header",
         "validate_tool_calls",
     ])  # fmt: skip

@@ -3,7 +3,14 @@ markers, end-of-stream flush, and marker matching by token id resolved from a vo
 
 from __future__ import annotations
 
-from inferplane.parsers import KIMI_K2_MARKERS, Delta, Parser, ToolCallDelta, build_parser
+from inferplane.parsers import (
+    KIMI_K2_MARKERS,
+    Delta,
+    Parser,
+    PlainSession,
+    ToolCallDelta,
+    build_parser,
+)
 
 TB, TE = "<think>", "</think>"
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -170,3 +177,53 @@ def test_vocab_missing_a_marker_falls_back_to_text_matching() -> None:
     res = p.collect([s.feed(out, [1, 2, 3]), s.finish()])
     assert [(c.name, c.arguments) for c in res.tool_calls] == [("f", "{}")]
     assert not res.marker_leaked
+
+
+def test_reasoning_tokens_count_ids_fed_in_reasoning_end_marker_included() -> None:
+    """``reasoning_tokens`` counts the ids of every feed that starts in reasoning: the
+    reasoning text and ``</think>`` count, content and call tokens do not."""
+    vocab = _vocab(700)
+    p = build_parser("kimi_k2", vocab=vocab)
+    s = p.start(thinking=True)
+    for t in "plan it":
+        s.feed(t, [ord(t)])
+    s.feed(TE, [vocab[TE]])
+    for t in "ok":
+        s.feed(t, [ord(t)])
+    s.feed(SB, [vocab[SB]])
+    s.finish()
+    assert s.reasoning_tokens == len("plan it") + 1
+    assert s.result().reasoning == "plan it" and s.result().content == "ok"
+
+
+def test_reasoning_tokens_are_zero_without_reasoning_or_without_ids() -> None:
+    p = build_parser("kimi_k2", vocab=_vocab(800))
+    off = p.start(thinking=False)
+    off.feed("answer", [ord(c) for c in "answer"])
+    assert off.reasoning_tokens == 0
+    text_only = p.start(thinking=True)
+    text_only.feed(f"plan{TE}answer")
+    assert text_only.reasoning_tokens == 0
+
+
+def test_result_so_far_grows_with_the_stream_and_is_stable_after_finish() -> None:
+    s = kimi().start(thinking=True)
+    s.feed("plan")
+    assert s.result().reasoning == "plan"
+    s.feed(f" more{TE}an")
+    assert (s.result().reasoning, s.result().content) == ("plan more", "an")
+    s.feed("swer")
+    s.finish()
+    assert s.result() is s.result()
+    assert s.result().content == "answer"
+
+
+def test_plain_session_is_verbatim_content() -> None:
+    """No format: every text is content as is (whitespace and marker-like text included)."""
+    s = PlainSession()
+    deltas = [s.feed(" a "), s.feed(""), s.feed(f"{TE}\n", [1, 2]), s.finish()]
+    assert [d.content for d in deltas] == [" a ", "", f"{TE}\n", ""]
+    res = s.result()
+    assert (res.reasoning, res.content, res.tool_calls) == ("", f" a {TE}\n", [])
+    assert (s.reasoning_tokens, s.dropped_tool_calls) == (0, 0)
+    assert s.feed("late").is_empty and s.result().content == f" a {TE}\n"

@@ -312,3 +312,31 @@ def test_result_types(parser: Parser) -> None:
     res = parser.parse(f"r{TE}{section(WEATHER)}")
     assert res.tool_calls == [ToolCall(*WEATHER_CALL)]
     assert res.reasoning_chars == 1
+
+
+@pytest.mark.parametrize("size", CHUNK_SIZES, ids=lambda s: f"chunk{s or 'all'}")
+@pytest.mark.parametrize("v", VECTORS, ids=[v.name for v in VECTORS])
+def test_session_result_is_what_its_deltas_assemble_to(
+    parser: Parser, v: Vector, size: int | None
+) -> None:
+    """The session's own ``result()`` equals a client's assembly of the deltas it returned, at
+    any split: a caller needs no accumulator of its own."""
+    s = parser.start(thinking=v.thinking)
+    deltas = [*(s.feed(c) for c in chunks(v.output, size)), s.finish()]
+    assert s.result() == parser.collect(deltas) == parser.parse(v.output, thinking=v.thinking)
+
+
+@pytest.mark.parametrize("size", CHUNK_SIZES, ids=lambda s: f"chunk{s or 'all'}")
+@pytest.mark.parametrize("v", VECTORS, ids=[v.name for v in VECTORS])
+def test_calls_not_allowed_are_dropped_and_counted(
+    parser: Parser, v: Vector, size: int | None
+) -> None:
+    """``start(tool_calls=False)`` (``tool_choice: "none"``): no delta and no result carries a
+    call, reasoning and content are unchanged, and every call the model made is counted."""
+    s = parser.start(thinking=v.thinking, tool_calls=False)
+    deltas = [*(s.feed(c) for c in chunks(v.output, size)), s.finish()]
+    assert all(not d.tool_calls for d in deltas)
+    res = s.result()
+    assert (res.reasoning, res.content, res.tool_calls) == (v.reasoning, v.content, [])
+    assert not res.marker_leaked
+    assert s.dropped_tool_calls == len(v.calls)

@@ -29,14 +29,9 @@ from inferplane.node_agent.engine.process import (
     ReplicaOptions,
     Spawner,
 )
-from inferplane.node_agent.engine.supervisor import (
-    ClientFactory,
-    Clock,
-    ReplicaManager,
-    SupervisorConfig,
-    SystemClock,
-)
+from inferplane.node_agent.engine.supervisor import ClientFactory, ReplicaManager, SupervisorConfig
 from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent")
 

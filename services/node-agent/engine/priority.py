@@ -1,39 +1,41 @@
-"""CPU scheduling priority of an engine's processes (CPU nodes).
+"""CPU scheduling priority of a replica's engine processes (CPU nodes).
 
-vLLM runs a replica as three kinds of process: the API server (the HTTP or gRPC front: our
-launcher's own process), the engine core (scheduler; process title `VLLM::EngineCore`) and one
-model-runner worker per rank (`VLLM::Worker`, started by the engine core). The engine core
-reads the workers' results through vLLM's shared-memory message queue, whose reader
-busy-loops with `sched_yield()` for one second after each message (`SpinCondition.wait`,
-`busy_loop_s=1`, vllm/distributed/device_communicators/shm_broadcast.py, vLLM 0.32), so under
-load the engine core is always runnable. On a CPU node it shares the cores that are not the
-workers' with the engine front and the platform's request path (node-agent, router, Envoy),
-which then wait for its time slices: new requests stall for up to a second. At a higher
-niceness its share of a contended core shrinks (CFS weight 15 at 19 against 1,024 at 0)
-against the other threads of its scheduling group: the engine front's, but not the platform
-services' where sessions are autogroups (below). Measured on the 2-core box
-(bench/README.md, 2026-11-25, c=8, A/B in one run): the stack's TTFT p99 went from 0.2–1.4 s
-(niceness 0; 0.8–1.4 s in most runs) to 70–140 ms at 19 and 110–170 ms at 10, with 5 no
-better than 0; plain vLLM's from 0.4–1.1 s to 37–38 ms (at 10), with more tokens/s for both.
-The workers (which compute) did better left at the front's priority.
+The process layout (issue 16 B): the node-agent's supervisor launches one replica process per
+replica, which leads a session of its own (`engine/process.py`); the engine lives in its tree.
+With the `inproc` transport the replica process is the engine's front itself (vLLM's
+`AsyncLLM`), and vLLM starts the engine core (scheduler; process title `VLLM::EngineCore`)
+below it, which starts one model-runner worker per rank (`VLLM::Worker`). With
+`http-completions` / `grpc` the replica process spawns a child engine (our launcher running
+`vllm serve`: its API server, then the engine core and workers below it), which leads a session
+of its own. `session_leaders(replica_pid)` (`engine/process.py`) lists the replica process and
+every such session of its tree.
+
+Why the engine core: it reads the workers' results through vLLM's shared-memory message queue,
+whose reader busy-loops with `sched_yield()` for one second after each message
+(`SpinCondition.wait`, `busy_loop_s=1`, vllm/distributed/device_communicators/shm_broadcast.py,
+vLLM 0.32), so under load it is always runnable. On a CPU node it shares the cores that are not
+the workers' with the engine's front and the platform's request path (the replica front,
+router, Envoy), which then wait for its time slices: new requests stall for up to a second. At
+a higher niceness its share of a contended core shrinks (CFS weight 15 at 19 against 1,024 at
+0) against the other threads of its scheduling group. The workers (which compute) do better
+left at the front's priority.
 
 Niceness orders threads only within one scheduler task group. On kernels with autogroups
 (`CONFIG_SCHED_AUTOGROUP`, on by default in most distributions) every session is a task group
 of its own, and the scheduler shares a contended core between groups before it looks at
-niceness inside them (sched(7), "The autogroup feature"). Each engine leads a session of its
-own (`process`), as every platform service does, so the engine core's niceness yields the core
-to the engine's front but not to the node-agent, router or Envoy. `set_autogroup_niceness`
-lowers the engine's whole group against theirs. Measured on the 2-core box (kernel 6.18,
-bench/README.md, 2026-11-25, full stack, six A/B pairs): TTFT p99 at c=8 68–92 ms with the
-engine's group at niceness 10 against 88–354 at 0, tokens/s at c=8 within the noise (−9 % to
-+21 % per pair); at c=1 the engine pays for it, a median 18 % fewer tokens/s (5 pairs of 6;
-ITL p50 +0.3–1.0 ms), since the request path now preempts its workers too. A client in
-another session, at niceness 0, saw its event loop stall for up to 3 s in every 1,500-token
-stream while the engine's group was at 0.
+niceness inside them (sched(7), "The autogroup feature"). So the engine core's niceness yields
+the core only to its own session, not to the platform's other services (each leads a session
+of its own). `set_autogroup_niceness` lowers each session of the replica's tree against
+theirs: with `inproc` that session holds the replica's front too, so the front yields with its
+engine. Both rules and the measurements behind them (taken on the v1 path, where the
+node-agent was the front) are in bench/README.md; they stay until an A/B on the
+replica-process path decides (issue 16).
 
-Both are applied once the replica is ready: the workers exist by then and keep
-their priority (a child inherits its parent's niceness at fork, and without privilege a
-niceness can only go up), threads the engine core starts later inherit its niceness.
+Both are applied by the supervisor once the replica is ready (`renice_engine_cores` on the
+replica process's pid, `set_autogroup_niceness` on each of its `session_leaders`): the workers
+exist by then and keep their priority (a child inherits its parent's niceness at fork, and
+without privilege a niceness can only go up), threads the engine core starts later inherit its
+niceness.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def renice_threads(pid: int, niceness: int) -> None:
 
 
 def renice_engine_cores(root: int, niceness: int) -> list[int]:
-    """Gives the engine core processes below `root` (an engine launcher; one per data-parallel
-    rank) `niceness` on every thread; returns their pids (empty when none was found).
+    """Gives the engine core processes anywhere below `root` (a replica process; one engine
+    core per data-parallel rank) `niceness` on every thread; returns their pids (empty when none
+    was found).
 
     Raises:
         ValueError: `niceness` outside 1..19.
@@ -135,10 +138,12 @@ def parse_autogroup(text: str) -> int | None:
 
 def set_autogroup_niceness(leader: int, niceness: int) -> bool:
     """Gives the autogroup of the session `leader` leads the niceness `niceness`: every process
-    of the session gets that share of a contended core against other sessions (the engine's
-    front, engine core and workers together). Returns False when there is nothing to set:
-    autogroups are off (`autogroups_enabled`). A process in a CPU cgroup other than the root
-    one is scheduled by its cgroup instead, and the setting has no effect (sched(7)).
+    of the session gets that share of a contended core against other sessions (a child
+    engine's front, engine core and workers together; for the replica process's own session,
+    its front and, with `inproc`, vLLM's engine core and workers). Returns False when there is
+    nothing to set: autogroups are off (`autogroups_enabled`). A process in a CPU cgroup other
+    than the root one is scheduled by its cgroup instead, and the setting has no effect
+    (sched(7)).
 
     Raises:
         ValueError: `niceness` outside 1..19, or `leader` does not lead its session (its

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -68,6 +67,7 @@ from inferplane.runtime import (
     FailedPreconditionError,
     NotFoundError,
 )
+from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent.engine")
 
@@ -75,29 +75,6 @@ State = nodeagent_pb2.Replica.State
 
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 """The gRPC health service name a replica process reports SERVING once its engine is ready."""
-
-
-class Clock(Protocol):
-    """Time as the supervisor sees it: monotonic seconds, wall-clock timestamps, sleeping."""
-
-    def monotonic(self) -> float: ...
-
-    def now(self) -> dt.datetime: ...
-
-    async def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    """The real clock."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def now(self) -> dt.datetime:
-        return dt.datetime.now(dt.UTC)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,35 +1,11 @@
-"""Per-request facts the pipeline hands to telemetry, and the clock it measures them with."""
+"""Per-request facts the pipeline hands to telemetry."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
-from typing import Protocol
 
 from inferplane.parsers import ToolCallVerdict
-
-
-class Clock(Protocol):
-    """Time sources (injected so that tests need no sleeps)."""
-
-    def time(self) -> float:
-        """Wall-clock seconds since the epoch (`created` fields)."""
-        ...
-
-    def monotonic(self) -> float:
-        """Monotonic seconds (latencies)."""
-        ...
-
-
-class SystemClock:
-    """The real clock."""
-
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.perf_counter()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -41,17 +41,11 @@ from inferplane.node_agent.engine.api import (
 )
 from inferplane.node_agent.pipeline import chunks
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache
-from inferplane.node_agent.pipeline.generate import Generation, Step
-from inferplane.node_agent.pipeline.outcome import (
-    Clock,
-    OutcomeSink,
-    RequestOutcome,
-    SystemClock,
-    discard_outcome,
-)
+from inferplane.node_agent.pipeline.generate import Generation, OutputSession, Step
+from inferplane.node_agent.pipeline.outcome import OutcomeSink, RequestOutcome, discard_outcome
 from inferplane.node_agent.pipeline.requests import plan_chat, plan_completion
 from inferplane.node_agent.pipeline.sse import sse_bodies
-from inferplane.parsers import ToolCallVerdict, ToolValidator
+from inferplane.parsers import PlainSession, ToolCallVerdict, ToolValidator
 from inferplane.runtime import (
     InferplaneError,
     InternalError,
@@ -59,6 +53,7 @@ from inferplane.runtime import (
     UnavailableError,
     error_trailers,
 )
+from inferplane.runtime.clock import Clock, SystemClock
 from inferplane.wire import REPLICA_KEY, ResponseSummary, chunk_to_json, completion_chunk_to_json
 
 log = structlog.get_logger("inferplane.node_agent.pipeline")
@@ -149,7 +144,7 @@ class _Tracker:
             prompt_tokens=gen.prompt_tokens,
             completion_tokens=gen.completion_tokens,
             cached_tokens=gen.cached_tokens,
-            reasoning_tokens=gen.reasoning_tokens,
+            reasoning_tokens=gen.session.reasoning_tokens,
             finish_reason=finish,
             ttft_seconds=gen.ttft_seconds or 0.0,
             error_code=self.code,
@@ -327,11 +322,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                     first = False
                     yield out.role()
                 if step.finish_reason is not None and self._strict:
-                    track.verdicts = self._validate(plan.tools, gen.result().tool_calls)
+                    track.verdicts = self._validate(plan.tools, gen.session.result().tool_calls)
                 if not step.empty:
                     yield out.step(step)
         if not self._strict:
-            track.verdicts = self._validate(plan.tools, gen.result().tool_calls)
+            track.verdicts = self._validate(plan.tools, gen.session.result().tool_calls)
         if plan.include_usage:
             yield out.usage(_usage(gen))
 
@@ -345,7 +340,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         plan = plan_chat(req, assets)
         gen = self._generation(replica, assets, plan, "chatcmpl-", track, chat=True)
         await _drain(gen)
-        result = gen.result()
+        result = gen.session.result()
         track.verdicts = self._validate(plan.tools, result.tool_calls)
         yield chunks.chat_completion(
             gen.request_id,
@@ -391,7 +386,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             int(self._clock.time()),
             replica.spec.served_model_name,
             replica.spec.revision,
-            plan.echo_text + gen.result().content,
+            plan.echo_text + gen.session.result().content,
             gen.finish_reason or "stop",
             _usage(gen),
         )
@@ -475,6 +470,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         *,
         chat: bool,
     ) -> Generation:
+        session: OutputSession = PlainSession()
+        if chat and assets.parser is not None:
+            session = assets.parser.start(
+                plan.prompt.thinking,
+                history_tool_calls=plan.history_tool_calls,
+                tool_calls=plan.tool_calls_allowed,
+            )
         gen = Generation(
             engine=replica.engine,
             request_id=prefix + self._new_id(),
@@ -482,10 +484,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             params=with_stream_floor(plan.params, replica.spec.stream_interval),
             backend=assets.backend,
             stop_token_ids=assets.eos_token_ids,
-            parser=assets.parser if chat else None,
-            thinking=plan.prompt.thinking if chat else False,
-            history_tool_calls=plan.history_tool_calls if chat else 0,
-            tool_calls_allowed=plan.tool_calls_allowed if chat else True,
+            session=session,
             clock=self._clock,
             started=track.started,
         )
@@ -517,6 +516,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         if self._on_outcome is discard_outcome:
             return
         gen = track.gen
+        session = gen.session if gen else None
         outcome = RequestOutcome(
             request_id=gen.request_id if gen else "",
             model=track.model,
@@ -529,13 +529,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             prompt_tokens=gen.prompt_tokens if gen else 0,
             completion_tokens=gen.completion_tokens if gen else 0,
             cached_tokens=gen.cached_tokens if gen else 0,
-            reasoning_tokens=gen.reasoning_tokens if gen else 0,
+            reasoning_tokens=session.reasoning_tokens if session else 0,
             ttft_seconds=gen.ttft_seconds if gen else None,
             itl_seconds=tuple(gen.itl_seconds) if gen else (),
             e2e_seconds=self._clock.monotonic() - track.started,
             tool_call_verdicts=track.verdicts,
-            marker_leaked=gen.result().marker_leaked if gen else False,
-            dropped_tool_calls=gen.dropped_tool_calls if gen else 0,
+            marker_leaked=session.result().marker_leaked if session else False,
+            dropped_tool_calls=session.dropped_tool_calls if session else 0,
             request_header_id=_metadata(context, REQUEST_ID_METADATA_KEY),
         )
         asyncio.get_running_loop().call_soon(_deliver, self._on_outcome, outcome)
@@ -598,7 +598,7 @@ def _engine_failed(exc: EngineError) -> UnavailableError:
 
 def _usage(gen: Generation) -> pb.Usage:
     return chunks.usage(
-        gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.reasoning_tokens
+        gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.session.reasoning_tokens
     )
 
 

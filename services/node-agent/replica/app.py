@@ -33,7 +33,7 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2_grpc
 from inferplane.node_agent.engine.api import EngineClient
 from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache
-from inferplane.node_agent.pipeline.outcome import Clock, OutcomeSink, discard_outcome
+from inferplane.node_agent.pipeline.outcome import OutcomeSink, discard_outcome
 from inferplane.node_agent.pipeline.records import record_sender
 from inferplane.node_agent.pipeline.servicer import StreamMetrics
 from inferplane.node_agent.replica.hosts import EngineHost
@@ -48,6 +48,7 @@ from inferplane.runtime import (
     freeze_heap,
     grpc_options,
 )
+from inferplane.runtime.clock import Clock
 
 log = structlog.get_logger("inferplane.node_agent.replica")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from inferplane.node_agent.agent.node import memory_bytes, parse_nvidia_smi, pro
 from inferplane.node_agent.agent.registration import Registrar
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import ConfigError, load_settings
+from inferplane.testing.clock import FakeClock
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -66,18 +66,13 @@ def test_boot_replicas_come_from_the_yaml_config(tmp_path: Path) -> None:
         load_settings(NodeAgentSettings, service="node_agent", argv=["--config", str(config)])
 
 
-class FastClock:
-    def __init__(self) -> None:
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return 0.0
-
-    def now(self) -> dt.datetime:
-        return dt.datetime.now(dt.UTC)
+class PacedClock(FakeClock):
+    """The shared `FakeClock` whose `sleep` also waits 10 ms of real time: the registrar under
+    test talks to a real gRPC server on loopback, and a sleep that only yielded once would spin
+    its retry and heartbeat loops far faster than that server answers."""
 
     async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
+        await super().sleep(seconds)
         await asyncio.sleep(0.01)
 
 
@@ -111,7 +106,7 @@ async def test_registration_and_heartbeats() -> None:
     orchestrator = Orchestrator()
     server, port = await _serve(orchestrator)
     status = na.NodeStatus(node="n1", cpu_count=2)
-    registrar = Registrar(f"127.0.0.1:{port}", lambda: status, clock=FastClock())
+    registrar = Registrar(f"127.0.0.1:{port}", lambda: status, clock=PacedClock())
     task = asyncio.create_task(registrar.run())
     try:
         async with asyncio.timeout(10):
@@ -127,7 +122,7 @@ async def test_registration_and_heartbeats() -> None:
 async def test_an_orchestrator_without_node_service_never_crashes_the_agent() -> None:
     """Invariant: UNIMPLEMENTED (or no orchestrator at all) is retried later, not raised."""
     server, port = await _serve(orchestrator_pb2_grpc.NodeServiceServicer())
-    clock = FastClock()
+    clock = PacedClock()
     registrar = Registrar(
         f"127.0.0.1:{port}", lambda: na.NodeStatus(), clock=clock, retry_max_seconds=30
     )
@@ -137,11 +132,11 @@ async def test_an_orchestrator_without_node_service_never_crashes_the_agent() ->
             while registrar.attempts < 3:
                 await asyncio.sleep(0.02)
         assert not task.done() and not registrar.registered
-        assert clock.sleeps[:2] == [30, 30]
+        assert clock.slept[:2] == [30, 30]
     finally:
         await _cancel(task)  # its channel closes before the test's loop does
         await server.stop(0)
-    unreachable = Registrar("127.0.0.1:1", lambda: na.NodeStatus(), clock=FastClock())
+    unreachable = Registrar("127.0.0.1:1", lambda: na.NodeStatus(), clock=PacedClock())
     task = asyncio.create_task(unreachable.run())
     async with asyncio.timeout(10):
         while unreachable.attempts < 3:

@@ -14,9 +14,10 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.cpus import BIND_ENV, NOBIND, CpuCorePool, format_cpu_list
 from inferplane.node_agent.engine.process import LaunchPlan
 from inferplane.node_agent.engine.supervisor import ReplicaManager, SupervisorConfig
+from inferplane.testing.clock import FakeClock
 
 from .test_engine_process import SPEC, manager_for
-from .test_engine_supervisor import FakeClient, FakeClock, FakeSpawner
+from .test_engine_supervisor import FakeClient, FakeSpawner
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from inferplane.node_agent.engine.api import EngineConstraint, EngineError, SamplingParams
-from inferplane.node_agent.engine.fake_engine import FakeEngine, parse
 from inferplane.node_agent.engine.grpc_client import GrpcEngineClient, to_proto_sampling
+from inferplane.node_agent.testing.fake_engine import FakeEngine, parse
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]
 

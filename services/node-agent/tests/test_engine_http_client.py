@@ -1,5 +1,5 @@
 """HttpEngineClient (the `http-completions` transport) against the fake vLLM HTTP server
-(engine/fake_http_engine.py) served in-process on loopback."""
+(testing/fake_http_engine.py) served in-process on loopback."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from inferplane.node_agent.engine.api import (
     EngineOutput,
     SamplingParams,
 )
-from inferplane.node_agent.engine.fake_http_engine import FakeHttpEngine
 from inferplane.node_agent.engine.http_client import HttpEngineClient, to_completion_body
+from inferplane.node_agent.testing.fake_http_engine import FakeHttpEngine
 from inferplane.runtime.ports import free_port
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]

@@ -1,7 +1,7 @@
 """The engine mode per transport: the engine command line a replica process gets for
 `http-completions` (vLLM's HTTP server, loopback, its own `/metrics`) against `grpc`, and the
 supervisor running a real replica process (inferplane.testing.fake_replica) whose engine child
-is engine/fake_http_engine.py: ready once the engine answers, tokens through HttpEngineClient
+is testing/fake_http_engine.py: ready once the engine answers, tokens through HttpEngineClient
 at the engine address, loopback-only engine listeners, nothing left after stop."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from inferplane.runtime.ports import LOWEST_PORT, ephemeral_range
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60)]
 
-FAKE_HTTP = (sys.executable, "-m", "inferplane.node_agent.engine.fake_http_engine")
+FAKE_HTTP = (sys.executable, "-m", "inferplane.node_agent.testing.fake_http_engine")
 FAKE_REPLICA = (sys.executable, "-m", "inferplane.testing.fake_replica")
 
 

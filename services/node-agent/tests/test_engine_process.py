@@ -1,6 +1,6 @@
 """Supervision of real child processes: the fake replica process
 (inferplane.testing.fake_replica, which takes the replica process's exact command line) with
-the fake engine (engine/fake_engine.py) as its child: restart after a crash of either, logs
+the fake engine (testing/fake_engine.py) as its child: restart after a crash of either, logs
 and spec file per replica, drain over ReplicaProcessService, stop escalation, loopback-only
 engine listeners, no orphans; and the launch plan of each transport."""
 
@@ -37,7 +37,7 @@ State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
 
 FAKE_REPLICA = (sys.executable, "-m", "inferplane.testing.fake_replica")
-FAKE_ENGINE = (sys.executable, "-m", "inferplane.node_agent.engine.fake_engine")
+FAKE_ENGINE = (sys.executable, "-m", "inferplane.node_agent.testing.fake_engine")
 SPEC = nodeagent_pb2.ReplicaSpec(
     served_model_name="fake", model_source="/models/fake", transport="grpc"
 )
@@ -326,7 +326,7 @@ AGENT = textwrap.dedent(
         cfg = SupervisorConfig(
             data_dir=Path(sys.argv[1]), cpu=True, startup_poll_seconds=0.1,
             replica_command=(sys.executable, "-m", "inferplane.testing.fake_replica"),
-            engine_command=(sys.executable, "-m", "inferplane.node_agent.engine.fake_engine",
+            engine_command=(sys.executable, "-m", "inferplane.node_agent.testing.fake_engine",
                             *sys.argv[2:]),
             replica=ReplicaOptions(drain_grace_seconds=1),
         )

@@ -6,7 +6,6 @@ address."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from inferplane.node_agent.engine.supervisor import (
     SupervisorConfig,
 )
 from inferplane.runtime import AlreadyExistsError, FailedPreconditionError, NotFoundError
+from inferplane.testing.clock import FakeClock
 from inferplane.testing.fake_replica import FakeReplicaControl, serve_fake_replica
 
 State = nodeagent_pb2.Replica.State
@@ -31,25 +31,6 @@ pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class FakeClock:
-    """Virtual time: sleep() advances it and yields to the loop once."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def now(self) -> dt.datetime:
-        return dt.datetime.fromtimestamp(self.t, dt.UTC)
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.t += seconds
-        await asyncio.sleep(0)
 
 
 class FakeHandle:
@@ -243,7 +224,7 @@ async def test_failed_starts_back_off_exponentially_then_succeed(tmp_path: Path)
     manager, spawner, clock = make_manager(tmp_path, ["exit", "exit", "exit", "ok"])
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
-    backoffs = [s for s in clock.sleeps if s >= 1.0]
+    backoffs = [s for s in clock.slept if s >= 1.0]
     assert backoffs == [1.0, 2.0, 4.0]
     assert replica.restart_count == 3
     assert "exited with code 3" in replica.last_error
@@ -302,11 +283,11 @@ async def test_a_long_stable_run_earns_a_fresh_restart_budget(tmp_path: Path) ->
     replica = await manager.start("r1", SPEC)
     for n in range(3):
         await wait_until(lambda: replica.state == State.STATE_READY and replica.pid == 100 + n)  # noqa: B023
-        clock.t += 500
+        clock.advance(500)
         spawner.handles[n].die(1)
         await wait_until(lambda: replica.restart_count == n + 1)  # noqa: B023
     await wait_until(lambda: replica.state == State.STATE_READY and replica.pid == 103)
-    assert not [s for s in clock.sleeps if s >= 1.0]  # no backoff: each run was stable
+    assert not [s for s in clock.slept if s >= 1.0]  # no backoff: each run was stable
     await manager.close()
 
 
@@ -375,9 +356,9 @@ async def test_stop_after_the_grace_period_even_with_requests_in_flight(tmp_path
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=5)
     spawner.processes["127.0.0.1:1"].in_flight = 1
-    before = clock.t
+    before = clock.monotonic()
     await manager.stop("r1", grace_seconds=5)
-    assert clock.t - before >= 5
+    assert clock.monotonic() - before >= 5
     assert replica.state == State.STATE_STOPPED and spawner.handles[0].returncode == 0
     assert spawner.processes["127.0.0.1:1"].drain_calls == 1
 

@@ -9,7 +9,7 @@ import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.pipeline import ModelAssets, ModelAssetsCache
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_assets, kimi_tiny_spec
+from inferplane.node_agent.testing.pipeline import kimi_tiny_assets, kimi_tiny_spec
 from inferplane.runtime import UnavailableError
 
 
@@ -72,3 +72,14 @@ def test_concurrent_first_requests_share_one_load_and_failures_are_retried() -> 
         assert loaded == [2]  # the hook (the heap freeze) ran once, after the successful load
 
     asyncio.run(scenario())
+
+
+def test_the_fixture_spec_is_a_fresh_copy_per_call() -> None:
+    """A test that changes the fixture spec (a stream interval, a parser name) changes only its
+    own copy: later tests still get the original."""
+    spec = kimi_tiny_spec()
+    spec.stream_interval = 4
+    spec.tool_parser = "other"
+    again = kimi_tiny_spec()
+    assert again is not spec
+    assert (again.stream_interval, again.tool_parser) == (0, "kimi_k2")

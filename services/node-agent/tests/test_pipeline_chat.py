@@ -15,7 +15,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.api import EngineOutput
 from inferplane.node_agent.pipeline import RequestOutcome
-from inferplane.node_agent.pipeline.fakes import (
+from inferplane.node_agent.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,
     kimi_tiny_assets,
@@ -406,9 +406,10 @@ def test_sampling_parameters_are_mapped_faithfully() -> None:
 
 def test_tool_choice_none_leaves_tools_out_and_drops_calls() -> None:
     """tool_choice none: the tools are not rendered into the prompt, and a tool call the model
-    makes anyway is not returned (finish_reason stop)."""
+    makes anyway is not returned (finish_reason stop) but counted in the outcome."""
     case = kt.WEATHER
     outputs = script(ids_of(case.output + EOS))
+    outcomes: list[RequestOutcome] = []
 
     async def body(stub: Stub, engine: ScriptedEngine) -> None:
         await stub.CreateChatCompletion(pb.CreateChatCompletionRequest(request=chat(case)))
@@ -421,7 +422,9 @@ def test_tool_choice_none_leaves_tools_out_and_drops_calls() -> None:
         assert unary.choices[0].finish_reason == "stop"
         assert unary.choices[0].message.content.string_value == ""
 
-    run(outputs, body)
+    run(outputs, body, outcomes=outcomes)
+    assert [o.dropped_tool_calls for o in outcomes] == [0, len(case.tool_calls)]
+    assert [o.finish_reason for o in outcomes] == ["tool_calls", "stop"]
 
 
 def test_outcome_records_latency_tokens_and_tool_call_verdicts() -> None:
@@ -521,7 +524,7 @@ def test_replica_stream_interval_is_the_floor_of_the_requests() -> None:
     the request asks (vLLM clamps a request's interval to the engine's the same way); a request
     may ask for more; 0 or a value above 1024 is a 400 naming the parameter."""
     case = kt.PARALLEL
-    spec = kimi_tiny_spec()
+    spec = kimi_tiny_spec()  # a private copy: the change must not reach later tests
     spec.stream_interval = 4
     engine = ScriptedEngine(script(ids_of(case.output + EOS), per_increment=1))
 

@@ -10,7 +10,7 @@ import pytest
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.pipeline.fakes import (
+from inferplane.node_agent.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,
     kimi_tiny_assets,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferplane.node_agent.pipeline.detokenize import TextStage
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_assets, kimi_tiny_ids
+from inferplane.node_agent.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids
 
 TEXT = "Größe: 日本語のテキスト 😀🎉 </think> café <|tool_call_begin|> done"
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_spec
+from inferplane.node_agent.testing.pipeline import kimi_tiny_spec
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port
 from inferplane.testing import kimi_tiny as kt

@@ -16,27 +16,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
+from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline import ModelAssetsCache
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_assets, kimi_tiny_ids
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_spec as _cached_spec
 from inferplane.node_agent.replica.app import EXIT_ENGINE_DIED, EXIT_OK, ReplicaProcess
 from inferplane.node_agent.replica.settings import ReplicaSettings, parse_args
+from inferplane.node_agent.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids, kimi_tiny_spec
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY
 from inferplane.wire import ResponseSummary, completion_request_from_dict
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 IDS = kimi_tiny_ids("Here is a short note about Paris. I hope it helps.<|im_end|>")
-
-
-def fresh_spec() -> nodeagent_pb2.ReplicaSpec:
-    """The fixture model's spec, a private copy (the cached one is shared across test files)."""
-    spec = nodeagent_pb2.ReplicaSpec()
-    spec.CopyFrom(_cached_spec())
-    spec.stream_interval = 0
-    return spec
 
 
 class HeldEngine:
@@ -145,7 +136,9 @@ def run_process(
 ) -> int:
     """Runs a ReplicaProcess on a free port with a FakeHost; `body` drives it; returns the
     process's exit code."""
-    settings = ReplicaSettings(replica_id="r1", spec=fresh_spec(), drain_grace_seconds=drain_grace)
+    settings = ReplicaSettings(
+        replica_id="r1", spec=kimi_tiny_spec(), drain_grace_seconds=drain_grace
+    )
 
     async def scenario() -> int:
         assets = ModelAssetsCache()
@@ -289,7 +282,7 @@ def test_command_line_contract(tmp_path: Any) -> None:
     from google.protobuf import json_format
 
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json_format.MessageToJson(fresh_spec()))
+    spec_file.write_text(json_format.MessageToJson(kimi_tiny_spec()))
     s = parse_args(
         [
             "--replica-id",

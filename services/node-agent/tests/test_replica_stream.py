@@ -15,21 +15,20 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache, RequestOutcome
 from inferplane.node_agent.pipeline.coalesce import CoalescingEngine, merge_outputs
-from inferplane.node_agent.pipeline.fakes import (
-    FakeClock,
+from inferplane.node_agent.pipeline.servicer import StreamMetrics
+from inferplane.node_agent.testing.pipeline import (
     FakeDirectory,
     FakeReplica,
     ScriptedEngine,
+    TickingClock,
     kimi_tiny_assets,
     kimi_tiny_ids,
+    kimi_tiny_spec,
     script,
 )
-from inferplane.node_agent.pipeline.fakes import kimi_tiny_spec as _cached_spec
-from inferplane.node_agent.pipeline.servicer import StreamMetrics
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
 from inferplane.testing import kimi_tiny as kt
 from inferplane.wire import (
@@ -45,14 +44,6 @@ TEXT = "Here is a short note about Paris. I hope it helps."
 TEXT_IDS = kimi_tiny_ids(TEXT + "<|im_end|>")
 LONG = " ".join([TEXT] * 8)
 LONG_IDS = kimi_tiny_ids(LONG + "<|im_end|>")
-
-
-def fresh_spec() -> nodeagent_pb2.ReplicaSpec:
-    """The fixture model's spec, a private copy (the cached one is shared across test files)."""
-    spec = nodeagent_pb2.ReplicaSpec()
-    spec.CopyFrom(_cached_spec())
-    spec.stream_interval = 0
-    return spec
 
 
 class StepEngine:
@@ -139,9 +130,9 @@ def serve(
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
     servicer = InferenceServicer(
-        FakeDirectory([FakeReplica("r1", fresh_spec(), engine)]),
+        FakeDirectory([FakeReplica("r1", kimi_tiny_spec(), engine)]),
         assets,
-        clock=FakeClock(),
+        clock=TickingClock(),
         on_outcome=outcomes.append if outcomes is not None else (lambda _o: None),
         metrics=StreamMetrics(registry) if registry is not None else None,
     )

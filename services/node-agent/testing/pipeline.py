@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
@@ -19,6 +20,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
 from inferplane.runtime import ErrorInterceptor, UnavailableError
+from inferplane.testing.clock import FakeClock
 
 
 def script(
@@ -195,20 +197,19 @@ class FakeDirectory:
         return list(seen.values())
 
 
-class FakeClock:
-    """A clock that advances `step` seconds on every `monotonic()` reading."""
+class TickingClock(FakeClock):
+    """The shared `FakeClock`, advancing `step` seconds on every `monotonic()` reading: a
+    scripted engine's increments then arrive `step` apart without anyone sleeping or calling
+    `advance`, so TTFT and inter-token latencies are known, non-zero numbers. Wall time starts
+    at `wall` (epoch seconds: the `created` of responses and model entries)."""
 
     def __init__(self, wall: float = 1_700_000_000.0, step: float = 0.01) -> None:
-        self.wall = wall
-        self.now = 0.0
+        super().__init__(start=datetime.fromtimestamp(wall, UTC))
         self.step = step
 
-    def time(self) -> float:
-        return self.wall
-
     def monotonic(self) -> float:
-        self.now += self.step
-        return self.now
+        self.advance(self.step)
+        return super().monotonic()
 
 
 @asynccontextmanager
@@ -231,9 +232,16 @@ async def serve_inference(
 # -- the fixture model, served by the pipeline over real gRPC ---------------------------------
 
 
-@cache
 def kimi_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
-    """A replica spec for models/kimi-tiny with the kimi_k2 parser (2048-token context)."""
+    """A replica spec for models/kimi-tiny with the kimi_k2 parser (2048-token context): a
+    fresh copy on every call, the caller's to change."""
+    spec = nodeagent_pb2.ReplicaSpec()
+    spec.CopyFrom(_kimi_tiny_spec())
+    return spec
+
+
+@cache
+def _kimi_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
     from inferplane.testing import kimi_tiny
 
     return nodeagent_pb2.ReplicaSpec(
@@ -250,7 +258,7 @@ def kimi_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
 @cache
 def kimi_tiny_assets() -> ModelAssets:
     """The fixture model's real assets (tokenizer, parser), loaded once per process."""
-    return load_model_assets(kimi_tiny_spec())
+    return load_model_assets(_kimi_tiny_spec())
 
 
 def kimi_tiny_ids(text: str) -> list[int]:
@@ -273,7 +281,7 @@ def run_scenario(
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
     replicas = replicas or [FakeReplica("r1", kimi_tiny_spec(), engine)]
-    servicer_options.setdefault("clock", FakeClock())
+    servicer_options.setdefault("clock", TickingClock())
     servicer = InferenceServicer(FakeDirectory(replicas), assets, **servicer_options)
 
     async def scenario() -> None:

@@ -1,7 +1,7 @@
 """A fake vLLM HTTP server for tests without vLLM: `GET /health`, `GET /metrics`
 (`vllm:num_requests_running`) and streaming `POST /v1/completions` with token-id prompts, in
-the shape vLLM 0.32 answers them (see engine/http_client.py), on a hand-written asyncio
-HTTP/1.1 server (keep-alive, chunked SSE) on loopback.
+the shape vLLM 0.32 answers them (see `inferplane.node_agent.engine.http_client`), on a
+hand-written asyncio HTTP/1.1 server (keep-alive, chunked SSE) on loopback.
 
 In-process: `server = FakeHttpEngine(...); port = await server.start("127.0.0.1", 0)`.
 As a process it takes the launcher's command line (`[OPTIONS] -- serve MODEL --host H

@@ -9,9 +9,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.api.router.v1 import outcome_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
+from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
+from inferplane.router.outcomes import OutcomeService
 from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
 from inferplane.router.picker import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
@@ -115,6 +118,8 @@ def build_app(
             fallbacks=settings.picker_fallbacks,
             keepalive_seconds=settings.picker_keepalive_seconds,
             timeout_margin_seconds=settings.picker_timeout_margin_seconds,
+            outcome_address=settings.outcome_address or f"{settings.host}:{settings.port}",
+            outcome_wait_seconds=settings.outcome_wait_seconds,
         ),
         metrics=metrics,
     )
@@ -147,6 +152,11 @@ def build_app(
                 PICKER_SERVICE,
                 picker,
                 external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server,
+            ),
+            ServicerBinding(
+                OUTCOME_SERVICE,
+                OutcomeService(picker),
+                outcome_pb2_grpc.add_OutcomeServiceServicer_to_server,
             ),
         ],
         start=start,

@@ -59,7 +59,7 @@ from inferplane.runtime import (
     NotFoundError,
     error_trailers,
 )
-from inferplane.wire import SUMMARY_KEYS, ResponseSummary, error_body
+from inferplane.wire import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary, error_body
 
 log = structlog.get_logger("inferplane.router.picker")
 
@@ -88,11 +88,19 @@ class PickerSettings:
         timeout_margin_seconds: added to the longest remaining queue wait in that extension;
             the edge's `max_message_timeout` must be at least queue timeout + this margin
             (Envoy ignores a larger extension).
+        outcome_address: `host:port` of this router's `inferplane.router.v1.OutcomeService`,
+            sent to the replica with every pick (`x-inferplane-picker`) so that it reports how
+            the request ended; "" = no report asked for (the trailers only).
+        outcome_wait_seconds: how long a request whose response started but whose trailers
+            never reached the picker (its client closed the connection right after
+            `data: [DONE]`) waits for the replica's report before it is recorded as aborted.
     """
 
     fallbacks: int = 2
     keepalive_seconds: float = 0.25
     timeout_margin_seconds: float = 1.0
+    outcome_address: str = ""
+    outcome_wait_seconds: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,16 +168,16 @@ def immediate_response(error: InferplaneError) -> ext_pb.ProcessingResponse:
     )
 
 
-def pick_response(addresses: Sequence[str]) -> ext_pb.ProcessingResponse:
+def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb.ProcessingResponse:
     """The answer to the request body: the ordered endpoint list (primary first) in the
-    `envoy.lb` namespace that the `override_host` policy reads, and `x-envoy-max-retries`
-    capping Envoy's retries at the list (beyond it the fallback policy would pick any host)."""
+    `envoy.lb` namespace that the `override_host` policy reads, `x-envoy-max-retries`
+    capping Envoy's retries at the list (beyond it the fallback policy would pick any host),
+    and, with `outcome_address`, `x-inferplane-picker` telling the replica where to report."""
     response = ext_pb.ProcessingResponse()
-    _set(
-        response.request_body.response.header_mutation,
-        MAX_RETRIES_HEADER,
-        str(len(addresses) - 1),
-    )
+    mutation = response.request_body.response.header_mutation
+    _set(mutation, MAX_RETRIES_HEADER, str(len(addresses) - 1))
+    if outcome_address:
+        _set(mutation, PICKER_KEY, outcome_address)
     lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
     lb.fields[DESTINATION_KEY].string_value = ",".join(addresses)
     return response
@@ -254,9 +262,22 @@ class _Reader:
         return self._pending
 
     async def next(self) -> ext_pb.ProcessingRequest | None:
-        """The next message; None once Envoy half-closed the stream."""
+        """The next message; None once Envoy half-closed the stream. The read runs as a task
+        of its own, so a message that arrived just before the stream was cancelled is still
+        there for `leftover` (see `EndpointPicker.Process`)."""
+        pending = self.pending()
+        message = await asyncio.shield(pending)
+        self._pending = None
+        return message
+
+    def leftover(self) -> ext_pb.ProcessingRequest | None:
+        """A message read but not yet taken, if any (None: nothing, or nothing any more)."""
         pending, self._pending = self._pending, None
-        return await (pending if pending is not None else self._read())
+        if pending is None or not pending.done() or pending.cancelled():
+            return None
+        if pending.exception() is not None:
+            return None
+        return pending.result()
 
     def close(self) -> None:
         if self._pending is not None and not self._pending.done():
@@ -285,6 +306,10 @@ class _Exchange:
     grpc_status: int | None = None  # from trailers, or the headers of a trailers-only response
     error_code: str = ""  # x-openai-error-code of the response
     summary: ResponseSummary | None = None
+    output_started: bool = False  # the replica's response headers came (it sent output)
+    trailers: bool = False  # the response's trailers reached the picker
+    reported: ResponseSummary | None = None  # the replica's out-of-band report
+    waiting: asyncio.TimerHandle | None = None  # for the report, after the stream ended
     judged: bool = False
     finished: bool = False
 
@@ -313,6 +338,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._features = features or FeatureExtractor()
         self._settings = settings or PickerSettings()
         self._clock = reporter.clock
+        # Picked requests by request id, until concluded: what replicas' reports match.
+        self._active: dict[str, _Exchange] = {}
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest], context: Context
@@ -339,6 +366,13 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if refused:
                     return  # Envoy ends the request; nothing else comes on this stream
         finally:
+            # Envoy cancels this stream when the client goes away, which an OpenAI client
+            # does as soon as it read `data: [DONE]`, often right after Envoy sent the
+            # response trailers here: a trailers message that already arrived still counts.
+            leftover = reader.leftover()
+            if leftover is not None and leftover.HasField("response_trailers"):
+                exchange.trailers = True
+                self._note_outcome(exchange, _headers(leftover.response_trailers.trailers))
             reader.close()
             self._finish(exchange)
 
@@ -423,7 +457,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         fallbacks = self._admission.fallbacks(route, lease, features, self._settings.fallbacks)
         exchange.endpoints = (lease.endpoint, *fallbacks)
         exchange.picked = self._clock.monotonic()
-        yield pick_response([e.address for e in exchange.endpoints])
+        if trace.request_id:
+            self._active[trace.request_id] = exchange
+        yield pick_response([e.address for e in exchange.endpoints], self._settings.outcome_address)
 
     def _route(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
         table = self._table()
@@ -479,6 +515,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         headers = _headers(message.headers)
         status = headers.get(":status", "")
         exchange.http_status = int(status) if status.isdigit() else 0
+        # The replica names itself in the headers it sends with its first message.
+        exchange.output_started = REPLICA_KEY in headers and not message.end_of_stream
         self._note_outcome(exchange, headers)
         self._judge(exchange)
         if message.end_of_stream:  # trailers-only (an error): nothing else will come
@@ -494,6 +532,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, exchange: _Exchange, message: ext_pb.HttpTrailers
     ) -> ext_pb.ProcessingResponse:
         trailers = _headers(message.trailers)
+        exchange.trailers = True
         self._note_outcome(exchange, trailers)
         self._finish(exchange)
         return ext_pb.ProcessingResponse(
@@ -546,17 +585,65 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             lease.failed()
 
     def _finish(self, exchange: _Exchange) -> None:
-        """Exactly once per stream: release the slot, feed the breakers, classify the
-        outcome into the trace and report it (usage + record)."""
+        """Exactly once per stream: release the slot and feed the breakers at once, then
+        classify the outcome into the trace and report it (usage + record) — at once, or,
+        when the response started but neither its trailers nor the replica's report arrived
+        yet, once the report comes (`report_outcomes`) or `outcome_wait_seconds` passed."""
         if exchange.finished or not exchange.begun:
             return  # already done, or a stream that never carried a request
         exchange.finished = True
         try:
             self._judge(exchange)
             self._release(exchange)
+        finally:
+            if (
+                exchange.output_started
+                and not exchange.trailers
+                and exchange.reported is None
+                and self._settings.outcome_address
+                and exchange.trace.request_id in self._active
+            ):
+                exchange.waiting = asyncio.get_running_loop().call_later(
+                    self._settings.outcome_wait_seconds, self._report, exchange
+                )
+            else:
+                self._report(exchange)
+
+    def report_outcomes(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
+        """Replicas' reports of how requests they served ended (`OutcomeService`): each
+        (request id, summary) concludes the request it names if its stream already ended
+        without trailers, or is kept for when it ends; unknown ids (concluded, or another
+        router's) are ignored. Returns how many matched."""
+        matched = 0
+        for request_id, summary in outcomes:
+            exchange = self._active.get(request_id)
+            if exchange is None:
+                continue
+            matched += 1
+            exchange.reported = summary
+            if exchange.waiting is not None:
+                exchange.waiting.cancel()
+                self._report(exchange)
+        return matched
+
+    def _report(self, exchange: _Exchange) -> None:
+        """Concludes the request and hands its trace over (usage + record), exactly once."""
+        if self._active.get(exchange.trace.request_id) is exchange:
+            del self._active[exchange.trace.request_id]
+        exchange.waiting = None
+        try:
             if not exchange.refused:
                 self._conclude(exchange)
         finally:
+            log.debug(
+                "request_finished",
+                request_id=exchange.trace.request_id,
+                http_status=exchange.http_status,
+                grpc_status=exchange.grpc_status,
+                trailers=exchange.trailers,
+                reported=exchange.reported is not None,
+                finish_reason=exchange.trace.finish_reason,
+            )
             self._reporter.finish(exchange.trace, exchange.metadata)
 
     @staticmethod
@@ -578,6 +665,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         served = next((e for e in exchange.endpoints if e.address == address), None)
         if served is not None:
             trace.replica, trace.node = served.replica_id or served.address, served.node
+        if not exchange.trailers and exchange.reported is not None:
+            # The trailers never came (the client closed right after its last event): the
+            # replica's report says how the request ended.
+            summary = exchange.reported
+            trace.on_summary(summary, exchange.picked)
+            if summary.finish_reason == "abort":
+                trace.cancel()
+            elif summary.error_code:
+                trace.fail(summary.error_code)
+            return
         summary = exchange.summary or ResponseSummary()
         trace.on_summary(summary, exchange.picked)
         status = exchange.grpc_status
@@ -598,7 +695,8 @@ def _served_address(exchange: _Exchange) -> str:
     override_host cannot write it back, see inferplane.edge), else "" (unknown)."""
     if exchange.served:
         return exchange.served
-    replica_id = exchange.summary.replica_id if exchange.summary is not None else ""
+    named = exchange.summary or exchange.reported
+    replica_id = named.replica_id if named is not None else ""
     if replica_id:
         for endpoint in exchange.endpoints:
             if endpoint.replica_id == replica_id:

@@ -54,6 +54,11 @@ class RouterSettings(ServiceSettings):
         picker_timeout_margin_seconds: added to the remaining queue wait in that extension;
             the edge's ext_proc `max_message_timeout` must be at least
             `queue_timeout_seconds` + this margin, or Envoy ignores the extension.
+        outcome_address: `host:port` where replicas reach this router's `OutcomeService` to
+            report how the requests it picked ended ("" = `host:port`; set it when replicas
+            must use another name or address, e.g. a pod IP).
+        outcome_wait_seconds: how long a request whose trailers never reached the picker
+            waits for its replica's report before it is recorded as aborted.
     """
 
     port: int = 50052
@@ -79,3 +84,5 @@ class RouterSettings(ServiceSettings):
     picker_fallbacks: int = 2
     picker_keepalive_seconds: float = 0.25
     picker_timeout_margin_seconds: float = 1.0
+    outcome_address: str = ""
+    outcome_wait_seconds: float = 5.0

@@ -22,9 +22,10 @@ from inferplane.wire._codec import (
     sse_error,
     sse_event,
 )
-from inferplane.wire._summary import REPLICA_KEY, SUMMARY_KEYS, ResponseSummary
+from inferplane.wire._summary import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary
 
 __all__ = [
+    "PICKER_KEY",
     "REPLICA_KEY",
     "SSE_DONE",
     "SUMMARY_KEYS",

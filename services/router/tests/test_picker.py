@@ -71,6 +71,7 @@ class Rig:
     """A picker served over loopback gRPC, with what it reported."""
 
     stub: ext_grpc.ExternalProcessorStub
+    picker: EndpointPicker
     admission: Admission
     metrics: RouterMetrics
     clock: FakeClock
@@ -130,7 +131,7 @@ async def picker_rig(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = ext_grpc.ExternalProcessorStub(channel)
-            yield Rig(stub, control, metrics, clock, scheduler, usage, records, route)
+            yield Rig(stub, servicer, control, metrics, clock, scheduler, usage, records, route)
     finally:
         await server.stop(0)
 
@@ -580,5 +581,115 @@ def test_a_cancelled_side_stream_releases_everything(when: str) -> None:
                 held.release()
             assert rig.in_flight() == 0
             assert [r.finish_reason for r in rig.records] == ["abort"]
+
+    asyncio.run(scenario())
+
+
+REPORTING = PickerSettings(
+    keepalive_seconds=0.01, outcome_address="10.1.2.3:50052", outcome_wait_seconds=0.2
+)
+DONE = ResponseSummary(
+    replica_id="r0", prompt_tokens=9, completion_tokens=40, finish_reason="stop", ttft_seconds=0.05
+)
+
+
+def _replica_headers(replica: str = "r0") -> dict[str, str]:
+    return {**GRPC_OK, **dict(ResponseSummary(replica_id=replica).to_metadata())}
+
+
+def test_the_pick_tells_the_replica_where_to_report() -> None:
+    """With an outcome address the pick sets `x-inferplane-picker` (next to the retry cap) so
+    the replica that serves the request reports how it ended to this router."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            mutation = (await stream.body(_chat_body())).request_body.response.header_mutation
+            assert _set_headers(mutation) == {
+                "x-envoy-max-retries": "0",
+                "x-inferplane-picker": "10.1.2.3:50052",
+            }
+            await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_response_cut_before_its_trailers_is_concluded_by_the_replicas_report() -> None:
+    """A client that closes right after `data: [DONE]` makes Envoy cancel the side stream
+    before the trailers arrive: the slot is freed at once, and the usage and the record
+    wait for the replica's report, which carries the tokens and the finish reason."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            await stream.body(_chat_body())
+            await stream.response_headers(_replica_headers())
+            await stream.close()
+            assert rig.in_flight() == 0
+            await asyncio.sleep(0.05)
+            assert rig.records == [] and rig.usage.reports == []  # waiting for the report
+            assert rig.picker.report_outcomes([("req-1", DONE), ("unknown", DONE)]) == 1
+            (record,) = rig.records
+            assert (record.finish_reason, record.error_code) == ("stop", "")
+            assert (record.prompt_tokens, record.completion_tokens) == (9, 40)
+            assert record.time_to_first_token_seconds == pytest.approx(0.05)  # fake clock
+            (usage,) = rig.usage.reports
+            assert (usage.ok, usage.prompt_tokens, usage.completion_tokens) == (True, 9, 40)
+            assert rig.picker.report_outcomes([("req-1", DONE)]) == 0  # concluded once
+
+    asyncio.run(scenario())
+
+
+def test_a_report_that_comes_first_is_used_when_the_trailers_never_come() -> None:
+    """The replica's report may arrive before Envoy closes the side stream: the request is
+    concluded with it as soon as the stream ends, without waiting."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            await stream.body(_chat_body())
+            await stream.response_headers(_replica_headers())
+            assert rig.picker.report_outcomes([("req-1", DONE)]) == 1
+            assert rig.records == []  # the stream still runs
+            await stream.close()
+            await _until(lambda: rig.records, "the record")
+            assert rig.records[0].completion_tokens == 40
+
+    asyncio.run(scenario())
+
+
+def test_without_trailers_or_report_the_request_is_an_abort_after_the_wait() -> None:
+    """No trailers and no report within `outcome_wait_seconds` (the replica died with its
+    report): the request is recorded as an abort, once."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            await stream.body(_chat_body())
+            await stream.response_headers(_replica_headers())
+            await stream.close()
+            await _until(lambda: rig.records, "the record")
+            (record,) = rig.records
+            assert (record.finish_reason, record.error_code) == ("abort", "")
+            assert rig.picker.report_outcomes([("req-1", DONE)]) == 0
+
+    asyncio.run(scenario())
+
+
+def test_trailers_conclude_at_once_and_a_late_report_is_ignored() -> None:
+    """When the trailers arrive they conclude the request; the replica's report that follows
+    matches nothing (exactly one record and one usage report per request)."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            await stream.body(_chat_body())
+            await stream.response_headers(_replica_headers())
+            trailers = {"grpc-status": "0", **dict(DONE.to_metadata())}
+            await stream.response_trailers(trailers)
+            await stream.close()
+            assert len(rig.records) == 1 and len(rig.usage.reports) == 1
+            assert rig.picker.report_outcomes([("req-1", DONE)]) == 0
+            assert len(rig.records) == 1 and len(rig.usage.reports) == 1
 
     asyncio.run(scenario())

@@ -1,8 +1,20 @@
-"""Client side of the orchestrator's routing table: `RoutingTableWatch` follows
+"""Clients of the routing plane. `RoutingTableWatch` follows the orchestrator's
 `RoutingService.WatchRoutingTable` (reconnects with backoff, keeps the last table) and hands
-each caller its own snapshot type. Routers route with it; telemetry finds the engines to
-scrape with it."""
+each caller its own snapshot type: routers route with it; telemetry finds the engines to
+scrape with it. `OutcomeReporter` is a replica's non-blocking hand-off of finished requests'
+summaries to the endpoint picker that picked them (`inferplane.router.v1.OutcomeService`)."""
 
+from inferplane.routing_client._outcomes import (
+    OutcomeMetrics,
+    OutcomeReporter,
+    OutcomeReporterSettings,
+)
 from inferplane.routing_client._watch import RoutingTableWatch, Sleep
 
-__all__ = ["RoutingTableWatch", "Sleep"]
+__all__ = [
+    "OutcomeMetrics",
+    "OutcomeReporter",
+    "OutcomeReporterSettings",
+    "RoutingTableWatch",
+    "Sleep",
+]

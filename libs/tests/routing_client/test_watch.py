@@ -16,7 +16,13 @@ from inferplane.routing_client import RoutingTableWatch
 
 
 def test_exports() -> None:
-    assert sorted(routing_client.__all__) == ["RoutingTableWatch", "Sleep"]
+    assert sorted(routing_client.__all__) == [
+        "OutcomeMetrics",
+        "OutcomeReporter",
+        "OutcomeReporterSettings",
+        "RoutingTableWatch",
+        "Sleep",
+    ]
 
 
 class FakeRoutingService(orchestrator_pb2_grpc.RoutingServiceServicer):  # type: ignore[misc]

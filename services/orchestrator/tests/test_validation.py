@@ -51,6 +51,22 @@ def test_a_valid_deployment_passes() -> None:
     validate_deployment(Deployment("llama-3.3-70b", PROFILE, aliases=("meta/llama",)).normalised())
 
 
+@pytest.mark.parametrize("transport", ["inproc", "grpc", "http-completions"])
+def test_every_replica_transport_is_accepted(transport: str) -> None:
+    """The catalogue accepts each engine transport the replica process has (issue 16:
+    `inproc` hosts vLLM's AsyncLLM in the replica process)."""
+    profile = dataclasses.replace(PROFILE, transport=transport)
+    validate_deployment(Deployment("llama-3.3-70b", profile).normalised())
+
+
+def test_an_unknown_transport_lists_the_known_ones() -> None:
+    err = invalid(transport="carrier-pigeon")
+    assert err.param == "deployment.profile.transport"
+    assert err.message == (
+        "unknown transport 'carrier-pigeon'; known: inproc, grpc, http-completions"
+    )
+
+
 def test_unknown_precision_lists_the_known_ones() -> None:
     err = invalid(precision="fp4")
     assert err.param == "deployment.profile.precision"

@@ -167,7 +167,7 @@ class DeploymentProfile(_message.Message):
     speculative_model: _builtins.str
     """Draft model for speculative decoding."""
     transport: _builtins.str
-    """Engine transport ("grpc", "http-completions")."""
+    """Engine transport of the replica process ("inproc", "grpc", "http-completions")."""
     accelerator: _builtins.str
     """What replicas run on: "gpu" (GPUs of one node) or "cpu" (a CPU node's host memory).
     Empty: "cpu" for the CPU engine ("vllm-cpu"), else "gpu".

@@ -48,11 +48,12 @@ fi
 echo "== pytest (unit, integration, end-to-end on the default engine transport)"
 python -m pytest "$@"
 
-# The end-to-end API suite also runs on the other engine transport (issue 8), unless the
+# The end-to-end API suite also runs with the replica process in front of a vLLM HTTP server
+# (the default transport hosts vLLM in the replica process: docs/architecture.md), unless the
 # caller picked tests (any argument that is not an option).
 only_options=1
 for arg in "$@"; do [[ $arg == -* ]] || only_options=0; done
 if (( only_options )); then
-  echo "== pytest (end-to-end API suite on the grpc engine transport)"
-  INFERPLANE_E2E_TRANSPORT=grpc python -m pytest tests/e2e/test_openai_api.py "$@"
+  echo "== pytest (end-to-end API suite on the http-completions engine transport)"
+  INFERPLANE_E2E_TRANSPORT=http-completions python -m pytest tests/e2e/test_openai_api.py "$@"
 fi

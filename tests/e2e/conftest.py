@@ -39,7 +39,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # No engine_env: the node-agent binds the engine as `inferplane up` does (its
         # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
         # The suite runs on each engine transport (scripts/test.sh runs it a second time).
-        transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "http-completions"),
+        transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "inproc"),
     )
     stack = Stack(config)
     stack.start(print)

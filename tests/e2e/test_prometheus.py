@@ -153,6 +153,12 @@ def test_prometheus_reads_ttft_and_engine_metrics_of_the_stack(
     )
     count = f'sum(inferplane_time_to_first_token_seconds_count{{deployment="{MODEL_NAME}"}})'
     queries = f"sum(vllm:prefix_cache_queries_total{{{engine}}})"
+    # One request first, scraped before the measured ones: a rate needs the series to exist
+    # before they arrive (on a fresh stack it appears with them and its rate would be 0).
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "warm up"}], max_tokens=2
+    )
+    _poll("a first TTFT observation", lambda: _value(prometheus.query(count)) >= 1)
     before_count = _value(prometheus.query(count))
     before_queries = _value(
         _poll("the engine's prefix-cache queries", lambda: prometheus.query(queries))

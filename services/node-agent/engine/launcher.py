@@ -94,11 +94,13 @@ def patch_vllm_version(cpu: bool) -> None:
 
 
 def serve_metrics(port: int, host: str) -> None:
-    """Serves vLLM's Prometheus registry of this process on `host:port` (a daemon thread)."""
-    from prometheus_client import start_http_server
+    """Serves vLLM's Prometheus registry of this process on `host:port` (a daemon thread), in
+    the classic text format (`inferplane.runtime.metrics_http`: its `vllm:*` names intact)."""
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    start_http_server(port, addr=host, registry=get_prometheus_registry())
+    from inferplane.runtime.metrics_http import serve_text_metrics
+
+    serve_text_metrics(port, host, get_prometheus_registry())
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 from grpc_health.v1 import health_pb2
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2_grpc
@@ -50,6 +50,7 @@ from inferplane.runtime import (
     grpc_options,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.metrics_http import serve_text_metrics
 
 log = structlog.get_logger("inferplane.node_agent.replica")
 
@@ -196,8 +197,8 @@ class ReplicaProcess:
         settings = self.settings
         await self.server.start()
         if settings.metrics_port:
-            self._metrics_server, _ = start_http_server(
-                settings.metrics_port, addr=settings.metrics_host, registry=self.registry
+            self._metrics_server = serve_text_metrics(
+                settings.metrics_port, settings.metrics_host, self.registry
             )
         if self._sink is not None:
             await self._sink.start()

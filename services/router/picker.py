@@ -45,6 +45,7 @@ from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError, Message
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.edge import PICK_KEY, PICK_NAMESPACE, SERVED_KEY
 from inferplane.router.admission import Admission, Lease
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
@@ -64,9 +65,6 @@ from inferplane.wire import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSumma
 log = structlog.get_logger("inferplane.router.picker")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-LB_NAMESPACE = "envoy.lb"
-DESTINATION_KEY = "x-gateway-destination-endpoint"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
 _GRPC_FRAME_HEADER = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -178,8 +176,8 @@ def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb
     _set(mutation, MAX_RETRIES_HEADER, str(len(addresses) - 1))
     if outcome_address:
         _set(mutation, PICKER_KEY, outcome_address)
-    lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
-    lb.fields[DESTINATION_KEY].string_value = ",".join(addresses)
+    lb = response.dynamic_metadata.fields[PICK_NAMESPACE].struct_value
+    lb.fields[PICK_KEY].string_value = ",".join(addresses)
     return response
 
 
@@ -225,7 +223,7 @@ def _summary_removal(headers: Mapping[str, str]) -> ext_pb.HeaderMutation:
 
 
 def _served(message: ext_pb.ProcessingRequest) -> str:
-    lb = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    lb = message.metadata_context.filter_metadata.get(PICK_NAMESPACE)
     value = lb.fields.get(SERVED_KEY) if lb is not None else None
     return value.string_value if value is not None else ""
 
@@ -262,22 +260,9 @@ class _Reader:
         return self._pending
 
     async def next(self) -> ext_pb.ProcessingRequest | None:
-        """The next message; None once Envoy half-closed the stream. The read runs as a task
-        of its own, so a message that arrived just before the stream was cancelled is still
-        there for `leftover` (see `EndpointPicker.Process`)."""
-        pending = self.pending()
-        message = await asyncio.shield(pending)
-        self._pending = None
-        return message
-
-    def leftover(self) -> ext_pb.ProcessingRequest | None:
-        """A message read but not yet taken, if any (None: nothing, or nothing any more)."""
+        """The next message; None once Envoy half-closed the stream."""
         pending, self._pending = self._pending, None
-        if pending is None or not pending.done() or pending.cancelled():
-            return None
-        if pending.exception() is not None:
-            return None
-        return pending.result()
+        return await (pending if pending is not None else self._read())
 
     def close(self) -> None:
         if self._pending is not None and not self._pending.done():
@@ -366,13 +351,6 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if refused:
                     return  # Envoy ends the request; nothing else comes on this stream
         finally:
-            # Envoy cancels this stream when the client goes away, which an OpenAI client
-            # does as soon as it read `data: [DONE]`, often right after Envoy sent the
-            # response trailers here: a trailers message that already arrived still counts.
-            leftover = reader.leftover()
-            if leftover is not None and leftover.HasField("response_trailers"):
-                exchange.trailers = True
-                self._note_outcome(exchange, _headers(leftover.response_trailers.trailers))
             reader.close()
             self._finish(exchange)
 

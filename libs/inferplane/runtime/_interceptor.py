@@ -143,7 +143,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 (OPENAI_ERROR_CODE_KEY, "internal_error"),
             )
             log.exception("rpc_unexpected_error", method=f"{service}/{method}", exc_info=exc)
-        await context.abort(code, message, trailing_metadata=trailers)
+        # Trailers the handler set before failing (a replica's response summary) are kept:
+        # abort's own would otherwise replace them.
+        kept = tuple(context.trailing_metadata() or ())
+        await context.abort(code, message, trailing_metadata=(*kept, *trailers))
         return code  # pragma: no cover - abort raises
 
     def _wrap_unary(self, behavior: Any, service: str, method: str) -> Any:

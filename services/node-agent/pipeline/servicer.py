@@ -7,9 +7,9 @@ live in `requests`, generation in `generate`, message shapes in `chunks`, SSE fr
 Every RPC runs through one template (`_serve`): pick the replica, admit, produce messages, and
 end the response with trailing metadata summarising it (`inferplane.wire.ResponseSummary`:
 usage, finish reason, TTFT, replica, error code), which the endpoint picker reads from Envoy
-instead of the body. Errors are `InferplaneError`s; the template aborts with the runtime's
-`error_trailers` plus the summary (the runtime's `ErrorInterceptor` would replace trailers set
-before it aborts), and anything unexpected becomes a generic INTERNAL the same way.
+instead of the body. Errors are `InferplaneError`s; the template sets the summary trailers and
+re-raises, and the runtime's `ErrorInterceptor` aborts with the error's status and OpenAI
+trailers, keeping the summary (anything unexpected becomes a generic INTERNAL the same way).
 
 Messages are produced lazily: grpc.aio pulls the next one only after the previous one is
 written, so while the writer is busy the engine's increments wait, and the next message carries
@@ -51,7 +51,6 @@ from inferplane.runtime import (
     InternalError,
     NotFoundError,
     UnavailableError,
-    error_trailers,
 )
 from inferplane.runtime.clock import Clock, SystemClock
 from inferplane.wire import (
@@ -291,21 +290,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                         await context.send_initial_metadata(((REPLICA_KEY, replica.replica_id),))
                     track.messages += 1
                     yield message
-        except InferplaneError as exc:
-            track.fail(exc)
-            summary = track.summary()
-            await self._abort(context, track, exc, summary)
-        except (asyncio.CancelledError, GeneratorExit) as exc:
+        except BaseException as exc:
+            # Errors, client cancels and bugs alike: the runtime's ErrorInterceptor turns an
+            # error into its status and OpenAI trailers and keeps these summary trailers.
             track.fail(exc)
             summary = track.summary()
             _set_trailers(context, summary)
             raise
-        except Exception as exc:
-            log.exception("request_failed_unexpectedly", api=track.api, exc_info=exc)
-            error = InternalError("internal error; the request was not completed")
-            track.fail(error)
-            summary = track.summary()
-            await self._abort(context, track, error, summary)
         else:
             summary = track.summary()
             _set_trailers(context, summary)
@@ -315,16 +306,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             if summary is not None and track.messages:
                 self._report(context, summary)
             self._emit(track, context)
-
-    async def _abort(
-        self, context: Context, track: _Tracker, exc: InferplaneError, summary: ResponseSummary
-    ) -> None:
-        log.info("rpc_error", api=track.api, code=exc.status.name, reason=exc.reason)
-        await context.abort(
-            exc.status,
-            exc.message,
-            trailing_metadata=(*error_trailers(exc), *summary.to_metadata()),
-        )
 
     def _report(self, context: Context, summary: ResponseSummary) -> None:
         """Hands the summary of a request that produced output to the picker named in its

@@ -53,13 +53,8 @@ def test_inproc_replica_serves_a_tool_call_and_dies_cleanly_with_its_engine(
     the get_weather call and summary trailers (usage, finish_reason tool_calls, TTFT, replica);
     after SIGKILL of its EngineCore, the running stream ends with an engine_failed error event
     and the process exits non-zero (the node-agent restarts it)."""
-    try:
-        model = kt.model_path()
-    except FileNotFoundError:
-        pytest.skip("the fixture model models/kimi-tiny is not built")
-    spec = kimi_tiny_spec().__class__()
-    spec.CopyFrom(kimi_tiny_spec())
-    spec.model_source = str(model)
+    spec = kimi_tiny_spec()  # a fresh copy
+    spec.model_source = str(kt.model_path())  # committed in models/kimi-tiny
     spec.dtype = "float32"
     spec.max_num_seqs = 16
     spec_file = tmp_path / "spec.json"

@@ -92,6 +92,11 @@ class PickerSettings:
         outcome_wait_seconds: how long a request whose response started but whose trailers
             never reached the picker (its client closed the connection right after
             `data: [DONE]`) waits for the replica's report before it is recorded as aborted.
+        usage_wait_seconds: how long the picker holds the response's end (its answer to the
+            trailers) until auth has the request's usage report, so that a client reading to
+            the end of a response can send its next request at once without finding its
+            concurrency slot still taken or its tokens not yet counted; must stay below the
+            edge's `message_timeout` (1 s). Auth unreachable costs each response this much.
     """
 
     fallbacks: int = 2
@@ -99,6 +104,7 @@ class PickerSettings:
     timeout_margin_seconds: float = 1.0
     outcome_address: str = ""
     outcome_wait_seconds: float = 5.0
+    usage_wait_seconds: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -295,6 +301,7 @@ class _Exchange:
     trailers: bool = False  # the response's trailers reached the picker
     reported: ResponseSummary | None = None  # the replica's out-of-band report
     waiting: asyncio.TimerHandle | None = None  # for the report, after the stream ended
+    usage_position: int = 0  # the usage report's position in the sink (Reporter.delivered)
     judged: bool = False
     finished: bool = False
 
@@ -366,9 +373,13 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 async for response in self._on_request_body(exchange, message.request_body, reader):
                     yield response
             elif kind == "response_headers":
-                yield self._on_response_headers(exchange, message.response_headers)
+                response = self._on_response_headers(exchange, message.response_headers)
+                await self._usage_delivered(exchange)  # a trailers-only response ended here
+                yield response
             elif kind == "response_trailers":
-                yield self._on_response_trailers(exchange, message.response_trailers)
+                response = self._on_response_trailers(exchange, message.response_trailers)
+                await self._usage_delivered(exchange)
+                yield response
             elif kind == "request_trailers":  # not in the edge's mode; pass through
                 yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
             elif kind == "response_body":
@@ -622,7 +633,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 reported=exchange.reported is not None,
                 finish_reason=exchange.trace.finish_reason,
             )
-            self._reporter.finish(exchange.trace, exchange.metadata)
+            exchange.usage_position = self._reporter.finish(exchange.trace, exchange.metadata)
+
+    async def _usage_delivered(self, exchange: _Exchange) -> None:
+        """Holds the response's end until auth has the request's usage report (bounded by
+        `usage_wait_seconds`; see `PickerSettings`)."""
+        position, exchange.usage_position = exchange.usage_position, 0
+        if position and not await self._reporter.delivered(
+            position, self._settings.usage_wait_seconds
+        ):
+            log.warning("usage_report_late", request_id=exchange.trace.request_id)
 
     @staticmethod
     def _release(exchange: _Exchange) -> None:

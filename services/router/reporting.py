@@ -6,6 +6,7 @@ here exactly once when it ends.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -47,14 +48,16 @@ class Reporter:
             model, stream, metadata, self.clock.monotonic(), self.wall_clock()
         )
 
-    def finish(self, trace: RequestTrace, metadata: Mapping[str, str]) -> None:
+    def finish(self, trace: RequestTrace, metadata: Mapping[str, str]) -> int:
         """The request ended: one usage report when it carried a key (tokens may be 0: the
         report also frees the key's concurrency slot in auth) and one telemetry record.
-        Never raises: reporting must not fail a request."""
+        Returns the usage report's position for `delivered` (0: none to wait for). Never
+        raises: reporting must not fail a request."""
         key_id = metadata.get(KEY_ID_HEADER)
         usage = trace.usage
+        position = 0
         if key_id:
-            self.usage.record(
+            position = self.usage.record(
                 UsageRecord(
                     key_id=key_id,
                     request_id=metadata.get(REQUEST_ID_HEADER, ""),
@@ -70,3 +73,15 @@ class Reporter:
                 self.records(trace.to_record(self.clock.monotonic()))
             except Exception:  # telemetry must never fail a request
                 log.exception("request_record_failed", request_id=trace.request_id)
+        return position
+
+    async def delivered(self, position: int, timeout_seconds: float) -> bool:
+        """Waits (at most `timeout_seconds`) until the usage report at `position` (from
+        `finish`) reached auth; True when it did or there was none. Never raises."""
+        if not position:
+            return True
+        try:
+            await asyncio.wait_for(self.usage.settled(position), timeout_seconds)
+        except TimeoutError:
+            return False
+        return True

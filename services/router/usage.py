@@ -75,16 +75,25 @@ class UsageRecord:
 
 
 class UsageSink(Protocol):
-    """Where usage goes. `record` must not block or raise (batch and send in the background)."""
+    """Where usage goes. `record` must not block or raise (batch and send in the background);
+    it returns the report's position for `settled` (0: nothing to wait for)."""
 
-    def record(self, usage: UsageRecord) -> None: ...
+    def record(self, usage: UsageRecord) -> int: ...
+
+    async def settled(self, position: int) -> None:
+        """Returns once the report at `position` reached its receiver (or was given up)."""
+        ...
 
 
 class LoggingUsageSink:
     """The sink without an auth service to report to: a debug log line per request."""
 
-    def record(self, usage: UsageRecord) -> None:
+    def record(self, usage: UsageRecord) -> int:
         log.debug("request_usage", **dataclasses.asdict(usage))
+        return 0
+
+    async def settled(self, position: int) -> None:
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,15 +173,17 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
             ((INTERNAL_TOKEN_HEADER, settings.internal_token),) if settings.internal_token else ()
         )
 
-    def record(self, usage: UsageRecord) -> None:
-        """Queues one report. Never blocks, never raises; may be called from any thread."""
+    def record(self, usage: UsageRecord) -> int:
+        """Queues one report; returns its position for `settled` (0 = dropped). Never blocks,
+        never raises; may be called from any thread."""
         try:
             if not usage.end_time:
                 usage = dataclasses.replace(usage, end_time=self._wall_clock())
-            self._put(to_proto(usage))
+            return self._put(to_proto(usage))
         except Exception:  # the request path must never see the sink's problems
             with contextlib.suppress(Exception):
                 log.exception("usage_record_failed")
+            return 0
 
     def _bind(self, channel: grpc.aio.Channel) -> None:
         self._stub = usage_pb2_grpc.UsageServiceStub(channel)

@@ -13,7 +13,10 @@ should wait out a short outage of the receiver, and must not grow memory without
   (tenacity, exponential, full jitter): nothing is lost in an outage shorter than the buffer;
   any other error drops the batch, counted as `reason="rejected"`;
 - delivery is at-least-once (receivers drop copies by request id); `close()` makes one last
-  bounded flush and counts what is left as dropped.
+  bounded flush and counts what is left as dropped;
+- items settle (delivered, refused or lost at close) in the order they were put: `put` returns
+  the item's position and `settled(position)` waits until that item settled, for a caller
+  that must not go on before the receiver knows (the router's usage report frees a slot).
 `GrpcSink` is a `Batcher` sending to one gRPC service (the sinks subclass it).
 """
 
@@ -139,22 +142,27 @@ class Batcher(Generic[T]):
         self._buffer: collections.deque[T] = collections.deque()
         self._in_flight = 0
         self._oldest_at: float | None = None
+        self._accepted = 0  # items ever accepted by put: the last one's position
+        self._settled = 0  # items ever settled, oldest first
+        self._progress: asyncio.Event | None = None  # set (and replaced) on every settle
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._send_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def put(self, item: T) -> bool:
-        """Queues one item; False when it was dropped (buffer full). Never blocks or raises;
-        may be called from any thread."""
+    def put(self, item: T) -> int:
+        """Queues one item. Returns its position (1, 2, ...: for `settled`), or 0 when it was
+        dropped (buffer full). Never blocks or raises; may be called from any thread."""
         try:
             with self._lock:
                 size = len(self._buffer) + self._in_flight
                 if size >= self._settings.capacity:
                     self.metrics.dropped.labels("buffer_full").inc()
-                    return False
+                    return 0
                 was_empty = not self._buffer
                 self._buffer.append(item)
+                self._accepted += 1
+                position = self._accepted
                 if self._oldest_at is None:
                     self._oldest_at = self._clock.monotonic()
                 # With an interval the sender polls (no cross-thread wake-up per request).
@@ -164,11 +172,20 @@ class Batcher(Generic[T]):
             self.metrics.buffered.set(size + 1)
             if wake and self._loop is not None and self._wake is not None:
                 self._loop.call_soon_threadsafe(self._wake.set)
-            return True
+            return position
         except Exception:  # the request path must never see the sender's problems
             with contextlib.suppress(Exception):
                 log.exception("batch_put_failed", sink=self._name)
-            return False
+            return 0
+
+    async def settled(self, position: int) -> None:
+        """Returns once the item at `position` (from `put`) settled: delivered, refused by the
+        receiver, or counted as lost at `close()`. Bound it with a timeout: while the receiver
+        is down it does not return. Call it on the sender's loop."""
+        while self._settled < position:
+            if self._progress is None:
+                self._progress = asyncio.Event()
+            await self._progress.wait()
 
     @property
     def pending(self) -> int:
@@ -199,6 +216,7 @@ class Batcher(Generic[T]):
             self._buffer.clear()
             self._in_flight = 0
             self._oldest_at = None
+        self._advance(left)
         if left:
             log.warning("batch_items_lost_at_close", sink=self._name, items=left)
             self.metrics.dropped.labels("buffer_full").inc(left)
@@ -256,6 +274,14 @@ class Batcher(Generic[T]):
             self._in_flight -= count
             size = len(self._buffer) + self._in_flight
         self.metrics.buffered.set(size)
+        self._advance(count)
+
+    def _advance(self, count: int) -> None:
+        """`count` more of the oldest items settled: wakes `settled` waiters (sender's loop)."""
+        self._settled += count
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
 
     def _requeue(self, batch: list[T]) -> None:
         with self._lock:
@@ -386,6 +412,10 @@ class GrpcSink(Generic[T]):
         """Sends everything buffered now, one attempt per batch; returns the items delivered.
         Never raises: what could not be delivered stays buffered."""
         return await self._batcher.flush()
+
+    async def settled(self, position: int) -> None:
+        """`Batcher.settled`: returns once the item `_put` placed at `position` settled."""
+        await self._batcher.settled(position)
 
     async def close(self, timeout_seconds: float = 5.0) -> None:
         """Stops the sender after one last bounded attempt to deliver what is buffered (the

@@ -94,7 +94,7 @@ def test_an_outage_keeps_a_bounded_buffer_then_delivers_it_in_order_once() -> No
     ) -> None:
         r.up = False
         accepted = [b.put(i) for i in range(30)]
-        assert accepted == [True] * 20 + [False] * 10
+        assert accepted == list(range(1, 21)) + [0] * 10  # positions; 0 = dropped
         assert b.pending == 20
         assert sample(registry, "dropped_total", reason="buffer_full") == 10
         assert sample(registry, "buffered") == 20
@@ -109,6 +109,33 @@ def test_an_outage_keeps_a_bounded_buffer_then_delivers_it_in_order_once() -> No
         # Room again: what comes next is taken and delivered.
         assert b.put(99)
         await until(lambda: r.received[-1:] == [99])
+
+    run(body)
+
+
+def test_settled_waits_for_the_items_delivery_through_an_outage() -> None:
+    """`settled(position)` returns once the item at that position (and so every one before it)
+    was delivered, refused or given up; not while the receiver is down."""
+
+    async def body(
+        b: Batcher[int], r: FakeReceiver, clock: FakeClock, registry: CollectorRegistry
+    ) -> None:
+        r.up = False
+        positions = [b.put(i) for i in range(7)]
+        waiter = asyncio.ensure_future(b.settled(positions[-1]))
+        await until(lambda: len(clock.slept) >= 2)
+        assert not waiter.done()
+        r.up = True
+        await asyncio.wait_for(waiter, 5)
+        assert r.received == list(range(7))
+        r.refuse_next = 1
+        await asyncio.wait_for(b.settled(b.put(7)), 5)  # refused counts as settled
+        assert r.received == list(range(7))
+        r.up = False
+        lost = b.put(8)
+        waiter = asyncio.ensure_future(b.settled(lost))
+        await b.close(timeout_seconds=0.1)  # given up at close: counted, and settled
+        await asyncio.wait_for(waiter, 5)
 
     run(body)
 

@@ -138,20 +138,22 @@ async def _scenario(proc: subprocess.Popen[bytes], port: int, metrics_port: int)
         assert b"inferplane_replica_stream_messages_count" in metrics
         assert b"vllm:" in metrics  # vLLM's registry is served with the replica's
 
+        # The tiny model decodes the whole context in about a second: the engine core is
+        # found first, so that it dies right after the stream's first message.
+        core = _engine_core(proc.pid)
+        assert core is not None, "no VLLM::EngineCore in the replica's process group"
         long = completion_request_from_dict(
             {
                 "model": kt.SERVED_MODEL_NAME,
                 "prompt": "Paris",
-                "max_tokens": 1800,
+                "max_tokens": 2000,
                 "ignore_eos": True,
             }
         )
         call = stub.StreamCompletionEvents(pb.StreamCompletionEventsRequest(request=long))
         first = await call.read()
-        assert first.content_type == "text/event-stream"
-        core = _engine_core(proc.pid)
-        assert core is not None, "no VLLM::EngineCore in the replica's process group"
         os.kill(core, signal.SIGKILL)
+        assert first.content_type == "text/event-stream"
         rest = []
         while (body := await call.read()) is not grpc.aio.EOF:
             rest.append(body)

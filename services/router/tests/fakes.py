@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import heapq
 import itertools
@@ -185,6 +186,23 @@ class RecordingUsage:
 
     def __init__(self) -> None:
         self.reports: list[UsageRecord] = []
+        self.delivered = 0  # reports auth "has": all of them unless `held`
+        self.held = False  # hold reports back (auth unreachable) until `release()`
+        self._progress: asyncio.Event | None = None
 
-    def record(self, usage: UsageRecord) -> None:
+    def record(self, usage: UsageRecord) -> int:
         self.reports.append(usage)
+        if not self.held:
+            self.delivered = len(self.reports)
+        return len(self.reports)
+
+    async def settled(self, position: int) -> None:
+        while self.delivered < position:
+            self._progress = self._progress or asyncio.Event()
+            await self._progress.wait()
+
+    def release(self) -> None:
+        self.held, self.delivered = False, len(self.reports)
+        if self._progress is not None:
+            self._progress.set()
+            self._progress = None

@@ -348,6 +348,43 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
     asyncio.run(scenario())
 
 
+def test_the_response_ends_only_once_auth_has_the_usage_report() -> None:
+    """The answer to the trailers waits for the usage report's delivery (a client reading to
+    the end can send its next request with its slot already free), at most
+    `usage_wait_seconds` when auth is unreachable."""
+
+    async def scenario() -> None:
+        settings = PickerSettings(keepalive_seconds=0.01, usage_wait_seconds=5.0)
+        async with picker_rig(1, picker=settings) as rig:
+            rig.usage.held = True
+            stream = await _pick(rig, KEYED)
+            primary = _endpoint_list(await stream.body(_chat_body()))[0]
+            await stream.response_headers(GRPC_OK, served=primary)
+            answer = asyncio.ensure_future(
+                stream.response_trailers({"grpc-status": "0"}, served=primary)
+            )
+            await _until(lambda: len(rig.usage.reports) == 1, "the usage report")
+            await asyncio.sleep(0.05)
+            assert not answer.done()  # held until auth has the report
+            rig.usage.release()
+            assert (await answer).HasField("response_trailers")
+            await stream.close()
+
+        settings = PickerSettings(keepalive_seconds=0.01, usage_wait_seconds=0.05)
+        async with picker_rig(1, picker=settings) as rig:
+            rig.usage.held = True  # auth never answers: the end is late by the wait only
+            stream = await _pick(rig, KEYED)
+            primary = _endpoint_list(await stream.body(_chat_body()))[0]
+            await stream.response_headers(GRPC_OK, served=primary)
+            ended = await asyncio.wait_for(
+                stream.response_trailers({"grpc-status": "0"}, served=primary), 2.0
+            )
+            assert ended.HasField("response_trailers")
+            await stream.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_trailers_only_error_is_read_from_the_response_headers() -> None:
     """A trailers-only error response (no trailers message follows) is recorded from its
     headers: grpc-status and the OpenAI code; its summary keys are removed; the slot is free."""

@@ -9,10 +9,12 @@ Pure Python (no grpc, no torch). The node-agent calls it on the hot token path::
     res = s.result()                            # -> ParseResult, the whole response
     n = s.reasoning_tokens                      # ids fed while in reasoning
     res = parser.parse(full_text, thinking=True)  # -> ParseResult
+    s = parser.start(thinking=True, tools=request["tools"])  # names resolved, args coerced
 
 ``PlainSession()`` has the same surface for output with no format (all content, verbatim).
 """
 
+from inferplane.parsers._arguments import ToolSet
 from inferplane.parsers._constrain import Constraint, build_tool_constraint
 from inferplane.parsers._engine import (
     Action,
@@ -28,7 +30,12 @@ from inferplane.parsers._errors import (
     ParserError,
     UnknownParserError,
 )
-from inferplane.parsers._kimi_k2 import KIMI_K2_MARKERS, kimi_k2_config, split_kimi_header
+from inferplane.parsers._kimi_k2 import (
+    KIMI_K2_MARKER_VARIANTS,
+    KIMI_K2_MARKERS,
+    kimi_k2_config,
+    split_kimi_header,
+)
 from inferplane.parsers._plain import PlainSession
 from inferplane.parsers._registry import ParserRegistry, build_parser, default_registry
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
@@ -41,6 +48,7 @@ from inferplane.parsers._validate import (
 
 __all__ = [
     "KIMI_K2_MARKERS",
+    "KIMI_K2_MARKER_VARIANTS",
     "Action",
     "Constraint",
     "ConstraintError",
@@ -57,6 +65,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolCallVerdict",
+    "ToolSet",
     "ToolValidator",
     "Transition",
     "UnknownParserError",

@@ -8,8 +8,9 @@ shape follows vLLM's ``vllm/parser/engine`` (config over machine); the code is o
 
 Rules that hold for every config (they are what makes the output safe to stream):
 
-* A marker never reaches reasoning, content, a name or arguments. A marker with no
-  transition from the current state is dropped, never emitted as text.
+* A marker never reaches reasoning, content or a name. A marker with no transition from the
+  current state is dropped, never emitted as text, except in a ``verbatim_states`` state
+  (arguments), where it is data (``{"text": "</think>"}``) and stays.
 * Text that could be the start of a marker at the end of a delta is held back until the
   next delta resolves it (at most ``max(len(marker)) - 1`` characters); ``finish`` flushes it.
 * Reasoning and content are trimmed at both ends; trailing whitespace is held back until
@@ -17,6 +18,12 @@ Rules that hold for every config (they are what makes the output safe to stream)
 * Feeding costs amortised O(len(delta)): the buffer is never rescanned.
 * Feeding never raises on model output: whatever the split, it yields the same
   concatenated result as parsing the whole output at once.
+
+With the request's tools (``Parser.start(tools=...)``), calls are checked against them as they
+stream: a header naming a declared function streams at once, its arguments coerced to the
+schema (``ArgumentsStream``); a header naming none (a bare counter, a client-style id, an
+undeclared name) is held until its arguments end and resolved from the tools (``ToolSet.
+resolve``), or dropped, never invented. Ids are the model's own, verbatim.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
+from inferplane.parsers._arguments import ArgumentsStream, ToolSet
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 
 __all__ = [
@@ -90,6 +99,16 @@ class EngineConfig:
             (e.g. "an explicit ``<think>`` only counts before any content").
         split_header: hook turning a call header into ``(id, name)``.
         empty_arguments: arguments of a call whose model output had none.
+        aliases: more marker strings for a terminal (variants seen from the same model
+            family: ``◁think▷`` for ``<think>``). Unlike ``terminals``, an alias missing from
+            the vocab does not turn token-id matching off: with ids, it is plain text.
+        verbatim_states: states whose sink keeps a marker without a transition as text
+            (arguments: a JSON string may hold ``</think>``).
+        names_function: whether a call header names its function by its form alone (Kimi:
+            ``functions.{name}:{n}``), declared or not; with the request's tools, any other
+            header (a bare counter, a client-style id) that is not a declared name is an id,
+            and the call's function is resolved from its arguments. None: every header names
+            its function.
     """
 
     name: str
@@ -101,6 +120,9 @@ class EngineConfig:
     split_header: HeaderSplitter
     text_transitions: Mapping[str, str] = field(default_factory=dict)
     empty_arguments: str = "{}"
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    verbatim_states: frozenset[str] = frozenset()
+    names_function: Callable[[str], bool] | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` if the config refers to undeclared states or terminals."""
@@ -115,14 +137,20 @@ class EngineConfig:
                 raise ValueError(f"{self.name}: text transition {a}->{b} uses an unknown state")
         if self.initial_state not in states or self.thinking_state not in states:
             raise ValueError(f"{self.name}: unknown initial state")
-        if any(not lit for lit in self.terminals.values()):
+        if any(not lit for lit in [*self.terminals.values(), *self.aliases]):
             raise ValueError(f"{self.name}: empty marker")
+        for lit, term in self.aliases.items():
+            if term not in self.terminals:
+                raise ValueError(f"{self.name}: alias {lit!r} of unknown terminal {term!r}")
+        if not self.verbatim_states <= states:
+            raise ValueError(f"{self.name}: unknown verbatim state")
 
 
 class _Tables:
     """Everything derived from a config once, shared read-only by all sessions."""
 
     __slots__ = (
+        "args_marker_re",
         "config",
         "first_chars",
         "first_re",
@@ -136,12 +164,14 @@ class _Tables:
         "term_index",
         "text_transitions",
         "transitions",
+        "verbatim",
     )
 
     def __init__(self, config: EngineConfig, vocab: Mapping[str, int] | None) -> None:
         config.check()
         self.config = config
         self.literal_to_term = {lit: term for term, lit in config.terminals.items()}
+        self.literal_to_term.update(config.aliases)
         literals = sorted(self.literal_to_term, key=len, reverse=True)
         self.marker_re = re.compile("|".join(re.escape(lit) for lit in literals))
         self.first_chars = "".join(sorted({lit[0] for lit in literals}))
@@ -161,19 +191,39 @@ class _Tables:
                     ids = {}
                     break
                 ids[tid] = self.term_index[term]
+        if ids and vocab:
+            for lit, term in config.aliases.items():
+                tid = vocab.get(lit)
+                if tid is not None:
+                    ids[tid] = self.term_index[term]
         self.id_to_term = ids
         self.transitions = {
             (state, self.term_index[term]): tr for (state, term), tr in config.transitions.items()
         }
         self.sinks = dict(config.sinks)
         self.text_transitions = dict(config.text_transitions)
+        self.verbatim = config.verbatim_states
+        # In arguments only the markers that mean something there can never be data.
+        in_args = {
+            term
+            for (state, term), _ in config.transitions.items()
+            if state in config.verbatim_states
+        }
+        args_literals = [lit for lit in literals if self.literal_to_term[lit] in in_args]
+        self.args_marker_re = (
+            re.compile("|".join(re.escape(lit) for lit in args_literals) or "(?!)")
+            if config.verbatim_states
+            else self.marker_re
+        )
 
     def leaks(self, reasoning: str, content: str, calls: Sequence[ToolCall]) -> bool:
-        """True if any marker string appears in the given output parts."""
+        """True if a marker string appears in the given output parts (in arguments: one that
+        cannot be data there, see ``EngineConfig.verbatim_states``)."""
         search = self.marker_re.search
         if search(reasoning) or search(content):
             return True
-        return any(search(c.id) or search(c.name) or search(c.arguments) for c in calls)
+        in_args = self.args_marker_re.search
+        return any(search(c.id) or search(c.name) or in_args(c.arguments) for c in calls)
 
 
 class _Trim:
@@ -232,8 +282,10 @@ class Session:
         "_all_calls",
         "_all_content",
         "_all_reasoning",
+        "_all_repairs",
         "_allow_calls",
         "_args",
+        "_arguments",
         "_call_open",
         "_calls_out",
         "_content",
@@ -244,8 +296,10 @@ class Session:
         "_finished",
         "_header",
         "_held",
+        "_held_call",
         "_history",
         "_in_header",
+        "_max_calls",
         "_next_index",
         "_out_c",
         "_out_r",
@@ -256,10 +310,17 @@ class Session:
         "_state",
         "_t",
         "_token_mode",
+        "_tools",
     )
 
     def __init__(
-        self, tables: _Tables, state: str, history_tool_calls: int, tool_calls: bool = True
+        self,
+        tables: _Tables,
+        state: str,
+        history_tool_calls: int,
+        tool_calls: bool = True,
+        tools: ToolSet | None = None,
+        max_tool_calls: int | None = None,
     ) -> None:
         self._t = tables
         self._state = state
@@ -288,7 +349,12 @@ class Session:
         self._all_reasoning: list[str] = []
         self._all_content: list[str] = []
         self._all_calls: dict[int, list[str]] = {}  # index -> [id, name, *argument fragments]
+        self._all_repairs: dict[int, tuple[str, ...]] = {}
         self._result: ParseResult | None = None
+        self._tools = tools
+        self._max_calls = max_tool_calls
+        self._arguments: ArgumentsStream | None = None  # the open call's, when it streams
+        self._held_call: tuple[str, list[str]] | None = None  # (id, raw arguments) unresolved
 
     # -- public -----------------------------------------------------------------------------
 
@@ -308,7 +374,9 @@ class Session:
 
     @property
     def dropped_tool_calls(self) -> int:
-        """Calls the model made although the session was started with ``tool_calls=False``."""
+        """Calls the model made that the response does not carry: all of them when the session
+        was started with ``tool_calls=False``, those beyond ``max_tool_calls``, and, with
+        tools, those whose header named no declared function that their arguments resolve."""
         return self._dropped
 
     def result(self) -> ParseResult:
@@ -320,10 +388,11 @@ class Session:
         reasoning = _joined(self._all_reasoning)
         content = _joined(self._all_content)
         calls = []
-        for _, parts in sorted(self._all_calls.items()):
+        for index, parts in sorted(self._all_calls.items()):
             if len(parts) > 3:
                 parts[2:] = ["".join(parts[2:])]
-            calls.append(ToolCall(parts[0], parts[1], parts[2]))
+            repairs = self._all_repairs.get(index, ())
+            calls.append(ToolCall(parts[0], parts[1], parts[2], repairs))
         result = ParseResult(reasoning, content, calls, self._t.leaks(reasoning, content, calls))
         if self._finished:
             self._result = result  # nothing can change any more
@@ -416,7 +485,7 @@ class Session:
                 self._credit_total -= 1
             if m.start() > start:
                 self._plain(buf[start : m.start()])
-            self._terminal(term)
+            self._terminal(term, m.group())
             start = pos = m.end()
         end = len(buf)
         if not self._token_mode or self._credit_total:
@@ -435,9 +504,11 @@ class Session:
         if end > start:
             self._plain(buf[start:end] if (start or end != len(buf)) else buf)
 
-    def _terminal(self, term: int) -> None:
+    def _terminal(self, term: int, literal: str) -> None:
         tr = self._t.transitions.get((self._state, term))
         if tr is None:
+            if self._state in self._t.verbatim:
+                self._plain(literal)  # data here (a JSON string holding "</think>")
             return  # a marker with no meaning here is dropped, never shown
         for action in tr.actions:
             if action is Action.END_REASONING:
@@ -458,27 +529,72 @@ class Session:
         self._sink = self._t.sinks[tr.next_state]
 
     def _open_call(self) -> None:
-        """The header is complete: emit the call's first fragment (id, name) if it names one."""
+        """The header is complete: emit the call's first fragment (id, name) if it names a
+        declared function (any, without tools); hold the call when it names none."""
         header = "".join(self._header)
         self._header = []
         self._in_header = False
         index = self._next_index
         split = self._t.config.split_header(header, self._history + index)
+        self._call_open = False
         if split is None:
-            self._call_open = False  # no function named: its arguments are dropped
+            return  # no function named: its arguments are dropped
+        if self._max_calls is not None and index >= self._max_calls:
+            self._dropped += 1  # parallel_tool_calls: false (the first call only)
             return
         self._call_open = True
         self._args = _Trim()
+        tools = self._tools
+        coercions = None
+        if tools is not None and self._allow_calls:
+            schema = tools.by_name.get(split[1])
+            names = self._t.config.names_function
+            if schema is not None:
+                coercions = schema.coercions
+            elif names is not None and not names(header):
+                self._arguments = None  # an id, not a name: resolved when its arguments end
+                self._held_call = (header.strip(), [])
+                return
+        self._arguments = ArgumentsStream(coercions)
         out = _CallOut(index, split[0], split[1])
         self._calls_out.append(out)
         self._cur_out = out
 
     def _end_call(self) -> None:
-        if not self._args.started:
-            self._call_parts().append(self._t.config.empty_arguments)
         self._args.pending.clear()
         self._call_open = False
+        if self._held_call is not None:
+            self._end_held_call()
+            return
+        arguments = self._arguments
+        self._arguments = None
+        if not self._args.started:
+            self._call_parts().append(self._t.config.empty_arguments)
+        elif arguments is not None:
+            rest = arguments.finish()
+            if rest:
+                self._call_parts().append(rest)
+            if arguments.repairs and self._allow_calls:
+                self._all_repairs[self._next_index] = tuple(arguments.repairs)
         self._cur_out = None
+        self._next_index += 1
+
+    def _end_held_call(self) -> None:
+        """Resolves a call whose header named no declared function from its arguments
+        (`ToolSet.resolve`), then emits it whole; an unresolved one is dropped."""
+        assert self._held_call is not None and self._tools is not None
+        id_, raw = self._held_call
+        self._held_call = None
+        resolved = self._tools.resolve("".join(raw) or self._t.config.empty_arguments)
+        if resolved is None:
+            self._dropped += 1
+            return
+        schema, arguments, repairs = resolved
+        out = _CallOut(self._next_index, id_, schema.name)
+        out.parts.append(arguments)
+        if repairs:
+            self._all_repairs[self._next_index] = repairs
+        self._calls_out.append(out)
         self._next_index += 1
 
     def _call_parts(self) -> list[str]:
@@ -507,6 +623,15 @@ class Session:
             if self._call_open:
                 piece = self._args.push(s)
                 if piece:
+                    held = self._held_call
+                    if held is not None:
+                        held[1].append(piece)
+                        return
+                    arguments = self._arguments
+                    if arguments is not None:
+                        piece = arguments.feed(piece)
+                        if not piece:
+                            return
                     self._call_parts().append(piece)
         elif sink is Sink.HEADER:
             self._header.append(s)
@@ -585,7 +710,13 @@ class Parser:
         return {terms[i][1]: tid for tid, i in self._t.id_to_term.items()}
 
     def start(
-        self, thinking: bool = True, *, history_tool_calls: int = 0, tool_calls: bool = True
+        self,
+        thinking: bool = True,
+        *,
+        history_tool_calls: int = 0,
+        tool_calls: bool = True,
+        tools: Sequence[Mapping[str, Any]] | ToolSet | None = None,
+        max_tool_calls: int | None = None,
     ) -> Session:
         """Begin parsing one response.
 
@@ -593,17 +724,26 @@ class Parser:
             thinking: True when the prompt opened the reasoning block (K2.5's generation
                 prompt ends with ``<think>``), so output starts inside reasoning.
             history_tool_calls: tool calls earlier in the conversation; used only to number
-                normalised ids when the model gives a call without its own ``:N`` counter.
+                generated ids when the model gives a call without its own ``:N`` counter.
             tool_calls: False parses calls (their text never shows) but emits none and keeps
                 none in ``result()``; they are counted in ``dropped_tool_calls`` (OpenAI's
                 ``tool_choice: "none"``).
+            tools: the request's ``tools`` (OpenAI shape), or None when unknown (names are
+                then taken from the headers as written). With tools, names are resolved and
+                arguments coerced against them (module docstring); an empty list means the
+                request offered none, which implies ``tool_calls=False``.
+            max_tool_calls: calls after this many are dropped (1 for OpenAI's
+                ``parallel_tool_calls: false``); None = no limit.
         """
         c = self._t.config
+        toolset = tools if isinstance(tools, ToolSet) or tools is None else ToolSet(tools)
         return Session(
             self._t,
             c.thinking_state if thinking else c.initial_state,
             history_tool_calls,
-            tool_calls,
+            tool_calls and (toolset is None or bool(toolset)),
+            toolset,
+            max_tool_calls,
         )
 
     def parse(
@@ -613,9 +753,10 @@ class Parser:
         *,
         token_ids: Sequence[int] | None = None,
         history_tool_calls: int = 0,
+        tools: Sequence[Mapping[str, Any]] | ToolSet | None = None,
     ) -> ParseResult:
         """Parse a complete output at once; equal to streaming it in any split."""
-        s = self.start(thinking, history_tool_calls=history_tool_calls)
+        s = self.start(thinking, history_tool_calls=history_tool_calls, tools=tools)
         s.feed(text, token_ids)
         s.finish()
         return s.result()

@@ -16,8 +16,14 @@ Rules beyond the happy path, and where they come from:
   also ends reasoning and opens a call.
 * Text after the tool section is dropped (vLLM keeps its Kimi parser in a tool state after
   the section for the same reason); a second section adds more calls.
-* Markers with no meaning in a state (``</think>`` inside arguments...) are dropped: vLLM's
-  streaming parser raised ``IndexError`` when a marker came as its own delta.
+* Markers with no meaning in a state are dropped (vLLM's streaming parser raised
+  ``IndexError`` when a marker came as its own delta), except inside arguments, where
+  ``<think>`` / ``</think>`` are data (a JSON string may hold them) and stay verbatim.
+* Variants seen from Kimi models in the wild: the singular ``<|tool_call_section_begin|>`` /
+  ``<|tool_call_section_end|>`` and older Kimi models' ``◁think▷`` / ``◁/think▷`` mean the same
+  as the markers above (``KIMI_K2_MARKER_VARIANTS``).
+* Ids are the model's, verbatim (clients echo them back; the renderer normalises history ids
+  to ``functions.{name}:{n}``, DESIGN.md).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ __all__ = [
     "CALL_BEGIN",
     "CALL_END",
     "KIMI_K2_MARKERS",
+    "KIMI_K2_MARKER_VARIANTS",
     "SECTION_BEGIN",
     "SECTION_END",
     "THINK_BEGIN",
@@ -58,6 +65,14 @@ KIMI_K2_MARKERS: tuple[str, ...] = (
     CALL_END,
 )
 
+KIMI_K2_MARKER_VARIANTS: dict[str, str] = {
+    "<|tool_call_section_begin|>": SECTION_BEGIN,
+    "<|tool_call_section_end|>": SECTION_END,
+    "◁think▷": THINK_BEGIN,
+    "◁/think▷": THINK_END,
+}
+"""Variant marker -> the marker it stands for."""
+
 # States.
 START = "start"  # prompt did not open reasoning; nothing visible yet
 REASONING = "reasoning"
@@ -69,27 +84,33 @@ AFTER = "after"  # after <|tool_calls_section_end|>
 
 _PREFIX = "functions."
 _COUNTER_RE = re.compile(r"(.*?)\s*:\s*(\d+)", re.DOTALL)
+_NAMED_RE = re.compile(r"(?:functions\.)?[\w.\-]+:\d+")
+
+
+def kimi_header_names_function(header: str) -> bool:
+    """Whether a call header names its function by its form: ``functions.{name}:{n}`` or
+    ``{name}:{n}`` (SGLang's rule, ``kimik2_detector.py``). A bare counter (``0``), a
+    client-style id (``call_3``, ``toolu_01…``) or a name without counter does not: with the
+    request's tools, such a call's function is resolved from its arguments."""
+    return _NAMED_RE.fullmatch(header.strip()) is not None
 
 
 def split_kimi_header(header: str, call_number: int) -> tuple[str, str] | None:
     """Split a Kimi call header into ``(id, name)``.
 
-    ``functions.get_weather:0`` -> ``("functions.get_weather:0", "get_weather")``. Variants:
-    surrounding whitespace is ignored; ``get_weather:3`` (no ``functions.`` prefix) gets the
-    id ``functions.get_weather:3``; a header without ``:N`` gets ``functions.{name}:{call_number}``
-    so history ids keep the form the chat template expects (DESIGN.md). Returns None when
-    no name is left.
+    ``functions.get_weather:0`` -> ``("functions.get_weather:0", "get_weather")``. The id is
+    the header as written, surrounding whitespace trimmed (``get_weather:3`` stays
+    ``get_weather:3``: clients echo ids back). A header without ``:N`` holds no id: it gets
+    ``functions.{name}:{call_number}``, the form the chat template expects (DESIGN.md).
+    Returns None when no name is left.
     """
     h = header.strip()
     m = _COUNTER_RE.fullmatch(h)
-    if m is not None:
-        base, number = m.group(1).strip(), m.group(2)
-    else:
-        base, number = h, str(call_number)
+    base = m.group(1).strip() if m is not None else h
     name = base.removeprefix(_PREFIX).strip()
     if not name:
         return None
-    return f"{_PREFIX}{name}:{number}", name
+    return (h if m is not None else f"{_PREFIX}{name}:{call_number}"), name
 
 
 @functools.cache
@@ -125,17 +146,18 @@ def kimi_k2_config() -> EngineConfig:
         (AFTER, "SECTION_BEGIN"): t(SECTION),
         (AFTER, "CALL_BEGIN"): t(HEADER, (call,)),
     }
+    terminals = {
+        "THINK_BEGIN": THINK_BEGIN,
+        "THINK_END": THINK_END,
+        "SECTION_BEGIN": SECTION_BEGIN,
+        "SECTION_END": SECTION_END,
+        "CALL_BEGIN": CALL_BEGIN,
+        "ARG_BEGIN": ARG_BEGIN,
+        "CALL_END": CALL_END,
+    }
     return EngineConfig(
         name="kimi_k2",
-        terminals={
-            "THINK_BEGIN": THINK_BEGIN,
-            "THINK_END": THINK_END,
-            "SECTION_BEGIN": SECTION_BEGIN,
-            "SECTION_END": SECTION_END,
-            "CALL_BEGIN": CALL_BEGIN,
-            "ARG_BEGIN": ARG_BEGIN,
-            "CALL_END": CALL_END,
-        },
+        terminals=terminals,
         transitions=transitions,
         sinks={
             START: Sink.CONTENT,
@@ -151,4 +173,10 @@ def kimi_k2_config() -> EngineConfig:
         text_transitions={START: CONTENT},
         split_header=split_kimi_header,
         empty_arguments="{}",
+        aliases={
+            variant: next(t for t, lit in terminals.items() if lit == marker)
+            for variant, marker in KIMI_K2_MARKER_VARIANTS.items()
+        },
+        verbatim_states=frozenset({ARGS}),
+        names_function=kimi_header_names_function,
     )

@@ -18,8 +18,9 @@ class ToolCallDelta:
     Attributes:
         index: 0-based position of the call within this response (OpenAI ``index``),
             not the model's conversation-wide counter.
-        id: set on the first fragment of a call only: the model's own id
-            (``functions.get_weather:0``) or a normalised one when the model gave none.
+        id: set on the first fragment of a call only: the model's own id, verbatim
+            (``functions.get_weather:0``, ``get_weather:0``, ``call_3``), or a generated one
+            (``functions.{name}:{n}``) when the header held only a name.
         name: set on the first fragment of a call only: the function name without the
             ``functions.`` prefix.
         arguments: a fragment of the JSON arguments string; the fragments of one call
@@ -57,16 +58,22 @@ class ToolCall:
     """A complete tool call.
 
     Attributes:
-        id: the model's id (``functions.get_weather:0``) or a normalised one.
+        id: the model's id, verbatim, or a generated one (see ``ToolCallDelta.id``).
         name: function name without the ``functions.`` prefix.
-        arguments: the JSON arguments exactly as the model wrote them, trimmed of
-            surrounding whitespace; ``"{}"`` when the model gave none. Not guaranteed to be
-            valid JSON: see ``inferplane.parsers.validate_tool_calls``.
+        arguments: the JSON arguments as the model wrote them, trimmed of surrounding
+            whitespace and with the streaming repairs applied (``repairs``); ``"{}"`` when the
+            model gave none. Not guaranteed to be valid JSON: see
+            ``inferplane.parsers.validate_tool_calls``.
+        repairs: what the parser changed in the arguments: ``"trailing_comma"`` (dropped),
+            ``"coerced"`` (a string turned into the integer / number / boolean its schema
+            declares); empty when they are exactly as written. Not part of equality: a client
+            assembling the streamed deltas (``Parser.collect``) never learns them.
     """
 
     id: str
     name: str
     arguments: str
+    repairs: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

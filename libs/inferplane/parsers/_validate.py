@@ -45,6 +45,9 @@ class ToolCallVerdict:
         reason: None when valid, else why not.
         message: human-readable detail ("" when valid), e.g. the JSON error position or the
             failing schema path.
+        repairs: what the parser changed in the arguments before this check
+            (``ToolCall.repairs``: ``trailing_comma``, ``coerced``); a repaired call may be
+            valid.
     """
 
     index: int
@@ -52,6 +55,7 @@ class ToolCallVerdict:
     name: str
     reason: VerdictReason | None = None
     message: str = ""
+    repairs: tuple[str, ...] = ()
 
     @property
     def valid(self) -> bool:
@@ -118,7 +122,7 @@ class ToolValidator:
         """The verdict on one call (never raises)."""
 
         def bad(reason: VerdictReason, message: str) -> ToolCallVerdict:
-            return ToolCallVerdict(index, call.id, call.name, reason, message)
+            return ToolCallVerdict(index, call.id, call.name, reason, message, call.repairs)
 
         if call.name in self._schema_errors:
             return bad(VerdictReason.INVALID_SCHEMA, self._schema_errors[call.name])
@@ -140,7 +144,7 @@ class ToolValidator:
             if error is not None:
                 path = "/".join(str(p) for p in error.absolute_path)
                 return bad(VerdictReason.SCHEMA_MISMATCH, f"at /{path}: {error.message}")
-        return ToolCallVerdict(index, call.id, call.name)
+        return ToolCallVerdict(index, call.id, call.name, repairs=call.repairs)
 
     def validate(self, calls: Sequence[ToolCall], *, strict: bool = False) -> list[ToolCallVerdict]:
         """Verdicts for every call, in order.

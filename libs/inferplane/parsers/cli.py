@@ -44,29 +44,36 @@ def _arguments(raw: str) -> Any:
 def replay_case(parser: Parser, case: dict[str, Any]) -> dict[str, Any]:
     """Parse one case; the output object of ``replay``.
 
-    Input: ``{"name", "model_output": str, "stream_deltas": [str] | null, "thinking": bool}``
-    (``thinking`` defaults to true, K2.5's default). With ``stream_deltas`` null the output
-    is parsed in one piece; otherwise the deltas are fed in order (``model_output`` is then
-    not used). Output: ``{"name", "reasoning", "content", "tool_calls": [{"id", "name",
-    "arguments"}]}``; reasoning / content are null when empty; arguments are the parsed
-    JSON (the raw string when not valid JSON).
+    Input: ``{"name", "model_output": str, "stream_deltas": [str] | null, "thinking": bool,
+    "tools": [...]}`` (``thinking`` defaults to true, K2.5's default; ``tools``, optional, is
+    an OpenAI ``tools`` array exactly as a request carries it: names are then resolved and
+    arguments coerced against it, and an empty array means no tool calls). With
+    ``stream_deltas`` null the output is parsed in one piece; otherwise the deltas are fed in
+    order (``model_output`` is then not used). Output: ``{"name", "reasoning", "content",
+    "tool_calls": [{"id", "name", "arguments"}]}``; reasoning / content are null when empty;
+    arguments are the parsed JSON (the raw string when not valid JSON).
 
     Raises:
         CaseError: a field has the wrong type.
     """
     thinking = case.get("thinking", True)
     deltas = case.get("stream_deltas")
+    tools = case.get("tools")
     if not isinstance(thinking, bool):
         raise CaseError("'thinking' must be true or false")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise CaseError("'tools' must be an array of tool objects or absent")
     if deltas is None:
         text = case.get("model_output")
         if not isinstance(text, str):
             raise CaseError("'model_output' must be a string when 'stream_deltas' is null")
-        result = parser.parse(text, thinking=thinking)
+        result = parser.parse(text, thinking=thinking, tools=tools)
     else:
         if not isinstance(deltas, list) or not all(isinstance(d, str) for d in deltas):
             raise CaseError("'stream_deltas' must be a list of strings or null")
-        session = parser.start(thinking=thinking)
+        session = parser.start(thinking=thinking, tools=tools)
         result = parser.collect([*(session.feed(d) for d in deltas), session.finish()])
     return {
         "name": case.get("name"),
@@ -107,7 +114,8 @@ def replay(
 ) -> None:
     """Parse recorded model outputs; print one JSON line per case.
 
-    Case: {"name", "model_output", "stream_deltas": [str] | null, "thinking": bool}.
+    Case: {"name", "model_output", "stream_deltas": [str] | null, "thinking": bool,
+    "tools": [OpenAI tools] (optional)}.
     Output: {"name", "reasoning", "content", "tool_calls": [{"id", "name", "arguments"}]}.
     """
     try:

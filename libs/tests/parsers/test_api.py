@@ -23,7 +23,8 @@ LIBS = Path(__file__).resolve().parents[2]
 
 def test_exports_are_pinned() -> None:
     assert sorted(parsers.__all__) == sorted([
-        "KIMI_K2_MARKERS", "Action", "Constraint", "ConstraintError", "Delta", "EngineConfig",
+        "KIMI_K2_MARKERS", "KIMI_K2_MARKER_VARIANTS", "ToolSet", "Action", "Constraint",
+        "ConstraintError", "Delta", "EngineConfig",
         "InvalidToolCallError", "ParseResult", "Parser", "ParserError", "ParserRegistry",
         "PlainSession", "Session", "Sink", "ToolCall", "ToolCallDelta", "ToolCallVerdict",
         "ToolValidator", "Transition", "UnknownParserError", "VerdictReason", "build_parser",

@@ -11,12 +11,21 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferplane.parsers import KIMI_K2_MARKERS, Parser, ParseResult, build_parser
+from inferplane.parsers import (
+    KIMI_K2_MARKER_VARIANTS,
+    KIMI_K2_MARKERS,
+    Parser,
+    ParseResult,
+    build_parser,
+)
 
 TB, TE = "<think>", "</think>"
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-MARKER_RE = re.compile("|".join(re.escape(m) for m in KIMI_K2_MARKERS))
+MARKERS = (*KIMI_K2_MARKERS, *KIMI_K2_MARKER_VARIANTS)
+MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS))
+# In arguments only the markers that end or begin a call can never be data.
+ARGS_MARKER_RE = re.compile("|".join(re.escape(m) for m in (CE, CB, SE)))
 PARSER: Parser = build_parser("kimi_k2")
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -24,7 +33,7 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 PIECES = [
     "a", "b", "Z", " ", "  ", "\n", "\t", "<", ">", "|", "/", "<|", "|>", "</", "<|tool_call",
     "<|tool_calls_section", "</thi", "<think", "<|tool_call_argument_beg", "functions.", ":",
-    "東京", "🌸", "é", "{", "}", '"', "\\", "x<y", "1",
+    "東京", "🌸", "é", "{", "}", '"', "\\", "x<y", "1", "◁", "◁/thi", "<|tool_call_section",
 ]  # fmt: skip
 text = (
     st.lists(st.sampled_from(PIECES), max_size=12)
@@ -89,7 +98,7 @@ def kimi_outputs(draw: st.DrawFn) -> Generated:
             else:
                 args = draw(st.sampled_from(["", " ", "{}", "\n"]))
             parts += [CB, draw(ws), header, draw(ws), AB, draw(ws), args, draw(ws), CE, draw(ws)]
-            calls.append((f"functions.{fn}:{n}", fn, args.strip() or "{}"))
+            calls.append((header, fn, args.strip() or "{}"))  # the id as written
         parts += [SE, draw(text)]  # text after the section is dropped
     return Generated("".join(parts), thinking, exp_reasoning, exp_content, calls)
 
@@ -105,8 +114,10 @@ def streamed(parser: Parser, deltas: list[str], thinking: bool) -> ParseResult:
     out = [s.feed(d) for d in deltas]
     out.append(s.finish())
     for d in out:  # no single delta carries a marker either
-        for t in (d.reasoning, d.content, *(tc.arguments for tc in d.tool_calls)):
+        for t in (d.reasoning, d.content):
             assert MARKER_RE.search(t) is None
+        for tc in d.tool_calls:
+            assert ARGS_MARKER_RE.search(tc.arguments) is None
     return parser.collect(out)
 
 
@@ -126,7 +137,7 @@ def test_generated_outputs_parse_to_their_meaning_in_any_split(
 
 # Arbitrary interleavings of markers and text: not well-formed Kimi, but the parser must
 # still never raise, never leak and stay split-invariant.
-soup = st.lists(st.sampled_from([*KIMI_K2_MARKERS, *PIECES]), max_size=40).map("".join)
+soup = st.lists(st.sampled_from([*MARKERS, *PIECES]), max_size=40).map("".join)
 
 
 @SETTINGS
@@ -137,5 +148,5 @@ def test_any_marker_soup_never_raises_never_leaks_and_is_split_invariant(
     one_shot = PARSER.parse(out, thinking=thinking)
     assert not one_shot.marker_leaked
     for c in one_shot.tool_calls:
-        assert c.name and c.id.startswith("functions.")
+        assert c.name and c.id and MARKER_RE.search(c.id) is None
     assert streamed(PARSER, split(data.draw, out), thinking) == one_shot

@@ -18,6 +18,8 @@ TB, TE = "<think>", "</think>"
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 MARKER_RE = re.compile("|".join(re.escape(m) for m in KIMI_K2_MARKERS))
+# In arguments only the markers that end or begin a call can never be data.
+ARGS_MARKER_RE = re.compile("|".join(re.escape(m) for m in (CE, CB, SE)))
 CHUNK_SIZES = (1, 2, 3, 5, 11, 23, None)
 
 
@@ -136,11 +138,11 @@ VECTORS = [
         ],
     ),
     Vector(
-        "ids_without_functions_prefix",
-        TE + section(call("get_weather:0", '{"city": "Paris"}'), call("search:7", "{}")),
+        "ids_without_functions_prefix_are_kept_verbatim",
+        TE + section(call("get_weather:0", '{"city": "Paris"}'), call(" search:7 ", "{}")),
         calls=[
-            ("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
-            ("functions.search:7", "search", "{}"),
+            ("get_weather:0", "get_weather", '{"city": "Paris"}'),
+            ("search:7", "search", "{}"),
         ],
     ),
     Vector(
@@ -186,9 +188,9 @@ VECTORS = [
         calls=[WEATHER_CALL],
     ),
     Vector(
-        "stray_markers_inside_arguments_are_dropped",
-        TE + section(call("functions.f:0", f'{{"a": "x{TE}y{SB}z{AB}"}}')),
-        calls=[("functions.f:0", "f", '{"a": "xyz"}')],
+        "markers_without_meaning_inside_arguments_are_data",
+        TE + section(call("functions.f:0", f'{{"a": "x{TE}y{SB}z{AB}{TB}"}}')),
+        calls=[("functions.f:0", "f", f'{{"a": "x{TE}y{SB}z{AB}{TB}"}}')],
     ),
     Vector(
         "whitespace_only_content_before_tools",
@@ -294,8 +296,10 @@ def test_no_delta_ever_carries_a_marker(parser: Parser, v: Vector, size: int | N
     one that later completes."""
     s = parser.start(thinking=v.thinking)
     for d in [*(s.feed(c) for c in chunks(v.output, size)), s.finish()]:
-        for text in (d.reasoning, d.content, *(tc.arguments for tc in d.tool_calls)):
+        for text in (d.reasoning, d.content):
             assert not MARKER_RE.search(text)
+        for tc in d.tool_calls:
+            assert not ARGS_MARKER_RE.search(tc.arguments)
         for tc in d.tool_calls:
             assert tc.id is None or not MARKER_RE.search(tc.id)
             assert tc.name is None or not MARKER_RE.search(tc.name)

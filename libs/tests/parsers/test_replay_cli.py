@@ -53,7 +53,7 @@ EXPECTED = [
         "name": "streamed_skip_think_end",
         "reasoning": "I'll call",
         "content": None,
-        "tool_calls": [{"id": "functions.search:3", "name": "search", "arguments": "{bad json"}],
+        "tool_calls": [{"id": "search:3", "name": "search", "arguments": "{bad json"}],
     },
     {"name": "plain", "reasoning": None, "content": "Hello!", "tool_calls": []},
     {"name": "empty", "reasoning": None, "content": None, "tool_calls": []},

@@ -13,8 +13,10 @@ What inferplane supports, and what it rejects with a clear 400 (OpenAI's
   the context length is `context_length_exceeded`, worded as OpenAI words it;
 - `response_format`: `text`, `json_object` and `json_schema` (mapped to a decoding
   constraint; with thinking on, the JSON follows the reasoning, see `_json_constraint`);
-- `tool_choice`: `none` (tools are left out of the prompt and no tool call is returned), `auto`,
-  `required` and a named function (both constrained with `build_tool_constraint`);
+- `tool_choice`: `none` (tools are left out of the prompt and no tool call is returned; the same
+  without `tools`: a tool section the model writes anyway is dropped, never a call), `auto`
+  (constrained when the deployment profile's `constrain_tool_choice_auto` is on), `required` and
+  a named function (always constrained; all three with `build_tool_constraint`);
 - `reasoning_effort`: "none" turns thinking off, the other levels leave it on (the model has no
   finer budget); an explicit `chat_template_kwargs.thinking` wins;
 - `stream_interval` (vLLM's extension, 1..1024): at least that many generated tokens per
@@ -50,10 +52,14 @@ class ChatPlan:
     Attributes:
         prompt: the rendered prompt (text, token ids, thinking).
         params: the engine's sampling parameters.
-        tools: the request's tools as OpenAI JSON (for validating the response's calls).
-        tool_calls_allowed: False for `tool_choice: "none"` (calls are dropped from the output).
+        tools: the request's tools as OpenAI JSON (the parser resolves names and coerces
+            arguments against them; the response's calls are validated against them).
+        tool_calls_allowed: False for `tool_choice: "none"` or without tools (calls are
+            dropped from the output).
         history_tool_calls: tool calls earlier in the conversation (the parser numbers ids).
         include_usage: `stream_options.include_usage`.
+        max_tool_calls: 1 for `parallel_tool_calls: false` (later calls are dropped, also
+            when no decoding constraint enforces it), else None.
     """
 
     prompt: RenderedPrompt
@@ -62,6 +68,7 @@ class ChatPlan:
     tool_calls_allowed: bool
     history_tool_calls: int
     include_usage: bool
+    max_tool_calls: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,8 +327,18 @@ def _response_format(body: Mapping[str, Any]) -> tuple[bool, Mapping[str, Any] |
     )
 
 
-def plan_chat(request: pb.ChatCompletionRequest, assets: ModelAssets) -> ChatPlan:
+def plan_chat(
+    request: pb.ChatCompletionRequest,
+    assets: ModelAssets,
+    *,
+    constrain_tool_choice_auto: bool = False,
+) -> ChatPlan:
     """Validates and renders a chat request for `assets`' model.
+
+    `constrain_tool_choice_auto` (the deployment profile's option) also constrains
+    `tool_choice: "auto"` with tools: any tool section must hold declared functions with
+    schema-valid arguments, one call when `parallel_tool_calls` is false. A `response_format`
+    JSON constraint wins over it (the JSON constraint already rules a tool section out).
 
     Raises:
         InvalidArgumentError: the request is invalid or asks for something unsupported
@@ -337,7 +354,10 @@ def plan_chat(request: pb.ChatCompletionRequest, assets: ModelAssets) -> ChatPla
     _thinking_from_effort(body)
     wants_json, schema = _response_format(body)
     tool_choice = body.get("tool_choice")
-    allowed = tool_choice != "none"
+    # OpenAI never returns a call that was not offered: without tools (or with "none"), a
+    # tool section the model writes anyway is parsed out of the text and dropped (counted in
+    # the outcome's dropped_tool_calls), and the finish reason stays "stop" / "length".
+    allowed = tool_choice != "none" and bool(body.get("tools"))
     render_body = body if allowed else {k: v for k, v in body.items() if k != "tools"}
     try:
         prompt = render_chat(render_body, assets.tokenizer)
@@ -354,6 +374,7 @@ def plan_chat(request: pb.ChatCompletionRequest, assets: ModelAssets) -> ChatPla
                 tool_choice,
                 thinking=prompt.thinking,
                 parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+                constrain_auto=constrain_tool_choice_auto and not wants_json,
             )
         except ConstraintError as exc:
             raise _bad(str(exc), "tool_choice") from exc
@@ -384,6 +405,7 @@ def plan_chat(request: pb.ChatCompletionRequest, assets: ModelAssets) -> ChatPla
         tool_calls_allowed=allowed,
         history_tool_calls=history,
         include_usage=bool(options.get("include_usage")),
+        max_tool_calls=1 if body.get("parallel_tool_calls") is False else None,
     )
 
 

@@ -335,7 +335,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         replica: LocalReplica,
         assets: ModelAssets,
     ) -> AsyncIterator[pb.StreamChatCompletionResponse]:
-        plan = plan_chat(req, assets)
+        plan = plan_chat(
+            req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+        )
         gen = self._generation(replica, assets, plan, "chatcmpl-", track, chat=True)
         out = chunks.ChatChunks(
             gen.request_id,
@@ -365,7 +367,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         replica: LocalReplica,
         assets: ModelAssets,
     ) -> AsyncIterator[pb.CreateChatCompletionResponse]:
-        plan = plan_chat(req, assets)
+        plan = plan_chat(
+            req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+        )
         gen = self._generation(replica, assets, plan, "chatcmpl-", track, chat=True)
         await _drain(gen)
         result = gen.session.result()
@@ -504,6 +508,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                 plan.prompt.thinking,
                 history_tool_calls=plan.history_tool_calls,
                 tool_calls=plan.tool_calls_allowed,
+                tools=plan.tools,
+                max_tool_calls=plan.max_tool_calls,
             )
         gen = Generation(
             engine=replica.engine,

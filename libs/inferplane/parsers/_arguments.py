@@ -1,0 +1,340 @@
+"""A tool call's JSON arguments, streamed through two repairs, and the request's tools.
+
+`ArgumentsStream` rewrites arguments as they stream, so that a split never changes the
+result (streaming and one-piece parsing give the same arguments):
+
+* **trailing commas** (``{"a": 1,}``, seen from Kimi models in the wild) are dropped: a comma
+  outside strings is held until the next non-whitespace character shows whether a value
+  follows; before ``}`` or ``]`` it goes, and the call records the repair ``trailing_comma``.
+* **schema coercion**: a top-level property whose declared type is integer, number or boolean
+  (and not string) that the model wrote as a JSON string (``"5"``, ``"true"``) is written as
+  the typed value (``5``, ``true``) when the string holds exactly such a literal; the call
+  records ``coerced``. Only that string is held back while it streams. Strings that do not
+  convert, nested properties and ``anyOf`` / ``oneOf`` schemas are left as written.
+
+A whole-text repair library (json-repair) cannot be used here: arguments are streamed to the
+client as they come, and a repair decided on the whole text could not change what was already
+sent. The two repairs above are the ones that can be decided while streaming.
+
+`ToolSet` is the request's declared tools, compiled once per request: the names, each
+function's coercions, and the resolution of a call whose header named no function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from jsonschema.protocols import Validator
+
+__all__ = ["COERCED", "TRAILING_COMMA", "ArgumentsStream", "ToolSchema", "ToolSet"]
+
+TRAILING_COMMA = "trailing_comma"
+COERCED = "coerced"
+
+_OUTSIDE = re.compile(r'["{}\[\],:]')  # what matters outside strings
+_INSIDE = re.compile(r'["\\]')  # what ends or escapes inside a string
+_INTEGER = re.compile(r"-?(?:0|[1-9]\d*)")
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_WS = " \t\r\n"
+
+Coercions = Mapping[str, tuple[str, ...]]
+"""Top-level property -> the non-string scalar types its schema declares, in the order tried."""
+
+
+def _coercible_types(schema: Any) -> tuple[str, ...]:
+    if not isinstance(schema, Mapping):
+        return ()
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else declared
+    if not isinstance(types, list) or "string" in types:
+        return ()
+    return tuple(t for t in ("integer", "number", "boolean") if t in types)
+
+
+def _coerce(text: str, types: tuple[str, ...]) -> str | None:
+    """The JSON literal for the string value `text` under `types`, or None (left as written)."""
+    value = text.strip()
+    for kind in types:
+        if kind == "integer" and _INTEGER.fullmatch(value):
+            return value
+        if kind == "number" and _NUMBER.fullmatch(value):
+            return value
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower()
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSchema:
+    """One declared function.
+
+    Attributes:
+        name: the function's name.
+        parameters: its ``parameters`` JSON schema (None when it declared none).
+        coercions: see `Coercions` (empty: nothing to coerce).
+    """
+
+    name: str
+    parameters: Any
+    coercions: Coercions
+
+
+class ToolSet:
+    """The request's declared function tools (OpenAI ``tools``, or bare function definitions).
+
+    An empty set means the request offered no tools. Malformed entries are skipped (the
+    request was validated before; the parser never raises on them).
+    """
+
+    __slots__ = ("_closed", "by_name", "tools")
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
+        by_name: dict[str, ToolSchema] = {}
+        for tool in tools:
+            if not isinstance(tool, Mapping):
+                continue
+            fn = tool.get("function", tool)
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if not isinstance(name, str) or not name or name in by_name:
+                continue
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            props = props if isinstance(props, Mapping) else {}
+            coercions = {k: t for k, v in props.items() if (t := _coercible_types(v))}
+            by_name[name] = ToolSchema(name, params, coercions)
+        self.by_name: Mapping[str, ToolSchema] = by_name
+        self.tools: tuple[ToolSchema, ...] = tuple(by_name.values())
+        self._closed: dict[str, Validator | None] = {}  # compiled on first resolution
+
+    def __bool__(self) -> bool:
+        return bool(self.tools)
+
+    def resolve(self, arguments: str) -> tuple[ToolSchema, str, tuple[str, ...]] | None:
+        """The declared function a call meant whose header named none (a bare counter, a
+        client-style id), from its complete raw `arguments`: ``(tool, arguments rewritten
+        for it, repairs)``, or None when it cannot be told (the call is then dropped, never
+        invented).
+
+        SGLang's rule (``python/sglang/srt/function_call/kimik2_detector.py``,
+        ``_infer_tool_name``): a single declared tool is the answer, whatever the arguments;
+        otherwise the arguments must be a JSON object that exactly one tool's ``parameters``
+        accepts with no property it does not declare (``unevaluatedProperties: false``);
+        none or several → None. Each tool sees the arguments coerced to its own schema.
+        """
+        found: list[tuple[ToolSchema, str, tuple[str, ...]]] = []
+        for tool in self.tools:
+            stream = ArgumentsStream(tool.coercions)
+            text = stream.feed(arguments) + stream.finish()
+            if len(self.tools) == 1:
+                return tool, text, tuple(stream.repairs)
+            try:
+                args = json.loads(text)
+            except ValueError:
+                return None
+            if not isinstance(args, dict):
+                return None
+            validator = self._validator(tool)
+            if validator is not None and validator.is_valid(args):
+                found.append((tool, text, tuple(stream.repairs)))
+        return found[0] if len(found) == 1 else None
+
+    def _validator(self, tool: ToolSchema) -> Validator | None:
+        """The tool's schema closed to undeclared properties; None when it is no schema."""
+        if tool.name not in self._closed:
+            schema = tool.parameters if tool.parameters is not None else {"type": "object"}
+            validator: Validator | None = None
+            if isinstance(schema, Mapping):
+                closed = dict(schema)
+                closed.setdefault("unevaluatedProperties", False)
+                try:
+                    jsonschema.Draft202012Validator.check_schema(closed)
+                    validator = jsonschema.Draft202012Validator(closed)
+                except jsonschema.SchemaError:
+                    validator = None
+            elif schema is False or schema is True:
+                validator = jsonschema.Draft202012Validator({"const": {}} if schema else False)
+            self._closed[tool.name] = validator
+        return self._closed[tool.name]
+
+
+class ArgumentsStream:
+    """Rewrites one call's argument fragments (see the module docstring); split-invariant.
+
+    ``feed`` returns what may be sent now; ``finish`` returns what was held back (an unclosed
+    string or a comma at the very end stay as written). ``repairs`` names what was changed.
+    """
+
+    __slots__ = (
+        "_coercions",
+        "_comma",
+        "_depth",
+        "_escape",
+        "_expect_key",
+        "_held",
+        "_in_string",
+        "_is_key",
+        "_key",
+        "_top_key",
+        "repairs",
+    )
+
+    def __init__(self, coercions: Coercions | None = None) -> None:
+        self._coercions = coercions or {}
+        self._depth: list[str] = []  # open '{' / '['
+        self._in_string = False
+        self._escape = False  # the last character inside the string was a backslash
+        self._is_key = False  # the current string is an object key
+        self._expect_key = False  # the next string in this object is a key
+        self._key: list[str] | None = None  # the top-level key being read, raw
+        self._top_key: str | None = None  # the last top-level key read, decoded
+        self._held: list[str] | None = None  # a held string value (coercion), raw
+        self._comma: list[str] | None = None  # a held comma and the whitespace after it
+        self.repairs: list[str] = []
+
+    def feed(self, text: str) -> str:
+        if (
+            self._in_string
+            and self._held is None
+            and self._key is None
+            and not self._escape
+            and '"' not in text
+            and "\\" not in text
+        ):
+            return text  # the common case: inside a long string value
+        out: list[str] = []
+        pos, end = 0, len(text)
+        while pos < end:
+            if self._in_string:
+                pos = self._string(text, pos, out)
+                continue
+            if self._comma is not None:
+                stripped = len(text) - len(text[pos:].lstrip(_WS))
+                if stripped > pos:
+                    self._comma.append(text[pos:stripped])
+                    pos = stripped
+                    if pos == end:
+                        break
+                held, self._comma = self._comma, None
+                if text[pos] in "}]":
+                    if TRAILING_COMMA not in self.repairs:
+                        self.repairs.append(TRAILING_COMMA)
+                    out.append("".join(held[1:]))
+                else:
+                    out.append("".join(held))
+            m = _OUTSIDE.search(text, pos)
+            if m is None:
+                out.append(text[pos:])
+                break
+            i = m.start()
+            if i > pos:
+                out.append(text[pos:i])
+            pos = i + 1
+            c = text[i]
+            if c == '"':
+                self._open_string(out)
+            elif c == ",":
+                self._comma = [","]
+                self._expect_key = bool(self._depth) and self._depth[-1] == "{"
+            elif c in "{[":
+                self._depth.append(c)
+                self._expect_key = c == "{"
+                out.append(c)
+            elif c in "}]":
+                if self._depth:
+                    self._depth.pop()
+                self._expect_key = False
+                out.append(c)
+            else:  # ':'
+                self._expect_key = False
+                out.append(c)
+        return "".join(out)
+
+    def finish(self) -> str:
+        """What is still held: a comma at the end, an unclosed held string, as written."""
+        out = []
+        if self._comma is not None:
+            out.append("".join(self._comma))
+            self._comma = None
+        if self._held is not None:
+            out.append('"' + "".join(self._held))
+            self._held = None
+        return "".join(out)
+
+    def _open_string(self, out: list[str]) -> None:
+        self._in_string = True
+        self._escape = False
+        top = len(self._depth) == 1 and self._depth[0] == "{"
+        self._is_key = self._expect_key
+        if self._is_key:
+            self._expect_key = False
+            self._key = [] if top and self._coercions else None
+            out.append('"')
+        elif top and self._key_types():
+            self._held = []  # a value that may need coercion: held until it closes
+        else:
+            out.append('"')
+
+    def _key_types(self) -> tuple[str, ...]:
+        key = self._top_key
+        return self._coercions.get(key, ()) if key is not None else ()
+
+    def _string(self, text: str, pos: int, out: list[str]) -> int:
+        """Consumes string characters from `pos`; returns where it stopped."""
+        end = len(text)
+        while pos < end:
+            if self._escape:
+                self._escape = False
+                self._emit(text[pos], out)
+                pos += 1
+                continue
+            m = _INSIDE.search(text, pos)
+            stop = m.start() if m is not None else end
+            if stop > pos:
+                self._emit(text[pos:stop], out)
+            if m is None:
+                return end
+            if text[stop] == "\\":
+                self._escape = True
+                self._emit("\\", out)
+                pos = stop + 1
+                continue
+            self._close_string(out)
+            return stop + 1
+        return pos
+
+    def _emit(self, piece: str, out: list[str]) -> None:
+        if self._held is not None:
+            self._held.append(piece)
+            return
+        if self._key is not None:
+            self._key.append(piece)
+        out.append(piece)
+
+    def _close_string(self, out: list[str]) -> None:
+        self._in_string = False
+        if self._held is not None:
+            raw = "".join(self._held)
+            self._held = None
+            literal = None
+            with contextlib.suppress(ValueError):
+                literal = _coerce(json.loads('"' + raw + '"'), self._key_types())
+            if literal is None:
+                out.append('"' + raw + '"')
+            else:
+                out.append(literal)
+                if COERCED not in self.repairs:
+                    self.repairs.append(COERCED)
+            return
+        out.append('"')
+        if self._is_key:
+            key, self._key = self._key, None
+            self._top_key = None
+            if key is not None:
+                with contextlib.suppress(ValueError):
+                    self._top_key = json.loads('"' + "".join(key) + '"')

@@ -20,10 +20,10 @@ Rules that hold for every config (they are what makes the output safe to stream)
   concatenated result as parsing the whole output at once.
 
 With the request's tools (``Parser.start(tools=...)``), calls are checked against them as they
-stream: a header naming a declared function streams at once, its arguments coerced to the
-schema (``ArgumentsStream``); a header naming none (a bare counter, a client-style id, an
-undeclared name) is held until its arguments end and resolved from the tools (``ToolSet.
-resolve``), or dropped, never invented. Ids are the model's own, verbatim.
+stream: a header naming a function (``functions.{name}:{n}``, or a declared name) streams at
+once, its arguments coerced to the declared schema (``ArgumentsStream``); any other header (a
+bare counter, a client-style id) is held until its arguments end and resolved from the tools
+(``ToolSet.resolve``), or dropped, never invented. Ids are the model's own, verbatim.
 """
 
 from __future__ import annotations
@@ -153,13 +153,13 @@ class _Tables:
         "args_marker_re",
         "config",
         "first_chars",
+        "first_pair",
         "first_re",
         "id_to_term",
         "literal_to_term",
         "marker_re",
         "max_len",
         "prefixes",
-        "single_first",
         "sinks",
         "term_index",
         "text_transitions",
@@ -175,7 +175,9 @@ class _Tables:
         literals = sorted(self.literal_to_term, key=len, reverse=True)
         self.marker_re = re.compile("|".join(re.escape(lit) for lit in literals))
         self.first_chars = "".join(sorted({lit[0] for lit in literals}))
-        self.single_first = self.first_chars if len(self.first_chars) == 1 else ""
+        # One or two first characters ("<", "◁"): two `in` tests beat a regex search.
+        pair = self.first_chars * 2 if len(self.first_chars) == 1 else self.first_chars
+        self.first_pair = (pair[0], pair[1]) if len(pair) == 2 else None
         self.first_re = re.compile("[" + re.escape(self.first_chars) + "]")
         self.prefixes = frozenset(lit[:i] for lit in literals for i in range(1, len(lit)))
         self.max_len = max(len(lit) for lit in literals)
@@ -459,8 +461,9 @@ class Session:
         else:
             buf = text
             # Fast path: no marker can start in this delta.
-            if t.single_first:
-                if t.single_first not in buf:
+            if t.first_pair:
+                a, b = t.first_pair
+                if a not in buf and b not in buf:
                     self._plain(buf)
                     return
             elif t.first_re.search(buf) is None:

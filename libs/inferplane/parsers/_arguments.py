@@ -176,6 +176,7 @@ class ArgumentsStream:
         "_depth",
         "_escape",
         "_expect_key",
+        "_fast",
         "_held",
         "_in_string",
         "_is_key",
@@ -195,17 +196,11 @@ class ArgumentsStream:
         self._top_key: str | None = None  # the last top-level key read, decoded
         self._held: list[str] | None = None  # a held string value (coercion), raw
         self._comma: list[str] | None = None  # a held comma and the whitespace after it
+        self._fast = False  # inside a plain string: a piece without '"' or '\\' passes as is
         self.repairs: list[str] = []
 
     def feed(self, text: str) -> str:
-        if (
-            self._in_string
-            and self._held is None
-            and self._key is None
-            and not self._escape
-            and '"' not in text
-            and "\\" not in text
-        ):
+        if self._fast and '"' not in text and "\\" not in text:
             return text  # the common case: inside a long string value
         out: list[str] = []
         pos, end = 0, len(text)
@@ -253,6 +248,9 @@ class ArgumentsStream:
             else:  # ':'
                 self._expect_key = False
                 out.append(c)
+        self._fast = (
+            self._in_string and self._held is None and self._key is None and not self._escape
+        )
         return "".join(out)
 
     def finish(self) -> str:

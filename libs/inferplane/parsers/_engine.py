@@ -460,7 +460,11 @@ class Session:
             self._held = ""
         else:
             buf = text
-            # Fast path: no marker can start in this delta.
+            # Fast paths: markers are single tokens, and none is pending; or no marker can
+            # start in this delta.
+            if self._token_mode and not self._credit_total:
+                self._plain(buf)
+                return
             if t.first_pair:
                 a, b = t.first_pair
                 if a not in buf and b not in buf:

@@ -239,6 +239,55 @@ def test_named_tool_choice_yields_a_schema_valid_call(client: openai.OpenAI) -> 
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
+def test_no_tool_call_comes_back_when_the_request_offered_no_tools(
+    client: openai.OpenAI,
+) -> None:
+    """The weather question without `tools` (the fixture model still writes a tool section):
+    no tool call and no `tool_calls` finish, streamed or not, and no marker in the text."""
+    request = kimi_tiny.WEATHER.request()
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": request["messages"],
+        "temperature": 0,
+        "max_tokens": 200,
+        "extra_body": {"chat_template_kwargs": request["chat_template_kwargs"]},
+    }
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
+    _no_markers(choice.message.content)
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            assert not c.delta.tool_calls
+            _no_markers(c.delta.content)
+            finish = c.finish_reason or finish
+    assert finish in ("stop", "length")
+
+
+def test_openai_sdk_parse_with_a_pydantic_response_format(client: openai.OpenAI) -> None:
+    """`client.chat.completions.parse(response_format=Model)`: the json_schema constraint
+    makes the answer parse into the model (a client that broke on stray tool calls)."""
+    from typing import Literal
+
+    import pydantic
+
+    class Forecast(pydantic.BaseModel):
+        unit: Literal["celsius", "fahrenheit"]
+        rain: bool
+
+    completion = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=list(kimi_tiny.WEATHER.request()["messages"]),
+        response_format=Forecast,
+        temperature=0,
+        max_tokens=400,
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Forecast)
+    assert not message.tool_calls
+
+
 def test_include_usage_puts_usage_in_the_last_chunk(client: openai.OpenAI) -> None:
     request = kimi_tiny.NO_TOOL.request()
     events = list(

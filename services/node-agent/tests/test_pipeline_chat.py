@@ -427,6 +427,44 @@ def test_tool_choice_none_leaves_tools_out_and_drops_calls() -> None:
     assert [o.finish_reason for o in outcomes] == ["tool_calls", "stop"]
 
 
+def test_without_tools_a_tool_section_is_dropped_and_counted() -> None:
+    """A request that offered no tools never gets a call (OpenAI never returns a call it did
+    not offer): the model's tool section is parsed out, finish_reason is stop, and the calls
+    are counted in the outcome."""
+    case = kt.WEATHER
+    outputs = script(ids_of(case.output + EOS))
+    outcomes: list[RequestOutcome] = []
+
+    async def body(stub: Stub, engine: ScriptedEngine) -> None:
+        body = {k: v for k, v in case.request().items() if k != "tools"}
+        unary = await stub.CreateChatCompletion(
+            pb.CreateChatCompletionRequest(request=chat_request_from_dict(body))
+        )
+        assert not unary.choices[0].message.tool_calls
+        assert unary.choices[0].finish_reason == "stop"
+        assert unary.choices[0].message.reasoning_content == case.reasoning
+
+    run(outputs, body, outcomes=outcomes)
+    assert [(o.dropped_tool_calls, o.finish_reason) for o in outcomes] == [(1, "stop")]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """parallel_tool_calls false under auto: the first call only, also without a constraint."""
+    case = kt.PARALLEL
+    outputs = script(ids_of(case.output + EOS))
+    outcomes: list[RequestOutcome] = []
+
+    async def body(stub: Stub, engine: ScriptedEngine) -> None:
+        unary = await stub.CreateChatCompletion(
+            pb.CreateChatCompletionRequest(request=chat(case, parallel_tool_calls=False))
+        )
+        (call,) = unary.choices[0].message.tool_calls
+        assert call.id == case.tool_calls[0].id
+
+    run(outputs, body, outcomes=outcomes)
+    assert [o.dropped_tool_calls for o in outcomes] == [len(case.tool_calls) - 1]
+
+
 def test_outcome_records_latency_tokens_and_tool_call_verdicts() -> None:
     """Each request hands one RequestOutcome to the sink: TTFT, ITL gaps, token counts and a
     verdict per tool call (an undeclared tool is invalid, but still returned by default)."""

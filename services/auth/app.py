@@ -8,6 +8,7 @@ import dataclasses
 from datetime import timedelta
 
 import structlog
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -18,6 +19,7 @@ from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.limits import RateLimiter
 from inferplane.auth.servicer import ApiKeyService, Authorization
 from inferplane.auth.settings import AuthSettings, resolve_pepper
+from inferplane.auth.slots import SlotReleaseService
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ApiKeyStore
 from inferplane.auth.usage import InternalCallerGuard, UsageMetrics, UsageService
@@ -42,6 +44,7 @@ class AuthComponents:
     limiter: RateLimiter | None = None
     registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
     _usage: UsageService | None = None
+    _slots: SlotReleaseService | None = None
     _flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -101,9 +104,18 @@ class AuthComponents:
             )
         return self._usage
 
+    def slot_service(self) -> SlotReleaseService | None:
+        """The edge's access-log receiver releasing slots (None without a rate limiter)."""
+        if self._slots is None and self.limiter is not None:
+            self._slots = SlotReleaseService(
+                self.limiter, InternalCallerGuard(self.settings.internal_token), self.registry
+            )
+        return self._slots
+
     def app(self) -> App:
         """The runtime `App` serving ApiKeyService, Authorization and UsageService."""
         usage = self.usage_service()
+        slots = self.slot_service()
         return App(
             component="auth",
             registry=self.registry,
@@ -132,6 +144,17 @@ class AuthComponents:
                         )
                     ]
                     if usage is not None
+                    else []
+                ),
+                *(
+                    [
+                        ServicerBinding(
+                            "envoy.service.accesslog.v3.AccessLogService",
+                            slots,
+                            als_pb2_grpc.add_AccessLogServiceServicer_to_server,
+                        )
+                    ]
+                    if slots is not None
                     else []
                 ),
             ],

@@ -119,6 +119,14 @@ class RateLimiter:
             await self._call(self._store.add_tokens, key_id, window, total_tokens)
         await self._call(self._store.release, key_id, request_id)
 
+    async def release(self, key_id: str, request_id: str) -> None:
+        """A request of `key_id` ended: its concurrency lease (if any) is released. Idempotent.
+
+        Raises:
+            UnavailableError: the counter store is unreachable.
+        """
+        await self._call(self._store.release, key_id, request_id)
+
     async def purge(self) -> None:
         """Drops windows older than the previous one and expired leases."""
         now, window, _ = self._now()

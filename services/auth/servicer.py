@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import re
@@ -476,10 +477,15 @@ class Authorization(external_auth_pb2_grpc.AuthorizationServicer):  # type: igno
             )
         decision = ALLOWED_UNLIMITED
         if self._limiter is not None and scope == SCOPE_INFERENCE:
-            # Envoy sets x-request-id before ext_authz; it names the concurrency lease that
-            # the router's usage report releases.
+            # Envoy generates x-request-id for every request (the edge drops a client's own,
+            # echoing it as x-client-request-id); it names the concurrency lease, which the
+            # edge's access log (`slots.py`) and the router's usage report release. Only
+            # generation requests (POST) take a slot: nothing releases one for a GET.
             request_id = headers.get("x-request-id") or uuid.uuid4().hex
-            decision = await self._limiter.admit(principal.key_id, request_id, principal.limits)
+            limits = principal.limits
+            if http.method != "POST" and limits.max_concurrent_requests:
+                limits = dataclasses.replace(limits, max_concurrent_requests=0)
+            decision = await self._limiter.admit(principal.key_id, request_id, limits)
             if decision.refused is not None:
                 return rate_limited(decision)
         return allowed(principal, headers.keys(), decision.headers)

@@ -198,6 +198,7 @@ def build_components(
                 listen_host=settings.edge_listen_host,
                 listen_port=settings.edge_listen_port,
                 node_id=settings.edge_node_id,
+                auth_internal_token=settings.edge_auth_internal_token,
             ),
         )
     return OrchestratorComponents(

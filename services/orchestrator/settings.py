@@ -35,6 +35,8 @@ class OrchestratorSettings(ServiceSettings):
         edge_auth_address: the auth service (`host:port`) for ext_authz and the admin API.
         edge_node_id: Envoy node id of the edge (its bootstrap must use the same).
         edge_listen_host / edge_listen_port: where the edge's listener binds.
+        edge_auth_internal_token: auth's `internal_token`, which the edge presents when it
+            streams finished requests to auth (slot release); "" = auth accepts loopback.
     """
 
     port: int = 50053
@@ -58,6 +60,7 @@ class OrchestratorSettings(ServiceSettings):
     edge_node_id: str = "inferplane-edge"
     edge_listen_host: str = "127.0.0.1"
     edge_listen_port: int = 8080
+    edge_auth_internal_token: str = dataclasses.field(default="", repr=False)
 
     @property
     def resolved_data_dir(self) -> Path:

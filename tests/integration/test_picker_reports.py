@@ -136,8 +136,15 @@ def _chunk(text: str, role: bool = False) -> bytes:
 class Fabric:
     """The running pieces; `url` is the edge."""
 
-    def __init__(self, tmp_path: Path, replicas: int = 1, dead_replica: bool = False) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        replicas: int = 1,
+        dead_replica: bool = False,
+        edge: dict[str, Any] | None = None,
+    ) -> None:
         self.tmp_path = tmp_path
+        self.edge_overrides = edge or {}
         self.clock = FakeClock()
         self.outcomes = OutcomeReporter(CollectorRegistry())
         self.replicas = [FakeReplica(f"replica-{i}", self.outcomes) for i in range(replicas)]
@@ -193,6 +200,7 @@ class Fabric:
             replica_endpoints=tuple(Endpoint.parse(a) for a in addresses),
             listen_port=free_port(),
             admin_port=free_port(),
+            **self.edge_overrides,
         )
         self.url = f"http://127.0.0.1:{config.listen_port}"
         self.envoy = EnvoyProcess.from_config(config, self.tmp_path / "envoy", concurrency=1)
@@ -237,6 +245,13 @@ class Fabric:
     def accounted(self) -> float:
         value = self.auth.registry.get_sample_value(
             "inferplane_auth_usage_requests_total", {"outcome": "accounted"}
+        )
+        return value or 0.0
+
+    def slots_released(self) -> float:
+        """Slots auth released on the edge's access log (however the request ended)."""
+        value = self.auth.registry.get_sample_value(
+            "inferplane_auth_slots_released_by_edge_log_total"
         )
         return value or 0.0
 
@@ -456,5 +471,77 @@ def test_clients_that_close_right_after_done_lose_no_usage(tmp_path: Path) -> No
         assert [r.finish_reason for r in records] == ["stop"] * requests
         assert {(r.prompt_tokens, r.completion_tokens) for r in records} == {(PROMPT_TOKENS, WORDS)}
         del key_id
+
+    asyncio.run(_run(tmp_path, body))
+
+
+def test_a_concurrency_slot_is_taken_for_generation_only_and_freed_however_it_ends(
+    tmp_path: Path,
+) -> None:
+    """A key limited to one request in flight: GET /v1/models takes no slot; after a 400 from
+    the transcoder, a 503 while the picker is down, a client gone mid-stream and a stream the
+    edge timed out, the slot is free again (the edge's access log released it), so the next
+    request is admitted, not locked out until the lease expires."""
+
+    async def body(fabric: Fabric) -> None:
+        _, single = await fabric.key(Limits(0, 0, 1))
+        auth = {"authorization": f"Bearer {single}"}
+        url = f"{fabric.url}/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(3):
+                listed = await client.get(f"{fabric.url}/v1/models", headers=auth)
+                assert listed.status_code == 200
+
+            async def ended(released_before: float) -> None:
+                await _eventually(lambda: fabric.slots_released() > released_before)
+                status, raw = await _stream(client, fabric.url, single)
+                assert status == 200 and raw.endswith(SSE_DONE), raw[-200:]
+
+            before = fabric.slots_released()
+            bad = await client.post(url, json={"model": MODEL, "messages": 5}, headers=auth)
+            assert bad.status_code == 400, bad.text
+            await ended(before)
+
+            await fabric.stop_router()
+            before = fabric.slots_released()
+            down = await client.post(url, json=_body(), headers=auth)
+            assert down.status_code == 503, down.text
+            await fabric.start_router()
+            await ended(before)
+
+            before = fabric.slots_released()
+            async with client.stream("POST", url, json=_body("hang"), headers=auth) as response:
+                async for _ in response.aiter_bytes():
+                    break  # the first bytes came: the client goes away
+            await ended(before)
+
+            before = fabric.slots_released()
+            async with client.stream("POST", url, json=_body("hang"), headers=auth) as response:
+                with pytest.raises(httpx.HTTPError):
+                    await response.aread()  # the edge's stream idle timeout ends it
+            await ended(before)
+
+    asyncio.run(_run(tmp_path, body, edge={"stream_idle_timeout_s": 1.0}))
+
+
+def test_the_request_id_is_always_the_edges_and_a_clients_own_is_echoed(tmp_path: Path) -> None:
+    """A client-chosen x-request-id cannot name a slot or de-duplicate usage: two requests sent
+    with the same one are both accounted; the response carries the edge's own x-request-id and
+    the client's as x-client-request-id."""
+
+    async def body(fabric: Fabric) -> None:
+        _, secret = await fabric.key(Limits(0, 10_000, 1))
+        headers = {"authorization": f"Bearer {secret}", "x-request-id": "mine-1"}
+        ids = []
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(2):
+                response = await client.post(
+                    f"{fabric.url}/v1/chat/completions", json=_body(), headers=headers
+                )
+                assert response.status_code == 200, response.text
+                assert response.headers["x-client-request-id"] == "mine-1"
+                ids.append(response.headers["x-request-id"])
+        assert len(set(ids)) == 2 and "mine-1" not in ids
+        await _eventually(lambda: fabric.accounted() == 2)
 
     asyncio.run(_run(tmp_path, body))

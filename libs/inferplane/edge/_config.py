@@ -113,6 +113,12 @@ class EdgeConfig:
             default, 1024, would cap concurrent streams per edge far below what LLM serving needs).
         max_connections: global cap on downstream connections (overload manager).
         access_log: write one JSON access-log line per request to stdout.
+        slot_log: stream an access-log entry for every finished request that carried a key to
+            auth (`envoy.service.accesslog.v3.AccessLogService`), which releases the key's
+            concurrent-request slot however the request ended (before the router saw it
+            too: a 400 from the transcoder, the picker unreachable, a client gone).
+        auth_internal_token: auth's internal token, sent with that stream
+            (`x-inferplane-internal-token`); "" when auth accepts loopback callers.
         descriptor_set: the `FileDescriptorSet` the transcoder uses (defaults to the committed one).
         services: the gRPC services the transcoder exposes.
     """
@@ -140,6 +146,8 @@ class EdgeConfig:
     max_concurrent_requests: int = 100_000
     max_connections: int = 50_000
     access_log: bool = True
+    slot_log: bool = True
+    auth_internal_token: str = dataclasses.field(default="", repr=False)
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
     services: tuple[str, ...] = DEFAULT_SERVICES
 

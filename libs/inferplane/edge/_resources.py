@@ -68,6 +68,11 @@ _EARLY_MUTATION = (
     _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 )
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+_GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+#: The request header auth's Check sets with the key's id (a trusted x-inferplane-* header).
+KEY_ID_HEADER = "x-inferplane-key-id"
+#: A client's own x-request-id comes back under this name; x-request-id is always Envoy's.
+CLIENT_REQUEST_ID_HEADER = "x-client-request-id"
 _DOWNSTREAM_CONNECTIONS = (
     _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
@@ -482,6 +487,15 @@ def build_route_config(config: EdgeConfig) -> Resource:
             {
                 "name": "openai",
                 "domains": ["*"],
+                "response_headers_to_add": [
+                    {
+                        "header": {
+                            "key": CLIENT_REQUEST_ID_HEADER,
+                            "value": f"%REQ({CLIENT_REQUEST_ID_HEADER})%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                ],
                 "routes": [
                     _without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
                     _without_picker(
@@ -493,6 +507,31 @@ def build_route_config(config: EdgeConfig) -> Resource:
                 ],
             }
         ],
+    }
+
+
+def _slot_log(config: EdgeConfig) -> Resource:
+    """One entry per finished request that carried a key, to auth's AccessLogService (see
+    `EdgeConfig.slot_log`): its request id and key id name the slot to release. Unbuffered:
+    the slot is free as soon as Envoy finished the request."""
+    grpc_service: Resource = {"envoy_grpc": {"cluster_name": AUTH_CLUSTER}}
+    if config.auth_internal_token:
+        grpc_service["initial_metadata"] = [
+            {"key": "x-inferplane-internal-token", "value": config.auth_internal_token}
+        ]
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"header_filter": {"header": {"name": KEY_ID_HEADER, "present_match": True}}},
+        "typed_config": {
+            "@type": _GRPC_LOG,
+            "common_config": {
+                "log_name": "inferplane-slots",
+                "grpc_service": grpc_service,
+                "transport_api_version": "V3",
+                "buffer_size_bytes": 0,
+            },
+            "additional_request_headers_to_log": [KEY_ID_HEADER],
+        },
     }
 
 
@@ -528,6 +567,8 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
         "server_name": "inferplane",
         # The edge faces clients: trust no x-forwarded-for, sanitize x-envoy-* headers.
         "use_remote_address": True,
+        # OpenAI answers with the request's id; ours is Envoy's (see the early mutations).
+        "always_set_request_id_in_response": True,
         "normalize_path": True,
         "merge_slashes": True,
         # `/internal%2Fevents/...` must not slip past the stream router's prefix check.
@@ -540,6 +581,19 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
                 "typed_config": {
                     "@type": _EARLY_MUTATION,
                     "mutations": [
+                        # x-request-id names the key's concurrency slot and the usage report's
+                        # de-duplication: always Envoy's own. A client's id is kept (and echoed
+                        # back) as x-client-request-id.
+                        {
+                            "append": {
+                                "header": {
+                                    "key": CLIENT_REQUEST_ID_HEADER,
+                                    "value": "%REQ(x-request-id)%",
+                                },
+                                "append_action": "ADD_IF_ABSENT",
+                            }
+                        },
+                        {"remove": "x-request-id"},
                         {"remove_on_match": {"key_matcher": {"prefix": TRUSTED_HEADER_PREFIX}}},
                         # Only the picker chooses the replica (override_host reads metadata
                         # only; this is defence in depth, notes/envoy_ext_proc_probe.md (vi)).
@@ -558,8 +612,11 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
         }
     else:
         hcm["route_config"] = build_route_config(config)
-    if config.access_log:
-        hcm["access_log"] = _access_log()
+    logs = _access_log() if config.access_log else []
+    if config.slot_log:
+        logs.append(_slot_log(config))
+    if logs:
+        hcm["access_log"] = logs
     return hcm
 
 
@@ -770,6 +827,7 @@ def _message_types() -> dict[str, type[Message]]:
     from envoy.config.listener.v3 import listener_pb2
     from envoy.config.route.v3 import route_pb2
     from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
+    from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
     from envoy.extensions.access_loggers.stream.v3 import stream_pb2  # noqa: F401
     from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2  # noqa: F401
     from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401

@@ -52,6 +52,7 @@ from inferplane.router.metrics import RouterMetrics
 from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
+from inferplane.router.schemas import SchemaCheck
 from inferplane.runtime import (
     OPENAI_ERROR_CODE_KEY,
     InferplaneError,
@@ -328,6 +329,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._admission = admission
         self._reporter = reporter
         self._features = features or FeatureExtractor()
+        self._schemas = SchemaCheck()
         self._settings = settings or PickerSettings()
         self._clock = reporter.clock
         # Picked requests by request id, until concluded: what replicas' reports match.
@@ -433,6 +435,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request = decode_body(message.body, method.request_type).request
         trace, metadata = exchange.trace, exchange.metadata
         trace.model = request.model
+        if method.chat:
+            self._schemas.check_chat(request)  # a client's bad schema never takes a slot
         route = self._route(request.model, metadata)
         trace.deployment = route.deployment_key
         extract: Extract = self._features.chat if method.chat else self._features.completion

@@ -549,6 +549,55 @@ def test_a_malformed_body_gets_a_shaped_400(body: bytes) -> None:
     asyncio.run(scenario())
 
 
+TOOL_PARAM, FORMAT_PARAM = "tools[0].function.parameters", "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(
+    ("field", "schema", "param", "code"),
+    [
+        ("tool", {"type": "objekt"}, TOOL_PARAM, "invalid_function_parameters"),
+        ("tool", {"required": "city"}, TOOL_PARAM, "invalid_function_parameters"),
+        ("format", {"type": 5}, FORMAT_PARAM, "invalid_json_schema"),
+        ("format", "not a schema", FORMAT_PARAM, "invalid_json_schema"),
+    ],
+)
+def test_a_request_with_a_bad_schema_is_a_400_before_admission(
+    field: str, schema: object, param: str, code: str
+) -> None:
+    """A schema that is not a JSON schema is the client's error: a 400 naming the parameter,
+    no slot taken, no replica asked, no breaker touched; a good schema goes through."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, admission=AdmissionSettings(breaker_failures=1)) as rig:
+            for bad in (True, True, False):
+                request = pb.ChatCompletionRequest(
+                    model="m", messages=[pb.ChatMessage(role="user")]
+                )
+                value = schema if bad else {"type": "object"}
+                if field == "tool":
+                    tool = request.tools.add(type="function")
+                    tool.function.name = "f"
+                    tool.function.parameters.update(value)
+                else:
+                    request.response_format.update(
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
+                    )
+                stream = await _pick(rig)
+                body = grpc_frame(pb.StreamChatCompletionEventsRequest(request=request))
+                answer = await stream.body(body)
+                if bad:
+                    assert answer.immediate_response.status.code == 400
+                    error = _error_json(answer)
+                    assert (error["param"], error["code"]) == (param, code)
+                    assert rig.in_flight() == 0
+                else:
+                    assert _endpoint_list(answer)
+                await stream.close()
+            assert rig.breaker(0) is BreakerState.CLOSED
+
+    asyncio.run(scenario())
+
+
 def test_an_unknown_path_or_a_request_without_body_is_refused_at_the_headers() -> None:
     """A path that is no generation method is a shaped 404 at once; a request without a body
     (nothing to pick on) a shaped 400, instead of the edge's generic 503."""

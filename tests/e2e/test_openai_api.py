@@ -288,6 +288,58 @@ def test_openai_sdk_parse_with_a_pydantic_response_format(client: openai.OpenAI)
     assert not message.tool_calls
 
 
+def test_bad_schemas_from_one_key_are_400s_and_cost_no_one_else(
+    stack: Stack, api_key: str
+) -> None:
+    """50 requests with schemas that are no JSON schema (the router refuses them) or that the
+    engine's backend cannot compile (the replica refuses them), 16 at a time from one key:
+    each is a 400 naming the parameter, no replica's breaker opens, and another key's request
+    right after is served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    request = kimi_tiny.WEATHER.request()
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    uncompilable = {"type": "string", "pattern": "(?<=a)b"}
+    bodies = [
+        {**request, "tools": [bad_tool], "tool_choice": "required"},
+        {
+            **request,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": uncompilable},
+            },
+        },
+    ]
+    headers = {"authorization": f"Bearer {api_key}"}
+    url = f"{stack.config.base_url}/chat/completions"
+
+    def send(i: int) -> tuple[int, dict[str, Any]]:
+        response = httpx.post(url, json=bodies[i % 2], headers=headers, timeout=60)
+        return response.status_code, response.json().get("error", {})
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, range(50)))
+    assert {status for status, _ in answers} == {400}, answers[:3]
+    params = {error.get("param") for _, error in answers}
+    assert params == {"tools[0].function.parameters", "response_format.json_schema.schema"}
+    metrics = urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.config.metrics_ports['router']}/metrics", timeout=5
+    ).read().decode()
+    opened = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("inferplane_router_circuit_breaker_state")
+        and 'state="closed"' not in line
+        and line.endswith(" 1.0")
+    ]
+    assert not opened, opened
+    other = openai.OpenAI(
+        base_url=stack.config.base_url, api_key=stack.create_api_key("other"), max_retries=0
+    )
+    answer = _chat(other, kimi_tiny.NO_TOOL).choices[0]  # type: ignore[attr-defined]
+    assert answer.message.content == kimi_tiny.NO_TOOL.content
+
+
 def test_include_usage_puts_usage_in_the_last_chunk(client: openai.OpenAI) -> None:
     request = kimi_tiny.NO_TOOL.request()
     events = list(

@@ -76,11 +76,16 @@ class EngineOutput:
 
 
 class EngineError(Exception):
-    """The engine failed or died; `retryable` is True when nothing was generated yet."""
+    """The engine failed or died; `retryable` is True when nothing was generated yet.
 
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
+    `rejected` is True when the engine refused the request itself (its validation: a schema
+    its constraint backend cannot compile, a parameter out of its range): the client's fault,
+    answered 400, never retried elsewhere and never counted against the replica."""
+
+    def __init__(self, message: str, *, retryable: bool = False, rejected: bool = False) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable = retryable and not rejected
+        self.rejected = rejected
 
 
 class EngineClient(Protocol):

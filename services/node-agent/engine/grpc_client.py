@@ -36,6 +36,13 @@ _ENGINE_GONE = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
+# The engine's verdict on the request itself (a bad parameter or schema): the client's fault.
+_CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
 _CONSTRAINT_KINDS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
 
 
@@ -207,7 +214,10 @@ class GrpcEngineClient:
                     f"engine at {self.address} failed: {code.name}: {detail}",
                     retryable=completion_tokens == 0,
                 ) from exc
-            raise EngineError(f"engine rejected the request: {code.name}: {detail}") from exc
+            raise EngineError(
+                f"engine rejected the request: {code.name}: {detail}",
+                rejected=code in _CLIENT_ERRORS,
+            ) from exc
         except (asyncio.CancelledError, GeneratorExit):
             # The consumer went away (client disconnect, deadline): stop the engine's work.
             call.cancel()

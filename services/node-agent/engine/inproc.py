@@ -213,7 +213,7 @@ class InprocEngine:
                 f"the in-process engine died: {exc}", retryable=completion_tokens == 0
             ) from exc
         except VLLMValidationError as exc:
-            raise EngineError(f"engine rejected the request: {exc}") from exc
+            raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
         except (EngineError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
@@ -222,6 +222,10 @@ class InprocEngine:
                     f"the in-process engine died: {type(exc).__name__}: {exc}",
                     retryable=completion_tokens == 0,
                 ) from exc
+            if isinstance(exc, ValueError) and completion_tokens == 0:
+                # vLLM validates a request when it is added (e.g. a structured-output schema
+                # its backend cannot compile) and raises ValueError: the request's fault.
+                raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
             raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:

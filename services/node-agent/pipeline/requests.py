@@ -35,6 +35,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.chat import ChatRenderError, RenderedPrompt, render_chat
 from inferplane.node_agent.engine.api import EngineConstraint, SamplingParams
 from inferplane.node_agent.pipeline.assets import ModelAssets
+from inferplane.node_agent.pipeline.schemas import check_compiles
 from inferplane.parsers import KIMI_K2_MARKERS, ConstraintError, build_tool_constraint
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.wire import chat_request_to_dict, completion_request_to_dict
@@ -327,6 +328,17 @@ def _response_format(body: Mapping[str, Any]) -> tuple[bool, Mapping[str, Any] |
     )
 
 
+def _tool_schemas(tools: tuple[Mapping[str, Any], ...]) -> list[tuple[str, Mapping[str, Any]]]:
+    """`(param, parameters schema)` of every function tool that declares one."""
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function")
+        params = fn.get("parameters") if isinstance(fn, Mapping) else None
+        if isinstance(params, Mapping):
+            out.append((f"tools[{i}].function.parameters", params))
+    return out
+
+
 def plan_chat(
     request: pb.ChatCompletionRequest,
     assets: ModelAssets,
@@ -337,8 +349,9 @@ def plan_chat(
 
     `constrain_tool_choice_auto` (the deployment profile's option) also constrains
     `tool_choice: "auto"` with tools: any tool section must hold declared functions with
-    schema-valid arguments, one call when `parallel_tool_calls` is false. A `response_format`
-    JSON constraint wins over it (the JSON constraint already rules a tool section out).
+    schema-valid arguments, one call when `parallel_tool_calls` is false. It needs the model's
+    tool parser (the constraint is in its format), and a `response_format` JSON constraint wins
+    over it (the JSON constraint already rules a tool section out).
 
     Raises:
         InvalidArgumentError: the request is invalid or asks for something unsupported
@@ -374,11 +387,14 @@ def plan_chat(
                 tool_choice,
                 thinking=prompt.thinking,
                 parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                constrain_auto=constrain_tool_choice_auto and not wants_json,
+                constrain_auto=(
+                    constrain_tool_choice_auto and assets.parser is not None and not wants_json
+                ),
             )
         except ConstraintError as exc:
             raise _bad(str(exc), "tool_choice") from exc
         if built is not None:
+            check_compiles(_tool_schemas(tools))
             constraint = EngineConstraint(built.kind, built.value)
     if wants_json:
         if constraint is not None:
@@ -386,6 +402,8 @@ def plan_chat(
                 "response_format json cannot be combined with a required or named tool_choice",
                 "response_format",
             )
+        if schema is not None:
+            check_compiles([("response_format.json_schema.schema", schema)])
         constraint = _json_constraint(schema, prompt.thinking)
     requested = _positive_int(body, "max_completion_tokens")
     if requested is None:

@@ -49,6 +49,7 @@ from inferplane.parsers import PlainSession, ToolCallVerdict, ToolValidator
 from inferplane.runtime import (
     InferplaneError,
     InternalError,
+    InvalidArgumentError,
     NotFoundError,
     UnavailableError,
 )
@@ -590,6 +591,10 @@ async def _steps(gen: Generation) -> AsyncIterator[Step]:
             async for step in steps:
                 yield step
         except EngineError as exc:
+            if exc.rejected:  # the client's fault: a 400, never retried, never a failure
+                raise InvalidArgumentError(
+                    f"the request was rejected by the engine: {exc}", code="invalid_request"
+                ) from exc
             raise _engine_failed(exc) from exc
 
 

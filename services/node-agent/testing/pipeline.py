@@ -81,6 +81,7 @@ class ScriptedEngine:
     Args:
         outputs: the increments to stream.
         fail_at: raise `EngineError` instead of streaming the increment at this index.
+        rejects: that error is the engine refusing the request (`EngineError.rejected`).
         block_at: wait forever before this index (until cancelled): a slow engine.
         delay: seconds to sleep before each increment (0 still yields to the loop).
 
@@ -95,11 +96,13 @@ class ScriptedEngine:
         outputs: Sequence[EngineOutput] | Callable[[SamplingParams], Sequence[EngineOutput]],
         *,
         fail_at: int | None = None,
+        rejects: bool = False,
         block_at: int | None = None,
         delay: float = 0.0,
     ) -> None:
         self._outputs = outputs
         self._fail_at = fail_at
+        self._rejects = rejects
         self._block_at = block_at
         self._delay = delay
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
@@ -117,6 +120,8 @@ class ScriptedEngine:
         try:
             for i, out in enumerate(outputs):
                 if i == self._fail_at:
+                    if self._rejects:
+                        raise EngineError("the schema does not compile", rejected=True)
                     raise EngineError("engine process died", retryable=i == 0)
                 if i == self._block_at:
                     self.blocked.set()

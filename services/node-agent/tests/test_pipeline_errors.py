@@ -80,6 +80,33 @@ INVALID = [
         "invalid_value",
     ),
     ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking", None),
+    # JSON schemas xgrammar (the engine's constraint backend) cannot compile.
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+            }
+        },
+        "response_format.json_schema.schema",
+        "invalid_json_schema",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        "invalid_function_parameters",
+    ),
 ]
 
 
@@ -200,6 +227,25 @@ def test_engine_failure_before_the_first_chunk_is_unavailable_and_retryable() ->
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.CreateChatCompletion(_unary(kt.NO_TOOL.request()))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    run_scenario(engine, body)
+
+
+def test_a_request_the_engine_rejects_is_a_400_not_an_engine_failure() -> None:
+    """The engine refusing a request (e.g. a schema its constraint backend cannot compile) is
+    the client's fault: INVALID_ARGUMENT (HTTP 400), which the router never retries and never
+    counts against the replica; not UNAVAILABLE engine_failed."""
+    engine = _engine(fail_at=0, rejects=True)
+
+    async def body(stub: Stub) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.StreamChatCompletion(_stream(kt.NO_TOOL.request())):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _trailers(info.value)["x-openai-error-code"] == "invalid_request"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.CreateChatCompletion(_unary(kt.NO_TOOL.request()))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     run_scenario(engine, body)
 

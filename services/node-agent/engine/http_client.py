@@ -332,7 +332,9 @@ class HttpEngineClient:
         except (json.JSONDecodeError, UnicodeDecodeError):
             detail = body[:500].decode("utf-8", "replace")
         if 400 <= status < 500:
-            return EngineError(f"engine rejected the request: HTTP {status}: {detail}", rejected=True)
+            return EngineError(
+                f"engine rejected the request: HTTP {status}: {detail}", rejected=True
+            )
         return EngineError(
             f"engine at {self.base_url} failed: HTTP {status}: {detail}", retryable=True
         )

@@ -545,3 +545,53 @@ def test_the_request_id_is_always_the_edges_and_a_clients_own_is_echoed(tmp_path
         await _eventually(lambda: fabric.accounted() == 2)
 
     asyncio.run(_run(tmp_path, body))
+
+
+def test_a_flood_of_made_up_keys_does_not_slow_a_valid_key(tmp_path: Path) -> None:
+    """2,000 well-formed random keys at concurrency 32 from one address: after the edge's
+    limit of authentication failures, that address gets shaped 429s without auth being asked;
+    meanwhile a valid key from another address keeps being served (its latency printed)."""
+    from inferplane.auth.domain import new_secret
+
+    async def body(fabric: Fabric) -> None:
+        _, secret = await fabric.key()
+        url = f"{fabric.url}/v1/chat/completions"
+        statuses: list[int] = []
+        latencies: list[float] = []
+        flooding = asyncio.Event()
+
+        async def flood(client: httpx.AsyncClient, n: int) -> None:
+            for _ in range(n):
+                headers = {"authorization": f"Bearer {new_secret()}"}
+                statuses.append((await client.post(url, json=_body(), headers=headers)).status_code)
+
+        async def valid(client: httpx.AsyncClient) -> None:
+            while not flooding.is_set():
+                started = asyncio.get_running_loop().time()
+                status, raw = await _stream(client, fabric.url, secret)
+                latencies.append(asyncio.get_running_loop().time() - started)
+                assert status == 200 and raw.endswith(SSE_DONE)
+
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        limits = httpx.Limits(max_connections=32)
+        async with (
+            httpx.AsyncClient(timeout=30, transport=transport, limits=limits) as junk,
+            httpx.AsyncClient(timeout=30) as good,
+        ):
+            checker = asyncio.create_task(valid(good))
+            await asyncio.gather(*(flood(junk, 2_000 // 32 + 1) for _ in range(32)))
+            flooding.set()
+            await checker
+        assert set(statuses) == {401, 429} and len(statuses) >= 2_000
+        failures = statuses.count(401)
+        assert failures <= 30 * 2, failures  # the limit, twice if a window turned meanwhile
+        latencies.sort()
+        p50, worst = latencies[len(latencies) // 2], latencies[-1]
+        print(
+            f"valid key during the flood: {len(latencies)} requests, p50 {p50 * 1e3:.1f} ms, "
+            f"max {worst * 1e3:.1f} ms; flood: {failures} reached auth, "
+            f"{statuses.count(429)} turned away by the edge"
+        )
+        assert len(latencies) >= 3 and worst < 5.0
+
+    asyncio.run(_run(tmp_path, body))

@@ -93,6 +93,11 @@ class EdgeConfig:
             the services' gRPC `max_receive_message_length` (64 MiB) or an oversized body comes
             back as RESOURCE_EXHAUSTED → 429 and clients retry it.
         authz_timeout_s: ext_authz `Check` deadline; past it the request gets a shaped 503.
+        auth_failure_limit / auth_failure_window_s: a client address whose requests failed
+            authentication (401) this many times in the current window of this many whole
+            seconds gets a shaped 429 until the window ends, without auth being asked
+            (`lua/auth_failure_guard.lua`; per Envoy worker). A flood of made-up keys then
+            costs auth at most the limit per window and address.
         picker_timeout_s: ext_proc's per-message timeout: how long the picker may take to
             answer a message before the request fails closed (503 picker_unavailable).
         picker_max_message_timeout_s: the longest timeout the picker may ask for while a
@@ -134,6 +139,8 @@ class EdgeConfig:
     node_cluster: str = "inferplane-edge"
     max_request_bytes: int = 8 * MiB
     authz_timeout_s: float = 1.0
+    auth_failure_limit: int = 30
+    auth_failure_window_s: int = 10
     picker_timeout_s: float = 1.0
     picker_max_message_timeout_s: float = 60.0
     max_retries: int = 2
@@ -164,6 +171,8 @@ class EdgeConfig:
                 raise EdgeConfigError(f"{name}={port} is outside 1..65535")
         if self.listen_port == self.admin_port and self.listen_host == self.admin_host:
             raise EdgeConfigError(f"listen_port and admin_port are both {self.listen_port}")
+        if self.auth_failure_limit < 1 or self.auth_failure_window_s < 1:
+            raise EdgeConfigError("auth_failure_limit and auth_failure_window_s must be >= 1")
         if self.max_request_bytes < 64 * 1024:
             raise EdgeConfigError(f"max_request_bytes={self.max_request_bytes} is below 64 KiB")
         for name in (

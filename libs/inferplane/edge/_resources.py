@@ -80,6 +80,7 @@ _DOWNSTREAM_CONNECTIONS = (
 #: Filter names in chain order (pinned by a test; order is behaviour here).
 FILTER_ORDER: tuple[str, ...] = (
     "inferplane.error_shaper",
+    "inferplane.auth_failure_guard",
     "envoy.filters.http.ext_authz",
     "envoy.filters.http.json_to_metadata",
     "inferplane.stream_router",
@@ -104,8 +105,8 @@ def _duration(seconds: float) -> str:
 
 
 def lua_source(name: str) -> str:
-    """The Lua filter source `name` (`error_shaper`, `stream_router` or `picker_guard`) shipped
-    with the package."""
+    """The Lua filter source `name` (`error_shaper`, `auth_failure_guard`, `stream_router` or
+    `picker_guard`) shipped with the package."""
     return resources.files("inferplane.edge").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
@@ -300,13 +301,20 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
 
     Order matters: the error shaper is first so its response hook sees the transcoded response
     last (its request hook also turns away bodies over `max_request_bytes` before anything
-    buffers them, see error_shaper.lua); ext_authz rejects bad keys before json_to_metadata
-    buffers the body; the stream router reads the metadata json_to_metadata wrote and rewrites
-    `:path` before the transcoder picks the gRPC method (probe notes §1 variant B, recipe 1).
+    buffers them, see error_shaper.lua); the auth failure guard turns away an address that
+    keeps failing authentication before auth is asked again; ext_authz rejects bad keys before
+    json_to_metadata buffers the body; the stream router reads the metadata json_to_metadata
+    wrote and rewrites `:path` before the transcoder picks the gRPC method (probe notes §1
+    variant B, recipe 1).
     """
     descriptor = prune_descriptor_set(config.descriptor_set, config.services)
     error_shaper = lua_source("error_shaper").replace(
         "__MAX_REQUEST_BYTES__", str(config.max_request_bytes)
+    )
+    guard = (
+        lua_source("auth_failure_guard")
+        .replace("__AUTH_FAILURE_LIMIT__", str(config.auth_failure_limit))
+        .replace("__AUTH_FAILURE_WINDOW__", str(config.auth_failure_window_s))
     )
     metadata_target = {"metadata_namespace": METADATA_NAMESPACE, "key": "stream"}
     return [
@@ -316,6 +324,10 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "@type": _LUA,
                 "default_source_code": {"inline_string": error_shaper},
             },
+        },
+        {
+            "name": "inferplane.auth_failure_guard",
+            "typed_config": {"@type": _LUA, "default_source_code": {"inline_string": guard}},
         },
         {
             "name": "envoy.filters.http.ext_authz",

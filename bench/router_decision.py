@@ -6,8 +6,17 @@ request; no I/O. Loads are kept realistic: about 4 requests in flight per replic
 in random order, so least-load and the bounded-load cap see uneven loads. Requests are
 multi-turn conversations (prefix features extracted once per request, timed separately).
 
+With the queue (issue 18's fair queuing): at 1,000 replicas all at their cap (4 each), with
+10,000 requests waiting from 100 API keys (Zipf-distributed sizes: fair service drains the
+light keys, so the queue holds mostly the heavy ones) or from 10,000 keys (uniform: thousands
+of keys waiting), one key in ten of the priority tier, a slot is freed and the queue's
+fair-share head is granted (`Lease.release`: counters, fair pick, policy, slot taken) — the
+decision on every freed slot — and a new request joins the queue (`Admission.acquire` up to
+its wait: the waiters go first, the O(1) "all full" check, the key's share checked, the flow
+heap pushed, the timer set). It prints how many keys were waiting on average.
+
 Prints p50/p99 per policy and size; the last line is the worst p99 over policies at 1,000
-replicas: `decision_p99_us_1000_replicas: X` (goal ≤ 100 µs).
+replicas, queued decisions included: `decision_p99_us_1000_replicas: X` (goal ≤ 100 µs).
 Run: `.venv/bin/python bench/router_decision.py [--decisions N]`.
 """
 
@@ -15,15 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
+import itertools
 import random
 import statistics
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.policies import default_registry
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
+from inferplane.runtime import ResourceExhaustedError
 from inferplane.runtime.clock import SystemClock
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "session_affinity")
@@ -33,6 +48,18 @@ SIZES = (10, 100, 1000)
 class _NoScheduler:
     def call_later(self, delay: float, callback: object) -> object:
         raise AssertionError("the benchmark never queues")
+
+
+class _Timer:
+    def cancel(self) -> None:
+        pass
+
+
+class _IdleScheduler:
+    """Timers that never fire (the queued benchmark has no timeouts)."""
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        return _Timer()
 
 
 def _conversation(rng: random.Random, conv: int, turns: int) -> pb.ChatCompletionRequest:
@@ -64,11 +91,14 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1]
 
 
-def bench(policy: str, n: int, features: list[RequestFeatures], decisions: int) -> list[float]:
-    endpoints = tuple(
-        Endpoint(f"10.{i // 250}.{i % 250}.1:50054", f"r{i}", max_concurrency=64) for i in range(n)
+def _endpoints(n: int, cap: int) -> tuple[Endpoint, ...]:
+    return tuple(
+        Endpoint(f"10.{i // 250}.{i % 250}.1:50054", f"r{i}", max_concurrency=cap) for i in range(n)
     )
-    route = ModelRoute("m", endpoints, routing_policy=policy)
+
+
+def bench(policy: str, n: int, features: list[RequestFeatures], decisions: int) -> list[float]:
+    route = ModelRoute("m", _endpoints(n, 64), routing_policy=policy)
     admission = Admission(
         default_registry(),
         AdmissionSettings(),
@@ -98,6 +128,97 @@ def bench(policy: str, n: int, features: list[RequestFeatures], decisions: int) 
     return timings
 
 
+def bench_queued(
+    policy: str,
+    n: int,
+    flows: int,
+    zipf: bool,
+    waiting: int,
+    features: list[RequestFeatures],
+    decisions: int,
+) -> tuple[list[float], list[float], float]:
+    """(grant on a freed slot, enqueue) timings in µs with `waiting` requests queued over
+    `flows` keys (`zipf` sizes, else uniform) and every one of the `n` replicas at its cap,
+    and the mean number of keys waiting. Runs inside the event loop."""
+    route = ModelRoute("m", _endpoints(n, 4), routing_policy=policy)
+    admission = Admission(
+        default_registry(),
+        AdmissionSettings(max_queue_per_deployment=8 * waiting),
+        SystemClock(),
+        _IdleScheduler(),
+    )
+    admission.apply(RouteTable.of([route]))
+    queue = admission._deployments["m"].queue
+    rng = random.Random(n + flows)
+    sizes = list(itertools.accumulate(1 / (k + 1) if zipf else 1.0 for k in range(flows)))
+    keys = [
+        dataclasses.replace(
+            features[k % len(features)], flow=f"key-{k}", weight=8.0 if k % 10 == 0 else 1.0
+        )
+        for k in range(flows)
+    ]
+
+    def request() -> RequestFeatures:
+        # Request features (prefixes, sessions) of the feature pool, under a Zipf-drawn key.
+        k = rng.choices(range(flows), cum_weights=sizes)[0]
+        base = features[rng.randrange(len(features))]
+        key = keys[k]
+        return dataclasses.replace(base, flow=key.flow, weight=key.weight)
+
+    held: list[Lease] = []
+    while admission.replicas("m").total_in_flight < 4 * n:
+        lease = admission._try(admission._deployments["m"], request(), frozenset())
+        assert lease is not None
+        lease.first_chunk()
+        held.append(lease)
+    queued: dict[int, Coroutine[Any, Any, Lease]] = {}  # id(future it waits on) -> acquire
+
+    def enqueue() -> float:
+        while True:
+            coro = admission.acquire(route, request())
+            start = time.perf_counter_ns()
+            try:
+                future = coro.send(None)  # runs to its wait for a slot
+            except ResourceExhaustedError:  # that key holds its share: draw another
+                continue
+            elapsed = (time.perf_counter_ns() - start) / 1000
+            queued[id(future)] = coro
+            return elapsed
+
+    for _ in range(waiting):
+        enqueue()
+    grants: list[float] = []
+    joins: list[float] = []
+    waiting_keys = 0
+    gc.collect()
+    for i in range(decisions + 200):
+        head = queue.head()
+        assert head is not None
+        victim = held.pop(rng.randrange(len(held)))
+        start = time.perf_counter_ns()
+        victim.release()
+        elapsed = (time.perf_counter_ns() - start) / 1000
+        assert head.future.done()
+        try:
+            queued.pop(id(head.future)).send(None)  # the waiter resumes with its lease
+        except StopIteration as done:
+            lease = done.value
+        else:
+            raise AssertionError("a granted waiter did not return its lease")
+        lease.first_chunk()
+        held.append(lease)
+        joined = enqueue()
+        if i >= 200:
+            grants.append(elapsed)
+            joins.append(joined)
+            waiting_keys += queue.flows
+    for coro in queued.values():
+        coro.close()
+    for lease in held:
+        lease.release()
+    return grants, joins, waiting_keys / decisions
+
+
 async def main(decisions: int) -> None:
     rng = random.Random(7)
     features, costs = _features(rng, 2000)
@@ -113,6 +234,18 @@ async def main(decisions: int) -> None:
             print(f"{n:>5} replicas  {policy:<17} p50 {p50:6.1f} us  p99 {p99:6.1f} us")
             if n == 1000:
                 worst_1000 = max(worst_1000, p99)
+    for flows, zipf in ((100, True), (10_000, False)):
+        for policy in POLICIES:
+            grants, joins, keys = bench_queued(
+                policy, 1000, flows, zipf, 10_000, features, decisions
+            )
+            g99, j99 = _percentile(grants, 0.99), _percentile(joins, 0.99)
+            print(
+                f" 1000 replicas  {policy:<17} 10,000 queued, {keys:>5,.0f} of {flows:>6,} keys "
+                f"waiting: grant p50 {statistics.median(grants):5.1f} p99 {g99:5.1f} us, "
+                f"enqueue p50 {statistics.median(joins):5.1f} p99 {j99:5.1f} us"
+            )
+            worst_1000 = max(worst_1000, g99, j99)
     print(f"decision_p99_us_1000_replicas: {worst_1000:.1f}")
 
 

@@ -1,11 +1,23 @@
-"""Admission control: a concurrency cap per replica and a priority queue per deployment.
+"""Admission control: a concurrency cap per replica and a fair queue per deployment.
 
 A request takes a slot on one replica (`Lease`) before it is sent. When the deployment's policy
 finds no replica that can take it (all at their cap), the request waits in the deployment's
-queue, ordered by priority (key tier) then arrival, for at most `queue_timeout_seconds`; past
-that it fails with RESOURCE_EXHAUSTED (HTTP 429 + Retry-After), never a 5xx and never extra
-load on an engine already full (which would preempt running sequences). Every freed slot and
-every routing-table change re-runs the policy for the head of the queue.
+queue for at most `queue_timeout_seconds`; past that it fails with RESOURCE_EXHAUSTED (HTTP
+429 + Retry-After), never a 5xx and never extra load on an engine already full (which would
+preempt running sequences). Every freed slot and every routing-table change re-runs the policy
+for the head of the queue.
+
+Who is served next (issue 18: one key at 10x its share must not delay everyone): weighted
+fair queuing across flows (`fairqueue.FairQueue`), one flow per API key, requests without a
+key forming one flow. Tiers are weights, not strict classes: a key's weight comes from its
+tier (`features.TIER_WEIGHT`: priority 8, standard 1, unknown 0.5), and while flows compete
+for slots each gets grants in proportion to its weight; a flow that is not already ahead of
+its share (a key that was not waiting, or not over its share) is granted before every queued
+request of a lower-weight flow, so a priority-tier request still overtakes queued standard
+requests as before, but no tier, and no key, can starve the others. The queue's capacity is
+shared the same way: a key holding more than its share of it is refused at once (429 +
+Retry-After) and leaves room for the other keys; a newcomer is refused only when the whole
+queue is full.
 
 Everything runs on the event loop thread; time comes from the injected clock and scheduler.
 """
@@ -14,13 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from inferplane.router.breaker import CircuitBreaker
+from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
@@ -109,27 +120,26 @@ class Lease:
         self._controller.slot_freed(state)
 
 
+# Why a request left the queue with a 429: the queue's own refusals, or its wait ran out.
+TIMEOUT = "timeout"
+REFUSAL_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class _Waiter:
-    priority: int
-    seq: int
     features: RequestFeatures
     exclude: frozenset[ReplicaKey]
     future: asyncio.Future[Lease]
-    timer: Cancellable | None = None
-
-    def __lt__(self, other: _Waiter) -> bool:
-        return (self.priority, self.seq) < (other.priority, other.seq)
 
 
 @dataclasses.dataclass(slots=True)
 class _Deployment:
-    """Per-deployment state: its policy (lives across table versions), set and queue."""
+    """Per-deployment state: its policy and queue (both live across table versions) and set."""
 
     policy: RoutingPolicy
     policy_name: str
     replicas: ReplicaSet
-    queue: list[_Waiter] = dataclasses.field(default_factory=list)
+    queue: FairQueue[_Waiter]
 
 
 class Admission:
@@ -149,7 +159,8 @@ class Admission:
         self._states: dict[ReplicaKey, ReplicaState] = {}
         self._deployments: dict[str, _Deployment] = {}
         self._table: RouteTable | None = None
-        self._seq = itertools.count()
+        # 429s of the queue per (deployment, reason); read by the metrics thread (copied).
+        self._refused: dict[tuple[str, str], int] = {}
 
     @property
     def queue_timeout_seconds(self) -> float:
@@ -191,15 +202,18 @@ class Admission:
                     self._settings.default_max_concurrency,
                     now,
                 )
-            fresh[name] = _Deployment(
-                policy, policy_name, replicas, old.queue if old is not None else []
+            queue = (
+                old.queue
+                if old is not None
+                else FairQueue[_Waiter](self._settings.max_queue_per_deployment)
             )
+            fresh[name] = _Deployment(policy, policy_name, replicas, queue)
         for name, old in self._deployments.items():
             new = fresh.get(name)
             if new is None or new.replicas is not old.replicas:
                 old.replicas.detach()
             if new is None:
-                for waiter in old.queue:
+                for waiter in old.queue.drain():
                     if not waiter.future.done():
                         waiter.future.set_exception(
                             UnavailableError(
@@ -211,6 +225,7 @@ class Admission:
             deployment.replicas.attach()
         self._deployments = fresh
         self._table = table
+        self._refused = {k: v for k, v in self._refused.items() if k[0] in fresh}
         live = {k for d in fresh.values() for k in d.replicas.keys}
         self._states = {k: s for k, s in self._states.items() if k in live or s.in_flight}
         for deployment in fresh.values():
@@ -245,11 +260,13 @@ class Admission:
         timeout: float | None = None,
     ) -> Lease:
         """A slot on a replica of `route`'s deployment chosen by its policy, waiting in the
-        deployment's queue when all are full.
+        deployment's queue when all are full (fair share across `features.flow`, see the
+        module docstring).
 
         Raises:
             ResourceExhaustedError: still queued after the timeout (min of `timeout` and the
-                queue timeout), or the queue is full: HTTP 429 with Retry-After.
+                queue timeout), the queue is full, or the request's flow holds its share of it
+                already: HTTP 429 with Retry-After.
             UnavailableError: no replica could ever take it (all draining, broken or already
                 tried): HTTP 503.
         """
@@ -259,23 +276,31 @@ class Admission:
                 f"no ready replica serves '{route.model}'", code="no_ready_replica"
             )
         excluded = frozenset(exclude)
-        lease = self._try(deployment, features, excluded)
+        queue = deployment.queue
+        if queue:  # a slot free now (a breaker's probe) goes to the fair head, not a newcomer
+            self._pump(deployment)
+        lease = None if queue else self._try(deployment, features, excluded)
         if lease is not None:
             return lease
         if not self._could_serve(deployment.replicas, excluded):
             raise UnavailableError(
                 f"no ready replica serves '{route.model}'", code="no_ready_replica"
             )
-        if len(deployment.queue) >= self._settings.max_queue_per_deployment:
-            raise self._overloaded(route.model, "the queue is full")
+        refusal = queue.refusal(features.flow, features.weight)
+        if refusal is not None:
+            self._count(route.deployment_key, refusal.value)
+            full = refusal is Refusal.QUEUE_FULL
+            why = "the queue is full" if full else "the queue holds this caller's share already"
+            raise self._overloaded(route.model, why)
         wait = self._settings.queue_timeout_seconds
         if timeout is not None:
             wait = max(0.0, min(wait, timeout))
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(features.priority, next(self._seq), features, excluded, future)
-        heapq.heappush(deployment.queue, waiter)
-        waiter.timer = self._scheduler.call_later(
-            wait, lambda: self._expire(waiter, route.model, wait)
+        waiter = _Waiter(features, excluded, future)
+        ticket = queue.push(features.flow, features.weight, waiter)
+        deployment_key = route.deployment_key
+        timer = self._scheduler.call_later(
+            wait, lambda: self._expire(queue, ticket, future, deployment_key, route.model, wait)
         )
         try:
             return await future
@@ -285,14 +310,16 @@ class Admission:
                 future.result().release()
             raise
         finally:
-            if waiter.timer is not None:
-                waiter.timer.cancel()
+            timer.cancel()
+            queue.discard(ticket)  # no-op once granted, expired or drained
 
     def _try(
         self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
     ) -> Lease | None:
         replicas = deployment.replicas
         replicas.wake(self.clock.monotonic())
+        if not replicas.free:  # all full: no policy needs to look (saturated queues, O(1))
+            return None
         if not exclude:
             index = deployment.policy.choose(replicas, features)
         else:
@@ -340,22 +367,34 @@ class Admission:
 
     def _pump(self, deployment: _Deployment) -> None:
         queue = deployment.queue
-        while queue:
-            waiter = queue[0]
-            if waiter.future.done():
-                heapq.heappop(queue)
+        while (waiter := queue.head()) is not None:
+            if waiter.future.done():  # cancelled; its task has not run its `finally` yet
+                queue.drop()
                 continue
             lease = self._try(deployment, waiter.features, waiter.exclude)
             if lease is None:
                 return
-            heapq.heappop(queue)
+            queue.pop()
             waiter.future.set_result(lease)
 
-    def _expire(self, waiter: _Waiter, model: str, waited: float) -> None:
-        if not waiter.future.done():
-            waiter.future.set_exception(
+    def _expire(
+        self,
+        queue: FairQueue[_Waiter],
+        ticket: Ticket[_Waiter],
+        future: asyncio.Future[Lease],
+        deployment: str,
+        model: str,
+        waited: float,
+    ) -> None:
+        if queue.discard(ticket) and not future.done():
+            self._count(deployment, TIMEOUT)
+            future.set_exception(
                 self._overloaded(model, f"no replica freed up within {waited:g} s")
             )
+
+    def _count(self, deployment: str, reason: str) -> None:
+        key = (deployment, reason)
+        self._refused[key] = self._refused.get(key, 0) + 1
 
     def _overloaded(self, model: str, why: str) -> ResourceExhaustedError:
         return ResourceExhaustedError(
@@ -400,6 +439,18 @@ class Admission:
             return
 
     def queue_length(self, deployment: str) -> int:
-        """Requests waiting for a slot in `deployment` (cancelled ones may still count)."""
+        """Requests waiting for a slot in `deployment` (a cancelled one counts until its task
+        runs again, within the same loop iteration)."""
         d = self._deployments.get(deployment)
-        return 0 if d is None else sum(1 for w in d.queue if not w.future.done())
+        return 0 if d is None else len(d.queue)
+
+    def queued_flows(self, deployment: str) -> int:
+        """Flows (API keys; keyless requests form one) with a request waiting in `deployment`."""
+        d = self._deployments.get(deployment)
+        return 0 if d is None else d.queue.flows
+
+    def refused(self, deployment: str) -> dict[str, int]:
+        """429s of `deployment`'s queue so far by reason, every one of `REFUSAL_REASONS`
+        (a counter; restarts if the deployment leaves the table and comes back)."""
+        refused = self._refused
+        return {reason: refused.get((deployment, reason), 0) for reason in REFUSAL_REASONS}

@@ -22,9 +22,11 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 
 SESSION_HEADER = "x-session-id"
 TIER_HEADER = "x-inferplane-tier"
-# Admission priority by key tier: lower is served first; unknown tiers rank last.
-TIER_PRIORITY: Mapping[str, int] = {"priority": 0, "standard": 1}
-LOWEST_PRIORITY = 2
+KEY_ID_HEADER = "x-inferplane-key-id"
+# Admission weight by key tier (fair share of the queue's grants while flows compete, see
+# admission.py); an unknown tier gets less than standard.
+TIER_WEIGHT: Mapping[str, float] = {"priority": 8.0, "standard": 1.0}
+UNKNOWN_TIER_WEIGHT = 0.5
 # Rough bytes per token of serialized chat (English text in BPE vocabularies: ~4 bytes).
 BYTES_PER_TOKEN = 4
 _SEP = b"\x1e"  # record separator between messages: keeps concatenation unambiguous
@@ -42,14 +44,18 @@ class RequestFeatures:
             turn, at most `max_blocks` blocks): the same for every turn of one conversation.
         session: 64-bit hash of `x-session-id` (else the request's `user`), or None.
         prompt_tokens: estimated prompt tokens (bytes / 4), for queued-token accounting.
-        priority: admission priority from `x-inferplane-tier` (0 first).
+        flow: the admission queue's fair-share flow: the API key id (`x-inferplane-key-id`),
+            "" for requests without a key (one flow per weight).
+        weight: the flow's weight in the admission queue, from `x-inferplane-tier`
+            (`TIER_WEIGHT`; > 0).
     """
 
     prefix_blocks: tuple[int, ...] = ()
     root: int | None = None
     session: int | None = None
     prompt_tokens: int = 0
-    priority: int = 1
+    flow: str = ""
+    weight: float = 1.0
 
 
 def hash64(data: bytes) -> int:
@@ -70,8 +76,8 @@ def block_hashes(data: bytes, block_bytes: int, max_blocks: int) -> tuple[int, .
     return tuple(out)
 
 
-def _priority(metadata: Mapping[str, str]) -> int:
-    return TIER_PRIORITY.get(metadata.get(TIER_HEADER, "standard"), LOWEST_PRIORITY)
+def _weight(metadata: Mapping[str, str]) -> float:
+    return TIER_WEIGHT.get(metadata.get(TIER_HEADER, "standard"), UNKNOWN_TIER_WEIGHT)
 
 
 def _session(metadata: Mapping[str, str], user: str) -> int | None:
@@ -97,7 +103,8 @@ class FeatureExtractor:
             root=hash64(root_bytes) if root_bytes else None,
             session=_session(metadata, user),
             prompt_tokens=len(data) // BYTES_PER_TOKEN,
-            priority=_priority(metadata),
+            flow=metadata.get(KEY_ID_HEADER, ""),
+            weight=_weight(metadata),
         )
 
     def chat(

@@ -4,6 +4,11 @@ Request latency, status and token metrics are telemetry's (from the router's rec
 is what only the router knows: its queues, breakers, slots and fallbacks.
 
 - `inferplane_router_queued_requests{deployment}` (gauge): requests waiting for a slot;
+- `inferplane_router_queued_flows{deployment}` (gauge): API keys (keyless requests: one per
+  tier) with a request waiting; with the queued requests, how concentrated the queue is;
+- `inferplane_router_queue_refusals_total{deployment,reason}` (counter): 429s of the admission
+  queue, `reason` one of `queue_full` (the whole queue), `flow_share` (the key held its fair
+  share of the queue: fairness at work, see admission.py), `timeout` (no slot in time);
 - `inferplane_router_in_flight_requests{deployment,replica}` (gauge): slots taken;
 - `inferplane_router_circuit_breaker_state{deployment,replica,state}` (gauge, a state set:
   1 for the replica's current state among closed, open, half_open, else 0);
@@ -21,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from inferplane.router.admission import Admission
@@ -55,6 +60,17 @@ class AdmissionCollector(Collector):
             "Requests waiting in a deployment's admission queue.",
             labels=["deployment"],
         )
+        flows = GaugeMetricFamily(
+            "inferplane_router_queued_flows",
+            "API keys (keyless requests form one per tier) with a request in a deployment's queue.",
+            labels=["deployment"],
+        )
+        refusals = CounterMetricFamily(
+            "inferplane_router_queue_refusals",
+            "Requests the admission queue answered with 429: queue_full, flow_share (the key "
+            "held its fair share of the queue), timeout.",
+            labels=["deployment", "reason"],
+        )
         in_flight = GaugeMetricFamily(
             "inferplane_router_in_flight_requests",
             "Requests holding a slot on a replica.",
@@ -68,6 +84,9 @@ class AdmissionCollector(Collector):
         now = self._now()
         for name in self._admission.deployments():
             queued.add_metric([name], self._admission.queue_length(name))
+            flows.add_metric([name], self._admission.queued_flows(name))
+            for reason, count in self._admission.refused(name).items():
+                refusals.add_metric([name, reason], count)
             replicas = self._admission.replicas(name)
             if replicas is None:
                 continue
@@ -78,6 +97,8 @@ class AdmissionCollector(Collector):
                 for value in BREAKER_STATES:
                     breaker.add_metric([name, replica, value], 1.0 if value == current else 0.0)
         yield queued
+        yield flows
+        yield refusals
         yield in_flight
         yield breaker
 

@@ -78,6 +78,8 @@ class ReplicaSet:
         self.scores = [INF] * self.n
         self.total_in_flight = 0
         self.usable = 0
+        # Replicas that can take a request now (score < inf): 0 answers "all full" in O(1).
+        self.free = 0
         self.next_wake = INF
         # Per-set caches for policies (e.g. a hash ring), dropped with the set.
         self.cache: dict[str, Any] = {}
@@ -107,11 +109,13 @@ class ReplicaSet:
         open_until = state.breaker.open_until
         if open_until and open_until < self.next_wake:
             self.next_wake = open_until
+        was_free = self.scores[i] != INF
         if blocked or state.in_flight >= self.caps[i]:
             self.scores[i] = INF
         else:
             tie = min(state.queued_tokens / _TOKEN_TIE_SCALE, 0.999)
             self.scores[i] = state.in_flight + tie
+        self.free += (self.scores[i] != INF) - was_free
 
     def wake(self, now: float) -> None:
         """Re-reads breakers whose open period ended (HALF_OPEN lets a probe through)."""

@@ -76,7 +76,7 @@ class SchemaCheck:
                 )
 
     def _verdict(self, schema: struct_pb2.Struct) -> str:
-        """"" when `schema` is a JSON schema, else why not (cached)."""
+        """ "" when `schema` is a JSON schema, else why not (cached)."""
         key = schema.SerializeToString(deterministic=True)
         verdict = self._verdicts.get(key)
         if verdict is not None:

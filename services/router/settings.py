@@ -29,7 +29,9 @@ class RouterSettings(ServiceSettings):
             recommended trade-off between affinity and balance).
         default_max_concurrency: per-replica cap when the route gives none (requests).
         queue_timeout_seconds: longest wait for a slot before 429.
-        max_queue_per_deployment: waiting requests per deployment before immediate 429s.
+        max_queue_per_deployment: waiting requests per deployment before immediate 429s;
+            one API key may hold about weight / (1 + weight) of it alone, less when others
+            wait (fair share, services/router/README.md).
         retry_after_seconds: the Retry-After of an overload 429.
         breaker_failures / breaker_open_seconds: consecutive failures that open a replica's
             circuit breaker, and how long it stays open before one probe.

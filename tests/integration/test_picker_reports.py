@@ -584,7 +584,9 @@ def test_a_flood_of_made_up_keys_does_not_slow_a_valid_key(tmp_path: Path) -> No
             await checker
         assert set(statuses) == {401, 429} and len(statuses) >= 2_000
         failures = statuses.count(401)
-        assert failures <= 30 * 2, failures  # the limit, twice if a window turned meanwhile
+        # The limit plus the 32 requests already past the guard when it was reached, twice if
+        # the 10 s window turned during the flood.
+        assert failures <= 2 * (30 + 32), failures
         latencies.sort()
         p50, worst = latencies[len(latencies) // 2], latencies[-1]
         print(

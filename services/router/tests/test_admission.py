@@ -10,14 +10,14 @@ import pytest
 
 from inferplane.router.admission import AdmissionSettings
 from inferplane.router.breaker import BreakerState, CircuitBreaker
-from inferplane.router.features import RequestFeatures
+from inferplane.router.features import TIER_WEIGHT, RequestFeatures
 from inferplane.router.routes import RouteTable
 from inferplane.runtime import ResourceExhaustedError, UnavailableError
 
 from .fakes import admission, route
 
-STANDARD = RequestFeatures(priority=1)
-PRIORITY = RequestFeatures(priority=0)
+STANDARD = RequestFeatures()
+PRIORITY = RequestFeatures(weight=TIER_WEIGHT["priority"])
 
 
 async def _settle() -> None:

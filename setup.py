@@ -28,4 +28,11 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, include_package_data=True)
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    include_package_data=True,
+    # Alembic environments (services/<name>/migrations/): env.py and versions/ ship as modules;
+    # the revision template and the developers' alembic.ini are data.
+    package_data={"": ["migrations/script.py.mako", "migrations/alembic.ini"]},
+)

@@ -40,7 +40,9 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from inferplane.auth.domain import Limits
+from inferplane.auth.migrations import MIGRATIONS
 from inferplane.runtime import UnavailableError
+from inferplane.storage import migrate
 
 KIND_REQUESTS = "requests"
 KIND_TOKENS = "tokens"
@@ -184,6 +186,8 @@ _leases = Table(
     Column("request_id", String(128), primary_key=True),
     Column("expire_at", Float, nullable=False, index=True),
 )
+#: The tables of the SQL counters: a target of the auth database's migrations (`migrations/`).
+METADATA = _metadata
 
 
 # The hot path runs these as plain SQL strings on a DBAPI connection held by each worker
@@ -315,8 +319,9 @@ class SqlCounterStore:
             conn.invalidate()
 
     def create_schema(self) -> None:
+        """Migrates the auth database to the latest schema revision (`migrations/`)."""
         try:
-            _metadata.create_all(self._engine)
+            migrate(self._engine, MIGRATIONS)
         except OperationalError as exc:
             raise UnavailableError(
                 "the rate-limit store is unavailable", reason="AUTH_STORE_UNAVAILABLE"

@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from inferplane.auth.domain import SCOPE_ADMIN, ApiKey, AuditAction, AuditEvent, Limits
+from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.store import ListQuery
 from inferplane.runtime import AlreadyExistsError, NotFoundError
 from inferplane.storage import SqlDatabase, UtcDateTime
@@ -74,6 +75,10 @@ class _AuditRow(_Base):
     actor_key_id: Mapped[str] = mapped_column(String(32))
     tenant: Mapped[str] = mapped_column(String(128))
     detail: Mapped[dict[str, str]] = mapped_column(JSON)
+
+
+#: The tables this store maps: a target of the auth database's migrations (`migrations/`).
+METADATA = _Base.metadata
 
 
 def _to_domain(row: _KeyRow) -> ApiKey:
@@ -147,7 +152,8 @@ class SqlApiKeyStore:
         return self._db.engine
 
     def create_schema(self) -> None:
-        self._db.create_schema(_Base.metadata)
+        """Migrates the auth database to the latest schema revision (`migrations/`)."""
+        self._db.migrate(MIGRATIONS)
 
     def insert(self, key: ApiKey, event: AuditEvent) -> None:
         try:

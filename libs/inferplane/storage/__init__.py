@@ -3,9 +3,11 @@
 - `UtcDateTime`: timezone-aware UTC datetimes in and out on every dialect;
 - `SqlDatabase`: the engine (SQLite connections get WAL and a busy timeout so several
   processes can share one file), sessions in one transaction each, and connection failures
-  turned into `UnavailableError` so the caller answers UNAVAILABLE (HTTP 503), never 500.
+  turned into `UnavailableError` so the caller answers UNAVAILABLE (HTTP 503), never 500;
+- `Migrations`, `migrate`: the schema brought to the latest Alembic revision at start-up, one
+  process at a time (`_migrate.py`); `run_env` is the body of each environment's `env.py`.
 
-Stores keep their own tables and mapping; only these mechanics live here.
+Stores keep their own tables, mapping and migration scripts; only these mechanics live here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy import DateTime, Engine, create_engine, event
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,8 +25,16 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
 
 from inferplane.runtime import UnavailableError
+from inferplane.storage._migrate import Migrations, migrate, run_env, schema_differences
 
-__all__ = ["SqlDatabase", "UtcDateTime"]
+__all__ = [
+    "Migrations",
+    "SqlDatabase",
+    "UtcDateTime",
+    "migrate",
+    "run_env",
+    "schema_differences",
+]
 
 
 class UtcDateTime(TypeDecorator[datetime]):
@@ -94,14 +104,15 @@ class SqlDatabase:
         except OperationalError as exc:
             raise self.unavailable(exc) from exc
 
-    def create_schema(self, metadata: MetaData) -> None:
-        """Creates missing tables of `metadata` (no migrations yet).
+    def migrate(self, migrations: Migrations) -> None:
+        """Brings the schema to the latest revision of `migrations` (see `migrate`).
 
         Raises:
             UnavailableError: the database cannot be reached.
+            FailedPreconditionError: the database is at a revision these scripts do not know.
         """
         try:
-            metadata.create_all(self.engine)
+            migrate(self.engine, migrations)
         except OperationalError as exc:
             raise self.unavailable(exc) from exc
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits
+from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.sql_store import SqlApiKeyStore, _Base
 from inferplane.auth.store import ListQuery
 from inferplane.runtime import AlreadyExistsError, NotFoundError
+from inferplane.testing.databases import drop_schema
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 POSTGRES_URL = os.environ.get("INFERPLANE_TEST_POSTGRES_URL", "")
@@ -29,8 +31,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlApiKeyS
     else:
         if not POSTGRES_URL:
             pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the store tests on PostgreSQL")
+        drop_schema(POSTGRES_URL, MIGRATIONS, [_Base.metadata])
         s = SqlApiKeyStore(POSTGRES_URL)
-        _Base.metadata.drop_all(s.engine)
     s.create_schema()
     s.create_schema()  # idempotent
     yield s

@@ -17,7 +17,8 @@ from sqlalchemy.types import JSON
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import DeploymentProfile
 from inferplane.orchestrator.fleet.model import MAX_NODE_ADDRESS, MAX_NODE_NAME
-from inferplane.storage import UtcDateTime
+from inferplane.orchestrator.migrations import MIGRATIONS
+from inferplane.storage import UtcDateTime, migrate
 
 
 class Stage(enum.Enum):
@@ -162,6 +163,10 @@ class _ReleaseRow(_Base):
     failure: Mapped[str] = mapped_column(Text)
 
 
+#: The tables this store maps: a target of the orchestrator database's migrations.
+METADATA = _Base.metadata
+
+
 class SqlReleaseStore:
     """`ReleaseStore` on a SQLAlchemy engine (the catalogue's: `SqlStateStore.engine`). A NUL
     in `Release.failure` is stored as U+FFFD on every database."""
@@ -171,7 +176,9 @@ class SqlReleaseStore:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     def create_schema(self) -> None:
-        _Base.metadata.create_all(self._engine)
+        """Migrates the orchestrator database to the latest schema revision (`migrations/`);
+        the state store on the same engine does it too: the second finds nothing to do."""
+        migrate(self._engine, MIGRATIONS)
 
     def load(self) -> tuple[list[ManagedReplica], list[Release]]:
         with self._sessions() as s:

@@ -43,6 +43,7 @@ from inferplane.orchestrator.fleet.model import (
     Node,
     NodeCondition,
 )
+from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.runtime import AlreadyExistsError
@@ -109,6 +110,10 @@ class _PlacementRow(_Base):
     decision: Mapped[str] = mapped_column(String(16))
     free_before_bytes: Mapped[int] = mapped_column(BigInteger)
     spread_rank: Mapped[int] = mapped_column(Integer)
+
+
+#: The tables this store maps: a target of the orchestrator database's migrations.
+METADATA = _Base.metadata
 
 
 def _deployment_row(d: Deployment, row: _DeploymentRow) -> None:
@@ -235,7 +240,8 @@ class SqlStateStore:
         return self._db.engine
 
     def create_schema(self) -> None:
-        self._db.create_schema(_Base.metadata)
+        """Migrates the orchestrator database to the latest schema revision (`migrations/`)."""
+        self._db.migrate(MIGRATIONS)
 
     def load(self) -> StateSnapshot:
         with self._tx() as s:

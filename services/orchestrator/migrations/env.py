@@ -1,0 +1,8 @@
+"""Alembic environment of the orchestrator database (run by Alembic, never imported)."""
+
+from inferplane.orchestrator.migrations import MIGRATIONS
+from inferplane.orchestrator.release import store as release_store
+from inferplane.orchestrator.store import sql as state_store
+from inferplane.storage import run_env
+
+run_env(MIGRATIONS, [state_store.METADATA, release_store.METADATA])

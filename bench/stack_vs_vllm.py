@@ -77,6 +77,7 @@ from inferplane.node_agent.engine.process import (
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.private_files import open_private_log
 
 PATHS = (
     "vllm",
@@ -171,8 +172,7 @@ class Engine:
     ) -> None:
         self.launch = launch
         self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
+        with open_private_log(log_path) as out:
             self.proc = subprocess.Popen(
                 [*launch.argv, *extra_args],
                 stdin=subprocess.DEVNULL,
@@ -568,7 +568,7 @@ def run_smg(work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec) -> PathR
     try:
         ready = engine.wait_ready(grpc_ready(launch.address))
         port = free_port()
-        with open(work / "smg.log", "ab") as out:
+        with open_private_log(work / "smg.log") as out:
             gateway = subprocess.Popen(
                 [
                     *(smg, "launch", "--host", "127.0.0.1", "--port", str(port)),

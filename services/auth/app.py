@@ -56,12 +56,12 @@ class AuthComponents:
             self.settings.bootstrap_admin_key, self.settings.resolved_data_dir
         )
         if generated is not None:
-            # Printed once, on purpose: the operator's only other copy is the 0600 file.
+            # The path, never the secret: logs are collected, shipped and read by more people
+            # than the operator (issue 18). The file is the operator's copy, mode 0600.
             log.warning(
                 "bootstrap_admin_key_generated",
-                admin_key=generated,
                 file=str(self.settings.resolved_data_dir / BOOTSTRAP_KEY_FILE),
-                note="shown once; store it safely, create named admin keys, then revoke it",
+                note="readable by this user only; create named admin keys, then revoke it",
             )
         self._flusher = asyncio.create_task(self._flush_forever())
 

@@ -12,7 +12,6 @@ import base64
 import binascii
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -44,6 +43,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.private_files import write_private_file
 
 log = structlog.get_logger("inferplane.auth")
 
@@ -255,7 +255,7 @@ class ApiKeyManager:
           key with that secret (current or rotated-out) exists already: idempotent across
           restarts; a revoked or rotated bootstrap key stays so, a deleted one comes back.
         - otherwise, when no active admin key exists: a new one is generated, written to
-          `<data_dir>/bootstrap-admin-key` (mode 0600) and returned for one log line.
+          `<data_dir>/bootstrap-admin-key` (mode 0600) and returned; it is never logged.
 
         Raises:
             ConfigError: the configured secret is too short or has characters a bearer token
@@ -301,17 +301,6 @@ class ApiKeyManager:
     async def audit_events(self, key_id: str | None = None, limit: int = 100) -> list[AuditEvent]:
         """The audit log, oldest first."""
         return list(await asyncio.to_thread(self._store.audit_events, key_id, limit))
-
-
-def write_private_file(path: Path, text: str) -> None:
-    """Writes `text` to `path` readable by the owner only (0600), whatever the umask."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
 
 
 def _encode_token(create_time: datetime, key_id: str, tenant: str, show_inactive: bool) -> str:

@@ -12,10 +12,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from inferplane.runtime import procguard
+from inferplane.runtime.private_files import open_private_log
 
 
 class ManagedProcess:
-    """One component of the stack, logging to `log_path`."""
+    """One component of the stack, logging to `log_path` (mode 0600: logs may hold what
+    only the operator should read)."""
 
     def __init__(
         self,
@@ -34,8 +36,7 @@ class ManagedProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
+        log = open_private_log(self.log_path)
         try:
             # The child gets SIGTERM if `up` dies, even by SIGKILL: services shut down
             # gracefully and the node-agent takes its engines down.

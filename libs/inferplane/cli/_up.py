@@ -99,6 +99,11 @@ def _banner(config: StackConfig, key: str) -> tuple[str, str]:
 [bold green]inferplane is up[/bold green]  endpoint: [bold]{url}[/bold]   model: {MODEL_NAME}
 API key (shown once): [bold]{key}[/bold]
 logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.data_dir}"""
+    admin_key_file = config.data_dir / "auth" / "bootstrap-admin-key"
+    if admin_key_file.exists():
+        # Its path only: scrollback and screen recordings outlive the session, and the admin
+        # key mints keys; the inference key above is the one meant for copy-paste.
+        header += f"\nadmin key (for `inferplane keys`): in {admin_key_file}, readable by you only"
     return (
         header,
         f"""

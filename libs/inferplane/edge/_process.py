@@ -19,6 +19,7 @@ from inferplane.edge._config import EdgeConfig
 from inferplane.edge._errors import EdgeConfigError, EnvoyStartError
 from inferplane.edge._resources import render_static_bootstrap
 from inferplane.runtime import procguard
+from inferplane.runtime.private_files import open_private_log, write_private_file
 
 
 def envoy_binary() -> Path:
@@ -83,7 +84,7 @@ class EnvoyProcess:
     """One Envoy child process serving a static bootstrap.
 
     Layout of `data_dir`: `envoy.yaml` (the bootstrap), `envoy.log` (Envoy's log and the
-    access log), `base_id` (the shared-memory base id Envoy picked).
+    access log), both mode 0600, `base_id` (the shared-memory base id Envoy picked).
 
     Several instances can run on one machine: each picks an unused `--base-id`
     (`--use-dynamic-base-id`) unless `base_id` is given, so their hot-restart shared-memory
@@ -175,12 +176,13 @@ class EnvoyProcess:
         if self._proc is not None:
             raise RuntimeError("EnvoyProcess already started")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(self.bootstrap, "utf-8")
+        # 0600: a static bootstrap carries auth's internal token when one is configured.
+        write_private_file(self.config_path, self.bootstrap)
         command = self.command()
         # If the process that started Envoy dies (even by SIGKILL), Envoy gets SIGTERM, so no
         # orphan keeps the ports.
         command = procguard.guarded_argv(command)
-        with self.log_path.open("ab") as log:
+        with open_private_log(self.log_path) as log:
             self._proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,

@@ -52,9 +52,11 @@ def test_env_key_is_stored_once_across_restarts(
     assert not (tmp_path / "bootstrap-admin-key").exists()
 
 
-def test_generated_key_is_logged_once_and_written_0600(
+def test_generated_key_is_written_0600_and_only_its_path_is_logged(
     tmp_path: Path, make_settings: Any, start_auth: Any
 ) -> None:
+    """Invariant (issue 18): the generated admin secret reaches the operator through a file
+    only they can read; the log says where it is and never holds the secret itself."""
     settings = make_settings(tmp_path, bootstrap_admin_key="")
     with structlog.testing.capture_logs() as logs, start_auth(settings) as auth:
         path = tmp_path / "bootstrap-admin-key"
@@ -63,7 +65,8 @@ def test_generated_key_is_logged_once_and_written_0600(
         [key] = admin_keys(auth, secret)
         assert key.key_prefix == secret[:8]
     lines = [e for e in logs if e["event"] == "bootstrap_admin_key_generated"]
-    assert len(lines) == 1 and lines[0]["admin_key"] == secret
+    assert len(lines) == 1 and lines[0]["file"] == str(path)
+    assert secret not in repr(logs)
 
     with structlog.testing.capture_logs() as logs, start_auth(settings) as auth:
         assert path.read_text().strip() == secret  # an admin exists: nothing new

@@ -7,7 +7,8 @@ transports it spawns the engine (our launcher, `vllm serve`) as its child, on `i
 vLLM's `AsyncLLM` itself. The node-agent only starts, health-checks, drains and stops it.
 
 Each replica process runs as the leader of its own session and process group, with stdout and
-stderr appended to `<data_dir>/replicas/<id>/replica.log` (its engine child writes there too).
+stderr appended to `<data_dir>/replicas/<id>/replica.log` (its engine child writes there too;
+mode 0600: an engine may log prompts).
 Stopping signals the whole group, so the engine and what vLLM forks or spawns go too (see
 `procguard` for the agent-dies-first case).
 """
@@ -31,6 +32,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port
+from inferplane.runtime.private_files import open_private_log
 
 LAUNCHER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "inferplane.node_agent.engine.launcher")
 """The default engine command: our launcher, in this interpreter (and so this venv)."""
@@ -409,7 +411,7 @@ class ProcessSpawner:
         partial = plan.spec_path.with_suffix(".json.tmp")
         partial.write_text(plan.spec_json)
         partial.replace(plan.spec_path)
-        with open(plan.log_path, "ab") as log:
+        with open_private_log(plan.log_path) as log:
             log.write(f"--- starting: {' '.join(plan.argv)}\n".encode())
             log.flush()
             proc = await asyncio.create_subprocess_exec(

@@ -47,6 +47,7 @@ from tenacity import (
 )
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
+from inferplane.engine_args import EngineArgError, check_engine_args
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 from inferplane.node_agent.engine.priority import renice_engine_cores, set_autogroup_niceness
@@ -707,8 +708,9 @@ class ReplicaManager:
 
         Raises:
             AlreadyExistsError: a live replica with that id runs a different spec.
-            FailedPreconditionError: the spec has no model_source, or names an unknown
-                transport.
+            FailedPreconditionError: the spec has no model_source, names an unknown
+                transport, or has an engine argument outside the allow-list
+                (`inferplane.engine_args`).
         """
         if not spec.model_source:
             raise FailedPreconditionError(
@@ -719,6 +721,15 @@ class ReplicaManager:
         except ValueError as exc:
             raise FailedPreconditionError(
                 str(exc), reason="INVALID_SPEC", param="spec.transport"
+            ) from None
+        try:
+            # The orchestrator checked the profile already; this node runs only what the
+            # allow-list allows, whoever sent the spec (issue 18).
+            check_engine_args(spec.extra_engine_args)
+        except EngineArgError as exc:
+            log.warning("replica_refused", replica_id=replica_id, flag=exc.flag)
+            raise FailedPreconditionError(
+                str(exc), reason="INVALID_SPEC", param="spec.extra_engine_args"
             ) from None
         async with self._lock:
             existing = self._replicas.get(replica_id)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -97,8 +98,8 @@ def engine_pid(replica_pid: int) -> int:
 async def test_crash_restart_logs_and_clean_stop(tmp_path: Path) -> None:
     """Invariant: a killed replica process is restarted with its whole old tree (engine
     included) gone, so is one whose engine died (it exits non-zero), their output lands in
-    <data_dir>/replicas/<id>/replica.log, the spec reaches it through spec.json, and stop
-    leaves no process behind."""
+    <data_dir>/replicas/<id>/replica.log (mode 0600), the spec reaches it through spec.json,
+    and stop leaves no process behind."""
     manager = manager_for(tmp_path, engine_args=("--spawn-child",))
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=20)
@@ -122,7 +123,9 @@ async def test_crash_restart_logs_and_clean_stop(tmp_path: Path) -> None:
     )
     third_tree = tree_pids(replica.pid)
 
-    log = (tmp_path / "replicas" / "r1" / "replica.log").read_text()
+    log_path = tmp_path / "replicas" / "r1" / "replica.log"
+    assert stat.S_IMODE(log_path.stat().st_mode) == 0o600  # engines may log prompts
+    log = log_path.read_text()
     assert log.count("fake replica serving") == 3 and log.count("--- starting:") == 3
     assert log.count("fake engine serving") == 3
 

@@ -397,6 +397,25 @@ async def test_start_is_idempotent_and_rejects_a_different_spec(tmp_path: Path) 
     await manager.close()
 
 
+async def test_an_engine_argument_off_the_allow_list_starts_nothing(tmp_path: Path) -> None:
+    """Invariant (issue 18): whoever sends the spec, no replica starts with an engine argument
+    off the allow-list (`inferplane.engine_args`); the orchestrator's check is not the only
+    one."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    for args in (["--trust-remote-code"], ["--seed", "1", "--worker-cls=evil.Worker"]):
+        spec = nodeagent_pb2.ReplicaSpec(model_source="/models/x", extra_engine_args=args)
+        with pytest.raises(FailedPreconditionError, match=r"engine argument '--\S+' is not allo"):
+            await manager.start("r1", spec)
+    assert spawner.plans == [] and manager.list() == []
+    allowed = nodeagent_pb2.ReplicaSpec(
+        model_source="/models/x", extra_engine_args=["--enable-prefix-caching", "--seed", "0"]
+    )
+    replica = await manager.start("r1", allowed)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    assert len(spawner.plans) == 1
+    await manager.close()
+
+
 async def test_a_drained_replica_that_restarts_stays_draining(tmp_path: Path) -> None:
     """Invariant: a replica process that replaces a drained one is drained as soon as it
     serves: it must not admit requests the picker may still send."""

@@ -1,4 +1,5 @@
-"""Validation of a deployment on its own (no fleet): names, profile numbers, bounds.
+"""Validation of a deployment on its own (no fleet): names, profile numbers, bounds, engine
+arguments from the allow-list (`inferplane.engine_args`).
 
 Every error is an `InvalidArgumentError` whose `param` is the request field at fault
 (`deployment.profile.precision`...) and whose message says what is allowed.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
 from inferplane.orchestrator.catalog.model import (
     CPU_ENGINE,
     DEFAULT_ENGINE,
@@ -18,6 +20,7 @@ from inferplane.orchestrator.catalog.model import (
     TRANSPORTS,
     Accelerator,
     Deployment,
+    DeploymentProfile,
 )
 from inferplane.orchestrator.catalog.sizing import KV_CACHE_DTYPE_BYTES, PRECISIONS
 from inferplane.runtime import InvalidArgumentError
@@ -170,3 +173,22 @@ def _validate_profile(deployment: Deployment) -> None:
             "speculative_method eagle needs profile.speculative_model (the draft head)",
             "profile.speculative_model",
         )
+    _validate_engine_args(p)
+
+
+def _validate_engine_args(p: DeploymentProfile) -> None:
+    """`extra_engine_args` from the allow-list (`inferplane.engine_args`, issue 18), and a
+    `--kv-cache-dtype` that is the type placement sized the KV cache for."""
+    try:
+        args = check_engine_args(p.extra_engine_args)
+    except EngineArgError as exc:
+        raise _fail(str(exc), "profile.extra_engine_args") from None
+    for arg in args:
+        if arg.name == "--kv-cache-dtype" and arg.value != KV_CACHE_DTYPES[p.kv_cache_dtype]:
+            profile_name = {v: k for k, v in KV_CACHE_DTYPES.items()}[str(arg.value)]
+            raise _fail(
+                f"engine argument --kv-cache-dtype {arg.value} disagrees with "
+                f"profile.kv_cache_dtype {p.kv_cache_dtype!r}, which sizes the KV cache; set "
+                f"profile.kv_cache_dtype to {profile_name!r} too",
+                "profile.extra_engine_args",
+            )

@@ -257,7 +257,7 @@ def test_failed_gate_rolls_back_and_status_says_why(tmp_path: Path, fx: Any) -> 
     world.tick(3)
     old = world.endpoints()[0][0]
     serving = world.status().current_revision
-    bad = change_profile(world, "--broken")
+    bad = change_profile(world, "--seed", "13")  # any change: the gate readings fail it
     world.tick(4)
     assert len(world.gate.targets) == 1  # the gate ran on the new replica only
     assert world.agents.live() == {old: S.STATE_READY}
@@ -281,7 +281,7 @@ def test_failed_warm_up_of_a_rollout_rolls_back(world: World, fx: Any) -> None:
     create_tiny(world, fx)
     world.tick(3)
     old = world.endpoints()[0][0]
-    bad = change_profile(world, "--bad")
+    bad = change_profile(world, "--seed", "13")  # any change: its probes fail
     world.agents.bad_probes.add(agent_replica_id("kimi-tiny-0", bad))
     components = world.components
     components.reconciler._settings = dataclasses.replace(  # no real sleeps between attempts

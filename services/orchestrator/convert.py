@@ -8,7 +8,12 @@ from google.protobuf import timestamp_pb2
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
-from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile, RolloutStrategy
+from inferplane.orchestrator.catalog.model import (
+    DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO,
+    Deployment,
+    DeploymentProfile,
+    RolloutStrategy,
+)
 from inferplane.orchestrator.control import DeploymentView, ObservedReplica
 from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node
 from inferplane.orchestrator.placement.model import Placement, Unplaced
@@ -46,6 +51,11 @@ def profile_from_proto(p: pb.DeploymentProfile) -> DeploymentProfile:
         speculative_model=p.speculative_model,
         transport=p.transport,
         stream_interval=p.stream_interval,
+        constrain_tool_choice_auto=(
+            p.constrain_tool_choice_auto
+            if p.HasField("constrain_tool_choice_auto")
+            else DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO
+        ),
         extra_engine_args=tuple(p.extra_engine_args),
     )
 
@@ -72,6 +82,7 @@ def profile_to_proto(p: DeploymentProfile) -> pb.DeploymentProfile:
         speculative_model=p.speculative_model,
         transport=p.transport,
         stream_interval=p.stream_interval,
+        constrain_tool_choice_auto=p.constrain_tool_choice_auto,
         extra_engine_args=list(p.extra_engine_args),
     )
 

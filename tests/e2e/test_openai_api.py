@@ -288,9 +288,7 @@ def test_openai_sdk_parse_with_a_pydantic_response_format(client: openai.OpenAI)
     assert not message.tool_calls
 
 
-def test_bad_schemas_from_one_key_are_400s_and_cost_no_one_else(
-    stack: Stack, api_key: str
-) -> None:
+def test_bad_schemas_from_one_key_are_400s_and_cost_no_one_else(stack: Stack, api_key: str) -> None:
     """50 requests with schemas that are no JSON schema (the router refuses them) or that the
     engine's backend cannot compile (the replica refuses them), 16 at a time from one key:
     each is a 400 naming the parameter, no replica's breaker opens, and another key's request
@@ -322,9 +320,13 @@ def test_bad_schemas_from_one_key_are_400s_and_cost_no_one_else(
     assert {status for status, _ in answers} == {400}, answers[:3]
     params = {error.get("param") for _, error in answers}
     assert params == {"tools[0].function.parameters", "response_format.json_schema.schema"}
-    metrics = urllib.request.urlopen(
-        f"http://127.0.0.1:{stack.config.metrics_ports['router']}/metrics", timeout=5
-    ).read().decode()
+    metrics = (
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.config.metrics_ports['router']}/metrics", timeout=5
+        )
+        .read()
+        .decode()
+    )
     opened = [
         line
         for line in metrics.splitlines()

@@ -21,7 +21,7 @@ Layout of the data directory::
 
     <data_dir>/up.lock            held (flock) while a stack runs: a second `up` refuses
     <data_dir>/stack.json         ports and pids, for `inferplane status`
-    <data_dir>/logs/<name>.log    each component's output
+    <data_dir>/logs/<name>.log    each component's output (mode 0600, as every log here)
     <data_dir>/<name>/            each component's own state (auth and orchestrator databases,
                                   engine logs...); the orchestrator's catalogue survives an `up`
 """
@@ -86,6 +86,8 @@ class StackConfig:
             per-replica admission cap).
         stream_interval: the profile's generated tokens per streamed chunk at least (vLLM's
             `--stream-interval`; 0 or 1: every token).
+        constrain_tool_choice_auto: the profile's option of that name (`tool_choice: "auto"`
+            decoded under the tool-call structural tag), on as in the catalogue's default.
         service_args: extra command-line flags per service name (a key of `ports`), e.g.
             `{"router": ("--queue-timeout-seconds", "1")}`.
     """
@@ -104,6 +106,7 @@ class StackConfig:
     routing_policy: str = ""
     max_num_seqs: int = 16
     stream_interval: int = 0
+    constrain_tool_choice_auto: bool = True
     service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -127,7 +130,8 @@ class StackConfig:
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
     vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
-    `config.max_num_seqs`, `config.stream_interval`, one surge replica per rollout.
+    `config.max_num_seqs`, `config.stream_interval`, `config.constrain_tool_choice_auto`, one
+    surge replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
@@ -166,6 +170,7 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             tool_parser="kimi_k2",
             transport=config.transport,
             stream_interval=config.stream_interval,
+            constrain_tool_choice_auto=config.constrain_tool_choice_auto,
         ),
         rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
     )

@@ -10,10 +10,29 @@ non-legacy form), so the value built here is xgrammar's structural-tag JSON::
 
 The formats mirror xgrammar 0.2's built-in ``"kimi"`` structural tag
 (``xgrammar.builtin_structural_tag.get_kimi_structural_tag``), written out here so that
-this library needs neither xgrammar nor vLLM at run time. One deliberate difference: the
-reasoning span excludes the tool markers, so the model must close reasoning with
-``</think>`` before calling (our parser would otherwise end reasoning at the section
-marker, which is also correct, but the grammar would then be one marker out of step).
+this library needs neither xgrammar nor vLLM at run time. Deliberate differences:
+
+- ``required`` / a named function: the reasoning span excludes the tool markers, so the model
+  must close reasoning with ``</think>`` before calling (our parser would otherwise end
+  reasoning at the section marker, which is also correct, but the grammar would then be one
+  marker out of step).
+- ``auto`` (``constrain_auto``) guards the tool section only: free text before it, reasoning
+  included, is the same for the grammar whether thinking is on or off. xgrammar's tag requires
+  ``</think>`` first, which forbids two outputs the unconstrained model gives and the parser
+  handles: a section opened straight from reasoning (Kimi skips ``</think>``), and an answer
+  that ends inside reasoning; under that tag the fixture model, denied them, ran on to
+  ``max_tokens`` (bench/README.md, tool_call_validity).
+- Arguments: at most ``MAX_WHITESPACE`` consecutive whitespace characters between JSON tokens
+  (xgrammar's ``max_whitespace_cnt``; unbounded by default), and properties in the order of
+  ``required`` (see ``_in_required_order``).
+
+Not excluded: a call or section marker inside a JSON string of the arguments. The grammar
+allows it (it is JSON), our parser ends the arguments there. xgrammar's ``excludes`` on the
+arguments would close the gap, but it drops the length bounds of every string it filters, and
+on a 163k-token vocabulary it made compiling a new tool set's grammar about 15 times slower at
+p90 (bench/README.md, tool_call_validity). A model writes a marker inside a value only when the
+value is about the markers, and then it is data: the parser, which tracks the JSON string it
+is in, is the place to keep it.
 """
 
 from __future__ import annotations
@@ -41,6 +60,10 @@ ConstraintKind = Literal[
 ]
 
 _CALL_PREFIX = f"{CALL_BEGIN}functions."
+# Consecutive whitespace characters allowed between JSON tokens of the arguments. Unbounded,
+# a model that favours whitespace pads until max_tokens (vLLM #38696); 8 keeps pretty-printed
+# JSON possible (newline plus indent) and is the cap vLLM #44619 proposes for json_schema.
+MAX_WHITESPACE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +111,53 @@ def _call_tag(name: str, schema: Any) -> JSON:
             "elements": [
                 {"type": "regex", "pattern": r"\d+"},
                 {"type": "const_string", "value": ARG_BEGIN},
-                {"type": "json_schema", "json_schema": schema},
+                _arguments(schema),
             ],
         },
         "end": CALL_END,
     }
+
+
+def _arguments(schema: Any) -> JSON:
+    """The arguments' JSON: `schema` in required order, whitespace capped."""
+    return {
+        "type": "json_schema",
+        "json_schema": _in_required_order(schema),
+        "max_whitespace_cnt": MAX_WHITESPACE,
+    }
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def _in_required_order(schema: Any) -> Any:
+    """`schema` with each object's `properties` in the order of its `required` list first, then
+    the others as they come, nested schemas included.
+
+    xgrammar makes the model write properties in the schema's order. The client's order does
+    not survive the wire (`google.protobuf.Struct` is a map: `{"query", "max_results"}` arrives
+    as `{"max_results", "query"}`), but lists do, and clients list `required` in declaration
+    order (pydantic, zod, hand-written schemas), so it is the best record of the order the
+    model was shown and trained on. Validity does not depend on the order."""
+    if isinstance(schema, list):
+        return [_in_required_order(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: _in_required_order(sub) for name, sub in out[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_VALUES):
+        if key in out:
+            out[key] = _in_required_order(out[key])
+    properties, required = out.get("properties"), out.get("required")
+    if isinstance(properties, dict) and isinstance(required, list):
+        first = [n for n in dict.fromkeys(required) if isinstance(n, str) and n in properties]
+        rest = [n for n in properties if n not in first]
+        out["properties"] = {n: properties[n] for n in (*first, *rest)}
+    return out
 
 
 def _calls(functions: list[tuple[str, Any]], parallel: bool) -> JSON:
@@ -129,11 +194,12 @@ def build_tool_constraint(
         tools: the request's tools (OpenAI shape ``{"type":"function","function":{...}}``).
         tool_choice: ``"none"``, ``"auto"`` (or None), ``"required"``, or a named function
             ``{"type": "function", "function": {"name": ...}}``.
-        thinking: the prompt opened ``<think>`` (K2.5 with thinking on): output must first
-            close the reasoning span with ``</think>``.
+        thinking: the prompt opened ``<think>`` (K2.5 with thinking on): for ``required`` and
+            a named function, output must first close the reasoning span with ``</think>``.
         parallel_tool_calls: False allows exactly one call.
-        constrain_auto: also constrain ``auto``: free text, but any tool section must hold
-            only declared tools with schema-valid arguments.
+        constrain_auto: also constrain ``auto``: free text (reasoning included), but any tool
+            section must hold only declared tools with schema-valid arguments, and only one
+            call and one section when ``parallel_tool_calls`` is false.
 
     Returns:
         ``Constraint("structural_tag", json)``; None for ``"none"``, for ``auto`` unless
@@ -148,7 +214,10 @@ def build_tool_constraint(
     if tool_choice is None or tool_choice == "auto":
         if not constrain_auto or not functions:
             return None
-        suffix = {
+        # With thinking on, the free text starts inside reasoning, so `</think>` may appear
+        # in it (see the module doc); with thinking off the prompt already closed it.
+        excludes = [THINK_BEGIN, CALL_BEGIN] if thinking else [THINK_BEGIN, THINK_END, CALL_BEGIN]
+        auto = {
             "type": "triggered_tags",
             "triggers": [SECTION_BEGIN],
             "tags": [
@@ -159,10 +228,11 @@ def build_tool_constraint(
                     "end": SECTION_END,
                 }
             ],
-            "excludes": [THINK_BEGIN, THINK_END, CALL_BEGIN],
+            "excludes": excludes,
             "at_least_one": False,
             "stop_after_first": not parallel_tool_calls,
         }
+        return Constraint("structural_tag", _structural_tag(auto))
     elif tool_choice == "none":
         return None
     elif tool_choice == "required":
@@ -212,5 +282,8 @@ def build_tool_constraint(
             "end": THINK_END,
         }
         fmt = {"type": "sequence", "elements": [reasoning, suffix]}
-    value = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
-    return Constraint("structural_tag", value)
+    return Constraint("structural_tag", _structural_tag(fmt))
+
+
+def _structural_tag(fmt: JSON) -> str:
+    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)

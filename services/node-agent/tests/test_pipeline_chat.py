@@ -365,6 +365,46 @@ def test_tool_choice_required_and_named_send_the_tool_constraint() -> None:
     run(outputs, body)
 
 
+def test_a_replica_with_constrain_tool_choice_auto_constrains_auto() -> None:
+    """A replica whose profile turns `constrain_tool_choice_auto` on sends auto requests with
+    tools (tool_choice "auto" or absent) under the tool section's structural tag, one call only
+    when `parallel_tool_calls` is false; without tools, with "none", or with a response_format
+    JSON constraint, the request is as on any replica."""
+    case = kt.WEATHER
+    spec = kimi_tiny_spec()  # a private copy: the change must not reach later tests
+    spec.constrain_tool_choice_auto = True
+    engine = ScriptedEngine(script(ids_of(case.output + EOS)))
+
+    async def body(stub: Stub) -> None:
+        async def constraint(request: pb.ChatCompletionRequest) -> Any:
+            await stub.CreateChatCompletion(pb.CreateChatCompletionRequest(request=request))
+            return engine.requests[-1][2].constraint
+
+        for extra in ({"tool_choice": "auto"}, {}):
+            auto = await constraint(chat(case, **extra))
+            assert auto is not None and auto.kind == "structural_tag"
+            fmt = json.loads(auto.value)["format"]
+            assert fmt["type"] == "triggered_tags" and fmt["stop_after_first"] is False
+            (section,) = fmt["tags"]
+            assert [t["begin"] for t in section["content"]["tags"]] == [
+                "<|tool_call_begin|>functions.get_weather:",
+                "<|tool_call_begin|>functions.web_search:",
+                "<|tool_call_begin|>functions.get_time:",
+            ]
+        single = await constraint(chat(case, parallel_tool_calls=False))
+        fmt = json.loads(single.value)["format"]
+        assert fmt["stop_after_first"] is True
+        assert fmt["tags"][0]["content"]["stop_after_first"] is True
+        assert await constraint(chat(case, tool_choice="none")) is None
+        assert await constraint(chat(kt.NO_TOOL, tools=None)) is None
+        json_mode = await constraint(chat(case, response_format={"type": "json_object"}))
+        assert json_mode is not None
+        fmt = json.loads(json_mode.value)["format"]
+        assert fmt["elements"][-1] == {"type": "json_schema", "json_schema": {"type": "object"}}
+
+    run_scenario(engine, body, replicas=[FakeReplica("r1", spec, engine)])
+
+
 def test_sampling_parameters_are_mapped_faithfully() -> None:
     """Every OpenAI / vLLM sampling field reaches the engine unchanged; the chat default for
     max tokens is the rest of the context; eos ids become stop token ids; special tokens are

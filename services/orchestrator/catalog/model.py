@@ -36,7 +36,11 @@ class Accelerator(enum.Enum):
 
 
 #: Profile fields added after the first release, hashed into `revision()` only when set.
-ADDED_FIELDS = ("stream_interval",)
+ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto")
+#: `constrain_tool_choice_auto` when a deployment created or replaced through the API leaves it
+#: unset (bench/README.md, tool_call_validity: on costs little and makes every call the model
+#: finishes schema-valid).
+DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +50,10 @@ class DeploymentProfile:
     Counts are plain numbers (parameters, layers, tokens, sequences); `precision` and
     `kv_cache_dtype` are names from `inferplane.orchestrator.catalog.sizing`. Unset values
     (empty strings, zeros) are filled by `with_defaults`.
+
+    `constrain_tool_choice_auto` is False here, which is what a profile stored before the
+    option existed reads as (its revision and replicas stay as they were); the API's default
+    for an unset value is `DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO` (convert.py).
     """
 
     model_source: str = ""
@@ -68,6 +76,7 @@ class DeploymentProfile:
     speculative_model: str = ""
     transport: str = DEFAULT_TRANSPORT
     stream_interval: int = 0
+    constrain_tool_choice_auto: bool = False
     extra_engine_args: tuple[str, ...] = ()
 
     def with_defaults(self) -> DeploymentProfile:

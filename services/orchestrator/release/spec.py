@@ -74,6 +74,7 @@ def build_spec(
         tool_parser=profile.tool_parser,
         transport=profile.transport,
         stream_interval=profile.stream_interval,
+        constrain_tool_choice_auto=profile.constrain_tool_choice_auto,
         extra_engine_args=list(profile.extra_engine_args),
         revision=revision,
         gpu_uuids=[uuids.get(i, "") for i in placement.gpu_indices] if uuids else [],

@@ -43,6 +43,7 @@ from inferplane.orchestrator.fleet.model import (
     Node,
     NodeCondition,
 )
+from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
@@ -51,6 +52,7 @@ from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.runtime import AlreadyExistsError
 from inferplane.testing.clock import FakeClock
+from inferplane.testing.databases import drop_schema
 
 POSTGRES_URL = os.environ.get("INFERPLANE_TEST_POSTGRES_URL", "")
 GB = 10**9
@@ -70,13 +72,9 @@ _METADATAS = (state_store._Base.metadata, release_store._Base.metadata)
 
 
 def drop_orchestrator_tables(url: str) -> None:
-    """Drops the orchestrator's tables only (other services' tables in the database stay)."""
-    engine = create_engine(url)
-    try:
-        for metadata in _METADATAS:
-            metadata.drop_all(engine)
-    finally:
-        engine.dispose()
+    """Drops the orchestrator's tables and migration state only (other services' tables in the
+    database stay)."""
+    drop_schema(url, MIGRATIONS, _METADATAS)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -144,6 +142,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         speculative_model="yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
         transport="grpc",
         stream_interval=4,
+        constrain_tool_choice_auto=True,
         extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
     )
     return dataclasses.replace(p, **changes)

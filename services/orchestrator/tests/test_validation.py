@@ -160,11 +160,47 @@ def test_stream_interval_is_bounded_and_carried_to_the_replica_spec() -> None:
 
 
 def test_a_field_added_later_changes_no_existing_revision() -> None:
-    """Adding `stream_interval` to the profile must not change the revision of a deployment
-    that does not set it (else an upgrade would roll every replica); setting it does."""
+    """Adding `stream_interval` or `constrain_tool_choice_auto` to the profile must not change
+    the revision of a deployment that does not set it (else an upgrade would roll every
+    replica); setting it does."""
     payload = dataclasses.asdict(PROFILE.with_defaults())
     payload["extra_engine_args"] = list(payload["extra_engine_args"])
     del payload["stream_interval"]  # the profile as the first release hashed it
+    del payload["constrain_tool_choice_auto"]
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()
+    on = dataclasses.replace(PROFILE, constrain_tool_choice_auto=True)
+    assert on.revision() != PROFILE.revision()
+
+
+def test_constrain_tool_choice_auto_is_on_unless_the_api_says_off() -> None:
+    """The API's default is on (a profile that leaves the field unset, as older clients do,
+    gets the constraint); an explicit false stays off; the value survives the round trip and
+    reaches every replica's spec. A profile stored before the field existed reads as off."""
+    unset = profile_to_proto(PROFILE)
+    unset.ClearField("constrain_tool_choice_auto")
+    assert profile_from_proto(unset).constrain_tool_choice_auto is True
+    off = profile_to_proto(PROFILE)
+    assert off.HasField("constrain_tool_choice_auto") and not off.constrain_tool_choice_auto
+    assert profile_from_proto(off) == PROFILE
+    on = dataclasses.replace(PROFILE, constrain_tool_choice_auto=True)
+    assert profile_from_proto(profile_to_proto(on)) == on
+    stored = {
+        k: v for k, v in dataclasses.asdict(PROFILE).items() if k != "constrain_tool_choice_auto"
+    }
+    assert DeploymentProfile(**stored).constrain_tool_choice_auto is False
+    placement = Placement(
+        replica_id="llama-0",
+        deployment_id="llama",
+        revision="rev-1",
+        node="n1",
+        accelerator=Accelerator.GPU,
+        gpu_indices=(0,),
+        memory_bytes_per_device=80 * GB,
+        memory_fraction=0.9,
+        kv_cache_bytes=10 * GB,
+    )
+    for profile in (PROFILE, on):
+        spec = build_spec(Deployment("llama", profile), profile, "rev-1", placement, None)
+        assert spec.constrain_tool_choice_auto is profile.constrain_tool_choice_auto

@@ -51,6 +51,7 @@ class ReplicaSpec(_message.Message):
     CREATED_FIELD_NUMBER: _builtins.int
     OWNED_BY_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment this replica belongs to."""
     served_model_name: _builtins.str
@@ -88,6 +89,11 @@ class ReplicaSpec(_message.Message):
     stream_interval: _builtins.int
     """Generated tokens per streamed chunk at least (vLLM's `--stream-interval`; 0 or 1: every
     token). Fewer, larger chunks cut the per-message CPU of every hop on the way out.
+    """
+    constrain_tool_choice_auto: _builtins.bool
+    """Constrain `tool_choice: "auto"` (and an absent tool_choice with tools) with a structural
+    tag: free text or reasoning until the tool section begins, then only declared functions
+    with schema-valid arguments (and one call when `parallel_tool_calls` is false).
     """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -127,10 +133,11 @@ class ReplicaSpec(_message.Message):
         created: _builtins.int = ...,
         owned_by: _builtins.str = ...,
         stream_interval: _builtins.int = ...,
+        constrain_tool_choice_auto: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -130,6 +130,7 @@ class DeploymentProfile(_message.Message):
     ACCELERATOR_FIELD_NUMBER: _builtins.int
     QUANTIZATION_GROUP_SIZE_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -180,6 +181,12 @@ class DeploymentProfile(_message.Message):
     """Generated tokens per streamed chunk at least (vLLM's `--stream-interval`; 0 or 1: every
     token, the default). Larger values trade smoother streaming for less CPU per token.
     """
+    constrain_tool_choice_auto: _builtins.bool
+    """Constrain `tool_choice: "auto"` with the tool parser's structural tag: free text (reasoning
+    included) until the tool section begins, then only declared functions with schema-valid
+    arguments, one call when `parallel_tool_calls` is false. Unset: on. `required` and a named
+    function are always constrained.
+    """
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra engine arguments, verbatim."""
@@ -210,12 +217,15 @@ class DeploymentProfile(_message.Message):
         accelerator: _builtins.str = ...,
         quantization_group_size: _builtins.int = ...,
         stream_interval: _builtins.int = ...,
+        constrain_tool_choice_auto: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["constrain_tool_choice_auto"]  # noqa: Y015
+    _WhichOneofArgType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__constrain_tool_choice_auto) -> _WhichOneofReturnType__constrain_tool_choice_auto | None: ...
 
 Global___DeploymentProfile: _TypeAlias = DeploymentProfile  # noqa: Y015
 

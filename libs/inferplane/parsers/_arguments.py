@@ -253,6 +253,11 @@ class ArgumentsStream:
         )
         return "".join(out)
 
+    @property
+    def in_string(self) -> bool:
+        """Whether the arguments so far end inside a JSON string."""
+        return self._in_string
+
     def finish(self) -> str:
         """What is still held: a comma at the end, an unclosed held string, as written."""
         out = []

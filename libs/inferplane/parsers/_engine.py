@@ -290,6 +290,7 @@ class Session:
         "_arguments",
         "_call_open",
         "_calls_out",
+        "_constrained",
         "_content",
         "_credit_total",
         "_credits",
@@ -323,6 +324,7 @@ class Session:
         tool_calls: bool = True,
         tools: ToolSet | None = None,
         max_tool_calls: int | None = None,
+        constrained: bool = False,
     ) -> None:
         self._t = tables
         self._state = state
@@ -355,6 +357,7 @@ class Session:
         self._result: ParseResult | None = None
         self._tools = tools
         self._max_calls = max_tool_calls
+        self._constrained = constrained
         self._arguments: ArgumentsStream | None = None  # the open call's, when it streams
         self._held_call: tuple[str, list[str]] | None = None  # (id, raw arguments) unresolved
 
@@ -513,6 +516,13 @@ class Session:
 
     def _terminal(self, term: int, literal: str) -> None:
         tr = self._t.transitions.get((self._state, term))
+        if (
+            self._constrained
+            and self._arguments is not None
+            and self._arguments.in_string
+            and self._state in self._t.verbatim
+        ):
+            tr = None  # a constrained call's JSON string holds the marker as data
         if tr is None:
             if self._state in self._t.verbatim:
                 self._plain(literal)  # data here (a JSON string holding "</think>")
@@ -724,6 +734,7 @@ class Parser:
         tool_calls: bool = True,
         tools: Sequence[Mapping[str, Any]] | ToolSet | None = None,
         max_tool_calls: int | None = None,
+        constrained: bool = False,
     ) -> Session:
         """Begin parsing one response.
 
@@ -741,6 +752,11 @@ class Parser:
                 request offered none, which implies ``tool_calls=False``.
             max_tool_calls: calls after this many are dropped (1 for OpenAI's
                 ``parallel_tool_calls: false``); None = no limit.
+            constrained: the engine decodes calls under a grammar that makes their arguments
+                valid JSON (``build_tool_constraint``): a marker inside an open JSON string of
+                the arguments is then data (the grammar lets a string hold it), not the end of
+                the call. Unconstrained, the marker ends the call (a model that never closed
+                its string must not swallow the rest of the output).
         """
         c = self._t.config
         toolset = tools if isinstance(tools, ToolSet) or tools is None else ToolSet(tools)
@@ -751,6 +767,7 @@ class Parser:
             tool_calls and (toolset is None or bool(toolset)),
             toolset,
             max_tool_calls,
+            constrained,
         )
 
     def parse(

@@ -320,3 +320,16 @@ def test_arguments_stream_is_split_invariant_and_yields_valid_json(
 def test_toolset_ignores_malformed_tools() -> None:
     tools = ToolSet([{"type": "function"}, {"function": {"name": ""}}, WEATHER, WEATHER])
     assert list(tools.by_name) == ["get_weather"]
+
+
+def test_a_constrained_calls_string_may_hold_a_marker() -> None:
+    """Under the tool grammar, arguments are valid JSON by construction, so a marker inside an
+    open JSON string is data; unconstrained, the marker ends the call (the model may never
+    close its string)."""
+    args = f'{{"note": "a{CE}b{SE}c"}}'
+    out = TE + section(call("functions.f:0", args), call("functions.f:1", '{"note": "x"}'))
+    tools = [fn("f", {"note": S})]
+    result = parsed(out, tools=tools, constrained=True)
+    assert [json.loads(c.arguments)["note"] for c in result.tool_calls] == [f"a{CE}b{SE}c", "x"]
+    loose = parsed(out, tools=tools)
+    assert loose.tool_calls[0].arguments == '{"note": "a'

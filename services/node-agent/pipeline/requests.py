@@ -61,6 +61,9 @@ class ChatPlan:
         include_usage: `stream_options.include_usage`.
         max_tool_calls: 1 for `parallel_tool_calls: false` (later calls are dropped, also
             when no decoding constraint enforces it), else None.
+        calls_constrained: the engine decodes tool calls under the tool structural tag (their
+            arguments are valid JSON by construction; the parser then keeps a marker inside a
+            JSON string as data).
     """
 
     prompt: RenderedPrompt
@@ -70,6 +73,7 @@ class ChatPlan:
     history_tool_calls: int
     include_usage: bool
     max_tool_calls: int | None = None
+    calls_constrained: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -380,6 +384,7 @@ def plan_chat(
         raise UnavailableError(str(exc), code="bad_replica_config") from exc
     tools = tuple(body.get("tools") or ())
     constraint: EngineConstraint | None = None
+    calls_constrained = False
     if allowed and tools:
         try:
             built = build_tool_constraint(
@@ -396,6 +401,7 @@ def plan_chat(
         if built is not None:
             check_compiles(_tool_schemas(tools))
             constraint = EngineConstraint(built.kind, built.value)
+            calls_constrained = True
     if wants_json:
         if constraint is not None:
             raise _bad(
@@ -424,6 +430,7 @@ def plan_chat(
         history_tool_calls=history,
         include_usage=bool(options.get("include_usage")),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else None,
+        calls_constrained=calls_constrained,
     )
 
 

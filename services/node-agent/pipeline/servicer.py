@@ -511,6 +511,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                 tool_calls=plan.tool_calls_allowed,
                 tools=plan.tools,
                 max_tool_calls=plan.max_tool_calls,
+                constrained=plan.calls_constrained,
             )
         gen = Generation(
             engine=replica.engine,

@@ -1,4 +1,5 @@
-"""`serve_text_metrics`: a registry on `/metrics` in Prometheus's classic text format only.
+"""`serve_text_metrics`: a registry on `/metrics` in Prometheus's classic text format only;
+`ScrapedMetrics`: another process's endpoint served with a registry's own series.
 
 prometheus_client's own server answers a scraper that offers OpenMetrics (Prometheus does) in
 OpenMetrics with `escaping=underscores`, which renames vLLM's `vllm:*` series to `vllm_*`:
@@ -10,9 +11,36 @@ replica process with an in-process engine, the launcher of a `--grpc` engine) mu
 from __future__ import annotations
 
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class ScrapedMetrics:
+    """A collector for another process's Prometheus endpoint (text format): fetched at each
+    scrape of the registry it is registered in (in the scraping thread), its series served
+    with that registry's. An endpoint that does not answer (a child engine starting or
+    restarting) contributes nothing to that scrape.
+
+    Args:
+        url: the endpoint (`http://host:port/metrics`).
+        timeout_seconds: the fetch's deadline.
+    """
+
+    def __init__(self, url: str, timeout_seconds: float = 2.0) -> None:
+        self._url = url
+        self._timeout = timeout_seconds
+
+    def collect(self) -> Any:
+        try:
+            with urllib.request.urlopen(self._url, timeout=self._timeout) as response:
+                text = response.read().decode("utf-8", "replace")
+            return list(text_string_to_metric_families(text))
+        except (OSError, ValueError):
+            return []
 
 
 def serve_text_metrics(port: int, host: str, registry: CollectorRegistry) -> ThreadingHTTPServer:

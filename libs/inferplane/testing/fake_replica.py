@@ -123,6 +123,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--transport", choices=("inproc", "http-completions", "grpc"), required=True)
     p.add_argument("--engine-address", default="")
+    p.add_argument("--engine-metrics-url", default="")
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--cache-root", type=Path)
@@ -164,8 +165,14 @@ async def _serve(opts: argparse.Namespace, engine_argv: list[str]) -> int:
     if opts.metrics_port:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+        from inferplane.runtime.metrics_http import ScrapedMetrics
+
         registry = CollectorRegistry()
-        Gauge("vllm:num_requests_running", "running", registry=registry)
+        Gauge("inferplane_replica_fake_up", "1 while the fake replica serves", registry=registry)
+        if opts.engine_metrics_url:  # a child engine's series, served with ours (as the real one)
+            registry.register(ScrapedMetrics(opts.engine_metrics_url))
+        else:
+            Gauge("vllm:num_requests_running", "running", registry=registry)
         start_http_server(opts.metrics_port, addr=opts.metrics_host, registry=registry)
     child: subprocess.Popen[bytes] | None = None
     if engine_argv:

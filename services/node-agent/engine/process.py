@@ -136,8 +136,9 @@ class LaunchPlan:
     `inference_address` (host:port) is the replica process's own port: InferenceService,
     ReplicaProcessService and gRPC health, the address Envoy and the supervisor reach it at.
     `engine_address` (host:port, loopback) is where its engine child listens (empty for
-    `inproc`); `metrics_url` where vLLM's Prometheus registry is served (the engine's HTTP
-    server, the launcher's metrics port for `grpc`, the replica process itself for `inproc`).
+    `inproc`); `metrics_url` is the replica process's own Prometheus endpoint, on every
+    transport: its registry plus vLLM's (in-process for `inproc`; for a child engine, the
+    engine's endpoint fetched at each scrape and served with ours).
     `engine_core_niceness` (1..19; 0: none) is what the supervisor gives vLLM's engine core
     process below the replica once ready, `engine_autogroup_niceness` (1..19; 0: none) what it
     gives the replica's session autogroup (engine/priority.py).
@@ -280,10 +281,10 @@ def plan_launch(
     ]
     engine_argv: tuple[str, ...] = ()
     engine_address = ""
+    metrics_port = free_port(host)
+    metrics_url = f"http://{host}:{metrics_port}/metrics"
+    argv += ["--metrics-port", str(metrics_port), "--metrics-host", host]
     if transport == INPROC:
-        metrics_port = free_port(host)
-        metrics_url = f"http://{host}:{metrics_port}/metrics"
-        argv += ["--metrics-port", str(metrics_port), "--metrics-host", host]
         argv += ["--cache-root", str(replica_dir / "cache"), "--device", "cpu" if cpu else "gpu"]
         if spec.kv_cache_bytes:
             argv += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
@@ -297,8 +298,8 @@ def plan_launch(
             host=host,
             cpu=cpu,
         )
-        engine_argv, engine_address, metrics_url = engine.argv, engine.address, engine.metrics_url
-        argv += ["--engine-address", engine_address]
+        engine_argv, engine_address = engine.argv, engine.address
+        argv += ["--engine-address", engine_address, "--engine-metrics-url", engine.metrics_url]
     argv += options.argv()
     if engine_argv:
         argv += ["--", *engine_argv]

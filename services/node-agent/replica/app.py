@@ -50,7 +50,7 @@ from inferplane.runtime import (
     grpc_options,
 )
 from inferplane.runtime.clock import Clock
-from inferplane.runtime.metrics_http import serve_text_metrics
+from inferplane.runtime.metrics_http import ScrapedMetrics, serve_text_metrics
 
 log = structlog.get_logger("inferplane.node_agent.replica")
 
@@ -94,7 +94,8 @@ class ReplicaProcess:
         assets: model assets (default: a fresh cache loading the spec's model).
         clock: the pipeline's clock (default: the system's).
         on_outcome: per-request records (default: to telemetry when `telemetry_address`).
-        extra_metrics: another registry served with ours (vLLM's, for inproc).
+        extra_metrics: another registry served with ours (vLLM's: in-process, or the child
+            engine's endpoint).
 
     Every request that produced output and names its endpoint picker (`x-inferplane-picker`)
     is also reported to that picker (`self.outcomes`, an `OutcomeReporter`): the summary
@@ -285,7 +286,8 @@ class ReplicaProcess:
 
 
 def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any] | None]:
-    """The engine host for `settings.transport` and, for inproc, vLLM's registry to serve.
+    """The engine host for `settings.transport` and vLLM's series to serve with ours (its
+    registry for inproc, the child engine's endpoint otherwise).
 
     For inproc this sets the engine environment first (`launcher.engine_environment`: before
     vLLM is imported)."""
@@ -298,7 +300,10 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 
     if settings.transport != "inproc":
         transport, address = settings.transport, settings.engine_address
-        return ChildEngineHost(settings.engine_argv, lambda: client_for(transport, address)), None
+        host = ChildEngineHost(settings.engine_argv, lambda: client_for(transport, address))
+        url = settings.engine_metrics_url
+        scraped = ScrapedMetrics(url) if url else None
+        return host, (lambda: scraped) if scraped is not None else None
     from inferplane.node_agent.engine.inproc import engine_argv
 
     cpu = settings.device == "cpu" or (settings.device == "auto" and not has_nvidia_gpu())

@@ -35,9 +35,12 @@ class ReplicaSettings(ServiceSettings):
         spec: the ReplicaSpec read from `--spec-file` (proto JSON).
         transport: `inproc` (AsyncLLM here), `http-completions` or `grpc` (a child engine).
         engine_address: where the child engine server listens (`host:port`; not inproc).
+        engine_metrics_url: the child engine's Prometheus endpoint (not inproc), fetched at
+            each scrape of ours and served with this process's series.
         engine_argv: the command that starts the child engine (not inproc).
         metrics_host / metrics_port: the replica's Prometheus endpoint (0: none). It serves
-            this process's registry, which with `inproc` includes vLLM's `vllm:*` series.
+            this process's registry and vLLM's `vllm:*` series (in-process with `inproc`, the
+            child engine's `engine_metrics_url` otherwise).
         cache_root, device, kv_cache_bytes: the engine environment (`inproc`; see
             `launcher.engine_environment`).
         telemetry_address: where request records go ("" : nowhere).
@@ -50,6 +53,7 @@ class ReplicaSettings(ServiceSettings):
     spec: nodeagent_pb2.ReplicaSpec
     transport: str = INPROC
     engine_address: str = ""
+    engine_metrics_url: str = ""
     engine_argv: tuple[str, ...] = ()
     metrics_host: str = "127.0.0.1"
     cache_root: Path | None = None
@@ -83,6 +87,7 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--transport", choices=(INPROC, *CHILD_TRANSPORTS), default=INPROC)
     p.add_argument("--engine-address", default="")
+    p.add_argument("--engine-metrics-url", default="")
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--cache-root", type=Path, default=None)
@@ -112,6 +117,7 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
         port=args.port,
         transport=args.transport,
         engine_address=args.engine_address,
+        engine_metrics_url=args.engine_metrics_url,
         engine_argv=tuple(engine),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -64,9 +64,13 @@ def test_http_plan_runs_vllms_http_server_on_loopback(tmp_path: Path) -> None:
     assert args[args.index("--host") + 1] == "127.0.0.1"
     port = args[args.index("--port") + 1]
     assert plan.engine_address == f"127.0.0.1:{port}"
-    # The HTTP server's own /metrics, on the same port; the launcher serves none.
-    assert plan.metrics_url == f"http://127.0.0.1:{port}/metrics"
+    # The HTTP server's own /metrics, on the same port (the launcher serves none), is what
+    # the replica process fetches and serves with its own series on its metrics port.
+    engine_metrics = plan.argv[plan.argv.index("--engine-metrics-url") + 1]
+    assert engine_metrics == f"http://127.0.0.1:{port}/metrics"
     assert "--metrics-port" not in launcher_opts(plan.argv)
+    replica_port = plan.argv[plan.argv.index("--metrics-port") + 1]
+    assert plan.metrics_url == f"http://127.0.0.1:{replica_port}/metrics" != engine_metrics
     assert "--enable-prompt-tokens-details" in args  # cached tokens in usage
     assert plan.transport == "http-completions"
 
@@ -77,7 +81,10 @@ def test_grpc_plan_is_unchanged(tmp_path: Path) -> None:
     opts = launcher_opts(plan.argv)
     assert "--grpc" in args and "--enable-prompt-tokens-details" not in args
     metrics_port = opts[opts.index("--metrics-port") + 1]
-    assert plan.metrics_url == f"http://127.0.0.1:{metrics_port}/metrics"
+    engine_metrics = plan.argv[plan.argv.index("--engine-metrics-url") + 1]
+    assert engine_metrics == f"http://127.0.0.1:{metrics_port}/metrics"
+    replica_port = plan.argv[plan.argv.index("--metrics-port") + 1]
+    assert plan.metrics_url == f"http://127.0.0.1:{replica_port}/metrics"
     assert plan.engine_address == f"127.0.0.1:{args[args.index('--port') + 1]}"
 
 
@@ -166,7 +173,8 @@ async def test_http_engine_supervised_ready_generates_and_listens_on_loopback_on
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 3
 
         metrics = urllib.request.urlopen(replica.metrics_url, timeout=5).read().decode()
-        assert "vllm:num_requests_running" in metrics
+        assert "vllm:num_requests_running" in metrics  # the engine's, through the replica's
+        assert "inferplane_replica_" in metrics  # the replica process's own
 
         pids = tree_pids(replica.pid)
         # The replica process and its group's reaper; the engine (leading its own group),

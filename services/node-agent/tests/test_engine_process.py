@@ -185,18 +185,20 @@ async def test_a_replica_that_keeps_failing_ends_failed(tmp_path: Path) -> None:
 async def test_the_replica_serves_its_own_port_and_the_engine_stays_on_loopback(
     tmp_path: Path,
 ) -> None:
-    """Invariant: the replica process listens on its reported inference_address; its engine
-    (API and metrics) listens on loopback ports only."""
+    """Invariant: the replica process listens on its reported inference_address and serves
+    the metrics (its own with the engine's) on loopback; its engine (API and metrics) listens
+    on loopback ports only."""
     manager = manager_for(tmp_path, engine_args=("--spawn-child",))
     replica = await manager.start("r1", SPEC)
     await replica.wait_for_state(State.STATE_READY, timeout=20)
     ours = listening_addresses([replica.pid])
     port = int(replica.inference_address.rsplit(":", 1)[1])
     assert [addr for addr, p in ours if p == port and is_loopback(addr)], ours
+    metrics_port = int(replica.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    assert [addr for addr, p in ours if p == metrics_port and is_loopback(addr)], ours
     engine = listening_addresses(tree_pids(engine_pid(replica.pid)))
     ports = {port for _addr, port in engine}
     assert int(replica.engine_address.rsplit(":", 1)[1]) in ports
-    assert int(replica.metrics_url.rsplit(":", 1)[1].split("/")[0]) in ports
     assert all(is_loopback(addr) for addr, _port in engine), engine
     await manager.close()
 
@@ -255,7 +257,13 @@ def test_the_plan_starts_the_replica_process_with_its_engine_as_child(
     ]:
         assert flag(ours, name) == value, name
     assert {"--strict-tool-calls", "--gc-freeze"} <= set(ours)
-    assert "--metrics-port" not in ours and "--device" not in ours  # the launcher's job here
+    assert "--device" not in ours  # the launcher's job here
+    # The replica serves its own series with the engine's, which it fetches from there.
+    if "--metrics-port" in engine:  # grpc: the launcher serves vLLM's registry
+        assert flag(ours, "--metrics-port") != flag(engine, "--metrics-port")
+    assert plan.metrics_url == f"http://127.0.0.1:{flag(ours, '--metrics-port')}/metrics"
+    engine_metrics = flag(ours, "--engine-metrics-url")
+    assert engine_metrics.startswith("http://127.0.0.1:") and engine_metrics != plan.metrics_url
     engine_port = flag(vllm, "--port")
     assert flag(vllm, "--host") == "127.0.0.1" and engine_port != port
     assert plan.engine_address == flag(ours, "--engine-address") == f"127.0.0.1:{engine_port}"
@@ -263,10 +271,10 @@ def test_the_plan_starts_the_replica_process_with_its_engine_as_child(
     if transport == "grpc":
         assert "--grpc" in vllm
         metrics_port = flag(engine, "--metrics-port")
-        assert plan.metrics_url == f"http://127.0.0.1:{metrics_port}/metrics"
+        assert engine_metrics == f"http://127.0.0.1:{metrics_port}/metrics"
     else:
         assert "--grpc" not in vllm and "--enable-prompt-tokens-details" in vllm
-        assert plan.metrics_url == f"http://127.0.0.1:{engine_port}/metrics"
+        assert engine_metrics == f"http://127.0.0.1:{engine_port}/metrics"
     # The fake replica parses the replica process's flags strictly: the plan keeps to them.
     opts, engine_argv = fake_replica.parse(list(plan.argv[len(REPLICA_COMMAND) :]))
     assert opts.port == int(port) and engine_argv == [*engine, "--", *vllm]

@@ -197,6 +197,8 @@ def build_components(
                 auth_endpoint=settings.edge_auth_address,
                 listen_host=settings.edge_listen_host,
                 listen_port=settings.edge_listen_port,
+                tls_cert_path=settings.edge_tls_cert_path,
+                tls_key_path=settings.edge_tls_key_path,
                 node_id=settings.edge_node_id,
                 auth_internal_token=settings.edge_auth_internal_token,
             ),

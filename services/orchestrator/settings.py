@@ -35,6 +35,9 @@ class OrchestratorSettings(ServiceSettings):
         edge_auth_address: the auth service (`host:port`) for ext_authz and the admin API.
         edge_node_id: Envoy node id of the edge (its bootstrap must use the same).
         edge_listen_host / edge_listen_port: where the edge's listener binds.
+        edge_tls_cert_path / edge_tls_key_path: PEM certificate chain and key files (on the
+            edge's machine: Envoy reads them) the edge's listener serves HTTPS with; both
+            empty: plain HTTP. `inferplane up --tls` issues them from its local CA.
         edge_auth_internal_token: auth's `internal_token`, which the edge presents when it
             streams finished requests to auth (slot release); "" = auth accepts loopback.
     """
@@ -60,6 +63,8 @@ class OrchestratorSettings(ServiceSettings):
     edge_node_id: str = "inferplane-edge"
     edge_listen_host: str = "127.0.0.1"
     edge_listen_port: int = 8080
+    edge_tls_cert_path: str = ""
+    edge_tls_key_path: str = ""
     edge_auth_internal_token: str = dataclasses.field(default="", repr=False)
 
     @property

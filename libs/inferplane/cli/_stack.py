@@ -22,6 +22,8 @@ Layout of the data directory::
     <data_dir>/up.lock            held (flock) while a stack runs: a second `up` refuses
     <data_dir>/stack.json         ports and pids, for `inferplane status`
     <data_dir>/logs/<name>.log    each component's output (mode 0600, as every log here)
+    <data_dir>/pki/               with `tls`: the local CA (`ca.crt`, `ca.key`) and the edge's
+                                  certificate (`edge.crt`, `edge.key`); keys 0600
     <data_dir>/<name>/            each component's own state (auth and orchestrator databases,
                                   engine logs...); the orchestrator's catalogue survives an `up`
 """
@@ -50,6 +52,7 @@ from inferplane.cli._process import ManagedProcess
 from inferplane.cli._prometheus import engine_sd_file
 from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
 from inferplane.runtime import ConfigError
+from inferplane.runtime.pki import LocalCA
 from inferplane.testing import kimi_tiny
 
 Progress = Callable[[str], None]
@@ -90,6 +93,10 @@ class StackConfig:
             decoded under the tool-call structural tag), on as in the catalogue's default.
         service_args: extra command-line flags per service name (a key of `ports`), e.g.
             `{"router": ("--queue-timeout-seconds", "1")}`.
+        tls: the edge serves HTTPS with a certificate for localhost / 127.0.0.1 issued from
+            the local CA in `<data_dir>/pki` (created once, then reused; clients trust
+            `ca_path`); the leaf is valid `tls_cert_days` and re-issued at each start once a
+            third of that is left.
     """
 
     data_dir: Path
@@ -108,6 +115,8 @@ class StackConfig:
     stream_interval: int = 0
     constrain_tool_choice_auto: bool = True
     service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
+    tls: bool = False
+    tls_cert_days: int = 30
 
     @property
     def ports(self) -> dict[str, int]:
@@ -120,7 +129,17 @@ class StackConfig:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}/v1"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.data_dir / "pki"
+
+    @property
+    def ca_path(self) -> Path | None:
+        """The CA certificate clients must trust (`tls`), else None."""
+        return LocalCA(self.pki_dir).cert_path if self.tls else None
 
     def address(self, name: str) -> str:
         """`127.0.0.1:<port>` of service `name` (a key of `ports`)."""
@@ -294,12 +313,40 @@ class Stack:
         proc.start()
         self.processes[name] = proc
 
+    def _edge_tls_args(self, progress: Progress) -> list[str]:
+        """The orchestrator's edge certificate flags: the local CA's certificate for the edge
+        (created or reused), or none for plain HTTP."""
+        cfg = self.config
+        if not cfg.tls:
+            return []
+        try:
+            ca = LocalCA.ensure(cfg.pki_dir)
+            leaf = ca.issue(
+                "edge",
+                dns_names=("localhost",),
+                ip_addresses=("127.0.0.1", "::1"),
+                days=cfg.tls_cert_days,
+            )
+        except (OSError, ValueError) as exc:
+            raise StackError(
+                f"cannot create the edge's certificate in {cfg.pki_dir}: {exc}"
+            ) from exc
+        progress(f"edge certificate valid until {leaf.not_after:%Y-%m-%d}; CA {ca.cert_path}")
+        return [
+            "--edge-tls-cert-path",
+            str(leaf.cert_path.resolve()),
+            "--edge-tls-key-path",
+            str(leaf.key_path.resolve()),
+        ]
+
     def _start_services(self, progress: Progress) -> None:
         cfg = self.config
         data = cfg.data_dir
+        tls_args = self._edge_tls_args(progress)
         progress("starting the orchestrator (catalogue, placement, routing table, xDS)")
         self._service(
             "orchestrator",
+            *tls_args,
             "--data-dir",
             str(data / "orchestrator"),
             "--edge-routers",
@@ -502,6 +549,7 @@ class Stack:
         cfg = self.config
         state = {
             "base_url": cfg.base_url,
+            "ca_path": str(cfg.ca_path or ""),
             "ports": cfg.ports,
             "http_port": cfg.http_port,
             "envoy_admin_port": cfg.envoy_admin_port,

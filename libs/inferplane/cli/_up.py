@@ -33,6 +33,13 @@ def up(
         int, typer.Option(help="Services listen on this port and the next four.")
     ] = 50051,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy's admin port.")] = 9901,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            help="Serve HTTPS on --port with a certificate from a local CA kept in "
+            "<data-dir>/pki (created once, then reused); clients trust its ca.crt."
+        ),
+    ] = False,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -41,6 +48,7 @@ def up(
         http_port=port,
         grpc_base_port=grpc_base_port,
         envoy_admin_port=envoy_admin_port,
+        tls=tls,
     )
     stack = Stack(config)
     stop = threading.Event()
@@ -99,6 +107,15 @@ def _banner(config: StackConfig, key: str) -> tuple[str, str]:
 [bold green]inferplane is up[/bold green]  endpoint: [bold]{url}[/bold]   model: {MODEL_NAME}
 API key (shown once): [bold]{key}[/bold]
 logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.data_dir}"""
+    ca = config.ca_path
+    # Clients must trust the local CA explicitly (curl --cacert, httpx verify=...).
+    curl_ca = f" --cacert {ca}" if ca else ""
+    http_client = ""
+    if ca:
+        header += f"\nTLS: clients must trust the local CA [bold]{ca}[/bold]"
+        verify = f"ssl.create_default_context(cafile={str(ca)!r})"
+        http_client = f",\n    http_client=httpx.Client(verify={verify})"
+    imports = "import ssl, httpx\n" if ca else ""
     admin_key_file = config.data_dir / "auth" / "bootstrap-admin-key"
     if admin_key_file.exists():
         # Its path only: scrollback and screen recordings outlive the session, and the admin
@@ -107,12 +124,12 @@ logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.
     return (
         header,
         f"""
-curl {url}/chat/completions -H "Authorization: Bearer {key}" \\
+curl{curl_ca} {url}/chat/completions -H "Authorization: Bearer {key}" \\
   -H "Content-Type: application/json" -d '{body}'
 
 python - <<'PY'
-from openai import OpenAI
-client = OpenAI(base_url="{url}", api_key="{key}")
+{imports}from openai import OpenAI
+client = OpenAI(base_url="{url}", api_key="{key}"{http_client})
 stream = client.chat.completions.create(model="{MODEL_NAME}", stream=True,
     messages=[{{"role": "user", "content": "Tell me something about Paris."}}])
 for chunk in stream:

@@ -34,6 +34,8 @@ def config_from_args(args: argparse.Namespace) -> EdgeConfig:
         listen_host=args.listen_host,
         listen_port=args.listen_port,
         admin_port=args.admin_port,
+        tls_cert_path=args.tls_cert,
+        tls_key_path=args.tls_key,
     )
 
 
@@ -52,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--listen-host", default="127.0.0.1")
     render.add_argument("--listen-port", type=int, default=8080)
     render.add_argument("--admin-port", type=int, default=9901)
+    render.add_argument("--tls-cert", default="", help="PEM certificate chain: serve HTTPS")
+    render.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     render.add_argument("--format", choices=("yaml", "json"), default="yaml")
     render.add_argument(
         "--validate", action="store_true", help="check it with envoy --mode validate"

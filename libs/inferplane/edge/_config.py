@@ -84,6 +84,10 @@ class EdgeConfig:
             cluster; a pick that names none is served by the fallback policy (round robin).
         auth_endpoint: the auth service (ext_authz `Check` and `ApiKeyService`), HTTP/2 h2c.
         listen_host / listen_port: where clients connect (OpenAI REST + SSE, HTTP/1.1 or h2c).
+        tls_cert_path / tls_key_path: PEM certificate chain and private key files of the
+            listener; both set: clients connect over TLS (1.2+, ALPN h2 and http/1.1) only;
+            both empty: plain text. Envoy reads them when the listener is (re)built, so a
+            renewed certificate is served after an edge restart or a new listener push.
         admin_host / admin_port: Envoy's admin API (`/ready`, `/stats`); keep it on loopback,
             it can shut Envoy down (`/quitquitquit`).
         node_id / node_cluster: the Envoy node identity (xDS snapshots are keyed by it).
@@ -133,6 +137,8 @@ class EdgeConfig:
     replica_endpoints: tuple[Endpoint, ...] = ()
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
+    tls_cert_path: str = ""
+    tls_key_path: str = ""
     admin_host: str = "127.0.0.1"
     admin_port: int = 9901
     node_id: str = "inferplane-edge"
@@ -158,6 +164,11 @@ class EdgeConfig:
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
     services: tuple[str, ...] = DEFAULT_SERVICES
 
+    @property
+    def tls(self) -> bool:
+        """Whether the listener serves TLS."""
+        return bool(self.tls_cert_path)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "router_endpoints", _endpoints(self.router_endpoints))
         object.__setattr__(self, "replica_endpoints", _endpoints(self.replica_endpoints))
@@ -171,6 +182,8 @@ class EdgeConfig:
                 raise EdgeConfigError(f"{name}={port} is outside 1..65535")
         if self.listen_port == self.admin_port and self.listen_host == self.admin_host:
             raise EdgeConfigError(f"listen_port and admin_port are both {self.listen_port}")
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            raise EdgeConfigError("tls_cert_path and tls_key_path must be set together")
         if self.auth_failure_limit < 1 or self.auth_failure_window_s < 1:
             raise EdgeConfigError("auth_failure_limit and auth_failure_window_s must be >= 1")
         if self.max_request_bytes < 64 * 1024:

@@ -68,6 +68,7 @@ _EARLY_MUTATION = (
     _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 )
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+_DOWNSTREAM_TLS = _T + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
 _GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 #: The request header auth's Check sets with the key's id (a trusted x-inferplane-* header).
 KEY_ID_HEADER = "x-inferplane-key-id"
@@ -632,8 +633,45 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
     return hcm
 
 
+def build_downstream_tls(config: EdgeConfig) -> Resource:
+    """The listener's TLS transport socket: TLS 1.2+, ALPN h2 then http/1.1, the certificate
+    and key read from `tls_cert_path` / `tls_key_path`.
+
+    Static file paths are read when the listener is built (not watched: Envoy reloads files
+    only for SDS-delivered secrets), so a renewed certificate needs an edge restart or a new
+    listener push.
+    """
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _DOWNSTREAM_TLS,
+            "common_tls_context": {
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "alpn_protocols": ["h2", "http/1.1"],
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": config.tls_cert_path},
+                        "private_key": {"filename": config.tls_key_path},
+                    }
+                ],
+            },
+        },
+    }
+
+
 def build_listener(config: EdgeConfig, *, rds: bool = False) -> Resource:
-    """The edge Listener (`LISTENER_TYPE`) on `listen_host:listen_port`."""
+    """The edge Listener (`LISTENER_TYPE`) on `listen_host:listen_port`, over TLS when
+    `config.tls` (`build_downstream_tls`)."""
+    chain: Resource = {
+        "filters": [
+            {
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": build_http_connection_manager(config, rds=rds),
+            }
+        ]
+    }
+    if config.tls:
+        chain["transport_socket"] = build_downstream_tls(config)
     return {
         "name": LISTENER_NAME,
         "address": {
@@ -643,16 +681,7 @@ def build_listener(config: EdgeConfig, *, rds: bool = False) -> Resource:
         "per_connection_buffer_limit_bytes": config.max_request_bytes,
         # SO_REUSEPORT would let a second edge bind the same port and silently split traffic.
         "enable_reuse_port": False,
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": build_http_connection_manager(config, rds=rds),
-                    }
-                ]
-            }
-        ],
+        "filter_chains": [chain],
     }
 
 
@@ -864,6 +893,7 @@ def _message_types() -> dict[str, type[Message]]:
     from envoy.extensions.resource_monitors.downstream_connections.v3 import (  # noqa: F401
         downstream_connections_pb2,
     )
+    from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
     from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 
     return {

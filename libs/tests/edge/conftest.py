@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from envoy.service.auth.v3 import external_auth_pb2_grpc
@@ -32,11 +34,13 @@ class Edge:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.listen_port}"
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.config.listen_port}"
 
 
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+@contextlib.contextmanager
+def running_edge(data_dir: Path, **overrides: Any) -> Iterator[Edge]:
+    """Envoy in front of fresh fakes; `overrides` are `EdgeConfig` fields (e.g. TLS)."""
     inference, authz, picker = FakeInference(), FakeAuthz(), FakePicker()
     backend, backend_port = start_grpc_server(
         (pb_grpc.add_InferenceServiceServicer_to_server, inference),
@@ -54,8 +58,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
         listen_port=free_port(),
         admin_port=free_port(),
         authz_timeout_s=0.5,
+        **overrides,
     )
-    data_dir = Path(tmp_path_factory.mktemp("edge"))
     envoy = EnvoyProcess.from_config(config, data_dir, concurrency=2)
     try:
         envoy.start()
@@ -64,3 +68,9 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
         envoy.stop()
         backend.stop(grace=None)
         auth_server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    with running_edge(Path(tmp_path_factory.mktemp("edge"))) as running:
+        yield running

@@ -23,6 +23,7 @@ from inferplane.edge import (
     Endpoint,
     MiB,
 )
+from inferplane.runtime.pki import LocalCA
 
 CONFIG = EdgeConfig(
     router_endpoints=(Endpoint.parse("127.0.0.1:7001"), Endpoint.parse("127.0.0.1:7003")),
@@ -228,6 +229,42 @@ def test_xds_resources_parse_as_envoy_protos() -> None:
     assert len(endpoints[edge.ROUTER_CLUSTER].endpoints[0].lb_endpoints) == 2
 
 
+def _tls_config(tmp_path: Path) -> EdgeConfig:
+    leaf = LocalCA.ensure(tmp_path).issue("edge", dns_names=("localhost",))
+    return EdgeConfig(
+        router_endpoints=CONFIG.router_endpoints,
+        auth_endpoint=CONFIG.auth_endpoint,
+        listen_port=18080,
+        admin_port=19901,
+        tls_cert_path=str(leaf.cert_path),
+        tls_key_path=str(leaf.key_path),
+    )
+
+
+def test_tls_listener_parses_as_envoy_protos(tmp_path: Path) -> None:
+    """With a certificate the listener's only filter chain is TLS 1.2+ with ALPN h2, http/1.1;
+    without one it has no transport socket (plain text, as before)."""
+    from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
+
+    config = _tls_config(tmp_path)
+    (listener,) = edge.build_xds_resources(config)[LISTENER_TYPE]
+    (chain,) = listener.filter_chains
+    assert chain.transport_socket.name == "envoy.transport_sockets.tls"
+    context = tls_pb2.DownstreamTlsContext()
+    assert chain.transport_socket.typed_config.Unpack(context)
+    common = context.common_tls_context
+    assert common.tls_params.tls_minimum_protocol_version == common_pb2.TlsParameters.TLSv1_2
+    assert list(common.alpn_protocols) == ["h2", "http/1.1"]
+    assert common.tls_certificates[0].certificate_chain.filename == config.tls_cert_path
+    assert common.tls_certificates[0].private_key.filename == config.tls_key_path
+    (plain,) = edge.build_xds_resources(CONFIG)[LISTENER_TYPE]
+    assert not plain.filter_chains[0].HasField("transport_socket")
+
+
+def test_envoy_accepts_a_tls_bootstrap(tmp_path: Path) -> None:
+    edge.validate_bootstrap(edge.render_static_bootstrap(_tls_config(tmp_path)))
+
+
 def test_rendered_yaml_and_json_hold_the_same_bootstrap() -> None:
     from_yaml = yaml.safe_load(edge.render_static_bootstrap(CONFIG))
     from_json = json.loads(edge.render_static_bootstrap(CONFIG, fmt="json"))
@@ -258,6 +295,8 @@ def test_envoy_rejection_is_reported() -> None:
         ({"listen_port": 9901, "admin_port": 9901}, "both 9901"),
         ({"max_request_bytes": 1000}, "below 64 KiB"),
         ({"authz_timeout_s": 0}, "authz_timeout_s must be positive"),
+        ({"tls_cert_path": "/tmp/edge.crt"}, "set together"),
+        ({"tls_key_path": "/tmp/edge.key"}, "set together"),
     ],
 )
 def test_invalid_config_is_rejected(kwargs: dict, message: str) -> None:

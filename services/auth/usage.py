@@ -158,11 +158,16 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
             ident = (usage.key_id, usage.request_id)
             if usage.request_id and ident in self._recent:
                 self._metrics.requests.labels("duplicate").inc()
+                log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
                 continue
-            await self._limiter.record_usage(
-                usage.key_id, usage.request_id, usage.prompt_tokens + usage.completion_tokens
-            )
+            tokens = usage.prompt_tokens + usage.completion_tokens
+            await self._limiter.record_usage(usage.key_id, usage.request_id, tokens)
             if usage.request_id:
                 self._recent.add(ident)
             self._metrics.requests.labels("accounted").inc()
+            # One line per accounted request (at debug: an audit trail by request id, which
+            # bench/chaos.py matches against what its clients saw across auth restarts).
+            log.debug(
+                "usage_accounted", key_id=usage.key_id, request_id=usage.request_id, tokens=tokens
+            )
         return usage_pb2.ReportUsageResponse()

@@ -15,7 +15,7 @@ from inferplane.cli._stack import Stack, StackConfig
 from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
-OWN_STACK_MODULES = frozenset({"test_two_replicas.py"})
+OWN_STACK_MODULES = frozenset({"test_two_replicas.py", "test_chaos.py", "test_edge_tls.py"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -15,7 +15,9 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
 - `inferplane_router_fallbacks_served_total` (counter): requests a fallback of the pick
   served because the endpoints before it failed before their first byte (Envoy retried down
   the list; Envoy's own `cluster.inferplane_replicas.upstream_rq_retry*` stats count the
-  attempts and what its retry budget refused).
+  attempts and what its retry budget refused);
+- `inferplane_router_orphan_outcomes_total` (counter): replicas' reports of requests this
+  address picked before it restarted, whose usage it reported from the report.
 
 Gauges are read from `Admission` at scrape time (no work on the request path); the scrape
 runs on the metrics thread and only reads.
@@ -43,6 +45,12 @@ class RouterMetrics:
             "inferplane_router_fallbacks_served",
             "Requests a fallback endpoint of the pick served, because the endpoints before it "
             "failed before their first byte.",
+            registry=registry,
+        )
+        self.orphan_outcomes = Counter(
+            "inferplane_router_orphan_outcomes",
+            "Replicas' reports of requests picked before this router restarted, whose usage "
+            "was reported from the report.",
             registry=registry,
         )
 

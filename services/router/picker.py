@@ -30,6 +30,7 @@ The picker never raises out of `Process`: a malformed message is answered with a
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -53,6 +54,7 @@ from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
 from inferplane.router.schemas import SchemaCheck
+from inferplane.router.usage import UsageRecord
 from inferplane.runtime import (
     OPENAI_ERROR_CODE_KEY,
     InferplaneError,
@@ -64,6 +66,10 @@ from inferplane.runtime import (
 from inferplane.wire import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary, error_body
 
 log = structlog.get_logger("inferplane.router.picker")
+
+# How many concluded request ids the picker remembers (a replica's report lands within seconds
+# of the request's end; a few minutes of traffic at 1,000 requests/s, ~10 MB).
+_CONCLUDED_MEMORY = 200_000
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
@@ -334,6 +340,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._clock = reporter.clock
         # Picked requests by request id, until concluded: what replicas' reports match.
         self._active: dict[str, _Exchange] = {}
+        # Request ids concluded lately (oldest forgotten first): a replica's report of one of
+        # them is a copy of what the trailers said; an id in neither map is an orphan.
+        self._concluded: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest], context: Context
@@ -605,12 +614,17 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def report_outcomes(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
         """Replicas' reports of how requests they served ended (`OutcomeService`): each
         (request id, summary) concludes the request it names if its stream already ended
-        without trailers, or is kept for when it ends; unknown ids (concluded, or another
-        router's) are ignored. Returns how many matched."""
+        without trailers, or is kept for when it ends. Ids this router concluded lately are
+        ignored. Any other id is a request picked by this address before it restarted (its
+        state died with the process): its usage is reported from the summary's key and model,
+        so a router crash loses no tokens (auth drops a copy by request id if the previous
+        process had reported it). Returns how many matched a request in flight."""
         matched = 0
         for request_id, summary in outcomes:
             exchange = self._active.get(request_id)
             if exchange is None:
+                if request_id not in self._concluded and summary.key_id:
+                    self._account_orphan(request_id, summary)
                 continue
             matched += 1
             exchange.reported = summary
@@ -619,10 +633,30 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self._report(exchange)
         return matched
 
+    def _account_orphan(self, request_id: str, summary: ResponseSummary) -> None:
+        self._concluded[request_id] = None
+        self._reporter.usage.record(
+            UsageRecord(
+                key_id=summary.key_id,
+                request_id=request_id,
+                model=summary.model,
+                prompt_tokens=summary.prompt_tokens,
+                completion_tokens=summary.completion_tokens,
+                ok=not summary.error_code and summary.finish_reason not in ("error", "abort"),
+            )
+        )
+        if self._metrics is not None:
+            self._metrics.orphan_outcomes.inc()
+        log.info("orphan_outcome_accounted", request_id=request_id, key_id=summary.key_id)
+
     def _report(self, exchange: _Exchange) -> None:
         """Concludes the request and hands its trace over (usage + record), exactly once."""
         if self._active.get(exchange.trace.request_id) is exchange:
             del self._active[exchange.trace.request_id]
+        if exchange.trace.request_id:
+            self._concluded[exchange.trace.request_id] = None
+            if len(self._concluded) > _CONCLUDED_MEMORY:
+                self._concluded.popitem(last=False)
         exchange.waiting = None
         try:
             if not exchange.refused:

@@ -104,20 +104,11 @@ def test_sigkill_of_auth_under_streaming_load(chaos_stack: Stack, key: str) -> N
     _check(row)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LostUsageError,
-    reason=(
-        "issue 18: the usage of the streams in flight on a router that dies is lost: the "
-        "replica reports their outcome to the restarted router (same address), which did not "
-        "pick them and ignores unknown request ids (EndpointPicker.report_outcomes); the dead "
-        "instance's pending requests and unsent usage reports lived in its memory only"
-    ),
-)
 def test_sigkill_of_the_router_under_streaming_load(chaos_stack: Stack, key: str) -> None:
     """The router (endpoint picker) down ~1 s: new requests get 503 `picker_unavailable`
     until it is back; streams in flight go on (ext_proc's failure_mode_allow); every served
-    request's usage must still reach auth."""
+    request's usage still reaches auth: the replica's report of a stream the dead router
+    picked reaches the restarted one, which accounts it from the report's key and model."""
     row = _run(chaos_stack, key, "router")
     assert not chaos_stack.dead_component(), chaos_stack.dead_component()
     _check(row)

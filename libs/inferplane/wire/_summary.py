@@ -33,6 +33,8 @@ REASONING_TOKENS_KEY = "x-inferplane-reasoning-tokens"
 FINISH_REASON_KEY = "x-inferplane-finish-reason"
 TTFT_KEY = "x-inferplane-ttft-seconds"
 ERROR_CODE_KEY = "x-inferplane-error-code"
+KEY_ID_KEY = "x-inferplane-summary-key-id"
+MODEL_KEY = "x-inferplane-summary-model"
 
 SUMMARY_KEYS: tuple[str, ...] = (
     REPLICA_KEY,
@@ -43,6 +45,8 @@ SUMMARY_KEYS: tuple[str, ...] = (
     FINISH_REASON_KEY,
     TTFT_KEY,
     ERROR_CODE_KEY,
+    KEY_ID_KEY,
+    MODEL_KEY,
 )
 """Every trailer key a summary may write (the picker removes them all before the client)."""
 
@@ -66,6 +70,9 @@ class ResponseSummary:
         ttft_seconds: time from the request's arrival at the replica to its first output,
             seconds; 0 when no output was produced.
         error_code: the OpenAI error `code` of a failure ("" when none).
+        key_id / model: the API key and the model the client asked for; set only in the
+            replica's out-of-band report to its picker (a restarted router that never saw the
+            request accounts its usage from them), never in the response's trailers.
     """
 
     replica_id: str = ""
@@ -76,6 +83,8 @@ class ResponseSummary:
     finish_reason: str = ""
     ttft_seconds: float = 0.0
     error_code: str = ""
+    key_id: str = ""
+    model: str = ""
 
     def to_metadata(self) -> tuple[tuple[str, str], ...]:
         """The trailing metadata pairs (empty strings and zeros are left out)."""
@@ -92,6 +101,10 @@ class ResponseSummary:
             out.append((TTFT_KEY, f"{self.ttft_seconds:.6f}"))
         if self.error_code:
             out.append((ERROR_CODE_KEY, self.error_code))
+        if self.key_id:
+            out.append((KEY_ID_KEY, self.key_id))
+        if self.model:
+            out.append((MODEL_KEY, self.model))
         return tuple(out)
 
     @classmethod
@@ -112,6 +125,8 @@ class ResponseSummary:
             finish_reason=seen.get(FINISH_REASON_KEY, ""),
             ttft_seconds=_float(seen.get(TTFT_KEY, "")),
             error_code=seen.get(ERROR_CODE_KEY, ""),
+            key_id=seen.get(KEY_ID_KEY, ""),
+            model=seen.get(MODEL_KEY, ""),
             **ints,
         )
 

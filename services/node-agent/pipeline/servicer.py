@@ -67,6 +67,7 @@ log = structlog.get_logger("inferplane.node_agent.pipeline")
 REPLICA_METADATA_KEY = "x-inferplane-replica"
 """Request metadata that pins a replica (the router sets it to the replica id it chose)."""
 REQUEST_ID_METADATA_KEY = "x-request-id"
+KEY_ID_METADATA_KEY = "x-inferplane-key-id"  # set by auth's Check at the edge
 
 Context = Any  # grpc.aio.ServicerContext
 M = TypeVar("M")
@@ -305,10 +306,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             if self._metrics is not None and track.stream:
                 self._metrics.messages.labels(track.api, track.framing).observe(track.messages)
             if summary is not None and track.messages:
-                self._report(context, summary)
+                self._report(context, summary, track.model)
             self._emit(track, context)
 
-    def _report(self, context: Context, summary: ResponseSummary) -> None:
+    def _report(self, context: Context, summary: ResponseSummary, model: str) -> None:
         """Hands the summary of a request that produced output to the picker named in its
         `x-inferplane-picker`, after this handler returns (the status is not delayed). Only
         the replica that started a response reports it (Envoy never retries after response
@@ -321,10 +322,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         try:
             picker = _metadata(context, PICKER_KEY)
             request_id = _metadata(context, REQUEST_ID_METADATA_KEY)
+            key_id = _metadata(context, KEY_ID_METADATA_KEY)
         except Exception:  # never fail a request over its report
             log.debug("picker_report_metadata_unreadable", exc_info=True)
             return
         if picker and request_id:
+            # The key and model let a restarted router account a request it never saw.
+            summary = dataclasses.replace(summary, key_id=key_id, model=model)
             asyncio.get_running_loop().call_soon(_report_to, report, picker, request_id, summary)
 
     # -- message producers (the bodies the template runs) -----------------------------------

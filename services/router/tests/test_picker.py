@@ -779,3 +779,28 @@ def test_trailers_conclude_at_once_and_a_late_report_is_ignored() -> None:
             assert len(rig.records) == 1 and len(rig.usage.reports) == 1
 
     asyncio.run(scenario())
+
+
+def test_a_report_of_a_request_picked_before_a_restart_is_accounted_once() -> None:
+    """A replica's report naming a request this router never saw (it was picked by the same
+    address before the router restarted: its state died with the process) still reports the
+    usage, from the key and model the report carries; a second copy does not, and neither
+    does a late report of a request this router concluded, nor one without a key."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            orphan = dataclasses.replace(DONE, key_id="k9", model="m")
+            assert rig.picker.report_outcomes([("lost-1", orphan)]) == 0
+            assert rig.picker.report_outcomes([("lost-1", orphan)]) == 0
+            assert rig.picker.report_outcomes([("lost-2", DONE)]) == 0  # no key: nothing to do
+            (usage,) = rig.usage.reports
+            assert (usage.key_id, usage.request_id, usage.model) == ("k9", "lost-1", "m")
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.ok) == (
+                DONE.prompt_tokens,
+                DONE.completion_tokens,
+                True,
+            )
+            assert rig.metrics.orphan_outcomes._value.get() == 1
+            assert not rig.records  # the record died with the old process
+
+    asyncio.run(scenario())

@@ -394,11 +394,21 @@ def summary_trailers(metadata: Any) -> dict[str, str]:
     return {k: v for k, v in metadata or () if k in SUMMARY_KEYS}
 
 
+def as_reported(trailers: dict[str, str], key_id: str = "") -> dict[str, str]:
+    """What the picker gets: the trailers' summary plus the request's model (and key): what a
+    restarted router, which never saw the request, accounts its usage from."""
+    extra = {"x-inferplane-summary-model": "kimi-tiny"}
+    if key_id:
+        extra["x-inferplane-summary-key-id"] = key_id
+    return {**trailers, **extra}
+
+
 def test_a_picked_stream_is_reported_to_its_picker_with_the_trailers_summary() -> None:
     """A streamed request that names its picker (`x-inferplane-picker`) and id (`x-request-id`)
     is reported exactly once, through the real `OutcomeReporter` over gRPC, to that picker,
-    under that id, with exactly the summary of its trailers: what makes usage exact when the
-    client closes right after [DONE] and the trailers never reach the picker."""
+    under that id, with the summary of its trailers (plus its model and key, which never go
+    into the trailers): what makes usage exact when the client closes right after [DONE] and
+    the trailers never reach the picker."""
     reporter = OutcomeReporter(CollectorRegistry())
     picker = FakePicker()
 
@@ -409,7 +419,11 @@ def test_a_picked_stream_is_reported_to_its_picker_with_the_trailers_summary() -
         await server.start()
         await reporter.start()
         try:
-            metadata = (("x-request-id", "req-7"), (PICKER_KEY, f"127.0.0.1:{port}"))
+            metadata = (
+                ("x-request-id", "req-7"),
+                (PICKER_KEY, f"127.0.0.1:{port}"),
+                ("x-inferplane-key-id", "key-9"),
+            )
             call = stub.StreamChatCompletionEvents(chat_events(), metadata=metadata)
             events = events_of([b async for b in call])
             assert events[-1] == b"data: [DONE]"
@@ -421,7 +435,8 @@ def test_a_picked_stream_is_reported_to_its_picker_with_the_trailers_summary() -
         finally:
             await reporter.close()
             await server.stop(0)
-        assert picker.outcomes == [("req-7", trailers)]
+        assert picker.outcomes == [("req-7", as_reported(trailers, "key-9"))]
+        assert "x-inferplane-summary-key-id" not in trailers
         assert trailers["x-inferplane-finish-reason"] == "tool_calls"
         assert ResponseSummary.from_metadata(trailers).completion_tokens == len(WEATHER_IDS)
 
@@ -445,8 +460,8 @@ def test_a_failure_after_output_is_reported_with_its_error_summary() -> None:
         typed_trailers = summary_trailers(info.value.trailing_metadata())
         await asyncio.sleep(0)
         assert [(a, r, dict(s.to_metadata())) for a, r, s in reports.got] == [
-            ("10.0.0.9:50070", "req-1", sse_trailers),
-            ("10.0.0.9:50070", "req-1", typed_trailers),
+            ("10.0.0.9:50070", "req-1", as_reported(sse_trailers)),
+            ("10.0.0.9:50070", "req-1", as_reported(typed_trailers)),
         ]
         assert [(s.finish_reason, s.error_code) for _, _, s in reports.got] == [
             ("error", "engine_failed"),
@@ -516,7 +531,7 @@ def test_a_client_cancel_after_output_is_reported_as_abort() -> None:
     assert [(a, r) for a, r, _ in reports.got] == [("10.0.0.9:50070", "req-1")]
     reported = reports.got[0][2]
     assert (reported.finish_reason, reported.completion_tokens) == ("abort", 3)
-    assert dict(reported.to_metadata()) == summary_trailers(spy.trailers[0])
+    assert dict(reported.to_metadata()) == as_reported(summary_trailers(spy.trailers[0]))
 
 
 # -- coalescing -------------------------------------------------------------------------------

@@ -124,15 +124,16 @@ class RunningServer:
         for binding in app.servicers:
             binding.add(binding.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [b.name for b in app.servicers]
-        reflection.enable_server_reflection(
-            [
-                *names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
-        )
+        if settings.reflection:
+            names = [b.name for b in app.servicers]
+            reflection.enable_server_reflection(
+                [
+                    *names,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.server,
+            )
         self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {settings.host}:{settings.port}")

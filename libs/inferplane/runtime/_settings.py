@@ -36,6 +36,8 @@ class ServiceSettings:
     (bench/README.md, "uvloop"); `asyncio` is the standard library's, for debugging.
     `gc_freeze`: once serving, freeze the start-up heap out of the garbage collector's scans
     (`inferplane.runtime.freeze_heap`); off only to compare or to debug memory.
+    `reflection`: serve gRPC server reflection (what `grpcurl` lists); off by default, since it
+    hands anyone who can reach the port a map of every method (issue 18).
     """
 
     host: str = "127.0.0.1"
@@ -47,6 +49,7 @@ class ServiceSettings:
     max_message_bytes: int = 64 * 1024 * 1024
     event_loop: str = "uvloop"
     gc_freeze: bool = True
+    reflection: bool = False
 
 
 def _convert(value: Any, hint: Any, name: str) -> Any:

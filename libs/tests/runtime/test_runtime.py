@@ -245,3 +245,40 @@ def test_gc_pauses_are_exported_per_generation_and_close_removes_the_hook() -> N
     before = count("2")
     gc.collect(2)
     assert count("2") == before
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_reflection_is_served_only_when_enabled(enabled: bool) -> None:
+    """Server reflection (a map of every method for whoever reaches the port) is off unless a
+    service's settings turn it on; health is always served."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from inferplane.runtime import App, RunningServer
+
+    async def scenario() -> None:
+        app = App(component="demo", registry=CollectorRegistry(), servicers=[])
+        server = RunningServer(app, ServiceSettings(reflection=enabled))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                call = stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
+                if enabled:
+                    names = [
+                        s.name
+                        for r in [await call.read()]
+                        for s in r.list_services_response.service
+                    ]
+                    assert "grpc.health.v1.Health" in names
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call.read()
+                    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())

@@ -1,4 +1,5 @@
-"""The router's `InferenceService`: `ListModels` only (`GET /v1/models` at the edge).
+"""The router's `InferenceService`: `ListModels` and `GetModel` only (`GET /v1/models`,
+`GET /v1/models/{model}` at the edge).
 
 Generation requests never reach the router on the data path: Envoy asks its endpoint picker
 (`inferplane.router.picker`) where to send each one and streams from the replica itself. The
@@ -14,6 +15,7 @@ from typing import Any
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.router.routes import RouteTable
+from inferplane.runtime import NotFoundError
 
 Context = Any  # grpc.aio.ServicerContext
 
@@ -36,12 +38,29 @@ class ModelsService(inference_pb2_grpc.InferenceServiceServicer):  # type: ignor
         now = int(self._wall_clock())
         response = pb.ListModelsResponse(object="list")
         for route in self._table().models():
-            model = response.data.add(
-                id=route.model,
-                object="model",
-                created=route.created or now,
-                owned_by=route.owned_by,
-            )
-            if route.max_model_len:
-                model.max_model_len = route.max_model_len
+            response.data.append(_model(route, now))
         return response
+
+    async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.Model:
+        """The model named `request.model` as `ListModels` lists it.
+
+        Raises:
+            NotFoundError: no model by that name (HTTP 404, code model_not_found).
+        """
+        for route in self._table().models():
+            if route.model == request.model:
+                return _model(route, int(self._wall_clock()))
+        raise NotFoundError(
+            f"The model '{request.model}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _model(route: Any, now: int) -> pb.Model:
+    model = pb.Model(
+        id=route.model, object="model", created=route.created or now, owned_by=route.owned_by
+    )
+    if route.max_model_len:
+        model.max_model_len = route.max_model_len
+    return model

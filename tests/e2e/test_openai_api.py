@@ -51,6 +51,10 @@ def _chat(client: openai.OpenAI, case: kimi_tiny.CanonicalCase, **extra: object)
 
 def test_models_lists_the_fixture_model(client: openai.OpenAI) -> None:
     assert MODEL_NAME in [m.id for m in client.models.list().data]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.code == "model_not_found"
 
 
 def test_non_streaming_chat_answer(client: openai.OpenAI) -> None:

@@ -51,6 +51,33 @@ def test_models_are_the_routing_tables_with_created_and_context_length() -> None
     }
 
 
+def test_get_model_retrieves_one_model_or_says_it_does_not_exist() -> None:
+    """`GET /v1/models/{model}` (the openai client's `models.retrieve`): the model as the list
+    shows it, names with slashes included; an unknown one is NOT_FOUND model_not_found."""
+    table = RouteTable.of(
+        [
+            ModelRoute("kimi-tiny", endpoints(1), created=1_700_000_000, max_model_len=2048),
+            ModelRoute("moonshotai/Kimi-K2.5", endpoints(1), created=1_600_000_000),
+        ]
+    )
+    model = asyncio.run(_call(table, "GetModel", pb.GetModelRequest(model="kimi-tiny")))
+    assert (model.id, model.object, model.created, model.max_model_len) == (
+        "kimi-tiny",
+        "model",
+        1_700_000_000,
+        2048,
+    )
+    slashed = asyncio.run(
+        _call(table, "GetModel", pb.GetModelRequest(model="moonshotai/Kimi-K2.5"))
+    )
+    assert slashed.id == "moonshotai/Kimi-K2.5"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(_call(table, "GetModel", pb.GetModelRequest(model="nope")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    trailers = dict(info.value.trailing_metadata() or ())
+    assert trailers["x-openai-error-code"] == "model_not_found"
+
+
 def test_generation_is_not_served_by_the_router() -> None:
     """The router never relays tokens: a generation call made to it directly is UNIMPLEMENTED
     (Envoy sends generation to the replica the picker chose)."""

@@ -1401,6 +1401,28 @@ class ListModelsRequest(_message.Message):
 Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
 
 @_typing.final
+class GetModelRequest(_message.Message):
+    """Request for GetModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model's name, as `GET /v1/models` lists it."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetModelRequest: _TypeAlias = GetModelRequest  # noqa: Y015
+
+@_typing.final
 class ListModelsResponse(_message.Message):
     """OpenAI's model list."""
 

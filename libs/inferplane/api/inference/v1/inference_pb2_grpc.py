@@ -75,6 +75,11 @@ class InferenceServiceStub:
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/inferplane.inference.v1.InferenceService/GetModel',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.Model.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -137,6 +142,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """One model this endpoint serves (`GET /v1/models/{model}`, OpenAI's retrieve); NOT_FOUND
+        (code model_not_found) when it serves none by that name. Names may hold slashes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.GetModelRequest.FromString,
+                    response_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.Model.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +388,33 @@ class InferenceService:
             '/inferplane.inference.v1.InferenceService/ListModels',
             inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/GetModel',
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.GetModelRequest.SerializeToString,
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.Model.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,10 @@ class InferenceServiceStub:
     """Streams a text completion as SSE bytes (see StreamChatCompletionEvents)."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
+    GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]
+    """One model this endpoint serves (`GET /v1/models/{model}`, OpenAI's retrieve); NOT_FOUND
+    (code model_not_found) when it serves none by that name. Names may hold slashes.
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -96,6 +100,10 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Streams a text completion as SSE bytes (see StreamChatCompletionEvents)."""
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
+    GetModel: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]  # type: ignore[assignment]
+    """One model this endpoint serves (`GET /v1/models/{model}`, OpenAI's retrieve); NOT_FOUND
+    (code model_not_found) when it serves none by that name. Names may hold slashes.
+    """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Chat and text completions, streamed or not, plus the model list.
@@ -165,5 +173,15 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ListModelsResponse, _abc.Awaitable[_inference_pb2.ListModelsResponse]]:
         """Lists the models this endpoint serves (`GET /v1/models`)."""
+
+    @_abc_1.abstractmethod
+    def GetModel(
+        self,
+        request: _inference_pb2.GetModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.Model, _abc.Awaitable[_inference_pb2.Model]]:
+        """One model this endpoint serves (`GET /v1/models/{model}`, OpenAI's retrieve); NOT_FOUND
+        (code model_not_found) when it serves none by that name. Names may hold slashes.
+        """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

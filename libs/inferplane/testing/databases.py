@@ -13,8 +13,10 @@ import os
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import MetaData, Table, create_engine
+import pytest
+from sqlalchemy import MetaData, Table, create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from inferplane.storage import Migrations
@@ -69,5 +71,27 @@ def drop_schema(url: str, migrations: Migrations, metadata: Sequence[MetaData]) 
         for md in metadata:
             md.drop_all(engine)
         Table(migrations.version_table, MetaData()).drop(engine, checkfirst=True)
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def database_or_skip(kind: str, directory: Path) -> Iterator[str]:
+    """`fresh_database`, the test skipped (with the reason) when `kind` is "postgresql" and no
+    test server is configured: CI's `scripts/test.sh` always starts one, so only a developer's
+    bare `pytest` skips."""
+    try:
+        with fresh_database(kind, directory) as url:
+            yield url
+    except LookupError as exc:
+        pytest.skip(str(exc))
+
+
+def version_rows(url: str, migrations: Migrations) -> list[Any]:
+    """The rows of `migrations`' version table in the database at `url`."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(f"SELECT version_num FROM {migrations.version_table}")))
     finally:
         engine.dispose()

@@ -56,7 +56,7 @@ def test_allowed_flags_pass_in_both_spellings() -> None:
         ("--trust-remote",),  # and prefixes of long names
         ("--worker-cls", "evil.Worker"),
         ("--logits-processors", "evil.Processor"),
-        ("--tokenizer", "/home/victim"),
+        ("--tokenizer", "victim-tokenizer"),
         ("--download-dir", "/tmp/x"),
         ("--kv-transfer-config", '{"kv_connector": "x"}'),
         ("--otlp-traces-endpoint", "http://attacker:4317"),

@@ -21,7 +21,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, 
 
 from inferplane.runtime import FailedPreconditionError
 from inferplane.storage import Migrations, migrate, schema_differences
-from inferplane.testing.databases import fresh_database
+from inferplane.testing.databases import database_or_skip
 
 ENV = """\
 from pathlib import Path
@@ -92,11 +92,8 @@ def widgets(*extra: Column[object]) -> MetaData:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    try:
-        with fresh_database(request.param, tmp_path) as database:
-            yield database
-    except LookupError as exc:
-        pytest.skip(str(exc))
+    with database_or_skip(request.param, tmp_path) as database:
+        yield database
 
 
 def test_a_fresh_database_is_migrated_to_head_then_left_alone(url: str, tmp_path: Path) -> None:

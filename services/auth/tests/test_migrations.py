@@ -32,7 +32,6 @@ from sqlalchemy import (
     create_engine,
     insert,
     inspect,
-    text,
 )
 
 from inferplane.auth import counters, sql_store
@@ -41,7 +40,7 @@ from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits, Secr
 from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.storage import schema_differences
-from inferplane.testing.databases import fresh_database
+from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 HEAD = "0001"
@@ -182,22 +181,10 @@ def make_previous_database(url: str, *, with_counters: bool) -> None:
         engine.dispose()
 
 
-def version(url: str) -> list[Any]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return list(conn.execute(text(f"SELECT version_num FROM {MIGRATIONS.version_table}")))
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    try:
-        with fresh_database(request.param, tmp_path) as database:
-            yield database
-    except LookupError as exc:
-        pytest.skip(str(exc))
+    with database_or_skip(request.param, tmp_path) as database:
+        yield database
 
 
 def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
@@ -216,7 +203,7 @@ def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
     finally:
         keys.close()
         limits.close()
-    assert version(url) == [(HEAD,)]
+    assert version_rows(url, MIGRATIONS) == [(HEAD,)]
 
 
 @pytest.mark.parametrize("with_counters", [True, False], ids=["sql-limits", "memory-limits"])
@@ -228,7 +215,7 @@ def test_a_database_from_before_migrations_is_upgraded_in_place(
     try:
         keys.create_schema()
         limits.create_schema()
-        assert version(url) == [(HEAD,)]
+        assert version_rows(url, MIGRATIONS) == [(HEAD,)]
         assert schema_differences(keys.engine, MIGRATIONS, METADATA) == []
 
         assert keys.get("k1") == KEY
@@ -255,4 +242,4 @@ def test_the_service_starts_on_a_database_from_before_migrations(
     settings = make_settings(tmp_path, database_url=url, pepper=PEPPER)
     with start_auth(settings) as auth:
         assert auth.check(SECRET).status.code == 0  # the key made before still authenticates
-    assert version(url) == [(HEAD,)]
+    assert version_rows(url, MIGRATIONS) == [(HEAD,)]

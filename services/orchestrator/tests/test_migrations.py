@@ -33,7 +33,6 @@ from sqlalchemy import (
     Text,
     create_engine,
     insert,
-    text,
 )
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
@@ -53,7 +52,7 @@ from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.storage import schema_differences
 from inferplane.testing.clock import FakeClock
-from inferplane.testing.databases import fresh_database
+from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 GB = 10**9
@@ -313,22 +312,10 @@ def make_previous_database(url: str, count: type[Integer]) -> None:
         engine.dispose()
 
 
-def version(url: str) -> list[Any]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return list(conn.execute(text(f"SELECT version_num FROM {MIGRATIONS.version_table}")))
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    try:
-        with fresh_database(request.param, tmp_path) as database:
-            yield database
-    except LookupError as exc:
-        pytest.skip(str(exc))
+    with database_or_skip(request.param, tmp_path) as database:
+        yield database
 
 
 def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
@@ -339,7 +326,7 @@ def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
         assert schema_differences(store.engine, MIGRATIONS, METADATA) == []
     finally:
         store.close()
-    assert version(url) == [(HEAD,)]
+    assert version_rows(url, MIGRATIONS) == [(HEAD,)]
 
 
 @pytest.mark.parametrize("count", [Integer, BigInteger], ids=["integer-counts", "bigint-counts"])
@@ -352,7 +339,7 @@ def test_a_database_from_before_migrations_is_upgraded_in_place(
         releases = SqlReleaseStore(store.engine)
         store.create_schema()  # as the service's start-up does
         releases.create_schema()
-        assert version(url) == [(HEAD,)]
+        assert version_rows(url, MIGRATIONS) == [(HEAD,)]
         assert schema_differences(store.engine, MIGRATIONS, METADATA) == []
 
         assert store.load() == StateSnapshot((DEPLOYMENT,), (NODE,), (PLACEMENT,))
@@ -383,4 +370,4 @@ def test_the_service_starts_on_a_database_from_before_migrations(
             timeout=10,
         ).deployment
         assert created.max_replicas == UINT32_MAX
-    assert version(url) == [(HEAD,)]
+    assert version_rows(url, MIGRATIONS) == [(HEAD,)]

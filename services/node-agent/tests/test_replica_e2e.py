@@ -32,6 +32,22 @@ from inferplane.wire import ResponseSummary, chat_request_from_dict, completion_
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
+async def _drain(
+    call: grpc.aio.UnaryStreamCall, bodies: list[object]
+) -> asyncio.Future[object] | None:
+    """Reads `call` into `bodies` until it ends (None) or waits 2 s for its next message; then the
+    pending read is returned."""
+    while True:
+        read = asyncio.ensure_future(call.read())
+        done, _ = await asyncio.wait([read], timeout=2.0)
+        if not done:
+            return read
+        body = read.result()
+        if body is grpc.aio.EOF:
+            return None
+        bodies.append(body)
+
+
 def _engine_core(pgid: int) -> int | None:
     for pid in procguard.group_members(pgid):
         try:
@@ -138,8 +154,10 @@ async def _scenario(proc: subprocess.Popen[bytes], port: int, metrics_port: int)
         assert b"inferplane_replica_stream_messages_count" in metrics
         assert b"vllm:" in metrics  # vLLM's registry is served with the replica's
 
-        # The tiny model decodes the whole context in about a second: the engine core is
-        # found first, so that it dies right after the stream's first message.
+        # The tiny model decodes its whole context in about a second, so a kill timed on the first
+        # message can land after the stream ended. The engine core is stopped (SIGSTOP) after the
+        # first message; once what it produced is drained and the stream still waits, the stream is
+        # surely mid-way and the core is killed. A stream that ended first is retried.
         core = _engine_core(proc.pid)
         assert core is not None, "no VLLM::EngineCore in the replica's process group"
         long = completion_request_from_dict(
@@ -150,14 +168,23 @@ async def _scenario(proc: subprocess.Popen[bytes], port: int, metrics_port: int)
                 "ignore_eos": True,
             }
         )
-        call = stub.StreamCompletionEvents(pb.StreamCompletionEventsRequest(request=long))
-        first = await call.read()
+        for _attempt in range(5):
+            call = stub.StreamCompletionEvents(pb.StreamCompletionEventsRequest(request=long))
+            bodies = [await call.read()]
+            assert bodies[0] is not grpc.aio.EOF and bodies[0].content_type == "text/event-stream"
+            os.kill(core, signal.SIGSTOP)
+            pending = await _drain(call, bodies)
+            if pending is not None:
+                break
+            os.kill(core, signal.SIGCONT)  # the stream ended before the stop: again
+        else:
+            pytest.fail("five streams ended before the engine core could be stopped mid-way")
         os.kill(core, signal.SIGKILL)
-        assert first.content_type == "text/event-stream"
-        rest = []
-        while (body := await call.read()) is not grpc.aio.EOF:
-            rest.append(body)
-        last = _events([first, *rest])[-1]
+        if (body := await pending) is not grpc.aio.EOF:
+            bodies.append(body)
+            while (body := await call.read()) is not grpc.aio.EOF:
+                bodies.append(body)
+        last = _events(bodies)[-1]
         error = json.loads(last.removeprefix(b"data: "))["error"]
         assert error["code"] == "engine_failed"
         summary = ResponseSummary.from_metadata(await call.trailing_metadata())

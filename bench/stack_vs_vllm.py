@@ -137,7 +137,7 @@ def stack_config(
 
 def profile_spec(config: StackConfig) -> nodeagent_pb2.ReplicaSpec:
     """The replica spec the orchestrator gives the stack's kimi-tiny deployment, mapped from
-    its profile (services/orchestrator/release/spec.py; KV cache: the CPU minimum, 1 GiB).
+    its profile (services/orchestrator/inferplane/orchestrator/release/spec.py; KV cache: the CPU minimum, 1 GiB).
     Used only when no stack path ran first to report its real spec."""
     profile = kimi_tiny_deployment(config).profile
     return nodeagent_pb2.ReplicaSpec(

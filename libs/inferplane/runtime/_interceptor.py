@@ -76,11 +76,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     - `InferplaneError` → its status code, message, `ErrorInfo` and OpenAI trailers;
     - `NotImplementedError` → UNIMPLEMENTED naming the method;
     - anything else → INTERNAL with a generic message (the traceback goes to the log).
+
+    `authorize(context, "/pkg.Service/Method")` runs before the servicer and may raise.
     """
 
-    def __init__(self, component: str, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        component: str,
+        metrics: ServerMetrics | None = None,
+        *,
+        authorize: Callable[[Context, str], None] | None = None,
+    ) -> None:
         self._component = component
         self._metrics = metrics
+        # Runs first in every call (the per-RPC identity policy, identity.PeerPolicy.check);
+        # what it raises is mapped like any servicer error.
+        self._authorize = authorize
 
     async def intercept_service(
         self,
@@ -150,9 +161,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return code  # pragma: no cover - abort raises
 
     def _wrap_unary(self, behavior: Any, service: str, method: str) -> Any:
+        authorize = self._authorize
+        full = f"/{service}/{method}"
+
         async def wrapper(request: Any, context: Context) -> Any:
             start = time.perf_counter()
             try:
+                if authorize is not None:
+                    authorize(context, full)
                 response = await behavior(request, context)
             except grpc.aio.AbortError:
                 self._observe(service, method, context.code() or grpc.StatusCode.UNKNOWN, start)
@@ -167,9 +183,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return wrapper
 
     def _wrap_stream(self, behavior: Any, service: str, method: str) -> Any:
+        authorize = self._authorize
+        full = f"/{service}/{method}"
+
         async def wrapper(request: Any, context: Context) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
+                if authorize is not None:
+                    authorize(context, full)
                 async for item in behavior(request, context):
                     yield item
             except grpc.aio.AbortError:

@@ -27,6 +27,10 @@ from inferplane.runtime._errors import ConfigError
 from inferplane.runtime._gc import GcPauses, freeze_heap
 from inferplane.runtime._interceptor import ErrorInterceptor, ServerMetrics
 from inferplane.runtime._settings import ServiceSettings
+from inferplane.runtime.identity import ANY_IDENTITY, PeerPolicy
+
+# An app without a policy: any caller with a certificate from the CA.
+_ANY_IDENTITY = PeerPolicy({}, default=(ANY_IDENTITY,))
 
 log = structlog.get_logger("inferplane.runtime")
 
@@ -52,12 +56,14 @@ class App:
     """What a composition root builds: servicers plus lifecycle hooks.
 
     `start` runs before the port accepts RPCs; `drain` runs when shutdown begins (while
-    in-flight RPCs still run); `stop` runs after the gRPC server stopped.
+    in-flight RPCs still run); `stop` runs after the gRPC server stopped. `peer_policy`: which
+    identities may call which method under mutual TLS (None: any identity from the CA).
     """
 
     component: str
     servicers: Sequence[ServicerBinding]
     registry: CollectorRegistry
+    peer_policy: PeerPolicy | None = None
     start: Callable[[], Awaitable[None]] = _noop
     drain: Callable[[], Awaitable[None]] = _noop
     stop: Callable[[], Awaitable[None]] = _noop
@@ -118,8 +124,12 @@ class RunningServer:
         self.settings = settings
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         metrics = ServerMetrics(app.registry)
+        self.security = settings.security(app.component)
+        policy = app.peer_policy or _ANY_IDENTITY
+        authorize = policy.check if self.security.mtls else None
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(app.component, metrics)], options=grpc_options(settings)
+            interceptors=[ErrorInterceptor(app.component, metrics, authorize=authorize)],
+            options=grpc_options(settings),
         )
         for binding in app.servicers:
             binding.add(binding.servicer, self.server)
@@ -134,7 +144,7 @@ class RunningServer:
                 ],
                 self.server,
             )
-        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        self.port = self.security.add_port(self.server, f"{settings.host}:{settings.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {settings.host}:{settings.port}")
         self._metrics_server: Any = None
@@ -155,6 +165,8 @@ class RunningServer:
             host=self.settings.host,
             port=self.port,
             metrics_port=self.settings.metrics_port or None,
+            identity=self.security.name if self.security.mtls else None,
+            transport="mtls" if self.security.mtls else "plaintext (development only)",
         )
 
     async def stop(self) -> None:

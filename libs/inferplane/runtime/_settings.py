@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from inferplane.runtime._errors import ConfigError
+from inferplane.runtime.identity import PeerSecurity
 
 S = TypeVar("S")
 
@@ -38,6 +39,11 @@ class ServiceSettings:
     (`inferplane.runtime.freeze_heap`); off only to compare or to debug memory.
     `reflection`: serve gRPC server reflection (what `grpcurl` lists); off by default, since it
     hands anyone who can reach the port a map of every method (issue 18).
+    `tls_dir`: the service identity's folder (`ca.crt`, `<identity>.crt`, `<identity>.key`):
+    mutual TLS with every peer and the service's per-RPC policy (`inferplane.runtime.identity`).
+    `identity`: the certificate's name ("": the service's own name, `node-agent` for the
+    node-agent). `plaintext`: no TLS, no identities, no policy — development only. A service
+    started from the command line (`load_settings`) needs one of `tls_dir` or `plaintext`.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +56,14 @@ class ServiceSettings:
     event_loop: str = "uvloop"
     gc_freeze: bool = True
     reflection: bool = False
+    tls_dir: Path | None = None
+    identity: str = ""
+    plaintext: bool = False
+
+    def security(self, component: str) -> PeerSecurity:
+        """This process's `PeerSecurity` (plaintext without `tls_dir`); `component` names it
+        unless `identity` does."""
+        return PeerSecurity(self.tls_dir, self.identity or component.replace("_", "-"))
 
 
 def _convert(value: Any, hint: Any, name: str) -> Any:
@@ -138,4 +152,12 @@ def load_settings(
         if flag_value is not None:
             values[name] = flag_value
     converted = {k: _convert(v, hints[k], k) for k, v in values.items()}
-    return cls(**converted)
+    settings = cls(**converted)
+    if isinstance(settings, ServiceSettings):
+        # A service started from a command line says how it meets its peers (issue 18).
+        PeerSecurity.from_settings(
+            settings.tls_dir,
+            settings.identity or service.replace("_", "-"),
+            plaintext=settings.plaintext,
+        )
+    return settings

@@ -45,7 +45,11 @@ def test_settings_precedence_file_env_flags(tmp_path: Path) -> None:
     """Defaults < file < environment < flags, each typed; the result is frozen."""
     config = tmp_path / "c.yaml"
     config.write_text("demo:\n  port: 1000\n  ratio: 0.25\n  routes: [a, b]\n")
-    env = {"INFERPLANE_DEMO_PORT": "2000", "INFERPLANE_DEMO_JSON_LOGS": "false"}
+    env = {
+        "INFERPLANE_DEMO_PORT": "2000",
+        "INFERPLANE_DEMO_JSON_LOGS": "false",
+        "INFERPLANE_DEMO_PLAINTEXT": "true",
+    }
     s = load_settings(DemoSettings, service="demo", argv=["--config", str(config)], environ=env)
     assert (s.port, s.ratio, s.routes, s.json_logs) == (2000, 0.25, ("a", "b"), False)
     s = load_settings(

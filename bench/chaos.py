@@ -87,6 +87,7 @@ from inferplane.api.auth.v1 import auth_pb2
 from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig
 from inferplane.edge import REPLICAS_CLUSTER
 from inferplane.node_agent.engine.process import tree_pids
+from inferplane.runtime.identity import PeerSecurity
 from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.testing import kimi_tiny
 
@@ -385,10 +386,10 @@ def engine_core_pid(replica_pid: int, timeout_s: float = 10.0) -> int:
         time.sleep(0.1)
 
 
-def wait_healthy(address: str, timeout_s: float) -> bool:
+def wait_healthy(security: PeerSecurity, address: str, timeout_s: float) -> bool:
     """Whether the gRPC health service at `address` answered SERVING within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):
@@ -413,7 +414,7 @@ def restart_service(stack: Stack, name: str, log: Log, exit_timeout_s: float = 6
         proc.proc.wait(10)
     exited, code = time.monotonic(), proc.proc.returncode
     proc.start()
-    healthy = wait_healthy(stack.config.address(name), 60)
+    healthy = wait_healthy(stack.config.security, stack.config.address(name), 60)
     state = "healthy" if healthy else "NOT healthy after 60 s"
     log(f"  {name} exited ({code}), restarted: {state} {time.monotonic() - exited:.1f} s later")
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
@@ -165,7 +164,7 @@ async def _measure(
     replica = stack.serving_endpoints()[0].address  # the replica process's own port
     results: dict[int, dict[str, PathStats]] = {}
     async with (
-        grpc.aio.insecure_channel(replica) as replica_channel,
+        stack.config.security.aio_channel(replica) as replica_channel,
         httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client,
     ):
         direct = inference_pb2_grpc.InferenceServiceStub(replica_channel)

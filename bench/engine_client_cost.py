@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/engine_client_cost.py [--requests 200] [--concurrency 8] [--rounds 3]
 
-Starts the fake vLLM HTTP server (services/node-agent/inferplane/node_agent/testing/fake_http_engine.py: one SSE
-event per token, as vLLM streams at stream interval 1) in its own process, then measures in
-this process, side by side and alternating rounds, the CPU time (process_time) per 64-token
+Starts the fake vLLM HTTP server
+(services/node-agent/inferplane/node_agent/testing/fake_http_engine.py: one SSE event per
+token, as vLLM streams at stream interval 1) in its own process, then measures in this
+process, side by side and alternating rounds, the CPU time (process_time) per 64-token
 streamed request of:
 
 - `HttpEngineClient.generate` (aiohttp; what the node-agent runs);

@@ -61,7 +61,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
@@ -137,7 +136,8 @@ def stack_config(
 
 def profile_spec(config: StackConfig) -> nodeagent_pb2.ReplicaSpec:
     """The replica spec the orchestrator gives the stack's kimi-tiny deployment, mapped from
-    its profile (services/orchestrator/inferplane/orchestrator/release/spec.py; KV cache: the CPU minimum, 1 GiB).
+    its profile (services/orchestrator/inferplane/orchestrator/release/spec.py; KV cache: the
+    CPU minimum, 1 GiB).
     Used only when no stack path ran first to report its real spec."""
     profile = kimi_tiny_deployment(config).profile
     return nodeagent_pb2.ReplicaSpec(
@@ -154,7 +154,7 @@ def profile_spec(config: StackConfig) -> nodeagent_pb2.ReplicaSpec:
 
 def running_spec(stack: Stack) -> nodeagent_pb2.ReplicaSpec:
     """The spec of the replica the stack's node-agent runs (the engine settings to copy)."""
-    with grpc.insecure_channel(stack.config.address("node_agent")) as channel:
+    with stack.config.security.channel(stack.config.address("node_agent")) as channel:
         stub = nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
         replicas = stub.ListReplicas(nodeagent_pb2.ListReplicasRequest(), timeout=10).replicas
     spec = nodeagent_pb2.ReplicaSpec()

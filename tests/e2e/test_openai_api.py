@@ -539,7 +539,8 @@ def test_telemetry_sees_the_requests_and_tool_call_validity(stack: Stack) -> Non
     from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     deadline = time.monotonic() + 15
-    with grpc.insecure_channel(f"127.0.0.1:{stack.config.ports['telemetry']}") as channel:
+    address = f"127.0.0.1:{stack.config.ports['telemetry']}"
+    with stack.config.security.channel(address) as channel:
         stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
         while True:
             answer = stub.QueryLatency(

@@ -32,6 +32,7 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.cli._prometheus import engine_sd_file
 from inferplane.cli._stack import MODEL_NAME, Stack
+from inferplane.runtime.identity import PeerSecurity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -43,8 +44,8 @@ ROLLOUT_TIMEOUT_S = 600.0
 class TableFollower:
     """Follows `WatchRoutingTable` in a thread and keeps every table it received."""
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, security: PeerSecurity) -> None:
+        self._channel = security.channel(address)
         stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
         self._call = stub.WatchRoutingTable(pb.WatchRoutingTableRequest(models=[MODEL_NAME]))
         self._lock = threading.Lock()
@@ -180,9 +181,9 @@ def _file_sd_replicas(stack: Stack) -> set[str]:
 
 def test_full_rollout_through_the_edge_has_zero_downtime(stack: Stack, api_key: str) -> None:
     address = stack.config.address("orchestrator")
-    follower = TableFollower(address)
+    follower = TableFollower(address, stack.config.security)
     load = EdgeLoad(stack.config.base_url, api_key)
-    channel = grpc.insecure_channel(address)
+    channel = stack.config.security.channel(address)
     try:
         deployments = orchestrator_pb2_grpc.DeploymentServiceStub(channel)
         current = deployments.GetDeployment(

@@ -1,6 +1,7 @@
-"""Every service starts, answers health and /metrics, refuses what it does not serve with
-UNIMPLEMENTED (generation is the replica processes': the node-agent serves no inference and the
-router only lists models), and exits 0 on SIGTERM."""
+"""Every service starts with its identity (mutual TLS from a local CA), answers health and
+/metrics, refuses what it does not serve with UNIMPLEMENTED (generation is the replica
+processes': the node-agent serves no inference and the router only lists models), and exits 0
+on SIGTERM. Without an identity or the explicit development flag a service does not start."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
+from inferplane.runtime.identity import ADMIN, PeerSecurity
+from inferplane.runtime.pki import LocalCA
 from inferplane.runtime.ports import free_port
 
 
@@ -51,8 +54,17 @@ def test_service_lifecycle(
     tmp_path: Path,
 ) -> None:
     port, metrics_port = free_port(), free_port()
+    pki = tmp_path / "pki"
+    ca = LocalCA.ensure(pki)
+    for name in (service.replace("_", "-"), ADMIN):
+        ca.issue(name, ip_addresses=("127.0.0.1",))
     prefix = f"INFERPLANE_{service.upper()}_"
-    env = {**os.environ, prefix + "DATA_DIR": str(tmp_path), prefix + "JSON_LOGS": "true"}
+    env = {
+        **os.environ,
+        prefix + "DATA_DIR": str(tmp_path),
+        prefix + "JSON_LOGS": "true",
+        prefix + "TLS_DIR": str(pki),
+    }
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -70,7 +82,7 @@ def test_service_lifecycle(
         text=True,
     )
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with PeerSecurity(pki, ADMIN).channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 60
             while True:
@@ -99,3 +111,21 @@ def test_service_lifecycle(
             proc.wait()
     stderr = proc.stderr.read() if proc.stderr else ""
     assert '"event": "stopped"' in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("service", [s[0] for s in SERVICES])
+def test_a_service_without_an_identity_does_not_start(service: str, tmp_path: Path) -> None:
+    """Plaintext only behind the explicit development flag: no `tls_dir`, no `--plaintext` →
+    exit code 1 and a message naming both."""
+    prefix = f"INFERPLANE_{service.upper()}_"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERPLANE_")}
+    env[prefix + "DATA_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", f"inferplane.{service}", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "--plaintext" in done.stderr and "tls_dir" in done.stderr, done.stderr[-2000:]

@@ -52,6 +52,7 @@ from inferplane.cli._process import ManagedProcess
 from inferplane.cli._prometheus import engine_sd_file
 from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
 from inferplane.runtime import ConfigError
+from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 from inferplane.testing import kimi_tiny
 
@@ -97,6 +98,11 @@ class StackConfig:
             the local CA in `<data_dir>/pki` (created once, then reused; clients trust
             `ca_path`); the leaf is valid `tls_cert_days` and re-issued at each start once a
             third of that is left.
+        plaintext: the services talk plaintext gRPC without identities (development only);
+            by default every service, Envoy toward them, and the stack's own admin calls use
+            mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
+            `auth`, `router`, `orchestrator`, `node-agent`, `telemetry`, `admin`), each valid
+            `tls_cert_days` and re-issued at start once a third of that is left.
     """
 
     data_dir: Path
@@ -117,6 +123,7 @@ class StackConfig:
     service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     tls: bool = False
     tls_cert_days: int = 30
+    plaintext: bool = False
 
     @property
     def ports(self) -> dict[str, int]:
@@ -135,6 +142,13 @@ class StackConfig:
     @property
     def pki_dir(self) -> Path:
         return self.data_dir / "pki"
+
+    @property
+    def security(self) -> PeerSecurity:
+        """The admin identity the stack (and `inferplane status`) calls the services with."""
+        return (
+            PeerSecurity.plaintext(ADMIN) if self.plaintext else PeerSecurity(self.pki_dir, ADMIN)
+        )
 
     @property
     def ca_path(self) -> Path | None:
@@ -301,6 +315,7 @@ class Stack:
             "--metrics-port",
             str(cfg.metrics_ports[name]),
             "--no-json-logs",
+            *(["--plaintext"] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]),
             *args,
             *cfg.service_args.get(name, ()),
         ]
@@ -314,30 +329,36 @@ class Stack:
         self.processes[name] = proc
 
     def _edge_tls_args(self, progress: Progress) -> list[str]:
-        """The orchestrator's edge certificate flags: the local CA's certificate for the edge
-        (created or reused), or none for plain HTTP."""
+        """The local CA (created or reused) and every identity's certificate (unless
+        `plaintext`); then the orchestrator's edge flags: its upstream identity folder and,
+        with `tls`, the edge's HTTPS certificate (the `edge` one: localhost / 127.0.0.1)."""
         cfg = self.config
-        if not cfg.tls:
+        if not cfg.tls and cfg.plaintext:
             return []
         try:
             ca = LocalCA.ensure(cfg.pki_dir)
-            leaf = ca.issue(
-                "edge",
-                dns_names=("localhost",),
-                ip_addresses=("127.0.0.1", "::1"),
-                days=cfg.tls_cert_days,
-            )
+            leaves = {
+                name: ca.issue(
+                    name,
+                    dns_names=("localhost",),
+                    ip_addresses=("127.0.0.1", "::1"),
+                    days=cfg.tls_cert_days,
+                )
+                for name in ((EDGE,) if cfg.plaintext else IDENTITIES)
+            }
         except (OSError, ValueError) as exc:
-            raise StackError(
-                f"cannot create the edge's certificate in {cfg.pki_dir}: {exc}"
-            ) from exc
-        progress(f"edge certificate valid until {leaf.not_after:%Y-%m-%d}; CA {ca.cert_path}")
-        return [
-            "--edge-tls-cert-path",
-            str(leaf.cert_path.resolve()),
-            "--edge-tls-key-path",
-            str(leaf.key_path.resolve()),
-        ]
+            raise StackError(f"cannot create certificates in {cfg.pki_dir}: {exc}") from exc
+        edge = leaves[EDGE]
+        progress(f"certificates valid until {edge.not_after:%Y-%m-%d}; CA {ca.cert_path}")
+        args = [] if cfg.plaintext else ["--edge-upstream-tls-dir", str(cfg.pki_dir.resolve())]
+        if cfg.tls:
+            args += [
+                "--edge-tls-cert-path",
+                str(edge.cert_path.resolve()),
+                "--edge-tls-key-path",
+                str(edge.key_path.resolve()),
+            ]
+        return args
 
     def _start_services(self, progress: Progress) -> None:
         cfg = self.config
@@ -401,7 +422,7 @@ class Stack:
         """Waits for the node to register, then creates the deployment (or, when a previous
         run left it in the catalogue, updates it to this configuration)."""
         deployment = kimi_tiny_deployment(self.config)
-        with grpc.insecure_channel(self.config.address("orchestrator")) as channel:
+        with self.config.security.channel(self.config.address("orchestrator")) as channel:
             nodes = orchestrator_pb2_grpc.NodeServiceStub(channel)
             deadline = time.monotonic() + 60
             while True:
@@ -465,8 +486,8 @@ class Stack:
                 progress(line)
 
         with (
-            grpc.insecure_channel(cfg.address("orchestrator")) as orch,
-            grpc.insecure_channel(cfg.address("node_agent")) as node,
+            self.config.security.channel(cfg.address("orchestrator")) as orch,
+            self.config.security.channel(cfg.address("node_agent")) as node,
         ):
             deployments = orchestrator_pb2_grpc.DeploymentServiceStub(orch)
             agent = nodeagent_pb2_grpc.NodeAgentServiceStub(node)
@@ -515,6 +536,7 @@ class Stack:
                 cfg.address("orchestrator"),
                 node_id=EDGE_NODE_ID,
                 admin_port=cfg.envoy_admin_port,
+                upstream_tls_dir="" if cfg.plaintext else str(cfg.pki_dir.resolve()),
             ),
             data_dir=cfg.data_dir / "envoy",
             admin_url=f"http://127.0.0.1:{cfg.envoy_admin_port}",
@@ -550,6 +572,7 @@ class Stack:
         state = {
             "base_url": cfg.base_url,
             "ca_path": str(cfg.ca_path or ""),
+            "tls_dir": "" if cfg.plaintext else str(cfg.pki_dir.resolve()),
             "ports": cfg.ports,
             "http_port": cfg.http_port,
             "envoy_admin_port": cfg.envoy_admin_port,
@@ -561,7 +584,7 @@ class Stack:
     def _wait_healthy(self, name: str, progress: Progress) -> None:
         port = self.config.ports[name]
         deadline = time.monotonic() + 60
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with self.config.security.channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 code = self.processes[name].exited()
@@ -604,7 +627,7 @@ class Stack:
         Raises:
             grpc.RpcError: the orchestrator did not answer within 5 s.
         """
-        with grpc.insecure_channel(self.config.address("orchestrator")) as channel:
+        with self.config.security.channel(self.config.address("orchestrator")) as channel:
             call = orchestrator_pb2_grpc.RoutingServiceStub(channel).WatchRoutingTable(
                 orchestrator_pb2.WatchRoutingTableRequest(models=[MODEL_NAME]), timeout=5
             )
@@ -634,7 +657,7 @@ class Stack:
         Raises:
             grpc.RpcError: NOT_FOUND for an unknown id, or the node-agent did not answer.
         """
-        with grpc.insecure_channel(self.config.address("node_agent")) as channel:
+        with self.config.security.channel(self.config.address("node_agent")) as channel:
             return (
                 nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
                 .GetReplica(
@@ -649,7 +672,7 @@ class Stack:
         """Creates a key through ApiKeyService with the bootstrap admin key; returns its secret."""
         if not self.admin_key:
             raise ConfigError("no bootstrap admin key was found in the auth data directory")
-        with grpc.insecure_channel(self.config.address("auth")) as channel:
+        with self.config.security.channel(self.config.address("auth")) as channel:
             stub = auth_pb2_grpc.ApiKeyServiceStub(channel)
             response = stub.CreateApiKey(
                 auth_pb2.CreateApiKeyRequest(

@@ -19,6 +19,7 @@ from rich.table import Table
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig, StackError
+from inferplane.runtime.identity import ADMIN, PeerSecurity
 from inferplane.testing import kimi_tiny
 
 DEFAULT_DATA_DIR = Path(".state")
@@ -40,6 +41,13 @@ def up(
             "<data-dir>/pki (created once, then reused); clients trust its ca.crt."
         ),
     ] = False,
+    plaintext: Annotated[
+        bool,
+        typer.Option(
+            help="Development only: the services talk plaintext gRPC, without identities "
+            "(by default they use mutual TLS from the local CA in <data-dir>/pki)."
+        ),
+    ] = False,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -49,6 +57,7 @@ def up(
         grpc_base_port=grpc_base_port,
         envoy_admin_port=envoy_admin_port,
         tls=tls,
+        plaintext=plaintext,
     )
     stack = Stack(config)
     stop = threading.Event()
@@ -148,19 +157,21 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
         console.print(f"no stack is running from {data_dir.resolve()} (no stack.json)")
         raise typer.Exit(1)
     state = json.loads(state_file.read_text())
+    tls_dir = state.get("tls_dir", "")
+    security = PeerSecurity(Path(tls_dir), ADMIN) if tls_dir else PeerSecurity.plaintext(ADMIN)
     table = Table(title=f"inferplane at {state['base_url']}")
     for column in ("component", "address", "health"):
         table.add_column(column)
     healthy = True
     for name, port in state["ports"].items():
-        health = _health(f"127.0.0.1:{port}")
+        health = _health(security, f"127.0.0.1:{port}")
         healthy &= health == "SERVING"
         table.add_row(name, f"127.0.0.1:{port}", health)
     edge = _envoy_ready(state["envoy_admin_port"])
     healthy &= edge == "LIVE"
     table.add_row("envoy", f"127.0.0.1:{state['http_port']}", edge)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{state['ports']['orchestrator']}") as channel:
+        with security.channel(f"127.0.0.1:{state['ports']['orchestrator']}") as channel:
             deployments = (
                 orchestrator_pb2_grpc.DeploymentServiceStub(channel)
                 .ListDeployments(orchestrator_pb2.ListDeploymentsRequest(), timeout=5)
@@ -178,7 +189,7 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
         healthy = False
         table.add_row("deployments", "-", f"unknown ({exc.code().name})")
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{state['ports']['node_agent']}") as channel:
+        with security.channel(f"127.0.0.1:{state['ports']['node_agent']}") as channel:
             replicas = (
                 nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
                 .ListReplicas(nodeagent_pb2.ListReplicasRequest(), timeout=5)
@@ -201,9 +212,9 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
         raise typer.Exit(1)
 
 
-def _health(address: str) -> str:
+def _health(security: PeerSecurity, address: str) -> str:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with security.channel(address) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=2
             )

@@ -10,7 +10,13 @@ from __future__ import annotations
 import yaml
 
 from inferplane.edge._config import Endpoint
-from inferplane.edge._resources import UPSTREAM_KEEPALIVE, Resource, _Dumper, _duration
+from inferplane.edge._resources import (
+    UPSTREAM_KEEPALIVE,
+    Resource,
+    _Dumper,
+    _duration,
+    build_upstream_tls,
+)
 
 XDS_CLUSTER = "inferplane_xds"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -29,6 +35,7 @@ def build_ads_bootstrap(
     admin_port: int = 9901,
     connect_timeout_s: float = 2.0,
     max_connections: int = 50_000,
+    upstream_tls_dir: str = "",
 ) -> Resource:
     """A Bootstrap dict (proto3 JSON mapping) for `envoy -c`.
 
@@ -39,11 +46,13 @@ def build_ads_bootstrap(
         admin_host / admin_port: Envoy's admin API; keep it on loopback.
         connect_timeout_s: timeout connecting to the xDS server (Envoy retries with backoff).
         max_connections: global cap on downstream connections (overload manager).
+        upstream_tls_dir: the edge's identity folder (`build_upstream_tls`): the xDS stream
+            uses mutual TLS; empty: plaintext h2c (development only).
 
     Raises: EdgeConfigError for a malformed `xds` address.
     """
     server = xds if isinstance(xds, Endpoint) else Endpoint.parse(xds)
-    return {
+    bootstrap: Resource = {
         "node": {"id": node_id, "cluster": node_cluster},
         "admin": {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}},
         "dynamic_resources": {
@@ -106,6 +115,10 @@ def build_ads_bootstrap(
             ]
         },
     }
+    if upstream_tls_dir:
+        cluster = bootstrap["static_resources"]["clusters"][0]
+        cluster["transport_socket"] = build_upstream_tls(upstream_tls_dir)
+    return bootstrap
 
 
 def render_ads_bootstrap(xds: Endpoint | str, **kwargs: object) -> str:

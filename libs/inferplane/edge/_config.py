@@ -88,6 +88,9 @@ class EdgeConfig:
             listener; both set: clients connect over TLS (1.2+, ALPN h2 and http/1.1) only;
             both empty: plain text. Envoy reads them when the listener is (re)built, so a
             renewed certificate is served after an edge restart or a new listener push.
+        upstream_tls_dir: the edge's identity toward the services (a folder with `ca.crt`,
+            `edge.crt`, `edge.key`, as Envoy's host sees it): every cluster speaks mutual TLS;
+            empty: plaintext h2c (development only).
         admin_host / admin_port: Envoy's admin API (`/ready`, `/stats`); keep it on loopback,
             it can shut Envoy down (`/quitquitquit`).
         node_id / node_cluster: the Envoy node identity (xDS snapshots are keyed by it).
@@ -139,6 +142,7 @@ class EdgeConfig:
     listen_port: int = 8080
     tls_cert_path: str = ""
     tls_key_path: str = ""
+    upstream_tls_dir: str = ""
     admin_host: str = "127.0.0.1"
     admin_port: int = 9901
     node_id: str = "inferplane-edge"

@@ -15,6 +15,7 @@ import base64
 import json
 from collections.abc import Mapping
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -69,6 +70,7 @@ _EARLY_MUTATION = (
 )
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
 _DOWNSTREAM_TLS = _T + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+_UPSTREAM_TLS = _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 #: The request header auth's Check sets with the key's id (a trusted x-inferplane-* header).
 KEY_ID_HEADER = "x-inferplane-key-id"
@@ -659,6 +661,31 @@ def build_downstream_tls(config: EdgeConfig) -> Resource:
     }
 
 
+def build_upstream_tls(tls_dir: str) -> Resource:
+    """The edge's mutual TLS toward inferplane's services (issue 18): Envoy presents the
+    `edge` identity (`<tls_dir>/edge.crt`, `edge.key`) and trusts servers whose certificate
+    chains to `<tls_dir>/ca.crt`; ALPN h2 (every upstream is gRPC). Files are read when the
+    cluster is built (a new push or an edge restart serves a renewed certificate)."""
+    folder = Path(tls_dir)
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _UPSTREAM_TLS,
+            "common_tls_context": {
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "alpn_protocols": ["h2"],
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": str(folder / "edge.crt")},
+                        "private_key": {"filename": str(folder / "edge.key")},
+                    }
+                ],
+                "validation_context": {"trusted_ca": {"filename": str(folder / "ca.crt")}},
+            },
+        },
+    }
+
+
 def build_listener(config: EdgeConfig, *, rds: bool = False) -> Resource:
     """The edge Listener (`LISTENER_TYPE`) on `listen_host:listen_port`, over TLS when
     `config.tls` (`build_downstream_tls`)."""
@@ -774,6 +801,8 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
                 ]
             },
         }
+        if config.upstream_tls_dir:
+            cluster["transport_socket"] = build_upstream_tls(config.upstream_tls_dir)
         if name == REPLICAS_CLUSTER:
             cluster["load_balancing_policy"] = _override_host_policy()
             cluster["circuit_breakers"]["thresholds"][0]["retry_budget"] = {

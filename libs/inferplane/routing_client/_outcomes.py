@@ -30,6 +30,7 @@ from inferplane.runtime.batching import (
     Sleep,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.identity import PeerSecurity
 from inferplane.wire import ResponseSummary
 
 __all__ = ["OutcomeMetrics", "OutcomeReporter", "OutcomeReporterSettings"]
@@ -51,6 +52,7 @@ class OutcomeReporterSettings(BatchingSettings):
         rpc_timeout_seconds: the deadline of one `ReportOutcomes` call.
         max_addresses: distinct picker addresses served at most (routers are few); reports to
             further ones are dropped (`reason="address_limit"`).
+        security: the identity the replica presents to the pickers (plaintext by default).
     """
 
     capacity: int = 2_000
@@ -60,6 +62,7 @@ class OutcomeReporterSettings(BatchingSettings):
     backoff_max_seconds: float = 5.0
     rpc_timeout_seconds: float = 2.0
     max_addresses: int = 64
+    security: PeerSecurity = dataclasses.field(default_factory=PeerSecurity.plaintext)
 
     def for_address(self, address: str) -> GrpcSinkSettings:
         """One address's sink settings."""
@@ -71,6 +74,7 @@ class OutcomeReporterSettings(BatchingSettings):
             backoff_initial_seconds=self.backoff_initial_seconds,
             backoff_max_seconds=self.backoff_max_seconds,
             rpc_timeout_seconds=self.rpc_timeout_seconds,
+            security=self.security,
         )
 
 

@@ -14,6 +14,7 @@ import structlog
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.runtime.identity import PeerSecurity
 
 T = TypeVar("T")
 
@@ -51,8 +52,10 @@ class RoutingTableWatch(Generic[T]):
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
         logger: str = "inferplane.routing_client",
+        security: PeerSecurity | None = None,
     ) -> None:
         self._address = address
+        self._security = security or PeerSecurity.plaintext()
         self._convert = convert
         self._options = list(options)
         self._models = list(models)
@@ -104,7 +107,7 @@ class RoutingTableWatch(Generic[T]):
 
     async def _follow(self) -> None:
         backoff = self._initial
-        self._channel = grpc.aio.insecure_channel(self._address, options=self._options)
+        self._channel = self._security.aio_channel(self._address, options=self._options)
         stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
         while True:
             self.connects += 1

@@ -42,6 +42,7 @@ from tenacity import (
 )
 
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import PeerSecurity
 
 log = structlog.get_logger("inferplane.runtime.batching")
 
@@ -356,11 +357,13 @@ class Batcher(Generic[T]):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GrpcSinkSettings(BatchingSettings):
-    """`BatchingSettings` plus the receiver: `target` (`host:port`) and the deadline of one
-    call, `rpc_timeout_seconds`."""
+    """`BatchingSettings` plus the receiver: `target` (`host:port`), the deadline of one
+    call, `rpc_timeout_seconds`, and the identity the channel presents (`security`;
+    plaintext by default, for tests)."""
 
     target: str
     rpc_timeout_seconds: float = 5.0
+    security: PeerSecurity = dataclasses.field(default_factory=PeerSecurity.plaintext)
 
 
 class GrpcSink(Generic[T]):
@@ -396,7 +399,7 @@ class GrpcSink(Generic[T]):
         channel's reconnect backoff is capped at `backoff_max_seconds` (gRPC's default cap,
         120 s, would outlast a short outage)."""
         max_backoff_ms = max(100, int(self._settings.backoff_max_seconds * 1000))
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = self._settings.security.aio_channel(
             self._settings.target,
             options=[
                 ("grpc.initial_reconnect_backoff_ms", 100),

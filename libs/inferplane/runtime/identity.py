@@ -41,6 +41,16 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("inferplane.runtime")
 
+# The platform's identities (certificate common names).
+EDGE = "edge"  # Envoy: ext_authz, ext_proc, access logs, ADS, replicas, admin routes
+AUTH = "auth"
+ROUTER = "router"
+ORCHESTRATOR = "orchestrator"
+NODE_AGENT = "node-agent"  # the node-agent and its replica processes
+TELEMETRY = "telemetry"
+ADMIN = "admin"  # operators' CLIs (`inferplane keys`, `deployments`, `top`, `up`)
+IDENTITIES = (EDGE, AUTH, ROUTER, ORCHESTRATOR, NODE_AGENT, TELEMETRY, ADMIN)
+
 ANY_IDENTITY = "*"
 """In a `PeerPolicy`: any caller with a certificate from the CA."""
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
@@ -241,3 +251,31 @@ class PeerPolicy:
         raise PermissionDeniedError(
             f"identity {identity!r} may not call {method}", code="identity_not_allowed"
         )
+
+
+LOCAL_STACK_PKI = Path(".state") / "pki"
+"""Where `inferplane up` (default `--data-dir .state`) keeps its CA and certificates."""
+
+
+def operator_security(environ: Mapping[str, str] = os.environ) -> PeerSecurity:
+    """The identity operators' CLIs (`inferplane keys`, `deployments`, `top`, `status`) present:
+    `$INFERPLANE_TLS_DIR` (a folder with `ca.crt`, `admin.crt`, `admin.key`); else, with
+    `$INFERPLANE_PLAINTEXT` true, plaintext (development only); else the local stack's folder
+    (`LOCAL_STACK_PKI`, relative to the working directory) when it holds an admin certificate.
+
+    Raises:
+        ConfigError: none of these.
+    """
+    if environ.get("INFERPLANE_TLS_DIR"):
+        return PeerSecurity.from_settings(
+            Path(environ["INFERPLANE_TLS_DIR"]), ADMIN, plaintext=False
+        )
+    if environ.get("INFERPLANE_PLAINTEXT", "").lower() in ("1", "true", "yes", "on"):
+        return PeerSecurity.plaintext(ADMIN)
+    if (LOCAL_STACK_PKI / f"{ADMIN}.crt").is_file():
+        return PeerSecurity(LOCAL_STACK_PKI.resolve(), ADMIN)
+    raise ConfigError(
+        "no operator identity: set INFERPLANE_TLS_DIR to a folder with ca.crt, admin.crt and "
+        "admin.key (a local stack keeps them in <data-dir>/pki), or INFERPLANE_PLAINTEXT=1 "
+        "for services started with --plaintext"
+    )

@@ -41,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
 from inferplane.runtime import procguard
+from inferplane.runtime.identity import PeerSecurity
 
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -96,14 +97,18 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
 
 
 async def serve_fake_replica(
-    control: FakeReplicaControl, host: str = "127.0.0.1", port: int = 0
+    control: FakeReplicaControl,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: PeerSecurity | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """Starts a grpc.aio server with `control` and its health on `host:port` (0: any free
-    port); returns the server and its `host:port`. Stop it with `await server.stop(None)`."""
+    port), with `security`'s credentials (plaintext by default); returns the server and its
+    `host:port`. Stop it with `await server.stop(None)`."""
     server = grpc.aio.server()
     replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server(control, server)
     health_pb2_grpc.add_HealthServicer_to_server(control.health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (security or PeerSecurity.plaintext()).add_port(server, f"{host}:{port}")
     await control._publish()
     await server.start()
     return server, f"{host}:{bound}"
@@ -138,6 +143,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--drain-grace-seconds", type=float, default=30.0)
     for name in ("--fake-ready-after", "--fake-die-after", "--fake-drain-seconds"):
         p.add_argument(name, type=float, default=0.0)
+    security = p.add_mutually_exclusive_group(required=True)
+    security.add_argument("--tls-dir", type=Path)
+    security.add_argument("--plaintext", action="store_true")
+    p.add_argument("--identity", default="node-agent")
     p.add_argument("--fake-fail-starts", type=int, default=0)
     p.add_argument("--fake-state-file", type=Path)
     p.add_argument("--fake-in-flight", type=int, default=0)
@@ -161,7 +170,8 @@ def _accepts(address: str) -> bool:
 async def _serve(opts: argparse.Namespace, engine_argv: list[str]) -> int:
     spec = json_format.Parse(opts.spec_file.read_text(), nodeagent_pb2.ReplicaSpec())
     control = FakeReplicaControl(opts.replica_id, in_flight=opts.fake_in_flight)
-    server, address = await serve_fake_replica(control, opts.host, opts.port)
+    security = PeerSecurity(opts.tls_dir, opts.identity)
+    server, address = await serve_fake_replica(control, opts.host, opts.port, security)
     if opts.metrics_port:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
-from inferplane.runtime import App, ConfigError, RunningServer, ServiceSettings, ServicerBinding
+from inferplane.runtime import App, ConfigError, RunningServer, ServicerBinding, ServiceSettings
 from inferplane.runtime.identity import PeerPolicy, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 
@@ -143,7 +143,7 @@ def test_a_service_needs_an_identity_or_the_explicit_plaintext_flag(tmp_path: Pa
         PeerSecurity.from_settings(_pki(tmp_path, "auth"), "router", plaintext=False)
     assert not PeerSecurity.from_settings(None, "router", plaintext=True).mtls
     assert PeerSecurity.from_settings(tmp_path, "auth", plaintext=False).mtls
-    with pytest.raises(ValueError, match="not '/pkg.Service/'"):
+    with pytest.raises(ValueError, match=r"not '/pkg\.Service/'"):
         PeerPolicy({"QueryLatency": ["router"]})
     assert dataclasses.replace(ServiceSettings(), plaintext=True).security("node_agent").name == (
         "node-agent"

@@ -30,12 +30,14 @@ def admin_keys(auth: Any, secret: str) -> list[auth_pb2.ApiKey]:
 
 def test_settings_read_the_bootstrap_env_variable(tmp_path: Path) -> None:
     settings = load_auth_settings(
-        ["--data-dir", str(tmp_path)], environ={"INFERPLANE_BOOTSTRAP_ADMIN_KEY": ENV_KEY}
+        ["--data-dir", str(tmp_path), "--plaintext"],
+        environ={"INFERPLANE_BOOTSTRAP_ADMIN_KEY": ENV_KEY},
     )
     assert settings.bootstrap_admin_key == ENV_KEY
     assert ENV_KEY not in repr(settings)
     explicit = load_auth_settings(
-        [], environ={"INFERPLANE_BOOTSTRAP_ADMIN_KEY": ENV_KEY, "INFERPLANE_AUTH_PORT": "6000"}
+        ["--plaintext"],
+        environ={"INFERPLANE_BOOTSTRAP_ADMIN_KEY": ENV_KEY, "INFERPLANE_AUTH_PORT": "6000"},
     )
     assert explicit.port == 6000
 

@@ -16,6 +16,7 @@ def keys(auth: Any, *args: str, admin_key: str | None = None) -> Any:
     env = {
         "INFERPLANE_ADMIN_KEY": auth.admin_key if admin_key is None else admin_key,
         "COLUMNS": "200",  # a wide terminal: rich folds cells at the default 80
+        "INFERPLANE_PLAINTEXT": "1",  # the test service runs plaintext
     }
     return runner.invoke(
         app, [*args, "--address", f"127.0.0.1:{auth.server.port}"], env=env, catch_exceptions=False

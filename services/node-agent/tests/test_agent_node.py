@@ -57,13 +57,14 @@ def test_boot_replicas_come_from_the_yaml_config(tmp_path: Path) -> None:
         "      dtype: float32\n"
         "      extra_engine_args: ['--seed', '0']\n"
     )
-    s = load_settings(NodeAgentSettings, service="node_agent", argv=["--config", str(config)])
+    argv = ["--config", str(config), "--plaintext"]
+    s = load_settings(NodeAgentSettings, service="node_agent", argv=argv)
     (replica,) = s.replicas
     assert replica.id == "kimi-tiny-0" and replica.spec.kv_cache_bytes == 1 << 30
     assert list(replica.spec.extra_engine_args) == ["--seed", "0"]
     config.write_text("node_agent:\n  replicas:\n    - id: x\n      model_sauce: /m\n")
     with pytest.raises(ConfigError, match="model_sauce"):
-        load_settings(NodeAgentSettings, service="node_agent", argv=["--config", str(config)])
+        load_settings(NodeAgentSettings, service="node_agent", argv=argv)
 
 
 class PacedClock(FakeClock):

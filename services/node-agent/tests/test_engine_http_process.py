@@ -25,9 +25,7 @@ from inferplane.node_agent.engine.process import (
 )
 from inferplane.node_agent.engine.supervisor import (
     ReplicaManager,
-    ReplicaProcessClient,
     SupervisorConfig,
-    default_client,
 )
 from inferplane.runtime import FailedPreconditionError
 from inferplane.runtime.ports import LOWEST_PORT, ephemeral_range
@@ -121,13 +119,6 @@ def test_an_empty_transport_means_the_default(tmp_path: Path) -> None:
     assert DEFAULT_TRANSPORT in TRANSPORTS
     plan = plan_launch("r1", spec(""), data_dir=tmp_path, cpu=True)
     assert plan.transport == DEFAULT_TRANSPORT
-
-
-@pytest.mark.anyio
-async def test_the_default_client_is_the_replica_process_control_port() -> None:
-    client = default_client("127.0.0.1:1")
-    assert isinstance(client, ReplicaProcessClient) and client.address == "127.0.0.1:1"
-    await client.close()
 
 
 @pytest.mark.anyio

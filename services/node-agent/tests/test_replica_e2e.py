@@ -99,6 +99,7 @@ def test_inproc_replica_serves_a_tool_call_and_dies_cleanly_with_its_engine(
         str(tmp_path / "cache"),
         "--startup-timeout-seconds",
         "150",
+        "--plaintext",
     ]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(

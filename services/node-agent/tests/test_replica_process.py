@@ -349,6 +349,7 @@ def test_command_line_contract(tmp_path: Any) -> None:
             "127.0.0.1:5555",
             "--drain-grace-seconds",
             "7",
+            "--plaintext",
             "--",
             "python",
             "-m",
@@ -366,4 +367,16 @@ def test_command_line_contract(tmp_path: Any) -> None:
     from inferplane.runtime import ConfigError
 
     with pytest.raises(ConfigError):
-        parse_args(["--replica-id", "r", "--spec-file", str(spec_file), "--transport", "grpc"])
+        parse_args(
+            [
+                "--replica-id",
+                "r",
+                "--spec-file",
+                str(spec_file),
+                "--transport",
+                "grpc",
+                "--plaintext",
+            ]
+        )
+    with pytest.raises(SystemExit):  # no identity and no explicit development flag
+        parse_args(["--replica-id", "r", "--spec-file", str(spec_file)])

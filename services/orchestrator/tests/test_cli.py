@@ -26,6 +26,9 @@ profile:
   max_num_seqs: 8
 """
 
+# The in-process test service runs plaintext: the CLI is told so explicitly.
+PLAINTEXT = {"INFERPLANE_PLAINTEXT": "1"}
+
 
 def cli_lines(output: str) -> list[str]:
     """The CLI's own lines (the in-process server's log lines share stdout here)."""
@@ -36,7 +39,7 @@ def test_create_list_explain(orch: Any, fx: Any, tmp_path: Path) -> None:
     orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.gpu_status("g", gpus=2)), timeout=10)
     spec = tmp_path / "deployment.yaml"
     spec.write_text(DEPLOYMENT_YAML)
-    runner = CliRunner()
+    runner = CliRunner(env=PLAINTEXT)
     address = ["--address", orch.address]
 
     created = runner.invoke(app, ["create", "--file", str(spec), *address])
@@ -68,7 +71,7 @@ def test_unplaceable_replicas_say_exactly_why(orch: Any, fx: Any, tmp_path: Path
     orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.gpu_status("g", gpus=1)), timeout=10)
     spec = tmp_path / "d.yaml"
     spec.write_text(DEPLOYMENT_YAML.replace("replicas: 2", "replicas: 3"))
-    result = CliRunner().invoke(app, ["create", "-f", str(spec), "--address", orch.address])
+    result = CliRunner(env=PLAINTEXT).invoke(app, ["create", "-f", str(spec), "--address", orch.address])
     assert result.exit_code == 0, result.output
     assert "Degraded: 2 of 3 replicas placed; llama-8b-2 cannot be placed" in result.output
     assert cli_lines(result.output)[-1] == (
@@ -82,7 +85,7 @@ def test_unplaceable_replicas_say_exactly_why(orch: Any, fx: Any, tmp_path: Path
 def test_bad_file_and_unknown_deployment(orch: Any, tmp_path: Path) -> None:
     spec = tmp_path / "bad.yaml"
     spec.write_text("deployment_id: x\nprofile: {precission: fp8}\n")
-    runner = CliRunner()
+    runner = CliRunner(env=PLAINTEXT)
     bad = runner.invoke(app, ["create", "-f", str(spec), "--address", orch.address])
     assert bad.exit_code == 2 and "precission" in bad.output
     missing = runner.invoke(app, ["explain", "nope", "--address", orch.address])

@@ -26,7 +26,7 @@ def test_settings_from_file_env_and_flags(tmp_path: Path) -> None:
     s = load_settings(
         TelemetrySettings,
         service="telemetry",
-        argv=["--config", str(config), "--max-tenants-per-deployment", "7"],
+        argv=["--config", str(config), "--max-tenants-per-deployment", "7", "--plaintext"],
         environ=env,
     )
     assert [t.replica for t in s.parsed_engine_targets()] == ["a-0", "b-0"]

@@ -66,7 +66,7 @@ def _top(harness: Harness, *extra: str) -> str:
             f"http://127.0.0.1:{harness.settings.metrics_port}/metrics",
             *extra,
         ],
-        env={"COLUMNS": "220"},
+        env={"COLUMNS": "220", "INFERPLANE_PLAINTEXT": "1"},  # the test service is plaintext
     )
     assert result.exit_code == 0, result.output
     return result.output

@@ -26,6 +26,7 @@ from inferplane.auth.usage import InternalCallerGuard, UsageMetrics, UsageServic
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import ADMIN, EDGE, ROUTER, PeerPolicy
 
 log = structlog.get_logger("inferplane.auth")
 
@@ -119,6 +120,17 @@ class AuthComponents:
         return App(
             component="auth",
             registry=self.registry,
+            peer_policy=PeerPolicy(
+                {
+                    # Envoy: the per-request Check and the access log that releases slots.
+                    "/envoy.service.auth.v3.Authorization/": [EDGE],
+                    "/envoy.service.accesslog.v3.AccessLogService/": [EDGE],
+                    # Key admin: the edge's /v1/admin routes, or an operator's CLI.
+                    "/inferplane.auth.v1.ApiKeyService/": [EDGE, ADMIN],
+                    # Token usage from the routers.
+                    "/inferplane.auth.v1.UsageService/": [ROUTER],
+                }
+            ),
             servicers=[
                 ServicerBinding(
                     "inferplane.auth.v1.ApiKeyService",

@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
+from inferplane.runtime import ConfigError
+from inferplane.runtime.identity import operator_security
 
 app = typer.Typer(
     help="Manage inferplane API keys (needs an admin key).",
@@ -60,7 +62,12 @@ def _client(address: str, admin_key: str) -> Iterator[tuple[_Stub, _Metadata]]:
             err=True,
         )
         raise typer.Exit(2)
-    with grpc.insecure_channel(address) as channel:
+    try:
+        security = operator_security()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with security.channel(address) as channel:
         try:
             yield (
                 auth_pb2_grpc.ApiKeyServiceStub(channel),

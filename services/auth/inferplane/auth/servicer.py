@@ -44,6 +44,7 @@ from inferplane.runtime import (
     UnauthenticatedError,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.identity import EDGE, peer_identity
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -231,7 +232,8 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     """inferplane.auth.v1.ApiKeyService: admin CRUD over API keys.
 
     Callers: the edge (forwards `x-inferplane-scopes` from its Check; trusted when
-    `trust_edge_headers`) or a direct gRPC client with `authorization: Bearer <admin key>`.
+    `trust_edge_headers` and, under mutual TLS, only from the `edge` identity) or a direct
+    gRPC client with `authorization: Bearer <admin key>`.
     No credentials → UNAUTHENTICATED; credentials without the admin scope → PERMISSION_DENIED.
     """
 
@@ -251,7 +253,12 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     async def _admin(self, context: Context) -> str:
         """The key id of the admin making the call."""
         metadata: Mapping[str, str | bytes] = dict(context.invocation_metadata() or ())
-        if self._trust_edge_headers and HEADER_SCOPES in metadata:
+        if (
+            self._trust_edge_headers
+            and HEADER_SCOPES in metadata
+            # Plaintext (development) has no identities; under mTLS only Envoy's headers count.
+            and peer_identity(context) in (None, EDGE)
+        ):
             scopes = str(metadata[HEADER_SCOPES]).split(",")
             if SCOPE_ADMIN not in (s.strip() for s in scopes):
                 raise PermissionDeniedError(

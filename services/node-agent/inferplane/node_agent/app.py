@@ -8,6 +8,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2_grpc
 from inferplane.node_agent.agent.wiring import build_node_agent
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import App, ServicerBinding
+from inferplane.runtime.identity import ADMIN, ORCHESTRATOR, PeerPolicy
 
 
 def build_app(settings: NodeAgentSettings) -> App:
@@ -19,6 +20,10 @@ def build_app(settings: NodeAgentSettings) -> App:
     return App(
         component="node_agent",
         registry=CollectorRegistry(),
+        # Replica control: the orchestrator's reconciler and releases, and operators.
+        peer_policy=PeerPolicy(
+            {"/inferplane.nodeagent.v1.NodeAgentService/": [ORCHESTRATOR, ADMIN]}
+        ),
         servicers=[
             ServicerBinding(
                 "inferplane.nodeagent.v1.NodeAgentService",

@@ -41,6 +41,14 @@ from inferplane.orchestrator.xds.edge import EdgeXds
 from inferplane.orchestrator.xds.server import AggregatedDiscoveryService
 from inferplane.runtime import App, ServicerBinding
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import (
+    ADMIN,
+    EDGE,
+    NODE_AGENT,
+    ROUTER,
+    TELEMETRY,
+    PeerPolicy,
+)
 
 log = structlog.get_logger("inferplane.orchestrator")
 
@@ -102,9 +110,23 @@ class OrchestratorComponents:
         await asyncio.to_thread(self.store.close)
 
     def app(self) -> App:
+        nodes = "/inferplane.orchestrator.v1.NodeService/"
         return App(
             component="orchestrator",
             registry=CollectorRegistry(),
+            peer_policy=PeerPolicy(
+                {
+                    # The catalogue and fleet operations: operators (CLI, `inferplane up`).
+                    "/inferplane.orchestrator.v1.DeploymentService/": [ADMIN],
+                    nodes: [ADMIN],
+                    nodes + "RegisterNode": [NODE_AGENT],
+                    nodes + "StreamHeartbeats": [NODE_AGENT],
+                    # The routing table: routers pick from it, telemetry scrapes its replicas.
+                    "/inferplane.orchestrator.v1.RoutingService/": [ROUTER, TELEMETRY, ADMIN],
+                    # Envoy's configuration.
+                    "/envoy.service.discovery.v3.AggregatedDiscoveryService/": [EDGE],
+                }
+            ),
             servicers=[
                 ServicerBinding(
                     "inferplane.orchestrator.v1.DeploymentService",
@@ -170,6 +192,7 @@ def build_components(
     agents = agents or GrpcNodeAgents(
         timeout_seconds=settings.node_agent_timeout_seconds,
         probe_timeout_seconds=settings.warmup_timeout_seconds,
+        security=settings.security("orchestrator"),
     )
     releases: ReleaseStore = (
         SqlReleaseStore(store.engine) if isinstance(store, SqlStateStore) else MemoryReleaseStore()
@@ -199,6 +222,7 @@ def build_components(
                 listen_port=settings.edge_listen_port,
                 tls_cert_path=settings.edge_tls_cert_path,
                 tls_key_path=settings.edge_tls_key_path,
+                upstream_tls_dir=settings.edge_upstream_tls_dir,
                 node_id=settings.edge_node_id,
                 auth_internal_token=settings.edge_auth_internal_token,
             ),

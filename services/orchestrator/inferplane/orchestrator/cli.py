@@ -40,6 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from inferplane.runtime import ConfigError
+from inferplane.runtime.identity import operator_security
 
 app = typer.Typer(
     help="The model catalogue: create, list and explain deployments.",
@@ -60,8 +62,14 @@ pb = orchestrator_pb2
 
 @contextlib.contextmanager
 def _client(address: str) -> Iterator[_Stub]:
-    """A stub; RPC errors become `error: CODE: details` on stderr and exit code 1."""
-    with grpc.insecure_channel(address) as channel:
+    """A stub over the operator's identity (`operator_security`); RPC errors become
+    `error: CODE: details` on stderr and exit code 1."""
+    try:
+        security = operator_security()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with security.channel(address) as channel:
         try:
             yield orchestrator_pb2_grpc.DeploymentServiceStub(channel)
         except grpc.RpcError as exc:

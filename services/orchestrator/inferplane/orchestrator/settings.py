@@ -38,6 +38,9 @@ class OrchestratorSettings(ServiceSettings):
         edge_tls_cert_path / edge_tls_key_path: PEM certificate chain and key files (on the
             edge's machine: Envoy reads them) the edge's listener serves HTTPS with; both
             empty: plain HTTP. `inferplane up --tls` issues them from its local CA.
+        edge_upstream_tls_dir: the edge's identity folder as Envoy's host sees it (`ca.crt`,
+            `edge.crt`, `edge.key`): the clusters it pushes speak mutual TLS to the services;
+            empty: plaintext (development only).
         edge_auth_internal_token: auth's `internal_token`, which the edge presents when it
             streams finished requests to auth (slot release); "" = auth accepts loopback.
     """
@@ -65,6 +68,7 @@ class OrchestratorSettings(ServiceSettings):
     edge_listen_port: int = 8080
     edge_tls_cert_path: str = ""
     edge_tls_key_path: str = ""
+    edge_upstream_tls_dir: str = ""
     edge_auth_internal_token: str = dataclasses.field(default="", repr=False)
 
     @property

@@ -26,6 +26,7 @@ from inferplane.router.sources import OrchestratorRouteSource, RouteSource, Stat
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
 from inferplane.runtime import App, ServicerBinding, grpc_options
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 
@@ -39,6 +40,7 @@ def route_source(settings: RouterSettings) -> RouteSource:
         return OrchestratorRouteSource(
             settings.orchestrator_address,
             options=grpc_options(settings),
+            security=settings.security("router"),
             initial_backoff_seconds=settings.orchestrator_backoff_seconds,
             max_backoff_seconds=settings.orchestrator_max_backoff_seconds,
         )
@@ -68,6 +70,7 @@ def build_app(
     """
     clock = clock or SystemClock()
     registry = registry or CollectorRegistry()
+    security = settings.security("router")
     policies = default_registry(settings.default_policy, settings.load_factor)
     admission = Admission(
         policies,
@@ -94,6 +97,7 @@ def build_app(
                 internal_token=settings.auth_internal_token,
                 capacity=settings.usage_buffer_capacity,
                 batch_size=settings.usage_batch_size,
+                security=security,
             ),
             registry,
             wall_clock=wall_clock,
@@ -102,7 +106,7 @@ def build_app(
     record_sink: RecordSink | None = None
     if settings.telemetry_address:
         record_sink = RecordSink(
-            SinkSettings(target=settings.telemetry_address),
+            SinkSettings(target=settings.telemetry_address, security=security),
             registry,
             channel_options=grpc_options(settings),
         )
@@ -142,6 +146,15 @@ def build_app(
     return App(
         component="router",
         registry=registry,
+        peer_policy=PeerPolicy(
+            {
+                # Envoy asks for picks; models are listed through the edge (or by operators).
+                f"/{PICKER_SERVICE}/": [EDGE],
+                "/inferplane.inference.v1.InferenceService/": [EDGE, ADMIN],
+                # Replica processes report the outcome of streams that ended without trailers.
+                f"/{OUTCOME_SERVICE}/": [NODE_AGENT],
+            }
+        ),
         servicers=[
             ServicerBinding(
                 "inferplane.inference.v1.InferenceService",

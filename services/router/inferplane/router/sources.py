@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.routing_client import RoutingTableWatch, Sleep
+from inferplane.runtime.identity import PeerSecurity
 
 Listener = Callable[[RouteTable], None]
 
@@ -103,6 +104,7 @@ class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
         max_backoff_seconds: float = 15.0,
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
+        security: PeerSecurity | None = None,
     ) -> None:
         super().__init__(
             address,
@@ -115,4 +117,5 @@ class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
             sleep=sleep,
             rng=rng,
             logger="inferplane.router.routes",
+            security=security,
         )

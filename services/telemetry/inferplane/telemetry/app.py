@@ -15,6 +15,7 @@ from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import ADMIN, NODE_AGENT, ROUTER, PeerPolicy
 from inferplane.telemetry.alerts import Evaluator
 from inferplane.telemetry.discovery import EngineDiscovery, TargetSource, targets_from_table
 from inferplane.telemetry.domain import SloTargets
@@ -87,9 +88,18 @@ class TelemetryComponents:
             await self._fetch_close()
 
     def app(self) -> App:
+        service = "/inferplane.telemetry.v1.TelemetryService/"
         return App(
             component="telemetry",
             registry=self.registry,
+            peer_policy=PeerPolicy(
+                {
+                    # Request records: routers and replica processes.
+                    service + "RecordRequests": [ROUTER, NODE_AGENT],
+                    # Queries: operators (`inferplane top`).
+                    service: [ADMIN],
+                }
+            ),
             servicers=[
                 ServicerBinding(
                     "inferplane.telemetry.v1.TelemetryService",
@@ -143,6 +153,7 @@ def build_components(
             targets_from_table,
             (),
             logger="inferplane.telemetry.discovery",
+            security=settings.security("telemetry"),
         )
     discovery = EngineDiscovery(
         scraper,

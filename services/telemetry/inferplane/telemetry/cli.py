@@ -29,6 +29,8 @@ from rich.live import Live
 from rich.table import Table
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
+from inferplane.runtime import ConfigError
+from inferplane.runtime.identity import operator_security
 
 app = typer.Typer(
     help="Telemetry views (live latency, engine and alert table).",
@@ -271,7 +273,12 @@ def top(
 ) -> None:
     """Live table per model/deployment: load, latency, engines, tool calls, alerts."""
     console = Console()
-    with grpc.insecure_channel(address) as channel:
+    try:
+        security = operator_security()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with security.channel(address) as channel:
         stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
         if once:
             console.print(render(collect_frame(stub, metrics_url, window)))

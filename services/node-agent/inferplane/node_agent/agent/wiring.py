@@ -32,6 +32,7 @@ from inferplane.node_agent.engine.process import (
 from inferplane.node_agent.engine.supervisor import ClientFactory, ReplicaManager, SupervisorConfig
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import NODE_AGENT
 
 log = structlog.get_logger("inferplane.node_agent")
 
@@ -54,6 +55,7 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
             gc_freeze=settings.gc_freeze,
             startup_timeout_seconds=settings.engine_startup_timeout_seconds,
             drain_grace_seconds=settings.replica_drain_grace_seconds,
+            security=settings.security(NODE_AGENT),
         ),
         host="127.0.0.1",
         replica_host=settings.host,
@@ -69,6 +71,7 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
         cpu_reserved_cores=settings.engine_cpu_reserved_cores,
         cpu_engine_core_niceness=settings.engine_cpu_core_niceness,
         cpu_engine_autogroup_niceness=settings.engine_cpu_autogroup_niceness,
+        security=settings.security(NODE_AGENT),
     )
 
 
@@ -175,5 +178,6 @@ def build_node_agent(
             heartbeat_interval_seconds=settings.heartbeat_interval_seconds,
             retry_max_seconds=settings.registration_retry_max_seconds,
             clock=clock,
+            channel_factory=settings.security(NODE_AGENT).aio_channel,
         )
     return parts

@@ -31,6 +31,7 @@ from google.protobuf import json_format
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
+from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 from inferplane.runtime.ports import free_port
 from inferplane.runtime.private_files import open_private_log
 
@@ -85,7 +86,8 @@ class ReplicaOptions:
     shown in /v1/models, whether it freezes its start-up heap out of the GC's scans, how long
     its engine may take to start (seconds) and how long it lets requests in flight finish on
     SIGTERM (`drain_grace_seconds`; the supervisor drains first, so this only matters for
-    forced stops and the node-agent's own shutdown)."""
+    forced stops and the node-agent's own shutdown), and the identity it serves and calls with
+    (`security`: the node-agent's certificate, or plaintext)."""
 
     telemetry_address: str = ""
     node_name: str = ""
@@ -94,10 +96,11 @@ class ReplicaOptions:
     gc_freeze: bool = False
     startup_timeout_seconds: float = 180.0
     drain_grace_seconds: float = 5.0
+    security: PeerSecurity = dataclasses.field(default_factory=PeerSecurity.plaintext)
 
     def argv(self) -> list[str]:
         """These options as replica process flags (flags only when set)."""
-        out: list[str] = []
+        out: list[str] = [*self.security.args(), "--identity", self.security.name or NODE_AGENT]
         if self.telemetry_address:
             out += ["--telemetry-address", self.telemetry_address]
         if self.node_name:

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -69,6 +70,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.identity import PeerSecurity
 
 log = structlog.get_logger("inferplane.node_agent.engine")
 
@@ -119,6 +121,7 @@ class SupervisorConfig:
     cpu_reserved_cores: int = 1
     cpu_engine_core_niceness: int = 19
     cpu_engine_autogroup_niceness: int = 10
+    security: PeerSecurity = dataclasses.field(default_factory=PeerSecurity.plaintext)
 
 
 class ReplicaStartError(Exception):
@@ -184,10 +187,16 @@ class ReplicaProcessClient:
     the replica process's `address` (host:port); every call bounded by `timeout_seconds`.
     Create it on the event loop that uses it."""
 
-    def __init__(self, address: str, *, timeout_seconds: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_seconds: float = 5.0,
+        security: PeerSecurity | None = None,
+    ) -> None:
         self.address = address
         self._timeout = timeout_seconds
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = (security or PeerSecurity.plaintext()).aio_channel(address)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._control = replica_pb2_grpc.ReplicaProcessServiceStub(self._channel)
 
@@ -232,11 +241,6 @@ class ReplicaProcessClient:
 
 ClientFactory = Callable[[str], ReplicaControl]
 """Makes the control client of a started replica process from `LaunchPlan.inference_address`."""
-
-
-def default_client(address: str) -> ReplicaControl:
-    """A `ReplicaProcessClient` for `address`."""
-    return ReplicaProcessClient(address)
 
 
 class Replica:
@@ -656,7 +660,9 @@ class ReplicaManager:
         self.config = config
         self._clock = clock or SystemClock()
         self._spawner = spawner or ProcessSpawner()
-        self._client_factory = client_factory or default_client
+        self._client_factory = client_factory or functools.partial(
+            ReplicaProcessClient, security=config.security
+        )
         self._planner = planner or self._plan
         self._environ = environ
         self.cores = cores or CpuCorePool.for_this_node(

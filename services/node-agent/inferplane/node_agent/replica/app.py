@@ -40,7 +40,7 @@ from inferplane.node_agent.replica.hosts import EngineHost
 from inferplane.node_agent.replica.service import ReplicaProcessServicer
 from inferplane.node_agent.replica.settings import ReplicaSettings
 from inferplane.node_agent.replica.state import Phase, ReplicaState, TrackedEngine
-from inferplane.routing_client import OutcomeReporter
+from inferplane.routing_client import OutcomeReporter, OutcomeReporterSettings
 from inferplane.runtime import (
     App,
     GcPauses,
@@ -50,6 +50,7 @@ from inferplane.runtime import (
     grpc_options,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ORCHESTRATOR, PeerPolicy
 from inferplane.runtime.metrics_http import ScrapedMetrics, serve_text_metrics
 
 log = structlog.get_logger("inferplane.node_agent.replica")
@@ -118,11 +119,16 @@ class ReplicaProcess:
         if extra_metrics is not None:
             self.registry.register(_Collect(extra_metrics))
         self.state = ReplicaState(settings.replica_id, settings.spec)
+        self.security = settings.security(NODE_AGENT)
         self._assets = assets or ModelAssetsCache()
         self._sink: Any = None
         if on_outcome is None:
             on_outcome = self._telemetry() if settings.telemetry_address else discard_outcome
-        self.outcomes = OutcomeReporter(self.registry, channel_options=grpc_options(settings))
+        self.outcomes = OutcomeReporter(
+            self.registry,
+            OutcomeReporterSettings(security=self.security),
+            channel_options=grpc_options(settings),
+        )
         self.inference = InferenceServicer(
             self.state,
             self._assets,
@@ -136,6 +142,14 @@ class ReplicaProcess:
         app = App(
             component="replica",
             registry=self.registry,
+            peer_policy=PeerPolicy(
+                {
+                    # Generations: Envoy, the orchestrator's warm-up probe, operators.
+                    f"/{INFERENCE_SERVICE}/": [EDGE, ORCHESTRATOR, ADMIN],
+                    # Drain and load: the node-agent that started this process.
+                    f"/{REPLICA_SERVICE}/": [NODE_AGENT],
+                }
+            ),
             servicers=[
                 ServicerBinding(
                     INFERENCE_SERVICE,
@@ -158,7 +172,7 @@ class ReplicaProcess:
         from inferplane.telemetry_client import RecordSink, SinkSettings
 
         self._sink = RecordSink(
-            SinkSettings(target=self.settings.telemetry_address),
+            SinkSettings(target=self.settings.telemetry_address, security=self.security),
             self.registry,
             channel_options=grpc_options(self.settings),
         )

@@ -6,7 +6,8 @@ python -m inferplane.node_agent.replica --replica-id ID --spec-file PATH
     [--engine-address HOST:PORT] [--metrics-port N] [--metrics-host H]
     [--cache-root PATH] [--device {auto,cpu,gpu}] [--kv-cache-bytes N]
     [--telemetry-address A] [--node-name N] [--strict-tool-calls] [--owned-by X] [--gc-freeze]
-    [--startup-timeout-seconds S] [--drain-grace-seconds S] [-- ENGINE ARGV...]
+    [--startup-timeout-seconds S] [--drain-grace-seconds S]
+    (--tls-dir DIR [--identity NAME] | --plaintext) [-- ENGINE ARGV...]
 ```
 """
 
@@ -21,6 +22,7 @@ from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.runtime import ConfigError, ServiceSettings
+from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
 INPROC = "inproc"
 CHILD_TRANSPORTS = ("http-completions", "grpc")
@@ -101,7 +103,13 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
     p.add_argument("--startup-timeout-seconds", type=float, default=300.0)
     p.add_argument("--drain-grace-seconds", type=float, default=30.0)
     p.add_argument("--log-level", default="info")
+    # The node-agent's identity (its certificate) or the development mode, never by default.
+    security = p.add_mutually_exclusive_group(required=True)
+    security.add_argument("--tls-dir", type=Path)
+    security.add_argument("--plaintext", action="store_true")
+    p.add_argument("--identity", default=NODE_AGENT)
     args = p.parse_args(argv)
+    PeerSecurity.from_settings(args.tls_dir, args.identity, plaintext=args.plaintext)
     try:
         spec = json_format.Parse(args.spec_file.read_text(), nodeagent_pb2.ReplicaSpec())
     except (OSError, json_format.ParseError) as exc:
@@ -132,6 +140,9 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
         startup_timeout_seconds=args.startup_timeout_seconds,
         drain_grace_seconds=args.drain_grace_seconds,
         log_level=args.log_level,
+        tls_dir=args.tls_dir,
+        identity=args.identity,
+        plaintext=args.plaintext,
         # In-flight requests are drained before the server stops (drain_grace_seconds); what
         # the server's own grace covers is only the error events of the aborted rest.
         grace_period_seconds=5.0,

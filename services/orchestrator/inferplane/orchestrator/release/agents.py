@@ -17,6 +17,7 @@ from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
+from inferplane.runtime.identity import PeerSecurity
 
 REPLICA_METADATA_KEY = "x-inferplane-replica"
 """Pins a request to one replica on a node-agent (the node-agent's pipeline reads it)."""
@@ -58,11 +59,17 @@ class NodeAgents(Protocol):
 
 class GrpcNodeAgents:
     """`NodeAgents` over grpc.aio. `timeout_seconds` bounds control RPCs; `probe_timeout_seconds`
-    bounds one warm-up request (the engine's first request can be slow: compilation, caches)."""
+    bounds one warm-up request (the engine's first request can be slow: compilation, caches);
+    `security`: the orchestrator's identity toward node-agents and replicas."""
 
     def __init__(
-        self, *, timeout_seconds: float = 30.0, probe_timeout_seconds: float = 60.0
+        self,
+        *,
+        timeout_seconds: float = 30.0,
+        probe_timeout_seconds: float = 60.0,
+        security: PeerSecurity | None = None,
     ) -> None:
+        self._security = security or PeerSecurity.plaintext()
         self._timeout = timeout_seconds
         self._probe_timeout = probe_timeout_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -70,7 +77,7 @@ class GrpcNodeAgents:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._security.aio_channel(address)
         return channel
 
     def _agent(self, address: str) -> nodeagent_pb2_grpc.NodeAgentServiceStub:

@@ -71,7 +71,9 @@ def test_unplaceable_replicas_say_exactly_why(orch: Any, fx: Any, tmp_path: Path
     orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.gpu_status("g", gpus=1)), timeout=10)
     spec = tmp_path / "d.yaml"
     spec.write_text(DEPLOYMENT_YAML.replace("replicas: 2", "replicas: 3"))
-    result = CliRunner(env=PLAINTEXT).invoke(app, ["create", "-f", str(spec), "--address", orch.address])
+    result = CliRunner(env=PLAINTEXT).invoke(
+        app, ["create", "-f", str(spec), "--address", orch.address]
+    )
     assert result.exit_code == 0, result.output
     assert "Degraded: 2 of 3 replicas placed; llama-8b-2 cannot be placed" in result.output
     assert cli_lines(result.output)[-1] == (

@@ -11,13 +11,17 @@ Pure Python (no grpc, no torch). The node-agent calls it on the hot token path::
     res = parser.parse(full_text, thinking=True)  # -> ParseResult
     s = parser.start(thinking=True, tools=request["tools"])  # names resolved, args coerced
 
-``PlainSession()`` has the same surface for output with no format (all content, verbatim).
+Formats (``default_registry().names``): ``kimi_k2``, ``qwen3`` (hermes-style JSON calls),
+``deepseek_v31``, ``glm45`` (key/value calls). ``PlainSession()`` has the same surface for
+output with no format (all content, verbatim).
 """
 
 from inferplane.parsers._arguments import ToolSet
 from inferplane.parsers._constrain import Constraint, build_tool_constraint
+from inferplane.parsers._deepseek_v31 import DEEPSEEK_V31_MARKERS, deepseek_v31_config
 from inferplane.parsers._engine import (
     Action,
+    ArgumentsFormat,
     EngineConfig,
     Parser,
     Session,
@@ -30,6 +34,7 @@ from inferplane.parsers._errors import (
     ParserError,
     UnknownParserError,
 )
+from inferplane.parsers._glm45 import GLM45_MARKERS, glm45_config
 from inferplane.parsers._kimi_k2 import (
     KIMI_K2_MARKER_VARIANTS,
     KIMI_K2_MARKERS,
@@ -37,6 +42,7 @@ from inferplane.parsers._kimi_k2 import (
     split_kimi_header,
 )
 from inferplane.parsers._plain import PlainSession
+from inferplane.parsers._qwen3 import QWEN3_MARKERS, qwen3_config
 from inferplane.parsers._registry import ParserRegistry, build_parser, default_registry
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 from inferplane.parsers._validate import (
@@ -47,9 +53,13 @@ from inferplane.parsers._validate import (
 )
 
 __all__ = [
+    "DEEPSEEK_V31_MARKERS",
+    "GLM45_MARKERS",
     "KIMI_K2_MARKERS",
     "KIMI_K2_MARKER_VARIANTS",
+    "QWEN3_MARKERS",
     "Action",
+    "ArgumentsFormat",
     "Constraint",
     "ConstraintError",
     "Delta",
@@ -72,8 +82,11 @@ __all__ = [
     "VerdictReason",
     "build_parser",
     "build_tool_constraint",
+    "deepseek_v31_config",
     "default_registry",
+    "glm45_config",
     "kimi_k2_config",
+    "qwen3_config",
     "split_kimi_header",
     "validate_tool_calls",
 ]

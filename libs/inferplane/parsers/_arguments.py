@@ -17,14 +17,17 @@ client as they come, and a repair decided on the whole text could not change wha
 sent. The two repairs above are the ones that can be decided while streaming.
 
 `ToolSet` is the request's declared tools, compiled once per request: the names, each
-function's coercions, and the resolution of a call whose header named no function.
+function's coercions, the parameters whose raw key/value text is JSON (``json_valued``, for
+GLM's ``<arg_value>``), and the resolution of a call whose header named no function.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +35,15 @@ from typing import Any
 import jsonschema
 from jsonschema.protocols import Validator
 
-__all__ = ["COERCED", "TRAILING_COMMA", "ArgumentsStream", "ToolSchema", "ToolSet"]
+__all__ = [
+    "COERCED",
+    "TRAILING_COMMA",
+    "ArgumentsStream",
+    "ToolSchema",
+    "ToolSet",
+    "declared_types",
+    "decode_json_value",
+]
 
 TRAILING_COMMA = "trailing_comma"
 COERCED = "coerced"
@@ -70,6 +81,102 @@ def _coerce(text: str, types: tuple[str, ...]) -> str | None:
     return None
 
 
+_MAX_SCHEMA_DEPTH = 8  # anyOf / oneOf nesting followed by `declared_types`
+_MAX_LITERAL_CHARS = 65536  # longer values are not handed to ast.literal_eval
+
+
+def declared_types(schema: Any, _depth: int = 0) -> frozenset[str]:
+    """The JSON types a property's schema declares: ``type`` (a name or a list), the members
+    of ``anyOf`` / ``oneOf``, else what ``enum`` / ``const`` values, ``properties`` (object) or
+    ``items`` (array) imply; empty when the schema says nothing about its type. Mirrors
+    SGLang's ``infer_type_from_json_schema`` (``function_call/utils.py``)."""
+    if not isinstance(schema, Mapping) or _depth > _MAX_SCHEMA_DEPTH:
+        return frozenset()
+    types: set[str] = set()
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        types.add(declared)
+    elif isinstance(declared, list):
+        types.update(t for t in declared if isinstance(t, str))
+    for union in ("anyOf", "oneOf"):
+        members = schema.get(union)
+        if isinstance(members, list):
+            for member in members:
+                types |= declared_types(member, _depth + 1)
+    if types:
+        return frozenset(types)
+    values = schema.get("enum")
+    values = list(values) if isinstance(values, list) else []
+    if "const" in schema:
+        values.append(schema["const"])
+    for v in values:
+        types.add(_json_type(v))
+    if "properties" in schema:
+        types.add("object")
+    if "items" in schema:
+        types.add("array")
+    return frozenset(types)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if value is None:
+        return "null"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json_value(raw: str) -> str:
+    """The JSON text for a raw key/value-format value whose parameter is declared non-string.
+
+    GLM writes such values as JSON (``42``, ``true``, ``[1, 2]``), sometimes with escaped
+    quotes (``[{\\"id\\": 1}]``) or as a Python literal (``{'a': 1}``, ``True``). Tried in
+    order, as vLLM's ``Glm4MoeModelToolParser._deserialize`` and SGLang's
+    ``glm4_moe_detector.parse_arguments`` do: strict JSON (``NaN`` / ``Infinity`` rejected),
+    JSON after unescaping (SGLang), a Python literal (both); a value none of them reads stays
+    the JSON string it was written as (whitespace-trimmed, like vLLM). Never raises.
+    """
+    text = raw.strip()
+    value: Any
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        try:
+            value = json.loads(json.loads('"' + text + '"'), parse_constant=_reject_constant)
+        except (ValueError, TypeError, RecursionError):
+            value = _literal(text)
+            if value is _NOTHING:
+                return json.dumps(text, ensure_ascii=False)
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return json.dumps(text, ensure_ascii=False)
+
+
+_NOTHING = object()
+
+
+def _literal(text: str) -> Any:
+    """``ast.literal_eval(text)``, or `_NOTHING` when it is not a Python literal (or too long:
+    the parser must stay cheap on any model output)."""
+    if not text or len(text) > _MAX_LITERAL_CHARS:
+        return _NOTHING
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes warn (SGLang #30644)
+            return ast.literal_eval(text)
+    except Exception:  # ValueError, SyntaxError, MemoryError, RecursionError: not a literal
+        return _NOTHING
+
+
 @dataclass(frozen=True, slots=True)
 class ToolSchema:
     """One declared function.
@@ -78,11 +185,15 @@ class ToolSchema:
         name: the function's name.
         parameters: its ``parameters`` JSON schema (None when it declared none).
         coercions: see `Coercions` (empty: nothing to coerce).
+        json_valued: top-level properties whose declared types (`declared_types`) exclude
+            ``string``: a key/value format's raw value for them is JSON and is decoded
+            (`decode_json_value`); every other value is a string, verbatim.
     """
 
     name: str
     parameters: Any
     coercions: Coercions
+    json_valued: frozenset[str] = frozenset()
 
 
 class ToolSet:
@@ -107,7 +218,12 @@ class ToolSet:
             props = params.get("properties") if isinstance(params, Mapping) else None
             props = props if isinstance(props, Mapping) else {}
             coercions = {k: t for k, v in props.items() if (t := _coercible_types(v))}
-            by_name[name] = ToolSchema(name, params, coercions)
+            json_valued = frozenset(
+                k
+                for k, v in props.items()
+                if isinstance(k, str) and (types := declared_types(v)) and "string" not in types
+            )
+            by_name[name] = ToolSchema(name, params, coercions, json_valued)
         self.by_name: Mapping[str, ToolSchema] = by_name
         self.tools: tuple[ToolSchema, ...] = tuple(by_name.values())
         self._closed: dict[str, Validator | None] = {}  # compiled on first resolution

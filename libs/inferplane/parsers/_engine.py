@@ -23,7 +23,21 @@ With the request's tools (``Parser.start(tools=...)``), calls are checked agains
 stream: a header naming a function (``functions.{name}:{n}``, or a declared name) streams at
 once, its arguments coerced to the declared schema (``ArgumentsStream``); any other header (a
 bare counter, a client-style id) is held until its arguments end and resolved from the tools
-(``ToolSet.resolve``), or dropped, never invented. Ids are the model's own, verbatim.
+(``ToolSet.resolve``), or dropped, never invented. Ids are the model's own, verbatim; a format
+without ids gets ``call_{n}`` (``split_name_header``).
+
+How a call's arguments are written is the config's ``arguments_format`` (the one per-family
+strategy the machine does not express with markers):
+
+* ``JSON`` (Kimi, DeepSeek): ``ARGS`` text is the JSON arguments, streamed through
+  ``ArgumentsStream``.
+* ``KEY_VALUE`` (GLM): parameter names (``ARG_KEY`` text) and raw values (``ARG_VALUE`` text)
+  between markers; the engine writes the JSON object, streaming string values as they come
+  and decoding a value whose declared type is not string when it ends
+  (``ToolSchema.json_valued``).
+* ``ENVELOPE`` (Qwen / hermes): the whole ``BODY`` is one JSON object ``{"name": ...,
+  "arguments": ...}``; the call opens when its name is read (``JsonEnvelope``) and the
+  ``arguments`` value streams like ``JSON`` arguments.
 """
 
 from __future__ import annotations
@@ -32,20 +46,27 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from json.encoder import encode_basestring
 from typing import Any
 
-from inferplane.parsers._arguments import ArgumentsStream, ToolSet
+from inferplane.parsers._arguments import ArgumentsStream, ToolSet, decode_json_value
+from inferplane.parsers._envelope import JsonEnvelope
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 
 __all__ = [
+    "GENERATED_ID_PREFIX",
     "Action",
+    "ArgumentsFormat",
     "EngineConfig",
     "HeaderSplitter",
     "Parser",
     "Session",
     "Sink",
     "Transition",
+    "split_name_header",
 ]
+
+GENERATED_ID_PREFIX = "call_"
 
 
 class Sink(Enum):
@@ -56,6 +77,9 @@ class Sink(Enum):
     HEADER = "header"  # a tool call's header (id / name), buffered until complete
     ARGS = "args"  # a tool call's arguments, streamed
     DROP = "drop"  # e.g. whitespace between calls, text after the tool section
+    ARG_KEY = "arg_key"  # a parameter name (``KEY_VALUE`` arguments), buffered
+    ARG_VALUE = "arg_value"  # a parameter's raw value (``KEY_VALUE`` arguments)
+    BODY = "body"  # a whole call as one JSON object (``ENVELOPE`` arguments)
 
 
 class Action(Enum):
@@ -66,6 +90,17 @@ class Action(Enum):
     BEGIN_CALL = "begin_call"  # start buffering a new call's header
     BEGIN_ARGS = "begin_args"  # header complete: emit the call's id and name
     END_CALL = "end_call"  # close the call; arguments default to ``empty_arguments``
+    BEGIN_KEY = "begin_key"  # start buffering a parameter name (``KEY_VALUE``)
+    BEGIN_VALUE = "begin_value"  # the name is complete: write it, open its value
+    END_VALUE = "end_value"  # close the value (decoded when its declared type is not string)
+
+
+class ArgumentsFormat(Enum):
+    """How a call's arguments are written (module docstring)."""
+
+    JSON = "json"  # ``ARGS`` text is the JSON arguments (Kimi, DeepSeek)
+    KEY_VALUE = "key_value"  # ``ARG_KEY`` / ``ARG_VALUE`` pairs (GLM)
+    ENVELOPE = "envelope"  # ``BODY``: ``{"name": ..., "arguments": ...}`` (Qwen, hermes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +115,24 @@ HeaderSplitter = Callable[[str, int], "tuple[str, str] | None"]
 """``(raw_header, call_number) -> (id, name)``, or None when the header names no function.
 
 ``call_number`` is the conversation-wide number to use when the model gave no id."""
+
+
+def split_name_header(header: str, call_number: int) -> tuple[str, str] | None:
+    """The `HeaderSplitter` of formats whose header is the function name alone and whose calls
+    carry no id (DeepSeek, GLM, Qwen): ``(f"call_{call_number}", name)``, or None when the
+    header is blank.
+
+    The id is deterministic, unlike vLLM's random ``chatcmpl-tool-{uuid}`` (``make_tool_call_id``)
+    and SGLang's ``call_{uuid}``: a parse must equal its streaming in any split and
+    ``Session.result()`` what the client assembles, so an id cannot depend on when it was
+    made. ``call_number`` counts calls across the conversation (``history_tool_calls`` plus
+    the call's index), so ids stay unique within one conversation, which is what clients key
+    tool results by.
+    """
+    name = header.strip()
+    if not name:
+        return None
+    return f"{GENERATED_ID_PREFIX}{call_number}", name
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +162,8 @@ class EngineConfig:
             header (a bare counter, a client-style id) that is not a declared name is an id,
             and the call's function is resolved from its arguments. None: every header names
             its function.
+        arguments_format: how a call's arguments are written (``ArgumentsFormat``); it
+            decides which argument sinks the states may use.
     """
 
     name: str
@@ -123,6 +178,7 @@ class EngineConfig:
     aliases: Mapping[str, str] = field(default_factory=dict)
     verbatim_states: frozenset[str] = frozenset()
     names_function: Callable[[str], bool] | None = None
+    arguments_format: ArgumentsFormat = ArgumentsFormat.JSON
 
     def check(self) -> None:
         """Raise ``ValueError`` if the config refers to undeclared states or terminals."""
@@ -144,6 +200,12 @@ class EngineConfig:
                 raise ValueError(f"{self.name}: alias {lit!r} of unknown terminal {term!r}")
         if not self.verbatim_states <= states:
             raise ValueError(f"{self.name}: unknown verbatim state")
+        used = set(self.sinks.values())
+        fmt = self.arguments_format
+        if Sink.BODY in used and fmt is not ArgumentsFormat.ENVELOPE:
+            raise ValueError(f"{self.name}: the BODY sink needs ENVELOPE arguments")
+        if used & {Sink.ARG_KEY, Sink.ARG_VALUE} and fmt is not ArgumentsFormat.KEY_VALUE:
+            raise ValueError(f"{self.name}: ARG_KEY / ARG_VALUE sinks need KEY_VALUE arguments")
 
 
 class _Tables:
@@ -152,10 +214,12 @@ class _Tables:
     __slots__ = (
         "args_marker_re",
         "config",
+        "envelope",
         "first_chars",
         "first_pair",
         "first_re",
         "id_to_term",
+        "key_value",
         "literal_to_term",
         "marker_re",
         "max_len",
@@ -170,6 +234,8 @@ class _Tables:
     def __init__(self, config: EngineConfig, vocab: Mapping[str, int] | None) -> None:
         config.check()
         self.config = config
+        self.key_value = config.arguments_format is ArgumentsFormat.KEY_VALUE
+        self.envelope = config.arguments_format is ArgumentsFormat.ENVELOPE
         self.literal_to_term = {lit: term for term, lit in config.terminals.items()}
         self.literal_to_term.update(config.aliases)
         literals = sorted(self.literal_to_term, key=len, reverse=True)
@@ -296,16 +362,22 @@ class Session:
         "_credits",
         "_cur_out",
         "_dropped",
+        "_envelope",
         "_finished",
         "_header",
         "_held",
         "_held_call",
         "_history",
         "_in_header",
+        "_in_value",
+        "_json_valued",
+        "_key",
+        "_kv_open",
         "_max_calls",
         "_next_index",
         "_out_c",
         "_out_r",
+        "_pairs",
         "_reasoning",
         "_reasoning_tokens",
         "_result",
@@ -314,6 +386,7 @@ class Session:
         "_t",
         "_token_mode",
         "_tools",
+        "_value",
     )
 
     def __init__(
@@ -360,6 +433,15 @@ class Session:
         self._constrained = constrained
         self._arguments: ArgumentsStream | None = None  # the open call's, when it streams
         self._held_call: tuple[str, list[str]] | None = None  # (id, raw arguments) unresolved
+        # ENVELOPE arguments: the open call's body reader.
+        self._envelope: JsonEnvelope | None = None
+        # KEY_VALUE arguments: the open call's JSON object, written by the engine.
+        self._kv_open = False  # "{" written, "}" not yet
+        self._pairs = 0  # parameters written
+        self._key: list[str] = []  # the parameter name being read
+        self._in_value = False
+        self._value: list[str] | None = None  # a JSON-typed value, held until it ends
+        self._json_valued: frozenset[str] = frozenset()  # the open call's (ToolSchema)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -446,8 +528,10 @@ class Session:
         if self._held:
             held, self._held = self._held, ""
             self._plain(held)
+        if self._envelope is not None:
+            self._end_envelope()
         if self._call_open:
-            self._end_call()
+            self._end_call(closed=False)
         self._in_header = False
         self._reasoning.pending.clear()
         self._content.pending.clear()
@@ -516,12 +600,7 @@ class Session:
 
     def _terminal(self, term: int, literal: str) -> None:
         tr = self._t.transitions.get((self._state, term))
-        if (
-            self._constrained
-            and self._arguments is not None
-            and self._arguments.in_string
-            and self._state in self._t.verbatim
-        ):
+        if self._constrained and self._state in self._t.verbatim and self._in_json_string():
             tr = None  # a constrained call's JSON string holds the marker as data
         if tr is None:
             if self._state in self._t.verbatim:
@@ -535,13 +614,27 @@ class Session:
             elif action is Action.BEGIN_CALL:
                 self._header = []
                 self._in_header = True
+                if self._t.envelope:
+                    self._envelope = JsonEnvelope()
             elif action is Action.BEGIN_ARGS:
                 self._open_call()
+                if self._t.key_value and self._call_open:
+                    self._call_parts().append("{")
+                    self._kv_open = True
+                    self._pairs = 0
             elif action is Action.END_CALL:
+                if self._envelope is not None:
+                    self._end_envelope()
                 if self._in_header:
                     self._open_call()
                 if self._call_open:
                     self._end_call()
+            elif action is Action.BEGIN_KEY:
+                self._key = []
+            elif action is Action.BEGIN_VALUE:
+                self._begin_value()
+            elif action is Action.END_VALUE:
+                self._end_value()
         self._state = tr.next_state
         self._sink = self._t.sinks[tr.next_state]
 
@@ -563,21 +656,25 @@ class Session:
         self._args = _Trim()
         tools = self._tools
         coercions = None
+        json_valued: frozenset[str] = frozenset()
         if tools is not None and self._allow_calls:
             schema = tools.by_name.get(split[1])
             names = self._t.config.names_function
             if schema is not None:
                 coercions = schema.coercions
+                json_valued = schema.json_valued
             elif names is not None and not names(header):
                 self._arguments = None  # an id, not a name: resolved when its arguments end
                 self._held_call = (header.strip(), [])
                 return
         self._arguments = ArgumentsStream(coercions)
+        self._json_valued = json_valued
         out = _CallOut(index, split[0], split[1])
         self._calls_out.append(out)
         self._cur_out = out
 
-    def _end_call(self) -> None:
+    def _end_call(self, closed: bool = True) -> None:
+        """Close the open call; ``closed`` is False when the stream ended inside it."""
         self._args.pending.clear()
         self._call_open = False
         if self._held_call is not None:
@@ -585,7 +682,9 @@ class Session:
             return
         arguments = self._arguments
         self._arguments = None
-        if not self._args.started:
+        if self._kv_open:
+            self._end_pairs(closed)
+        elif not self._args.started:
             self._call_parts().append(self._t.config.empty_arguments)
         elif arguments is not None:
             rest = arguments.finish()
@@ -595,6 +694,94 @@ class Session:
                 self._all_repairs[self._next_index] = tuple(arguments.repairs)
         self._cur_out = None
         self._next_index += 1
+
+    def _end_pairs(self, closed: bool) -> None:
+        """Finish a ``KEY_VALUE`` call's object. Cut off by the end of the stream, it stays as
+        written (an open value and no ``}``: invalid JSON, so the truncation shows, as for a
+        ``JSON`` call cut inside its arguments)."""
+        if self._in_value:
+            if closed:
+                self._end_value()
+            else:
+                self._in_value = False
+                if self._value is not None:
+                    self._call_parts().append("".join(self._value))
+        if closed:
+            self._call_parts().append("}")
+        self._kv_open = False
+        self._value = None
+        self._key = []
+
+    def _begin_value(self) -> None:
+        """``KEY_VALUE``: the parameter name is complete; write it and open its value."""
+        key = "".join(self._key).strip()
+        self._key = []
+        self._in_value = True
+        if not self._kv_open:
+            return  # the call is dropped
+        head = (", " if self._pairs else "") + encode_basestring(key) + ": "
+        self._pairs += 1
+        if key in self._json_valued:
+            self._value = []  # decoded when it ends
+            self._call_parts().append(head)
+        else:
+            self._value = None  # a string: streamed as it comes
+            self._call_parts().append(head + '"')
+
+    def _end_value(self) -> None:
+        if not self._in_value:
+            return
+        self._in_value = False
+        if not self._kv_open:
+            return
+        value, self._value = self._value, None
+        if value is not None:
+            self._call_parts().append(decode_json_value("".join(value)))
+        else:
+            self._call_parts().append('"')
+
+    def _end_envelope(self) -> None:
+        """``ENVELOPE``: the body ended; flush what its reader still holds."""
+        env = self._envelope
+        assert env is not None
+        self._envelope = None
+        env.finish()
+        self._drain(env)
+
+    def _drain(self, env: JsonEnvelope) -> None:
+        """``ENVELOPE``: open the call once its name is read, then stream its arguments."""
+        if self._in_header:
+            if env.name is None:
+                return  # arguments written before the name wait in the reader
+            self._header = [env.name]
+            self._open_call()
+        piece = env.take()
+        if piece and self._call_open:
+            self._args_text(piece)
+
+    def _args_text(self, s: str) -> None:
+        """Argument text of the open call (the ``ARGS`` sink's path, for other sinks)."""
+        piece = self._args.push(s)
+        if not piece:
+            return
+        held = self._held_call
+        if held is not None:
+            held[1].append(piece)
+            return
+        arguments = self._arguments
+        if arguments is not None:
+            piece = arguments.feed(piece)
+            if not piece:
+                return
+        self._call_parts().append(piece)
+
+    def _in_json_string(self) -> bool:
+        """Whether the open call's arguments (or ``ENVELOPE`` body) end inside a JSON string."""
+        env = self._envelope
+        if env is not None:
+            return env.in_string
+        arguments = self._arguments
+        return arguments is not None and arguments.in_string
 
     def _end_held_call(self) -> None:
         """Resolves a call whose header named no declared function from its arguments
@@ -652,6 +839,19 @@ class Session:
                     self._call_parts().append(piece)
         elif sink is Sink.HEADER:
             self._header.append(s)
+        elif sink is Sink.ARG_VALUE:
+            if self._kv_open and self._in_value:
+                if self._value is not None:
+                    self._value.append(s)
+                else:
+                    self._call_parts().append(encode_basestring(s)[1:-1])
+        elif sink is Sink.BODY:
+            env = self._envelope
+            if env is not None:
+                env.feed(s)
+                self._drain(env)
+        elif sink is Sink.ARG_KEY:
+            self._key.append(s)
         else:
             nxt = self._t.text_transitions.get(self._state)
             if nxt is not None and s.strip():

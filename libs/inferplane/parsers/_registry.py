@@ -11,9 +11,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from inferplane.parsers._deepseek_v31 import deepseek_v31_config
 from inferplane.parsers._engine import EngineConfig, Parser
 from inferplane.parsers._errors import UnknownParserError
+from inferplane.parsers._glm45 import glm45_config
 from inferplane.parsers._kimi_k2 import kimi_k2_config
+from inferplane.parsers._qwen3 import qwen3_config
 
 __all__ = ["ParserRegistry", "build_parser", "default_registry"]
 
@@ -39,7 +42,7 @@ class ParserRegistry:
         """Compile the named parser.
 
         Args:
-            name: a known parser name (``"kimi_k2"``).
+            name: a known parser name (``"kimi_k2"``, ``"qwen3"``, ...; ``names``).
             vocab: ``tokenizer.get_vocab()`` to match markers by token id, or None.
 
         Raises:
@@ -56,8 +59,18 @@ class ParserRegistry:
 
 
 def default_registry() -> ParserRegistry:
-    """The formats shipped with inferplane."""
-    return ParserRegistry(MappingProxyType({"kimi_k2": kimi_k2_config}))
+    """The formats shipped with inferplane: ``deepseek_v31``, ``glm45``, ``kimi_k2``,
+    ``qwen3``."""
+    return ParserRegistry(
+        MappingProxyType(
+            {
+                "deepseek_v31": deepseek_v31_config,
+                "glm45": glm45_config,
+                "kimi_k2": kimi_k2_config,
+                "qwen3": qwen3_config,
+            }
+        )
+    )
 
 
 _DEFAULT = default_registry()

@@ -19,8 +19,10 @@ class ToolCallDelta:
         index: 0-based position of the call within this response (OpenAI ``index``),
             not the model's conversation-wide counter.
         id: set on the first fragment of a call only: the model's own id, verbatim
-            (``functions.get_weather:0``, ``get_weather:0``, ``call_3``), or a generated one
-            (``functions.{name}:{n}``) when the header held only a name.
+            (``functions.get_weather:0``, ``get_weather:0``, ``call_3``), or a generated one:
+            ``functions.{name}:{n}`` when a Kimi header held only a name, ``call_{n}`` for
+            formats that carry no ids (Qwen3, DeepSeek-V3.1, GLM-4.5); ``n`` counts calls
+            across the conversation.
         name: set on the first fragment of a call only: the function name without the
             ``functions.`` prefix.
         arguments: a fragment of the JSON arguments string; the fragments of one call

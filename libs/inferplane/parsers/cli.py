@@ -15,7 +15,7 @@ import typer
 
 from inferplane.parsers._engine import Parser
 from inferplane.parsers._errors import ParserError
-from inferplane.parsers._registry import build_parser
+from inferplane.parsers._registry import build_parser, default_registry
 
 __all__ = ["app", "replay_cases"]
 
@@ -45,7 +45,8 @@ def replay_case(parser: Parser, case: dict[str, Any]) -> dict[str, Any]:
     """Parse one case; the output object of ``replay``.
 
     Input: ``{"name", "model_output": str, "stream_deltas": [str] | null, "thinking": bool,
-    "tools": [...]}`` (``thinking`` defaults to true, K2.5's default; ``tools``, optional, is
+    "tools": [...]}`` (``thinking``, whether the prompt opened reasoning, defaults to true,
+    K2.5's default; ``tools``, optional, is
     an OpenAI ``tools`` array exactly as a request carries it: names are then resolved and
     arguments coerced against it, and an empty array means no tool calls). With
     ``stream_deltas`` null the output is parsed in one piece; otherwise the deltas are fed in
@@ -110,7 +111,10 @@ def replay(
     cases: Annotated[
         str, typer.Argument(help="JSON lines file of cases; '-' reads standard input.")
     ],
-    parser: Annotated[str, typer.Option("--parser", help="Parser name.")] = "kimi_k2",
+    parser: Annotated[
+        str,
+        typer.Option("--parser", help=f"Parser name: {', '.join(default_registry().names)}."),
+    ] = "kimi_k2",
 ) -> None:
     """Parse recorded model outputs; print one JSON line per case.
 

@@ -23,6 +23,8 @@ LIBS = Path(__file__).resolve().parents[2]
 
 def test_exports_are_pinned() -> None:
     assert sorted(parsers.__all__) == sorted([
+        "DEEPSEEK_V31_MARKERS", "GLM45_MARKERS", "QWEN3_MARKERS", "ArgumentsFormat",
+        "deepseek_v31_config", "glm45_config", "qwen3_config",
         "KIMI_K2_MARKERS", "KIMI_K2_MARKER_VARIANTS", "ToolSet", "Action", "Constraint",
         "ConstraintError", "Delta", "EngineConfig",
         "InvalidToolCallError", "ParseResult", "Parser", "ParserError", "ParserRegistry",
@@ -36,16 +38,19 @@ def test_exports_are_pinned() -> None:
 
 
 def test_unknown_parser_names_the_known_ones() -> None:
-    with pytest.raises(UnknownParserError, match="known parsers: kimi_k2") as e:
+    with pytest.raises(
+        UnknownParserError, match=r"known parsers: deepseek_v31, glm45, kimi_k2, qwen3$"
+    ) as e:
         build_parser("kimi_k3")
     assert isinstance(e.value, ParserError)
+    assert e.value.known == ("deepseek_v31", "glm45", "kimi_k2", "qwen3")
 
 
 def test_registry_is_a_value() -> None:
     base = default_registry()
     extended = base.with_parser("kimi_k2_alias", kimi_k2_config)
-    assert base.names == ("kimi_k2",)
-    assert extended.names == ("kimi_k2", "kimi_k2_alias")
+    assert base.names == ("deepseek_v31", "glm45", "kimi_k2", "qwen3")
+    assert extended.names == ("deepseek_v31", "glm45", "kimi_k2", "kimi_k2_alias", "qwen3")
     assert build_parser("kimi_k2_alias", registry=extended).name == "kimi_k2"
     assert isinstance(extended, ParserRegistry)
 
@@ -53,6 +58,14 @@ def test_registry_is_a_value() -> None:
 def test_config_is_cached_and_consistent() -> None:
     assert kimi_k2_config() is kimi_k2_config()
     kimi_k2_config().check()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v31", "glm45"])
+def test_every_shipped_config_is_cached_consistent_and_named(name: str) -> None:
+    factory = default_registry().factories[name]
+    assert factory() is factory()
+    factory().check()
+    assert build_parser(name).name == name
 
 
 def test_importing_the_library_pulls_no_grpc_or_torch() -> None:

@@ -61,6 +61,10 @@ _ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
 _EXT_PROC = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 _LUA_PER_ROUTE = _T + "envoy.extensions.filters.http.lua.v3.LuaPerRoute"
+_EXT_AUTHZ_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
+_FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
+HEALTH_PATH = "/health"
+HEALTH_BODY = '{"status":"ok"}\n'
 _OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 _ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 _CEL_FILTER = _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
@@ -476,6 +480,36 @@ def _without_picker(route: Resource) -> Resource:
     return route
 
 
+def _health_route() -> Resource:
+    """`GET /health`: 200 `{"status":"ok"}` from Envoy itself while the edge serves, with no
+    key (ext_authz off) and nothing about the fleet behind it (load balancers' and clients'
+    liveness checks, e.g. GuideLLM's backend check)."""
+    route = _without_picker(
+        {
+            "match": {"path": HEALTH_PATH, "headers": [_method_is("GET")]},
+            "direct_response": {"status": 200, "body": {"inline_string": HEALTH_BODY}},
+            "response_headers_to_add": [
+                {
+                    "header": {"key": "content-type", "value": "application/json"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+        }
+    )
+    per_filter = route["typed_per_filter_config"]
+    per_filter["envoy.filters.http.ext_authz"] = {"@type": _EXT_AUTHZ_PER_ROUTE, "disabled": True}
+    # The transcoder answers 404 to any path no gRPC method maps (reject_unknown_method).
+    per_filter["envoy.filters.http.grpc_json_transcoder"] = {
+        "@type": _FILTER_CONFIG,
+        "disabled": True,
+    }
+    return route
+
+
+def _method_is(method: str) -> Resource:
+    return {"name": ":method", "string_match": {"exact": method}}
+
+
 def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
     """A route to the replica the picker chose, retried down its list before the first
     response byte only (Envoy never retries once it forwarded response headers): a refused
@@ -490,8 +524,9 @@ def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
 
 
 def build_route_config(config: EdgeConfig) -> Resource:
-    """The RouteConfiguration: admin API → auth, `/v1/models` → the router, every other
-    OpenAI path → the replica the endpoint picker chose, anything else → 404.
+    """The RouteConfiguration: `GET /health` → Envoy's own 200 (no key), admin API → auth,
+    `/v1/models` → the router, every other OpenAI path → the replica the endpoint picker
+    chose, anything else → 404.
 
     Matched on the REST path (`match_incoming_request_route`), after stream_router.lua may have
     moved a streaming request to `/internal/events/...` (clients cannot reach that prefix).
@@ -512,6 +547,7 @@ def build_route_config(config: EdgeConfig) -> Resource:
                     }
                 ],
                 "routes": [
+                    _health_route(),
                     _without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
                     _without_picker(
                         _route("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)

@@ -127,7 +127,7 @@ def test_ext_authz_fails_closed_with_503() -> None:
 
 def test_routes_disable_timeouts_for_generations() -> None:
     routes = edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
-    api = [r for r in routes if r["match"]["prefix"] in ("/v1/", "/internal/events/")]
+    api = [r for r in routes if r["match"].get("prefix") in ("/v1/", "/internal/events/")]
     assert [r["route"]["timeout"] for r in api] == ["0s", "0s"]
     assert routes[-1]["direct_response"] == {"status": 404}
     assert _hcm()["stream_idle_timeout"] == "900s"
@@ -138,7 +138,7 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
     and retry only on failures that happen before any response byte; the routes the picker
     does not decide (admin API, /v1/models, the 404) have ext_proc and the guard off."""
     routes = {
-        r["match"]["prefix"]: r
+        r["match"].get("prefix") or r["match"]["path"]: r
         for r in edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
     }
     for prefix in ("/v1/", "/internal/events/"):
@@ -154,6 +154,14 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
         per_filter = routes[prefix]["typed_per_filter_config"]
         assert set(per_filter) == set(edge.PICKER_FILTERS)
         assert all(c["disabled"] is True for c in per_filter.values())
+    # /health: Envoy answers it, with no key and no transcoding.
+    health = routes["/health"]
+    assert health["direct_response"]["status"] == 200
+    assert {k for k, c in health["typed_per_filter_config"].items() if c["disabled"]} == {
+        *edge.PICKER_FILTERS,
+        "envoy.filters.http.ext_authz",
+        "envoy.filters.http.grpc_json_transcoder",
+    }
     replicas = {c["name"]: c for c in edge.build_clusters(CONFIG)}[edge.REPLICAS_CLUSTER]
     assert "lb_policy" not in replicas
     (policy,) = replicas["load_balancing_policy"]["policies"]

@@ -123,6 +123,19 @@ def test_wrong_field_type_is_openai_400(http: httpx.Client) -> None:
     assert_openai_error(response, 400, "invalid_request_body")
 
 
+def test_health_answers_without_a_key(edge: Edge) -> None:
+    """`GET /health` (issue 19): 200 and `{"status": "ok"}` with no API key, from the edge
+    itself; other methods on it are unknown URLs (behind the key check like any other)."""
+    with httpx.Client(base_url=edge.url, timeout=30) as anonymous:
+        response = anonymous.get("/health")
+        assert response.status_code == 200, response.text
+        assert response.json() == {"status": "ok"}
+        assert response.headers["content-type"].startswith("application/json")
+        assert anonymous.post("/health").status_code == 401
+    with httpx.Client(base_url=edge.url, headers=AUTH, timeout=30) as client:
+        assert_openai_error(client.post("/health"), 404, "unknown_url")
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [("POST", "/v1/nope"), ("GET", "/v1/chat/completions"), ("GET", "/"), ("GET", "/metrics")],

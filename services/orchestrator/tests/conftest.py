@@ -135,7 +135,7 @@ def llama8b_proto(**overrides: Any) -> orchestrator_pb2.Deployment:
         max_model_len=8192,
         max_num_seqs=8,
         reasoning_parser="",
-        tool_parser="llama3_json",
+        tool_parser="qwen3",
     )
     profile.update(overrides.pop("profile", {}))
     return orchestrator_pb2.Deployment(

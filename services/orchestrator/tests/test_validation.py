@@ -75,6 +75,21 @@ def test_unknown_precision_lists_the_known_ones() -> None:
     )
 
 
+def test_a_profile_names_known_parsers_only() -> None:
+    """An unknown parser name is refused at CreateDeployment (issue 19), naming the field and
+    every known parser; the two parser fields name one parser or one is empty."""
+    err = invalid(tool_parser="hermes")
+    assert err.param == "deployment.profile.tool_parser"
+    assert err.message == ("unknown parser 'hermes'; known: deepseek_v31, glm45, kimi_k2, qwen3")
+    assert invalid(reasoning_parser="deepseek_r1").param == "deployment.profile.reasoning_parser"
+    assert invalid(reasoning_parser="qwen3", tool_parser="kimi_k2").param == (
+        "deployment.profile.tool_parser"
+    )
+    for names in (("qwen3", "qwen3"), ("", "glm45"), ("deepseek_v31", "")):
+        profile = dataclasses.replace(PROFILE, reasoning_parser=names[0], tool_parser=names[1])
+        validate_deployment(Deployment("llama-3.3-70b", profile).normalised())
+
+
 def test_tensor_parallel_size_must_fit_the_kv_heads() -> None:
     err = invalid(tensor_parallel_size=3)
     assert err.message == "tensor_parallel_size 3 must divide num_kv_heads 8 or be a multiple of it"

@@ -23,6 +23,7 @@ from inferplane.orchestrator.catalog.model import (
     DeploymentProfile,
 )
 from inferplane.orchestrator.catalog.sizing import KV_CACHE_DTYPE_BYTES, PRECISIONS
+from inferplane.parsers import default_registry
 from inferplane.runtime import InvalidArgumentError
 
 # The deployment id is both a resource-name segment and the `model` clients send, so no "/".
@@ -30,6 +31,7 @@ DEPLOYMENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Aliases are only ever `model` strings: hub-style ids ("moonshotai/Kimi-K2.5") are fine.
 ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 ENGINES = (DEFAULT_ENGINE, CPU_ENGINE)
+PARSERS = default_registry()
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
 
 
@@ -98,6 +100,21 @@ def validate_deployment(deployment: Deployment) -> None:
         raise _fail("rollout.max_ttft_p99_seconds cannot be negative", "rollout")
 
 
+def _validate_parsers(reasoning_parser: str, tool_parser: str) -> None:
+    """Each named parser is one of `inferplane.parsers`' (they parse reasoning and tool calls
+    together, so two names must be the same one: the replica process refuses two)."""
+    known = PARSERS.names
+    for field, name in (("reasoning_parser", reasoning_parser), ("tool_parser", tool_parser)):
+        if name and name not in known:
+            raise _fail(f"unknown parser {name!r}; known: {', '.join(known)}", f"profile.{field}")
+    if reasoning_parser and tool_parser and reasoning_parser != tool_parser:
+        raise _fail(
+            f"profile.reasoning_parser {reasoning_parser!r} and profile.tool_parser "
+            f"{tool_parser!r} differ; inferplane's parsers handle both: name one",
+            "profile.tool_parser",
+        )
+
+
 def _validate_profile(deployment: Deployment) -> None:
     p = deployment.profile
     if not p.model_source:
@@ -109,6 +126,7 @@ def _validate_profile(deployment: Deployment) -> None:
             f"unknown precision {p.precision!r}; known: {', '.join(PRECISIONS)}",
             "profile.precision",
         )
+    _validate_parsers(p.reasoning_parser, p.tool_parser)
     if p.kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
         raise _fail(
             f"unknown kv_cache_dtype {p.kv_cache_dtype!r}; known: "

@@ -1489,3 +1489,174 @@ class Model(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_model_len) -> _WhichOneofReturnType__max_model_len | None: ...
 
 Global___Model: _TypeAlias = Model  # noqa: Y015
+
+@_typing.final
+class EmbeddingRequest(_message.Message):
+    """OpenAI's embeddings request body."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    ENCODING_FORMAT_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model (deployment name or alias)."""
+    encoding_format: _builtins.str
+    """"float" (the default: a list of numbers) or "base64" (little-endian float32, base64)."""
+    dimensions: _builtins.int
+    """Output dimensions, for models trained to allow shorter embeddings (Matryoshka); other
+    values, or any value for other models, are INVALID_ARGUMENT (param `dimensions`).
+    """
+    user: _builtins.str
+    """An end-user id."""
+    @_builtins.property
+    def input(self) -> _struct_pb2.Value:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists; each is one
+        input (at most 2,048 per request, none empty).
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        input: _struct_pb2.Value | None = ...,
+        encoding_format: _builtins.str = ...,
+        dimensions: _builtins.int | None = ...,
+        user: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_user", b"_user", "dimensions", b"dimensions", "input", b"input", "user", b"user"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_user", b"_user", "dimensions", b"dimensions", "encoding_format", b"encoding_format", "input", b"input", "model", b"model", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
+    _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
+    _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
+
+Global___EmbeddingRequest: _TypeAlias = EmbeddingRequest  # noqa: Y015
+
+@_typing.final
+class CreateEmbeddingRequest(_message.Message):
+    """Wraps the embeddings request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___EmbeddingRequest:
+        """The OpenAI request body."""
+
+    def __init__(
+        self,
+        *,
+        request: Global___EmbeddingRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateEmbeddingRequest: _TypeAlias = CreateEmbeddingRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """One input's embedding."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OBJECT_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    EMBEDDING_FIELD_NUMBER: _builtins.int
+    object: _builtins.str
+    """Always "embedding"."""
+    index: _builtins.int
+    """The input's position in the request."""
+    @_builtins.property
+    def embedding(self) -> _struct_pb2.Value:
+        """A list of numbers, or a base64 string with `encoding_format` "base64"."""
+
+    def __init__(
+        self,
+        *,
+        object: _builtins.str = ...,
+        index: _builtins.int = ...,
+        embedding: _struct_pb2.Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "index", b"index", "object", b"object"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbeddingUsage(_message.Message):
+    """Token counts of an embeddings request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """Tokens of every input together."""
+    total_tokens: _builtins.int
+    """The same as prompt_tokens (embeddings generate nothing)."""
+    def __init__(
+        self,
+        *,
+        prompt_tokens: _builtins.int = ...,
+        total_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbeddingUsage: _TypeAlias = EmbeddingUsage  # noqa: Y015
+
+@_typing.final
+class CreateEmbeddingResponse(_message.Message):
+    """OpenAI's embeddings response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OBJECT_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    object: _builtins.str
+    """Always "list"."""
+    model: _builtins.str
+    """The model that served the request."""
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One embedding per input, in input order."""
+
+    @_builtins.property
+    def usage(self) -> Global___EmbeddingUsage:
+        """Token counts."""
+
+    def __init__(
+        self,
+        *,
+        object: _builtins.str = ...,
+        data: _abc.Iterable[Global___Embedding] | None = ...,
+        model: _builtins.str = ...,
+        usage: Global___EmbeddingUsage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "model", b"model", "object", b"object", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateEmbeddingResponse: _TypeAlias = CreateEmbeddingResponse  # noqa: Y015

@@ -70,6 +70,11 @@ class InferenceServiceStub:
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.StreamCompletionEventsRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.CreateEmbedding = channel.unary_unary(
+                '/inferplane.inference.v1.InferenceService/CreateEmbedding',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.SerializeToString,
+                response_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/inferplane.inference.v1.InferenceService/ListModels',
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
@@ -135,6 +140,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateEmbedding(self, request, context):
+        """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
+        INVALID_ARGUMENT (param `model`) for a deployment of another task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Lists the models this endpoint serves (`GET /v1/models`).
         """
@@ -182,6 +195,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.StreamCompletionEvents,
                     request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.StreamCompletionEventsRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CreateEmbedding': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEmbedding,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.FromString,
+                    response_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -361,6 +379,33 @@ class InferenceService:
             '/inferplane.inference.v1.InferenceService/StreamCompletionEvents',
             inferplane_dot_inference_dot_v1_dot_inference__pb2.StreamCompletionEventsRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateEmbedding(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CreateEmbedding',
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.SerializeToString,
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.FromString,
             options,
             channel_credentials,
             insecure,

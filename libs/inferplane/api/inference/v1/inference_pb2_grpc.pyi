@@ -64,6 +64,10 @@ class InferenceServiceStub:
     """Streams a text completion as typed chunks."""
     StreamCompletionEvents: _grpc.UnaryStreamMultiCallable[_inference_pb2.StreamCompletionEventsRequest, _httpbody_pb2.HttpBody]
     """Streams a text completion as SSE bytes (see StreamChatCompletionEvents)."""
+    CreateEmbedding: _grpc.UnaryUnaryMultiCallable[_inference_pb2.CreateEmbeddingRequest, _inference_pb2.CreateEmbeddingResponse]
+    """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
+    INVALID_ARGUMENT (param `model`) for a deployment of another task.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]
@@ -98,6 +102,10 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Streams a text completion as typed chunks."""
     StreamCompletionEvents: _aio.UnaryStreamMultiCallable[_inference_pb2.StreamCompletionEventsRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
     """Streams a text completion as SSE bytes (see StreamChatCompletionEvents)."""
+    CreateEmbedding: _aio.UnaryUnaryMultiCallable[_inference_pb2.CreateEmbeddingRequest, _inference_pb2.CreateEmbeddingResponse]  # type: ignore[assignment]
+    """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
+    INVALID_ARGUMENT (param `model`) for a deployment of another task.
+    """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
     GetModel: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]  # type: ignore[assignment]
@@ -165,6 +173,16 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
         """Streams a text completion as SSE bytes (see StreamChatCompletionEvents)."""
+
+    @_abc_1.abstractmethod
+    def CreateEmbedding(
+        self,
+        request: _inference_pb2.CreateEmbeddingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.CreateEmbeddingResponse, _abc.Awaitable[_inference_pb2.CreateEmbeddingResponse]]:
+        """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
+        INVALID_ARGUMENT (param `model`) for a deployment of another task.
+        """
 
     @_abc_1.abstractmethod
     def ListModels(

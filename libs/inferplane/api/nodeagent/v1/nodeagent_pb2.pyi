@@ -52,6 +52,7 @@ class ReplicaSpec(_message.Message):
     OWNED_BY_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment this replica belongs to."""
     served_model_name: _builtins.str
@@ -95,6 +96,10 @@ class ReplicaSpec(_message.Message):
     tag: free text or reasoning until the tool section begins, then only declared functions
     with schema-valid arguments (and one call when `parallel_tool_calls` is false).
     """
+    task: _builtins.str
+    """What the replica serves: "generate" (chat and text completions; empty means it) or
+    "embed" (embeddings: the engine runs vLLM's pooling runner).
+    """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerator indices on this node (empty on a CPU node)."""
@@ -134,10 +139,11 @@ class ReplicaSpec(_message.Message):
         owned_by: _builtins.str = ...,
         stream_interval: _builtins.int = ...,
         constrain_tool_choice_auto: _builtins.bool = ...,
+        task: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -131,6 +131,7 @@ class DeploymentProfile(_message.Message):
     QUANTIZATION_GROUP_SIZE_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -187,6 +188,10 @@ class DeploymentProfile(_message.Message):
     arguments, one call when `parallel_tool_calls` is false. Unset: on. `required` and a named
     function are always constrained.
     """
+    task: _builtins.str
+    """What the deployment serves: "generate" (chat and text completions; the default) or
+    "embed" (embeddings: no parsers, a small footprint, least-load routing by default).
+    """
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra engine arguments, verbatim."""
@@ -218,10 +223,11 @@ class DeploymentProfile(_message.Message):
         quantization_group_size: _builtins.int = ...,
         stream_interval: _builtins.int = ...,
         constrain_tool_choice_auto: _builtins.bool | None = ...,
+        task: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["constrain_tool_choice_auto"]  # noqa: Y015
     _WhichOneofArgType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto"]  # noqa: Y015

@@ -144,6 +144,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         stream_interval=4,
         constrain_tool_choice_auto=True,
         extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
+        task="embed",
     )
     return dataclasses.replace(p, **changes)
 

@@ -175,13 +175,14 @@ def test_stream_interval_is_bounded_and_carried_to_the_replica_spec() -> None:
 
 
 def test_a_field_added_later_changes_no_existing_revision() -> None:
-    """Adding `stream_interval` or `constrain_tool_choice_auto` to the profile must not change
-    the revision of a deployment that does not set it (else an upgrade would roll every
-    replica); setting it does."""
+    """Adding `stream_interval`, `constrain_tool_choice_auto` or `task` to the profile must
+    not change the revision of a deployment that does not set it (else an upgrade would roll
+    every replica); setting it does."""
     payload = dataclasses.asdict(PROFILE.with_defaults())
     payload["extra_engine_args"] = list(payload["extra_engine_args"])
     del payload["stream_interval"]  # the profile as the first release hashed it
     del payload["constrain_tool_choice_auto"]
+    del payload["task"]
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()
@@ -219,3 +220,23 @@ def test_constrain_tool_choice_auto_is_on_unless_the_api_says_off() -> None:
     for profile in (PROFILE, on):
         spec = build_spec(Deployment("llama", profile), profile, "rev-1", placement, None)
         assert spec.constrain_tool_choice_auto is profile.constrain_tool_choice_auto
+
+
+def test_an_embedding_deployment_has_no_parsers_and_an_embedding_transport() -> None:
+    """Task "embed" (issue 19): vLLM's pooling runner behind `inproc` or `http-completions`;
+    parsers are refused (nothing is generated), as is an unknown task. "generate" is stored
+    as "" so that profiles from before the field keep their revision."""
+    embed = dataclasses.replace(PROFILE, task="embed", transport="inproc")
+    validate_deployment(Deployment("bge", embed).normalised())
+    assert invalid(task="embed", transport="grpc").param == "deployment.profile.transport"
+    err = invalid(task="embed", transport="inproc", tool_parser="qwen3")
+    assert err.param == "deployment.profile.tool_parser"
+    err = invalid(task="rerank")
+    assert (err.param, err.message) == (
+        "deployment.profile.task",
+        "unknown task 'rerank'; known: generate, embed",
+    )
+    generate = Deployment("llama", dataclasses.replace(PROFILE, task="generate")).normalised()
+    assert generate.profile.task == ""
+    assert generate.revision == Deployment("llama", PROFILE).normalised().revision
+    assert Deployment("bge", embed).normalised().revision != generate.revision

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
@@ -22,7 +23,7 @@ from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
-from inferplane.router.features import RequestFeatures
+from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
@@ -167,6 +168,31 @@ def test_pick_is_the_least_loaded_replica_then_fallbacks_with_max_retries() -> N
             await stream.close()
             for lease in busy:
                 lease.release()
+
+    asyncio.run(scenario())
+
+
+def test_an_embeddings_request_is_picked_by_load_alone() -> None:
+    """`POST /v1/embeddings` (CreateEmbedding, issue 19) is decided like a generation: the
+    least-loaded replica of its model, then the fallbacks; no prefix blocks are computed (an
+    embedding reuses no KV cache)."""
+
+    async def scenario() -> None:
+        async with picker_rig(2) as rig:
+            busy = await rig.hold(0)
+            stream = rig.stream()
+            path = "/inferplane.inference.v1.InferenceService/CreateEmbedding"
+            assert (await stream.headers(path, KEYED)).HasField("request_headers")
+            inputs = struct_pb2.Value()
+            inputs.list_value.values.add().string_value = "x" * 4096
+            request = pb.EmbeddingRequest(model="m-alias", input=inputs)
+            answer = await stream.body(grpc_frame(pb.CreateEmbeddingRequest(request=request)))
+            assert _endpoint_list(answer) == ["10.0.0.1:50054", "10.0.0.0:50054"]
+            features = FeatureExtractor().embedding(request, KEYED)
+            assert features.prefix_blocks == () and features.root is None
+            assert features.flow == "k1" and features.prompt_tokens > 1000
+            await stream.close()
+            busy.release()
 
     asyncio.run(scenario())
 

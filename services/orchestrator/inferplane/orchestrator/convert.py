@@ -57,6 +57,7 @@ def profile_from_proto(p: pb.DeploymentProfile) -> DeploymentProfile:
             else DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO
         ),
         extra_engine_args=tuple(p.extra_engine_args),
+        task=p.task,
     )
 
 
@@ -84,6 +85,7 @@ def profile_to_proto(p: DeploymentProfile) -> pb.DeploymentProfile:
         stream_interval=p.stream_interval,
         constrain_tool_choice_auto=p.constrain_tool_choice_auto,
         extra_engine_args=list(p.extra_engine_args),
+        task=p.task,
     )
 
 

@@ -127,3 +127,18 @@ class FeatureExtractor:
         """Features of a text completion: its prompt; root = its first block."""
         data = request.prompt.SerializeToString(deterministic=True)
         return self._features([data], 1, metadata, request.user)
+
+    def embedding(
+        self, request: pb.EmbeddingRequest, metadata: Mapping[str, str]
+    ) -> RequestFeatures:
+        """Features of an embeddings request: no prefix blocks and no conversation root (an
+        embedding reuses no KV cache, so affinity buys nothing); its size, flow and weight."""
+        data = request.input.SerializeToString(deterministic=True)
+        return RequestFeatures(
+            prefix_blocks=(),
+            root=None,
+            session=_session(metadata, request.user),
+            prompt_tokens=len(data) // BYTES_PER_TOKEN,
+            flow=metadata.get(KEY_ID_HEADER, ""),
+            weight=_weight(metadata),
+        )

@@ -121,6 +121,7 @@ class _Method:
     request_type: type[Message]
     stream: bool
     chat: bool
+    embedding: bool = False
 
 
 _PREFIX = "/inferplane.inference.v1.InferenceService/"
@@ -133,6 +134,7 @@ METHODS: Mapping[str, _Method] = {
     _PREFIX + "CreateCompletion": _Method(pb.CreateCompletionRequest, False, False),
     _PREFIX + "StreamCompletion": _Method(pb.StreamCompletionRequest, True, False),
     _PREFIX + "StreamCompletionEvents": _Method(pb.StreamCompletionEventsRequest, True, False),
+    _PREFIX + "CreateEmbedding": _Method(pb.CreateEmbeddingRequest, False, False, embedding=True),
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""
 
@@ -448,7 +450,13 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._schemas.check_chat(request)  # a client's bad schema never takes a slot
         route = self._route(request.model, metadata)
         trace.deployment = route.deployment_key
-        extract: Extract = self._features.chat if method.chat else self._features.completion
+        extract: Extract = (
+            self._features.chat
+            if method.chat
+            else self._features.embedding
+            if method.embedding
+            else self._features.completion
+        )
         features = extract(request, metadata)
         async for keepalive in self._admit(exchange, route, features, reader):
             yield keepalive

@@ -36,7 +36,12 @@ class Accelerator(enum.Enum):
 
 
 #: Profile fields added after the first release, hashed into `revision()` only when set.
-ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto")
+ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task")
+#: What a deployment serves: chat and text completions (the default, stored as ""), or
+#: embeddings (vLLM's pooling runner).
+TASK_GENERATE = "generate"
+TASK_EMBED = "embed"
+TASKS = (TASK_GENERATE, TASK_EMBED)
 #: `constrain_tool_choice_auto` when a deployment created or replaced through the API leaves it
 #: unset (bench/README.md, tool_call_validity: on costs little and makes every call the model
 #: finishes schema-valid).
@@ -78,12 +83,20 @@ class DeploymentProfile:
     stream_interval: int = 0
     constrain_tool_choice_auto: bool = False
     extra_engine_args: tuple[str, ...] = ()
+    task: str = ""
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the deployment serves embeddings (task "embed")."""
+        return self.task == TASK_EMBED
 
     def with_defaults(self) -> DeploymentProfile:
         """The profile with unset fields filled: engine "vllm", transport "grpc", KV cache
-        dtype "auto", tensor parallel size 1, expected context = max_model_len."""
+        dtype "auto", tensor parallel size 1, expected context = max_model_len; task
+        "generate" is stored as "" (what every profile from before the field reads as)."""
         return dataclasses.replace(
             self,
+            task="" if self.task == TASK_GENERATE else self.task,
             engine=self.engine or DEFAULT_ENGINE,
             transport=self.transport or DEFAULT_TRANSPORT,
             kv_cache_dtype=self.kv_cache_dtype or DEFAULT_KV_CACHE_DTYPE,

@@ -17,6 +17,7 @@ from inferplane.orchestrator.catalog.model import (
     MAX_OWNED_BY,
     ROUTING_POLICIES,
     SPECULATIVE_METHODS,
+    TASKS,
     TRANSPORTS,
     Accelerator,
     Deployment,
@@ -32,6 +33,7 @@ DEPLOYMENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 ENGINES = (DEFAULT_ENGINE, CPU_ENGINE)
 PARSERS = default_registry()
+EMBED_TRANSPORTS = ("inproc", "http-completions")
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
 
 
@@ -115,6 +117,28 @@ def _validate_parsers(reasoning_parser: str, tool_parser: str) -> None:
         )
 
 
+def _validate_task(deployment: Deployment) -> None:
+    """Embedding deployments run vLLM's pooling runner: no parsers (nothing is generated),
+    and a transport that can carry embeddings (`inproc` or `http-completions`)."""
+    p = deployment.profile
+    if p.task and p.task not in TASKS:
+        raise _fail(f"unknown task {p.task!r}; known: {', '.join(TASKS)}", "profile.task")
+    if not p.embeds:
+        return
+    for field in ("reasoning_parser", "tool_parser"):
+        if getattr(p, field):
+            raise _fail(
+                f"an embedding deployment generates nothing to parse: leave {field} empty",
+                f"profile.{field}",
+            )
+    if p.transport not in EMBED_TRANSPORTS:
+        raise _fail(
+            f"transport {p.transport!r} cannot serve embeddings; use one of "
+            f"{', '.join(EMBED_TRANSPORTS)}",
+            "profile.transport",
+        )
+
+
 def _validate_profile(deployment: Deployment) -> None:
     p = deployment.profile
     if not p.model_source:
@@ -127,6 +151,7 @@ def _validate_profile(deployment: Deployment) -> None:
             "profile.precision",
         )
     _validate_parsers(p.reasoning_parser, p.tool_parser)
+    _validate_task(deployment)
     if p.kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
         raise _fail(
             f"unknown kv_cache_dtype {p.kv_cache_dtype!r}; known: "

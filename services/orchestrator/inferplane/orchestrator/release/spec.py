@@ -76,6 +76,7 @@ def build_spec(
         stream_interval=profile.stream_interval,
         constrain_tool_choice_auto=profile.constrain_tool_choice_auto,
         extra_engine_args=list(profile.extra_engine_args),
+        task=profile.task,
         revision=revision,
         gpu_uuids=[uuids.get(i, "") for i in placement.gpu_indices] if uuids else [],
         created=int(created.timestamp()) if created is not None else 0,

@@ -54,11 +54,12 @@ from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, ren
 from inferplane.runtime import ConfigError
 from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
-from inferplane.testing import kimi_tiny
+from inferplane.testing import embed_tiny, kimi_tiny
 
 Progress = Callable[[str], None]
 
 MODEL_NAME = "kimi-tiny"
+EMBED_MODEL_NAME = embed_tiny.SERVED_MODEL_NAME
 NODE_NAME = "local"
 EDGE_NODE_ID = "inferplane-edge"
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
@@ -98,6 +99,8 @@ class StackConfig:
             the local CA in `<data_dir>/pki` (created once, then reused; clients trust
             `ca_path`); the leaf is valid `tls_cert_days` and re-issued at each start once a
             third of that is left.
+        embeddings: also serve the embed-tiny embedding model (`EMBED_MODEL_NAME`, one replica,
+            `inproc`) beside kimi-tiny.
         plaintext: the services talk plaintext gRPC without identities (development only);
             by default every service, Envoy toward them, and the stack's own admin calls use
             mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
@@ -124,6 +127,7 @@ class StackConfig:
     tls: bool = False
     tls_cert_days: int = 30
     plaintext: bool = False
+    embeddings: bool = False
 
     @property
     def ports(self) -> dict[str, int]:
@@ -206,6 +210,30 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             constrain_tool_choice_auto=config.constrain_tool_choice_auto,
         ),
         rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
+    )
+
+
+def embed_tiny_deployment() -> orchestrator_pb2.Deployment:
+    """The embed-tiny deployment (`config.embeddings`): one CPU replica of the fixture
+    embedding model, task "embed", `inproc` (vLLM's pooling runner), least-load routing."""
+    model = embed_tiny.model_path()
+    manifest: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        manifest = json.loads((model / "MANIFEST.json").read_text())
+    return orchestrator_pb2.Deployment(
+        replicas=1,
+        owned_by="inferplane",
+        routing_policy="least_load",
+        profile=orchestrator_pb2.DeploymentProfile(
+            model_source=str(model),
+            engine="vllm-cpu",
+            precision="fp32",
+            parameter_count=int(manifest.get("parameters") or 0) or 1,
+            max_model_len=embed_tiny.MAX_MODEL_LEN,
+            max_num_seqs=16,
+            transport="inproc",
+            task="embed",
+        ),
     )
 
 
@@ -418,10 +446,17 @@ class Stack:
         key_file = data / "auth" / "bootstrap-admin-key"
         self.admin_key = key_file.read_text().strip() if key_file.exists() else ""
 
+    def deployments(self) -> dict[str, tuple[orchestrator_pb2.Deployment, int]]:
+        """The deployments this stack serves, by name, with the replicas each must have."""
+        cfg = self.config
+        wanted = {MODEL_NAME: (kimi_tiny_deployment(cfg), cfg.replicas)}
+        if cfg.embeddings:
+            wanted[EMBED_MODEL_NAME] = (embed_tiny_deployment(), 1)
+        return wanted
+
     def _ensure_deployment(self, progress: Progress) -> None:
-        """Waits for the node to register, then creates the deployment (or, when a previous
+        """Waits for the node to register, then creates each deployment (or, when a previous
         run left it in the catalogue, updates it to this configuration)."""
-        deployment = kimi_tiny_deployment(self.config)
         with self.config.security.channel(self.config.address("orchestrator")) as channel:
             nodes = orchestrator_pb2_grpc.NodeServiceStub(channel)
             deadline = time.monotonic() + 60
@@ -447,38 +482,49 @@ class Stack:
                     )
                 time.sleep(0.2)
             stub = orchestrator_pb2_grpc.DeploymentServiceStub(channel)
+            for name, (deployment, _replicas) in self.deployments().items():
+                self._create_or_update(stub, name, deployment, progress)
+
+    def _create_or_update(
+        self,
+        stub: orchestrator_pb2_grpc.DeploymentServiceStub,
+        name: str,
+        deployment: orchestrator_pb2.Deployment,
+        progress: Progress,
+    ) -> None:
+        try:
             try:
-                try:
-                    stub.CreateDeployment(
-                        orchestrator_pb2.CreateDeploymentRequest(
-                            deployment_id=MODEL_NAME, deployment=deployment
-                        ),
-                        timeout=10,
-                    )
-                    progress(f"deployment {MODEL_NAME} created")
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
-                        raise
-                    deployment.name = f"deployments/{MODEL_NAME}"
-                    stub.UpdateDeployment(
-                        orchestrator_pb2.UpdateDeploymentRequest(
-                            deployment=deployment, update_mask=field_mask_pb2.FieldMask()
-                        ),
-                        timeout=10,
-                    )
-                    progress(f"deployment {MODEL_NAME} found in the catalogue and updated")
+                stub.CreateDeployment(
+                    orchestrator_pb2.CreateDeploymentRequest(
+                        deployment_id=name, deployment=deployment
+                    ),
+                    timeout=10,
+                )
+                progress(f"deployment {name} created")
             except grpc.RpcError as exc:
-                raise StackError(
-                    f"the orchestrator refused the {MODEL_NAME} deployment: "
-                    f"{exc.code().name} {exc.details()}"
-                ) from exc
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                deployment.name = f"deployments/{name}"
+                stub.UpdateDeployment(
+                    orchestrator_pb2.UpdateDeploymentRequest(
+                        deployment=deployment, update_mask=field_mask_pb2.FieldMask()
+                    ),
+                    timeout=10,
+                )
+                progress(f"deployment {name} found in the catalogue and updated")
+        except grpc.RpcError as exc:
+            raise StackError(
+                f"the orchestrator refused the {name} deployment: {exc.code().name} {exc.details()}"
+            ) from exc
 
     def _wait_routable(self, progress: Progress) -> list[orchestrator_pb2.RouteEndpoint]:
-        """Reports the deployment's phase and its replicas' states until the routing table
-        lists `replicas` serving replicas (READY and warmed up); returns their endpoints."""
+        """Reports each deployment's phase and its replicas' states until the routing table
+        lists the wanted number of serving replicas (READY and warmed up) of every deployment;
+        returns their endpoints."""
         cfg = self.config
         deadline = time.monotonic() + cfg.startup_timeout_seconds
         shown: set[str] = set()
+        wanted = {name: replicas for name, (_d, replicas) in self.deployments().items()}
 
         def show(line: str) -> None:
             if line not in shown:
@@ -491,22 +537,25 @@ class Stack:
         ):
             deployments = orchestrator_pb2_grpc.DeploymentServiceStub(orch)
             agent = nodeagent_pb2_grpc.NodeAgentServiceStub(node)
-            status = orchestrator_pb2.DeploymentStatus(phase="unknown")
+            statuses = {name: orchestrator_pb2.DeploymentStatus(phase="unknown") for name in wanted}
             while True:
                 self._raise_if_dead()
+                endpoints: dict[str, list[orchestrator_pb2.RouteEndpoint]] = {}
                 try:
-                    status = deployments.GetDeployment(
-                        orchestrator_pb2.GetDeploymentRequest(name=f"deployments/{MODEL_NAME}"),
-                        timeout=5,
-                    ).deployment.status
+                    for name in wanted:
+                        statuses[name] = deployments.GetDeployment(
+                            orchestrator_pb2.GetDeploymentRequest(name=f"deployments/{name}"),
+                            timeout=5,
+                        ).deployment.status
+                        endpoints[name] = self.serving_endpoints(name)
                     replicas = list(
                         agent.ListReplicas(nodeagent_pb2.ListReplicasRequest(), timeout=5).replicas
                     )
-                    endpoints = self.serving_endpoints()
                 except grpc.RpcError as exc:  # a busy machine: ask again until the deadline
                     show(f"waiting for an answer ({exc.code().name})")
-                    replicas, endpoints = [], []
-                show(f"deployment {MODEL_NAME}: {status.phase} ({status.message})")
+                    replicas, endpoints = [], {}
+                for name, status in statuses.items():
+                    show(f"deployment {name}: {status.phase} ({status.message})")
                 for replica in replicas:
                     rid = replica.name.removeprefix("replicas/")
                     state = nodeagent_pb2.Replica.State.Name(replica.state)
@@ -515,16 +564,20 @@ class Stack:
                         raise StackError(
                             f"the engine of {rid} failed to start: {replica.last_error}"
                         )
-                for endpoint in endpoints:
-                    show(f"replica {endpoint.replica_id} is in the routing table")
-                if len(endpoints) >= cfg.replicas:
-                    return endpoints
+                for serving in endpoints.values():
+                    for endpoint in serving:
+                        show(f"replica {endpoint.replica_id} is in the routing table")
+                if endpoints and all(len(endpoints[n]) >= k for n, k in wanted.items()):
+                    return [e for serving in endpoints.values() for e in serving]
                 if time.monotonic() > deadline:
+                    counts = ", ".join(
+                        f"{len(endpoints.get(n, []))} of {k} {n} ({statuses[n].phase}: "
+                        f"{statuses[n].message})"
+                        for n, k in wanted.items()
+                    )
                     raise StackError(
-                        f"{len(endpoints)} of {cfg.replicas} {MODEL_NAME} replicas were "
-                        f"routable after {cfg.startup_timeout_seconds:.0f} s; deployment: "
-                        f"{status.phase} "
-                        f"({status.message}); logs in {cfg.data_dir / 'logs'}"
+                        f"replicas routable after {cfg.startup_timeout_seconds:.0f} s: {counts}; "
+                        f"logs in {cfg.data_dir / 'logs'}"
                     )
                 time.sleep(0.5)
 
@@ -620,24 +673,23 @@ class Stack:
 
     # -- helpers for users of a running stack ------------------------------------------------
 
-    def serving_endpoints(self) -> list[orchestrator_pb2.RouteEndpoint]:
-        """The kimi-tiny replicas the routing table lists as serving (not draining), read from
-        the orchestrator's `WatchRoutingTable` (its first message is the whole table).
+    def serving_endpoints(self, model: str = MODEL_NAME) -> list[orchestrator_pb2.RouteEndpoint]:
+        """The replicas of `model` (kimi-tiny by default) the routing table lists as serving
+        (not draining), read from the orchestrator's `WatchRoutingTable` (its first message is
+        the whole table).
 
         Raises:
             grpc.RpcError: the orchestrator did not answer within 5 s.
         """
         with self.config.security.channel(self.config.address("orchestrator")) as channel:
             call = orchestrator_pb2_grpc.RoutingServiceStub(channel).WatchRoutingTable(
-                orchestrator_pb2.WatchRoutingTableRequest(models=[MODEL_NAME]), timeout=5
+                orchestrator_pb2.WatchRoutingTableRequest(models=[model]), timeout=5
             )
             try:
                 table = next(iter(call))
             finally:
                 call.cancel()  # type: ignore[no-untyped-call]
-        return [
-            e for r in table.routes if r.model == MODEL_NAME for e in r.endpoints if not e.draining
-        ]
+        return [e for r in table.routes if r.model == model for e in r.endpoints if not e.draining]
 
     def serving_replica(self) -> nodeagent_pb2.Replica:
         """The node-agent's view (id, state, engine pid, metrics URL, spec...) of the first

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig, StackError
+from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack, StackConfig, StackError
 from inferplane.runtime.identity import ADMIN, PeerSecurity
 from inferplane.testing import kimi_tiny
 
@@ -48,6 +48,9 @@ def up(
             "(by default they use mutual TLS from the local CA in <data-dir>/pki)."
         ),
     ] = False,
+    embeddings: Annotated[
+        bool, typer.Option(help="Also serve the embed-tiny embedding model (/v1/embeddings).")
+    ] = True,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -58,6 +61,7 @@ def up(
         envoy_admin_port=envoy_admin_port,
         tls=tls,
         plaintext=plaintext,
+        embeddings=embeddings,
     )
     stack = Stack(config)
     stop = threading.Event()
@@ -130,6 +134,12 @@ logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.
         # Its path only: scrollback and screen recordings outlive the session, and the admin
         # key mints keys; the inference key above is the one meant for copy-paste.
         header += f"\nadmin key (for `inferplane keys`): in {admin_key_file}, readable by you only"
+    embed_example = ""
+    if config.embeddings:
+        embed_example = f"""
+curl{curl_ca} {url}/embeddings -H "Authorization: Bearer {key}" \\
+  -H "Content-Type: application/json" -d '{{"model":"{EMBED_MODEL_NAME}","input":["hello"]}}'
+"""
     return (
         header,
         f"""
@@ -144,7 +154,7 @@ stream = client.chat.completions.create(model="{MODEL_NAME}", stream=True,
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
 PY
-
+{embed_example}
 Ctrl-C stops everything.""",
     )
 

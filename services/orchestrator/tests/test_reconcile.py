@@ -82,7 +82,9 @@ class FakeAgents:
         replica.state = S.STATE_STOPPED
         return replica
 
-    async def probe(self, address: str, replica_id: str, model: str) -> ProbeResult:
+    async def probe(
+        self, address: str, replica_id: str, model: str, *, embed: bool = False
+    ) -> ProbeResult:
         self._check(address, "Probe", replica_id)
         if replica_id in self.bad_probes:
             return ProbeResult(False, 0.0, "UNAVAILABLE: engine not answering")

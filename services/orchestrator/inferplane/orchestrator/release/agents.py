@@ -52,7 +52,9 @@ class NodeAgents(Protocol):
         self, address: str, replica_id: str, grace_seconds: int
     ) -> nodeagent_pb2.Replica: ...
 
-    async def probe(self, address: str, replica_id: str, model: str) -> ProbeResult: ...
+    async def probe(
+        self, address: str, replica_id: str, model: str, *, embed: bool = False
+    ) -> ProbeResult: ...
 
     async def close(self) -> None: ...
 
@@ -127,8 +129,14 @@ class GrpcNodeAgents:
         )
         return response.replica
 
-    async def probe(self, address: str, replica_id: str, model: str) -> ProbeResult:
+    async def probe(
+        self, address: str, replica_id: str, model: str, *, embed: bool = False
+    ) -> ProbeResult:
+        """One warm-up request: a 4-token streamed chat completion, or with `embed` one
+        embedding (its latency stands for the TTFT)."""
         stub = inference_pb2_grpc.InferenceServiceStub(self._channel(address))
+        if embed:
+            return await self._probe_embedding(stub, replica_id, model)
         request = inference_pb2.StreamChatCompletionRequest(
             request=inference_pb2.ChatCompletionRequest(
                 model=model,
@@ -159,6 +167,27 @@ class GrpcNodeAgents:
         if not finished:
             return ProbeResult(False, ttft, "the stream ended without a finish_reason")
         return ProbeResult(True, ttft)
+
+    async def _probe_embedding(
+        self, stub: inference_pb2_grpc.InferenceServiceStub, replica_id: str, model: str
+    ) -> ProbeResult:
+        request = inference_pb2.CreateEmbeddingRequest(
+            request=inference_pb2.EmbeddingRequest(
+                model=model, input=struct_pb2.Value(string_value=PROBE_PROMPT)
+            )
+        )
+        started = time.monotonic()
+        try:
+            response = await stub.CreateEmbedding(
+                request,
+                timeout=self._probe_timeout,
+                metadata=((REPLICA_METADATA_KEY, replica_id),),
+            )
+        except grpc.aio.AioRpcError as exc:
+            return ProbeResult(False, 0.0, f"{exc.code().name}: {exc.details()}")
+        if len(response.data) != 1:
+            return ProbeResult(False, 0.0, f"{len(response.data)} embeddings for one input")
+        return ProbeResult(True, time.monotonic() - started)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

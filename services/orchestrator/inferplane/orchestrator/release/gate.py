@@ -20,12 +20,14 @@ from inferplane.orchestrator.release.agents import NodeAgents
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GateTarget:
-    """The replica under test: its node-agent address, node-agent replica id and model name."""
+    """The replica under test: its node-agent address, node-agent replica id and model name;
+    `embed`: the deployment serves embeddings (probed with one)."""
 
     deployment_id: str
     replica_id: str
     address: str
     model: str
+    embed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,7 +109,9 @@ class ProbeGate:
         errors = 0
         last_error = ""
         for i in range(count):
-            result = await self._agents.probe(target.address, target.replica_id, target.model)
+            result = await self._agents.probe(
+                target.address, target.replica_id, target.model, embed=target.embed
+            )
             if result.ok:
                 ttfts.append(result.ttft_seconds)
             else:

@@ -543,7 +543,12 @@ class Reconciler:
         """ "" when the replica passed, else why not."""
         error = ""
         for attempt in range(self._settings.warmup_attempts):
-            result = await self._agents.probe(address, target.replica_id, deployment.deployment_id)
+            result = await self._agents.probe(
+                address,
+                target.replica_id,
+                deployment.deployment_id,
+                embed=deployment.profile.embeds,
+            )
             if result.ok:
                 error = ""
                 break
@@ -557,7 +562,11 @@ class Reconciler:
         strategy = deployment.rollout
         reading = await self._gate.measure(
             GateTarget(
-                deployment.deployment_id, target.replica_id, address, deployment.deployment_id
+                deployment.deployment_id,
+                target.replica_id,
+                address,
+                deployment.deployment_id,
+                embed=deployment.profile.embeds,
             ),
             float(strategy.gate_window_seconds),
         )

@@ -1,6 +1,7 @@
 """One real stack per test session: Envoy (configured over ADS), auth, router, orchestrator,
-telemetry, a node-agent and the kimi-tiny deployment (one vLLM CPU replica started by the
-orchestrator), on free loopback ports in a temporary data directory."""
+telemetry, a node-agent, the kimi-tiny deployment (one vLLM CPU replica started by the
+orchestrator) and the embed-tiny embedding deployment, on free loopback ports in a temporary
+data directory."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
         # The suite runs on each engine transport (scripts/test.sh runs it a second time).
         transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "inproc"),
+        embeddings=True,
     )
     stack = Stack(config)
     stack.start(print)

@@ -101,6 +101,7 @@ class StackConfig:
             third of that is left.
         embeddings: also serve the embed-tiny embedding model (`EMBED_MODEL_NAME`, one replica,
             `inproc`) beside kimi-tiny.
+        chat: serve kimi-tiny (off only for benchmarks of the other models alone).
         plaintext: the services talk plaintext gRPC without identities (development only);
             by default every service, Envoy toward them, and the stack's own admin calls use
             mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
@@ -128,6 +129,7 @@ class StackConfig:
     tls_cert_days: int = 30
     plaintext: bool = False
     embeddings: bool = False
+    chat: bool = True
 
     @property
     def ports(self) -> dict[str, int]:
@@ -449,7 +451,9 @@ class Stack:
     def deployments(self) -> dict[str, tuple[orchestrator_pb2.Deployment, int]]:
         """The deployments this stack serves, by name, with the replicas each must have."""
         cfg = self.config
-        wanted = {MODEL_NAME: (kimi_tiny_deployment(cfg), cfg.replicas)}
+        wanted = {}
+        if cfg.chat:
+            wanted[MODEL_NAME] = (kimi_tiny_deployment(cfg), cfg.replicas)
         if cfg.embeddings:
             wanted[EMBED_MODEL_NAME] = (embed_tiny_deployment(), 1)
         return wanted

@@ -83,3 +83,45 @@ def test_the_fixture_spec_is_a_fresh_copy_per_call() -> None:
     again = kimi_tiny_spec()
     assert again is not spec
     assert (again.stream_interval, again.tool_parser) == (0, "kimi_k2")
+
+
+def test_embed_assets_are_the_tokenizer_context_and_matryoshka_sizes(tmp_path) -> None:
+    """An `embed` spec loads no parser (even when its spec names one: nothing is generated)
+    and reads config.json's matryoshka_dimensions as vLLM does; `is_matryoshka` alone means
+    every size up to the hidden size; no Matryoshka sizes for generate replicas."""
+    import json
+    import shutil
+
+    from inferplane.node_agent.pipeline.assets import load_model_assets
+    from inferplane.node_agent.testing.pipeline import embed_tiny_spec
+
+    spec = embed_tiny_spec()
+    spec.reasoning_parser = spec.tool_parser = "kimi_k2"
+    assets = asyncio.run(ModelAssetsCache().get(spec))
+    assert assets.parser is None and assets.matryoshka_dimensions == (16, 32, 64)
+    assert assets.max_model_len == 512 and assets.vocab_size == 437
+    assert assets.backend.truncation is None and assets.backend.padding is None
+    assert kimi_tiny_assets().matryoshka_dimensions == ()
+
+    folder = tmp_path / "embed"
+    shutil.copytree(spec.model_source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["matryoshka_dimensions"]
+    (folder / "config.json").write_text(json.dumps(config))
+    spec.model_source = str(folder)
+    assert load_model_assets(spec).matryoshka_dimensions == ()
+    config["is_matryoshka"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_model_assets(spec).matryoshka_dimensions == tuple(range(1, 65))
+    # A tokenizer.json that truncates: embeddings tokenize with the backend, which must not
+    # cut inputs silently (vLLM refuses a too-long input instead).
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["truncation"] = {
+        "direction": "Right",
+        "max_length": 4,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    long = "the quick brown fox jumps over the lazy dog"
+    assert len(load_model_assets(spec).backend.encode(long).ids) > 4

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from inferplane.orchestrator.catalog.model import Accelerator, Deployment, DeploymentProfile
-from inferplane.orchestrator.catalog.sizing import GB, SizingPolicy
+from inferplane.orchestrator.catalog.sizing import GB, SizingPolicy, estimate
 from inferplane.orchestrator.catalog.validation import validate_deployment
 from inferplane.orchestrator.convert import profile_from_proto, profile_to_proto
 from inferplane.orchestrator.fleet.model import Gpu, Node
@@ -228,6 +228,11 @@ def test_an_embedding_deployment_has_no_parsers_and_an_embedding_transport() -> 
     as "" so that profiles from before the field keep their revision."""
     embed = dataclasses.replace(PROFILE, task="embed", transport="inproc")
     validate_deployment(Deployment("bge", embed).normalised())
+    # No KV geometry needed: placement sizes the weights (and overheads) alone.
+    small = dataclasses.replace(embed, num_layers=0, num_kv_heads=0, head_dim=0)
+    validate_deployment(Deployment("bge", small).normalised())
+    assert estimate(small).kv_cache_bytes == 0 < estimate(PROFILE).kv_cache_bytes
+    assert invalid(num_layers=0).param == "deployment.profile.num_layers"
     assert invalid(task="embed", transport="grpc").param == "deployment.profile.transport"
     err = invalid(task="embed", transport="inproc", tool_parser="qwen3")
     assert err.param == "deployment.profile.tool_parser"

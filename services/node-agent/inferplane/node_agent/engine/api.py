@@ -2,18 +2,37 @@
 
 The supervisor (`inferplane.node_agent.engine`) starts engines and hands out `LocalReplica`s;
 the inference pipeline (`inferplane.node_agent.pipeline`) renders, generates through
-`EngineClient`, and parses. Engine transports (gRPC `VllmEngine/Generate` now, vLLM's HTTP
-`/v1/completions` later) implement `EngineClient`; nothing above this file knows which.
+`EngineClient`, and parses. Engine transports (vLLM's AsyncLLM in-process, vLLM's HTTP server,
+vLLM's gRPC `VllmEngine/Generate`) implement `EngineClient`; nothing above this file knows which.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+
+GENERATE = "generate"
+EMBED = "embed"
+TASKS: tuple[str, ...] = (GENERATE, EMBED)
+"""What a replica serves (`ReplicaSpec.task`): `generate` (chat and text completions) or
+`embed` (embeddings: the engine runs vLLM's pooling runner)."""
+
+
+def replica_task(spec: nodeagent_pb2.ReplicaSpec) -> str:
+    """`spec.task`, with "" read as `GENERATE` (specs written before the field existed).
+
+    Raises:
+        ValueError: an unknown task (the message lists the known ones).
+    """
+    task = spec.task or GENERATE
+    if task not in TASKS:
+        raise ValueError(f"unknown replica task {spec.task!r}; known: {', '.join(TASKS)}")
+    return task
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +115,22 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[EngineOutput]:
         """Streams increments; raises EngineError when the engine fails mid-way. Cancelling the
         iteration (client gone, deadline) must abort the request in the engine."""
+        ...
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """The embeddings of `inputs` (token ids each, embedded as given: nothing is added), in
+        input order: one `array("f")` (float32) per input, pooled and normalised as the
+        model's pooler does (vLLM's `embed` task); `dimensions` (a Matryoshka size the
+        pipeline checked) cuts each vector to that many values before normalising.
+        Cancelling the call aborts the request in the engine.
+
+        Raises:
+            EngineError: the engine failed (`retryable`: nothing is half-done for embeddings)
+                or refused the request (`rejected`: its own validation, e.g. a length or
+                `dimensions` it does not accept).
+        """
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -235,6 +236,18 @@ class GrpcEngineClient:
             await self._stub.Abort(
                 pb.AbortRequest(request_ids=[request_id]), timeout=self._abort_timeout
             )
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """Never: `VllmEngine/Embed` takes one input and no `dimensions` (smg_grpc_servicer
+        0.14's servicer sends `PoolingParams(task="embed")` only), so an `embed` spec is
+        refused before a `grpc` replica starts (`process.resolve_transport`).
+
+        Raises:
+            EngineError: always (`rejected`).
+        """
+        raise EngineError("the grpc engine transport cannot serve embeddings", rejected=True)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; unknown ids and an unreachable engine are ignored."""

@@ -19,6 +19,11 @@ Facts of the wire this relies on (read in vLLM 0.32
 - a failure after the response started is one `data: {"error": {...}}` event, then `[DONE]`;
 - the server aborts the engine request when the client closes the connection (its
   `StreamingResponse` listens for `http.disconnect`): that is how `abort` works here;
+- `POST /v1/embeddings` (an engine started with `--runner pooling`) takes `input` as a list of
+  token-id lists, embedded as given (no special tokens added), `dimensions`, and
+  `encoding_format: "base64"` with `embed_dtype` / `endianness` (vLLM's extensions): each
+  `data[i].embedding` is then the vector's bytes; `data` comes in input order with `index`;
+  invalid input (length, `dimensions`) is a 400;
 - `structured_outputs` takes exactly one of json / regex / grammar / structural_tag /
   json_object / choice. vLLM delays a constraint until reasoning ended only when the server has
   a reasoning parser; the node-agent's engines run without one, so constraints apply from the
@@ -28,9 +33,12 @@ Facts of the wire this relies on (read in vLLM 0.32
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
+import sys
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -115,6 +123,45 @@ def to_completion_body(
                 raise EngineError("choice constraint must be a JSON list of strings")
         body["structured_outputs"] = {field: value}
     return body
+
+
+def to_embedding_body(
+    request_id: str, inputs: Sequence[Sequence[int]], dimensions: int | None
+) -> dict[str, Any]:
+    """The `/v1/embeddings` request body for token-id inputs (vLLM 0.32 `EmbeddingRequest`):
+    vectors come back as little-endian float32 bytes in base64 (a quarter of the JSON a list of
+    numbers takes, and exact)."""
+    body: dict[str, Any] = {
+        "input": [list(ids) for ids in inputs],
+        "encoding_format": "base64",
+        "embed_dtype": "float32",
+        "endianness": "little",
+        "request_id": request_id,
+    }
+    if dimensions is not None:
+        body["dimensions"] = dimensions
+    return body
+
+
+def _vectors(payload: Any, count: int) -> list[array[float]]:
+    """`data[*].embedding` (base64 of little-endian float32) in `index` order.
+
+    Raises:
+        ValueError: not `count` well-formed vectors.
+    """
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list) or len(data) != count:
+        raise ValueError(f"expected {count} embeddings")
+    out: list[array[float] | None] = [None] * count
+    for item in data:
+        index = item["index"]
+        vector = array("f", base64.b64decode(item["embedding"], validate=True))
+        if sys.byteorder != "little":
+            vector.byteswap()
+        out[index] = vector
+    if any(v is None for v in out):
+        raise ValueError("an input has no embedding")
+    return [v for v in out if v is not None]
 
 
 @dataclasses.dataclass(slots=True)
@@ -297,6 +344,33 @@ class HttpEngineClient:
             # Leaving the `async with` early (cancel, GeneratorExit) closed the connection
             # without reading the rest: the engine sees the disconnect and aborts.
             self._active.pop(request_id, None)
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """The embeddings of `inputs` (see `EngineClient.embed`): one `POST /v1/embeddings`.
+        Cancelling closes the connection (vLLM then aborts the request).
+
+        Raises:
+            EngineError: the engine refused the request (HTTP 4xx: `rejected`), failed it or
+                went away (5xx, connection lost, a malformed answer: `retryable`).
+        """
+        body = to_embedding_body(request_id, inputs, dimensions)
+        try:
+            async with self._client().post("/v1/embeddings", json=body) as response:
+                payload = await response.read()
+                if response.status != 200:
+                    raise self._status_error(response.status, payload)
+            return _vectors(json.loads(payload), len(inputs))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(
+                f"engine at {self.base_url} failed: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+        except (ValueError, KeyError, IndexError, TypeError) as exc:  # JSON, base64 included
+            raise EngineError(
+                f"engine at {self.base_url} sent a malformed embeddings response: {exc}",
+                retryable=True,
+            ) from exc
 
     @staticmethod
     def _final(

@@ -11,6 +11,9 @@ Measured facts this follows: ../shared/notes/vllm_inproc_probe.md.
   yet, so a consumer that pulls lazily coalesces for free.
 - Stop strings are never passed: vLLM needs its detokenizer for them, and the pipeline matches
   them on its own decoded text.
+- Embeddings (a spec whose task is `embed`: `--runner pooling`) go through `AsyncLLM.encode`
+  with `PoolingParams(task="embed", dimensions=...)`, one engine request per input, as vLLM's
+  own `/v1/embeddings` does (vllm/entrypoints/pooling/base/serving.py).
 - The engine is dead once `AsyncLLM.errored` (a SIGKILLed EngineCore or Worker): streams get
   `EngineDeadError` within ~0.1 s and the only recovery is a new process.
 - Whoever imports vLLM must have set its environment first (`launcher.engine_environment`), and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -30,6 +34,7 @@ import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
+from inferplane.node_agent.engine.process import pooling_args
 
 log = structlog.get_logger("inferplane.node_agent.engine.inproc")
 
@@ -37,13 +42,19 @@ log = structlog.get_logger("inferplane.node_agent.engine.inproc")
 def engine_argv(spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool) -> list[str]:
     """vLLM engine arguments for `spec` (as `vllm serve` takes them), then
     `spec.extra_engine_args`: the same mapping as `process.plan_launch`, for vLLM's own parser.
-    On CPU `--enforce-eager` is the default (it halves start-up, notes/vllm_cpu_probe.md §2)."""
+    On CPU `--enforce-eager` is the default (it halves start-up, notes/vllm_cpu_probe.md §2);
+    an `embed` spec gets `--runner pooling` (`process.pooling_args`).
+
+    Raises:
+        ValueError: an unknown task (`api.replica_task`).
+    """
     extra = list(spec.extra_engine_args)
     argv = [
         "--model",
         spec.model_source,
         "--served-model-name",
         spec.served_model_name or spec.deployment or spec.model_source,
+        *pooling_args(spec),
     ]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
@@ -228,6 +239,65 @@ class InprocEngine:
                 raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
             raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
 
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """The embeddings of `inputs` (see `EngineClient.embed`): one `AsyncLLM.encode` per
+        input (`{request_id}-{i}`), all at once (the scheduler batches them); cancelling
+        cancels each, which makes vLLM abort it.
+
+        Raises:
+            EngineError: the engine is dead (`retryable`), refused an input (vLLM's
+                validation: `rejected`) or failed it.
+        """
+        from vllm.exceptions import VLLMValidationError
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        arrival = time.time()
+
+        async def one(index: int, ids: Sequence[int]) -> array[float]:
+            engine_input = llm.renderer.process_for_engine(
+                {"prompt_token_ids": list(ids)}, arrival_time=arrival
+            )
+            # A fresh PoolingParams per request: vLLM's validation fills defaults into it.
+            params = PoolingParams(task="embed", dimensions=dimensions)
+            final = None
+            async with aclosing(llm.encode(engine_input, params, f"{request_id}-{index}")) as s:
+                async for out in s:
+                    final = out
+            if final is None or not final.finished:
+                raise EngineError("the engine ended an embedding without a result")
+            if final.error is not None:
+                raise EngineError(
+                    f"the engine failed the request: {final.error.message}",
+                    retryable=final.error.retryable,
+                )
+            return _float32(final.outputs.data)
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
+        try:
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:  # after a failure the others' results would be dropped
+                    task.cancel()
+        except EngineDeadError as exc:
+            raise EngineError(f"the in-process engine died: {exc}", retryable=True) from exc
+        except VLLMValidationError as exc:
+            raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if llm.errored:
+                raise EngineError(
+                    f"the in-process engine died: {type(exc).__name__}: {exc}", retryable=True
+                ) from exc
+            if isinstance(exc, ValueError):  # vLLM's checks when a request is added
+                raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+            raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
+
     async def abort(self, request_id: str) -> None:
         """Aborts a request; unknown ids and a dead engine are ignored. Its stream then ends
         with one `finish_reason="abort"` increment."""
@@ -250,3 +320,11 @@ class InprocEngine:
     async def close(self) -> None:
         """Shuts vLLM's engine core and workers down (in a thread: it blocks for seconds)."""
         await asyncio.to_thread(self._llm.shutdown)
+
+
+def _float32(data: Any) -> array[float]:
+    """A pooled vector (a 1-D torch tensor of any float dtype) as float32 values; vLLM's
+    `/v1/embeddings` converts to float32 too (`embed_dtype` float32, its default)."""
+    import torch
+
+    return array("f", data.detach().to(device="cpu", dtype=torch.float32).numpy().tobytes())

@@ -29,6 +29,7 @@ from typing import Protocol
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.api import EMBED, replica_task
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
 from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
@@ -64,18 +65,54 @@ HTTP_MODE_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details", "--disable-
 request (the replica process records requests itself)."""
 
 
+EMBED_TRANSPORTS: tuple[str, ...] = (HTTP_COMPLETIONS, INPROC)
+"""The transports that serve an `embed` spec: `AsyncLLM.encode` in-process, or the child
+server's `/v1/embeddings`. vLLM's gRPC `Embed` takes one input and no `dimensions`."""
+
+
 def resolve_transport(spec: nodeagent_pb2.ReplicaSpec) -> str:
     """`spec.transport`, or `DEFAULT_TRANSPORT` when empty.
 
     Raises:
-        ValueError: an unknown transport (the message lists the known ones).
+        ValueError: an unknown transport (the message lists the known ones), or one that
+            cannot serve the spec's task (`embed` on `grpc`: `EMBED_TRANSPORTS`).
     """
     transport = spec.transport or DEFAULT_TRANSPORT
     if transport not in TRANSPORTS:
         raise ValueError(
             f"unknown engine transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}"
         )
+    check_transport_serves(spec, transport)
     return transport
+
+
+def check_transport_serves(spec: nodeagent_pb2.ReplicaSpec, transport: str) -> None:
+    """Refuses a transport that cannot serve the spec's task.
+
+    Raises:
+        ValueError: an `embed` spec on a transport outside `EMBED_TRANSPORTS` (the message
+            names the transport and the ones that work).
+    """
+    if spec.task == EMBED and transport not in EMBED_TRANSPORTS:
+        raise ValueError(
+            f"the {transport} engine transport cannot serve embeddings (task 'embed'); "
+            f"use {' or '.join(EMBED_TRANSPORTS)}"
+        )
+
+
+def pooling_args(spec: nodeagent_pb2.ReplicaSpec) -> list[str]:
+    """`["--runner", "pooling"]` for an `embed` spec (vLLM then loads the model with its
+    pooler: the pooling and normalisation the model's sentence-transformers files name),
+    unless `extra_engine_args` name a runner themselves; `[]` for any other task.
+
+    Raises:
+        ValueError: an unknown task (`api.replica_task`).
+    """
+    if replica_task(spec) != EMBED:
+        return []
+    if any(a == "--runner" or a.startswith("--runner=") for a in spec.extra_engine_args):
+        return []
+    return ["--runner", "pooling"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,7 +217,8 @@ def plan_engine(
     enforce-eager in extra_engine_args); on CPU `--enforce-eager` is the default because it
     halves start-up time (notes/vllm_cpu_probe.md §2). GPU nodes get `--gpu-memory-utilization`
     from `gpu_memory_fraction`. A `stream_interval` above 1 becomes `--stream-interval`: vLLM's
-    front end then emits one increment per that many tokens.
+    front end then emits one increment per that many tokens. An `embed` spec gets
+    `--runner pooling` (`pooling_args`).
     """
     http = transport == HTTP_COMPLETIONS
     port = free_port(host)
@@ -210,6 +248,7 @@ def plan_engine(
         str(port),
         "--served-model-name",
         spec.served_model_name or spec.deployment or replica_id,
+        *pooling_args(spec),
     ]
     if spec.max_model_len:
         vllm_args += ["--max-model-len", str(spec.max_model_len)]
@@ -265,11 +304,13 @@ def plan_launch(
     process's pid for the replica process's `procguard.guard_parent`.
 
     Raises:
-        ValueError: an unknown transport (`resolve_transport`).
+        ValueError: an unknown task (`api.replica_task`) or transport, or a transport that
+            cannot serve the task (`resolve_transport`).
     """
     from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 
     cpu = (not has_nvidia_gpu()) if cpu is None else cpu
+    replica_task(spec)
     transport = resolve_transport(spec)
     replica_dir = data_dir / "replicas" / replica_id
     spec_path = replica_dir / "spec.json"

@@ -49,6 +49,7 @@ from tenacity import (
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
 from inferplane.engine_args import EngineArgError, check_engine_args
+from inferplane.node_agent.engine.api import replica_task
 from inferplane.node_agent.engine.cpus import BIND_ENV, CpuCorePool
 from inferplane.node_agent.engine.launcher import has_nvidia_gpu
 from inferplane.node_agent.engine.priority import renice_engine_cores, set_autogroup_niceness
@@ -714,16 +715,22 @@ class ReplicaManager:
 
         Raises:
             AlreadyExistsError: a live replica with that id runs a different spec.
-            FailedPreconditionError: the spec has no model_source, names an unknown
-                transport, or has an engine argument outside the allow-list
-                (`inferplane.engine_args`).
+            FailedPreconditionError: the spec has no model_source, names an unknown task or
+                transport, asks for embeddings on the `grpc` transport (which has none), or
+                has an engine argument outside the allow-list (`inferplane.engine_args`).
         """
         if not spec.model_source:
             raise FailedPreconditionError(
                 "spec.model_source is required", reason="INVALID_SPEC", param="spec.model_source"
             )
         try:
-            resolve_transport(spec)
+            replica_task(spec)
+        except ValueError as exc:
+            raise FailedPreconditionError(
+                str(exc), reason="INVALID_SPEC", param="spec.task"
+            ) from None
+        try:
+            resolve_transport(spec)  # also: an `embed` spec on a transport without embeddings
         except ValueError as exc:
             raise FailedPreconditionError(
                 str(exc), reason="INVALID_SPEC", param="spec.transport"

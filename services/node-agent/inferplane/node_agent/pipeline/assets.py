@@ -2,12 +2,15 @@
 
 A replica's `ReplicaSpec` names a local model folder (`model_source`) and parser names; the
 tokenizer (chat template, vocab, fast `tokenizers` backend for incremental decoding), the
-compiled parser and the end-of-sequence ids come from that folder, offline.
+compiled parser and the end-of-sequence ids come from that folder, offline. An `embed`
+replica's assets are its tokenizer, context length and Matryoshka dimensions only (no parser,
+no chat template).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import os
@@ -18,6 +21,7 @@ from typing import Any
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.api import EMBED, replica_task
 from inferplane.parsers import Parser, ParserError, build_parser
 from inferplane.runtime import UnavailableError
 
@@ -38,6 +42,10 @@ class ModelAssets:
             `generation_config.json`'s `eos_token_id` (int or list), as vLLM merges them.
         max_model_len: context length in tokens (prompt + completion).
         vocab_size: number of token ids (valid ids are `0 .. vocab_size - 1`).
+        matryoshka_dimensions: the embedding sizes the model may be cut to (OpenAI's
+            `dimensions`), from config.json as vLLM reads it (`ModelConfig.is_matryoshka`):
+            its `matryoshka_dimensions`, or every size from 1 to `hidden_size` when it only
+            says `is_matryoshka: true`; empty for other models (and for generate replicas).
     """
 
     model_source: str
@@ -47,16 +55,20 @@ class ModelAssets:
     eos_token_ids: frozenset[int]
     max_model_len: int
     vocab_size: int
+    matryoshka_dimensions: tuple[int, ...] = ()
 
 
 def parser_name(spec: nodeagent_pb2.ReplicaSpec) -> str | None:
     """The one parser name of a spec: `reasoning_parser` and `tool_parser` name the same
-    combined parser in `inferplane.parsers` ("kimi_k2"); either may be empty.
+    combined parser in `inferplane.parsers` ("kimi_k2"); either may be empty. None for an
+    `embed` spec (nothing is generated, so nothing is parsed).
 
     Raises:
         UnavailableError: the two names differ (a deployment error: the library has no
             separate reasoning and tool parsers to combine).
     """
+    if spec.task == EMBED:
+        return None
     names = {n for n in (spec.reasoning_parser, spec.tool_parser) if n}
     if len(names) > 1:
         raise UnavailableError(
@@ -78,6 +90,10 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
 
     source = spec.model_source
     folder = Path(source)
+    try:
+        embed = replica_task(spec) == EMBED
+    except ValueError as exc:
+        raise UnavailableError(str(exc), code="bad_replica_config") from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -104,15 +120,21 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         eos.add(configured)
     elif isinstance(configured, list):
         eos.update(int(i) for i in configured)
-    max_len = int(spec.max_model_len) or int(
-        _read_json(folder / "config.json").get("max_position_embeddings", 0)
-    )
+    config = _read_json(folder / "config.json")
+    max_len = int(spec.max_model_len) or int(config.get("max_position_embeddings", 0))
     if max_len <= 0:
         max_len = int(getattr(tokenizer, "model_max_length", 0) or 0)
     if max_len <= 0 or max_len > 1 << 31:
         raise UnavailableError(
             f"'{spec.served_model_name}' has no max_model_len", code="bad_replica_config"
         )
+    if embed and (backend.truncation is not None or backend.padding is not None):
+        # Embeddings tokenize with the backend directly: a truncation or padding that
+        # tokenizer.json switches on would cut or pad inputs silently (transformers resets
+        # them on every call; vLLM refuses a too-long input instead).
+        backend = copy.deepcopy(backend)
+        backend.no_truncation()
+        backend.no_padding()
     return ModelAssets(
         model_source=source,
         tokenizer=tokenizer,
@@ -121,7 +143,20 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         eos_token_ids=frozenset(eos),
         max_model_len=max_len,
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
+        matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
     )
+
+
+def _matryoshka_dimensions(config: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes an embedding may be cut to, as vLLM 0.32 reads config.json
+    (vllm/config/model.py `is_matryoshka`, `matryoshka_dimensions`;
+    vllm/pooling_params.py checks a request's `dimensions` against them)."""
+    listed = config.get("matryoshka_dimensions")
+    if isinstance(listed, list) and listed:
+        return tuple(sorted({int(d) for d in listed}))
+    if config.get("is_matryoshka"):
+        return tuple(range(1, int(config.get("hidden_size", 0)) + 1))
+    return ()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

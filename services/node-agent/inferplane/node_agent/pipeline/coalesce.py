@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from array import array
 from collections.abc import AsyncIterator, Sequence
 
 from inferplane.node_agent.engine.api import EngineClient, EngineOutput, SamplingParams
@@ -86,6 +87,11 @@ class CoalescingEngine:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        return await self.inner.embed(request_id, inputs, dimensions=dimensions)
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)

@@ -13,10 +13,11 @@ class RequestOutcome:
     """What happened to one inference request (one record per request, success or not).
 
     Attributes:
-        request_id: the completion id (`chatcmpl-…` / `cmpl-…`), also the engine request id.
+        request_id: the completion id (`chatcmpl-…` / `cmpl-…`) or the embeddings request's
+            (`embd-…`), also the engine request id.
         model: the served model name.
         replica_id: the replica that ran it ("" when none was picked).
-        api: "chat" or "completion".
+        api: "chat", "completion" or "embedding".
         stream: True for the streaming methods.
         status: "ok", "error" (an InferplaneError was returned) or "cancelled" (client gone or
             deadline).
@@ -24,7 +25,8 @@ class RequestOutcome:
         finish_reason: "stop", "length", "tool_calls", or "" when it did not finish.
         prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens: token counts
             (`reasoning_tokens`: output tokens fed to the parser while it was in reasoning).
-        ttft_seconds: request arrival → first engine output, None when there was none.
+        ttft_seconds: request arrival → first engine output (an embedding's: its result),
+            None when there was none.
         itl_seconds: inter-token latency samples, one per token after the first engine output:
             an increment of n tokens after a gap g gives n samples of g / n (vLLM's stream
             interval and merged reads deliver several tokens per increment).

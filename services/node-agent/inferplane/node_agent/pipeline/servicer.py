@@ -1,8 +1,12 @@
-"""inferplane.inference.v1.InferenceService: render → generate → parse → chunks → SSE.
+"""inferplane.inference.v1.InferenceService: render → generate → parse → chunks → SSE, and
+embeddings.
 
 Served by each replica process over its one replica (issue 16 B) and, until the supervisor
 moves, by the node-agent over its replicas. Proto ⇄ pipeline only: validation and rendering
-live in `requests`, generation in `generate`, message shapes in `chunks`, SSE framing in `sse`.
+live in `requests`, generation in `generate`, message shapes in `chunks`, SSE framing in `sse`,
+embeddings' rules and response in `embeddings`. A replica serves one task (`ReplicaSpec.task`):
+chat and text completions (`generate`) or embeddings (`embed`); a request for the other task
+is INVALID_ARGUMENT naming `model`.
 
 Every RPC runs through one template (`_serve`): pick the replica, admit, produce messages, and
 end the response with trailing metadata summarising it (`inferplane.wire.ResponseSummary`:
@@ -34,13 +38,21 @@ from prometheus_client import CollectorRegistry, Histogram
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.api import (
+    EMBED,
+    GENERATE,
     EngineError,
     LocalReplica,
     ReplicaDirectory,
     SamplingParams,
+    replica_task,
 )
 from inferplane.node_agent.pipeline import chunks
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache
+from inferplane.node_agent.pipeline.embeddings import (
+    embedding_response,
+    needs_thread,
+    plan_embedding,
+)
 from inferplane.node_agent.pipeline.generate import Generation, OutputSession, Step
 from inferplane.node_agent.pipeline.outcome import OutcomeSink, RequestOutcome, discard_outcome
 from inferplane.node_agent.pipeline.requests import plan_chat, plan_completion
@@ -97,12 +109,23 @@ class StreamMetrics:
         )
 
 
+@dataclasses.dataclass(slots=True)
+class _Embedded:
+    """One embeddings request's facts (it has no `Generation`): its engine request id, the
+    tokens of all its inputs, and the time from arrival to the engine's result ("TTFT")."""
+
+    request_id: str
+    prompt_tokens: int
+    seconds: float | None = None
+
+
 class _Tracker:
     """Collects one request's outcome: the summary trailers and the telemetry record."""
 
     __slots__ = (
         "api",
         "code",
+        "embedded",
         "framing",
         "gen",
         "messages",
@@ -125,6 +148,7 @@ class _Tracker:
         self.code = ""
         self.messages = 0
         self.gen: Generation | None = None
+        self.embedded: _Embedded | None = None
         self.verdicts: tuple[ToolCallVerdict, ...] = ()
 
     def fail(self, exc: BaseException) -> None:
@@ -137,7 +161,19 @@ class _Tracker:
 
     def summary(self) -> ResponseSummary:
         """The trailers' view: finish_reason "error" once output had started and the request
-        failed (an SSE error event or an error status mid-stream), "abort" for a client gone."""
+        failed (an SSE error event or an error status mid-stream), "abort" for a client gone.
+        An embeddings request that succeeded says "stop", its inputs' tokens and, as TTFT,
+        the time to its result."""
+        if self.embedded is not None:
+            embedded = self.embedded
+            finish = {"ok": "stop", "cancelled": "abort"}.get(self.status, "")
+            return ResponseSummary(
+                replica_id=self.replica,
+                prompt_tokens=embedded.prompt_tokens,
+                finish_reason=finish,
+                ttft_seconds=embedded.seconds or 0.0,
+                error_code=self.code,
+            )
         gen = self.gen
         if self.status == "cancelled":
             finish = "abort"
@@ -162,7 +198,8 @@ class _Tracker:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
-    """Serves chat and text completions (typed or SSE) on replicas, and their model list.
+    """Serves chat and text completions (typed or SSE) and embeddings on replicas, and their
+    model list.
 
     Args:
         directory: finds READY replicas per model (a replica process: its one replica).
@@ -173,7 +210,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         strict_tool_calls: a tool call that fails validation against the request's tools ends
             the request with an error instead of being returned as OpenAI would return it.
         owned_by: `owned_by` of ListModels entries.
-        new_id: returns a fresh unique id (hex) for completion and engine request ids.
+        new_id: returns a fresh unique id (hex) for completion, embedding and engine request
+            ids.
         metrics: counts messages per streamed request (None: not counted).
         report_to_picker: receives `(picker address, request id, summary)` for every request
             that produced output and names its picker (`x-inferplane-picker`) and id
@@ -267,20 +305,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         async for message in self._serve(track, context, body):
             yield message
 
+    async def CreateEmbedding(
+        self, request: pb.CreateEmbeddingRequest, context: Context
+    ) -> pb.CreateEmbeddingResponse:
+        """Embeddings of the request's inputs (`pipeline/embeddings.py` has the rules), on a
+        replica whose task is `embed`: the same template as the generation RPCs (admission,
+        summary trailers with the inputs' tokens, finish_reason "stop" and the time to the
+        result as TTFT, the picker report, one record)."""
+        track = self._track("embedding", False, request.request.model)
+        body = partial(self._embedding, request.request, track)
+        return await _only(self._serve(track, context, body, task=EMBED))
+
     # -- the request template --------------------------------------------------------------
 
     def _track(self, api: str, stream: bool, model: str) -> _Tracker:
         return _Tracker(api, stream, model, self._clock.monotonic())
 
-    async def _serve(self, track: _Tracker, context: Context, body: Body) -> AsyncIterator[Any]:
-        """The one template of every generation RPC: replica → admit → `body`'s messages →
-        summary trailers → outcome record. Failures end the RPC with their status, the
-        OpenAI trailers and the summary; a client gone leaves a summary with "abort". A request
-        that produced output is also reported to its picker (`_report`), with the same summary.
+    async def _serve(
+        self, track: _Tracker, context: Context, body: Body, *, task: str = GENERATE
+    ) -> AsyncIterator[Any]:
+        """The one template of every RPC but ListModels: replica → its task is `task` →
+        admit → `body`'s messages → summary trailers → outcome record. Failures end the RPC
+        with their status, the OpenAI trailers and the summary; a client gone leaves a summary
+        with "abort". A request that produced output is also reported to its picker
+        (`_report`), with the same summary.
         """
         summary: ResponseSummary | None = None
         try:
             replica, assets = await self._replica(track.model, context, track)
+            _check_task(replica, task, track.model)
             async with replica.admit(), aclosing(body(replica, assets)) as messages:
                 async for message in messages:
                     if not track.messages:
@@ -428,6 +481,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             _usage(gen),
         )
 
+    async def _embedding(
+        self,
+        req: pb.EmbeddingRequest,
+        track: _Tracker,
+        replica: LocalReplica,
+        assets: ModelAssets,
+    ) -> AsyncIterator[pb.CreateEmbeddingResponse]:
+        if needs_thread(req):  # a large batch: tokenizing it would stall the event loop
+            plan = await asyncio.to_thread(plan_embedding, req, assets)
+        else:
+            plan = plan_embedding(req, assets)
+        embedded = track.embedded = _Embedded("embd-" + self._new_id(), plan.prompt_tokens)
+        try:
+            vectors = await replica.engine.embed(
+                embedded.request_id, plan.inputs, dimensions=plan.dimensions
+            )
+        except EngineError as exc:
+            raise _engine_error(exc) from exc
+        embedded.seconds = self._clock.monotonic() - track.started
+        yield embedding_response(vectors, plan, replica.spec.served_model_name or track.model)
+
     def _events(
         self,
         typed: Body,
@@ -555,6 +629,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         """Hands the outcome to the sink after this handler returns (never on the token path)."""
         if self._on_outcome is discard_outcome:
             return
+        if track.embedded is not None:
+            embedded = track.embedded
+            outcome = RequestOutcome(
+                request_id=embedded.request_id,
+                model=track.model,
+                replica_id=track.replica,
+                api=track.api,
+                stream=False,
+                status=track.status,
+                error_code=track.code,
+                finish_reason="stop" if track.status == "ok" else "",
+                prompt_tokens=embedded.prompt_tokens,
+                ttft_seconds=embedded.seconds,
+                e2e_seconds=self._clock.monotonic() - track.started,
+                request_header_id=_metadata(context, REQUEST_ID_METADATA_KEY),
+            )
+            asyncio.get_running_loop().call_soon(_deliver, self._on_outcome, outcome)
+            return
         gen = track.gen
         session = gen.session if gen else None
         outcome = RequestOutcome(
@@ -596,11 +688,7 @@ async def _steps(gen: Generation) -> AsyncIterator[Step]:
             async for step in steps:
                 yield step
         except EngineError as exc:
-            if exc.rejected:  # the client's fault: a 400, never retried, never a failure
-                raise InvalidArgumentError(
-                    f"the request was rejected by the engine: {exc}", code="invalid_request"
-                ) from exc
-            raise _engine_failed(exc) from exc
+            raise _engine_error(exc) from exc
 
 
 async def _drain(gen: Generation) -> None:
@@ -639,6 +727,42 @@ def _report_to(
         report(picker, request_id, summary)
     except Exception:
         log.exception("picker_report_failed", picker=picker, request_id=request_id)
+
+
+def _check_task(replica: LocalReplica, task: str, model: str) -> None:
+    """Refuses a request for the other task than the replica's (OpenAI answers a model used
+    on the wrong endpoint with a 400 naming `model`).
+
+    Raises:
+        InvalidArgumentError: param `model`, code `unsupported_model`.
+    """
+    try:
+        served = replica_task(replica.spec)
+    except ValueError as exc:
+        raise UnavailableError(str(exc), code="bad_replica_config") from exc
+    if served == task:
+        return
+    if task == EMBED:
+        message = (
+            f"'{model}' is not an embedding model and thus not supported in the "
+            "v1/embeddings endpoint."
+        )
+    else:
+        message = (
+            f"'{model}' is an embedding model and thus not supported in the chat and text "
+            "completion endpoints; use v1/embeddings."
+        )
+    raise InvalidArgumentError(message, param="model", code="unsupported_model")
+
+
+def _engine_error(exc: EngineError) -> InferplaneError:
+    """An engine error as the client sees it: the engine refusing the request is the
+    client's fault (a 400, never retried, never a failure); anything else `_engine_failed`."""
+    if exc.rejected:
+        return InvalidArgumentError(
+            f"the request was rejected by the engine: {exc}", code="invalid_request"
+        )
+    return _engine_failed(exc)
 
 
 def _engine_failed(exc: EngineError) -> UnavailableError:

@@ -21,6 +21,8 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.engine.api import replica_task
+from inferplane.node_agent.engine.process import check_transport_serves
 from inferplane.runtime import ConfigError, ServiceSettings
 from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
@@ -73,8 +75,9 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
     """Parses the command line (see the module docstring).
 
     Raises:
-        ConfigError: an unreadable spec file, or a child transport without its engine command
-            or address.
+        ConfigError: an unreadable spec file, a child transport without its engine command
+            or address, an unknown task, or a transport that cannot serve the spec's task
+            (embeddings on `grpc`).
         SystemExit: argparse's usage errors.
     """
     argv = list(argv)
@@ -118,6 +121,11 @@ def parse_args(argv: Sequence[str]) -> ReplicaSettings:
         raise ConfigError(
             f"--transport {args.transport} needs --engine-address and the engine command after `--`"
         )
+    try:
+        replica_task(spec)
+        check_transport_serves(spec, args.transport)
+    except ValueError as exc:
+        raise ConfigError(f"--spec-file {args.spec_file}: {exc}") from exc
     return ReplicaSettings(
         replica_id=args.replica_id,
         spec=spec,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 
@@ -34,6 +35,11 @@ class _NoEngine:
     ) -> AsyncIterator[EngineOutput]:
         raise EngineError("the engine is not started", retryable=True)
 
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        raise EngineError("the engine is not started", retryable=True)
+
     async def abort(self, request_id: str) -> None:
         return None
 
@@ -54,6 +60,7 @@ class TrackedEngine:
         self._on_failure = on_failure
         self._active: set[str] = set()
         self._shut: set[str] = set()
+        self._embeddings: dict[str, asyncio.Future[list[array[float]]]] = {}
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -72,13 +79,39 @@ class TrackedEngine:
             self._active.discard(request_id)
             self._shut.discard(request_id)
 
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """The inner engine's `embed`, run as a task `abort_all` can cancel (cancelling aborts
+        it in the engine); a request cut short that way raises EngineError."""
+        task = asyncio.ensure_future(self.inner.embed(request_id, inputs, dimensions=dimensions))
+        self._embeddings[request_id] = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if request_id in self._shut and not (current and current.cancelling()):
+                raise EngineError(
+                    "the replica shut down before the request finished", retryable=True
+                ) from None
+            raise
+        except EngineError:
+            self._on_failure()
+            raise
+        finally:
+            del self._embeddings[request_id]
+            self._shut.discard(request_id)
+
     async def abort_all(self) -> int:
         """Aborts every request in flight; returns how many."""
         ids = list(self._active)
         self._shut.update(ids)
         for request_id in ids:
             await self.inner.abort(request_id)
-        return len(ids)
+        for request_id, task in list(self._embeddings.items()):
+            self._shut.add(request_id)
+            task.cancel()
+        return len(ids) + len(self._embeddings)
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)

@@ -1,5 +1,7 @@
 """A fake vLLM HTTP server for tests without vLLM: `GET /health`, `GET /metrics`
-(`vllm:num_requests_running`) and streaming `POST /v1/completions` with token-id prompts, in
+(`vllm:num_requests_running`), streaming `POST /v1/completions` with token-id prompts and
+`POST /v1/embeddings` with token-id inputs (base64 float32 vectors: `pipeline.fake_embedding`;
+a `dimensions` outside `matryoshka_dimensions` is a 400, as vLLM answers), in
 the shape vLLM 0.32 answers them (see `inferplane.node_agent.engine.http_client`), on a
 hand-written asyncio HTTP/1.1 server (keep-alive, chunked SSE) on loopback.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -44,6 +47,7 @@ class FakeHttpEngine:
         error_after_tokens: int = -1,
         status: int = 200,
         unhealthy: bool = False,
+        matryoshka_dimensions: tuple[int, ...] = (16, 32, 64),
     ) -> None:
         self.token_delay = token_delay
         self.cached_tokens = cached_tokens
@@ -51,6 +55,7 @@ class FakeHttpEngine:
         self.error_after_tokens = error_after_tokens
         self.status = status
         self.unhealthy = unhealthy
+        self.matryoshka_dimensions = matryoshka_dimensions
         self.requests: list[dict[str, Any]] = []
         self.aborted: list[str] = []
         self.running: set[str] = set()
@@ -101,6 +106,8 @@ class FakeHttpEngine:
                 elif method == "POST" and path == "/v1/completions":
                     if not await self._complete(reader, writer, json.loads(body)):
                         return
+                elif method == "POST" and path == "/v1/embeddings":
+                    await self._embed(writer, json.loads(body))
                 else:
                     await self._reply(writer, 404, b'{"error": {"message": "not found"}}')
         except ConnectionError:
@@ -122,6 +129,41 @@ class FakeHttpEngine:
             + body
         )
         await writer.drain()
+
+    async def _embed(self, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+        """vLLM's `/v1/embeddings` answer to token-id inputs (`encoding_format` base64,
+        float32, little-endian: what `HttpEngineClient` asks for)."""
+        from inferplane.node_agent.testing.pipeline import fake_embedding
+
+        self.requests.append(request)
+        dimensions = request.get("dimensions")
+        if self.status != 200:
+            error = {"error": {"message": "the engine is broken", "code": self.status}}
+            await self._reply(writer, self.status, json.dumps(error).encode())
+            return
+        if dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            message = f"Model only supports Matryoshka dimensions {self.matryoshka_dimensions}"
+            error = {"error": {"message": message, "code": 400}}
+            await self._reply(writer, 400, json.dumps(error).encode())
+            return
+        inputs = request["input"]
+        data = [
+            {
+                "index": i,
+                "object": "embedding",
+                "embedding": base64.b64encode(
+                    fake_embedding(ids, 64, dimensions).tobytes()
+                ).decode(),
+            }
+            for i, ids in enumerate(inputs)
+        ]
+        tokens = sum(len(ids) for ids in inputs)
+        answer = {
+            "object": "list",
+            "data": data[::-1],  # `index`, not the order, says which input a vector is
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        await self._reply(writer, 200, json.dumps(answer).encode())
 
     @staticmethod
     def _event(writer: asyncio.StreamWriter, payload: str) -> None:

@@ -1,12 +1,16 @@
 """Small hand-written fakes of the engine interface, for tests and benchmarks (no mocks).
 
 `ScriptedEngine` replays scripted `EngineOutput`s (token ids produced by a real tokenizer from
-scripted model output) and records what the pipeline asked of it, aborts included.
+scripted model output) and records what the pipeline asked of it, aborts included; its `embed`
+returns `fake_embedding`s (deterministic unit vectors, cut to `dimensions` as a Matryoshka
+pooler does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -17,7 +21,7 @@ import grpc
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
+from inferplane.node_agent.engine.api import EMBED, EngineError, EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
 from inferplane.runtime import ErrorInterceptor, UnavailableError
 from inferplane.testing.clock import FakeClock
@@ -75,19 +79,37 @@ def script(
     return outputs
 
 
+def fake_embedding(
+    token_ids: Sequence[int], size: int = 64, dimensions: int | None = None
+) -> array[float]:
+    """A deterministic float32 unit vector for one input (different ids, different vectors):
+    component k is `sin((k + 1) * (1 + Σ (i + 1) · id_i))`, cut to the first `dimensions`
+    values when given, then L2-normalised (the order of vLLM's embedding pooler)."""
+    seed = 1 + sum((i + 1) * t for i, t in enumerate(token_ids))
+    values = [math.sin((k + 1) * seed * 0.001) for k in range(size)][: dimensions or size]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return array("f", (v / norm for v in values))
+
+
 class ScriptedEngine:
     """An `EngineClient` that replays `outputs` for every request.
 
     Args:
         outputs: the increments to stream.
-        fail_at: raise `EngineError` instead of streaming the increment at this index.
+        fail_at: raise `EngineError` instead of streaming the increment at this index
+            (`embed`: 0 fails it).
         rejects: that error is the engine refusing the request (`EngineError.rejected`).
-        block_at: wait forever before this index (until cancelled): a slow engine.
-        delay: seconds to sleep before each increment (0 still yields to the loop).
+        block_at: wait forever before this index (until cancelled): a slow engine
+            (`embed`: 0 blocks it).
+        delay: seconds to sleep before each increment (and before an `embed` answers; 0
+            still yields to the loop).
+        embedding_size: the length of `embed`'s vectors (`fake_embedding`).
 
     Attributes:
         requests: `(request_id, prompt_ids, params)` of every `generate` call.
-        cancelled: request ids whose iteration was cancelled or closed before finishing.
+        embeddings: `(request_id, inputs, dimensions)` of every `embed` call.
+        cancelled: request ids whose iteration (or `embed`) was cancelled or closed before
+            finishing.
         aborted: request ids passed to `abort`.
     """
 
@@ -99,13 +121,16 @@ class ScriptedEngine:
         rejects: bool = False,
         block_at: int | None = None,
         delay: float = 0.0,
+        embedding_size: int = 64,
     ) -> None:
         self._outputs = outputs
         self._fail_at = fail_at
         self._rejects = rejects
         self._block_at = block_at
         self._delay = delay
+        self.embedding_size = embedding_size
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.embeddings: list[tuple[str, list[list[int]], int | None]] = []
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
         self.blocked = asyncio.Event()
@@ -133,6 +158,24 @@ class ScriptedEngine:
         finally:
             if not done:
                 self.cancelled.append(request_id)
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        self.embeddings.append((request_id, [list(ids) for ids in inputs], dimensions))
+        if self._fail_at == 0:
+            if self._rejects:
+                raise EngineError("dimensions not supported", rejected=True)
+            raise EngineError("engine process died", retryable=True)
+        try:
+            if self._block_at == 0:
+                self.blocked.set()
+                await asyncio.Event().wait()
+            await asyncio.sleep(self._delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+        return [fake_embedding(ids, self.embedding_size, dimensions) for ids in inputs]
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -272,6 +315,27 @@ def kimi_tiny_ids(text: str) -> list[int]:
     return list(kimi_tiny_assets().backend.encode(text, add_special_tokens=False).ids)
 
 
+def embed_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
+    """A replica spec for models/embed-tiny with task `embed` (512-token context, no parser):
+    a fresh copy on every call, the caller's to change."""
+    from inferplane.testing import embed_tiny
+
+    return nodeagent_pb2.ReplicaSpec(
+        deployment=embed_tiny.SERVED_MODEL_NAME,
+        served_model_name=embed_tiny.SERVED_MODEL_NAME,
+        model_source=str(embed_tiny.model_path()),
+        max_model_len=embed_tiny.MAX_MODEL_LEN,
+        task=EMBED,
+        revision="rev-1",
+    )
+
+
+@cache
+def embed_tiny_assets() -> ModelAssets:
+    """The embedding fixture's real assets (tokenizer, Matryoshka sizes), loaded once."""
+    return load_model_assets(embed_tiny_spec())
+
+
 def run_scenario(
     engine: ScriptedEngine,
     body: Callable[[inference_pb2_grpc.InferenceServiceStub], Awaitable[None]],
@@ -280,12 +344,15 @@ def run_scenario(
     **servicer_options: Any,
 ) -> None:
     """Serves the fixture model on one replica ("r1", or `replicas`) whose engine is `engine`,
-    runs `body` with a client stub, then lets scheduled outcome deliveries run."""
+    runs `body` with a client stub, then lets scheduled outcome deliveries run. Replicas of
+    `embed_tiny_spec()` get the embedding fixture's assets."""
     from inferplane.node_agent.pipeline.servicer import InferenceServicer
 
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
     replicas = replicas or [FakeReplica("r1", kimi_tiny_spec(), engine)]
+    if any(r.spec.task == EMBED for r in replicas):
+        assets.put(embed_tiny_assets(), None)
     servicer_options.setdefault("clock", TickingClock())
     servicer = InferenceServicer(FakeDirectory(replicas), assets, **servicer_options)
 

@@ -158,7 +158,10 @@ def _validate_profile(deployment: Deployment) -> None:
             + ", ".join(KV_CACHE_DTYPE_BYTES),
             "profile.kv_cache_dtype",
         )
-    for field in ("parameter_count", "num_layers", "num_kv_heads", "head_dim"):
+    # An embedding model keeps no KV cache between steps: its geometry may be left out (then
+    # placement sizes its weights and overheads alone, the small footprint).
+    geometry = () if p.embeds else ("num_layers", "num_kv_heads", "head_dim")
+    for field in ("parameter_count", *geometry):
         if getattr(p, field) <= 0:
             raise _fail(
                 f"profile.{field} must be positive: placement sizes memory from it",

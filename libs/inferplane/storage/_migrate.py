@@ -32,6 +32,7 @@ from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine, MetaData, create_engine, event, text
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 from sqlalchemy.types import TypeDecorator
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from inferplane.runtime import FailedPreconditionError
 
@@ -215,8 +216,24 @@ def _migration_engine(engine: Engine) -> Engine:
 def _sqlite_autocommit_driver(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
     dbapi_connection.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")  # as the stores' connections: readers never wait
-    cursor.close()
+    try:
+        # As the stores' connections: readers never wait. Switching a database to WAL needs an
+        # exclusive lock, and SQLite answers "database is locked" at once (no busy wait) while
+        # another process migrates under BEGIN IMMEDIATE: wait for that lock like the others.
+        for attempt in Retrying(
+            retry=retry_if_exception(_sqlite_locked),
+            wait=wait_exponential(multiplier=0.01, max=0.5),
+            stop=stop_after_delay(LOCK_WAIT_SECONDS),
+            reraise=True,
+        ):
+            with attempt:
+                cursor.execute("PRAGMA journal_mode=WAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_locked(exc: BaseException) -> bool:
+    return "database is locked" in str(exc)
 
 
 def _sqlite_begin_immediate(conn: Connection) -> None:

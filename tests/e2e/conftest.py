@@ -1,7 +1,6 @@
 """One real stack per test session: Envoy (configured over ADS), auth, router, orchestrator,
-telemetry, a node-agent, the kimi-tiny deployment (one vLLM CPU replica started by the
-orchestrator) and the embed-tiny embedding deployment, on free loopback ports in a temporary
-data directory."""
+telemetry, a node-agent and the kimi-tiny deployment (one vLLM CPU replica started by the
+orchestrator), on free loopback ports in a temporary data directory."""
 
 from __future__ import annotations
 
@@ -16,7 +15,9 @@ from inferplane.cli._stack import Stack, StackConfig
 from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
-OWN_STACK_MODULES = frozenset({"test_two_replicas.py", "test_chaos.py", "test_edge_tls.py"})
+OWN_STACK_MODULES = frozenset(
+    {"test_two_replicas.py", "test_chaos.py", "test_edge_tls.py", "test_embeddings.py"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,7 +42,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
         # The suite runs on each engine transport (scripts/test.sh runs it a second time).
         transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "inproc"),
-        embeddings=True,
     )
     stack = Stack(config)
     stack.start(print)

@@ -1,20 +1,56 @@
 """Embeddings end to end (issue 19): the official `openai` client through the edge (mTLS
 services, ext_authz, the endpoint picker) to the embed-tiny replica (vLLM's pooling runner in
-the replica process), served beside kimi-tiny and routed by `model`."""
+the replica process), served beside kimi-tiny and routed by `model`. The module has its own
+stack (both models), gone before the session's stack starts: an idle CPU engine still costs
+CPU, and the other end-to-end tests need both cores."""
 
 from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack
+from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack, StackConfig
+from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.testing import embed_tiny
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def embed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp("embed-stack"),
+        http_port=free_port(),
+        grpc_base_port=free_port_run(5),
+        metrics_base_port=free_port_run(5),
+        envoy_admin_port=free_port(),
+        startup_timeout_seconds=420,
+        embeddings=True,
+    )
+    stack = Stack(config)
+    stack.start(print)
+    try:
+        yield stack
+    finally:
+        stack.stop(print)
+
+
+@pytest.fixture(scope="module")
+def embed_key(embed_stack: Stack) -> str:
+    return embed_stack.create_api_key("e2e-embeddings")
+
+
+@pytest.fixture(scope="module")
+def client(embed_stack: Stack, embed_key: str) -> openai.OpenAI:
+    """The module's own client (shadows the session's): the embeddings stack's edge."""
+    return openai.OpenAI(
+        base_url=embed_stack.config.base_url, api_key=embed_key, max_retries=0, timeout=120
+    )
 
 
 def test_models_lists_the_chat_and_the_embedding_model(client: openai.OpenAI) -> None:
@@ -47,12 +83,12 @@ def test_embeddings_match_the_reference_in_input_order(client: openai.OpenAI) ->
     )
 
 
-def test_float_and_base64_formats_and_dimensions(stack: Stack, api_key: str) -> None:
+def test_float_and_base64_formats_and_dimensions(embed_stack: Stack, embed_key: str) -> None:
     """Raw HTTP: `float` is a list of numbers, `base64` little-endian float32 of the same
     values; `dimensions` 16 gives 16 values of unit length; an unsupported size is a 400
     naming `dimensions`."""
-    url = f"{stack.config.base_url}/embeddings"
-    headers = {"authorization": f"Bearer {api_key}"}
+    url = f"{embed_stack.config.base_url}/embeddings"
+    headers = {"authorization": f"Bearer {embed_key}"}
     body = {"model": EMBED_MODEL_NAME, "input": "hello"}
     floats = httpx.post(url, json={**body, "encoding_format": "float"}, headers=headers).json()
     vector = floats["data"][0]["embedding"]

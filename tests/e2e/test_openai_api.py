@@ -463,9 +463,10 @@ def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb
         try:
             replica = stack.replica(replica_id)
         except grpc.RpcError as exc:
-            # A transport error while the node-agent handles the death is retried; a node-agent
-            # that stays unreachable fails on the deadline.
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            # A transport error, or a slow answer on the busy box, while the node-agent handles
+            # the death is retried; a node-agent that stays unreachable fails on the deadline.
+            transient = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert exc.code() in transient, exc
             assert time.monotonic() < deadline, f"the node-agent did not answer: {exc}"
             time.sleep(1)
             continue

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from inferplane.cli._stack import Stack, StackConfig
+from inferplane.cli._stack import Stack, StackConfig, running_stack
 from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
@@ -27,28 +28,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in OWN_STACK_MODULES)
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    data_dir: Path = tmp_path_factory.mktemp("stack")
-    config = StackConfig(
+def local_config(data_dir: Path, **overrides: Any) -> StackConfig:
+    """A stack in `data_dir` on free loopback ports; `overrides` are other StackConfig fields.
+    Start-up may take 420 s: a rollout or a second engine starts beside a loaded one on two
+    shared cores."""
+    values: dict[str, Any] = {"startup_timeout_seconds": 420, **overrides}
+    return StackConfig(
         data_dir=data_dir,
         http_port=free_port(),
         grpc_base_port=free_port_run(5),
         metrics_base_port=free_port_run(5),
         envoy_admin_port=free_port(),
-        # A rollout starts a second engine beside a loaded one on two shared cores.
-        startup_timeout_seconds=420,
-        # No engine_env: the node-agent binds the engine as `inferplane up` does (its
-        # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
-        # The suite runs on each engine transport (scripts/test.sh runs it a second time).
+        **values,
+    )
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # No engine_env: the node-agent binds the engine as `inferplane up` does (its
+    # CpuCorePool: the free core to the first replica, a rollout's surge replica unbound).
+    # The suite runs on each engine transport (scripts/test.sh runs it a second time).
+    config = local_config(
+        tmp_path_factory.mktemp("stack"),
         transport=os.environ.get("INFERPLANE_E2E_TRANSPORT", "inproc"),
     )
-    stack = Stack(config)
-    stack.start(print)
-    try:
-        yield stack
-    finally:
-        stack.stop(print)
+    with running_stack(config, print) as started:
+        yield started
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from inferplane.cli._stack import Stack
+from inferplane.cli._stack import Stack, running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -56,12 +56,8 @@ def chaos_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         os.environ.get("INFERPLANE_E2E_TRANSPORT", "inproc"),
         {},
     )
-    stack = Stack(config)
-    stack.start(print)
-    try:
+    with running_stack(config, print) as stack:
         yield stack
-    finally:
-        stack.stop(print)
 
 
 @pytest.fixture(scope="module")

@@ -16,31 +16,21 @@ import httpx
 import openai
 import pytest
 
-from inferplane.cli._stack import Stack, StackConfig
+from inferplane.cli._stack import Stack, running_stack
 from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.testing import kimi_tiny
+
+from .conftest import local_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    config = StackConfig(
-        data_dir=tmp_path_factory.mktemp("tls-stack"),
-        http_port=free_port(),
-        grpc_base_port=free_port_run(5),
-        metrics_base_port=free_port_run(5),
-        envoy_admin_port=free_port(),
-        startup_timeout_seconds=420,
-        tls=True,
-    )
-    stack = Stack(config)
-    stack.start(print)
-    try:
+    with running_stack(
+        local_config(tmp_path_factory.mktemp("tls-stack"), tls=True), print
+    ) as stack:
         yield stack
-    finally:
-        stack.stop(print)
 
 
 def test_openai_client_streams_over_https_trusting_the_local_ca(tls_stack: Stack) -> None:

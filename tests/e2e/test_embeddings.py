@@ -14,30 +14,19 @@ import httpx
 import openai
 import pytest
 
-from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack, StackConfig
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack, running_stack
 from inferplane.testing import embed_tiny
+
+from .conftest import local_config
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def embed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    config = StackConfig(
-        data_dir=tmp_path_factory.mktemp("embed-stack"),
-        http_port=free_port(),
-        grpc_base_port=free_port_run(5),
-        metrics_base_port=free_port_run(5),
-        envoy_admin_port=free_port(),
-        startup_timeout_seconds=420,
-        embeddings=True,
-    )
-    stack = Stack(config)
-    stack.start(print)
-    try:
+    config = local_config(tmp_path_factory.mktemp("embed-stack"), embeddings=True)
+    with running_stack(config, print) as stack:
         yield stack
-    finally:
-        stack.stop(print)
 
 
 @pytest.fixture(scope="module")

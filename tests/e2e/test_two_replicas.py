@@ -39,11 +39,10 @@ import openai
 import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.cli._stack import MODEL_NAME, Stack, running_stack
 from inferplane.testing import kimi_tiny
 
-from .conftest import engine_core_pid
+from .conftest import engine_core_pid, local_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -63,12 +62,8 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # A private copy: the engines must not see the fixture model change under them.
     model = data_dir / "kimi-tiny"
     shutil.copytree(kimi_tiny.model_path(), model)
-    config = StackConfig(
-        data_dir=data_dir,
-        http_port=free_port(),
-        grpc_base_port=free_port_run(5),
-        metrics_base_port=free_port_run(5),
-        envoy_admin_port=free_port(),
+    config = local_config(
+        data_dir,
         model_path=model,
         # Two engines start side by side on two shared cores.
         startup_timeout_seconds=900,
@@ -84,12 +79,8 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "auth": ("--rate-window-seconds", str(RATE_WINDOW_S)),
         },
     )
-    stack = Stack(config)
-    stack.start(print)
-    try:
+    with running_stack(config, print) as stack:
         yield stack
-    finally:
-        stack.stop(print)
 
 
 @pytest.fixture(scope="module")

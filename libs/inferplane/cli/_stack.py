@@ -54,6 +54,7 @@ from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, ren
 from inferplane.runtime import ConfigError
 from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.ports import free_port, port_is_free
 from inferplane.testing import embed_tiny, kimi_tiny
 
 Progress = Callable[[str], None]
@@ -587,6 +588,12 @@ class Stack:
 
     def _start_edge(self, progress: Progress) -> None:
         cfg = self.config
+        if not port_is_free(cfg.envoy_admin_port):
+            # Drawn when the stack was configured, minutes ago; a replica's or an engine's port
+            # drawn from the same range since may hold it. Only the stack uses Envoy's admin
+            # port (the orchestrator never sees it): draw another rather than fail.
+            self.config = cfg = dataclasses.replace(cfg, envoy_admin_port=free_port())
+            progress(f"Envoy's admin port was taken meanwhile; using {cfg.envoy_admin_port}")
         progress("starting the Envoy edge (configured by the orchestrator over ADS)")
         self.edge = EnvoyProcess(
             render_ads_bootstrap(

@@ -28,6 +28,11 @@ def ephemeral_range() -> tuple[int, int]:
         return _EPHEMERAL_DEFAULT
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `host:port` right now (it can be bound)."""
+    return _is_free(port, host)
+
+
 def _is_free(port: int, host: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:

@@ -14,6 +14,7 @@ import re
 import signal
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -105,7 +106,9 @@ def test_streaming_chat_arrives_chunk_by_chunk_and_ends_with_done(
     )
     assert content == kimi_tiny.NO_TOOL.content
     assert reasoning == kimi_tiny.NO_TOOL.reasoning
-    assert len(chunks) >= 3  # the role chunk, the answer, the finish
+    # the role chunk on its own, then the answer and the finish (merged into one chunk when the
+    # node-agent read every engine increment at once)
+    assert len(chunks) >= 2
     assert len(arrivals) >= 2 and b"[DONE]" not in pieces[0], "the stream was buffered"
     assert arrivals[-1] > arrivals[0]
 
@@ -114,7 +117,8 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_answer(client: openai.
     """vLLM's `stream_interval` extension through the edge (the openai client's extra_body):
     the engine and the node-agent merge tokens, so the same greedy answer arrives in far fewer
     chunks: the first token at once, then one chunk per 8 tokens at most (a loaded node-agent
-    may merge more, on either stream, so the bound is on the merged stream's own tokens)."""
+    may merge more, on either stream, so the bound is on the merged stream's own tokens). The
+    answer is 96 tokens (ignore_eos), far more than the bound's 16 chunks."""
     case = kimi_tiny.NO_TOOL
 
     def stream(**extra: object) -> list[Any]:
@@ -124,25 +128,34 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_answer(client: openai.
                 model=request["model"],
                 messages=request["messages"],
                 temperature=0,
+                max_tokens=96,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"chat_template_kwargs": request["chat_template_kwargs"], **extra},
+                extra_body={
+                    "chat_template_kwargs": request["chat_template_kwargs"],
+                    "ignore_eos": True,
+                    **extra,
+                },
             )
         )
 
-    every, merged = stream(), stream(stream_interval=8)
-    for chunks in (every, merged):
+    def text(chunks: list[Any]) -> tuple[str, str]:
         deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join(d.content or "" for d in deltas) == case.content
+        content = "".join(d.content or "" for d in deltas)
         reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
-        assert reasoning == case.reasoning
+        return reasoning, content
+
+    every, merged = stream(), stream(stream_interval=8)
+    assert text(merged) == text(every)  # greedy: the same answer however it is chunked
+    assert every[-1].usage.completion_tokens == merged[-1].usage.completion_tokens == 96
     tokens = merged[-1].usage.completion_tokens
-    every_chunks = [c for c in every if c.choices]
     merged_chunks = [c for c in merged if c.choices]
     # role, the first token at once, one per 8 tokens after it, the reasoning/content split
-    # and the finish_reason chunk at most
+    # and the finish_reason chunk at most: 16 chunks for 96 tokens, where the stream without
+    # the option sends up to one per token (how many fewer depends on load: a replica process
+    # starved of CPU reads several engine increments at once and merges them, by design, so
+    # that count is not asserted; one run on a box under two busy loops got 3)
     assert len(merged_chunks) <= math.ceil((tokens - 1) / 8) + 4, (len(merged_chunks), tokens)
-    assert len(merged_chunks) < len(every_chunks), (len(merged_chunks), len(every_chunks))
 
 
 def test_tool_call_is_structured(client: openai.OpenAI) -> None:
@@ -455,6 +468,26 @@ def test_client_disconnect_aborts_the_engine_request(stack: Stack, client: opena
     )
 
 
+def _restart_diagnosis(stack: Stack, replica: nodeagent_pb2.Replica, lines: int = 40) -> str:
+    """Why a replica was not restarted in time, for the failure message: the node-agent's view
+    and the tails of its log and of the replica process's log (CI keeps only the output)."""
+
+    def tail(path: Path) -> str:
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"({exc})"
+
+    replica_id = replica.name.removeprefix("replicas/")
+    data = stack.config.data_dir
+    return (
+        f"the replica was not restarted: state {nodeagent_pb2.Replica.State.Name(replica.state)},"
+        f" restart_count {replica.restart_count}, last_error {replica.last_error!r}\n"
+        f"--- node-agent log\n{tail(data / 'logs' / 'node_agent.log')}\n"
+        f"--- replica log\n{tail(data / 'node-agent' / 'replicas' / replica_id / 'replica.log')}"
+    )
+
+
 def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb2.Replica:
     """Waits until the node-agent restarted replica `before` (READY, a higher restart count)
     and the routing table lists it again; returns its new view."""
@@ -483,7 +516,7 @@ def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb
             and replica.restart_count > before.restart_count
         ):
             break
-        assert time.monotonic() < deadline, "the replica was not restarted"
+        assert time.monotonic() < deadline, _restart_diagnosis(stack, replica)
         time.sleep(1)
     assert replica.engine_pid != before.engine_pid
     # The same replica (not a replacement) serves again once the routing table lists it.

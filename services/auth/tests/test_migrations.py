@@ -34,7 +34,7 @@ from sqlalchemy import (
     inspect,
 )
 
-from inferplane.auth import counters, sql_store
+from inferplane.auth import counters, ledger, sql_store
 from inferplane.auth.counters import SqlCounterStore
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits, SecretHasher
 from inferplane.auth.migrations import MIGRATIONS
@@ -43,10 +43,10 @@ from inferplane.storage import schema_differences
 from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-HEAD = "0001"
+HEAD = "0002"
 PEPPER = "pepper-for-the-migration-tests"
 SECRET = "ip-" + "a" * 43
-METADATA = [sql_store.METADATA, counters.METADATA]
+METADATA = [sql_store.METADATA, counters.METADATA, ledger.METADATA]
 
 
 def previous_schema(*, with_counters: bool) -> MetaData:
@@ -198,6 +198,8 @@ def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
             "api_key_audit_log",
             "rate_counters",
             "concurrency_leases",
+            "usage_ledger",
+            "usage_monthly",
             MIGRATIONS.version_table,
         }
     finally:

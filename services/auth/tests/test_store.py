@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inferplane.auth import counters, ledger
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits
 from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.sql_store import SqlApiKeyStore, _Base
@@ -31,7 +32,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlApiKeyS
     else:
         if not POSTGRES_URL:
             pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the store tests on PostgreSQL")
-        drop_schema(POSTGRES_URL, MIGRATIONS, [_Base.metadata])
+        # Every auth table (other tests share the server's database), so it migrates afresh.
+        drop_schema(POSTGRES_URL, MIGRATIONS, [_Base.metadata, counters.METADATA, ledger.METADATA])
         s = SqlApiKeyStore(POSTGRES_URL)
     s.create_schema()
     s.create_schema()  # idempotent

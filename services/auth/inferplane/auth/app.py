@@ -16,13 +16,19 @@ from inferplane.api.auth.v1 import auth_pb2_grpc, usage_pb2_grpc
 from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import SecretHasher
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
+from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter
 from inferplane.auth.servicer import ApiKeyService, Authorization
 from inferplane.auth.settings import AuthSettings, resolve_pepper
 from inferplane.auth.slots import SlotReleaseService
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ApiKeyStore
-from inferplane.auth.usage import InternalCallerGuard, UsageMetrics, UsageService
+from inferplane.auth.usage import (
+    InternalCallerGuard,
+    UsageLedgerService,
+    UsageMetrics,
+    UsageService,
+)
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
 from inferplane.runtime.clock import Clock, SystemClock
@@ -43,6 +49,7 @@ class AuthComponents:
     manager: ApiKeyManager
     counters: CounterStore | None = None
     limiter: RateLimiter | None = None
+    ledger: SqlUsageLedger | None = None
     registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
     _usage: UsageService | None = None
     _slots: SlotReleaseService | None = None
@@ -94,6 +101,8 @@ class AuthComponents:
             await asyncio.to_thread(self.store.close)
             if self.counters is not None:
                 await asyncio.to_thread(self.counters.close)
+            if self.ledger is not None:
+                await asyncio.to_thread(self.ledger.close)
 
     def usage_service(self) -> UsageService | None:
         """The UsageService servicer (one per components; None without a rate limiter)."""
@@ -102,8 +111,15 @@ class AuthComponents:
                 self.limiter,
                 InternalCallerGuard(self.settings.internal_token),
                 UsageMetrics(self.registry),
+                ledger=self.ledger,
+                tenant_of=self._tenant_of,
+                clock=self.clock,
             )
         return self._usage
+
+    def _tenant_of(self, key_id: str) -> str:
+        key = self.store.get(key_id)
+        return key.tenant if key is not None else ""
 
     def slot_service(self) -> SlotReleaseService | None:
         """The edge's access-log receiver releasing slots (None without a rate limiter)."""
@@ -129,6 +145,8 @@ class AuthComponents:
                     "/inferplane.auth.v1.ApiKeyService/": [EDGE, ADMIN],
                     # Token usage from the routers.
                     "/inferplane.auth.v1.UsageService/": [ROUTER],
+                    # The usage ledger: the edge's /v1/admin/usage, or an operator's CLI.
+                    "/inferplane.auth.v1.UsageLedgerService/": [EDGE, ADMIN],
                 }
             ),
             servicers=[
@@ -146,6 +164,17 @@ class AuthComponents:
                     "envoy.service.auth.v3.Authorization",
                     Authorization(self.verifier, self.limiter),
                     external_auth_pb2_grpc.add_AuthorizationServicer_to_server,
+                ),
+                *(
+                    [
+                        ServicerBinding(
+                            "inferplane.auth.v1.UsageLedgerService",
+                            UsageLedgerService(self.ledger),
+                            usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
+                        )
+                    ]
+                    if self.ledger is not None
+                    else []
                 ),
                 *(
                     [
@@ -199,13 +228,18 @@ def build_components(
     )
     manager = ApiKeyManager(store, hasher, verifier, clock)
     counters = counter_store(settings)
+    # The ledger lives in the auth database (its migrations are the store's).
+    ledger = SqlUsageLedger(_database_url(settings))
     limiter = RateLimiter(
         counters,
         clock,
         window_seconds=settings.rate_window_seconds,
         lease_seconds=settings.concurrency_lease_seconds,
+        monthly_tokens=ledger.month_tokens,
     )
-    return AuthComponents(settings, clock, store, verifier, last_used, manager, counters, limiter)
+    return AuthComponents(
+        settings, clock, store, verifier, last_used, manager, counters, limiter, ledger
+    )
 
 
 def counter_store(settings: AuthSettings) -> CounterStore:

@@ -55,6 +55,9 @@ class Limits:
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     max_concurrent_requests: int = 0
+    # Prompt + completion tokens per calendar month (UTC), from the usage ledger
+    # (`inferplane.auth.ledger`); enforced in Check like the per-minute limits.
+    monthly_token_budget: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

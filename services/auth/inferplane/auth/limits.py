@@ -18,10 +18,12 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 from inferplane.auth.counters import KIND_REQUESTS, KIND_TOKENS, AdmitOutcome, CounterStore
 from inferplane.auth.domain import Limits
+from inferplane.auth.ledger import month_end
 from inferplane.runtime.clock import Clock
 
 T = TypeVar("T")
@@ -41,7 +43,8 @@ class RateLimitDecision:
     """Check's verdict on limits.
 
     Attributes:
-        refused: None when allowed, else "requests", "tokens" or "concurrency".
+        refused: None when allowed, else "requests", "tokens", "concurrency" or "quota" (the
+            key's monthly token budget is spent).
         headers: the x-ratelimit-* headers (only for limits the key has).
         retry_after_seconds: whole seconds until a retry can succeed (refusals only).
         message: OpenAI-style explanation (refusals only).
@@ -61,7 +64,9 @@ class RateLimiter:
 
     `window_seconds` is 60 (limits are "per minute"); `lease_seconds` bounds how long a
     concurrency slot stays taken when its usage report never arrives (the router's request
-    timeout is the natural value).
+    timeout is the natural value). `monthly_tokens(key_id, now)` (blocking: the usage
+    ledger's `month_tokens`) gives the tokens a key used this calendar month, for keys with a
+    `monthly_token_budget`; without it budgets are not enforced.
     """
 
     def __init__(
@@ -71,11 +76,13 @@ class RateLimiter:
         *,
         window_seconds: int = 60,
         lease_seconds: float = 600.0,
+        monthly_tokens: Callable[[str, datetime], int] | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
         self._window = window_seconds
         self._lease = lease_seconds
+        self._monthly_tokens = monthly_tokens
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._store.blocking:
@@ -91,8 +98,13 @@ class RateLimiter:
         """Counts one request of `key_id` if its limits allow it now.
 
         Raises:
-            UnavailableError: the counter store is unreachable (the edge answers 503).
+            UnavailableError: the counter store or the ledger is unreachable (the edge
+                answers 503).
         """
+        if limits.monthly_token_budget and self._monthly_tokens is not None:
+            spent = await self._budget_refusal(key_id, limits.monthly_token_budget)
+            if spent is not None:
+                return spent
         if not (
             limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent_requests
         ):
@@ -109,6 +121,24 @@ class RateLimiter:
             headers,
             1 if outcome.refused == "concurrency" else max(1, math.ceil(reset)),
             self._message(limits, outcome, reset),
+        )
+
+    async def _budget_refusal(self, key_id: str, budget: int) -> RateLimitDecision | None:
+        """The refusal of a key whose month's tokens reached `budget`, else None. Checked
+        before the counters so a refused request takes no slot and counts no request."""
+        assert self._monthly_tokens is not None
+        now = self._clock.now()
+        used = await asyncio.to_thread(self._monthly_tokens, key_id, now)
+        if used < budget:
+            return None
+        reset = month_end(now)
+        return RateLimitDecision(
+            "quota",
+            (),
+            max(1, math.ceil((reset - now).total_seconds())),
+            f"You exceeded your current quota: this API key's monthly token budget is "
+            f"{budget} tokens and {used} were used this month; it resets at "
+            f"{reset.strftime('%Y-%m-%dT%H:%M:%SZ')}.",
         )
 
     async def record_usage(self, key_id: str, request_id: str, total_tokens: int) -> None:

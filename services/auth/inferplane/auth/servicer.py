@@ -69,7 +69,12 @@ _STATE = {
 _OUTPUT_ONLY = frozenset(
     {"name", "key_prefix", "state", "create_time", "update_time", "last_used_time", "revoke_time"}
 )
-_LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+_LIMIT_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "monthly_token_budget",
+)
 MISSING_KEY_MESSAGE = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
@@ -131,6 +136,7 @@ def key_to_proto(key: ApiKey, now: datetime) -> auth_pb2.ApiKey:
             requests_per_minute=key.limits.requests_per_minute,
             tokens_per_minute=key.limits.tokens_per_minute,
             max_concurrent_requests=key.limits.max_concurrent_requests,
+            monthly_token_budget=key.limits.monthly_token_budget,
         ),
         key_prefix=key.key_prefix,
         state=_STATE[key.state(now)],
@@ -161,6 +167,7 @@ def spec_from_proto(msg: auth_pb2.ApiKey) -> KeySpec:
             msg.limits.requests_per_minute,
             msg.limits.tokens_per_minute,
             msg.limits.max_concurrent_requests,
+            msg.limits.monthly_token_budget,
         ),
         tier=msg.tier,
     )
@@ -392,16 +399,15 @@ def denied(http_status: int, message: str, code: str) -> external_auth_pb2.Check
 
 
 def rate_limited(decision: RateLimitDecision) -> external_auth_pb2.CheckResponse:
-    """A 429 Envoy sends as is: OpenAI's body, `retry-after` and the x-ratelimit-* headers."""
-    kind = "tokens" if decision.refused == "tokens" else "requests"
-    body = {
-        "error": {
-            "message": decision.message,
-            "type": kind,
-            "param": None,
-            "code": "rate_limit_exceeded",
-        }
-    }
+    """A 429 Envoy sends as is: OpenAI's body, `retry-after` and the x-ratelimit-* headers.
+    A spent monthly budget is OpenAI's `insufficient_quota` (type and code), any other limit
+    `rate_limit_exceeded`."""
+    if decision.refused == "quota":
+        kind = code = "insufficient_quota"
+    else:
+        kind = "tokens" if decision.refused == "tokens" else "requests"
+        code = "rate_limit_exceeded"
+    body = {"error": {"message": decision.message, "type": kind, "param": None, "code": code}}
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=decision.message),
         denied_response=external_auth_pb2.DeniedHttpResponse(

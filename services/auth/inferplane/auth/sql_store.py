@@ -13,6 +13,7 @@ from datetime import datetime
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Engine,
     Index,
@@ -51,6 +52,9 @@ class _KeyRow(_Base):
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=0)
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=0)
     max_concurrent_requests: Mapped[int] = mapped_column(Integer, default=0)
+    monthly_token_budget: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), default=0
+    )
     tier: Mapped[str] = mapped_column(String(32))
     key_prefix: Mapped[str] = mapped_column(String(16))
     secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
@@ -89,7 +93,12 @@ def _to_domain(row: _KeyRow) -> ApiKey:
         scopes=tuple(row.scopes),
         allowed_models=tuple(row.allowed_models),
         expire_time=row.expire_time,
-        limits=Limits(row.requests_per_minute, row.tokens_per_minute, row.max_concurrent_requests),
+        limits=Limits(
+            row.requests_per_minute,
+            row.tokens_per_minute,
+            row.max_concurrent_requests,
+            row.monthly_token_budget,
+        ),
         tier=row.tier,
         key_prefix=row.key_prefix,
         secret_hash=row.secret_hash,
@@ -113,6 +122,7 @@ def _fill_row(row: _KeyRow, key: ApiKey, *, with_last_used: bool = True) -> None
     row.requests_per_minute = key.limits.requests_per_minute
     row.tokens_per_minute = key.limits.tokens_per_minute
     row.max_concurrent_requests = key.limits.max_concurrent_requests
+    row.monthly_token_budget = key.limits.monthly_token_budget
     row.tier = key.tier
     row.key_prefix = key.key_prefix
     row.secret_hash = key.secret_hash

@@ -11,18 +11,24 @@ concurrent-request slot (`RateLimiter.record_usage`). Who may call:
   `/inferplane.auth.v1.UsageService/ReportUsage` through it matches no route.
 
 A forged report could erase a tenant's token usage or free its concurrency slots, hence the
-guard. Delivery is at-least-once (the router re-sends a batch whose call failed); a bounded
-memory of recently accounted (key_id, request_id) pairs keeps a re-sent batch from counting
-twice on this instance (another instance behind a balancer could count a re-send once more:
-an over-count of one batch, never an under-count).
+guard. Delivery is at-least-once (the router re-sends a batch whose call failed). With the
+usage ledger (`inferplane.auth.ledger`, always wired by the service), each batch is first
+written to the ledger in one transaction, idempotently by request id, and only the requests
+written now have their tokens accounted to the rate windows: a re-sent batch counts nothing
+twice, whichever auth instance it reaches, and the response (which makes the router forget
+the batch) comes only after the rows are committed. Without a ledger (unit tests), a bounded
+memory of recently accounted (key_id, request_id) pairs does the same on one instance.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hmac
 import ipaddress
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -30,8 +36,10 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 
 from inferplane.api.auth.v1 import usage_pb2, usage_pb2_grpc
+from inferplane.auth.ledger import STATUSES, LedgerRow, SqlUsageLedger, UsageQuery
 from inferplane.auth.limits import RateLimiter
-from inferplane.runtime import PermissionDeniedError, UnauthenticatedError
+from inferplane.runtime import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from inferplane.runtime.clock import Clock, SystemClock
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -126,12 +134,45 @@ class UsageMetrics:
             self.requests.labels(outcome)
 
 
+def ledger_row(usage: usage_pb2.RequestUsage, tenant: str, now: datetime) -> LedgerRow:
+    """The ledger row of one reported request (`now`: its end time when the report has
+    none). A report without a request id (never sent by the router, which always has the
+    edge's `x-request-id`) gets a fresh id: it is kept, but a re-send of it cannot be
+    recognised. An unknown status reads as "failed"."""
+    status = usage.status or "completed"
+    return LedgerRow(
+        request_id=usage.request_id or f"unidentified-{uuid.uuid4().hex}",
+        key_id=usage.key_id,
+        tenant=tenant,
+        model=usage.model,
+        end_time=usage.end_time.ToDatetime(UTC) if usage.HasField("end_time") else now,
+        deployment=usage.deployment,
+        replica=usage.replica,
+        status=status if status in STATUSES else "failed",
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        ttft_seconds=max(0.0, usage.ttft_seconds),
+        duration_seconds=max(0.0, usage.duration_seconds),
+        gpu_seconds=max(0.0, usage.gpu_seconds),
+        start_time=usage.start_time.ToDatetime(UTC) if usage.HasField("start_time") else None,
+    )
+
+
 class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
-    """inferplane.auth.v1.UsageService: accounts finished requests against their keys' limits.
+    """inferplane.auth.v1.UsageService: writes finished requests to the usage ledger and
+    accounts them against their keys' limits.
 
     Entries without a key_id are skipped (counted as invalid), not failed: one bad entry must
-    not make the sender drop the whole batch. A counter-store outage raises UNAVAILABLE; the
-    entries already accounted are remembered, so the sender's re-send counts only the rest.
+    not make the sender drop the whole batch. A ledger or counter-store outage raises
+    UNAVAILABLE and the router re-sends the batch: the ledger skips what it already has, so
+    only the rest is written and accounted.
+
+    Args:
+        tenant_of: the tenant of a key id (blocking: a key store read; "" for a deleted key).
+        ledger: the usage ledger; None keeps only the in-memory re-send memory (tests).
+        clock: stamps reports that carry no end time (default: the system clock).
     """
 
     def __init__(
@@ -141,20 +182,56 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         metrics: UsageMetrics,
         *,
         recent: RecentRequests | None = None,
+        ledger: SqlUsageLedger | None = None,
+        tenant_of: Callable[[str], str] = lambda key_id: "",
+        clock: Clock | None = None,
     ) -> None:
+        self._clock = clock or SystemClock()
         self._limiter = limiter
         self._guard = guard
         self._metrics = metrics
         self._recent = recent or RecentRequests()
+        self._ledger = ledger
+        self._tenant_of = tenant_of
 
     async def ReportUsage(
         self, request: usage_pb2.ReportUsageRequest, context: Context
     ) -> usage_pb2.ReportUsageResponse:
         self._guard.check(dict(context.invocation_metadata() or ()), context.peer() or "")
+        entries = []
         for usage in request.usage:
             if not usage.key_id:
                 self._metrics.requests.labels("invalid").inc()
                 continue
+            entries.append(usage)
+        if self._ledger is not None:
+            await self._account_with_ledger(entries)
+        else:
+            await self._account_in_memory(entries)
+        return usage_pb2.ReportUsageResponse()
+
+    async def _account_with_ledger(self, entries: list[usage_pb2.RequestUsage]) -> None:
+        assert self._ledger is not None
+        tenants: dict[str, str] = {}
+        for usage in entries:
+            if usage.key_id not in tenants:
+                tenants[usage.key_id] = await asyncio.to_thread(self._tenant_of, usage.key_id)
+        now = self._clock.now()
+        rows = [ledger_row(usage, tenants[usage.key_id], now) for usage in entries]
+        written = set(await asyncio.to_thread(self._ledger.record, rows))
+        for usage, row in zip(entries, rows, strict=True):
+            if row.request_id in written:
+                await self._limiter.record_usage(usage.key_id, row.request_id, row.tokens)
+                self._accounted(usage, row.tokens)
+            else:
+                # Already in the ledger (a re-sent batch): its tokens were accounted then;
+                # releasing the slot again is harmless (idempotent).
+                await self._limiter.release(usage.key_id, usage.request_id)
+                self._metrics.requests.labels("duplicate").inc()
+                log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
+
+    async def _account_in_memory(self, entries: list[usage_pb2.RequestUsage]) -> None:
+        for usage in entries:
             ident = (usage.key_id, usage.request_id)
             if usage.request_id and ident in self._recent:
                 self._metrics.requests.labels("duplicate").inc()
@@ -164,10 +241,84 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
             await self._limiter.record_usage(usage.key_id, usage.request_id, tokens)
             if usage.request_id:
                 self._recent.add(ident)
-            self._metrics.requests.labels("accounted").inc()
-            # One line per accounted request (at debug: an audit trail by request id, which
-            # bench/chaos.py matches against what its clients saw across auth restarts).
-            log.debug(
-                "usage_accounted", key_id=usage.key_id, request_id=usage.request_id, tokens=tokens
-            )
-        return usage_pb2.ReportUsageResponse()
+            self._accounted(usage, tokens)
+
+    def _accounted(self, usage: usage_pb2.RequestUsage, tokens: int) -> None:
+        self._metrics.requests.labels("accounted").inc()
+        # One line per accounted request (at debug: an audit trail by request id, which
+        # bench/chaos.py matches against what its clients saw across auth restarts).
+        log.debug(
+            "usage_accounted", key_id=usage.key_id, request_id=usage.request_id, tokens=tokens
+        )
+
+
+def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
+    """A ledger row as `inferplane.auth.v1.UsageRow`."""
+    msg = usage_pb2.UsageRow(
+        request_id=row.request_id,
+        key_id=row.key_id,
+        tenant=row.tenant,
+        model=row.model,
+        deployment=row.deployment,
+        replica=row.replica,
+        status=row.status,
+        prompt_tokens=row.prompt_tokens,
+        cached_tokens=row.cached_tokens,
+        completion_tokens=row.completion_tokens,
+        reasoning_tokens=row.reasoning_tokens,
+        ttft_seconds=row.ttft_seconds,
+        duration_seconds=row.duration_seconds,
+        gpu_seconds=row.gpu_seconds,
+    )
+    msg.end_time.FromDatetime(row.end_time)
+    if row.start_time is not None:
+        msg.start_time.FromDatetime(row.start_time)
+    return msg
+
+
+class UsageLedgerService(usage_pb2_grpc.UsageLedgerServiceServicer):  # type: ignore[misc]
+    """inferplane.auth.v1.UsageLedgerService: reads the usage ledger (admin scope: the edge's
+    `/v1/admin/usage`, whose Check requires it, or an operator's CLI).
+
+    Errors: INVALID_ARGUMENT for a bad grouping, page size, page token or an end before the
+    start; UNAVAILABLE when the database is unreachable.
+    """
+
+    def __init__(self, ledger: SqlUsageLedger) -> None:
+        self._ledger = ledger
+
+    async def QueryUsage(
+        self, request: usage_pb2.QueryUsageRequest, context: Context
+    ) -> usage_pb2.QueryUsageResponse:
+        start = request.start_time.ToDatetime(UTC) if request.HasField("start_time") else None
+        end = request.end_time.ToDatetime(UTC) if request.HasField("end_time") else None
+        if start is not None and end is not None and end <= start:
+            raise InvalidArgumentError("end_time must be after start_time", param="end_time")
+        query = UsageQuery(
+            start=start,
+            end=end,
+            key_id=request.key_id,
+            tenant=request.tenant,
+            model=request.model,
+            group_by=request.group_by,
+            page_size=request.page_size or 100,
+            page_token=request.page_token,
+        )
+        page = await asyncio.to_thread(self._ledger.query, query)
+        return usage_pb2.QueryUsageResponse(
+            rows=[usage_row_to_proto(r) for r in page.rows],
+            groups=[
+                usage_pb2.UsageGroup(
+                    group=g.group,
+                    requests=g.requests,
+                    failed_requests=g.failed_requests,
+                    prompt_tokens=g.prompt_tokens,
+                    cached_tokens=g.cached_tokens,
+                    completion_tokens=g.completion_tokens,
+                    reasoning_tokens=g.reasoning_tokens,
+                    gpu_seconds=g.gpu_seconds,
+                )
+                for g in page.groups
+            ],
+            next_page_token=page.next_page_token,
+        )

@@ -150,22 +150,28 @@ class Limits(_message.Message):
     REQUESTS_PER_MINUTE_FIELD_NUMBER: _builtins.int
     TOKENS_PER_MINUTE_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _builtins.int
+    MONTHLY_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     requests_per_minute: _builtins.int
     """Requests per minute; 0 = unlimited."""
     tokens_per_minute: _builtins.int
     """Prompt + completion tokens per minute; 0 = unlimited."""
     max_concurrent_requests: _builtins.int
     """Concurrent requests in flight; 0 = unlimited."""
+    monthly_token_budget: _builtins.int
+    """Prompt + completion tokens per calendar month (UTC), counted from the usage ledger;
+    0 = unlimited. Once reached, requests get 429 `insufficient_quota` until the month ends.
+    """
     def __init__(
         self,
         *,
         requests_per_minute: _builtins.int = ...,
         tokens_per_minute: _builtins.int = ...,
         max_concurrent_requests: _builtins.int = ...,
+        monthly_token_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_concurrent_requests", b"max_concurrent_requests", "requests_per_minute", b"requests_per_minute", "tokens_per_minute", b"tokens_per_minute"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_concurrent_requests", b"max_concurrent_requests", "monthly_token_budget", b"monthly_token_budget", "requests_per_minute", b"requests_per_minute", "tokens_per_minute", b"tokens_per_minute"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -58,6 +58,15 @@ class RequestUsage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    TTFT_SECONDS_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """The API key's id (the edge's `x-inferplane-key-id`)."""
     request_id: _builtins.str
@@ -68,9 +77,34 @@ class RequestUsage(_message.Message):
     """Prompt tokens; 0 when the request ended before the replica said."""
     completion_tokens: _builtins.int
     """Generated tokens, reasoning included; 0 when unknown."""
+    deployment: _builtins.str
+    """The deployment that served it ("" when none was picked)."""
+    replica: _builtins.str
+    """The replica that served it (`replicas/{id}` without the prefix; "" when none)."""
+    cached_tokens: _builtins.int
+    """Prompt tokens served from the prefix cache (part of prompt_tokens)."""
+    reasoning_tokens: _builtins.int
+    """Reasoning tokens (part of completion_tokens)."""
+    ttft_seconds: _builtins.float
+    """Time from arrival to the first output, seconds; 0 when no output was produced."""
+    duration_seconds: _builtins.float
+    """Time from arrival to the end, seconds."""
+    gpu_seconds: _builtins.float
+    """GPU-seconds attributed to the request by its replica (`inferplane.wire.ResponseSummary`:
+    the replica's GPU share shared equally among the requests it had in flight, integrated
+    over the request's life).
+    """
+    status: _builtins.str
+    """"completed", "failed" or "cancelled" (the client went away); "" from older routers
+    (read as completed when `ok` was the only signal).
+    """
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the request ended."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the request arrived at the router."""
 
     def __init__(
         self,
@@ -81,10 +115,19 @@ class RequestUsage(_message.Message):
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
+        deployment: _builtins.str = ...,
+        replica: _builtins.str = ...,
+        cached_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
+        ttft_seconds: _builtins.float = ...,
+        duration_seconds: _builtins.float = ...,
+        gpu_seconds: _builtins.float = ...,
+        status: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "end_time", b"end_time", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -106,3 +149,203 @@ class ReportUsageResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportUsageResponse: _TypeAlias = ReportUsageResponse  # noqa: Y015
+
+@_typing.final
+class QueryUsageRequest(_message.Message):
+    """Request for QueryUsage. Rows are ordered by end time (oldest first); groups by their key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    GROUP_BY_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    """Only this API key's requests (`key_id`), when set."""
+    tenant: _builtins.str
+    """Only this tenant's requests, when set."""
+    model: _builtins.str
+    """Only requests for this model, when set."""
+    group_by: _builtins.str
+    """"" (one row per request), "hour", "day" (UTC buckets of the end time), "model", "key" or
+    "tenant".
+    """
+    page_size: _builtins.int
+    """Maximum rows or groups per page (default 100, at most 1000)."""
+    page_token: _builtins.str
+    """The next_page_token of a previous page (same filters and grouping)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """Only requests that ended at or after this time (inclusive); unset: no lower bound."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """Only requests that ended before this time (exclusive); unset: no upper bound."""
+
+    def __init__(
+        self,
+        *,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        key_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        model: _builtins.str = ...,
+        group_by: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "group_by", b"group_by", "key_id", b"key_id", "model", b"model", "page_size", b"page_size", "page_token", b"page_token", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryUsageRequest: _TypeAlias = QueryUsageRequest  # noqa: Y015
+
+@_typing.final
+class UsageRow(_message.Message):
+    """One request in the ledger."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    TTFT_SECONDS_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    key_id: _builtins.str
+    tenant: _builtins.str
+    model: _builtins.str
+    deployment: _builtins.str
+    replica: _builtins.str
+    status: _builtins.str
+    """"completed", "failed" or "cancelled"."""
+    prompt_tokens: _builtins.int
+    cached_tokens: _builtins.int
+    completion_tokens: _builtins.int
+    reasoning_tokens: _builtins.int
+    ttft_seconds: _builtins.float
+    duration_seconds: _builtins.float
+    gpu_seconds: _builtins.float
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        key_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        model: _builtins.str = ...,
+        deployment: _builtins.str = ...,
+        replica: _builtins.str = ...,
+        status: _builtins.str = ...,
+        prompt_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
+        ttft_seconds: _builtins.float = ...,
+        duration_seconds: _builtins.float = ...,
+        gpu_seconds: _builtins.float = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageRow: _TypeAlias = UsageRow  # noqa: Y015
+
+@_typing.final
+class UsageGroup(_message.Message):
+    """Totals of the requests in one group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    FAILED_REQUESTS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's key: an RFC 3339 UTC time for "hour"/"day" (the bucket's start), else the
+    model, key id or tenant.
+    """
+    requests: _builtins.int
+    failed_requests: _builtins.int
+    prompt_tokens: _builtins.int
+    cached_tokens: _builtins.int
+    completion_tokens: _builtins.int
+    reasoning_tokens: _builtins.int
+    gpu_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        failed_requests: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
+        gpu_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "failed_requests", b"failed_requests", "gpu_seconds", b"gpu_seconds", "group", b"group", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageGroup: _TypeAlias = UsageGroup  # noqa: Y015
+
+@_typing.final
+class QueryUsageResponse(_message.Message):
+    """Response of QueryUsage: `rows` when group_by is empty, else `groups`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as page_token for the next page; empty on the last page."""
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRow]: ...
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageGroup]: ...
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[Global___UsageRow] | None = ...,
+        groups: _abc.Iterable[Global___UsageGroup] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "next_page_token", b"next_page_token", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryUsageResponse: _TypeAlias = QueryUsageResponse  # noqa: Y015

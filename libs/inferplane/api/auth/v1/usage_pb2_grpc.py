@@ -104,3 +104,82 @@ class UsageService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class UsageLedgerServiceStub:
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.QueryUsage = channel.unary_unary(
+                '/inferplane.auth.v1.UsageLedgerService/QueryUsage',
+                request_serializer=inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageRequest.SerializeToString,
+                response_deserializer=inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageResponse.FromString,
+                _registered_method=True)
+
+
+class UsageLedgerServiceServicer:
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    def QueryUsage(self, request, context):
+        """Usage rows or aggregates over a time range, filtered, paginated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_UsageLedgerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'QueryUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryUsage,
+                    request_deserializer=inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageRequest.FromString,
+                    response_serializer=inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'inferplane.auth.v1.UsageLedgerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('inferplane.auth.v1.UsageLedgerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class UsageLedgerService:
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    @staticmethod
+    def QueryUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.auth.v1.UsageLedgerService/QueryUsage',
+            inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageRequest.SerializeToString,
+            inferplane_dot_auth_dot_v1_dot_usage__pb2.QueryUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -74,3 +74,40 @@ class UsageServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_UsageServiceServicer_to_server(servicer: UsageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class UsageLedgerServiceStub:
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> UsageLedgerServiceAsyncStub: ...
+    QueryUsage: _grpc.UnaryUnaryMultiCallable[_usage_pb2.QueryUsageRequest, _usage_pb2.QueryUsageResponse]
+    """Usage rows or aggregates over a time range, filtered, paginated."""
+
+@_typing.type_check_only
+class UsageLedgerServiceAsyncStub(UsageLedgerServiceStub):
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    QueryUsage: _aio.UnaryUnaryMultiCallable[_usage_pb2.QueryUsageRequest, _usage_pb2.QueryUsageResponse]  # type: ignore[assignment]
+    """Usage rows or aggregates over a time range, filtered, paginated."""
+
+class UsageLedgerServiceServicer(metaclass=_abc_1.ABCMeta):
+    """The durable usage ledger (admin scope): one row per finished request, written idempotently
+    by request id from the routers' reports.
+    """
+
+    @_abc_1.abstractmethod
+    def QueryUsage(
+        self,
+        request: _usage_pb2.QueryUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_usage_pb2.QueryUsageResponse, _abc.Awaitable[_usage_pb2.QueryUsageResponse]]:
+        """Usage rows or aggregates over a time range, filtered, paginated."""
+
+def add_UsageLedgerServiceServicer_to_server(servicer: UsageLedgerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

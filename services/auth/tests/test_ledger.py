@@ -1,0 +1,257 @@
+"""The usage ledger: idempotent batched writes, monthly totals, queries with filters, grouping
+and pagination (SQLite, and PostgreSQL when `INFERPLANE_TEST_POSTGRES_URL` is set); through the
+service: re-sent batches written and accounted once, `QueryUsage` over gRPC, and monthly token
+budgets refusing with OpenAI's `insufficient_quota`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import timestamp_pb2
+
+from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
+from inferplane.auth.ledger import LedgerRow, SqlUsageLedger, UsageQuery, month_end, month_of
+from inferplane.runtime import InvalidArgumentError
+from inferplane.testing.databases import database_or_skip
+
+T0 = datetime(2026, 11, 30, 22, 30, tzinfo=UTC)
+RESOURCE_EXHAUSTED = 8
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlUsageLedger]:
+    with database_or_skip(request.param, tmp_path) as url:
+        store = SqlUsageLedger(url)
+        store.create_schema()
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _row(
+    n: int, *, key: str = "k1", tenant: str = "acme", model: str = "m", **kw: Any
+) -> LedgerRow:
+    values: dict[str, Any] = {
+        "request_id": f"r{n:04d}",
+        "key_id": key,
+        "tenant": tenant,
+        "model": model,
+        "end_time": T0 + timedelta(minutes=n),
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "gpu_seconds": 0.5,
+    }
+    values.update(kw)
+    return LedgerRow(**values)
+
+
+def test_month_helpers() -> None:
+    assert month_of(datetime(2026, 12, 31, 23, 59, tzinfo=UTC)) == "2026-12"
+    assert month_end(datetime(2026, 12, 31, 23, 59, tzinfo=UTC)) == datetime(2027, 1, 1, tzinfo=UTC)
+    assert month_end(datetime(2026, 2, 1, tzinfo=UTC)) == datetime(2026, 3, 1, tzinfo=UTC)
+
+
+def test_a_batch_is_written_once_however_often_it_is_sent(ledger: SqlUsageLedger) -> None:
+    batch = [_row(n) for n in range(5)]
+    assert ledger.record(batch) == [r.request_id for r in batch]
+    # A re-send (the router's call failed after the commit), and one overlapping it.
+    assert ledger.record(batch) == []
+    assert ledger.record([batch[4], _row(5)]) == ["r0005"]
+    page = ledger.query(UsageQuery(page_size=100))
+    assert [r.request_id for r in page.rows] == [f"r{n:04d}" for n in range(6)]
+    assert page.rows[0] == batch[0]  # every field round-trips
+    # 90 minutes from 22:30 on Nov 30: r0000..r0001 end in November, the rest too (< 24:00).
+    assert ledger.month_tokens("k1", T0) == 6 * 15
+    assert ledger.month_tokens("k2", T0) == 0
+
+
+def test_monthly_totals_follow_each_request_s_end_time(ledger: SqlUsageLedger) -> None:
+    late = [_row(n, end_time=T0 + timedelta(minutes=60 + n)) for n in range(3)]  # 23:30..
+    early = [_row(10 + n, end_time=T0 + timedelta(hours=2, minutes=n)) for n in range(2)]
+    ledger.record(late + early)
+    assert ledger.month_tokens("k1", T0) == 3 * 15
+    assert ledger.month_tokens("k1", T0 + timedelta(days=1)) == 2 * 15
+
+
+def test_query_filters_and_pages(ledger: SqlUsageLedger) -> None:
+    rows = [
+        _row(n, key=f"k{n % 3}", tenant="acme" if n % 2 else "beta", model=f"m{n % 2}")
+        for n in range(25)
+    ]
+    ledger.record(rows)
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = ledger.query(UsageQuery(key_id="k1", page_size=3, page_token=token))
+        seen += [r.request_id for r in page.rows]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [r.request_id for r in rows if r.key_id == "k1"]
+    window = ledger.query(
+        UsageQuery(start=T0 + timedelta(minutes=5), end=T0 + timedelta(minutes=10), tenant="acme")
+    )
+    assert [r.request_id for r in window.rows] == ["r0005", "r0007", "r0009"]
+    assert [r.request_id for r in ledger.query(UsageQuery(model="m0", page_size=2)).rows] == [
+        "r0000",
+        "r0002",
+    ]
+    with pytest.raises(InvalidArgumentError) as info:
+        ledger.query(UsageQuery(key_id="k2", page_size=3, page_token=token or "x"))
+    assert info.value.param == "page_token"
+    first = ledger.query(UsageQuery(key_id="k1", page_size=3))
+    with pytest.raises(InvalidArgumentError):  # a token of other filters
+        ledger.query(UsageQuery(key_id="k2", page_size=3, page_token=first.next_page_token))
+    with pytest.raises(InvalidArgumentError):
+        ledger.query(UsageQuery(group_by="week"))
+    with pytest.raises(InvalidArgumentError):
+        ledger.query(UsageQuery(page_size=1001))
+
+
+def test_grouping_sums_tokens_and_gpu_seconds(ledger: SqlUsageLedger) -> None:
+    rows = [
+        _row(n, model="a" if n < 70 else "b", status="completed" if n % 10 else "failed")
+        for n in range(100)
+    ]
+    ledger.record(rows)
+    by_model = ledger.query(UsageQuery(group_by="model")).groups
+    assert [(g.group, g.requests, g.failed_requests) for g in by_model] == [
+        ("a", 70, 7),
+        ("b", 30, 3),
+    ]
+    assert by_model[0].prompt_tokens == 700 and by_model[0].completion_tokens == 350
+    assert by_model[0].gpu_seconds == pytest.approx(35.0)
+    by_hour = ledger.query(UsageQuery(group_by="hour")).groups
+    # 22:30 + 0..99 minutes: 30 in the 22h bucket, 60 in 23h, 10 on the next day's 00h.
+    assert [(g.group, g.requests) for g in by_hour] == [
+        ("2026-11-30T22:00:00Z", 30),
+        ("2026-11-30T23:00:00Z", 60),
+        ("2026-12-01T00:00:00Z", 10),
+    ]
+    by_day = ledger.query(UsageQuery(group_by="day")).groups
+    assert [(g.group, g.requests) for g in by_day] == [
+        ("2026-11-30T00:00:00Z", 90),
+        ("2026-12-01T00:00:00Z", 10),
+    ]
+    first = ledger.query(UsageQuery(group_by="hour", page_size=2))
+    assert len(first.groups) == 2 and first.next_page_token
+    rest = ledger.query(UsageQuery(group_by="hour", page_size=2, page_token=first.next_page_token))
+    assert [g.group for g in rest.groups] == ["2026-12-01T00:00:00Z"]
+    assert not rest.next_page_token
+    assert [g.group for g in ledger.query(UsageQuery(group_by="tenant")).groups] == ["acme"]
+    assert [g.group for g in ledger.query(UsageQuery(group_by="key")).groups] == ["k1"]
+
+
+# --- through the service ----------------------------------------------------------------
+
+
+def _key(auth: Any, tenant: str = "acme", **limits: int) -> tuple[str, str]:
+    created = auth.keys.CreateApiKey(
+        auth_pb2.CreateApiKeyRequest(
+            api_key=auth_pb2.ApiKey(tenant=tenant, limits=auth_pb2.Limits(**limits))
+        ),
+        metadata=auth.admin_md(),
+    )
+    return created.secret, created.api_key.name.split("/")[1]
+
+
+def _usage(key_id: str, request_id: str, tokens: int, **kw: Any) -> usage_pb2.RequestUsage:
+    usage = usage_pb2.RequestUsage(
+        key_id=key_id,
+        request_id=request_id,
+        model="kimi-tiny",
+        prompt_tokens=tokens // 2,
+        completion_tokens=tokens - tokens // 2,
+        **kw,
+    )
+    return usage
+
+
+def _report(auth: Any, *usage: usage_pb2.RequestUsage) -> None:
+    usage_pb2_grpc.UsageServiceStub(auth.channel).ReportUsage(
+        usage_pb2.ReportUsageRequest(usage=list(usage)), timeout=5
+    )
+
+
+def test_reports_land_in_the_ledger_once_with_what_the_router_knew(auth: Any) -> None:
+    _, key_id = _key(auth, tenant="acme")
+    end = timestamp_pb2.Timestamp()
+    end.FromDatetime(auth.clock.now())
+    full = _usage(
+        key_id,
+        "req-1",
+        30,
+        deployment="kimi-tiny",
+        replica="kimi-tiny-0-abc",
+        cached_tokens=4,
+        reasoning_tokens=3,
+        ttft_seconds=0.25,
+        duration_seconds=1.5,
+        gpu_seconds=0.75,
+        status="cancelled",
+        end_time=end,
+    )
+    _report(auth, full, _usage(key_id, "req-2", 10, status="bogus"))
+    _report(auth, full)  # re-sent: written and accounted once
+    ledger = usage_pb2_grpc.UsageLedgerServiceStub(auth.channel)
+    answer = ledger.QueryUsage(usage_pb2.QueryUsageRequest(), metadata=auth.admin_md(), timeout=5)
+    rows = {r.request_id: r for r in answer.rows}
+    assert set(rows) == {"req-1", "req-2"}
+    one = rows["req-1"]
+    assert (one.tenant, one.deployment, one.replica, one.status) == (
+        "acme",
+        "kimi-tiny",
+        "kimi-tiny-0-abc",
+        "cancelled",
+    )
+    assert (one.prompt_tokens, one.completion_tokens, one.cached_tokens) == (15, 15, 4)
+    assert (one.ttft_seconds, one.duration_seconds, one.gpu_seconds) == (0.25, 1.5, 0.75)
+    assert rows["req-2"].status == "failed"  # an unknown status is not counted as completed
+    metrics = auth.components.registry
+    sample = metrics.get_sample_value
+    assert sample("inferplane_auth_usage_requests_total", {"outcome": "accounted"}) == 2.0
+    assert sample("inferplane_auth_usage_requests_total", {"outcome": "duplicate"}) == 1.0
+    grouped = ledger.QueryUsage(
+        usage_pb2.QueryUsageRequest(group_by="tenant"), metadata=auth.admin_md(), timeout=5
+    )
+    assert [(g.group, g.requests, g.failed_requests) for g in grouped.groups] == [("acme", 2, 2)]
+    with pytest.raises(grpc.RpcError) as info:
+        ledger.QueryUsage(
+            usage_pb2.QueryUsageRequest(group_by="week"), metadata=auth.admin_md(), timeout=5
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_spent_monthly_budget_is_insufficient_quota_until_the_month_ends(auth: Any) -> None:
+    secret, key_id = _key(auth, monthly_token_budget=100)
+    other_secret, other_id = _key(auth)
+    assert auth.check(secret, extra={"x-request-id": "a"}).status.code == 0
+    _report(auth, _usage(key_id, "a", 60), _usage(other_id, "o", 500))
+    assert auth.check(secret, extra={"x-request-id": "b"}).status.code == 0  # 60 < 100
+    _report(auth, _usage(key_id, "b", 40))
+    refused = auth.check(secret, extra={"x-request-id": "c"})
+    assert refused.status.code == RESOURCE_EXHAUSTED
+    assert refused.denied_response.status.code == 429
+    body = json.loads(refused.denied_response.body)
+    assert body["error"]["code"] == body["error"]["type"] == "insufficient_quota"
+    assert "100" in body["error"]["message"]
+    headers = {h.header.key: h.header.value for h in refused.denied_response.headers}
+    reset = month_end(auth.clock.now())
+    left = (reset - auth.clock.now()).total_seconds()
+    assert left <= int(headers["retry-after"]) <= left + 1
+    assert auth.check(other_secret, extra={"x-request-id": "d"}).status.code == 0
+    # The budget is per calendar month: the first request of the next month is served.
+    auth.clock.advance((reset - auth.clock.now()).total_seconds() + 1)
+    assert auth.check(secret, extra={"x-request-id": "e"}).status.code == 0
+    # The budget is part of the key's limits, readable and updatable like the others.
+    got = auth.keys.GetApiKey(
+        auth_pb2.GetApiKeyRequest(name=f"api-keys/{key_id}"), metadata=auth.admin_md()
+    )
+    assert got.api_key.limits.monthly_token_budget == 100

@@ -32,6 +32,7 @@ CACHED_TOKENS_KEY = "x-inferplane-cached-tokens"
 REASONING_TOKENS_KEY = "x-inferplane-reasoning-tokens"
 FINISH_REASON_KEY = "x-inferplane-finish-reason"
 TTFT_KEY = "x-inferplane-ttft-seconds"
+GPU_SECONDS_KEY = "x-inferplane-gpu-seconds"
 ERROR_CODE_KEY = "x-inferplane-error-code"
 KEY_ID_KEY = "x-inferplane-summary-key-id"
 MODEL_KEY = "x-inferplane-summary-model"
@@ -44,6 +45,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     REASONING_TOKENS_KEY,
     FINISH_REASON_KEY,
     TTFT_KEY,
+    GPU_SECONDS_KEY,
     ERROR_CODE_KEY,
     KEY_ID_KEY,
     MODEL_KEY,
@@ -69,6 +71,10 @@ class ResponseSummary:
             error event; "abort" for a client gone; "" when not known.
         ttft_seconds: time from the request's arrival at the replica to its first output,
             seconds; 0 when no output was produced.
+        gpu_seconds: GPU-seconds attributed to the request: while `n` requests are in flight
+            on the replica, each is charged the replica's GPU share (`gpu_indices` count ×
+            `gpu_memory_fraction`, or the count alone when the fraction is unset) divided by
+            `n` per second of its life at the replica; 0 when not measured.
         error_code: the OpenAI error `code` of a failure ("" when none).
         key_id / model: the API key and the model the client asked for; set only in the
             replica's out-of-band report to its picker (a restarted router that never saw the
@@ -82,6 +88,7 @@ class ResponseSummary:
     reasoning_tokens: int = 0
     finish_reason: str = ""
     ttft_seconds: float = 0.0
+    gpu_seconds: float = 0.0
     error_code: str = ""
     key_id: str = ""
     model: str = ""
@@ -99,6 +106,8 @@ class ResponseSummary:
             out.append((FINISH_REASON_KEY, self.finish_reason))
         if self.ttft_seconds > 0:
             out.append((TTFT_KEY, f"{self.ttft_seconds:.6f}"))
+        if self.gpu_seconds > 0:
+            out.append((GPU_SECONDS_KEY, f"{self.gpu_seconds:.6f}"))
         if self.error_code:
             out.append((ERROR_CODE_KEY, self.error_code))
         if self.key_id:
@@ -124,6 +133,7 @@ class ResponseSummary:
             replica_id=seen.get(REPLICA_KEY, ""),
             finish_reason=seen.get(FINISH_REASON_KEY, ""),
             ttft_seconds=_float(seen.get(TTFT_KEY, "")),
+            gpu_seconds=_float(seen.get(GPU_SECONDS_KEY, "")),
             error_code=seen.get(ERROR_CODE_KEY, ""),
             key_id=seen.get(KEY_ID_KEY, ""),
             model=seen.get(MODEL_KEY, ""),

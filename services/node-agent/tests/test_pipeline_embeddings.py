@@ -48,8 +48,10 @@ def ids(text: str) -> list[int]:
     return list(embed_tiny_assets().tokenizer(text)["input_ids"])
 
 
-def serve(engine: ScriptedEngine, body: Any, **options: Any) -> None:
-    run_scenario(engine, body, replicas=[FakeReplica("e1", embed_tiny_spec(), engine)], **options)
+def serve(engine: ScriptedEngine, body: Any, gpu_seconds: float = 0.0, **options: Any) -> None:
+    replica = FakeReplica("e1", embed_tiny_spec(), engine)
+    replica.gpu_seconds_per_request = gpu_seconds
+    run_scenario(engine, body, replicas=[replica], **options)
 
 
 def vectors(response: pb.CreateEmbeddingResponse) -> list[list[float]]:
@@ -316,10 +318,12 @@ def test_summary_trailers_record_and_picker_report_of_an_embedding() -> None:
         )
         assert summary.finish_reason == "stop" and summary.error_code == ""
         assert 0 < summary.ttft_seconds < 1
+        assert summary.gpu_seconds == 0.125  # what the replica charged it, when it left
 
     serve(
         engine,
         body,
+        gpu_seconds=0.125,
         on_outcome=outcomes.append,
         report_to_picker=lambda *a: reports.append(a),
     )

@@ -31,6 +31,7 @@ from inferplane.router.reporting import Reporter
 from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
+from inferplane.router.usage import to_proto
 from inferplane.runtime import ErrorInterceptor, RunningServer
 from inferplane.testing.clock import FakeClock
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
@@ -351,6 +352,7 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
                 reasoning_tokens=2,
                 finish_reason="stop",
                 ttft_seconds=0.25,
+                gpu_seconds=0.5,
             )
             trailers = {"grpc-status": "0", "x-other": "kept", **dict(summary.to_metadata())}
             rig.clock.advance(1.0)  # the stream took a second
@@ -362,6 +364,20 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
             await stream.close()
             assert [(r.key_id, r.request_id, r.prompt_tokens, r.completion_tokens, r.ok)
                     for r in rig.usage.reports] == [("k1", "req-1", 11, 5, True)]  # fmt: skip
+            # What the usage ledger keeps: where it ran, the token details, times, GPU-seconds.
+            (usage,) = rig.usage.reports
+            assert (usage.deployment, usage.replica, usage.status) == (
+                "d",
+                "replica-a",
+                "completed",
+            )
+            assert (usage.cached_tokens, usage.reasoning_tokens) == (3, 2)
+            assert usage.ttft_seconds == pytest.approx(0.25)
+            assert usage.duration_seconds == pytest.approx(1.0)
+            assert usage.gpu_seconds == pytest.approx(0.5) and usage.start_time > 0
+            wire = to_proto(usage)
+            assert (wire.replica, wire.gpu_seconds, wire.status) == ("replica-a", 0.5, "completed")
+            assert wire.HasField("start_time") and wire.cached_tokens == 3
             (record,) = rig.records
             assert (record.prompt_tokens, record.completion_tokens) == (11, 5)
             assert (record.cached_tokens, record.reasoning_tokens) == (3, 2)

@@ -98,6 +98,7 @@ class RequestTrace:
     end: float | None = None
     gaps: list[float] = dataclasses.field(default_factory=list)
     usage: Any = None  # inferplane.inference.v1.Usage, once the replica said
+    gpu_seconds: float = 0.0  # attributed by the replica (`ResponseSummary.gpu_seconds`)
     finish_reason: str = ""
     status: str = STATUS_OK
     error_code: str = ""
@@ -155,6 +156,7 @@ class RequestTrace:
             self.first_token = picked + summary.ttft_seconds
         self.finish_reason = summary.finish_reason or self.finish_reason
         self.replica = summary.replica_id or self.replica
+        self.gpu_seconds = summary.gpu_seconds or self.gpu_seconds
 
     def fail(self, code: str) -> None:
         self.status = STATUS_ERROR

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.router.records import STATUS_OK, RequestTrace
+from inferplane.router.records import STATUS_CANCELLED, STATUS_OK, RequestTrace
 from inferplane.router.usage import UsageRecord, UsageSink
 from inferplane.runtime.clock import Clock
 
@@ -57,6 +57,12 @@ class Reporter:
         usage = trace.usage
         position = 0
         if key_id:
+            now = self.clock.monotonic()
+            end = trace.end if trace.end is not None else now
+            if trace.status == STATUS_OK:
+                status = "completed"
+            else:
+                status = "cancelled" if trace.status == STATUS_CANCELLED else "failed"
             position = self.usage.record(
                 UsageRecord(
                     key_id=key_id,
@@ -66,6 +72,23 @@ class Reporter:
                     completion_tokens=usage.completion_tokens if usage is not None else 0,
                     ok=trace.status == STATUS_OK,
                     end_time=self.wall_clock(),
+                    deployment=trace.deployment,
+                    replica=trace.replica,
+                    cached_tokens=(
+                        usage.prompt_tokens_details.cached_tokens if usage is not None else 0
+                    ),
+                    reasoning_tokens=(
+                        usage.completion_tokens_details.reasoning_tokens if usage is not None else 0
+                    ),
+                    ttft_seconds=(
+                        max(0.0, trace.first_token - trace.start)
+                        if trace.first_token is not None
+                        else 0.0
+                    ),
+                    duration_seconds=max(0.0, end - trace.start),
+                    gpu_seconds=trace.gpu_seconds,
+                    status=status,
+                    start_time=trace.start_wall,
                 )
             )
         if self.records is not None:

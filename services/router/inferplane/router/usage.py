@@ -59,6 +59,12 @@ class UsageRecord:
         prompt_tokens / completion_tokens: from the replica's usage; 0 when it never said.
         ok: whether the request completed without error.
         end_time: wall-clock seconds (Unix) when it ended; 0 = when the sink got it.
+        deployment / replica: what served it ("" when nothing was picked).
+        cached_tokens / reasoning_tokens: parts of prompt / completion tokens.
+        ttft_seconds / duration_seconds: from arrival at the router, seconds.
+        gpu_seconds: attributed by the replica (`inferplane.wire.ResponseSummary`).
+        status: "completed", "failed" or "cancelled" (the client went away).
+        start_time: wall-clock seconds (Unix) when it arrived; 0 = unknown.
     """
 
     key_id: str
@@ -68,6 +74,15 @@ class UsageRecord:
     completion_tokens: int = 0
     ok: bool = True
     end_time: float = 0.0
+    deployment: str = ""
+    replica: str = ""
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    ttft_seconds: float = 0.0
+    duration_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    status: str = "completed"
+    start_time: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -131,14 +146,25 @@ def to_proto(usage: UsageRecord) -> usage_pb2.RequestUsage:
     """The wire form of one report."""
     end = timestamp_pb2.Timestamp()
     end.FromNanoseconds(int(usage.end_time * 1e9))
-    return usage_pb2.RequestUsage(
+    msg = usage_pb2.RequestUsage(
         key_id=usage.key_id,
         request_id=usage.request_id,
         model=usage.model,
         prompt_tokens=max(0, usage.prompt_tokens),
         completion_tokens=max(0, usage.completion_tokens),
         end_time=end,
+        deployment=usage.deployment,
+        replica=usage.replica,
+        cached_tokens=max(0, usage.cached_tokens),
+        reasoning_tokens=max(0, usage.reasoning_tokens),
+        ttft_seconds=max(0.0, usage.ttft_seconds),
+        duration_seconds=max(0.0, usage.duration_seconds),
+        gpu_seconds=max(0.0, usage.gpu_seconds),
+        status=usage.status,
     )
+    if usage.start_time > 0:
+        msg.start_time.FromNanoseconds(int(usage.start_time * 1e9))
+    return msg
 
 
 class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):

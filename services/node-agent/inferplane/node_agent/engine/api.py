@@ -146,6 +146,14 @@ class EngineClient(Protocol):
         ...
 
 
+@dataclasses.dataclass(slots=True)
+class Admitted:
+    """One admitted request: `gpu_seconds` is set when it leaves the replica
+    (`inferplane.node_agent.pipeline.gpu_share`; 0 on replicas without accelerators)."""
+
+    gpu_seconds: float = 0.0
+
+
 class LocalReplica(Protocol):
     """A replica on this node as the pipeline sees it."""
 
@@ -164,8 +172,9 @@ class LocalReplica(Protocol):
         """The engine connection."""
         ...
 
-    def admit(self) -> AbstractAsyncContextManager[None]:
-        """Counts a request in flight for its duration. Raises
+    def admit(self) -> AbstractAsyncContextManager[Admitted]:
+        """Counts a request in flight for its duration; the `Admitted` it yields carries the
+        request's GPU-seconds once the context exits. Raises
         `inferplane.runtime.UnavailableError` when the replica is not READY (draining, starting,
         restarting) so that the router can go elsewhere."""
         ...

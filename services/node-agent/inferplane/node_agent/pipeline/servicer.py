@@ -40,6 +40,7 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.api import (
     EMBED,
     GENERATE,
+    Admitted,
     EngineError,
     LocalReplica,
     ReplicaDirectory,
@@ -123,6 +124,7 @@ class _Tracker:
     """Collects one request's outcome: the summary trailers and the telemetry record."""
 
     __slots__ = (
+        "admitted",
         "api",
         "code",
         "embedded",
@@ -150,6 +152,7 @@ class _Tracker:
         self.gen: Generation | None = None
         self.embedded: _Embedded | None = None
         self.verdicts: tuple[ToolCallVerdict, ...] = ()
+        self.admitted: Admitted | None = None  # its GPU-seconds once it left the replica
 
     def fail(self, exc: BaseException) -> None:
         if isinstance(exc, InferplaneError):
@@ -164,6 +167,7 @@ class _Tracker:
         failed (an SSE error event or an error status mid-stream), "abort" for a client gone.
         An embeddings request that succeeded says "stop", its inputs' tokens and, as TTFT,
         the time to its result."""
+        gpu = self.admitted.gpu_seconds if self.admitted is not None else 0.0
         if self.embedded is not None:
             embedded = self.embedded
             finish = {"ok": "stop", "cancelled": "abort"}.get(self.status, "")
@@ -172,6 +176,7 @@ class _Tracker:
                 prompt_tokens=embedded.prompt_tokens,
                 finish_reason=finish,
                 ttft_seconds=embedded.seconds or 0.0,
+                gpu_seconds=gpu,
                 error_code=self.code,
             )
         gen = self.gen
@@ -183,7 +188,7 @@ class _Tracker:
             finish = (gen.finish_reason or "") if gen is not None else ""
         if gen is None:
             return ResponseSummary(
-                replica_id=self.replica, finish_reason=finish, error_code=self.code
+                replica_id=self.replica, finish_reason=finish, gpu_seconds=gpu, error_code=self.code
             )
         return ResponseSummary(
             replica_id=self.replica,
@@ -193,6 +198,7 @@ class _Tracker:
             reasoning_tokens=gen.session.reasoning_tokens,
             finish_reason=finish,
             ttft_seconds=gen.ttft_seconds or 0.0,
+            gpu_seconds=gpu,
             error_code=self.code,
         )
 
@@ -334,7 +340,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         try:
             replica, assets = await self._replica(track.model, context, track)
             _check_task(replica, task, track.model)
-            async with replica.admit(), aclosing(body(replica, assets)) as messages:
+            async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
+                track.admitted = admitted
                 async for message in messages:
                     if not track.messages:
                         # The response headers name the replica (the picker learns which

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EngineClient, EngineError, EngineOutput, SamplingParams
+from inferplane.node_agent.engine.api import (
+    Admitted,
+    EngineClient,
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+)
+from inferplane.node_agent.pipeline.gpu_share import GpuShareMeter, replica_gpu_share
 from inferplane.runtime import UnavailableError
 
 
@@ -130,6 +138,7 @@ class ReplicaState:
         replica_id: the replica id.
         spec: what it runs.
         on_phase: called with the new phase after each change (health follows it).
+        monotonic: seconds, for the GPU-seconds each request is charged.
     """
 
     def __init__(
@@ -137,10 +146,12 @@ class ReplicaState:
         replica_id: str,
         spec: nodeagent_pb2.ReplicaSpec,
         on_phase: Callable[[Phase], object] = lambda _phase: None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._id = replica_id
         self._spec = spec
         self._on_phase = on_phase
+        self._gpu = GpuShareMeter(replica_gpu_share(spec), monotonic)
         self._engine: EngineClient = _NoEngine()
         self.phase = Phase.STARTING
         self.in_flight = 0
@@ -162,18 +173,21 @@ class ReplicaState:
         return self._engine
 
     @asynccontextmanager
-    async def _admitted(self) -> AsyncIterator[None]:
+    async def _admitted(self) -> AsyncIterator[Admitted]:
         self.in_flight += 1
         self._idle.clear()
+        admitted = Admitted()
+        token = self._gpu.start()
         try:
-            yield
+            yield admitted
         finally:
+            admitted.gpu_seconds = self._gpu.end(token)
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
 
-    def admit(self) -> AbstractAsyncContextManager[None]:
-        """Counts a generation request in flight.
+    def admit(self) -> AbstractAsyncContextManager[Admitted]:
+        """Counts a generation request in flight (and its GPU-seconds: `Admitted`).
 
         Raises:
             UnavailableError: draining (code replica_draining), not started yet

@@ -21,7 +21,13 @@ import grpc
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EMBED, EngineError, EngineOutput, SamplingParams
+from inferplane.node_agent.engine.api import (
+    EMBED,
+    Admitted,
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+)
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
 from inferplane.runtime import ErrorInterceptor, UnavailableError
 from inferplane.testing.clock import FakeClock
@@ -197,6 +203,8 @@ class FakeReplica:
         self.ready = True
         self.in_flight = 0
         self.admitted = 0
+        # What each admitted request is charged (the real replica meters it: gpu_share.py).
+        self.gpu_seconds_per_request = 0.0
 
     @property
     def replica_id(self) -> str:
@@ -211,15 +219,17 @@ class FakeReplica:
         return self._engine
 
     @asynccontextmanager
-    async def _admit(self) -> AsyncIterator[None]:
+    async def _admit(self) -> AsyncIterator[Admitted]:
         if not self.ready:
             raise UnavailableError(f"replica {self._id} is not ready", code="replica_not_ready")
         self.in_flight += 1
         self.admitted += 1
+        admitted = Admitted()
         try:
-            yield
+            yield admitted
         finally:
             self.in_flight -= 1
+            admitted.gpu_seconds = self.gpu_seconds_per_request
 
     def admit(self):  # type: ignore[no-untyped-def]
         return self._admit()

@@ -443,6 +443,9 @@ class Stack:
             cfg.address("auth"),
             "--telemetry-address",
             cfg.address("telemetry"),
+            # Usage reports wait there while auth is away, and across a router restart.
+            "--usage-spool-path",
+            str(data / "router" / "usage-spool.db"),
         )
         for name in ("auth", "node_agent", "router"):
             self._wait_healthy(name, progress)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -102,6 +103,7 @@ def build_app(
             registry,
             wall_clock=wall_clock,
             channel_options=grpc_options(settings),
+            spool_path=Path(settings.usage_spool_path) if settings.usage_spool_path else None,
         )
     record_sink: RecordSink | None = None
     if settings.telemetry_address:

@@ -43,8 +43,12 @@ class RouterSettings(ServiceSettings):
             reported there in batches (token limits, concurrency release). Empty: logged only.
         auth_internal_token: sent as `x-inferplane-internal-token` (auth's `internal_token`;
             leave empty when auth accepts loopback callers).
-        usage_buffer_capacity / usage_batch_size: usage reports held at most while auth is
-            unreachable, and sent per call.
+        usage_buffer_capacity / usage_batch_size: usage reports held in memory at most while
+            auth is unreachable, and sent per call.
+        usage_spool_path: a local SQLite file where usage reports wait while auth (or its
+            database) is away, and across a restart of this router
+            (`inferplane.runtime.spool`): nothing is dropped for an outage. Empty: memory
+            only (beyond `usage_buffer_capacity` the newest are dropped and counted).
         telemetry_address: the telemetry service (host:port). Set: one request record per
             request (source "router"). Empty: no records.
         picker_fallbacks: endpoints the endpoint picker (`envoy.service.ext_proc.v3`
@@ -82,6 +86,7 @@ class RouterSettings(ServiceSettings):
     auth_internal_token: str = dataclasses.field(default="", repr=False)
     usage_buffer_capacity: int = 10_000
     usage_batch_size: int = 256
+    usage_spool_path: str = ""
     telemetry_address: str = ""
     picker_fallbacks: int = 2
     picker_keepalive_seconds: float = 0.25

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -30,6 +31,7 @@ from inferplane.runtime.batching import (
     GrpcSinkSettings,
     Sleep,
 )
+from inferplane.runtime.spool import Spool
 
 log = structlog.get_logger("inferplane.router.usage")
 
@@ -167,6 +169,10 @@ def to_proto(usage: UsageRecord) -> usage_pb2.RequestUsage:
     return msg
 
 
+def _encode(usage: usage_pb2.RequestUsage) -> bytes:
+    return usage.SerializeToString()
+
+
 class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
     """Sends usage reports to auth in batches, in the background.
 
@@ -174,7 +180,9 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
     `inferplane.runtime.batching.Batcher`'s: bounded by `capacity` while auth is down (a failed
     batch goes back to the front, the sender backs off with full jitter), a refused batch
     (e.g. PERMISSION_DENIED for a wrong internal token) dropped and counted, at-least-once
-    delivery (auth skips a request_id it already accounted).
+    delivery (auth's usage ledger skips a request_id it already has). With `spool_path`, the
+    reports that wait for auth go to that file after each failed send and at close, and are
+    sent first when auth is back, also by the next process after a restart.
     """
 
     def __init__(
@@ -185,13 +193,20 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
         sleep: Sleep = asyncio.sleep,
         wall_clock: Callable[[], float] = time.time,
         channel_options: Sequence[tuple[str, Any]] = (),
+        spool_path: Path | None = None,
     ) -> None:
+        self._spool = (
+            Spool(spool_path, _encode, usage_pb2.RequestUsage.FromString)
+            if spool_path is not None
+            else None
+        )
         super().__init__(
             settings,
             UsageSinkMetrics(registry),
             name="router-usage-sink",
             sleep=sleep,
             channel_options=channel_options,
+            spool=self._spool,
         )
         self._wall_clock = wall_clock
         self._stub: Any = None
@@ -213,6 +228,13 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
 
     def _bind(self, channel: grpc.aio.Channel) -> None:
         self._stub = usage_pb2_grpc.UsageServiceStub(channel)
+
+    async def close(self, timeout_seconds: float = 5.0) -> None:
+        """`GrpcSink.close` (what is left goes to the spool when there is one), then closes
+        the spool file."""
+        await super().close(timeout_seconds)
+        if self._spool is not None:
+            self._spool.close()
 
     async def _send(self, batch: list[usage_pb2.RequestUsage]) -> None:
         request = usage_pb2.ReportUsageRequest(usage=batch)

@@ -7,7 +7,9 @@ server runner (`App`, `ServicerBinding`, `serve`, `run`) with health, reflection
 """
 
 from inferplane.runtime._errors import (
+    DEFAULT_OPENAI_CODE,
     ERROR_DOMAIN,
+    HTTP_STATUS,
     AlreadyExistsError,
     ConfigError,
     DeadlineExceededError,
@@ -20,6 +22,8 @@ from inferplane.runtime._errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    UnimplementedError,
+    error_from_call,
     error_from_status,
 )
 from inferplane.runtime._gc import GcPauses, freeze_heap
@@ -45,7 +49,9 @@ from inferplane.runtime._server import (
 from inferplane.runtime._settings import ServiceSettings, load_settings
 
 __all__ = [
+    "DEFAULT_OPENAI_CODE",
     "ERROR_DOMAIN",
+    "HTTP_STATUS",
     "OPENAI_ERROR_CODE_KEY",
     "OPENAI_ERROR_PARAM_KEY",
     "OPENAI_ERROR_TYPE_KEY",
@@ -69,7 +75,9 @@ __all__ = [
     "ServicerBinding",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
     "configure_logging",
+    "error_from_call",
     "error_from_status",
     "error_trailers",
     "freeze_heap",

@@ -1,8 +1,8 @@
 """`inferplane keys ...`: manage API keys over gRPC with an admin key.
 
 The typer app `app` is mounted by the top-level CLI as `inferplane keys`. It talks to the auth
-service directly (`--address`, default 127.0.0.1:50051) with `authorization: Bearer <admin key>`
-(`--admin-key` or env `INFERPLANE_ADMIN_KEY`; the generated bootstrap key is in
+service directly (`--address`, default 127.0.0.1:50051) through the SDK (`inferplane.sdk`) with
+an admin key (`--admin-key` or env `INFERPLANE_ADMIN_KEY`; the generated bootstrap key is in
 `<data_dir>/bootstrap-admin-key`).
 """
 
@@ -13,15 +13,13 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-import grpc
 import typer
 from google.protobuf import timestamp_pb2
 from rich.console import Console
 from rich.table import Table
 
-from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
-from inferplane.runtime import ConfigError
-from inferplane.runtime.identity import operator_security
+from inferplane.api.auth.v1 import auth_pb2
+from inferplane.sdk import Client, ConfigError, InferplaneError, Keys
 
 app = typer.Typer(
     help="Manage inferplane API keys (needs an admin key).",
@@ -43,8 +41,6 @@ AdminKey = Annotated[
     ),
 ]
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_Stub = auth_pb2_grpc.ApiKeyServiceStub
-_Metadata = tuple[tuple[str, str], ...]
 _STATE_NAMES = {
     auth_pb2.ApiKey.STATE_ACTIVE: "active",
     auth_pb2.ApiKey.STATE_REVOKED: "revoked",
@@ -53,8 +49,9 @@ _STATE_NAMES = {
 
 
 @contextlib.contextmanager
-def _client(address: str, admin_key: str) -> Iterator[tuple[_Stub, _Metadata]]:
-    """A stub and the admin metadata; RPC errors become `error: CODE: details`, exit 1."""
+def _keys(address: str, admin_key: str) -> Iterator[Keys]:
+    """The SDK's keys client as the operator (`operator_security`) with the admin key; failed
+    calls become `error: CODE: details` (the gRPC code), exit 1."""
     if not admin_key:
         typer.echo(
             "error: no admin key; pass --admin-key or set INFERPLANE_ADMIN_KEY "
@@ -63,25 +60,16 @@ def _client(address: str, admin_key: str) -> Iterator[tuple[_Stub, _Metadata]]:
         )
         raise typer.Exit(2)
     try:
-        security = operator_security()
+        client = Client(auth=address, admin_key=admin_key)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    with security.channel(address) as channel:
+    with client:
         try:
-            yield (
-                auth_pb2_grpc.ApiKeyServiceStub(channel),
-                (("authorization", f"Bearer {admin_key}"),),
-            )
-        except grpc.RpcError as exc:
-            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            typer.echo(f"error: {code}: {details}", err=True)
+            yield client.keys
+        except InferplaneError as exc:
+            typer.echo(f"error: {exc.grpc_code.name}: {exc.message}", err=True)
             raise typer.Exit(1) from None
-
-
-def _name(name_or_id: str) -> str:
-    return name_or_id if name_or_id.startswith("api-keys/") else f"api-keys/{name_or_id}"
 
 
 def _when(value: timestamp_pb2.Timestamp) -> str:
@@ -154,10 +142,10 @@ def create(
     if expires_in_days is not None:
         key.expire_time.FromDatetime(datetime.now(UTC) + timedelta(days=expires_in_days))
     console = Console()
-    with _client(address, admin_key) as (stub, md):
-        resp = stub.CreateApiKey(auth_pb2.CreateApiKeyRequest(api_key=key), metadata=md)
-    console.print(_table([resp.api_key], "Created"))
-    _show_secret(console, resp.api_key, resp.secret, "Secret")
+    with _keys(address, admin_key) as client:
+        created = client.create(key)
+    console.print(_table([created.api_key], "Created"))
+    _show_secret(console, created.api_key, created.secret, "Secret")
 
 
 @app.command("list")
@@ -170,20 +158,8 @@ def list_keys(
     admin_key: AdminKey = "",
 ) -> None:
     """List keys, newest first."""
-    keys: list[auth_pb2.ApiKey] = []
-    with _client(address, admin_key) as (stub, md):
-        token = ""
-        while True:
-            resp = stub.ListApiKeys(
-                auth_pb2.ListApiKeysRequest(
-                    page_size=500, page_token=token, tenant=tenant, show_inactive=show_all
-                ),
-                metadata=md,
-            )
-            keys.extend(resp.api_keys)
-            token = resp.next_page_token
-            if not token:
-                break
+    with _keys(address, admin_key) as client:
+        keys = list(client.list(tenant=tenant, show_inactive=show_all, page_size=500))
     Console().print(_table(keys, f"{len(keys)} API key(s)"))
 
 
@@ -194,9 +170,9 @@ def revoke(
     admin_key: AdminKey = "",
 ) -> None:
     """Revoke a key: it stops working at once (other auth instances within the cache TTL)."""
-    with _client(address, admin_key) as (stub, md):
-        resp = stub.RevokeApiKey(auth_pb2.RevokeApiKeyRequest(name=_name(key)), metadata=md)
-    Console().print(_table([resp.api_key], "Revoked"))
+    with _keys(address, admin_key) as client:
+        revoked = client.revoke(key)
+    Console().print(_table([revoked], "Revoked"))
 
 
 @app.command()
@@ -208,10 +184,7 @@ def rotate(
 ) -> None:
     """Issue a new secret for a key; the old one works for --grace-seconds more."""
     console = Console()
-    with _client(address, admin_key) as (stub, md):
-        resp = stub.RotateApiKey(
-            auth_pb2.RotateApiKeyRequest(name=_name(key), grace_period_seconds=grace_seconds),
-            metadata=md,
-        )
-    console.print(_table([resp.api_key], "Rotated"))
-    _show_secret(console, resp.api_key, resp.secret, "New secret")
+    with _keys(address, admin_key) as client:
+        rotated = client.rotate(key, grace_period_seconds=grace_seconds)
+    console.print(_table([rotated.api_key], "Rotated"))
+    _show_secret(console, rotated.api_key, rotated.secret, "New secret")

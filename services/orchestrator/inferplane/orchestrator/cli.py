@@ -2,7 +2,7 @@
 
 The typer app `app` is mounted by the top-level CLI as `inferplane deployments`. It talks to the
 orchestrator directly (`--address`, env `INFERPLANE_ORCHESTRATOR_ADDRESS`, default
-127.0.0.1:50053).
+127.0.0.1:50053) through the SDK (`inferplane.sdk`).
 
 `create --file deployment.yaml` reads a `Deployment` in the proto's field names plus
 `deployment_id`:
@@ -30,18 +30,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import grpc
 import typer
 import yaml
 from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
-from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.runtime import ConfigError
-from inferplane.runtime.identity import operator_security
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.sdk import Client, ConfigError, Deployments, InferplaneError
 
 app = typer.Typer(
     help="The model catalogue: create, list and explain deployments.",
@@ -56,31 +54,26 @@ Address = Annotated[
         "--address", envvar="INFERPLANE_ORCHESTRATOR_ADDRESS", help="Orchestrator host:port."
     ),
 ]
-_Stub = orchestrator_pb2_grpc.DeploymentServiceStub
 pb = orchestrator_pb2
+# The CLI's deadline per call (the SDK retries reads within it).
+TIMEOUT_SECONDS = 30.0
 
 
 @contextlib.contextmanager
-def _client(address: str) -> Iterator[_Stub]:
-    """A stub over the operator's identity (`operator_security`); RPC errors become
-    `error: CODE: details` on stderr and exit code 1."""
+def _deployments(address: str) -> Iterator[Deployments]:
+    """The SDK's deployments client as the operator (`operator_security`); failed calls
+    become `error: CODE: details` (the gRPC code) on stderr and exit code 1."""
     try:
-        security = operator_security()
+        client = Client(orchestrator=address, timeout=TIMEOUT_SECONDS)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    with security.channel(address) as channel:
+    with client:
         try:
-            yield orchestrator_pb2_grpc.DeploymentServiceStub(channel)
-        except grpc.RpcError as exc:
-            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            typer.echo(f"error: {code}: {details}", err=True)
+            yield client.deployments
+        except InferplaneError as exc:
+            typer.echo(f"error: {exc.grpc_code.name}: {exc.message}", err=True)
             raise typer.Exit(1) from None
-
-
-def _name(name: str) -> str:
-    return name if name.startswith("deployments/") else f"deployments/{name}"
 
 
 @app.command()
@@ -89,26 +82,17 @@ def explain(
     address: Address = DEFAULT_ADDRESS,
 ) -> None:
     """Print why each replica sits where it does, or exactly why it cannot be placed."""
-    with _client(address) as stub:
-        response = stub.ExplainPlacement(pb.ExplainPlacementRequest(name=_name(name)), timeout=30)
-    for line in response.lines:
+    with _deployments(address) as client:
+        lines = client.explain(name)
+    for line in lines:
         typer.echo(line)
 
 
 @app.command("list")
 def list_(address: Address = DEFAULT_ADDRESS) -> None:
     """List deployments with their replicas, phase and revision."""
-    deployments: list[Any] = []
-    token = ""
-    with _client(address) as stub:
-        while True:
-            response = stub.ListDeployments(
-                pb.ListDeploymentsRequest(page_size=500, page_token=token), timeout=30
-            )
-            deployments.extend(response.deployments)
-            token = response.next_page_token
-            if not token:
-                break
+    with _deployments(address) as client:
+        deployments = list(client.list(page_size=500))
     table = Table(title="deployments", title_justify="left")
     for column in ("NAME", "ALIASES", "READY", "PHASE", "PRECISION", "TP", "REVISION"):
         table.add_column(column, overflow="fold")
@@ -159,21 +143,13 @@ def create(
 ) -> None:
     """Create a deployment from a YAML file and print where its replicas go."""
     deployment_id, message = _read_deployment(file)
-    with _client(address) as stub:
-        created = stub.CreateDeployment(
-            pb.CreateDeploymentRequest(
-                deployment_id=deployment_id, deployment=message, validate_only=validate_only
-            ),
-            timeout=30,
-        ).deployment
+    with _deployments(address) as client:
+        created = client.create(deployment_id, message, validate_only=validate_only)
         verb = "valid (nothing created)" if validate_only else "created"
         typer.echo(
             f"{created.name} {verb}: revision {created.status.current_revision}, "
             f"{created.status.phase}: {created.status.message}"
         )
         if not validate_only:
-            lines = stub.ExplainPlacement(
-                pb.ExplainPlacementRequest(name=created.name), timeout=30
-            ).lines
-            for line in lines:
+            for line in client.explain(created.name):
                 typer.echo(line)

@@ -1,0 +1,274 @@
+"""`AsyncClient`: the asyncio SDK (grpc.aio), method for method the same as `Client`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from types import TracebackType
+
+from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.inference.v1 import inference_pb2
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.runtime.identity import PeerSecurity, operator_security
+from inferplane.sdk import _methods as m
+from inferplane.sdk._pages import AsyncPaged, Page
+from inferplane.sdk._requests import (
+    ChatRequest,
+    EmbeddingRequest,
+    KeyWithSecret,
+    chat_request,
+    create_deployment_request,
+    deployment_name,
+    embedding_request,
+    key_name,
+    mask,
+    node_name,
+)
+from inferplane.sdk._transport import AsyncTransport, Endpoints, RetryPolicy
+
+auth = auth_pb2
+orch = orchestrator_pb2
+inf = inference_pb2
+
+
+class AsyncKeys:
+    """`Keys` for asyncio."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    async def create(self, api_key: auth.ApiKey, *, timeout: float | None = None) -> KeyWithSecret:
+        response = await self._t.unary(
+            m.CREATE_API_KEY, auth.CreateApiKeyRequest(api_key=api_key), timeout=timeout
+        )
+        return KeyWithSecret(response.api_key, response.secret)
+
+    async def get(self, name: str, *, timeout: float | None = None) -> auth.ApiKey:
+        request = auth.GetApiKeyRequest(name=key_name(name))
+        return (await self._t.unary(m.GET_API_KEY, request, timeout=timeout)).api_key
+
+    def list(
+        self,
+        *,
+        tenant: str = "",
+        show_inactive: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> AsyncPaged[auth.ApiKey]:
+        async def fetch(token: str) -> Page[auth.ApiKey]:
+            request = auth.ListApiKeysRequest(
+                page_size=page_size, page_token=token, tenant=tenant, show_inactive=show_inactive
+            )
+            response = await self._t.unary(m.LIST_API_KEYS, request, timeout=timeout)
+            return Page(tuple(response.api_keys), response.next_page_token)
+
+        return AsyncPaged(fetch, page_token)
+
+    async def update(
+        self,
+        api_key: auth.ApiKey,
+        update_mask: Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> auth.ApiKey:
+        key = auth.ApiKey()
+        key.CopyFrom(api_key)
+        key.name = key_name(api_key.name)
+        request = auth.UpdateApiKeyRequest(api_key=key, update_mask=mask(update_mask))
+        return (await self._t.unary(m.UPDATE_API_KEY, request, timeout=timeout)).api_key
+
+    async def rotate(
+        self, name: str, *, grace_period_seconds: int = 0, timeout: float | None = None
+    ) -> KeyWithSecret:
+        request = auth.RotateApiKeyRequest(
+            name=key_name(name), grace_period_seconds=grace_period_seconds
+        )
+        response = await self._t.unary(m.ROTATE_API_KEY, request, timeout=timeout)
+        return KeyWithSecret(response.api_key, response.secret)
+
+    async def revoke(self, name: str, *, timeout: float | None = None) -> auth.ApiKey:
+        request = auth.RevokeApiKeyRequest(name=key_name(name))
+        return (await self._t.unary(m.REVOKE_API_KEY, request, timeout=timeout)).api_key
+
+    async def delete(self, name: str, *, timeout: float | None = None) -> None:
+        request = auth.DeleteApiKeyRequest(name=key_name(name))
+        await self._t.unary(m.DELETE_API_KEY, request, timeout=timeout)
+
+
+class AsyncDeployments:
+    """`Deployments` for asyncio."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    async def create(
+        self,
+        deployment_id: str,
+        deployment: orch.Deployment,
+        *,
+        validate_only: bool = False,
+        timeout: float | None = None,
+    ) -> orch.Deployment:
+        request = create_deployment_request(deployment_id, deployment, validate_only)
+        method = m.PREVIEW_DEPLOYMENT if validate_only else m.CREATE_DEPLOYMENT
+        return (await self._t.unary(method, request, timeout=timeout)).deployment
+
+    async def get(self, name: str, *, timeout: float | None = None) -> orch.Deployment:
+        request = orch.GetDeploymentRequest(name=deployment_name(name))
+        return (await self._t.unary(m.GET_DEPLOYMENT, request, timeout=timeout)).deployment
+
+    def list(
+        self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> AsyncPaged[orch.Deployment]:
+        async def fetch(token: str) -> Page[orch.Deployment]:
+            request = orch.ListDeploymentsRequest(page_size=page_size, page_token=token)
+            response = await self._t.unary(m.LIST_DEPLOYMENTS, request, timeout=timeout)
+            return Page(tuple(response.deployments), response.next_page_token)
+
+        return AsyncPaged(fetch, page_token)
+
+    async def update(
+        self,
+        deployment: orch.Deployment,
+        update_mask: Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> orch.Deployment:
+        value = orch.Deployment()
+        value.CopyFrom(deployment)
+        value.name = deployment_name(deployment.name)
+        request = orch.UpdateDeploymentRequest(deployment=value, update_mask=mask(update_mask))
+        return (await self._t.unary(m.UPDATE_DEPLOYMENT, request, timeout=timeout)).deployment
+
+    async def delete(self, name: str, *, timeout: float | None = None) -> None:
+        request = orch.DeleteDeploymentRequest(name=deployment_name(name))
+        await self._t.unary(m.DELETE_DEPLOYMENT, request, timeout=timeout)
+
+    def replicas(
+        self, name: str, *, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncPaged[orch.Placement]:
+        parent = deployment_name(name)
+
+        async def fetch(token: str) -> Page[orch.Placement]:
+            request = orch.ListDeploymentReplicasRequest(
+                parent=parent, page_size=page_size, page_token=token
+            )
+            response = await self._t.unary(m.LIST_DEPLOYMENT_REPLICAS, request, timeout=timeout)
+            return Page(tuple(response.placements), response.next_page_token)
+
+        return AsyncPaged(fetch)
+
+    async def explain(self, name: str, *, timeout: float | None = None) -> Sequence[str]:
+        request = orch.ExplainPlacementRequest(name=deployment_name(name))
+        return tuple((await self._t.unary(m.EXPLAIN_PLACEMENT, request, timeout=timeout)).lines)
+
+
+class AsyncNodes:
+    """`Nodes` for asyncio."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    def list(
+        self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> AsyncPaged[orch.Node]:
+        async def fetch(token: str) -> Page[orch.Node]:
+            request = orch.ListNodesRequest(page_size=page_size, page_token=token)
+            response = await self._t.unary(m.LIST_NODES, request, timeout=timeout)
+            return Page(tuple(response.nodes), response.next_page_token)
+
+        return AsyncPaged(fetch, page_token)
+
+    async def get(self, name: str, *, timeout: float | None = None) -> orch.Node:
+        request = orch.GetNodeRequest(name=node_name(name))
+        return (await self._t.unary(m.GET_NODE, request, timeout=timeout)).node
+
+    async def drain(self, name: str, *, timeout: float | None = None) -> orch.Node:
+        request = orch.DrainNodeRequest(name=node_name(name))
+        return (await self._t.unary(m.DRAIN_NODE, request, timeout=timeout)).node
+
+    async def uncordon(self, name: str, *, timeout: float | None = None) -> orch.Node:
+        request = orch.UncordonNodeRequest(name=node_name(name))
+        return (await self._t.unary(m.UNCORDON_NODE, request, timeout=timeout)).node
+
+
+class AsyncInference:
+    """`Inference` for asyncio."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    async def chat(
+        self, request: ChatRequest, *, timeout: float | None = None
+    ) -> inf.CreateChatCompletionResponse:
+        wrapped = inf.CreateChatCompletionRequest(request=chat_request(request))
+        return await self._t.unary(m.CREATE_CHAT_COMPLETION, wrapped, timeout=timeout)
+
+    async def stream_chat(
+        self, request: ChatRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[inf.StreamChatCompletionResponse, None]:
+        """Returns once the first chunk arrived; `async for` the chunks. Closing the
+        iterator (`aclose()`) early cancels the generation."""
+        wrapped = inf.StreamChatCompletionRequest(request=chat_request(request))
+        return await self._t.stream(m.STREAM_CHAT_COMPLETION, wrapped, timeout=timeout)
+
+    async def embed(
+        self, request: EmbeddingRequest, *, timeout: float | None = None
+    ) -> inf.CreateEmbeddingResponse:
+        wrapped = inf.CreateEmbeddingRequest(request=embedding_request(request))
+        return await self._t.unary(m.CREATE_EMBEDDING, wrapped, timeout=timeout)
+
+    async def models(self, *, timeout: float | None = None) -> Sequence[inf.Model]:
+        response = await self._t.unary(m.LIST_MODELS, inf.ListModelsRequest(), timeout=timeout)
+        return tuple(response.data)
+
+
+class AsyncClient:
+    """`Client` for asyncio (grpc.aio): the same arguments (`sleep` is a coroutine function)
+    and sub-clients, every call awaited; lists are `async for` iterables. Use it as an async
+    context manager, or `await close()`; create and use it on one event loop."""
+
+    def __init__(
+        self,
+        *,
+        auth: str | None = None,
+        orchestrator: str | None = None,
+        inference: str | None = None,
+        security: PeerSecurity | None = None,
+        admin_key: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        endpoints = Endpoints(
+            {
+                m.Target.AUTH: auth,
+                m.Target.ORCHESTRATOR: orchestrator,
+                m.Target.INFERENCE: inference,
+            },
+            security if security is not None else operator_security(),
+            admin_key,
+        )
+        self._transport = AsyncTransport(
+            endpoints, timeout=timeout, retry=retry or RetryPolicy(), sleep=sleep
+        )
+        self.keys = AsyncKeys(self._transport)
+        self.deployments = AsyncDeployments(self._transport)
+        self.nodes = AsyncNodes(self._transport)
+        self.inference = AsyncInference(self._transport)
+
+    async def close(self) -> None:
+        """Closes the channels; later calls raise ConfigError."""
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -8,7 +8,8 @@
         for deployment in c.deployments.list():
             print(deployment.name, c.deployments.explain(deployment.name))
 
-- `Client` (blocking) and `AsyncClient` (grpc.aio) have the same sub-clients: `keys` (auth),
+- `Client` (blocking) and `AsyncClient` (grpc.aio) have the same sub-clients: `keys` and
+  `usage` (auth),
   `deployments` and `nodes` (orchestrator), `inference` (a replica process's
   `InferenceService`). They present an operator identity over mutual TLS
   (`operator_security()` unless given a `PeerSecurity`).
@@ -22,7 +23,8 @@
 - Errors are the platform's one error root, `InferplaneError` (re-exported here), rebuilt
   from the status: the class of the gRPC code, `grpc_code`, `http_status` (what the edge
   answers), OpenAI's `openai_type` / `code` / `param`, `message`, `reason` (ErrorInfo).
-- No usage queries yet: auth has no API to read usage back (a later change adds one).
+- `usage` reads the usage ledger (auth): request rows, or totals per hour, day, model, key or
+  tenant, filtered by time, key, tenant and model.
 """
 
 from inferplane.runtime import (
@@ -46,8 +48,9 @@ from inferplane.sdk._async_client import (
     AsyncInference,
     AsyncKeys,
     AsyncNodes,
+    AsyncUsage,
 )
-from inferplane.sdk._client import Client, Deployments, Inference, Keys, Nodes
+from inferplane.sdk._client import Client, Deployments, Inference, Keys, Nodes, Usage
 from inferplane.sdk._pages import AsyncPaged, Page, Paged
 from inferplane.sdk._requests import KeyWithSecret
 from inferplane.sdk._transport import RetryPolicy
@@ -60,6 +63,7 @@ __all__ = [
     "AsyncKeys",
     "AsyncNodes",
     "AsyncPaged",
+    "AsyncUsage",
     "Client",
     "ConfigError",
     "DeadlineExceededError",
@@ -81,4 +85,5 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "Usage",
 ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
 from types import TracebackType
 
-from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.runtime.identity import PeerSecurity, operator_security
@@ -23,6 +24,7 @@ from inferplane.sdk._requests import (
     key_name,
     mask,
     node_name,
+    usage_query,
 )
 from inferplane.sdk._transport import AsyncTransport, Endpoints, RetryPolicy
 
@@ -224,6 +226,58 @@ class AsyncInference:
         return tuple(response.data)
 
 
+class AsyncUsage:
+    """`Usage`, awaitable: the same methods, pages as `AsyncPaged`."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    def rows(
+        self,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        key: str = "",
+        tenant: str = "",
+        model: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> AsyncPaged[usage_pb2.UsageRow]:
+        async def fetch(token: str) -> Page[usage_pb2.UsageRow]:
+            request = usage_query(
+                start=start, end=end, key=key, tenant=tenant, model=model, group_by="",
+                page_size=page_size, page_token=token,
+            )  # fmt: skip
+            response = await self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
+            return Page(tuple(response.rows), response.next_page_token)
+
+        return AsyncPaged(fetch, page_token)
+
+    def groups(
+        self,
+        by: str,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        key: str = "",
+        tenant: str = "",
+        model: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> AsyncPaged[usage_pb2.UsageGroup]:
+        async def fetch(token: str) -> Page[usage_pb2.UsageGroup]:
+            request = usage_query(
+                start=start, end=end, key=key, tenant=tenant, model=model, group_by=by,
+                page_size=page_size, page_token=token,
+            )  # fmt: skip
+            response = await self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
+            return Page(tuple(response.groups), response.next_page_token)
+
+        return AsyncPaged(fetch, page_token)
+
+
 class AsyncClient:
     """`Client` for asyncio (grpc.aio): the same arguments (`sleep` is a coroutine function)
     and sub-clients, every call awaited; lists are `async for` iterables. Use it as an async
@@ -256,6 +310,7 @@ class AsyncClient:
         self.keys = AsyncKeys(self._transport)
         self.deployments = AsyncDeployments(self._transport)
         self.nodes = AsyncNodes(self._transport)
+        self.usage = AsyncUsage(self._transport)
         self.inference = AsyncInference(self._transport)
 
     async def close(self) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
+from datetime import datetime
 from types import TracebackType
 
-from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.runtime.identity import PeerSecurity, operator_security
@@ -23,6 +24,7 @@ from inferplane.sdk._requests import (
     key_name,
     mask,
     node_name,
+    usage_query,
 )
 from inferplane.sdk._transport import Endpoints, RetryPolicy, SyncTransport
 
@@ -262,8 +264,71 @@ class Inference:
         return tuple(self._t.unary(m.LIST_MODELS, inf.ListModelsRequest(), timeout=timeout).data)
 
 
+class Usage:
+    """The usage ledger (auth's `UsageLedgerService`; the client needs `auth` and
+    `admin_key`): one row per finished request, or totals per hour, day, model, key or tenant.
+    Filters: requests that ended in [`start`, `end`) (timezone-aware; None: unbounded), and
+    exact `key` (id or `api-keys/{id}`), `tenant`, `model` when set. `timeout` is per page."""
+
+    def __init__(self, transport: SyncTransport) -> None:
+        self._t = transport
+
+    def rows(
+        self,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        key: str = "",
+        tenant: str = "",
+        model: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Paged[usage_pb2.UsageRow]:
+        """Requests oldest first, lazily page by page (`page_size` 0: the server's 100)."""
+
+        def fetch(token: str) -> Page[usage_pb2.UsageRow]:
+            request = usage_query(
+                start=start, end=end, key=key, tenant=tenant, model=model, group_by="",
+                page_size=page_size, page_token=token,
+            )  # fmt: skip
+            response = self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
+            return Page(tuple(response.rows), response.next_page_token)
+
+        return Paged(fetch, page_token)
+
+    def groups(
+        self,
+        by: str,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        key: str = "",
+        tenant: str = "",
+        model: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Paged[usage_pb2.UsageGroup]:
+        """Totals per group (`by`: "hour", "day", "model", "key" or "tenant"), in group order.
+
+        Raises:
+            InvalidArgumentError: another `by` (from the server).
+        """
+
+        def fetch(token: str) -> Page[usage_pb2.UsageGroup]:
+            request = usage_query(
+                start=start, end=end, key=key, tenant=tenant, model=model, group_by=by,
+                page_size=page_size, page_token=token,
+            )  # fmt: skip
+            response = self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
+            return Page(tuple(response.groups), response.next_page_token)
+
+        return Paged(fetch, page_token)
+
+
 class Client:
-    """The blocking SDK: `keys`, `deployments`, `nodes` and `inference` sub-clients.
+    """The blocking SDK: `keys`, `deployments`, `nodes`, `usage` and `inference` sub-clients.
 
     Args:
         auth, orchestrator, inference: `host:port` of each service; a sub-client whose
@@ -313,6 +378,7 @@ class Client:
         self.keys = Keys(self._transport)
         self.deployments = Deployments(self._transport)
         self.nodes = Nodes(self._transport)
+        self.usage = Usage(self._transport)
         self.inference = Inference(self._transport)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 from google.protobuf import message as _message
 
-from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 
@@ -73,7 +73,7 @@ def _method(
 
 
 _A, _O, _I = Target.AUTH, Target.ORCHESTRATOR, Target.INFERENCE
-auth, orch, inf = auth_pb2, orchestrator_pb2, inference_pb2
+auth, orch, inf, usage = auth_pb2, orchestrator_pb2, inference_pb2, usage_pb2
 
 # -- inferplane.auth.v1.ApiKeyService ----------------------------------------------------------
 CREATE_API_KEY = _method(
@@ -110,6 +110,13 @@ ROTATE_API_KEY = _method(
     _A, auth, "ApiKeyService", "RotateApiKey",
     auth.RotateApiKeyRequest, auth.RotateApiKeyResponse,
     retry=False,  # each call issues a new secret and ends the one a lost answer carried
+)  # fmt: skip
+
+# -- inferplane.auth.v1.UsageLedgerService ---------------------------------------------------
+QUERY_USAGE = _method(
+    _A, usage, "UsageLedgerService", "QueryUsage",
+    usage.QueryUsageRequest, usage.QueryUsageResponse,
+    retry=True,  # a read
 )  # fmt: skip
 
 # -- inferplane.orchestrator.v1.DeploymentService ----------------------------------------------

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from google.protobuf import field_mask_pb2, json_format
 
-from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.runtime import InvalidArgumentError
@@ -80,3 +81,36 @@ def create_deployment_request(
     return orchestrator_pb2.CreateDeploymentRequest(
         deployment_id=deployment_id, deployment=deployment, validate_only=validate_only
     )
+
+
+def usage_query(
+    *,
+    start: datetime | None,
+    end: datetime | None,
+    key: str,
+    tenant: str,
+    model: str,
+    group_by: str,
+    page_size: int,
+    page_token: str,
+) -> usage_pb2.QueryUsageRequest:
+    """A `QueryUsageRequest` (times timezone-aware; `key` an id or `api-keys/{id}`).
+
+    Raises:
+        ValueError: a naive `start` or `end` (its zone would be a guess).
+    """
+    request = usage_pb2.QueryUsageRequest(
+        key_id=key.removeprefix("api-keys/"),
+        tenant=tenant,
+        model=model,
+        group_by=group_by,
+        page_size=page_size,
+        page_token=page_token,
+    )
+    for field, value in (("start_time", start), ("end_time", end)):
+        if value is None:
+            continue
+        if value.tzinfo is None:
+            raise ValueError(f"{field.removesuffix('_time')} must be timezone-aware")
+        getattr(request, field).FromDatetime(value)
+    return request

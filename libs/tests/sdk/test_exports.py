@@ -13,6 +13,7 @@ EXPORTS = {
     "AsyncKeys",
     "AsyncNodes",
     "AsyncPaged",
+    "AsyncUsage",
     "Client",
     "ConfigError",
     "DeadlineExceededError",
@@ -34,6 +35,7 @@ EXPORTS = {
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "Usage",
 }
 
 

@@ -227,6 +227,13 @@ def test_reports_land_in_the_ledger_once_with_what_the_router_knew(auth: Any) ->
             usage_pb2.QueryUsageRequest(group_by="week"), metadata=auth.admin_md(), timeout=5
         )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:  # only admins read the ledger
+        ledger.QueryUsage(usage_pb2.QueryUsageRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    secret, _ = _key(auth)
+    with pytest.raises(grpc.RpcError) as info:
+        ledger.QueryUsage(usage_pb2.QueryUsageRequest(), metadata=auth.admin_md(secret), timeout=5)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_a_spent_monthly_budget_is_insufficient_quota_until_the_month_ends(auth: Any) -> None:
@@ -255,3 +262,53 @@ def test_a_spent_monthly_budget_is_insufficient_quota_until_the_month_ends(auth:
         auth_pb2.GetApiKeyRequest(name=f"api-keys/{key_id}"), metadata=auth.admin_md()
     )
     assert got.api_key.limits.monthly_token_budget == 100
+
+
+# --- inferplane usage ----------------------------------------------------------------------
+
+
+def _cli(auth: Any, *args: str) -> Any:
+    from typer.testing import CliRunner
+
+    from inferplane.auth.usage_cli import app
+
+    env = {
+        "INFERPLANE_ADMIN_KEY": auth.admin_key,
+        "COLUMNS": "250",
+        "INFERPLANE_PLAINTEXT": "1",  # the test service runs plaintext
+    }
+    return CliRunner().invoke(
+        app, [*args, "--address", f"127.0.0.1:{auth.server.port}"], env=env, catch_exceptions=False
+    )
+
+
+def test_the_usage_cli_prints_rows_and_totals_as_table_csv_and_json(auth: Any) -> None:
+    _, key_id = _key(auth, tenant="acme")
+    _report(auth, *(_usage(key_id, f"cli-{n}", 10 + n, deployment="kimi-tiny") for n in range(3)))
+    table = _cli(auth)
+    assert table.exit_code == 0, table.output
+    assert all(f"cli-{n}" in table.output for n in range(3)) and "kimi-tiny" in table.output
+    rows = _cli(auth, "--format", "csv", "--tenant", "acme")
+    lines = rows.output.strip().splitlines()
+    assert lines[0].startswith("end_time,request_id,key_id,tenant") and len(lines) == 4
+    grouped = _cli(auth, "--group-by", "key", "--format", "json")
+    assert grouped.exit_code == 0, grouped.output
+    (total,) = [json.loads(line) for line in grouped.output.splitlines()]
+    assert total["group"] == key_id and total["requests"] == "3"  # uint64 as JSON text
+    assert int(total["prompt_tokens"]) + int(total["completion_tokens"]) == 33
+    assert _cli(auth, "--limit", "1", "--format", "csv").output.count("cli-") == 1
+    bad = _cli(auth, "--group-by", "week")
+    assert bad.exit_code == 1 and "INVALID_ARGUMENT" in bad.output
+    since = _cli(auth, "--since", "not-a-time")
+    assert since.exit_code == 2
+
+
+def test_time_arguments() -> None:
+    from inferplane.auth.usage_cli import parse_time
+
+    now = datetime(2026, 11, 26, 12, tzinfo=UTC)
+    assert parse_time("", now) is None
+    assert parse_time("24h", now) == datetime(2026, 11, 25, 12, tzinfo=UTC)
+    assert parse_time("7d", now) == datetime(2026, 11, 19, 12, tzinfo=UTC)
+    assert parse_time("2026-11-01", now) == datetime(2026, 11, 1, tzinfo=UTC)
+    assert parse_time("2026-11-01T02:00:00+02:00", now) == datetime(2026, 11, 1, tzinfo=UTC)

@@ -133,6 +133,12 @@ class AuthComponents:
         """The runtime `App` serving ApiKeyService, Authorization and UsageService."""
         usage = self.usage_service()
         slots = self.slot_service()
+        api_keys = ApiKeyService(
+            self.manager,
+            self.verifier,
+            self.clock,
+            trust_edge_headers=self.settings.trust_edge_headers,
+        )
         return App(
             component="auth",
             registry=self.registry,
@@ -152,12 +158,7 @@ class AuthComponents:
             servicers=[
                 ServicerBinding(
                     "inferplane.auth.v1.ApiKeyService",
-                    ApiKeyService(
-                        self.manager,
-                        self.verifier,
-                        self.clock,
-                        trust_edge_headers=self.settings.trust_edge_headers,
-                    ),
+                    api_keys,
                     auth_pb2_grpc.add_ApiKeyServiceServicer_to_server,
                 ),
                 ServicerBinding(
@@ -169,7 +170,7 @@ class AuthComponents:
                     [
                         ServicerBinding(
                             "inferplane.auth.v1.UsageLedgerService",
-                            UsageLedgerService(self.ledger),
+                            UsageLedgerService(self.ledger, api_keys.admin),
                             usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
                         )
                     ]

@@ -257,8 +257,14 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
         self._clock = clock
         self._trust_edge_headers = trust_edge_headers
 
-    async def _admin(self, context: Context) -> str:
-        """The key id of the admin making the call."""
+    async def admin(self, context: Context, what: str = "manage API keys") -> str:
+        """The key id of the admin making the call (the edge's forwarded scopes, or a direct
+        caller's bearer key); `what` names the operation in the refusal.
+
+        Raises:
+            UnauthenticatedError: a direct caller without a valid key.
+            PermissionDeniedError: a key without the admin scope.
+        """
         metadata: Mapping[str, str | bytes] = dict(context.invocation_metadata() or ())
         if (
             self._trust_edge_headers
@@ -269,7 +275,7 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
             scopes = str(metadata[HEADER_SCOPES]).split(",")
             if SCOPE_ADMIN not in (s.strip() for s in scopes):
                 raise PermissionDeniedError(
-                    "This API key lacks the 'admin' scope needed to manage API keys.",
+                    f"This API key lacks the 'admin' scope needed to {what}.",
                     code="insufficient_scope",
                 )
             return str(metadata.get(HEADER_KEY_ID, ""))
@@ -277,7 +283,7 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
         principal = await self._verifier.verify(parse_bearer(str(raw) if raw else None))
         if SCOPE_ADMIN not in principal.scopes:
             raise PermissionDeniedError(
-                "This API key lacks the 'admin' scope needed to manage API keys.",
+                f"This API key lacks the 'admin' scope needed to {what}.",
                 code="insufficient_scope",
             )
         return principal.key_id
@@ -285,7 +291,7 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     async def CreateApiKey(
         self, request: auth_pb2.CreateApiKeyRequest, context: Context
     ) -> auth_pb2.CreateApiKeyResponse:
-        actor = await self._admin(context)
+        actor = await self.admin(context)
         if not request.HasField("api_key"):
             raise InvalidArgumentError("api_key is required", param="api_key")
         key, secret = await self._manager.create(spec_from_proto(request.api_key), actor)
@@ -296,14 +302,14 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     async def GetApiKey(
         self, request: auth_pb2.GetApiKeyRequest, context: Context
     ) -> auth_pb2.GetApiKeyResponse:
-        await self._admin(context)
+        await self.admin(context)
         key = await self._manager.get(_key_id(request.name))
         return auth_pb2.GetApiKeyResponse(api_key=key_to_proto(key, self._clock.now()))
 
     async def ListApiKeys(
         self, request: auth_pb2.ListApiKeysRequest, context: Context
     ) -> auth_pb2.ListApiKeysResponse:
-        await self._admin(context)
+        await self.admin(context)
         page = await self._manager.list_keys(
             page_size=request.page_size,
             page_token=request.page_token,
@@ -319,7 +325,7 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     async def UpdateApiKey(
         self, request: auth_pb2.UpdateApiKeyRequest, context: Context
     ) -> auth_pb2.UpdateApiKeyResponse:
-        actor = await self._admin(context)
+        actor = await self.admin(context)
         if not request.HasField("api_key"):
             raise InvalidArgumentError("api_key is required", param="api_key")
         key_id = _key_id(request.api_key.name, "api_key.name")
@@ -330,21 +336,21 @@ class ApiKeyService(auth_pb2_grpc.ApiKeyServiceServicer):  # type: ignore[misc]
     async def RevokeApiKey(
         self, request: auth_pb2.RevokeApiKeyRequest, context: Context
     ) -> auth_pb2.RevokeApiKeyResponse:
-        actor = await self._admin(context)
+        actor = await self.admin(context)
         key = await self._manager.revoke(_key_id(request.name), actor)
         return auth_pb2.RevokeApiKeyResponse(api_key=key_to_proto(key, self._clock.now()))
 
     async def DeleteApiKey(
         self, request: auth_pb2.DeleteApiKeyRequest, context: Context
     ) -> auth_pb2.DeleteApiKeyResponse:
-        actor = await self._admin(context)
+        actor = await self.admin(context)
         await self._manager.delete(_key_id(request.name), actor)
         return auth_pb2.DeleteApiKeyResponse()
 
     async def RotateApiKey(
         self, request: auth_pb2.RotateApiKeyRequest, context: Context
     ) -> auth_pb2.RotateApiKeyResponse:
-        actor = await self._admin(context)
+        actor = await self.admin(context)
         key, secret = await self._manager.rotate(
             _key_id(request.name), timedelta(seconds=request.grace_period_seconds), actor
         )

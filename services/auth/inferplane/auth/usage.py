@@ -27,7 +27,7 @@ import collections
 import hmac
 import ipaddress
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -280,16 +280,25 @@ class UsageLedgerService(usage_pb2_grpc.UsageLedgerServiceServicer):  # type: ig
     """inferplane.auth.v1.UsageLedgerService: reads the usage ledger (admin scope: the edge's
     `/v1/admin/usage`, whose Check requires it, or an operator's CLI).
 
-    Errors: INVALID_ARGUMENT for a bad grouping, page size, page token or an end before the
-    start; UNAVAILABLE when the database is unreachable.
+    Args:
+        admin: checks the caller is an admin (`ApiKeyService.admin`: the edge's forwarded
+            scopes, or a direct caller's admin key).
+
+    Errors: UNAUTHENTICATED / PERMISSION_DENIED for a caller who is not an admin;
+    INVALID_ARGUMENT for a bad grouping, page size, page token or an end before the start;
+    UNAVAILABLE when the database is unreachable.
     """
 
-    def __init__(self, ledger: SqlUsageLedger) -> None:
+    def __init__(
+        self, ledger: SqlUsageLedger, admin: Callable[[Context, str], Awaitable[str]]
+    ) -> None:
         self._ledger = ledger
+        self._admin = admin
 
     async def QueryUsage(
         self, request: usage_pb2.QueryUsageRequest, context: Context
     ) -> usage_pb2.QueryUsageResponse:
+        await self._admin(context, "read usage")
         start = request.start_time.ToDatetime(UTC) if request.HasField("start_time") else None
         end = request.end_time.ToDatetime(UTC) if request.HasField("end_time") else None
         if start is not None and end is not None and end <= start:

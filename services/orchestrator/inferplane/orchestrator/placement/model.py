@@ -123,15 +123,17 @@ class Slot:
 
 
 class NodeSlots:
-    """The slots of one schedulable node; `rank` is its position in name order."""
+    """The slots of one schedulable node; `rank` is its position in name order, `positions`
+    maps a slot's device index (-1 for host memory) to its position in `slots`."""
 
-    __slots__ = ("accelerator", "name", "rank", "slots")
+    __slots__ = ("accelerator", "name", "positions", "rank", "slots")
 
     def __init__(self, name: str, rank: int, accelerator: Accelerator, slots: list[Slot]) -> None:
         self.name = name
         self.rank = rank
         self.accelerator = accelerator
         self.slots = slots  # GPU slots in index order, or the one host-memory slot
+        self.positions = {slot.index: pos for pos, slot in enumerate(slots)}
 
 
 class Ledger:

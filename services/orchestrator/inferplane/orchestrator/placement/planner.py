@@ -4,7 +4,9 @@
    `catalog.sizing.estimate`.
 2. A previous placement is kept when its node is still Ready and schedulable, its devices are
    still placeable, and the (possibly new) demand still fits there: placements are stable, a
-   replica moves only when it must. Kept placements are applied in replica-id order.
+   replica moves only when it must. Kept placements are applied in (deployment id, ordinal)
+   order. After a node is lost, only its replicas reach the policy: every other placement is
+   kept as the same value.
 3. The policy places the rest on what is left (`Ledger`).
 4. Each replica that stays unplaced gets the exact reason (`diagnose`), computed once per
    deployment against the final ledger.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 
 from inferplane.orchestrator.catalog.model import Accelerator, Deployment, DeploymentProfile
 from inferplane.orchestrator.catalog.sizing import (
@@ -57,20 +60,6 @@ def cpu_capacity(node: Node, sizing: SizingPolicy) -> int:
     return int(node.memory_bytes * sizing.cpu_usable_memory_fraction)
 
 
-def requests_for(deployments: Iterable[Deployment], sizing: SizingPolicy) -> list[ReplicaRequest]:
-    """One request per desired replica, in (deployment id, ordinal) order."""
-    requests: list[ReplicaRequest] = []
-    for deployment in sorted(deployments, key=lambda d: d.deployment_id):
-        est = estimate(deployment.profile, sizing)
-        for ordinal, replica_id in enumerate(deployment.replica_ids()):
-            requests.append(
-                ReplicaRequest(
-                    replica_id, deployment.deployment_id, ordinal, deployment.revision, est
-                )
-            )
-    return requests
-
-
 def plan(
     deployments: Iterable[Deployment],
     nodes: Sequence[Node],
@@ -78,17 +67,36 @@ def plan(
     policy: PlacementPolicy,
     sizing: SizingPolicy,
 ) -> PlacementPlan:
-    """The placement plan (deterministic for equal inputs; see the module docstring)."""
+    """The placement plan (deterministic for equal inputs; see the module docstring).
+
+    Cost: one pass over the desired replicas keeps the previous placements that still fit (a
+    few look-ups and a ledger reservation each), then the policy places the rest only: a
+    re-plan after one node of 10,000 is lost places just that node's replicas
+    (`bench/placement_scale.py`).
+    """
     ledger = build_ledger(nodes, sizing)
     counts: dict[tuple[str, str], int] = {}
     kept: list[Placement] = []
     to_place: list[ReplicaRequest] = []
-    for request in requests_for(deployments, sizing):
-        placement = _keep(request, previous.get(request.replica_id), ledger, counts)
-        if placement is None:
-            to_place.append(request)
-        else:
-            kept.append(placement)
+    for deployment in sorted(deployments, key=attrgetter("deployment_id")):
+        est = estimate(deployment.profile, sizing)
+        on_node: dict[str, int] = {}  # this deployment's kept replicas per node
+        for ordinal, replica_id in enumerate(deployment.replica_ids()):
+            before = previous.get(replica_id)
+            placement = (
+                None if before is None else _keep(before, deployment, est, ordinal, ledger, on_node)
+            )
+            if placement is None:
+                to_place.append(
+                    ReplicaRequest(
+                        replica_id, deployment.deployment_id, ordinal, deployment.revision, est
+                    )
+                )
+            else:
+                kept.append(placement)
+        for name, count in on_node.items():
+            key = (deployment.deployment_id, name)
+            counts[key] = counts.get(key, 0) + count
     result = policy.place(to_place, ledger, counts)
     reasons: dict[str, str] = {}
     unplaced: list[Unplaced] = []
@@ -99,46 +107,56 @@ def plan(
             Unplaced(request.replica_id, request.deployment_id, reasons[request.deployment_id])
         )
     return PlacementPlan(
-        placements=tuple(sorted((*kept, *result.placements), key=lambda p: p.replica_id)),
-        unplaced=tuple(sorted(unplaced, key=lambda u: u.replica_id)),
+        placements=tuple(sorted((*kept, *result.placements), key=attrgetter("replica_id"))),
+        unplaced=tuple(sorted(unplaced, key=attrgetter("replica_id"))),
         policy=policy.name,
     )
 
 
 def _keep(
-    request: ReplicaRequest,
-    previous: Placement | None,
+    previous: Placement,
+    deployment: Deployment,
+    est: MemoryEstimate,
+    ordinal: int,
     ledger: Ledger,
-    counts: dict[tuple[str, str], int],
+    on_node: dict[str, int],
 ) -> Placement | None:
-    if previous is None or previous.accelerator is not request.estimate.accelerator:
+    """Replica `ordinal` of `deployment` where `previous` put it, reserved on the ledger and
+    counted in `on_node`: `previous` itself when nothing changed, a KEPT placement for a new
+    revision or demand that still fits there, or None when it must move."""
+    if previous.accelerator is not est.accelerator:
         return None
     node = ledger.by_name.get(previous.node)
     if node is None:  # gone, NotReady, draining or cordoned
         return None
+    indices = previous.gpu_indices
     if node.accelerator is Accelerator.CPU:
         positions = [0]
+    elif len(indices) == 1:  # the common case, without a comprehension
+        positions = [node.positions.get(indices[0], -1)]
     else:
-        by_index = {slot.index: pos for pos, slot in enumerate(node.slots)}
-        if not all(i in by_index for i in previous.gpu_indices):
-            return None
-        positions = [by_index[i] for i in previous.gpu_indices]
-    need = request.bytes_per_device
-    if len(positions) != request.devices or any(node.slots[p].free < need for p in positions):
+        positions = [node.positions.get(i, -1) for i in indices]
+    if -1 in positions:  # that GPU is gone, unhealthy or partitioned now
+        return None
+    need = est.bytes_per_device
+    slots = node.slots
+    if len(positions) != est.devices or min([slots[p].free for p in positions]) < need:
         return None
     ledger.reserve(node, positions, need)
-    key = (request.deployment_id, node.name)
-    counts[key] = counts.get(key, 0) + 1
-    unchanged = previous.revision == request.revision and previous.memory_bytes_per_device == need
-    if unchanged:
+    count = on_node.get(node.name, 0) + 1
+    on_node[node.name] = count
+    if previous.revision == deployment.revision and previous.memory_bytes_per_device == need:
         return previous
+    request = ReplicaRequest(
+        previous.replica_id, deployment.deployment_id, ordinal, deployment.revision, est
+    )
     return make_placement(
         request,
         node,
         positions,
         decision=Decision.KEPT,
-        free_before=min(node.slots[p].free for p in positions) + need,
-        spread_rank=counts[key],
+        free_before=min([slots[p].free for p in positions]) + need,
+        spread_rank=count,
     )
 
 

@@ -6,6 +6,7 @@
     with EnvoyProcess.from_config(config, data_dir):  # started, LIVE; stopped on exit
         ...
     build_xds_resources(config)                       # the same edge for an ADS server
+    known_request_fields(config.descriptor_set, config.services)  # the field guard's tables
 
 Design and measurements: notes/envoy_edge_probe.md; the Lua filters live in `lua/`.
 """
@@ -19,6 +20,15 @@ from inferplane.edge._config import (
     load_descriptor_set,
 )
 from inferplane.edge._errors import EdgeConfigError, EdgeError, EnvoyStartError
+from inferplane.edge._fields import (
+    BodyRoute,
+    FieldKind,
+    KnownFields,
+    Nested,
+    known_request_fields,
+    render_lua_tables,
+    template_lua_pattern,
+)
 from inferplane.edge._process import EnvoyProcess, envoy_binary, validate_bootstrap
 from inferplane.edge._resources import (
     AUTH_CLUSTER,
@@ -71,13 +81,17 @@ __all__ = [
     "ROUTE_CONFIG_NAME",
     "ROUTE_TYPE",
     "SERVED_KEY",
+    "BodyRoute",
     "EdgeConfig",
     "EdgeConfigError",
     "EdgeError",
     "Endpoint",
     "EnvoyProcess",
     "EnvoyStartError",
+    "FieldKind",
+    "KnownFields",
     "MiB",
+    "Nested",
     "build_ads_bootstrap",
     "build_bootstrap",
     "build_clusters",
@@ -90,11 +104,14 @@ __all__ = [
     "build_route_config",
     "build_xds_resources",
     "envoy_binary",
+    "known_request_fields",
     "load_descriptor_set",
     "lua_source",
     "prune_descriptor_set",
     "render_ads_bootstrap",
+    "render_lua_tables",
     "render_static_bootstrap",
+    "template_lua_pattern",
     "to_proto",
     "validate_bootstrap",
 ]

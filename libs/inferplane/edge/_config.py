@@ -15,6 +15,7 @@ MiB = 1024 * 1024
 DEFAULT_SERVICES: tuple[str, ...] = (
     "inferplane.inference.v1.InferenceService",
     "inferplane.auth.v1.ApiKeyService",
+    "inferplane.auth.v1.UsageLedgerService",
 )
 
 

@@ -23,6 +23,7 @@ from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.message import Message
 
 from inferplane.edge._config import EdgeConfig, Endpoint
+from inferplane.edge._fields import known_request_fields, render_lua_tables
 
 Resource = dict[str, Any]
 
@@ -91,6 +92,7 @@ FILTER_ORDER: tuple[str, ...] = (
     "envoy.filters.http.ext_authz",
     "envoy.filters.http.json_to_metadata",
     "inferplane.stream_router",
+    "inferplane.field_guard",
     "envoy.filters.http.grpc_json_transcoder",
     "envoy.filters.http.ext_proc",
     "inferplane.picker_guard",
@@ -112,8 +114,8 @@ def _duration(seconds: float) -> str:
 
 
 def lua_source(name: str) -> str:
-    """The Lua filter source `name` (`error_shaper`, `auth_failure_guard`, `stream_router` or
-    `picker_guard`) shipped with the package."""
+    """The Lua filter source `name` (`error_shaper`, `auth_failure_guard`, `stream_router`,
+    `field_guard` or `picker_guard`) shipped with the package, before any substitution."""
     return resources.files("inferplane.edge").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
@@ -226,12 +228,14 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
     invalid = "invalid_request_error"
     mappers = [
         _mapper({"and_filter": {"filters": [_UAEX, _status_filter("LE", 499)]}}, None),
-        # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`)
-        # and the picker guard's 503 already carry OpenAI's body: pass them through.
+        # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`),
+        # the picker guard's 503 and the field guard's 400 already carry OpenAI's body: pass
+        # them through.
         _mapper(
             _cel(
                 "response.code_details.startsWith('picker_') || "
-                "(response.code_details == 'lua_response' && response.code == 503)"
+                "(response.code_details == 'lua_response' && "
+                "(response.code == 503 || response.code == 400))"
             ),
             None,
         ),
@@ -312,7 +316,9 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     keeps failing authentication before auth is asked again; ext_authz rejects bad keys before
     json_to_metadata buffers the body; the stream router reads the metadata json_to_metadata
     wrote and rewrites `:path` before the transcoder picks the gRPC method (probe notes §1
-    variant B, recipe 1).
+    variant B, recipe 1); the field guard then turns away bodies with keys the transcoder would
+    drop (400 naming the key, as OpenAI does; tables from `known_request_fields` over the same
+    descriptor set), on the body json_to_metadata already buffered.
     """
     descriptor = prune_descriptor_set(config.descriptor_set, config.services)
     error_shaper = lua_source("error_shaper").replace(
@@ -322,6 +328,10 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
         lua_source("auth_failure_guard")
         .replace("__AUTH_FAILURE_LIMIT__", str(config.auth_failure_limit))
         .replace("__AUTH_FAILURE_WINDOW__", str(config.auth_failure_window_s))
+    )
+    field_guard = lua_source("field_guard").replace(
+        "__FIELD_TABLES__",
+        render_lua_tables(known_request_fields(descriptor, config.services)),
     )
     metadata_target = {"metadata_namespace": METADATA_NAMESPACE, "key": "stream"}
     return [
@@ -385,6 +395,13 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
             "typed_config": {
                 "@type": _LUA,
                 "default_source_code": {"inline_string": lua_source("stream_router")},
+            },
+        },
+        {
+            "name": "inferplane.field_guard",
+            "typed_config": {
+                "@type": _LUA,
+                "default_source_code": {"inline_string": field_guard},
             },
         },
         {

@@ -2,7 +2,8 @@
 
 - `FakeInference`: `inference.v1.InferenceService` with canned answers chosen by `model`
   (errors raised through the runtime's real trailer contract, `error_trailers`).
-- `FakeAuthz`: Envoy ext_authz `Check` (accepts `Bearer good`) plus `ApiKeyService.ListApiKeys`,
+- `FakeAuthz`: Envoy ext_authz `Check` (accepts `Bearer good`) plus `ApiKeyService.ListApiKeys`
+  and `CreateApiKey` (records the key it was given),
   with a `mode` switch: "ok", "slow" (past the edge's authz timeout), "error" (UNAVAILABLE).
 """
 
@@ -75,12 +76,14 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class Call:
-    """One RPC the fake served: method name, request model, metadata, request size in bytes."""
+    """One RPC the fake served: method name, request model, metadata, request size in bytes,
+    and the OpenAI request body message as the transcoder built it (None for ListModels)."""
 
     method: str
     model: str
     metadata: dict[str, str]
     request_bytes: int
+    body: Any = None
 
 
 def _sse(obj: dict[str, Any] | str) -> httpbody_pb2.HttpBody:
@@ -102,7 +105,7 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
         model = request.request.model if request.HasField("request") else ""
         metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         with self._lock:
-            self.calls.append(Call(method, model, metadata, request.ByteSize()))
+            self.calls.append(Call(method, model, metadata, request.ByteSize(), request.request))
         if model == "crash":
             raise RuntimeError(CRASH_SECRET)
         error = ERRORS.get(model)
@@ -208,6 +211,18 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
             yield _sse({**base, "choices": [choice]})
         yield _sse("[DONE]")
 
+    def CreateEmbedding(self, request: Any, context: grpc.ServicerContext) -> Any:
+        model = self._enter("CreateEmbedding", request, context)
+        vector = struct_pb2.Value(
+            list_value=struct_pb2.ListValue(values=[struct_pb2.Value(number_value=0.5)])
+        )
+        return pb.CreateEmbeddingResponse(
+            object="list",
+            data=[pb.Embedding(object="embedding", index=0, embedding=vector)],
+            model=model,
+            usage=pb.EmbeddingUsage(prompt_tokens=1, total_tokens=1),
+        )
+
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.calls.append(Call("ListModels", "", {}, 0))
         return pb.ListModelsResponse(
@@ -241,6 +256,7 @@ class FakeAuthz(external_auth_pb2_grpc.AuthorizationServicer, auth_pb2_grpc.ApiK
         self.mode = "ok"
         self.slow_s = slow_s
         self.checks = 0
+        self.created: list[Any] = []
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.checks += 1
@@ -265,6 +281,13 @@ class FakeAuthz(external_auth_pb2_grpc.AuthorizationServicer, auth_pb2_grpc.ApiK
                 headers_to_remove=["authorization"],
             ),
         )
+
+    def CreateApiKey(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.created.append(request.api_key)
+        key = auth_pb2.ApiKey()
+        key.CopyFrom(request.api_key)
+        key.name = "api-keys/k2"
+        return auth_pb2.CreateApiKeyResponse(api_key=key, secret="ip-secret")
 
     def ListApiKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
         return auth_pb2.ListApiKeysResponse(

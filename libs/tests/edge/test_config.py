@@ -62,13 +62,17 @@ def test_public_api_is_pinned() -> None:
             "ROUTE_CONFIG_NAME",
             "ROUTE_TYPE",
             "SERVED_KEY",
+            "BodyRoute",
             "EdgeConfig",
             "EdgeConfigError",
             "EdgeError",
             "Endpoint",
             "EnvoyProcess",
             "EnvoyStartError",
+            "FieldKind",
+            "KnownFields",
             "MiB",
+            "Nested",
             "build_ads_bootstrap",
             "build_bootstrap",
             "build_clusters",
@@ -81,11 +85,14 @@ def test_public_api_is_pinned() -> None:
             "build_route_config",
             "build_xds_resources",
             "envoy_binary",
+            "known_request_fields",
             "load_descriptor_set",
             "lua_source",
             "prune_descriptor_set",
             "render_ads_bootstrap",
+            "render_lua_tables",
             "render_static_bootstrap",
+            "template_lua_pattern",
             "to_proto",
             "validate_bootstrap",
         ]
@@ -108,6 +115,7 @@ def test_transcoder_settings_the_openai_client_needs() -> None:
     assert transcoder["services"] == [
         "inferplane.inference.v1.InferenceService",
         "inferplane.auth.v1.ApiKeyService",
+        "inferplane.auth.v1.UsageLedgerService",
     ]
     fds = descriptor_pb2.FileDescriptorSet.FromString(
         base64.b64decode(transcoder["proto_descriptor_bin"])

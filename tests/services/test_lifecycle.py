@@ -57,7 +57,7 @@ def test_service_lifecycle(
     pki = tmp_path / "pki"
     ca = LocalCA.ensure(pki)
     for name in (service.replace("_", "-"), ADMIN):
-        ca.issue(name, ip_addresses=("127.0.0.1",))
+        ca.issue(name, dns_names=(name,), ip_addresses=("127.0.0.1",))
     prefix = f"INFERPLANE_{service.upper()}_"
     env = {
         **os.environ,

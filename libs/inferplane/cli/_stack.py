@@ -371,7 +371,8 @@ class Stack:
             leaves = {
                 name: ca.issue(
                     name,
-                    dns_names=("localhost",),
+                    # The identity itself too: peers dialled by address are checked by it.
+                    dns_names=("localhost", name),
                     ip_addresses=("127.0.0.1", "::1"),
                     days=cfg.tls_cert_days,
                 )

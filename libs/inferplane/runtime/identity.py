@@ -111,6 +111,16 @@ class PeerSecurity:
     def key_path(self) -> Path:
         return self._dir / f"{self.name}.key"
 
+    def server_options(self, identity: str) -> list[tuple[str, Any]]:
+        """Channel options that verify the server's certificate against its identity name
+        (`identity`: one of the names above) instead of the host it is dialled at: for peers
+        dialled by an address nobody can know when the certificate is issued (node-agents and
+        replica processes at their pod or node IP, a router's outcome address), so one
+        certificate per identity works on every node and no CA key has to sit on them. The
+        certificate must carry the identity as a DNS name (the stack and the Kubernetes
+        install issue them so). Empty in plaintext."""
+        return [("grpc.ssl_target_name_override", identity)] if self.mtls else []
+
     def named(self, name: str) -> PeerSecurity:
         """The same CA folder under another identity (a replica process uses its node-agent's)."""
         return dataclasses.replace(self, name=name)

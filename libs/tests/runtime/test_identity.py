@@ -35,7 +35,7 @@ class _Telemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignore[m
 def _pki(root: Path, *names: str) -> Path:
     ca = LocalCA.ensure(root)
     for name in names:
-        ca.issue(name, dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+        ca.issue(name, dns_names=("localhost", name), ip_addresses=("127.0.0.1",))
     return root
 
 
@@ -148,3 +148,32 @@ def test_a_service_needs_an_identity_or_the_explicit_plaintext_flag(tmp_path: Pa
     assert dataclasses.replace(ServiceSettings(), plaintext=True).security("node_agent").name == (
         "node-agent"
     )
+
+
+def test_a_peer_dialled_by_address_is_checked_against_its_identity(tmp_path: Path) -> None:
+    """`server_options(identity)`: the server's certificate must name that identity, whatever
+    address it was dialled at (one node-agent certificate serves every node): an address the
+    certificate does not name is accepted, the wrong identity is refused."""
+    root = tmp_path / "pki"
+    ca = LocalCA.ensure(root)
+    ca.issue("telemetry", dns_names=("telemetry",))  # no localhost, no IP
+    ca.issue("router", dns_names=("router",))
+    settings = ServiceSettings(tls_dir=root, port=0)
+
+    async def scenario() -> None:
+        server = RunningServer(_app(None), settings)
+        await server.start()
+        address = f"127.0.0.1:{server.port}"
+        client = PeerSecurity(root, "router")
+        try:
+            async with client.aio_channel(address) as ch:  # checked against 127.0.0.1
+                assert await _code(ch) == grpc.StatusCode.UNAVAILABLE
+            async with client.aio_channel(address, client.server_options("telemetry")) as ch:
+                assert await _code(ch) == grpc.StatusCode.OK
+            async with client.aio_channel(address, client.server_options("router")) as ch:
+                assert await _code(ch) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
+    assert PeerSecurity.plaintext().server_options("router") == []

@@ -58,7 +58,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     directory = tmp_path_factory.mktemp("pki")
     ca = LocalCA.ensure(directory)
     for name in ("auth", "orchestrator", NODE_AGENT, ADMIN, ROUTER, EDGE):
-        ca.issue(name, ip_addresses=("127.0.0.1",))
+        ca.issue(name, dns_names=(name,), ip_addresses=("127.0.0.1",))
     return Pki(directory)
 
 

@@ -30,7 +30,7 @@ def test_identities_and_forged_headers(tmp_path: Path, make_settings: Any, start
     pki = tmp_path / "pki"
     ca = LocalCA.ensure(pki)
     for name in ("auth", EDGE, ROUTER, ADMIN):
-        ca.issue(name, ip_addresses=("127.0.0.1",))
+        ca.issue(name, dns_names=(name,), ip_addresses=("127.0.0.1",))
     with start_auth(make_settings(tmp_path / "auth", tls_dir=pki)) as auth:
         address = f"127.0.0.1:{auth.server.port}"
         listing = auth_pb2.ListApiKeysRequest()

@@ -71,7 +71,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
 log = structlog.get_logger("inferplane.node_agent.engine")
 
@@ -197,7 +197,9 @@ class ReplicaProcessClient:
     ) -> None:
         self.address = address
         self._timeout = timeout_seconds
-        self._channel = (security or PeerSecurity.plaintext()).aio_channel(address)
+        security = security or PeerSecurity.plaintext()
+        # A replica process presents its node-agent's identity, at an address of this node.
+        self._channel = security.aio_channel(address, security.server_options(NODE_AGENT))
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._control = replica_pb2_grpc.ReplicaProcessServiceStub(self._channel)
 

@@ -50,7 +50,7 @@ from inferplane.runtime import (
     grpc_options,
 )
 from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ORCHESTRATOR, PeerPolicy
+from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ORCHESTRATOR, ROUTER, PeerPolicy
 from inferplane.runtime.metrics_http import ScrapedMetrics, serve_text_metrics
 
 log = structlog.get_logger("inferplane.node_agent.replica")
@@ -127,7 +127,9 @@ class ReplicaProcess:
         self.outcomes = OutcomeReporter(
             self.registry,
             OutcomeReporterSettings(security=self.security),
-            channel_options=grpc_options(settings),
+            # Pickers are reached at the address they put in the request (a pod IP): their
+            # certificate is checked against the router identity.
+            channel_options=[*grpc_options(settings), *self.security.server_options(ROUTER)],
         )
         self.inference = InferenceServicer(
             self.state,

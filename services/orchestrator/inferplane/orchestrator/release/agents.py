@@ -17,7 +17,7 @@ from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
 REPLICA_METADATA_KEY = "x-inferplane-replica"
 """Pins a request to one replica on a node-agent (the node-agent's pipeline reads it)."""
@@ -79,7 +79,11 @@ class GrpcNodeAgents:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = self._security.aio_channel(address)
+            # Node-agents are dialled at their node's address: their certificate is checked
+            # against the node-agent identity, not that address.
+            channel = self._channels[address] = self._security.aio_channel(
+                address, self._security.server_options(NODE_AGENT)
+            )
         return channel
 
     def _agent(self, address: str) -> nodeagent_pb2_grpc.NodeAgentServiceStub:

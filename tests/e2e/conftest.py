@@ -17,7 +17,13 @@ from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
 OWN_STACK_MODULES = frozenset(
-    {"test_two_replicas.py", "test_chaos.py", "test_edge_tls.py", "test_embeddings.py"}
+    {
+        "test_two_replicas.py",
+        "test_chaos.py",
+        "test_edge_tls.py",
+        "test_embeddings.py",
+        "test_catalogue.py",
+    }
 )
 
 

@@ -1,12 +1,28 @@
-"""Chat rendering for Kimi-format models (issue 3 §1): an OpenAI chat request → the prompt.
+"""Chat rendering (issue 3 §1, issue 19): an OpenAI chat request → the prompt of the model's
+own chat template, prepared as the model's family wants it (Kimi K2, Qwen3, DeepSeek-V3.1,
+GLM-4.5, or none).
 
 Pure Python (no grpc); transformers and jinja2 are only touched through the tokenizer given.
 
-    from inferplane.chat import render_chat
-    prompt = render_chat(request_json, tokenizer)   # RenderedPrompt(text, token_ids, thinking)
+    from inferplane.chat import chat_family, render_chat
+    family = chat_family(spec.tool_parser)          # "kimi_k2", "qwen3", ... or "" (none)
+    prompt = render_chat(request_json, tokenizer, family=family)
+    # RenderedPrompt(text, token_ids, thinking)
 """
 
-from inferplane.chat._errors import ChatRenderError
+from inferplane.chat._errors import ChatRenderError, UnknownChatFamilyError
+from inferplane.chat._family import (
+    CHAT_FAMILIES,
+    DEEPSEEK_V31,
+    GENERIC,
+    GLM45,
+    KIMI_K2,
+    QWEN3,
+    ArgumentsForm,
+    ChatFamily,
+    HistoryIds,
+    chat_family,
+)
 from inferplane.chat._normalize import (
     ChatInputs,
     content_text,
@@ -18,10 +34,21 @@ from inferplane.chat._normalize import (
 from inferplane.chat._render import ChatTokenizer, RenderedPrompt, render_chat
 
 __all__ = [
+    "CHAT_FAMILIES",
+    "DEEPSEEK_V31",
+    "GENERIC",
+    "GLM45",
+    "KIMI_K2",
+    "QWEN3",
+    "ArgumentsForm",
+    "ChatFamily",
     "ChatInputs",
     "ChatRenderError",
     "ChatTokenizer",
+    "HistoryIds",
     "RenderedPrompt",
+    "UnknownChatFamilyError",
+    "chat_family",
     "content_text",
     "integral_floats_to_int",
     "normalize_messages",

@@ -1,4 +1,5 @@
-"""The one error type of inferplane.chat."""
+"""The errors of inferplane.chat: `ChatRenderError` (the client's) and `UnknownChatFamilyError`
+(the deployment's)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,17 @@ class ChatRenderError(ValueError):
     def type(self) -> str:
         """The OpenAI error type this maps to."""
         return "invalid_request_error"
+
+
+class UnknownChatFamilyError(LookupError):
+    """No chat family is known for a parser name: a deployment error, not the client's.
+
+    Attributes:
+        name: the name asked for.
+        known: the names that are known, sorted.
+    """
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        super().__init__(f"no chat rendering for parser {name!r}; known: {', '.join(known)}")
+        self.name = name
+        self.known = known

@@ -4,6 +4,9 @@ Each rule exists because rendering Kimi K2 requests straight through the templat
 calling in production (DESIGN.md, "Why the node-agent owns render → generate → parse"):
 content lists reached the template as Python reprs, history tool-call ids lacked ``functions.``,
 and schemas that had crossed a protobuf ``Struct`` rendered ``0.0`` where the client sent ``0``.
+The rules that belong to one family's template (Kimi's ids, the thinking keyword, the form of
+tool-call arguments) follow the request's ``ChatFamily`` (``inferplane.chat._family``); the
+rest apply to every family.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferplane.chat._errors import ChatRenderError
+from inferplane.chat._family import KIMI_K2, ArgumentsForm, ChatFamily, HistoryIds
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Accepted message roles. ``developer`` (OpenAI's newer name for system) renders as system."""
@@ -50,8 +54,9 @@ class ChatInputs:
 
     ``messages`` and ``tools`` are plain JSON-like dicts in OpenAI shape (tools as
     ``{"type": "function", "function": {name, description?, parameters?}}``); ``tools`` is
-    empty when the request declares none. ``template_kwargs`` holds the client's other
-    ``chat_template_kwargs``.
+    empty when the request declares none. ``thinking`` is the value of the family's thinking
+    keyword (the client's or the family's default; False for a family without one), and
+    ``template_kwargs`` holds the client's other ``chat_template_kwargs``.
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -60,29 +65,32 @@ class ChatInputs:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
-def prepare_chat(request: Mapping[str, Any]) -> ChatInputs:
-    """Validate and normalise an OpenAI chat request (plain JSON-like values).
+def prepare_chat(request: Mapping[str, Any], family: ChatFamily = KIMI_K2) -> ChatInputs:
+    """Validate and normalise an OpenAI chat request (plain JSON-like values) for `family`'s
+    template (default Kimi K2, the format of the ``kimi-tiny`` fixture).
 
     Raises:
-        ChatRenderError: the request is malformed (see the module's rules).
+        ChatRenderError: the request is malformed (see the module's rules), including a
+            non-boolean value of the family's thinking keyword.
     """
     if not isinstance(request, Mapping):
         raise ChatRenderError("the request body must be a JSON object")
     tools = normalize_tools(request.get("tools"))
     check_tool_choice(request.get("tool_choice"), tools)
     kwargs = dict(_mapping(request.get("chat_template_kwargs"), "chat_template_kwargs"))
-    thinking = kwargs.pop("thinking", True)
-    if not isinstance(thinking, bool):
-        raise ChatRenderError(
-            "chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs.thinking"
-        )
+    thinking = False
+    if family.thinking_kwarg is not None:
+        thinking = kwargs.pop(family.thinking_kwarg, family.thinking_default)
+        if not isinstance(thinking, bool):
+            where = f"chat_template_kwargs.{family.thinking_kwarg}"
+            raise ChatRenderError(f"{where} must be a boolean", param=where)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise ChatRenderError(
             f"chat_template_kwargs may not set {', '.join(reserved)}",
             param=f"chat_template_kwargs.{reserved[0]}",
         )
-    messages = normalize_messages(request.get("messages"))
+    messages = normalize_messages(request.get("messages"), family)
     return ChatInputs(messages, tools, thinking, kwargs)
 
 
@@ -233,7 +241,22 @@ def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> N
     )
 
 
-class _ToolCallIds:
+class _VerbatimIds:
+    """History tool-call ids as the client sent them; a tool result must name one of them."""
+
+    def __init__(self) -> None:
+        self.issued: set[str] = set()
+
+    def assign(self, client_id: str | None, name: str) -> str | None:
+        if client_id is not None:
+            self.issued.add(client_id)
+        return client_id
+
+    def resolve(self, client_id: str) -> str | None:
+        return client_id if client_id in self.issued else None
+
+
+class _KimiIds:
     """Kimi ids for history tool calls, and the map from the client's ids to them.
 
     Kimi writes ids as ``functions.{name}:{n}`` with n counting calls across the conversation
@@ -249,7 +272,7 @@ class _ToolCallIds:
         self.by_client_id: dict[str, str] = {}
         self.issued: set[str] = set()
 
-    def assign(self, client_id: Any, name: str) -> str:
+    def assign(self, client_id: str | None, name: str) -> str | None:
         n = self.next_n
         m = _KIMI_ID.match(client_id) if isinstance(client_id, str) else None
         if m is not None and m["name"] == name and int(m["n"]) >= self.next_n:
@@ -275,19 +298,38 @@ def _mapping(value: Any, param: str) -> Mapping[str, Any]:
     return value
 
 
-def _arguments(raw: Any, param: str) -> str:
-    """Tool-call arguments as the template renders them: a string verbatim (it is what the model
-    wrote), an object as JSON the way Kimi writes it; missing or empty → ``{}``."""
+def _arguments(raw: Any, param: str, form: ArgumentsForm) -> str | dict[str, Any]:
+    """Tool-call arguments in `form`; missing or empty → ``{}`` (text or object).
+
+    ``JSON_TEXT``: a string verbatim (it is what the model wrote), an object as JSON the way
+    Kimi writes it (``", "`` and ``": "``, non-ASCII kept). ``OBJECT``: an object as is, a
+    string parsed when it holds a JSON object, else kept verbatim (Qwen3's template renders a
+    string as it is). Integral floats of an object become ints (protobuf ``Struct``).
+    """
     if raw is None or raw == "":
-        return "{}"
+        return "{}" if form is ArgumentsForm.JSON_TEXT else {}
     if isinstance(raw, str):
-        return raw
+        if form is ArgumentsForm.JSON_TEXT:
+            return raw
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return raw
+        return parsed if isinstance(parsed, dict) else raw
     if isinstance(raw, Mapping):
-        return json.dumps(integral_floats_to_int(raw), ensure_ascii=False)
+        value = integral_floats_to_int(raw)
+        if form is ArgumentsForm.JSON_TEXT:
+            return json.dumps(value, ensure_ascii=False)
+        return dict(value)
     raise ChatRenderError(f"{param} must be a JSON string", param=param)
 
 
-def _assistant(msg: Mapping[str, Any], where: str, ids: _ToolCallIds) -> dict[str, Any]:
+_Ids = _KimiIds | _VerbatimIds
+
+
+def _assistant(
+    msg: Mapping[str, Any], where: str, ids: _Ids, form: ArgumentsForm
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "role": "assistant",
         "content": content_text(msg.get("content"), where + ".content"),
@@ -332,27 +374,30 @@ def _assistant(msg: Mapping[str, Any], where: str, ids: _ToolCallIds) -> dict[st
                     f"{cw}.id {client_id!r} is used twice in one message", param=f"{cw}.id"
                 )
             seen.add(client_id)
-        calls.append(
-            {
-                "id": ids.assign(client_id or None, name),
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments"),
-                },
-            }
-        )
+        rendered: dict[str, Any] = {
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments", form),
+            },
+        }
+        call_id = ids.assign(client_id or None, name)
+        if call_id is not None:
+            rendered = {"id": call_id, **rendered}
+        calls.append(rendered)
     if calls:
         out["tool_calls"] = calls
     return out
 
 
-def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
-    """OpenAI ``messages`` → template messages with text content and Kimi tool-call ids.
+def normalize_messages(messages: Any, family: ChatFamily = KIMI_K2) -> tuple[dict[str, Any], ...]:
+    """OpenAI ``messages`` → template messages with text content, tool-call ids and arguments
+    as `family`'s template wants them (default Kimi K2).
 
     Output dicts hold only: ``role``, ``content`` (str), ``name`` (if given, str),
-    ``reasoning_content`` (assistant, non-empty), ``tool_calls`` (assistant, ids rewritten),
-    ``tool_call_id`` (tool, rewritten to its call's id).
+    ``reasoning_content`` (assistant, non-empty), ``tool_calls`` (assistant: ``id`` Kimi's or
+    the client's, absent when the client gave none outside Kimi; ``arguments`` in the
+    family's form), ``tool_call_id`` (tool: its call's id as rendered).
 
     Raises:
         ChatRenderError: empty or non-array messages, an unknown role, a malformed field, a tool
@@ -360,7 +405,7 @@ def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     """
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
         raise ChatRenderError("messages must be a non-empty array", param="messages")
-    ids = _ToolCallIds()
+    ids: _Ids = _KimiIds() if family.history_ids is HistoryIds.KIMI else _VerbatimIds()
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -372,7 +417,7 @@ def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
                 f"{where}.role {role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role"
             )
         if role == "assistant":
-            rendered = _assistant(msg, where, ids)
+            rendered = _assistant(msg, where, ids, family.arguments)
         elif role == "tool":
             client_id = msg.get("tool_call_id")
             if not isinstance(client_id, str) or not client_id:
@@ -380,8 +425,8 @@ def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
                     f"{where}.tool_call_id is required for role 'tool'",
                     param=f"{where}.tool_call_id",
                 )
-            kimi_id = ids.resolve(client_id)
-            if kimi_id is None:
+            call_id = ids.resolve(client_id)
+            if call_id is None:
                 raise ChatRenderError(
                     f"{where}.tool_call_id {client_id!r} matches no tool call of an earlier "
                     "assistant message",
@@ -389,7 +434,7 @@ def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
                 )
             rendered = {
                 "role": "tool",
-                "tool_call_id": kimi_id,
+                "tool_call_id": call_id,
                 "content": content_text(msg.get("content"), where + ".content"),
             }
         else:

@@ -125,3 +125,34 @@ def test_embed_assets_are_the_tokenizer_context_and_matryoshka_sizes(tmp_path) -
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     long = "the quick brown fox jumps over the lazy dog"
     assert len(load_model_assets(spec).backend.encode(long).ids) > 4
+
+
+def test_the_parser_name_picks_the_chat_family() -> None:
+    """A replica renders chat requests for the family its spec's parser names (issue 19):
+    qwen3-tiny with the qwen3 parser gets Qwen3 rendering — `reasoning_effort: "none"` turns
+    `enable_thinking` off and history ids stay the client's — while kimi-tiny keeps Kimi's."""
+    from inferplane.chat import KIMI_K2, QWEN3
+    from inferplane.node_agent.pipeline.assets import load_model_assets
+    from inferplane.node_agent.pipeline.requests import plan_chat
+    from inferplane.testing import qwen3_tiny
+    from inferplane.wire import chat_request_from_dict
+
+    spec = nodeagent_pb2.ReplicaSpec(
+        served_model_name=qwen3_tiny.SERVED_MODEL_NAME,
+        model_source=str(qwen3_tiny.model_path()),
+        max_model_len=qwen3_tiny.MAX_MODEL_LEN,
+        reasoning_parser=qwen3_tiny.PARSER,
+        tool_parser=qwen3_tiny.PARSER,
+    )
+    assets = load_model_assets(spec)
+    assert assets.chat_family is QWEN3 and kimi_tiny_assets().chat_family is KIMI_K2
+    vocab = assets.tokenizer.get_vocab()
+    assert {vocab["<|im_end|>"], vocab["<|endoftext|>"]} <= assets.eos_token_ids
+    assert assets.parser is not None
+    assert assets.parser.marker_token_ids["<tool_call>"] == vocab["<tool_call>"]
+
+    request = chat_request_from_dict({**qwen3_tiny.tools_request(), "reasoning_effort": "none"})
+    plan = plan_chat(request, assets)
+    assert plan.prompt.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert plan.prompt.thinking is False and plan.history_tool_calls == 1
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in plan.prompt.text

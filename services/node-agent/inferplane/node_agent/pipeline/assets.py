@@ -2,7 +2,8 @@
 
 A replica's `ReplicaSpec` names a local model folder (`model_source`) and parser names; the
 tokenizer (chat template, vocab, fast `tokenizers` backend for incremental decoding), the
-compiled parser and the end-of-sequence ids come from that folder, offline. An `embed`
+compiled parser and the end-of-sequence ids come from that folder, offline; the parser name
+also picks the chat family the renderer prepares requests for. An `embed`
 replica's assets are its tokenizer, context length and Matryoshka dimensions only (no parser,
 no chat template).
 """
@@ -21,6 +22,7 @@ from typing import Any
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.chat import ChatFamily, UnknownChatFamilyError, chat_family
 from inferplane.node_agent.engine.api import EMBED, replica_task
 from inferplane.parsers import Parser, ParserError, build_parser
 from inferplane.runtime import UnavailableError
@@ -38,6 +40,8 @@ class ModelAssets:
         backend: its fast `tokenizers.Tokenizer`, used by `DecodeStream` (incremental decoding).
         parser: the compiled reasoning + tool-call parser, or None when the spec names none
             (then all output is content).
+        chat_family: how requests are prepared for the model's chat template (thinking
+            keyword, history tool-call ids and arguments): `chat_family(parser name)`.
         eos_token_ids: ids that end generation: the tokenizer's eos plus
             `generation_config.json`'s `eos_token_id` (int or list), as vLLM merges them.
         max_model_len: context length in tokens (prompt + completion).
@@ -52,6 +56,7 @@ class ModelAssets:
     tokenizer: Any
     backend: Any
     parser: Parser | None
+    chat_family: ChatFamily
     eos_token_ids: frozenset[int]
     max_model_len: int
     vocab_size: int
@@ -109,7 +114,8 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
     name = parser_name(spec)
     try:
         parser = build_parser(name, vocab=tokenizer.get_vocab()) if name else None
-    except ParserError as exc:
+        family = chat_family(name)
+    except (ParserError, UnknownChatFamilyError) as exc:
         raise UnavailableError(str(exc), code="bad_replica_config") from exc
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
@@ -140,6 +146,7 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         tokenizer=tokenizer,
         backend=backend,
         parser=parser,
+        chat_family=family,
         eos_token_ids=frozenset(eos),
         max_model_len=max_len,
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),

@@ -18,7 +18,9 @@ What inferplane supports, and what it rejects with a clear 400 (OpenAI's
   (constrained when the deployment profile's `constrain_tool_choice_auto` is on), `required` and
   a named function (always constrained; all three with `build_tool_constraint`);
 - `reasoning_effort`: "none" turns thinking off, the other levels leave it on (the model has no
-  finer budget); an explicit `chat_template_kwargs.thinking` wins;
+  finer budget): it sets the model family's thinking keyword (`chat_template_kwargs.thinking`
+  for Kimi, `enable_thinking` for Qwen3; `inferplane.chat.ChatFamily`), and an explicit value
+  there wins; a model without a known thinking keyword ignores it;
 - `stream_interval` (vLLM's extension, 1..1024): at least that many generated tokens per
   streamed chunk after the first; the replica's profile value is the floor.
 """
@@ -32,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
-from inferplane.chat import ChatRenderError, RenderedPrompt, render_chat
+from inferplane.chat import ChatFamily, ChatRenderError, RenderedPrompt, render_chat
 from inferplane.node_agent.engine.api import EngineConstraint, SamplingParams
 from inferplane.node_agent.pipeline.assets import ModelAssets
 from inferplane.node_agent.pipeline.schemas import check_compiles
@@ -262,8 +264,9 @@ def _sampling(
 # -- chat ----------------------------------------------------------------------------------------
 
 
-def _thinking_from_effort(body: dict[str, Any]) -> None:
-    """`reasoning_effort` → `chat_template_kwargs.thinking` unless the client set it there."""
+def _thinking_from_effort(body: dict[str, Any], family: ChatFamily) -> None:
+    """`reasoning_effort` → `chat_template_kwargs[family.thinking_kwarg]` unless the client set
+    it there (nothing for a family without a thinking keyword)."""
     effort = body.get("reasoning_effort")
     if effort is None:
         return
@@ -271,9 +274,11 @@ def _thinking_from_effort(body: dict[str, Any]) -> None:
         raise _bad(
             f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort"
         )
+    if family.thinking_kwarg is None:
+        return
     kwargs = body.setdefault("chat_template_kwargs", {})
     if isinstance(kwargs, dict):
-        kwargs.setdefault("thinking", effort != "none")
+        kwargs.setdefault(family.thinking_kwarg, effort != "none")
 
 
 def _json_constraint(schema: Mapping[str, Any] | None, thinking: bool) -> EngineConstraint:
@@ -368,7 +373,7 @@ def plan_chat(
         raise _unsupported("logprobs", "inferplane does not return log probabilities yet")
     if body.get("top_logprobs"):
         raise _unsupported("top_logprobs", "inferplane does not return log probabilities yet")
-    _thinking_from_effort(body)
+    _thinking_from_effort(body, assets.chat_family)
     wants_json, schema = _response_format(body)
     tool_choice = body.get("tool_choice")
     # OpenAI never returns a call that was not offered: without tools (or with "none"), a
@@ -377,7 +382,7 @@ def plan_chat(
     allowed = tool_choice != "none" and bool(body.get("tools"))
     render_body = body if allowed else {k: v for k, v in body.items() if k != "tools"}
     try:
-        prompt = render_chat(render_body, assets.tokenizer)
+        prompt = render_chat(render_body, assets.tokenizer, family=assets.chat_family)
     except ChatRenderError as exc:
         raise InvalidArgumentError(exc.message, param=exc.param) from exc
     except RuntimeError as exc:

@@ -47,6 +47,7 @@ from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
+from inferplane.orchestrator.store import lease as lease_store
 from inferplane.orchestrator.store import sql as state_store
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
@@ -57,8 +58,8 @@ from inferplane.testing.databases import database_or_skip, version_rows
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 GB = 10**9
 UINT32_MAX = 2**32 - 1
-HEAD = "0002"
-METADATA = [state_store.METADATA, release_store.METADATA]
+HEAD = "0003"
+METADATA = [state_store.METADATA, release_store.METADATA, lease_store.METADATA]
 
 
 def previous_schema(count: type[Integer]) -> MetaData:

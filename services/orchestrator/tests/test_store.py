@@ -47,6 +47,7 @@ from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
+from inferplane.orchestrator.store import lease as lease_store
 from inferplane.orchestrator.store import sql as state_store
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
@@ -67,8 +68,10 @@ ORCHESTRATOR_TABLES = {
     "placements",
     "managed_replicas",
     "releases",
+    "leader_leases",
+    "routing_tables",
 }
-_METADATAS = (state_store._Base.metadata, release_store._Base.metadata)
+_METADATAS = (state_store._Base.metadata, release_store._Base.metadata, lease_store.METADATA)
 
 
 def drop_orchestrator_tables(url: str) -> None:

@@ -1,6 +1,7 @@
 """Composition root of the orchestrator service: store, placement policy, control plane,
-reconcile loop and rolling releases, routing table, Envoy's ADS server, servicers, and the
-liveness sweeper."""
+reconcile loop and rolling releases, routing table, Envoy's ADS server, servicers, the
+liveness sweeper, and the leader lease that decides which of several orchestrators on one
+database runs the loops (`leadership.py`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ from inferplane.edge import EdgeConfig
 from inferplane.orchestrator.catalog.sizing import SizingPolicy
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.fleet.model import Liveness
+from inferplane.orchestrator.leadership import (
+    LeaderLease,
+    LeaderOnlyAgents,
+    Leadership,
+    RoutingTableRelay,
+    default_holder,
+)
 from inferplane.orchestrator.placement.registry import (
     PolicyFactory,
     build_policy,
@@ -35,6 +43,7 @@ from inferplane.orchestrator.routing import RoutingHub
 from inferplane.orchestrator.servicer import DeploymentService, NodeService, RoutingService
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.store.base import StateStore
+from inferplane.orchestrator.store.lease import SqlLeaseStore, SqlRoutingTables
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.orchestrator.xds.cache import SnapshotCache
 from inferplane.orchestrator.xds.edge import EdgeXds
@@ -67,18 +76,21 @@ class OrchestratorComponents:
     hub: RoutingHub
     xds_cache: SnapshotCache
     ads: AggregatedDiscoveryService
+    leadership: Leadership
+    lease_store: SqlLeaseStore
+    relay: RoutingTableRelay
     edge: EdgeXds | None = None
-    _sweeper: asyncio.Task[None] | None = None
-    _reconcile_task: asyncio.Task[None] | None = None
+    _leader_tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    _follower: asyncio.Task[None] | None = None
     _edge_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Creates the schemas, loads the persisted state, publishes the edge's xDS snapshot,
-        starts the liveness sweeper and the reconcile loop."""
+        """Migrates the schema, publishes the edge's xDS from the routing table, and joins the
+        leader election (`leadership.py`) with one attempt before serving, so a lone
+        orchestrator leads at once: the leader loads the persisted state and runs the liveness
+        sweeper and the reconcile loop; a standby serves the routing table the leader stored."""
         await asyncio.to_thread(self.store.create_schema)
         await asyncio.to_thread(self.releases.create_schema)
-        await asyncio.to_thread(self.control.load)
-        self.reconciler.load()
         self.control.set_status_provider(self.reconciler.status)
         self.control.subscribe(self.reconciler.wake)
         if self.edge is not None:
@@ -87,9 +99,36 @@ class OrchestratorComponents:
             self._edge_task = asyncio.create_task(
                 self.edge.follow(self.hub.watch()), name="edge-replicas"
             )
-        self._sweeper = asyncio.create_task(self._sweep_forever())
+        await self.leadership.start(lead=self._lead, follow=self._follow)
+
+    async def _lead(self) -> None:
+        """Becomes the leader: the state as the database holds it now, then the control loop."""
+        await _cancel(self._follower)
+        self._follower = None
+        # Only the leader splits the replicas' caps among routers (a new epoch: no share a
+        # former leader granted can be renewed here).
+        self.hub.set_granting(True)
+        await asyncio.to_thread(self.control.load)
+        self.reconciler.load()
+        self._leader_tasks = [
+            asyncio.create_task(self.relay.publish_forever(), name="routing-table-store"),
+            asyncio.create_task(self._sweep_forever(), name="liveness-sweep"),
+        ]
         if self.settings.reconcile:
-            self._reconcile_task = asyncio.create_task(self.reconciler.run(), name="reconcile")
+            self._leader_tasks.append(asyncio.create_task(self.reconciler.run(), name="reconcile"))
+
+    async def _follow(self) -> None:
+        """Stands by: no control loop; the routing table the leader stored is served."""
+        tasks, self._leader_tasks = self._leader_tasks, []
+        self.hub.set_granting(False)  # routers' shares here are 0, their renewals refused
+        for task in tasks:
+            await _cancel(task)
+        await self.reconciler.close()
+        if self._follower is None:
+            self._follower = asyncio.create_task(
+                self.relay.follow_forever(self.settings.reconcile_interval_seconds),
+                name="routing-table-follow",
+            )
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -100,13 +139,18 @@ class OrchestratorComponents:
                 log.exception("liveness_sweep_failed")
 
     async def stop(self) -> None:
-        for task in (self._reconcile_task, self._sweeper, self._edge_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        """Stops the election and the loops, then releases the lease (a standby takes over
+        within its renew interval) and closes the stores."""
+        await self.leadership.stop()
+        for task in (*self._leader_tasks, self._follower, self._edge_task):
+            await _cancel(task)
         await self.reconciler.close()
         await self.agents.close()
+        try:
+            await asyncio.to_thread(self.leadership.release)
+        except Exception:  # the database is gone: the lease expires on its own
+            log.exception("leader_lease_release_failed")
+        await asyncio.to_thread(self.lease_store.close)
         await asyncio.to_thread(self.store.close)
 
     def app(self) -> App:
@@ -154,6 +198,13 @@ class OrchestratorComponents:
         )
 
 
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def sizing_policy(settings: OrchestratorSettings) -> SizingPolicy:
     return SizingPolicy(
         overhead_bytes_per_device=settings.overhead_bytes_per_device,
@@ -166,6 +217,7 @@ def build_components(
     settings: OrchestratorSettings,
     *,
     clock: Clock | None = None,
+    lease_clock: Clock | None = None,
     store: StateStore | None = None,
     policies: Mapping[str, PolicyFactory] | None = None,
     agents: NodeAgents | None = None,
@@ -173,31 +225,54 @@ def build_components(
 ) -> OrchestratorComponents:
     """Builds the parts (no I/O beyond creating the data dir).
 
+    `lease_clock` times the leader lease (default: the system clock, also when `clock` is a
+    fake one: a test that moves its fake clock by minutes must not depose the only
+    orchestrator). Every SQL write is fenced by the lease once `start` ran (`leadership.py`).
+
     Raises:
-        ConfigError: unknown placement policy (the message lists the known ones).
+        ConfigError: unknown placement policy (the message lists the known ones), or lease
+            settings out of range (`leader_id` length, 0 < `leader_renew_seconds` <
+            `leader_lease_seconds`).
     """
     clock = clock or SystemClock()
     policy = build_policy(settings.placement_policy, policies or default_policies())
+    if not settings.database_url:
+        settings.resolved_data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lease_store = SqlLeaseStore(settings.resolved_database_url)
+    lease = LeaderLease(
+        lease_store,
+        holder=settings.leader_id or default_holder(),
+        duration_seconds=settings.leader_lease_seconds,
+        renew_interval_seconds=settings.leader_renew_seconds,
+        clock=lease_clock or SystemClock(),
+    )
+    leadership = Leadership(lease)
     if store is None:
-        if not settings.database_url:
-            settings.resolved_data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        store = SqlStateStore(settings.resolved_database_url)
+        store = SqlStateStore(settings.resolved_database_url, fence=leadership)
     control = ControlPlane(
         store,
         policy,
         sizing=sizing_policy(settings),
         liveness=Liveness(settings.heartbeat_interval_seconds, settings.missed_heartbeats),
         clock=clock,
+        guard=leadership.require_leader,
     )
-    agents = agents or GrpcNodeAgents(
-        timeout_seconds=settings.node_agent_timeout_seconds,
-        probe_timeout_seconds=settings.warmup_timeout_seconds,
-        security=settings.security("orchestrator"),
+    agents = LeaderOnlyAgents(
+        agents
+        or GrpcNodeAgents(
+            timeout_seconds=settings.node_agent_timeout_seconds,
+            probe_timeout_seconds=settings.warmup_timeout_seconds,
+            security=settings.security("orchestrator"),
+        ),
+        leadership,
     )
     releases: ReleaseStore = (
-        SqlReleaseStore(store.engine) if isinstance(store, SqlStateStore) else MemoryReleaseStore()
+        SqlReleaseStore(store.engine, fence=leadership)
+        if isinstance(store, SqlStateStore)
+        else MemoryReleaseStore()
     )
-    hub = RoutingHub()
+    # Router share leases run on real time, like the leader lease (see `lease_clock`).
+    hub = RoutingHub(clock=lease_clock or SystemClock())
     reconciler = Reconciler(
         control,
         agents,
@@ -227,18 +302,24 @@ def build_components(
                 auth_internal_token=settings.edge_auth_internal_token,
             ),
         )
+    relay = RoutingTableRelay(
+        hub, SqlRoutingTables(lease_store.database, fence=leadership), lease, clock=clock
+    )
     return OrchestratorComponents(
-        settings,
-        clock,
-        store,
-        control,
-        agents,
-        releases,
-        reconciler,
-        hub,
-        cache,
-        AggregatedDiscoveryService(cache),
-        edge,
+        settings=settings,
+        clock=clock,
+        store=store,
+        control=control,
+        agents=agents,
+        releases=releases,
+        reconciler=reconciler,
+        hub=hub,
+        xds_cache=cache,
+        ads=AggregatedDiscoveryService(cache),
+        leadership=leadership,
+        lease_store=lease_store,
+        relay=relay,
+        edge=edge,
     )
 
 

@@ -43,6 +43,12 @@ class OrchestratorSettings(ServiceSettings):
             empty: plaintext (development only).
         edge_auth_internal_token: auth's `internal_token`, which the edge presents when it
             streams finished requests to auth (slot release); "" = auth accepts loopback.
+        leader_id: this orchestrator's id in the leader lease ("" = `hostname:pid`); unique
+            among the orchestrators sharing the database.
+        leader_lease_seconds: the lease duration d: a standby takes over from a leader whose
+            lease it has not seen renewed for d seconds (`leadership.py`).
+        leader_renew_seconds: the renew interval r (< d): the leader renews, and standbys
+            read the lease, every r seconds. A new leader within d + r of the leader's death.
     """
 
     port: int = 50053
@@ -70,6 +76,9 @@ class OrchestratorSettings(ServiceSettings):
     edge_tls_key_path: str = ""
     edge_upstream_tls_dir: str = ""
     edge_auth_internal_token: str = dataclasses.field(default="", repr=False)
+    leader_id: str = ""
+    leader_lease_seconds: float = 10.0
+    leader_renew_seconds: float = 3.0
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -1,7 +1,7 @@
 """Schema migrations of the orchestrator database (Alembic): the catalogue, fleet and
-placements (`store/sql.py`) and the release state (`release/store.py`), which share one
-database. Both stores run them at start-up (`inferplane.storage.migrate`); how to add one:
-`services/orchestrator/README.md`."""
+placements (`store/sql.py`), the release state (`release/store.py`) and the leader lease
+(`store/lease.py`), which share one database. The stores run them at start-up
+(`inferplane.storage.migrate`); how to add one: `services/orchestrator/README.md`."""
 
 from pathlib import Path
 

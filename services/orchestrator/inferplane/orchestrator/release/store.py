@@ -1,23 +1,28 @@
 """What the reconciler must remember across restarts: every replica it manages on a node-agent
 (with its stage in the release) and, per deployment, the revision that serves and its profile
-(needed to roll back). SQLAlchemy tables beside the catalogue's, on the same engine.
+(needed to roll back). SQLAlchemy tables beside the catalogue's, on the same engine; with a
+`fence` (the leader lease, `store/lease.py`) every write runs it first in its transaction, so a
+deposed leader's release progress is refused (NotLeaderError) and nothing of it is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy import Engine, LargeBinary, String, Text, delete, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import JSON
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import DeploymentProfile
 from inferplane.orchestrator.fleet.model import MAX_NODE_ADDRESS, MAX_NODE_NAME
 from inferplane.orchestrator.migrations import MIGRATIONS
+from inferplane.orchestrator.store.lease import Fence
 from inferplane.storage import UtcDateTime, migrate
 
 
@@ -169,11 +174,16 @@ METADATA = _Base.metadata
 
 class SqlReleaseStore:
     """`ReleaseStore` on a SQLAlchemy engine (the catalogue's: `SqlStateStore.engine`). A NUL
-    in `Release.failure` is stored as U+FFFD on every database."""
+    in `Release.failure` is stored as U+FFFD on every database. `fence`: run first in every
+    write's transaction (None: writes are not fenced); a refused write raises NotLeaderError."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, fence: Fence | None = None) -> None:
         self._engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._fence = fence
+
+    def _write(self) -> contextlib.AbstractContextManager[Session]:
+        return _fenced(self._sessions.begin(), self._fence)
 
     def create_schema(self) -> None:
         """Migrates the orchestrator database to the latest schema revision (`migrations/`);
@@ -209,7 +219,7 @@ class SqlReleaseStore:
         return replicas, releases
 
     def put_replica(self, replica: ManagedReplica) -> None:
-        with self._sessions.begin() as s:
+        with self._write() as s:
             s.merge(
                 _ReplicaRow(
                     node=replica.node,
@@ -225,7 +235,7 @@ class SqlReleaseStore:
             )
 
     def delete_replica(self, node: str, replica_id: str) -> None:
-        with self._sessions.begin() as s:
+        with self._write() as s:
             s.execute(
                 delete(_ReplicaRow).where(
                     _ReplicaRow.node == node, _ReplicaRow.replica_id == replica_id
@@ -233,7 +243,7 @@ class SqlReleaseStore:
             )
 
     def put_release(self, release: Release) -> None:
-        with self._sessions.begin() as s:
+        with self._write() as s:
             s.merge(
                 _ReleaseRow(
                     deployment_id=release.deployment_id,
@@ -247,5 +257,15 @@ class SqlReleaseStore:
             )
 
     def delete_release(self, deployment_id: str) -> None:
-        with self._sessions.begin() as s:
+        with self._write() as s:
             s.execute(delete(_ReleaseRow).where(_ReleaseRow.deployment_id == deployment_id))
+
+
+@contextlib.contextmanager
+def _fenced(
+    transaction: contextlib.AbstractContextManager[Session], fence: Fence | None
+) -> Iterator[Session]:
+    with transaction as s:
+        if fence is not None:
+            fence.fence(s)
+        yield s

@@ -1,7 +1,9 @@
 """SQLAlchemy 2 adapter of `StateStore`: SQLite by default, PostgreSQL with the same code.
 
 Portable SQL only (no dialect-specific statements beyond SQLite's connection pragmas: WAL and a
-busy timeout). Nested values (profile, rollout, GPUs, labels) are JSON columns; byte counts and
+busy timeout). With a `fence` (the leader lease, `store/lease.py`), every commit runs the fence
+first in its transaction: a deposed leader's change is refused with NotLeaderError and nothing
+of it is written. Nested values (profile, rollout, GPUs, labels) are JSON columns; byte counts and
 the contract's uint32 counts are BIGINT (they pass 2^31). Alias uniqueness is a primary key on
 `deployment_aliases.alias`, so two deployments can never claim one name even if two writers
 raced.
@@ -46,6 +48,7 @@ from inferplane.orchestrator.fleet.model import (
 from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
+from inferplane.orchestrator.store.lease import Fence
 from inferplane.runtime import AlreadyExistsError
 from inferplane.storage import SqlDatabase, UtcDateTime
 
@@ -227,13 +230,15 @@ def _placement(row: _PlacementRow) -> Placement:
 
 class SqlStateStore:
     """`StateStore` on SQLAlchemy; `url` e.g. `sqlite:////var/lib/inferplane/orchestrator.db`
-    or `postgresql+psycopg://user@host:5432/orchestrator`."""
+    or `postgresql+psycopg://user@host:5432/orchestrator`; `fence`: run first in every commit's
+    transaction (None: writes are not fenced)."""
 
-    def __init__(self, url: str, *, echo: bool = False) -> None:
+    def __init__(self, url: str, *, echo: bool = False, fence: Fence | None = None) -> None:
         self._db = SqlDatabase(
             url, what="orchestrator database", reason="ORCHESTRATOR_STORE_UNAVAILABLE", echo=echo
         )
         self._tx = self._db.transaction
+        self._fence = fence
 
     @property
     def engine(self) -> Engine:
@@ -263,10 +268,13 @@ class SqlStateStore:
         )
 
     def commit(self, change: StateChange) -> None:
+        """See `StateStore.commit`; also raises NotLeaderError when the fence refuses it."""
         if change.is_empty():
             return
         try:
             with self._tx() as s:
+                if self._fence is not None:
+                    self._fence.fence(s)
                 self._apply(s, change)
         except IntegrityError as exc:
             names = [d.deployment_id for d in change.create_deployments + change.put_deployments]

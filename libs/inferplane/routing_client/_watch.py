@@ -32,7 +32,8 @@ class RoutingTableWatch(Generic[T]):
     (`initial_backoff_seconds` doubling up to `max_backoff_seconds`, reset once a table
     arrives), and keeps the last snapshot meanwhile: an orchestrator outage freezes what the
     caller sees, it does not empty it. A message that fails to convert, or that a listener
-    raises on, is logged and skipped; the previous snapshot stays current.
+    raises on, is logged and skipped; the previous snapshot stays current. `router_id` is
+    the router's (its view carries its shares of the replicas' caps); others leave it empty.
 
     Attributes:
         received: set once the first snapshot from the orchestrator is current.
@@ -53,8 +54,10 @@ class RoutingTableWatch(Generic[T]):
         rng: random.Random | None = None,
         logger: str = "inferplane.routing_client",
         security: PeerSecurity | None = None,
+        router_id: str = "",
     ) -> None:
         self._address = address
+        self._router_id = router_id
         self._security = security or PeerSecurity.plaintext()
         self._convert = convert
         self._options = list(options)
@@ -112,7 +115,9 @@ class RoutingTableWatch(Generic[T]):
         while True:
             self.connects += 1
             try:
-                call = stub.WatchRoutingTable(opb.WatchRoutingTableRequest(models=self._models))
+                call = stub.WatchRoutingTable(
+                    opb.WatchRoutingTableRequest(models=self._models, router_id=self._router_id)
+                )
                 async for message in call:
                     backoff = self._initial
                     try:

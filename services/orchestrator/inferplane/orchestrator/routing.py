@@ -4,16 +4,57 @@
 content hashes (16 hex digits of SHA-256 over the deterministic serialization of the routes a
 watcher sees), so a restarted orchestrator publishing the same table gives the same version and
 watchers can skip it.
+
+Shared caps (issue 20): a router that watches with a `router_id` gets, in its own view of the
+table, a share of each replica's `max_concurrency` (`RouteEndpoint.max_concurrency_share`),
+and admits at most that many requests to the replica while it holds a lease
+(`RenewRouterLease`). The hub keeps, per router and replica, `held`: the most the router may
+have in flight there. The rule it never breaks: the `held` of all routers on a replica sum to
+at most its cap (a cap lowered by a new table is the only exception, until the routers
+acknowledge the smaller shares). Hence:
+
+- A share only grows out of room (cap minus the `held` of all routers), and its `held` grows
+  with it before the router can see it.
+- A share that shrinks lowers `held` only when the router acknowledges the table that shrank
+  it and reports that its in-flight requests to the replica fit the new share (the renewal's
+  `over_share`); until then the others wait for that room.
+- A lease lasts `lease_seconds` from when the router sent its renewal (so it ends, on the
+  router's clock, no later than `lease_seconds` after the hub received it), and only a router
+  whose watch stream is open is renewed. The hub forgets a router's `held`
+  `lease_seconds + lease_margin_seconds` after the last renewal it granted (the margin covers
+  clock-rate differences); the router then has stopped admitting, and its next table comes
+  under a new lease epoch, so no old lease can be renewed. A router that goes away (or loses
+  its stream) thus returns its share within that bound.
+- A hub starts with a new epoch and grants nothing for `lease_seconds + lease_margin_seconds`
+  (the leases a previous orchestrator granted have ended by then). With several
+  orchestrators, only the leader's hub may grant: `set_granting(False)` when it stands by
+  (renewals are refused, every share is 0), `set_granting(True)` when it leads (a new epoch
+  and the same wait, since the previous leader's leases may still run).
+
+Shares are the cap split evenly among the routers holding a lease that see the replica, the
+remainder going to routers in an order rotated per replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from functools import partial
+import itertools
+import math
+import secrets
+import zlib
+from collections.abc import AsyncGenerator, Iterable, Sequence
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.runtime import FailedPreconditionError
+from inferplane.runtime.clock import Clock, SystemClock
+
+ReplicaKey = tuple[str, str]
+"""A replica as the routers key it: (address, replica_id)."""
+
+DEFAULT_LEASE_SECONDS = 15.0
+DEFAULT_LEASE_MARGIN_SECONDS = 1.0
 
 
 def table_version(routes: Sequence[pb.ModelRoute]) -> str:
@@ -50,40 +91,361 @@ def filter_table(
     return pb.WatchRoutingTableResponse(version=table_version(routes), routes=routes)
 
 
-class RoutingHub:
-    """The latest routing table and its watchers (one event loop)."""
+def _key(endpoint: pb.RouteEndpoint) -> ReplicaKey:
+    return (endpoint.address, endpoint.replica_id)
 
-    def __init__(self) -> None:
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Router:
+    """What the hub knows of one router (see the module docstring for the rule)."""
+
+    router_id: str
+    epoch: str
+    models: tuple[str, ...] = ()
+    streams: int = 0
+    expires: float = -math.inf  # hub monotonic: member while now < expires
+    released: bool = False
+    sent: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)  # next view's shares
+    held: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)
+    shown: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)  # last view's
+    shown_version: str = ""
+    generation: int = 0  # bumped whenever `sent` or `epoch` changes: its view is stale
+
+    def member(self, now: float) -> bool:
+        return not self.released and now < self.expires
+
+    def reset(self, epoch: str) -> None:
+        """Forgets everything of its lease: a new epoch, nothing held, not a member."""
+        self.epoch = epoch
+        self.expires = -math.inf
+        self.released = False
+        self.held, self.sent, self.shown, self.shown_version = {}, {}, {}, ""
+        self.generation += 1
+
+
+class RoutingHub:
+    """The latest routing table, its watchers, and the routers' shares of each replica's cap
+    (one event loop).
+
+    Args:
+        clock: monotonic time of leases (`SystemClock` by default).
+        lease_seconds: how long a renewal lets a router admit on its shares (> 0).
+        lease_margin_seconds: added on the hub's side before a silent router's shares are
+            given to the others (clock-rate differences, processing).
+        epoch: this hub's lease epoch prefix (random by default; tests pin it).
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        lease_margin_seconds: float = DEFAULT_LEASE_MARGIN_SECONDS,
+        epoch: str | None = None,
+    ) -> None:
+        if lease_seconds <= 0 or lease_margin_seconds < 0:
+            raise ValueError("lease_seconds must be > 0 and lease_margin_seconds >= 0")
         self._table = make_table(())
-        self._changed = asyncio.Condition()
+        self._clock = clock or SystemClock()
+        self._lease = lease_seconds
+        self._margin = lease_margin_seconds
+        self._epoch = epoch if epoch is not None else secrets.token_hex(6)
+        self._incarnations = itertools.count(1)
+        self._grants_from = self._clock.monotonic() + lease_seconds + lease_margin_seconds
+        self._quiet = True
+        self._granting = True
+        self._routers: dict[str, _Router] = {}
+        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     @property
     def table(self) -> pb.WatchRoutingTableResponse:
         return self._table
+
+    @property
+    def lease_seconds(self) -> float:
+        return self._lease
 
     async def publish(self, table: pb.WatchRoutingTableResponse) -> bool:
         """Makes `table` current; returns whether its version differs from the last one."""
         if table.version == self._table.version:
             return False
         self._table = table
-        async with self._changed:
-            self._changed.notify_all()
+        if self._routers:
+            self._rebalance()
+        self._notify()
         return True
 
-    def _differs(self, models: Sequence[str], version: str) -> bool:
-        return filter_table(self._table, models).version != version
+    def set_granting(self, granting: bool) -> None:
+        """Whether this hub splits caps (the leader's) or not (a standby's: every router's
+        shares are 0 and renewals are refused, so its routers' leases run out). Turning it
+        on starts a new epoch and grants nothing for `lease_seconds + lease_margin_seconds`.
+        """
+        if granting == self._granting:
+            return
+        self._granting = granting
+        if granting:
+            self._epoch = secrets.token_hex(6)
+            self._grants_from = self._clock.monotonic() + self._lease + self._margin
+            self._quiet = True
+        for router in self._routers.values():  # no lease of before can be renewed
+            router.reset(self._new_epoch())
+        self._rebalance()
+        self._notify()
+        self._arm()
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+
+    # -- watchers ----------------------------------------------------------------------------
 
     async def watch(
-        self, models: Sequence[str] = ()
-    ) -> AsyncIterator[pb.WatchRoutingTableResponse]:
+        self, models: Sequence[str] = (), router_id: str = ""
+    ) -> AsyncGenerator[pb.WatchRoutingTableResponse, None]:
         """The current table (filtered to `models`) at once, then every table whose filtered
-        content changed. Runs until the consumer stops iterating."""
+        content changed. With `router_id`, the view is that router's: its shares and lease
+        epoch (module docstring). Runs until the consumer stops iterating (close it, e.g.
+        with `contextlib.aclosing`, so the router's stream is counted as closed at once)."""
+        router = self._open(router_id, tuple(models)) if router_id else None
         sent = ""
-        while True:
-            view = filter_table(self._table, models)
-            if view.version != sent:
-                sent = view.version
-                yield view
+        built: tuple[str, int] | None = None  # (table version, router generation) of `view`
+        try:
+            while True:
+                wake = self._wake
+                if router is None:
+                    view = filter_table(self._table, models)
+                else:
+                    self.expire_leases()
+                    state = (self._table.version, router.generation)
+                    if state != built:  # views cost O(table): built only when they changed
+                        built = state
+                        view, shares = self._view(router)
+                if view.version != sent:
+                    sent = view.version
+                    if router is not None:
+                        router.shown, router.shown_version = shares, view.version
+                    yield view
+                    continue
+                await wake.wait()
+        finally:
+            if router is not None:
+                router.streams -= 1
+
+    def _open(self, router_id: str, models: tuple[str, ...]) -> _Router:
+        router = self._routers.get(router_id)
+        if router is None:
+            router = self._routers[router_id] = _Router(router_id, self._new_epoch())
+        router.streams += 1
+        if router.models != models:
+            router.models = models
+            if self._rebalance():
+                self._notify()
+        return router
+
+    def _new_epoch(self) -> str:
+        return f"{self._epoch}.{next(self._incarnations)}"
+
+    def _view(self, router: _Router) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
+        base = filter_table(self._table, router.models)
+        routes = []
+        shares: dict[ReplicaKey, int] = {}
+        sent = router.sent
+        for route in base.routes:
+            copy = pb.ModelRoute()
+            copy.CopyFrom(route)
+            for endpoint in copy.endpoints:
+                key = _key(endpoint)
+                share = shares[key] = sent.get(key, 0)
+                endpoint.max_concurrency_share = share
+            routes.append(copy)
+        version = table_version(routes)
+        # The epoch is part of the content: a router whose lease was lost sees a new table.
+        version = hashlib.sha256(f"{version}/{router.epoch}".encode()).hexdigest()[:16]
+        view = pb.WatchRoutingTableResponse(version=version, routes=routes)
+        view.lease_epoch = router.epoch
+        return view, shares
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def renew(
+        self,
+        router_id: str,
+        lease_epoch: str,
+        version: str,
+        over_share: Iterable[ReplicaKey] = (),
+        *,
+        release: bool = False,
+    ) -> float:
+        """One renewal of `router_id`'s lease; returns the lease in seconds (counted from
+        when the router sent it), 0 when `lease_epoch` is not the router's current one (it
+        must wait for its next table). `version` acknowledges the table the router enforces:
+        when it is the last one shown, the router's `held` drops to its shares except on
+        `over_share`. `release`: the router admits nothing more (`over_share` then names the
+        replicas it still has requests in flight to).
+
+        Raises:
+            FailedPreconditionError: the router has no watch stream open here, or this hub is
+                a standby's (its lease is not renewed: it ends within `lease_seconds`).
+        """
+        now = self._clock.monotonic()
+        self.expire_leases()
+        if not self._granting:
+            raise FailedPreconditionError(
+                "this orchestrator is a standby: renew the lease with the leader",
+                code="not_leader",
+            )
+        router = self._routers.get(router_id)
+        if router is None or router.streams <= 0:
+            raise FailedPreconditionError(
+                f"router {router_id!r} has no routing-table watch open: open "
+                "WatchRoutingTable with this router_id first",
+                code="no_routing_watch",
+            )
+        was_member = router.member(now)
+        covered = lease_epoch == router.epoch
+        held = dict(router.held)
+        if covered and release:  # it admits nothing more: only what still runs counts
+            over = set(over_share)
+            router.held = {k: v for k, v in router.held.items() if k in over}
+        elif covered and version == router.shown_version:
+            over = set(over_share)
+            shown, sent = router.shown, router.sent
+            for key in list(router.held):
+                if key in over:
+                    continue
+                value = max(shown.get(key, 0), sent.get(key, 0))
+                if value:
+                    router.held[key] = value
+                else:
+                    del router.held[key]
+        router.expires = now + self._lease + self._margin
+        router.released = covered and release
+        # Membership or room changed: the split moves (steady renewals change nothing).
+        if (router.member(now) != was_member or router.held != held) and self._rebalance():
+            self._notify()
+        self._arm()
+        if not covered:  # membership counts (its next table has shares), the old lease not
+            return 0.0
+        return 0.0 if release else self._lease
+
+    def expire_leases(self) -> None:
+        """Forgets the shares of routers whose lease ran out (hub's clock) and gives them to
+        the others; starts granting once the start-up wait is over. The hub calls it from a
+        timer and on every renewal and view; tests call it after moving their clock."""
+        now = self._clock.monotonic()
+        changed = False
+        if self._quiet and self._granting and now >= self._grants_from:
+            self._quiet = False
+            changed = True
+        for router_id, router in list(self._routers.items()):
+            if now < router.expires:
                 continue
-            async with self._changed:
-                await self._changed.wait_for(partial(self._differs, models, sent))
+            if router.expires > -math.inf or router.held or router.sent:
+                # Its lease has ended on its own clock too: start over under a new epoch, so
+                # that no lease of the old one can be renewed.
+                router.reset(self._new_epoch())
+                changed = True
+            if router.streams <= 0:
+                del self._routers[router_id]
+        if changed:
+            self._rebalance()
+            self._notify()
+
+    def _arm(self) -> None:
+        """Schedules `expire_leases` at the next deadline (a wake-up only: it checks time)."""
+        deadlines = [r.expires for r in self._routers.values() if r.expires > -math.inf]
+        if self._quiet and self._granting:
+            deadlines.append(self._grants_from)
+        if not deadlines:
+            return
+        at = min(deadlines)
+        if self._timer is not None and self._timer_at <= at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the event loop (tests): they expire by hand
+            return
+        delay = max(0.0, at - self._clock.monotonic()) + 0.001
+        self._timer_at = at
+        self._timer = loop.call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self.expire_leases()
+        self._arm()
+
+    def shares(self, router_id: str) -> dict[ReplicaKey, int]:
+        """The shares `router_id`'s next view carries (a copy; for tests and logs)."""
+        router = self._routers.get(router_id)
+        return {} if router is None else dict(router.sent)
+
+    def held(self, key: ReplicaKey) -> int:
+        """What all routers may have in flight to the replica `key` together (≤ its cap)."""
+        return sum(r.held.get(key, 0) for r in self._routers.values())
+
+    # -- splitting ---------------------------------------------------------------------------
+
+    def _rebalance(self) -> bool:
+        """Recomputes every router's next shares from the table, the members and `held`;
+        returns whether any router's shares changed (its `generation` is bumped)."""
+        now = self._clock.monotonic()
+        routers = sorted(self._routers.values(), key=lambda r: r.router_id)
+        members = [r for r in routers if r.member(now)]
+        caps: dict[ReplicaKey, int] = {}
+        seen_by: dict[ReplicaKey, set[str]] = {}
+        for route in self._table.routes:
+            for endpoint in route.endpoints:
+                key = _key(endpoint)
+                cap = endpoint.max_concurrency
+                caps[key] = min(caps.get(key, cap), cap)
+                seen_by.setdefault(key, set()).add(route.model)
+        before = [dict(r.sent) for r in routers]
+        for key, cap in caps.items():
+            models = seen_by[key]
+            sharing = [r for r in members if not r.models or models.intersection(r.models)]
+            self._split(key, cap, sharing, routers)
+        changed = False
+        for router, sent in zip(routers, before, strict=True):
+            for key in [k for k in router.sent if k not in caps]:
+                del router.sent[key]  # replicas that left the table: nothing new to them
+            if router.sent != sent:
+                router.generation += 1
+                changed = True
+        return changed
+
+    def _split(
+        self, key: ReplicaKey, cap: int, sharing: list[_Router], routers: list[_Router]
+    ) -> None:
+        n = len(sharing)
+        target: dict[str, int] = {}
+        if n and self._granting and not self._quiet:
+            base, extra = divmod(cap, n)
+            offset = zlib.crc32(key[1].encode()) % n
+            for i, router in enumerate(sharing):
+                target[router.router_id] = base + (1 if (i - offset) % n < extra else 0)
+        for router in routers:  # shrink at once; `held` follows on the router's word
+            want = target.get(router.router_id, 0)
+            if router.sent.get(key, 0) > want:
+                if want:
+                    router.sent[key] = want
+                else:
+                    del router.sent[key]
+        room = cap - sum(r.held.get(key, 0) for r in routers)
+        order = sorted(sharing, key=lambda r: (r.sent.get(key, 0), r.router_id))
+        for router in order:  # grow out of room, the smallest shares first
+            current = router.sent.get(key, 0)
+            want = target.get(router.router_id, 0)
+            if want <= current:
+                continue
+            held = router.held.get(key, 0)
+            share = min(want, max(current, held + max(0, room)))
+            if share <= current:
+                continue
+            room -= max(0, share - held)
+            router.sent[key] = share
+            if share > held:
+                router.held[key] = share

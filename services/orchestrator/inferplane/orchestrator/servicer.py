@@ -7,6 +7,7 @@ database I/O and CPU-bound placement, and the event loop must keep serving heart
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +24,8 @@ from inferplane.orchestrator.convert import (
 )
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.routing import RoutingHub
-from inferplane.runtime import InvalidArgumentError
+from inferplane.runtime import InvalidArgumentError, PermissionDeniedError
+from inferplane.runtime.identity import ROUTER, peer_identity
 
 pb = orchestrator_pb2
 Context = Any  # grpc.aio.ServicerContext
@@ -195,6 +197,51 @@ class RoutingService(
         self, request: pb.WatchRoutingTableRequest, context: Context
     ) -> AsyncIterator[pb.WatchRoutingTableResponse]:
         """The full table (only `models` when given) at once, then each changed table; the
-        version is a content hash, equal tables are never sent twice in a row."""
-        async for table in self._hub.watch(tuple(request.models)):
-            yield table
+        version is a content hash, equal tables are never sent twice in a row. With
+        `router_id`, the router's own view: its shares of each replica's cap and its lease
+        epoch (`RoutingHub`).
+
+        Raises:
+            PermissionDeniedError: `router_id` from an identity other than the router's.
+        """
+        _check_router(request.router_id, context)
+        tables = self._hub.watch(tuple(request.models), request.router_id)
+        async with contextlib.aclosing(tables):  # the stream counts as closed at once
+            async for table in tables:
+                yield table
+
+    async def RenewRouterLease(
+        self, request: pb.RenewRouterLeaseRequest, context: Context
+    ) -> pb.RenewRouterLeaseResponse:
+        """Renews a router's lease on its shares and takes its acknowledgement (`RoutingHub.
+        renew`).
+
+        Raises:
+            InvalidArgumentError: no `router_id`.
+            PermissionDeniedError: called by an identity other than the router's.
+            FailedPreconditionError: the router has no watch stream open here.
+        """
+        if not request.router_id:
+            raise InvalidArgumentError("router_id is required", param="router_id")
+        _check_router(request.router_id, context)
+        seconds = self._hub.renew(
+            request.router_id,
+            request.lease_epoch,
+            request.version,
+            [(r.address, r.replica_id) for r in request.over_share],
+            release=request.release,
+        )
+        return pb.RenewRouterLeaseResponse(lease_seconds=seconds)
+
+
+def _check_router(router_id: str, context: Context) -> None:
+    """Only routers take shares of the caps (a plaintext server has no identities)."""
+    if not router_id:
+        return
+    identity = peer_identity(context)
+    if identity is not None and identity != ROUTER:
+        raise PermissionDeniedError(
+            f"identity {identity!r} may not take a share of the replicas' caps (router_id)",
+            code="identity_not_allowed",
+            param="router_id",
+        )

@@ -19,6 +19,13 @@ shared the same way: a key holding more than its share of it is refused at once 
 Retry-After) and leaves room for the other keys; a newcomer is refused only when the whole
 queue is full.
 
+Shared caps (issue 20): when the table is the orchestrator's view for this router
+(`RouteTable.lease_epoch`), each replica's cap here is this router's share of it, and nothing
+is admitted unless the router holds a lease of that epoch (`set_lease`, kept by
+`leases.CapLease`): without one, requests wait in the queue as if every replica were full.
+`over_share` lists the replicas with more requests in flight than the share (after the share
+shrank), which the lease keeper reports; `on_drained` is called when one of them fits again.
+
 Everything runs on the event loop thread; time comes from the injected clock and scheduler.
 """
 
@@ -161,6 +168,13 @@ class Admission:
         self._table: RouteTable | None = None
         # 429s of the queue per (deployment, reason); read by the metrics thread (copied).
         self._refused: dict[tuple[str, str], int] = {}
+        # Shared caps: this router's share per replica (None: caps not shared), its lease, the
+        # time until which it may admit (inf without sharing), the replicas over their share.
+        self._shares: dict[ReplicaKey, int] | None = None
+        self._lease: tuple[str, float] = ("", -math.inf)
+        self._admit_until = math.inf
+        self._over: set[ReplicaKey] = set()
+        self.on_drained: Callable[[], None] | None = None
 
     @property
     def queue_timeout_seconds(self) -> float:
@@ -202,6 +216,8 @@ class Admission:
                     self._settings.default_max_concurrency,
                     now,
                 )
+                if old is not None and old.replicas.keys == replicas.keys:
+                    replicas.cache = old.replicas.cache  # e.g. the hash ring: same members
             queue = (
                 old.queue
                 if old is not None
@@ -228,8 +244,57 @@ class Admission:
         self._refused = {k: v for k, v in self._refused.items() if k[0] in fresh}
         live = {k for d in fresh.values() for k in d.replicas.keys}
         self._states = {k: s for k, s in self._states.items() if k in live or s.in_flight}
+        shares = self._shares = table.shares()
+        self._over = set()
+        if shares is not None:  # over its share, or still running on a replica that left
+            for k, s in self._states.items():
+                share = shares.get(k, None if k in live else 0)
+                if share is not None and s.in_flight > share:
+                    self._over.add(k)
+        self._admit_until = self._lease_until()
         for deployment in fresh.values():
             self._pump(deployment)
+
+    # -- shared caps -------------------------------------------------------------------------
+
+    @property
+    def table(self) -> RouteTable | None:
+        """The routing table applied last."""
+        return self._table
+
+    def set_lease(self, epoch: str, until: float) -> None:
+        """This router may admit on the shares of tables of `epoch` until `until` (monotonic
+        seconds); queued requests are re-examined at once."""
+        self._lease = (epoch, until)
+        self._admit_until = self._lease_until()
+        if self.clock.monotonic() < self._admit_until:
+            for deployment in self._deployments.values():
+                self._pump(deployment)
+
+    def _lease_until(self) -> float:
+        table = self._table
+        if table is None or not table.lease_epoch:
+            return math.inf
+        epoch, until = self._lease
+        return until if epoch == table.lease_epoch else -math.inf
+
+    def lease_valid(self) -> bool | None:
+        """Whether this router may admit now: None when caps are not shared."""
+        if self._shares is None:
+            return None
+        return self.clock.monotonic() < self._admit_until
+
+    def share(self, key: ReplicaKey) -> int | None:
+        """This router's share of the replica's cap (None when caps are not shared, or the
+        replica has no cap to share)."""
+        return None if self._shares is None else self._shares.get(key)
+
+    def over_share(self, *, release: bool = False) -> list[ReplicaKey]:
+        """Replicas with more requests in flight from here than this router's share of them
+        in the current table (or, with `release`, any request in flight)."""
+        if release:
+            return [k for k, s in self._states.items() if s.in_flight]
+        return list(self._over)
 
     def _state(self, key: ReplicaKey) -> ReplicaState:
         state = self._states.get(key)
@@ -317,7 +382,10 @@ class Admission:
         self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
     ) -> Lease | None:
         replicas = deployment.replicas
-        replicas.wake(self.clock.monotonic())
+        now = self.clock.monotonic()
+        replicas.wake(now)
+        if now >= self._admit_until:  # shared caps without a lease: admit nothing new
+            return None
         if not replicas.free:  # all full: no policy needs to look (saturated queues, O(1))
             return None
         if not exclude:
@@ -355,11 +423,20 @@ class Admission:
 
     @staticmethod
     def _could_serve(replicas: ReplicaSet, exclude: frozenset[ReplicaKey]) -> bool:
-        return any(
-            not replicas.blocked[i] and replicas.keys[i] not in exclude for i in range(replicas.n)
+        # O(len(exclude)): the usable count less the usable replicas already tried.
+        tried = sum(
+            1
+            for k in exclude
+            if (i := replicas.index.get(k)) is not None and not replicas.blocked[i]
         )
+        return replicas.usable > tried
 
     def slot_freed(self, state: ReplicaState) -> None:
+        over, shares, key = self._over, self._shares, state.key
+        if over and key in over and shares is not None and state.in_flight <= shares.get(key, 0):
+            over.discard(key)  # drained to its share: the orchestrator may pass it on
+            if self.on_drained is not None:
+                self.on_drained()
         for replica_set, _ in state.owners:
             deployment = self._deployments.get(replica_set.deployment)
             if deployment is not None:
@@ -425,18 +502,16 @@ class Admission:
         lease (an endpoint picker's fallback, named by `address`): feeds its breaker.
         Unknown deployments or addresses are ignored (the table moved on)."""
         d = self._deployments.get(deployment)
-        if d is None:
+        i = None if d is None else d.replicas.by_address.get(address)
+        if d is None or i is None:
             return
-        for endpoint, state in zip(d.replicas.endpoints, d.replicas.states, strict=True):
-            if endpoint.address != address:
-                continue
-            now = self.clock.monotonic()
-            if ok:
-                state.breaker.on_success()
-            else:
-                state.breaker.on_failure(now)
-            state.changed(now)
-            return
+        state = d.replicas.states[i]
+        now = self.clock.monotonic()
+        if ok:
+            state.breaker.on_success()
+        else:
+            state.breaker.on_failure(now)
+        state.changed(now)
 
     def queue_length(self, deployment: str) -> int:
         """Requests waiting for a slot in `deployment` (a cancelled one counts until its task

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.features import FeatureExtractor
+from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
 from inferplane.router.outcomes import OutcomeService
@@ -31,8 +33,16 @@ from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 
-def route_source(settings: RouterSettings) -> RouteSource:
-    """The orchestrator's stream when `orchestrator_address` is set, else the static file.
+def router_id(settings: RouterSettings) -> str:
+    """This router's id towards the orchestrator: `router_id`, else `host name:port`, so a
+    router restarted in place takes its shares back at once instead of waiting for the
+    lease of its previous process to run out (two live routers must never share an id)."""
+    return settings.router_id or f"{socket.gethostname()}:{settings.port}"
+
+
+def route_source(settings: RouterSettings, router: str = "") -> RouteSource:
+    """The orchestrator's stream when `orchestrator_address` is set (this router's view with
+    its shares of the caps when `router` is given), else the static file.
 
     Raises:
         ConfigError: the routes file is unreadable.
@@ -44,6 +54,7 @@ def route_source(settings: RouterSettings) -> RouteSource:
             security=settings.security("router"),
             initial_backoff_seconds=settings.orchestrator_backoff_seconds,
             max_backoff_seconds=settings.orchestrator_max_backoff_seconds,
+            router_id=router,
         )
     table = load_routes_file(settings.routes_file) if settings.routes_file else RouteTable.of([])
     return StaticRouteSource(table)
@@ -88,8 +99,23 @@ def build_app(
     )
     metrics = RouterMetrics(registry)
     registry.register(AdmissionCollector(admission, clock.monotonic))
+    # Shared caps: the orchestrator's view for this router, admitted on under a lease.
+    lease: CapLease | None = None
+    if source is None and settings.orchestrator_address and settings.shared_caps:
+        me = router_id(settings)
+        source = route_source(settings, me)
+        lease = CapLease(
+            settings.orchestrator_address,
+            me,
+            admission,
+            clock,
+            security=security,
+            options=grpc_options(settings),
+        )
     source = source or route_source(settings)
     source.subscribe(admission.apply)  # a table that cannot be applied is never current
+    if lease is not None:
+        source.subscribe(lease.on_table)
     auth_sink: AuthUsageSink | None = None
     if usage is None and settings.auth_address:
         usage = auth_sink = AuthUsageSink(
@@ -136,8 +162,12 @@ def build_app(
         if record_sink is not None:
             await record_sink.start()
         await source.start()
+        if lease is not None:
+            await lease.start()
 
     async def stop() -> None:
+        if lease is not None:
+            await lease.stop()  # gives the shares back (the server has stopped)
         await source.stop()
         # After the server stopped: every request has ended and handed over its report.
         if auth_sink is not None:

@@ -12,6 +12,10 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
 - `inferplane_router_in_flight_requests{deployment,replica}` (gauge): slots taken;
 - `inferplane_router_circuit_breaker_state{deployment,replica,state}` (gauge, a state set:
   1 for the replica's current state among closed, open, half_open, else 0);
+- with shared caps (issue 20), `inferplane_router_cap_share_requests{deployment,replica}`
+  (gauge): this router's share of the replica's cap, and `inferplane_router_cap_lease_valid`
+  (gauge, 1 or 0): whether it holds the lease to admit on its shares (0: it admits nothing
+  new; requests queue);
 - `inferplane_router_fallbacks_served_total` (counter): requests a fallback of the pick
   served because the endpoints before it failed before their first byte (Envoy retried down
   the list; Envoy's own `cluster.inferplane_replicas.upstream_rq_retry*` stats count the
@@ -89,6 +93,11 @@ class AdmissionCollector(Collector):
             "1 for the replica's circuit-breaker state (closed, open, half_open), else 0.",
             labels=["deployment", "replica", "state"],
         )
+        share = GaugeMetricFamily(
+            "inferplane_router_cap_share_requests",
+            "This router's share of the replica's concurrency cap (shared caps).",
+            labels=["deployment", "replica"],
+        )
         now = self._now()
         for name in self._admission.deployments():
             queued.add_metric([name], self._admission.queue_length(name))
@@ -101,6 +110,9 @@ class AdmissionCollector(Collector):
             for endpoint, state in zip(replicas.endpoints, replicas.states, strict=True):
                 replica = endpoint.replica_id or endpoint.address
                 in_flight.add_metric([name, replica], state.in_flight)
+                part = self._admission.share(endpoint.key)
+                if part is not None:
+                    share.add_metric([name, replica], part)
                 current = state.breaker.peek(now).value
                 for value in BREAKER_STATES:
                     breaker.add_metric([name, replica, value], 1.0 if value == current else 0.0)
@@ -109,6 +121,15 @@ class AdmissionCollector(Collector):
         yield refusals
         yield in_flight
         yield breaker
+        valid = self._admission.lease_valid()
+        if valid is not None:
+            yield share
+            lease = GaugeMetricFamily(
+                "inferplane_router_cap_lease_valid",
+                "1 while this router holds the lease to admit on its shares of the caps.",
+            )
+            lease.add_metric([], 1.0 if valid else 0.0)
+            yield lease
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

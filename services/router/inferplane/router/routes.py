@@ -18,8 +18,10 @@ ALLOWED_MODELS_HEADER = "x-inferplane-allowed-models"
 class Endpoint:
     """One replica: the node-agent address serving it (host:port) and its replica id.
 
-    `max_concurrency` caps the requests the router sends it at once (0: the router's
-    `default_max_concurrency` setting); `node` names its host, for logs.
+    `max_concurrency` caps the requests all routers send it at once (0: the router's
+    `default_max_concurrency` setting); `share`, when the table is the orchestrator's view for
+    this router (`RouteTable.lease_epoch`), is this router's part of that cap (the parts of all
+    routers sum to at most the cap; issue 20), None otherwise; `node` names its host, for logs.
     """
 
     address: str
@@ -28,6 +30,14 @@ class Endpoint:
     weight: float = 1.0
     max_concurrency: int = 0
     node: str = ""
+    share: int | None = None
+
+    def cap(self, default: int) -> int:
+        """The requests this router may have in flight to it at once: its share when the
+        caps are shared, else `max_concurrency`, else `default` (0: unbounded)."""
+        if self.share is not None:
+            return self.share
+        return self.max_concurrency or default or 1 << 30
 
     @property
     def key(self) -> tuple[str, str]:
@@ -58,14 +68,29 @@ class ModelRoute:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouteTable:
-    """An immutable snapshot; the router swaps whole tables, never edits one in place."""
+    """An immutable snapshot; the router swaps whole tables, never edits one in place.
+
+    `lease_epoch` is set when the endpoints carry this router's shares of the caps: the router
+    admits on them only while it holds a lease of that epoch (`leases.CapLease`).
+    """
 
     routes: Mapping[str, ModelRoute]
     version: str = ""
+    lease_epoch: str = ""
 
     @classmethod
-    def of(cls, routes: Iterable[ModelRoute], version: str = "") -> RouteTable:
-        return cls({r.model: r for r in routes}, version)
+    def of(
+        cls, routes: Iterable[ModelRoute], version: str = "", lease_epoch: str = ""
+    ) -> RouteTable:
+        return cls({r.model: r for r in routes}, version, lease_epoch)
+
+    def shares(self) -> dict[tuple[str, str], int] | None:
+        """This router's share per replica key (a replica without a cap has none), None when
+        the caps are not shared."""
+        if not self.lease_epoch:
+            return None
+        routes = self.routes.values()
+        return {e.key: e.share for r in routes for e in r.endpoints if e.share is not None}
 
     def get(self, model: str) -> ModelRoute | None:
         return self.routes.get(model)

@@ -39,6 +39,12 @@ class RouterSettings(ServiceSettings):
             serialized request per block, ~4 bytes a token) and the most blocks hashed.
         orchestrator_backoff_seconds / orchestrator_max_backoff_seconds: reconnect backoff of
             the routing-table watch (exponential, full jitter).
+        shared_caps: with `orchestrator_address`, take this router's share of each replica's
+            cap from the orchestrator and admit on it only under a lease (issue 20: N routers
+            never admit more than a replica's cap together; services/router/README.md). Off:
+            this router enforces whole caps alone, which is right only for a single router.
+        router_id: this router's id towards the orchestrator ("" = `host name:port`, kept
+            across restarts in place; two live routers must never share one).
         auth_address: auth's `UsageService` (host:port). Set: every keyed request's usage is
             reported there in batches (token limits, concurrency release). Empty: logged only.
         auth_internal_token: sent as `x-inferplane-internal-token` (auth's `internal_token`;
@@ -82,6 +88,8 @@ class RouterSettings(ServiceSettings):
     prefix_max_blocks: int = 128
     orchestrator_backoff_seconds: float = 0.5
     orchestrator_max_backoff_seconds: float = 15.0
+    shared_caps: bool = True
+    router_id: str = ""
     auth_address: str = ""
     auth_internal_token: str = dataclasses.field(default="", repr=False)
     usage_buffer_capacity: int = 10_000

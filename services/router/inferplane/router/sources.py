@@ -55,7 +55,9 @@ class StaticRouteSource:
 
 
 def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
-    """The domain table of one WatchRoutingTable message."""
+    """The domain table of one WatchRoutingTable message (with this router's shares of the
+    caps when the message has a `lease_epoch`)."""
+    shared = bool(message.lease_epoch)
     return RouteTable.of(
         (
             ModelRoute(
@@ -70,6 +72,8 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                         weight=e.weight or 1.0,
                         max_concurrency=e.max_concurrency,
                         node=e.node,
+                        # No cap (0: each router's default) is not shared.
+                        share=e.max_concurrency_share if shared and e.max_concurrency else None,
                     )
                     for e in r.endpoints
                 ),
@@ -80,6 +84,7 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
             for r in message.routes
         ),
         version=message.version,
+        lease_epoch=message.lease_epoch,
     )
 
 
@@ -90,8 +95,11 @@ class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
     On a broken or refused stream it reconnects with exponential backoff and full jitter
     (`initial_backoff_seconds` doubling up to `max_backoff_seconds`, reset once a table
     arrives), and keeps serving the last table meanwhile: an orchestrator outage freezes
-    routing, it does not empty it. A table that fails to apply (e.g. an unknown routing
-    policy) is logged and skipped; the previous one stays.
+    routing, it does not empty it (but shared caps admit only under a lease: `CapLease`). A
+    table that fails to apply (e.g. an unknown routing policy) is logged and skipped; the
+    previous one stays.
+
+    `router_id` (non-empty) asks for this router's view: its shares of the replicas' caps.
     """
 
     def __init__(
@@ -105,6 +113,7 @@ class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
         security: PeerSecurity | None = None,
+        router_id: str = "",
     ) -> None:
         super().__init__(
             address,
@@ -118,4 +127,5 @@ class OrchestratorRouteSource(RoutingTableWatch[RouteTable]):
             rng=rng,
             logger="inferplane.router.routes",
             security=security,
+            router_id=router_id,
         )

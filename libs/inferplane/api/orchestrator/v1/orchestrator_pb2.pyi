@@ -1075,6 +1075,13 @@ class WatchRoutingTableRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """Set by a router (unique per router process): the orchestrator then splits each replica's
+    max_concurrency among the routers holding a lease, and this stream's tables carry this
+    router's share (RouteEndpoint.max_concurrency_share) and its lease_epoch. Empty: the
+    table without shares (telemetry, operators).
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only these models; empty means all."""
@@ -1083,10 +1090,11 @@ class WatchRoutingTableRequest(_message.Message):
         self,
         *,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        router_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models", "router_id", b"router_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1100,8 +1108,14 @@ class WatchRoutingTableResponse(_message.Message):
 
     VERSION_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """A content hash of the table."""
+    lease_epoch: _builtins.str
+    """Set only on a router's stream (WatchRoutingTableRequest.router_id): the lease epoch its
+    shares belong to. The router admits on those shares only while it holds a lease of this
+    epoch (RenewRouterLease); a new epoch (orchestrator restart, lease lost) starts at none.
+    """
     @_builtins.property
     def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRoute]:
         """Routes by model."""
@@ -1111,10 +1125,11 @@ class WatchRoutingTableResponse(_message.Message):
         *,
         version: _builtins.str = ...,
         routes: _abc.Iterable[Global___ModelRoute] | None = ...,
+        lease_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["routes", b"routes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "routes", b"routes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1182,6 +1197,7 @@ class RouteEndpoint(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     METRICS_URL_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENCY_SHARE_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica id."""
     address: _builtins.str
@@ -1202,6 +1218,12 @@ class RouteEndpoint(_message.Message):
     """The replica's engine metrics (Prometheus text exposition), as the node-agent reports it;
     telemetry scrapes it. Empty when the node-agent reports none.
     """
+    max_concurrency_share: _builtins.int
+    """Meaningful only when the table's lease_epoch is set and max_concurrency is not 0: the
+    requests this router may have in flight to the replica at once (its share of
+    max_concurrency; the shares of all routers sum to at most max_concurrency; 0: send it
+    nothing new).
+    """
     def __init__(
         self,
         *,
@@ -1213,11 +1235,106 @@ class RouteEndpoint(_message.Message):
         node: _builtins.str = ...,
         revision: _builtins.str = ...,
         metrics_url: _builtins.str = ...,
+        max_concurrency_share: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "max_concurrency", b"max_concurrency", "metrics_url", b"metrics_url", "node", b"node", "replica_id", b"replica_id", "revision", b"revision", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "max_concurrency", b"max_concurrency", "max_concurrency_share", b"max_concurrency_share", "metrics_url", b"metrics_url", "node", b"node", "replica_id", b"replica_id", "revision", b"revision", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteEndpoint: _TypeAlias = RouteEndpoint  # noqa: Y015
+
+@_typing.final
+class RenewRouterLeaseRequest(_message.Message):
+    """Request for RenewRouterLease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    OVER_SHARE_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """The router's id, as in its WatchRoutingTableRequest (it must have that stream open)."""
+    lease_epoch: _builtins.str
+    """The lease_epoch of the table the router enforces ("" before its first table)."""
+    version: _builtins.str
+    """The version of that table: acknowledges that the router enforces its shares."""
+    release: _builtins.bool
+    """The router stops admitting (it shuts down): its shares go to the other routers once the
+    replicas in over_share drained or its lease ran out.
+    """
+    @_builtins.property
+    def over_share(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaRef]:
+        """Replicas to which the router has more requests in flight than its share in that table
+        (requests admitted under an earlier, larger share, or to a replica that left the table).
+        """
+
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+        lease_epoch: _builtins.str = ...,
+        version: _builtins.str = ...,
+        over_share: _abc.Iterable[Global___ReplicaRef] | None = ...,
+        release: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "over_share", b"over_share", "release", b"release", "router_id", b"router_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRouterLeaseRequest: _TypeAlias = RenewRouterLeaseRequest  # noqa: Y015
+
+@_typing.final
+class RenewRouterLeaseResponse(_message.Message):
+    """Response of RenewRouterLease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    lease_seconds: _builtins.float
+    """How long the router may admit on its shares, counted from when it sent the request; 0:
+    the request named another lease_epoch (wait for the next table, then renew).
+    """
+    def __init__(
+        self,
+        *,
+        lease_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRouterLeaseResponse: _TypeAlias = RenewRouterLeaseResponse  # noqa: Y015
+
+@_typing.final
+class ReplicaRef(_message.Message):
+    """A replica named as in the routing table."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica id."""
+    address: _builtins.str
+    """The replica process address (host:port)."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaRef: _TypeAlias = ReplicaRef  # noqa: Y015

@@ -678,6 +678,11 @@ class RoutingServiceStub:
                 request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableRequest.SerializeToString,
                 response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableResponse.FromString,
                 _registered_method=True)
+        self.RenewRouterLease = channel.unary_unary(
+                '/inferplane.orchestrator.v1.RoutingService/RenewRouterLease',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class RoutingServiceServicer:
@@ -691,6 +696,15 @@ class RoutingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewRouterLease(self, request, context):
+        """Renews a router's lease on its shares of the replicas' concurrency caps and acknowledges
+        the table it enforces (routers that watch with a router_id call it every few seconds and
+        after each table; never per request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -698,6 +712,11 @@ def add_RoutingServiceServicer_to_server(servicer, server):
                     servicer.WatchRoutingTable,
                     request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableRequest.FromString,
                     response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableResponse.SerializeToString,
+            ),
+            'RenewRouterLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewRouterLease,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -728,6 +747,33 @@ class RoutingService:
             '/inferplane.orchestrator.v1.RoutingService/WatchRoutingTable',
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableRequest.SerializeToString,
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.WatchRoutingTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewRouterLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.RoutingService/RenewRouterLease',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RenewRouterLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

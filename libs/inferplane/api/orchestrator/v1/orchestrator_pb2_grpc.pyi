@@ -243,6 +243,11 @@ class RoutingServiceStub:
     def __new__(cls, channel: _aio.Channel) -> RoutingServiceAsyncStub: ...
     WatchRoutingTable: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.WatchRoutingTableRequest, _orchestrator_pb2.WatchRoutingTableResponse]
     """Streams the routing table: the full table first, then every change."""
+    RenewRouterLease: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.RenewRouterLeaseRequest, _orchestrator_pb2.RenewRouterLeaseResponse]
+    """Renews a router's lease on its shares of the replicas' concurrency caps and acknowledges
+    the table it enforces (routers that watch with a router_id call it every few seconds and
+    after each table; never per request).
+    """
 
 @_typing.type_check_only
 class RoutingServiceAsyncStub(RoutingServiceStub):
@@ -251,6 +256,11 @@ class RoutingServiceAsyncStub(RoutingServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     WatchRoutingTable: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.WatchRoutingTableRequest, _orchestrator_pb2.WatchRoutingTableResponse]  # type: ignore[assignment]
     """Streams the routing table: the full table first, then every change."""
+    RenewRouterLease: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.RenewRouterLeaseRequest, _orchestrator_pb2.RenewRouterLeaseResponse]  # type: ignore[assignment]
+    """Renews a router's lease on its shares of the replicas' concurrency caps and acknowledges
+    the table it enforces (routers that watch with a router_id call it every few seconds and
+    after each table; never per request).
+    """
 
 class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
     """The routing table."""
@@ -262,5 +272,16 @@ class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_orchestrator_pb2.WatchRoutingTableResponse], _abc.AsyncIterator[_orchestrator_pb2.WatchRoutingTableResponse]]:
         """Streams the routing table: the full table first, then every change."""
+
+    @_abc_1.abstractmethod
+    def RenewRouterLease(
+        self,
+        request: _orchestrator_pb2.RenewRouterLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.RenewRouterLeaseResponse, _abc.Awaitable[_orchestrator_pb2.RenewRouterLeaseResponse]]:
+        """Renews a router's lease on its shares of the replicas' concurrency caps and acknowledges
+        the table it enforces (routers that watch with a router_id call it every few seconds and
+        after each table; never per request).
+        """
 
 def add_RoutingServiceServicer_to_server(servicer: RoutingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

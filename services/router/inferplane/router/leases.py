@@ -1,0 +1,158 @@
+"""`CapLease`: this router's lease on its shares of the replicas' concurrency caps (issue 20).
+
+The orchestrator splits each replica's cap among the routers that watch its routing table
+with a `router_id` (`inferplane.orchestrator.routing`); this router admits on its shares
+(`Admission`) only while it holds a lease of the table's `lease_epoch`. `CapLease` renews it
+with `RoutingService.RenewRouterLease`: every fifth of the lease, at once after each new
+table, and when a replica whose share shrank has drained to it (`Admission.on_drained`). One
+renewal at a time; never per request.
+
+The bound: a renewal sent at `t` (this router's monotonic clock) that grants `L` seconds lets
+the router admit until `t + L`. The orchestrator received it after `t`, and forgets this
+router's shares `L + margin` after it did, so by then this router has stopped admitting on
+them (clock rates may differ by less than margin/L). A router that cannot renew (orchestrator
+down, its stream lost) therefore admits nothing new from `t + L` on: requests wait in the
+queue (then 429) rather than exceed a cap; the next table and renewal resume admission.
+Requests already admitted run on; shares that shrank are reported until the requests above
+them ended (`over_share`), and only then given to other routers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import structlog
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
+from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.router.admission import Admission
+from inferplane.router.routes import RouteTable
+from inferplane.runtime.clock import Clock
+from inferplane.runtime.identity import PeerSecurity
+
+# Renewals per lease: four may fail in a row before the lease runs out.
+RENEWALS_PER_LEASE = 5
+# Between attempts while no lease was granted yet (first table, orchestrator restarting).
+RETRY_SECONDS = 1.0
+# A renewal that takes longer is abandoned (the lease it would give counts from its start).
+RENEW_TIMEOUT_SECONDS = 5.0
+
+
+class CapLease:
+    """Keeps `admission`'s lease on its shares of the caps, renewed at `address`.
+
+    Args:
+        address: the orchestrator's RoutingService (host:port).
+        router_id: this router's id, as its routing-table watch sends it.
+        admission: where the lease goes (`Admission.set_lease`) and the over-share replicas
+            come from.
+        clock: monotonic time of the lease (the same clock admission reads).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        router_id: str,
+        admission: Admission,
+        clock: Clock,
+        *,
+        security: PeerSecurity | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        retry_seconds: float = RETRY_SECONDS,
+    ) -> None:
+        self._address = address
+        self.router_id = router_id
+        self._admission = admission
+        self._clock = clock
+        self._security = security or PeerSecurity.plaintext()
+        self._options = list(options)
+        self._retry = retry_seconds
+        self._interval = retry_seconds
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None  # RoutingServiceStub on an aio channel (its stubs type sync)
+        self._log = structlog.get_logger("inferplane.router.leases")
+        self.renewals = 0
+        admission.on_drained = self.wake
+
+    def wake(self) -> None:
+        """Renews soon (a new table, a replica drained to its share)."""
+        self._wake.set()
+
+    def on_table(self, table: RouteTable) -> None:
+        """`RouteSource` listener: a new table is acknowledged by a renewal at once."""
+        self._wake.set()
+
+    def _stub_for(self) -> Any:
+        if self._stub is None:
+            self._channel = self._security.aio_channel(self._address, options=self._options)
+            self._stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
+        return self._stub
+
+    async def renew(self, *, release: bool = False) -> bool:
+        """One renewal now, acknowledging the applied table; returns whether a lease was
+        granted (a failure is logged: the current lease simply runs out). With `release`,
+        the router gives its shares back and admits nothing more."""
+        table = self._admission.table
+        epoch = table.lease_epoch if table is not None else ""
+        request = opb.RenewRouterLeaseRequest(
+            router_id=self.router_id,
+            lease_epoch=epoch,
+            version=table.version if table is not None else "",
+            over_share=[
+                opb.ReplicaRef(address=address, replica_id=replica_id)
+                for address, replica_id in self._admission.over_share(release=release)
+            ],
+            release=release,
+        )
+        if release:
+            self._admission.set_lease("", -float("inf"))
+        sent = self._clock.monotonic()
+        try:
+            response = await self._stub_for().RenewRouterLease(
+                request, timeout=RENEW_TIMEOUT_SECONDS
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._interval = self._retry
+            self._log.warning(
+                "cap_lease_renewal_failed", address=self._address, code=exc.code().name
+            )
+            return False
+        self.renewals += 1
+        seconds = response.lease_seconds
+        if seconds <= 0 or release:
+            self._interval = self._retry
+            return False
+        self._interval = seconds / RENEWALS_PER_LEASE
+        if epoch:
+            self._admission.set_lease(epoch, sent + seconds)
+        return True
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="cap-lease")
+
+    async def stop(self) -> None:
+        """Stops renewing and gives the shares back (best effort: otherwise they return to
+        the other routers when the lease runs out)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._stub is not None:
+            await self.renew(release=True)
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = self._stub = None
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.renew()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval)

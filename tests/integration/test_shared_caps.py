@@ -1,0 +1,170 @@
+"""Shared caps (issue 20) with the real parts: the orchestrator's `RoutingService` and
+`RoutingHub`, and two routers (admission, routing-table watch with their ids, lease keepers)
+over real gRPC on loopback. One replica at its cap of 4.
+
+Invariant: the two routers never have more than 4 requests in flight to the replica between
+them: a router that joins while the other holds the whole cap queues until the first one's
+requests ended down to its new share; when a router goes away, its share returns to the
+other after the bound (lease + margin after its last renewal), not before, and the other's
+queued requests then go. Time: a FakeClock for the hub and one per router, moved together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.orchestrator.routing import RoutingHub, make_table
+from inferplane.orchestrator.servicer import RoutingService
+from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.features import RequestFeatures
+from inferplane.router.leases import CapLease
+from inferplane.router.policies import default_registry
+from inferplane.router.sources import OrchestratorRouteSource
+from inferplane.runtime import ErrorInterceptor
+from inferplane.testing.clock import FakeClock
+
+LEASE = 10.0
+MARGIN = 1.0
+CAP = 4
+
+
+class _Timer:
+    def cancel(self) -> None:
+        pass
+
+
+class _NoTimeouts:
+    """Queue timers that never fire: these requests wait as long as the test needs."""
+
+    def call_later(self, delay: float, callback: Any) -> _Timer:
+        return _Timer()
+
+
+class Router:
+    def __init__(self, address: str, router_id: str, clock: FakeClock) -> None:
+        self.admission = Admission(default_registry(), AdmissionSettings(), clock, _NoTimeouts())
+        self.source = OrchestratorRouteSource(address, router_id=router_id)
+        self.lease = CapLease(address, router_id, self.admission, clock)
+        self.source.subscribe(self.admission.apply)
+        self.source.subscribe(self.lease.on_table)
+        self.router_id = router_id
+
+    def share(self) -> int | None:
+        return self.admission.share(("10.0.0.1:9000", "r0"))
+
+    def in_flight(self) -> int:
+        replicas = self.admission.replicas("m")
+        return 0 if replicas is None else replicas.total_in_flight
+
+    def acquire(self) -> asyncio.Future[Lease]:
+        route = self.source.current().get("m")
+        assert route is not None
+        return asyncio.ensure_future(self.admission.acquire(route, RequestFeatures()))
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+async def _serve(hub: RoutingHub) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
+    orchestrator_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingService(hub), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _round(*routers: Router) -> None:
+    """Every router renews (acknowledging its table), then the tables this caused arrive."""
+    for _ in range(3):
+        for r in routers:
+            await r.lease.renew()
+        await _settle()
+
+
+def test_two_routers_share_a_replicas_cap_and_a_gone_routers_share_returns_after_the_bound() -> (
+    None
+):
+    async def scenario() -> None:
+        hub_clock = FakeClock()
+        hub = RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN)
+        table = make_table(
+            [
+                pb.ModelRoute(
+                    model="m",
+                    deployment="m",
+                    routing_policy="least_load",
+                    endpoints=[
+                        pb.RouteEndpoint(
+                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
+                        )
+                    ],
+                )
+            ]
+        )
+        await hub.publish(table)
+        hub_clock.advance(LEASE + MARGIN)  # the start-up wait is over
+        server, address = await _serve(hub)
+        clocks = [hub_clock, FakeClock(), FakeClock()]
+        a = Router(address, "router-a", clocks[1])
+        b = Router(address, "router-b", clocks[2])
+        seen_total: list[int] = []
+
+        def total() -> int:
+            seen_total.append(a.in_flight() + b.in_flight())
+            return seen_total[-1]
+
+        async def advance(seconds: float, *renewing: Router) -> None:
+            for clock in clocks:
+                clock.advance(seconds)
+            hub.expire_leases()
+            await _round(*renewing)
+
+        try:
+            await a.source.start()
+            await _settle()
+            await _round(a)
+            assert a.share() == CAP
+            held = [await a.acquire() for _ in range(CAP)]
+            assert total() == CAP
+            # b joins: a's share shrinks to 2, b gets nothing while a still has 4 in flight.
+            await b.source.start()
+            await _settle()
+            await _round(a, b)
+            assert (a.share(), b.share()) == (2, 0)
+            waiting_b = [b.acquire(), b.acquire()]
+            await _settle()
+            assert not any(f.done() for f in waiting_b) and total() == CAP
+            held.pop().release()
+            await _round(a, b)
+            assert b.share() == 0 and total() == CAP - 1  # a is still over its share
+            held.pop().release()
+            await _round(a, b)
+            assert (a.share(), b.share()) == (2, 2)
+            assert all(f.done() for f in waiting_b) and total() == CAP
+            # a goes away (crash or cut off: no release, no renewals); its requests end.
+            await a.source.stop()
+            for lease in held:
+                lease.release()
+            more_b = [b.acquire(), b.acquire()]
+            await _settle()
+            for _ in range(int(LEASE)):
+                await advance(1.0, b)
+                assert b.share() == 2 and not any(f.done() for f in more_b), "too early"
+            await advance(MARGIN + 0.01, b)
+            assert b.share() == CAP
+            assert all(f.done() for f in more_b) and total() == CAP
+            assert max(seen_total) <= CAP
+        finally:
+            for r in (a, b):
+                await r.lease.stop()
+                await r.source.stop()
+            await server.stop(0)
+
+    asyncio.run(scenario())

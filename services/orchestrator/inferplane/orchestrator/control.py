@@ -9,6 +9,11 @@ then swaps them in, so memory never runs ahead of the database. Calls are serial
 Liveness after a restart: every known node gets a full heartbeat timeout from the moment the
 state is loaded, so an orchestrator restart never marks a healthy fleet NotReady.
 
+Leadership (`inferplane.orchestrator.leadership`): the `guard` given at construction runs first
+in every use case an RPC reaches (catalogue, fleet, liveness sweep); on a standby it raises
+NotLeaderError (UNAVAILABLE naming the leader). `load` and the read models the reconciler uses
+are not guarded: the leader calls them.
+
 Extension points for the next steps (reconcile, rolling releases, routing table):
 `placements()` is the desired placement per replica, `observed_replicas()` what node-agents
 report, and `subscribe(callback)` announces every committed change.
@@ -126,8 +131,10 @@ class ControlPlane:
         sizing: SizingPolicy,
         liveness: Liveness,
         clock: Clock,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
+        self._guard = guard or _no_guard
         self._policy = policy
         self._sizing = sizing
         self._liveness = liveness
@@ -199,6 +206,7 @@ class ControlPlane:
             AlreadyExistsError: the id or an alias is taken.
             FailedPreconditionError: one replica cannot fit any node of the fleet, with numbers.
         """
+        self._guard()
         now = self._clock.now()
         candidate = dataclasses.replace(deployment.normalised(), create_time=now, update_time=now)
         validate_deployment(candidate)
@@ -220,11 +228,13 @@ class ControlPlane:
 
     def get(self, name: str) -> DeploymentView:
         """Raises NotFoundError."""
+        self._guard()
         with self._lock:
             return self._view(self.resolve(name), self._plan)
 
     def list_deployments(self, page_size: int, page_token: str) -> Page:
         """Deployments in id order. Raises InvalidArgumentError for a bad token."""
+        self._guard()
         with self._lock:
             ids = sorted(self._deployments)
             page, token = _paginate(ids, page_size, page_token)
@@ -238,6 +248,7 @@ class ControlPlane:
             NotFoundError, InvalidArgumentError (unknown path or bad value), AlreadyExistsError
             (alias taken), FailedPreconditionError (no longer fits the fleet).
         """
+        self._guard()
         with self._lock:
             current = self.resolve(incoming.deployment_id)
             merged = _merge(current, incoming, paths)
@@ -260,6 +271,7 @@ class ControlPlane:
 
     def delete(self, name: str) -> None:
         """Deletes the deployment and its placements. Raises NotFoundError."""
+        self._guard()
         with self._lock:
             current = self.resolve(name)
             deployments = {k: v for k, v in self._deployments.items() if k != current.deployment_id}
@@ -271,6 +283,7 @@ class ControlPlane:
     def replicas(self, name: str, page_size: int, page_token: str) -> Page:
         """The deployment's replicas in ordinal order: `Placement` values, then `Unplaced`
         ones interleaved by ordinal. Raises NotFoundError, InvalidArgumentError."""
+        self._guard()
         with self._lock:
             view = self._view(self.resolve(name), self._plan)
             by_id: dict[str, Placement | Unplaced] = {p.replica_id: p for p in view.placements}
@@ -281,6 +294,7 @@ class ControlPlane:
 
     def explain(self, name: str) -> list[str]:
         """One header line and one line per replica (see `placement.explain`)."""
+        self._guard()
         with self._lock:
             deployment = self.resolve(name)
             placements, unplaced = self._plan.of(deployment.deployment_id)
@@ -300,6 +314,7 @@ class ControlPlane:
         """Registers or re-registers a node with its inventory; it becomes Ready (Draining if
         it was drained). Raises InvalidArgumentError for a nameless node or a name, address or
         agent version longer than the store holds or with a NUL character."""
+        self._guard()
         if not inventory.name:
             raise InvalidArgumentError(
                 "status.node (the node name) is required", param="status.node"
@@ -332,6 +347,7 @@ class ControlPlane:
         """Records a heartbeat: the node is Ready (or Draining) again; a changed inventory is
         stored and re-placed. Unknown nodes are registered. Raises InvalidArgumentError as
         `register_node` does."""
+        self._guard()
         _check_inventory(inventory)
         now = self._clock.now()
         with self._lock:
@@ -358,6 +374,7 @@ class ControlPlane:
     def drain_node(self, name: str) -> Node:
         """Cordons the node (no new replicas) and places its replicas elsewhere; it reports
         Draining while it keeps heartbeating. Raises NotFoundError."""
+        self._guard()
         with self._lock:
             existing = self._node(name)
             condition = (
@@ -374,6 +391,7 @@ class ControlPlane:
     def uncordon_node(self, name: str) -> Node:
         """Makes a drained node schedulable again; it is Ready unless its heartbeats stopped.
         Raises NotFoundError."""
+        self._guard()
         with self._lock:
             existing = self._node(name)
             condition = (
@@ -390,6 +408,7 @@ class ControlPlane:
     def sweep(self) -> list[str]:
         """Marks nodes NotReady that missed `missed_heartbeats` intervals and re-places their
         replicas. Returns the names that turned NotReady (sorted)."""
+        self._guard()
         now = self._clock.now()
         with self._lock:
             late = [
@@ -413,6 +432,7 @@ class ControlPlane:
 
     def node(self, name: str) -> Node:
         """The node with its last heartbeat time. Raises NotFoundError."""
+        self._guard()
         with self._lock:
             node = self._node(name)
             beat = self._heartbeats.get(node.name)
@@ -420,6 +440,7 @@ class ControlPlane:
 
     def list_nodes(self, page_size: int, page_token: str) -> Page:
         """Nodes in name order. Raises InvalidArgumentError for a bad token."""
+        self._guard()
         with self._lock:
             page, token = _paginate(sorted(self._nodes), page_size, page_token)
             return Page(tuple(self.node(n) for n in page), token)
@@ -504,9 +525,12 @@ class ControlPlane:
         new_plan = self._plan_for(deployments, nodes)
         old = {p.replica_id: p for p in self._plan.placements}
         new = {p.replica_id: p for p in new_plan.placements}
+        # The planner hands kept placements back as the same objects: an identity check skips
+        # them before the (dataclass) comparison; only the changed ones are sorted.
+        changed = [(k, p) for k, p in new.items() if (was := old.get(k)) is not p and was != p]
         full = dataclasses.replace(
             change,
-            put_placements=tuple(p for k, p in sorted(new.items()) if old.get(k) != p),
+            put_placements=tuple(p for _, p in sorted(changed, key=lambda kp: kp[0])),
             delete_placements=tuple(k for k in sorted(old) if k not in new),
         )
         self._store.commit(full)
@@ -515,7 +539,7 @@ class ControlPlane:
         self._nodes = nodes
         for name in nodes:
             self._liveness_base.setdefault(name, self._clock.now())
-        moved = [k for k in sorted(old) if k in new and old[k].node != new[k].node]
+        moved = sorted(k for k, p in changed if k in old and old[k].node != p.node)
         if moved or len(new_plan.unplaced) != len(self._plan.unplaced):
             log.info(
                 "placement_changed",
@@ -565,6 +589,10 @@ def _status(
         phase = "Progressing"
         message = f"{len(placements)} of {wanted} replicas placed, {ready} ready"
     return DeploymentStatus(phase, message, ready, deployment.revision)
+
+
+def _no_guard() -> None:
+    return None
 
 
 def _check_inventory(node: Node) -> None:

@@ -229,24 +229,41 @@ class UsageRow(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    """The edge's request id (`x-request-id`): the row's identity."""
     key_id: _builtins.str
+    """The API key's id."""
     tenant: _builtins.str
+    """The key's tenant when the request ended ("" for a key deleted before its report)."""
     model: _builtins.str
+    """The model the client asked for."""
     deployment: _builtins.str
+    """The deployment that served it ("" when none was picked)."""
     replica: _builtins.str
+    """The replica that served it ("" when none)."""
     status: _builtins.str
     """"completed", "failed" or "cancelled"."""
     prompt_tokens: _builtins.int
+    """Prompt tokens."""
     cached_tokens: _builtins.int
+    """Prompt tokens served from the prefix cache (part of prompt_tokens)."""
     completion_tokens: _builtins.int
+    """Generated tokens, reasoning included."""
     reasoning_tokens: _builtins.int
+    """Reasoning tokens (part of completion_tokens)."""
     ttft_seconds: _builtins.float
+    """Time from arrival at the router to the first output, seconds (0: none)."""
     duration_seconds: _builtins.float
+    """Time from arrival at the router to the end, seconds."""
     gpu_seconds: _builtins.float
+    """GPU-seconds its replica charged it (see RequestUsage.gpu_seconds)."""
     @_builtins.property
-    def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When it arrived at the router (unset when not reported)."""
+
     @_builtins.property
-    def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """When it ended."""
+
     def __init__(
         self,
         *,
@@ -294,12 +311,19 @@ class UsageGroup(_message.Message):
     model, key id or tenant.
     """
     requests: _builtins.int
+    """Requests in the group."""
     failed_requests: _builtins.int
+    """Of which did not complete (failed or cancelled)."""
     prompt_tokens: _builtins.int
+    """Sum of prompt tokens."""
     cached_tokens: _builtins.int
+    """Sum of cached prompt tokens."""
     completion_tokens: _builtins.int
+    """Sum of completion tokens."""
     reasoning_tokens: _builtins.int
+    """Sum of reasoning tokens."""
     gpu_seconds: _builtins.float
+    """Sum of GPU-seconds."""
     def __init__(
         self,
         *,
@@ -332,9 +356,13 @@ class QueryUsageResponse(_message.Message):
     next_page_token: _builtins.str
     """Pass as page_token for the next page; empty on the last page."""
     @_builtins.property
-    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRow]: ...
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRow]:
+        """The page's requests, oldest first (group_by empty)."""
+
     @_builtins.property
-    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageGroup]: ...
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageGroup]:
+        """The page's groups, in group order (group_by set)."""
+
     def __init__(
         self,
         *,

@@ -489,8 +489,12 @@ def _restart_diagnosis(stack: Stack, replica: nodeagent_pb2.Replica, lines: int 
 
 
 def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb2.Replica:
-    """Waits until the node-agent restarted replica `before` (READY, a higher restart count)
-    and the routing table lists it again; returns its new view."""
+    """Waits until replica `before` runs again in a new replica process (READY, another pid)
+    and the routing table lists it again; returns its new view. Normally the node-agent
+    restarts it (a higher restart count); if the node-agent missed its heartbeats meanwhile,
+    the orchestrator re-places the same replica and its count starts over (seen once in CI:
+    the node-agent's event loop blocked for ~60 s after the kill; its loop-stall watchdog now
+    dumps the stacks to its log when that happens), which serves the model again too."""
     replica_id = before.name.removeprefix("replicas/")
     deadline = time.monotonic() + 300
     while True:
@@ -513,12 +517,12 @@ def _wait_restarted(stack: Stack, before: nodeagent_pb2.Replica) -> nodeagent_pb
             continue
         if (
             replica.state == nodeagent_pb2.Replica.STATE_READY
-            and replica.restart_count > before.restart_count
+            and replica.engine_pid
+            and replica.engine_pid != before.engine_pid
         ):
             break
         assert time.monotonic() < deadline, _restart_diagnosis(stack, replica)
         time.sleep(1)
-    assert replica.engine_pid != before.engine_pid
     # The same replica (not a replacement) serves again once the routing table lists it.
     while True:
         with contextlib.suppress(grpc.RpcError):  # retried until the deadline, as above

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import signal
 import sys
@@ -184,10 +185,29 @@ class RunningServer:
         log.info("stopped", component=self.app.component)
 
 
+LOOP_STALL_SECONDS = 10.0
+"""How long a service's event loop may be blocked before every thread's Python stack is written
+to stderr (the service's log): a blocked loop stops heartbeats and every RPC at once, and the
+stacks say what held it."""
+
+
+async def watch_loop_stalls(seconds: float = LOOP_STALL_SECONDS) -> None:
+    """Re-arms `faulthandler.dump_traceback_later(seconds)` every `seconds / 10`: the dump
+    happens (once per stall, from faulthandler's own thread, without the GIL) only if the loop
+    did not come back here for `seconds`. Cancel it to stop watching."""
+    try:
+        while True:
+            faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
+            await asyncio.sleep(seconds / 10)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 async def serve(
     app: App, settings: ServiceSettings, ready: Callable[[RunningServer], None] | None = None
 ) -> int:
-    """Runs `app` until SIGTERM/SIGINT and shuts it down gracefully. Returns the exit code."""
+    """Runs `app` until SIGTERM/SIGINT and shuts it down gracefully. Returns the exit code.
+    While it serves, a loop blocked for `LOOP_STALL_SECONDS` dumps every thread's stack."""
     running = RunningServer(app, settings)
     stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -196,9 +216,13 @@ async def serve(
     await running.start()
     if ready is not None:
         ready(running)
+    watchdog = asyncio.create_task(watch_loop_stalls(), name="loop-stall-watchdog")
     try:
         await stop_event.wait()
     finally:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)

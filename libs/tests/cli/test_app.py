@@ -16,12 +16,12 @@ SERVICES = ("auth", "router", "orchestrator", "node_agent", "telemetry")
 
 
 def test_the_service_clis_are_mounted_from_their_entry_points() -> None:
-    """`keys`, `deployments` and `top` come from the installed distribution's entry points."""
+    """`keys`, `deployments`, `top` and `usage` come from the services' entry points."""
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
-    for name in ("keys", "deployments", "top", "up", "status", "parsers"):
+    for name in ("keys", "deployments", "top", "usage", "up", "status", "parsers"):
         assert name in result.output
-    assert mount_service_clis(typer.Typer()) == ["deployments", "keys", "top"]
+    assert mount_service_clis(typer.Typer()) == ["deployments", "keys", "top", "usage"]
 
 
 def test_libs_never_import_services() -> None:

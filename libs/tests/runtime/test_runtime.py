@@ -286,3 +286,43 @@ def test_reflection_is_served_only_when_enabled(enabled: bool) -> None:
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_blocked_event_loop_dumps_every_threads_stack() -> None:
+    """`watch_loop_stalls`: a loop blocked longer than the limit gets its threads' stacks
+    written to stderr (what held it: here `time.sleep` in `blocking_call`); a loop that keeps
+    coming back gets nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import asyncio, sys, time
+        from inferplane.runtime._server import watch_loop_stalls
+
+        def blocking_call():
+            time.sleep(1.5)
+
+        async def main(block):
+            watchdog = asyncio.create_task(watch_loop_stalls(0.5))
+            await asyncio.sleep(0.2)
+            if block:
+                blocking_call()
+            else:
+                await asyncio.sleep(1.5)
+            watchdog.cancel()
+
+        asyncio.run(main(sys.argv[1] == "block"))
+        """
+    )
+    blocked = subprocess.run(
+        [sys.executable, "-c", script, "block"], capture_output=True, text=True, timeout=60
+    )
+    assert blocked.returncode == 0, blocked.stderr
+    assert "Timeout (0:00:00.500000)!" in blocked.stderr
+    assert "in blocking_call" in blocked.stderr
+    fine = subprocess.run(
+        [sys.executable, "-c", script, "idle"], capture_output=True, text=True, timeout=60
+    )
+    assert fine.returncode == 0 and "Timeout" not in fine.stderr, fine.stderr

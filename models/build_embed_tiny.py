@@ -25,10 +25,8 @@ building twice); ``MANIFEST.json`` records every file's sha256, the shape and th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
 import shutil
 import string
 import sys
@@ -43,6 +41,12 @@ sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inferplane.testing import embed_tiny as et  # noqa: E402
+from inferplane.testing.fixture_build import (  # noqa: E402
+    folder_digests,
+    library_versions,
+    publish,
+    write_json,
+)
 
 SEED = 1234
 SHAPE = {
@@ -157,22 +161,6 @@ def sentence_transformers_files(out: Path, hidden: int) -> None:
     )
 
 
-def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def folder_files(out: Path) -> list[Path]:
-    """Every file of the folder but MANIFEST.json, sorted by relative path."""
-    return sorted(
-        (p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json"),
-        key=lambda p: p.relative_to(out).as_posix(),
-    )
-
-
 def check(out: Path, vocab: dict[str, int]) -> dict[str, Any]:
     """Reloads the folder as vLLM does (AutoTokenizer, AutoModel) and checks shapes, the
     tokenizer round trip and that English text needs no [UNK]; returns facts for the manifest."""
@@ -199,10 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "models" / et.SERVED_MODEL_NAME)
     args = ap.parse_args(argv)
 
-    import safetensors
-    import tokenizers
     import torch
-    import transformers
 
     t_start = time.monotonic()
     torch.set_num_threads(1)
@@ -219,18 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # vocab.txt too: readers of the slow/legacy tokenizer (transformers 4) need it.
         (staging / "vocab.txt").write_text("".join(t + "\n" for t in vocab))
         sentence_transformers_files(staging, SHAPE["hidden"])
-        if out.exists():
-            shutil.rmtree(out)
-        # File by file, contents only: the staging directory's 0700 mode must not come along.
-        for src in folder_files(staging):
-            dst = out / src.relative_to(staging)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+        publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
     facts = check(out, vocab)
-    files = {p.relative_to(out).as_posix(): sha256(p) for p in folder_files(out)}
+    files = folder_digests(out)
     manifest = {
         "name": et.SERVED_MODEL_NAME,
         "architecture": "BertModel",
@@ -246,13 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": SEED,
         "trained": False,
         **facts,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "safetensors": safetensors.__version__,
-        },
+        "versions": library_versions(),
         "sha256": files,
     }
     # No wall time in the manifest: it would be the one file that differs between builds.

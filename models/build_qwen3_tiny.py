@@ -31,11 +31,9 @@ building twice); ``MANIFEST.json`` records every file's sha256, the shape and th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -49,6 +47,13 @@ sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inferplane.testing import qwen3_tiny as qt  # noqa: E402
+from inferplane.testing.fixture_build import (  # noqa: E402
+    bytes_to_unicode,
+    folder_digests,
+    library_versions,
+    publish,
+    write_json,
+)
 
 SEED = 1234
 SHAPE = {
@@ -177,20 +182,6 @@ reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
 """
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable symbol table (what ByteLevel pre-tokenization writes)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += range(ord("®"), ord("ÿ") + 1)
-    cs = list(bs)
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
 def bpe_pieces(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """BPE as the `tokenizers` model applies it: merge the adjacent pair of lowest rank until
     no pair has one."""
@@ -287,22 +278,6 @@ def build_generation_config(tok: Any) -> Any:
     return GenerationConfig(eos_token_id=[im_end, endoftext], pad_token_id=endoftext)
 
 
-def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def folder_files(out: Path) -> list[Path]:
-    """Every file of the folder but MANIFEST.json, sorted by relative path."""
-    return sorted(
-        (p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json"),
-        key=lambda p: p.relative_to(out).as_posix(),
-    )
-
-
 def check(out: Path, tok: Any) -> dict[str, Any]:
     """Reloads the folder as vLLM and the replica do (AutoTokenizer, AutoModelForCausalLM) and
     checks: the same vocabulary; every Qwen3 marker and every word of WORDS (bare and after a
@@ -349,10 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "models" / qt.SERVED_MODEL_NAME)
     args = ap.parse_args(argv)
 
-    import safetensors
-    import tokenizers
     import torch
-    import transformers
 
     t_start = time.monotonic()
     torch.set_num_threads(1)
@@ -366,18 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.save_pretrained(staging, safe_serialization=True)
         build_generation_config(tokenizer).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        # File by file, contents only: the staging directory's 0700 mode must not come along.
-        for src in folder_files(staging):
-            dst = out / src.relative_to(staging)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+        publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
     facts = check(out, tokenizer)
-    files = {p.relative_to(out).as_posix(): sha256(p) for p in folder_files(out)}
+    files = folder_digests(out)
     manifest = {
         "name": qt.SERVED_MODEL_NAME,
         "architecture": "Qwen3ForCausalLM",
@@ -391,13 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": SEED,
         "trained": False,
         **facts,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "safetensors": safetensors.__version__,
-        },
+        "versions": library_versions(),
         "sha256": files,
     }
     # No wall time in the manifest: it would be the one file that differs between builds.

@@ -36,11 +36,9 @@ versions.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -54,6 +52,13 @@ sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inferplane.testing import whisper_tiny as wt  # noqa: E402
+from inferplane.testing.fixture_build import (  # noqa: E402
+    bytes_to_unicode,
+    folder_digests,
+    library_versions,
+    publish,
+    write_json,
+)
 
 SEED = 1234
 SHAPE = {
@@ -102,21 +107,6 @@ THRESHOLD, SHARPNESS = 0.6, 2.0
 MIN_MARGIN = 4.0  # logits; the build fails below this on any checked path
 MANIFEST_TOKENS = [EOT, SOT, "<|en|>", TRANSLATE, TRANSCRIBE, NO_TIMESTAMPS, "<|0.00|>",
                    "<|30.00|>"]  # fmt: skip
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the byte-level BPE alphabet, in GPT-2's id
-    order: printable Latin-1 bytes first, then the others mapped above U+0100)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += range(ord("®"), ord("ÿ") + 1)
-    cs = list(bs)
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -360,31 +350,12 @@ def check(out: Path) -> dict[str, Any]:
     return {"tokenizer_class_loaded": type(tok).__name__, "min_logit_margins": margins}
 
 
-def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def folder_files(out: Path) -> list[Path]:
-    """Every file of the folder but MANIFEST.json, sorted by relative path."""
-    return sorted(
-        (p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json"),
-        key=lambda p: p.relative_to(out).as_posix(),
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "models" / wt.SERVED_MODEL_NAME)
     args = ap.parse_args(argv)
 
-    import safetensors
-    import tokenizers
     import torch
-    import transformers
     from transformers import WhisperFeatureExtractor, WhisperProcessor
 
     t_start = time.monotonic()
@@ -407,17 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # preprocessor_config.json too: transformers 4 and other readers look there (5 reads
         # processor_config.json).
         feature_extractor.save_pretrained(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        # File by file, contents only: the staging directory's 0700 mode must not come along.
-        for src in folder_files(staging):
-            shutil.copyfile(src, out / src.relative_to(staging))
+        publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
     facts = check(out)
-    files = {p.relative_to(out).as_posix(): sha256(p) for p in folder_files(out)}
+    files = folder_digests(out)
     ids = tok.convert_tokens_to_ids
     manifest = {
         "name": wt.SERVED_MODEL_NAME,
@@ -439,13 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "detected_language": wt.DETECTED_LANGUAGE,
         **facts,
         "token_ids": {t: ids(t) for t in MANIFEST_TOKENS},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "safetensors": safetensors.__version__,
-        },
+        "versions": library_versions(),
         "sha256": files,
     }
     # No wall time in the manifest: it would be the one file that differs between builds.

@@ -7,17 +7,14 @@ Matryoshka `dimensions`."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from inferplane.testing import embed_tiny as et
+from inferplane.testing.fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,28 +22,6 @@ transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[3]
 MAX_FOLDER_BYTES = 5 * 1024 * 1024
 ATOL = 1e-5  # vLLM's fp32 CPU kernels vs transformers: measured differences ~1e-7
-
-
-def library_versions() -> dict[str, str]:
-    """The `versions` of MANIFEST.json as this environment would write them."""
-    import safetensors
-    import tokenizers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "safetensors": safetensors.__version__,
-    }
-
-
-def folder_digests(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "MANIFEST.json"
-    }
 
 
 @pytest.fixture(scope="module")
@@ -74,19 +49,12 @@ def test_folder_matches_manifest(manifest: dict) -> None:
     assert manifest["matryoshka_dimensions"] == list(et.MATRYOSHKA_DIMENSIONS)
 
 
-def test_rebuild_gives_the_same_bytes(manifest: dict, tmp_path: Path) -> None:
+def test_rebuild_gives_the_same_bytes(tmp_path: Path) -> None:
     """The build is deterministic: with the library versions of the committed build, the
     script reproduces every file (MANIFEST.json included)."""
-    if library_versions() != manifest["versions"]:
-        pytest.skip(f"committed with {manifest['versions']}; rebuild to compare")
-    out = tmp_path / "embed-tiny"
-    subprocess.run(
-        [sys.executable, str(REPO / "models" / "build_embed_tiny.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
+    assert_rebuilds_identically(
+        REPO / "models" / "build_embed_tiny.py", et.model_path(), tmp_path / "embed-tiny"
     )
-    assert folder_digests(out) == manifest["sha256"]
-    assert (out / "MANIFEST.json").read_bytes() == (et.model_path() / "MANIFEST.json").read_bytes()
 
 
 def test_vllm_pooling_files() -> None:

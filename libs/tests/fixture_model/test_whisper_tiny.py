@@ -7,12 +7,8 @@ WAV files through the official `openai` client."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import platform
-import subprocess
-import sys
 import time
 import wave
 from pathlib import Path
@@ -20,34 +16,13 @@ from pathlib import Path
 import pytest
 
 from inferplane.testing import whisper_tiny as wt
+from inferplane.testing.fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[3]
 MAX_FOLDER_BYTES = 5 * 1024 * 1024
-
-
-def library_versions() -> dict[str, str]:
-    """The `versions` of MANIFEST.json as this environment would write them."""
-    import safetensors
-    import tokenizers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "safetensors": safetensors.__version__,
-    }
-
-
-def folder_digests(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "MANIFEST.json"
-    }
 
 
 def read_wav(data: bytes) -> tuple[int, list[float]]:
@@ -92,19 +67,12 @@ def test_folder_matches_manifest(manifest: dict) -> None:
     assert manifest["transcript"] == wt.TRANSCRIPT
 
 
-def test_rebuild_gives_the_same_bytes(manifest: dict, tmp_path: Path) -> None:
+def test_rebuild_gives_the_same_bytes(tmp_path: Path) -> None:
     """The build is deterministic: with the library versions of the committed build, the
     script reproduces every file (MANIFEST.json included)."""
-    if library_versions() != manifest["versions"]:
-        pytest.skip(f"committed with {manifest['versions']}; rebuild to compare")
-    out = tmp_path / "whisper-tiny"
-    subprocess.run(
-        [sys.executable, str(REPO / "models" / "build_whisper_tiny.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
+    assert_rebuilds_identically(
+        REPO / "models" / "build_whisper_tiny.py", wt.model_path(), tmp_path / "whisper-tiny"
     )
-    assert folder_digests(out) == manifest["sha256"]
-    assert (out / "MANIFEST.json").read_bytes() == (wt.model_path() / "MANIFEST.json").read_bytes()
 
 
 def test_tokenizer_has_whisper_special_tokens(processor) -> None:

@@ -49,9 +49,10 @@ _STATE_NAMES = {
 
 
 @contextlib.contextmanager
-def _keys(address: str, admin_key: str) -> Iterator[Keys]:
-    """The SDK's keys client as the operator (`operator_security`) with the admin key; failed
-    calls become `error: CODE: details` (the gRPC code), exit 1."""
+def admin_client(address: str, admin_key: str) -> Iterator[Client]:
+    """The SDK's client of auth at `address` as the operator (`operator_security`) with the
+    admin key, for the `keys` and `usage` commands: no key or no operator identity → a one-line
+    error, exit 2; failed calls → `error: CODE: details` (the gRPC code), exit 1."""
     if not admin_key:
         typer.echo(
             "error: no admin key; pass --admin-key or set INFERPLANE_ADMIN_KEY "
@@ -66,10 +67,16 @@ def _keys(address: str, admin_key: str) -> Iterator[Keys]:
         raise typer.Exit(2) from None
     with client:
         try:
-            yield client.keys
+            yield client
         except InferplaneError as exc:
             typer.echo(f"error: {exc.grpc_code.name}: {exc.message}", err=True)
             raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def _keys(address: str, admin_key: str) -> Iterator[Keys]:
+    with admin_client(address, admin_key) as client:
+        yield client.keys
 
 
 def _when(value: timestamp_pb2.Timestamp) -> str:

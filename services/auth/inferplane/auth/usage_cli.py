@@ -22,8 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.auth.v1 import usage_pb2
-from inferplane.auth.cli import DEFAULT_ADDRESS, Address, AdminKey
-from inferplane.sdk import Client, ConfigError, InferplaneError
+from inferplane.auth.cli import DEFAULT_ADDRESS, Address, AdminKey, admin_client
 
 app = typer.Typer(
     help="Read the usage ledger (needs an admin key).",
@@ -102,9 +101,6 @@ def usage(
     """Prints usage rows or totals."""
     if output not in ("table", "csv", "json"):
         raise typer.BadParameter("--format must be table, csv or json")
-    if not admin_key:
-        typer.echo("error: no admin key; pass --admin-key or set INFERPLANE_ADMIN_KEY", err=True)
-        raise typer.Exit(2)
     now = datetime.now(UTC)
     filters = {
         "start": parse_time(since, now),
@@ -114,23 +110,14 @@ def usage(
         "model": model,
         "page_size": 1000,
     }
-    try:
-        client = Client(auth=address, admin_key=admin_key)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     columns = GROUP_COLUMNS if group_by else ROW_COLUMNS
-    with client:
-        try:
-            items: Iterable[usage_pb2.UsageRow | usage_pb2.UsageGroup] = (
-                client.usage.groups(group_by, **filters)  # type: ignore[arg-type]
-                if group_by
-                else client.usage.rows(**filters)  # type: ignore[arg-type]
-            )
-            _print(_limited(items, limit), columns, output)
-        except InferplaneError as exc:
-            typer.echo(f"error: {exc.grpc_code.name}: {exc.message}", err=True)
-            raise typer.Exit(1) from None
+    with admin_client(address, admin_key) as client:
+        items: Iterable[usage_pb2.UsageRow | usage_pb2.UsageGroup] = (
+            client.usage.groups(group_by, **filters)  # type: ignore[arg-type]
+            if group_by
+            else client.usage.rows(**filters)  # type: ignore[arg-type]
+        )
+        _print(_limited(items, limit), columns, output)
 
 
 def _print(items: Iterable[Any], columns: tuple[str, ...], output: str) -> None:

@@ -9,10 +9,11 @@ pages are read (`--limit` stops after that many rows or groups).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -73,13 +74,6 @@ def _cells(item: Any, columns: Iterable[str]) -> list[str]:
     return out
 
 
-def _limited(items: Iterable[Any], limit: int) -> Iterator[Any]:
-    for i, item in enumerate(items):
-        if limit and i >= limit:
-            return
-        yield item
-
-
 @app.callback()
 def usage(
     address: Address = DEFAULT_ADDRESS,
@@ -117,7 +111,7 @@ def usage(
             if group_by
             else client.usage.rows(**filters)  # type: ignore[arg-type]
         )
-        _print(_limited(items, limit), columns, output)
+        _print(itertools.islice(items, limit or None), columns, output)
 
 
 def _print(items: Iterable[Any], columns: tuple[str, ...], output: str) -> None:

@@ -8,13 +8,11 @@ instance as soon as the transaction commits.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
-import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -43,6 +41,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
 from inferplane.runtime.private_files import write_private_file
 
 log = structlog.get_logger("inferplane.auth")
@@ -131,7 +130,8 @@ class ApiKeyManager:
             InvalidArgumentError: a page token that is malformed or issued for other filters.
         """
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = _decode_token(page_token, tenant, show_inactive) if page_token else None
+        filters = {"tenant": tenant, "show_inactive": show_inactive}
+        after = _resume_after(page_token, filters) if page_token else None
         query = ListQuery(
             limit=size + 1,
             now=self._clock.now(),
@@ -144,7 +144,8 @@ class ApiKeyManager:
             return Page(keys, "")
         keys = keys[:size]
         last = keys[-1]
-        return Page(keys, _encode_token(last.create_time, last.key_id, tenant, show_inactive))
+        cursor = {"t": last.create_time.isoformat(), "k": last.key_id}
+        return Page(keys, encode_page_token(cursor, filters))
 
     async def update(
         self, key_id: str, spec: KeySpec, fields: frozenset[str], actor: str
@@ -303,25 +304,17 @@ class ApiKeyManager:
         return list(await asyncio.to_thread(self._store.audit_events, key_id, limit))
 
 
-def _encode_token(create_time: datetime, key_id: str, tenant: str, show_inactive: bool) -> str:
-    payload = {"t": create_time.isoformat(), "k": key_id, "tenant": tenant, "i": show_inactive}
-    return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
+def _resume_after(token: str, filters: dict[str, Any]) -> tuple[datetime, str]:
+    """(create_time, key_id) of the last key of the page `token` ends.
 
-
-def _decode_token(token: str, tenant: str, show_inactive: bool) -> tuple[datetime, str]:
+    Raises:
+        InvalidArgumentError: a malformed token, or one issued for other filters.
+    """
+    cursor = decode_page_token(token, filters)
     try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        payload = json.loads(raw)
-        after = (datetime.fromisoformat(payload["t"]), str(payload["k"]))
-        same_filters = payload["tenant"] == tenant and payload["i"] == show_inactive
-    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+        after = (datetime.fromisoformat(cursor["t"]), str(cursor["k"]))
+    except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgumentError("page_token is not valid", param="page_token") from exc
-    if not same_filters:
-        raise InvalidArgumentError(
-            "page_token was issued for other filters (tenant, show_inactive); "
-            "repeat the request with the same filters",
-            param="page_token",
-        )
     if after[0].tzinfo is None:
         raise InvalidArgumentError("page_token is not valid", param="page_token")
     return after

@@ -23,9 +23,7 @@ the NEXT request (usage is known when a request ends).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -51,6 +49,7 @@ from sqlalchemy.exc import OperationalError
 
 from inferplane.auth.migrations import MIGRATIONS
 from inferplane.runtime import InvalidArgumentError
+from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
 from inferplane.storage import SqlDatabase, UtcDateTime
 
 METADATA = MetaData()
@@ -174,40 +173,16 @@ class UsagePage:
     next_page_token: str = ""
 
 
-def _encode_token(data: dict[str, Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(data, sort_keys=True).encode()).decode()
-
-
-def _decode_token(token: str, query: UsageQuery) -> dict[str, Any]:
-    """The cursor in `token`, checked against the query it was issued for.
-
-    Raises:
-        InvalidArgumentError: a token that is not ours or was issued for other filters.
-    """
-    try:
-        data = json.loads(base64.urlsafe_b64decode(token.encode()))
-        if not isinstance(data, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgumentError(
-            "page_token is not a token QueryUsage issued", param="page_token"
-        ) from exc
-    if data.get("q") != _query_fingerprint(query):
-        raise InvalidArgumentError(
-            "page_token was issued for other filters or grouping", param="page_token"
-        )
-    return data
-
-
-def _query_fingerprint(query: UsageQuery) -> list[str]:
-    return [
-        query.start.isoformat() if query.start else "",
-        query.end.isoformat() if query.end else "",
-        query.key_id,
-        query.tenant,
-        query.model,
-        query.group_by,
-    ]
+def _filters(query: UsageQuery) -> dict[str, str]:
+    """What a page token must have been issued for: every filter and the grouping."""
+    return {
+        "start": query.start.isoformat() if query.start else "",
+        "end": query.end.isoformat() if query.end else "",
+        "key_id": query.key_id,
+        "tenant": query.tenant,
+        "model": query.model,
+        "group_by": query.group_by,
+    }
 
 
 class SqlUsageLedger:
@@ -303,7 +278,7 @@ class SqlUsageLedger:
             raise InvalidArgumentError(
                 f"page_size must be between 1 and {MAX_PAGE_SIZE}", param="page_size"
             )
-        cursor = _decode_token(query.page_token, query) if query.page_token else {}
+        cursor = decode_page_token(query.page_token, _filters(query)) if query.page_token else {}
         c = usage_ledger.c
         where = []
         if query.start is not None:
@@ -328,10 +303,13 @@ class SqlUsageLedger:
     ) -> UsagePage:
         c = usage_ledger.c
         if cursor:
-            after = datetime.fromisoformat(cursor["t"])
+            try:
+                after, last_id = datetime.fromisoformat(cursor["t"]), str(cursor["r"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidArgumentError("page_token is not valid", param="page_token") from exc
             where = [
                 *where,
-                (c.end_time > after) | and_(c.end_time == after, c.request_id > cursor["r"]),
+                (c.end_time > after) | and_(c.end_time == after, c.request_id > last_id),
             ]
         statement = (
             select(usage_ledger)
@@ -344,13 +322,8 @@ class SqlUsageLedger:
         token = ""
         if more:
             last = rows[-1]
-            token = _encode_token(
-                {
-                    "q": _query_fingerprint(query),
-                    "t": last.end_time.isoformat(),
-                    "r": last.request_id,
-                }
-            )
+            resume = {"t": last.end_time.isoformat(), "r": last.request_id}
+            token = encode_page_token(resume, _filters(query))
         return UsagePage(rows=rows, next_page_token=token)
 
     def _groups(
@@ -375,6 +348,8 @@ class SqlUsageLedger:
             .limit(query.page_size + 1)
         )
         if cursor:
+            if not isinstance(cursor.get("g"), str):
+                raise InvalidArgumentError("page_token is not valid", param="page_token")
             statement = statement.having(key > cursor["g"])
         raw = list(conn.execute(statement))
         found = [
@@ -393,9 +368,7 @@ class SqlUsageLedger:
         groups, more = found[: query.page_size], len(found) > query.page_size
         token = ""
         if more:
-            token = _encode_token(
-                {"q": _query_fingerprint(query), "g": raw[query.page_size - 1].group}
-            )
+            token = encode_page_token({"g": raw[query.page_size - 1].group}, _filters(query))
         return UsagePage(groups=groups, next_page_token=token)
 
     def _group_key(self, group_by: str) -> Any:

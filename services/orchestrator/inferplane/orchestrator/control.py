@@ -21,10 +21,7 @@ report, and `subscribe(callback)` announces every committed change.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
@@ -59,6 +56,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
 
 log = structlog.get_logger("inferplane.orchestrator")
 
@@ -656,20 +654,16 @@ def _paginate(
     size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
     start = 0
     if page_token:
+        cursor = decode_page_token(page_token)
         try:
-            payload = json.loads(
-                base64.urlsafe_b64decode(page_token + "=" * (-len(page_token) % 4))
-            )
             if ordered:
-                after = str(payload["after"])
+                after = str(cursor["after"])
                 start = next((i for i, k in enumerate(keys) if k > after), len(keys))
             else:
-                start = int(payload["offset"])
-        except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+                start = int(cursor["offset"])
+        except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError("page_token is not valid", param="page_token") from exc
     page = list(keys[start : start + size])
     if start + size >= len(keys):
         return page, ""
-    payload = {"after": page[-1]} if ordered else {"offset": start + size}
-    token = base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
-    return page, token
+    return page, encode_page_token({"after": page[-1]} if ordered else {"offset": start + size})

@@ -47,9 +47,9 @@ class AuthComponents:
     verifier: KeyVerifier
     last_used: LastUsedRecorder
     manager: ApiKeyManager
+    ledger: SqlUsageLedger
     counters: CounterStore | None = None
     limiter: RateLimiter | None = None
-    ledger: SqlUsageLedger | None = None
     registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
     _usage: UsageService | None = None
     _slots: SlotReleaseService | None = None
@@ -101,8 +101,7 @@ class AuthComponents:
             await asyncio.to_thread(self.store.close)
             if self.counters is not None:
                 await asyncio.to_thread(self.counters.close)
-            if self.ledger is not None:
-                await asyncio.to_thread(self.ledger.close)
+            await asyncio.to_thread(self.ledger.close)
 
     def usage_service(self) -> UsageService | None:
         """The UsageService servicer (one per components; None without a rate limiter)."""
@@ -111,7 +110,7 @@ class AuthComponents:
                 self.limiter,
                 InternalCallerGuard(self.settings.internal_token),
                 UsageMetrics(self.registry),
-                ledger=self.ledger,
+                self.ledger,
                 tenant_of=self._tenant_of,
                 clock=self.clock,
             )
@@ -166,16 +165,10 @@ class AuthComponents:
                     Authorization(self.verifier, self.limiter),
                     external_auth_pb2_grpc.add_AuthorizationServicer_to_server,
                 ),
-                *(
-                    [
-                        ServicerBinding(
-                            "inferplane.auth.v1.UsageLedgerService",
-                            UsageLedgerService(self.ledger, api_keys.admin),
-                            usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
-                        )
-                    ]
-                    if self.ledger is not None
-                    else []
+                ServicerBinding(
+                    "inferplane.auth.v1.UsageLedgerService",
+                    UsageLedgerService(self.ledger, api_keys.admin),
+                    usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
                 ),
                 *(
                     [
@@ -239,7 +232,7 @@ def build_components(
         monthly_tokens=ledger.month_tokens,
     )
     return AuthComponents(
-        settings, clock, store, verifier, last_used, manager, counters, limiter, ledger
+        settings, clock, store, verifier, last_used, manager, ledger, counters, limiter
     )
 
 

@@ -11,19 +11,17 @@ concurrent-request slot (`RateLimiter.record_usage`). Who may call:
   `/inferplane.auth.v1.UsageService/ReportUsage` through it matches no route.
 
 A forged report could erase a tenant's token usage or free its concurrency slots, hence the
-guard. Delivery is at-least-once (the router re-sends a batch whose call failed). With the
-usage ledger (`inferplane.auth.ledger`, always wired by the service), each batch is first
-written to the ledger in one transaction, idempotently by request id, and only the requests
-written now have their tokens accounted to the rate windows: a re-sent batch counts nothing
-twice, whichever auth instance it reaches, and the response (which makes the router forget
-the batch) comes only after the rows are committed. Without a ledger (unit tests), a bounded
-memory of recently accounted (key_id, request_id) pairs does the same on one instance.
+guard. Delivery is at-least-once (the router re-sends a batch whose call failed). Each batch
+is first written to the usage ledger (`inferplane.auth.ledger`) in one transaction,
+idempotently by request id, and only the requests written now have their tokens accounted to
+the rate windows: a re-sent batch counts nothing twice, whichever auth instance it reaches,
+and the response (which makes the router forget the batch) comes only after the rows are
+committed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import ipaddress
 import uuid
@@ -101,22 +99,6 @@ class InternalCallerGuard:
             )
 
 
-class RecentRequests:
-    """The last `capacity` accounted (key_id, request_id) pairs, oldest forgotten first."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self._capacity = capacity
-        self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-
-    def __contains__(self, ident: tuple[str, str]) -> bool:
-        return ident in self._seen
-
-    def add(self, ident: tuple[str, str]) -> None:
-        self._seen[ident] = None
-        if len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
-
-
 class UsageMetrics:
     """`inferplane_auth_usage_requests_total{outcome}`: reported requests by what happened."""
 
@@ -170,8 +152,8 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
     only the rest is written and accounted.
 
     Args:
+        ledger: the usage ledger (its idempotent writes make a re-send count once).
         tenant_of: the tenant of a key id (blocking: a key store read; "" for a deleted key).
-        ledger: the usage ledger; None keeps only the in-memory re-send memory (tests).
         clock: stamps reports that carry no end time (default: the system clock).
     """
 
@@ -180,9 +162,8 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         limiter: RateLimiter,
         guard: InternalCallerGuard,
         metrics: UsageMetrics,
+        ledger: SqlUsageLedger,
         *,
-        recent: RecentRequests | None = None,
-        ledger: SqlUsageLedger | None = None,
         tenant_of: Callable[[str], str] = lambda key_id: "",
         clock: Clock | None = None,
     ) -> None:
@@ -190,7 +171,6 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         self._limiter = limiter
         self._guard = guard
         self._metrics = metrics
-        self._recent = recent or RecentRequests()
         self._ledger = ledger
         self._tenant_of = tenant_of
 
@@ -204,14 +184,10 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
                 self._metrics.requests.labels("invalid").inc()
                 continue
             entries.append(usage)
-        if self._ledger is not None:
-            await self._account_with_ledger(entries)
-        else:
-            await self._account_in_memory(entries)
+        await self._account(entries)
         return usage_pb2.ReportUsageResponse()
 
-    async def _account_with_ledger(self, entries: list[usage_pb2.RequestUsage]) -> None:
-        assert self._ledger is not None
+    async def _account(self, entries: list[usage_pb2.RequestUsage]) -> None:
         tenants: dict[str, str] = {}
         for usage in entries:
             if usage.key_id not in tenants:
@@ -229,19 +205,6 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
                 await self._limiter.release(usage.key_id, usage.request_id)
                 self._metrics.requests.labels("duplicate").inc()
                 log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
-
-    async def _account_in_memory(self, entries: list[usage_pb2.RequestUsage]) -> None:
-        for usage in entries:
-            ident = (usage.key_id, usage.request_id)
-            if usage.request_id and ident in self._recent:
-                self._metrics.requests.labels("duplicate").inc()
-                log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
-                continue
-            tokens = usage.prompt_tokens + usage.completion_tokens
-            await self._limiter.record_usage(usage.key_id, usage.request_id, tokens)
-            if usage.request_id:
-                self._recent.add(ident)
-            self._accounted(usage, tokens)
 
     def _accounted(self, usage: usage_pb2.RequestUsage, tokens: int) -> None:
         self._metrics.requests.labels("accounted").inc()

@@ -168,9 +168,16 @@ class RequestTrace:
         self.status = STATUS_CANCELLED
         self.error_code = ""
 
+    def timings(self, now: float) -> tuple[float, float]:
+        """(TTFT, end-to-end) seconds from arrival at the router, the request ended at
+        monotonic `now` unless `end` was set; TTFT is 0 when no output came."""
+        end = self.end if self.end is not None else now
+        ttft = self.first_token - self.start if self.first_token is not None else 0.0
+        return max(0.0, ttft), max(0.0, end - self.start)
+
     def to_record(self, now: float) -> telemetry_pb2.RequestRecord:
         """The record of this request, ended at monotonic `now` (unless `end` was set)."""
-        end = self.end if self.end is not None else now
+        ttft, e2e = self.timings(now)
         start = timestamp_pb2.Timestamp()
         start.FromNanoseconds(int(self.start_wall * 1e9))
         usage = self.usage
@@ -190,10 +197,8 @@ class RequestTrace:
             node=self.node,
             start_time=start,
             queue_time_seconds=self.queue_seconds,
-            time_to_first_token_seconds=(
-                self.first_token - self.start if self.first_token is not None else 0.0
-            ),
-            e2e_latency_seconds=max(0.0, end - self.start),
+            time_to_first_token_seconds=ttft,
+            e2e_latency_seconds=e2e,
             finish_reason=finish,
             error_code=self.error_code,
             stream=self.stream,

@@ -57,8 +57,7 @@ class Reporter:
         usage = trace.usage
         position = 0
         if key_id:
-            now = self.clock.monotonic()
-            end = trace.end if trace.end is not None else now
+            ttft, duration = trace.timings(self.clock.monotonic())
             if trace.status == STATUS_OK:
                 status = "completed"
             else:
@@ -80,12 +79,8 @@ class Reporter:
                     reasoning_tokens=(
                         usage.completion_tokens_details.reasoning_tokens if usage is not None else 0
                     ),
-                    ttft_seconds=(
-                        max(0.0, trace.first_token - trace.start)
-                        if trace.first_token is not None
-                        else 0.0
-                    ),
-                    duration_seconds=max(0.0, end - trace.start),
+                    ttft_seconds=ttft,
+                    duration_seconds=duration,
                     gpu_seconds=trace.gpu_seconds,
                     status=status,
                     start_time=trace.start_wall,

@@ -271,17 +271,7 @@ class Batcher(Generic[T]):
             through, batch = await asyncio.to_thread(spool.peek, self._settings.batch_size)
             if not batch:
                 break
-            try:
-                await self._send_batch(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._retryable(exc):
-                    raise _SendFailed(str(exc)) from exc
-                self.metrics.dropped.labels("rejected").inc(len(batch))
-                log.error("batch_rejected", sink=self._name, items=len(batch), error=str(exc))
-            else:
-                self.metrics.sent.inc(len(batch))
+            if await self._attempt(batch):
                 delivered += len(batch)
             await asyncio.to_thread(spool.drop, through)
         return delivered
@@ -301,7 +291,7 @@ class Batcher(Generic[T]):
             await asyncio.to_thread(self._spool.append, items)
         except Exception:
             log.exception("batch_spool_failed", sink=self._name, items=len(items))
-            self._requeue_buffered(items)
+            self._requeue(items, in_flight=False)
             return False
         log.warning("batch_spooled", sink=self._name, items=len(items), spooled=len(self._spool))
         with self._lock:
@@ -309,12 +299,6 @@ class Batcher(Generic[T]):
         self.metrics.buffered.set(size)
         self._advance(len(items))
         return True
-
-    def _requeue_buffered(self, items: list[T]) -> None:
-        with self._lock:
-            self._buffer.extendleft(reversed(items))
-            if self._oldest_at is None:
-                self._oldest_at = self._clock.monotonic()
 
     def _take_batch(self) -> list[T]:
         with self._lock:
@@ -325,23 +309,34 @@ class Batcher(Generic[T]):
                 self._oldest_at = None
             return batch
 
-    async def _send(self, batch: list[T]) -> int:
+    async def _attempt(self, batch: list[T]) -> bool:
+        """One send of `batch`: True when delivered (counted as sent), False when the receiver
+        refused it (counted as rejected: re-sending would wedge the sender).
+
+        Raises:
+            _SendFailed: a retryable failure (the receiver is away); the caller keeps the batch.
+        """
         try:
             await self._send_batch(batch)
         except asyncio.CancelledError:
-            self._requeue(batch)
             raise
         except Exception as exc:
             if self._retryable(exc):
-                self._requeue(batch)
                 raise _SendFailed(str(exc)) from exc
-            self._settle(len(batch))
             self.metrics.dropped.labels("rejected").inc(len(batch))
             log.error("batch_rejected", sink=self._name, items=len(batch), error=str(exc))
-            return 0
-        self._settle(len(batch))
+            return False
         self.metrics.sent.inc(len(batch))
-        return len(batch)
+        return True
+
+    async def _send(self, batch: list[T]) -> int:
+        try:
+            delivered = await self._attempt(batch)
+        except (asyncio.CancelledError, _SendFailed):
+            self._requeue(batch)
+            raise
+        self._settle(len(batch))
+        return len(batch) if delivered else 0
 
     def _settle(self, count: int) -> None:
         with self._lock:
@@ -357,9 +352,11 @@ class Batcher(Generic[T]):
         if progress is not None:
             progress.set()
 
-    def _requeue(self, batch: list[T]) -> None:
+    def _requeue(self, batch: list[T], *, in_flight: bool = True) -> None:
+        """Puts `batch` back at the front, in order; `in_flight`: it was taken for a send."""
         with self._lock:
-            self._in_flight -= len(batch)
+            if in_flight:
+                self._in_flight -= len(batch)
             self._buffer.extendleft(reversed(batch))
             if self._oldest_at is None:
                 self._oldest_at = self._clock.monotonic()

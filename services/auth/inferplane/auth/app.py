@@ -167,7 +167,7 @@ class AuthComponents:
                 ),
                 ServicerBinding(
                     "inferplane.auth.v1.UsageLedgerService",
-                    UsageLedgerService(self.ledger, api_keys.admin),
+                    UsageLedgerService(self.ledger, api_keys.caller),
                     usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
                 ),
                 *(

@@ -21,7 +21,10 @@ from inferplane.runtime import InvalidArgumentError
 
 SCOPE_INFERENCE = "inference"
 SCOPE_ADMIN = "admin"
-KNOWN_SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
+# Signs in to the web console (services/console) and manages its own tenant's keys and reads
+# its own tenant's usage there; never another tenant's, never a key with the admin scope.
+SCOPE_CONSOLE = "console"
+KNOWN_SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_CONSOLE)
 KNOWN_TIERS = ("standard", "priority")
 DEFAULT_TIER = "standard"
 DEFAULT_TENANT = "default"

@@ -40,6 +40,8 @@ from inferplane.runtime import InvalidArgumentError, PermissionDeniedError, Unau
 from inferplane.runtime.clock import Clock, SystemClock
 
 if TYPE_CHECKING:
+    from inferplane.auth.servicer import Caller
+
     Context = grpc.aio.ServicerContext[Any, Any]
 else:
     Context = Any
@@ -241,27 +243,29 @@ def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
 
 class UsageLedgerService(usage_pb2_grpc.UsageLedgerServiceServicer):  # type: ignore[misc]
     """inferplane.auth.v1.UsageLedgerService: reads the usage ledger (admin scope: the edge's
-    `/v1/admin/usage`, whose Check requires it, or an operator's CLI).
+    `/v1/admin/usage`, whose Check requires it, or an operator's CLI; console scope: the web
+    console acting for a tenant's key, which reads only its own tenant's rows).
 
     Args:
-        admin: checks the caller is an admin (`ApiKeyService.admin`: the edge's forwarded
-            scopes, or a direct caller's admin key).
+        caller: who calls and which tenant it may read (`ApiKeyService.caller`: the edge's
+            forwarded scopes, or a direct caller's admin or console key).
 
-    Errors: UNAUTHENTICATED / PERMISSION_DENIED for a caller who is not an admin;
+    Errors: UNAUTHENTICATED / PERMISSION_DENIED for a caller who is neither an admin nor a
+    console key, and for a console key asking for another tenant;
     INVALID_ARGUMENT for a bad grouping, page size, page token or an end before the start;
     UNAVAILABLE when the database is unreachable.
     """
 
     def __init__(
-        self, ledger: SqlUsageLedger, admin: Callable[[Context, str], Awaitable[str]]
+        self, ledger: SqlUsageLedger, caller: Callable[[Context, str], Awaitable[Caller]]
     ) -> None:
         self._ledger = ledger
-        self._admin = admin
+        self._caller = caller
 
     async def QueryUsage(
         self, request: usage_pb2.QueryUsageRequest, context: Context
     ) -> usage_pb2.QueryUsageResponse:
-        await self._admin(context, "read usage")
+        caller = await self._caller(context, "read usage")
         start = request.start_time.ToDatetime(UTC) if request.HasField("start_time") else None
         end = request.end_time.ToDatetime(UTC) if request.HasField("end_time") else None
         if start is not None and end is not None and end <= start:
@@ -270,7 +274,7 @@ class UsageLedgerService(usage_pb2_grpc.UsageLedgerServiceServicer):  # type: ig
             start=start,
             end=end,
             key_id=request.key_id,
-            tenant=request.tenant,
+            tenant=caller.tenant_filter(request.tenant),
             model=request.model,
             group_by=request.group_by,
             page_size=request.page_size or 100,

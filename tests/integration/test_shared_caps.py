@@ -18,8 +18,10 @@ import grpc
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.orchestrator.leadership import GrantsJournal, LeaderLease
 from inferplane.orchestrator.routing import RoutingHub, make_table
 from inferplane.orchestrator.servicer import RoutingService
+from inferplane.orchestrator.store.lease import SqlLeaseStore, SqlRouterGrants
 from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.features import RequestFeatures
 from inferplane.router.leases import CapLease
@@ -166,5 +168,110 @@ def test_two_routers_share_a_replicas_cap_and_a_gone_routers_share_returns_after
                 await r.lease.stop()
                 await r.source.stop()
             await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_orchestrator_adopts_the_grants_and_routers_keep_admitting(
+    tmp_path: Any,
+) -> None:
+    """Hand-over (`inferplane.orchestrator.routing`) with the real lease, journal and routers:
+    the orchestrator dies with both routers at their shares; the one that leads next (the same
+    id restarted, term 2) adopts what term 1 wrote, so the routers, reconnected, are admitting
+    again on their shares before the old leases could have ended, and never more than the cap
+    between them."""
+
+    async def scenario() -> None:
+        store = SqlLeaseStore(f"sqlite:///{tmp_path}/orchestrator.db")
+        store.create_schema()
+        table = make_table(
+            [
+                pb.ModelRoute(
+                    model="m",
+                    deployment="m",
+                    routing_policy="least_load",
+                    endpoints=[
+                        pb.RouteEndpoint(
+                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
+                        )
+                    ],
+                )
+            ]
+        )
+
+        def leader(clock: FakeClock) -> tuple[RoutingHub, GrantsJournal]:
+            lease = LeaderLease(
+                store,
+                holder="orch-1",
+                duration_seconds=10,
+                renew_interval_seconds=3,
+                clock=FakeClock(),  # held throughout: the hub's clock moves on its own
+            )
+            assert lease.try_acquire()
+            journal = GrantsJournal(
+                SqlRouterGrants(store.database, fence=lease), lease, clock=clock
+            )
+            hub = RoutingHub(
+                clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=journal
+            )
+            return hub, journal
+
+        hub_clock = FakeClock()
+        hub, _ = leader(hub_clock)
+        await hub.publish(table)
+        hub_clock.advance(LEASE + MARGIN)  # a first start: it waits out the leases
+        server, address = await _serve(hub)
+        clocks = [hub_clock, FakeClock(), FakeClock()]
+        a = Router(address, "router-a", clocks[1])
+        b = Router(address, "router-b", clocks[2])
+        port = address.rsplit(":", 1)[1]
+        try:
+            for r in (a, b):
+                await r.source.start()
+            await _settle()
+            await _round(a, b)
+            assert (a.share(), b.share()) == (2, 2)
+            held = [await a.acquire() for _ in range(2)] + [await b.acquire() for _ in range(2)]
+            await _settle()
+
+            old_epochs = {r.admission.table.lease_epoch for r in (a, b) if r.admission.table}
+            await server.stop(0)  # the orchestrator dies; the next one leads (term 2)
+            hub2, journal2 = leader(hub_clock)
+            await hub2.publish(table)
+            adopted = await journal2.adoptable()
+            assert adopted == {
+                "router-a": {("10.0.0.1:9000", "r0"): 2},
+                "router-b": {("10.0.0.1:9000", "r0"): 2},
+            }
+            hub2.set_granting(True, adopted=adopted)
+            server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
+            orchestrator_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingService(hub2), server)
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            for _ in range(100):  # the routers reconnect (their backoff) and renew
+                await _round(a, b)
+                if all(
+                    r.admission.table is not None
+                    and r.admission.table.lease_epoch not in old_epochs
+                    and r.admission.lease_valid()
+                    for r in (a, b)
+                ):
+                    break
+            assert (a.share(), b.share()) == (2, 2)
+            # No clock moved: the old leases could all still run, yet the routers admit.
+            held.pop().release()  # one of b's
+            again = b.acquire()
+            await _settle()
+            assert again.done() and a.in_flight() + b.in_flight() == CAP
+            extra = a.acquire()
+            await _settle()
+            assert not extra.done()  # a is at its share
+            extra.cancel()
+        finally:
+            for r in (a, b):
+                await r.lease.stop()
+                await r.source.stop()
+            await server.stop(0)
+            store.close()
 
     asyncio.run(scenario())

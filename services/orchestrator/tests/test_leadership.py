@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -45,12 +46,17 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.orchestrator.fleet.model import Node, NodeCondition
-from inferplane.orchestrator.leadership import LeaderLease
+from inferplane.orchestrator.leadership import GrantsJournal, LeaderLease
 from inferplane.orchestrator.release.agents import REPLICA_METADATA_KEY
 from inferplane.orchestrator.release.store import ManagedReplica, SqlReleaseStore, Stage
 from inferplane.orchestrator.routing import make_table
 from inferplane.orchestrator.store.base import StateChange
-from inferplane.orchestrator.store.lease import NotLeaderError, SqlLeaseStore, SqlRoutingTables
+from inferplane.orchestrator.store.lease import (
+    NotLeaderError,
+    SqlLeaseStore,
+    SqlRouterGrants,
+    SqlRoutingTables,
+)
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.runtime import ConfigError
 from inferplane.runtime.ports import free_port
@@ -241,7 +247,9 @@ def replica(revision: str) -> ManagedReplica:
     )
 
 
-@pytest.mark.parametrize("write", ["catalogue", "managed-replicas", "routing-table"])
+@pytest.mark.parametrize(
+    "write", ["catalogue", "managed-replicas", "routing-table", "router-grants"]
+)
 def test_a_deposed_leader_cannot_overwrite_its_successor(
     url: str, leases: SqlLeaseStore, write: str
 ) -> None:
@@ -270,6 +278,18 @@ def test_a_deposed_leader_cannot_overwrite_its_successor(
                 lambda v: releases.put_replica(replica(v)),
                 lambda: [r.revision for r in releases.load()[0]],
             )
+        if write == "router-grants":
+            grants = SqlRouterGrants(leases.database, fence=fence)
+
+            def save(v: str) -> None:
+                grants.save("orchestrator", {v: {("10.0.0.1:9000", "r0"): 1}}, 1, T0)
+
+            def saved() -> list[str]:
+                got = grants.load("orchestrator")
+                assert got is not None
+                return list(got.held)
+
+            return save, saved
         tables = SqlRoutingTables(leases.database, fence=fence)
 
         def publish(v: str) -> None:
@@ -301,6 +321,41 @@ def test_a_deposed_leader_cannot_overwrite_its_successor(
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_new_leader_adopts_only_the_grants_of_the_term_just_before_its_own(
+    leases: SqlLeaseStore,
+) -> None:
+    """The hand-over rule (`inferplane.orchestrator.routing`): grants are adoptable only when
+    the term that wrote them is the one just before the new leader's; a term in between may
+    have granted without writing (an older orchestrator, or one that died before its first
+    write), so then the new leader waits out the leases instead."""
+    clocks = {h: FakeClock() for h in "abc"}
+    a, b, c = (contender(leases, h, clocks[h]) for h in "abc")
+    journals = {
+        h: GrantsJournal(SqlRouterGrants(leases.database, fence=lease), lease, clock=clocks[h])
+        for h, lease in zip("abc", (a, b, c), strict=True)
+    }
+    held = {"router-1": {("10.0.0.1:9000", "r0"): 3}, "router-2": {("10.0.0.1:9000", "r0"): 1}}
+
+    async def scenario() -> None:
+        assert a.try_acquire() and a.term() == 1
+        assert await journals["a"].adoptable() is None  # nothing stored: a first start
+        await journals["a"](held)
+        assert not b.try_acquire()  # first sight of a's version
+        clocks["b"].advance(D)
+        assert b.try_acquire() and b.term() == 2
+        assert await journals["b"].adoptable() == held
+        # b dies before writing anything; c takes term 3: term 2 wrote nothing, so no adoption.
+        clocks["c"].advance(D)
+        assert not c.try_acquire()  # first sight of b's version
+        clocks["c"].advance(D)
+        assert c.try_acquire() and c.term() == 3
+        assert await journals["c"].adoptable() is None
+        with pytest.raises(NotLeaderError):
+            await journals["b"]({})  # deposed: fenced out
+
+    asyncio.run(scenario())
 
 
 def test_a_takeover_waits_for_a_fenced_write_to_commit(url: str, leases: SqlLeaseStore) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.orchestrator import routing
 from inferplane.orchestrator.routing import ReplicaKey, RoutingHub, make_table
 from inferplane.orchestrator.servicer import RoutingService
 from inferplane.runtime import ErrorInterceptor, FailedPreconditionError
@@ -229,6 +230,124 @@ def test_only_the_leaders_hub_grants_and_a_new_leader_waits_out_the_old_leases()
         a.renew()
         await a.catch_up()
         assert a.shares() == {REPLICA: 4}
+
+    asyncio.run(scenario())
+
+
+class Journal:
+    """A grants journal that keeps each write and can be held shut (the database slow) or
+    made to fail (the database away)."""
+
+    def __init__(self) -> None:
+        self.writes: list[dict[str, dict[ReplicaKey, int]]] = []
+        self.open = asyncio.Event()
+        self.open.set()
+        self.fail = False
+
+    async def __call__(self, held: dict[str, dict[ReplicaKey, int]]) -> None:
+        await self.open.wait()
+        if self.fail:
+            raise RuntimeError("database away")
+        self.writes.append({r: dict(k) for r, k in held.items()})
+
+    @property
+    def last(self) -> dict[str, dict[ReplicaKey, int]]:
+        return self.writes[-1] if self.writes else {}
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_a_grown_share_is_shown_only_once_the_journal_wrote_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Write-ahead (hand-over, module docstring): a successor adopts what the journal holds,
+    so no router may see a share whose `held` is not written; while the journal is slow or
+    failing, routers keep the shares they were shown."""
+    monkeypatch.setattr(routing, "JOURNAL_RETRY_SECONDS", 0.01)
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        journal = Journal()
+        journal.open.clear()
+        hub = RoutingHub(
+            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=journal
+        )
+        await hub.publish(_table({"r0": 4}))
+        clock.advance(LEASE + MARGIN)
+        (a,) = await _join(hub, clock, "a")
+        assert hub.held(REPLICA) == 4 and journal.writes == []
+        assert a.shares() == {REPLICA: 0}
+        journal.fail = True
+        journal.open.set()
+        await asyncio.sleep(0.05)
+        await a.catch_up()
+        assert a.shares() == {REPLICA: 0}  # retried, still not written
+        journal.fail = False
+        await asyncio.sleep(0.05)
+        await a.catch_up()
+        assert a.shares() == {REPLICA: 4} and journal.last == {"a": {REPLICA: 4}}
+        await a.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_leader_adopting_the_grants_keeps_the_routers_admitting() -> None:
+    """Hand-over: the next term adopts what the previous leader wrote. A router that comes
+    back keeps its share under the new epoch at once (no wait for the old leases to end), a
+    newcomer gets only room nobody held, and a router that does not come back gives its share
+    up after lease + margin, like any silent router."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        old_journal, new_journal = Journal(), Journal()
+        old = RoutingHub(
+            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=old_journal
+        )
+        await old.publish(_table({"r0": 4}))
+        clock.advance(LEASE + MARGIN)
+        a, b = await _join(old, clock, "a", "b")
+        await _settle()
+        assert a.shares() == b.shares() == {REPLICA: 2}
+        assert old_journal.last == {"a": {REPLICA: 2}, "b": {REPLICA: 2}}
+        await a.close()
+        await b.close()  # the old leader is gone; b does not come back
+
+        new = RoutingHub(
+            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=new_journal
+        )
+        await new.publish(_table({"r0": 4}))
+        new.set_granting(True, adopted=old_journal.last)
+        assert new.held(REPLICA) == 4
+        a2, c = Router(new, "a"), Router(new, "c")
+        await _settle()
+        await a2.catch_up()
+        assert a2.shares() == {REPLICA: 2}  # at once, under the new epoch
+        assert a2.renew() == LEASE
+        c.renew()
+        await _settle()
+        await c.catch_up()
+        assert c.shares() == {REPLICA: 0}  # b's share may still be in use
+        assert new.held(REPLICA) <= 4
+        assert new_journal.last == {"a": {REPLICA: 2}, "b": {REPLICA: 2}}  # this term wrote
+        clock.advance(LEASE / 2)
+        a2.renew()
+        c.renew()
+        clock.advance(LEASE / 2 + MARGIN)
+        new.expire_leases()
+        await _settle()
+        for r in (a2, c):
+            await r.catch_up()
+            r.renew()
+        await _settle()
+        for r in (a2, c):
+            await r.catch_up()
+        assert a2.shares() == c.shares() == {REPLICA: 2}
+        assert new.held(REPLICA) == 4 and "b" not in new_journal.last
+        await a2.close()
+        await c.close()
 
     asyncio.run(scenario())
 

@@ -70,6 +70,7 @@ ORCHESTRATOR_TABLES = {
     "releases",
     "leader_leases",
     "routing_tables",
+    "router_grants",
 }
 _METADATAS = (state_store._Base.metadata, release_store._Base.metadata, lease_store.METADATA)
 

@@ -20,6 +20,7 @@ from inferplane.orchestrator.catalog.sizing import SizingPolicy
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.fleet.model import Liveness
 from inferplane.orchestrator.leadership import (
+    GrantsJournal,
     LeaderLease,
     LeaderOnlyAgents,
     Leadership,
@@ -43,7 +44,7 @@ from inferplane.orchestrator.routing import RoutingHub
 from inferplane.orchestrator.servicer import DeploymentService, NodeService, RoutingService
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.store.base import StateStore
-from inferplane.orchestrator.store.lease import SqlLeaseStore, SqlRoutingTables
+from inferplane.orchestrator.store.lease import SqlLeaseStore, SqlRouterGrants, SqlRoutingTables
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.orchestrator.xds.cache import SnapshotCache
 from inferplane.orchestrator.xds.edge import EdgeXds
@@ -79,6 +80,7 @@ class OrchestratorComponents:
     leadership: Leadership
     lease_store: SqlLeaseStore
     relay: RoutingTableRelay
+    grants: GrantsJournal
     edge: EdgeXds | None = None
     _leader_tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     _follower: asyncio.Task[None] | None = None
@@ -106,8 +108,17 @@ class OrchestratorComponents:
         await _cancel(self._follower)
         self._follower = None
         # Only the leader splits the replicas' caps among routers (a new epoch: no share a
-        # former leader granted can be renewed here).
-        self.hub.set_granting(True)
+        # former leader granted can be renewed here), adopting what the previous term granted.
+        adopted = None
+        try:
+            adopted = await self.grants.adoptable()
+        except Exception as exc:  # then it waits out the routers' leases instead
+            log.warning("router_grants_unreadable", error=str(exc))
+        log.info(
+            "router_grants_adopted" if adopted is not None else "router_grants_wait_leases",
+            routers=len(adopted or {}),
+        )
+        self.hub.set_granting(True, adopted=adopted)
         await asyncio.to_thread(self.control.load)
         self.reconciler.load()
         self._leader_tasks = [
@@ -272,7 +283,10 @@ def build_components(
         else MemoryReleaseStore()
     )
     # Router share leases run on real time, like the leader lease (see `lease_clock`).
-    hub = RoutingHub(clock=lease_clock or SystemClock())
+    grants = GrantsJournal(
+        SqlRouterGrants(lease_store.database, fence=leadership), lease, clock=clock
+    )
+    hub = RoutingHub(clock=lease_clock or SystemClock(), journal=grants)
     reconciler = Reconciler(
         control,
         agents,
@@ -293,6 +307,7 @@ def build_components(
             EdgeConfig(
                 router_endpoints=settings.edge_routers,
                 auth_endpoint=settings.edge_auth_address,
+                console_endpoint=settings.edge_console_address or None,
                 listen_host=settings.edge_listen_host,
                 listen_port=settings.edge_listen_port,
                 tls_cert_path=settings.edge_tls_cert_path,
@@ -319,6 +334,7 @@ def build_components(
         leadership=leadership,
         lease_store=lease_store,
         relay=relay,
+        grants=grants,
         edge=edge,
     )
 

@@ -55,12 +55,13 @@ from sqlalchemy.orm import Session
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.release.agents import NodeAgents, ProbeResult
-from inferplane.orchestrator.routing import RoutingHub
+from inferplane.orchestrator.routing import Grants, RoutingHub
 from inferplane.orchestrator.store.lease import (
     MAX_HOLDER,
     LeaseRecord,
     NotLeaderError,
     SqlLeaseStore,
+    SqlRouterGrants,
     SqlRoutingTables,
 )
 from inferplane.runtime import ConfigError
@@ -486,3 +487,31 @@ class RoutingTableRelay:
             except Exception as exc:
                 log.warning("routing_table_follow_failed", error=str(exc))
             await asyncio.sleep(interval_seconds)
+
+
+class GrantsJournal:
+    """The routing hub's grants journal (`RoutingHub(journal=...)`, hand-over in
+    `inferplane.orchestrator.routing`) on the lease store's database: each write is fenced by
+    this orchestrator's term, and `adoptable` reads what the term just before it wrote."""
+
+    def __init__(
+        self, grants: SqlRouterGrants, lease: LeaderLease, *, clock: Clock, name: str = LEASE_NAME
+    ) -> None:
+        self._grants = grants
+        self._lease = lease
+        self._clock = clock
+        self._name = name
+
+    async def __call__(self, held: Grants) -> None:
+        """Writes `held` under this leader's term (NotLeaderError: not the leader now)."""
+        term = self._lease.term()
+        await asyncio.to_thread(self._grants.save, self._name, held, term, self._clock.now())
+
+    async def adoptable(self) -> Grants | None:
+        """What the previous term's leader wrote last, when that term is the one just before
+        this leader's (so every grant of it was written before it was shown); None otherwise
+        (nothing stored, or a term in between that may have granted without writing)."""
+        stored = await asyncio.to_thread(self._grants.load, self._name)
+        if stored is None or stored.term != self._lease.term() - 1:
+            return None
+        return stored.held

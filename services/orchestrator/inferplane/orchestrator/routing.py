@@ -25,11 +25,20 @@ acknowledge the smaller shares). Hence:
   clock-rate differences); the router then has stopped admitting, and its next table comes
   under a new lease epoch, so no old lease can be renewed. A router that goes away (or loses
   its stream) thus returns its share within that bound.
-- A hub starts with a new epoch and grants nothing for `lease_seconds + lease_margin_seconds`
-  (the leases a previous orchestrator granted have ended by then). With several
-  orchestrators, only the leader's hub may grant: `set_granting(False)` when it stands by
-  (renewals are refused, every share is 0), `set_granting(True)` when it leads (a new epoch
-  and the same wait, since the previous leader's leases may still run).
+- With several orchestrators, only the leader's hub may grant: `set_granting(False)` when it
+  stands by (renewals are refused, every share is 0), `set_granting(True)` when it leads, under
+  a new epoch.
+- Hand-over. With a `journal` (the leader's database, `leadership.GrantsJournal`), every `held`
+  that grows is written there before any router is shown the share it covers, and changes
+  that shrink it are written soon after; the writes are fenced by the leader's term. A hub that
+  starts leading adopts what the previous term wrote (`set_granting(True, adopted=...)`): each
+  router's `held` counts as it was, the router keeps its shares under the new epoch at once
+  (or gets them when it reconnects), and a router that does not come back within
+  `lease_seconds + lease_margin_seconds` gives them up like any silent router. Only room
+  nobody held is granted. Without a complete hand-over (no journal, a first start, or stored
+  grants of an older term than the one just before this leader's: that term may have granted
+  without writing) the hub grants nothing for `lease_seconds + lease_margin_seconds`, after
+  which every lease a previous orchestrator granted has ended.
 
 Shares are the cap split evenly among the routers holding a lease that see the replica, the
 remainder going to routers in an order rotated per replica.
@@ -44,7 +53,9 @@ import itertools
 import math
 import secrets
 import zlib
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+
+import structlog
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.runtime import FailedPreconditionError
@@ -55,6 +66,17 @@ ReplicaKey = tuple[str, str]
 
 DEFAULT_LEASE_SECONDS = 15.0
 DEFAULT_LEASE_MARGIN_SECONDS = 1.0
+#: Between attempts to write the grants after a failed one.
+JOURNAL_RETRY_SECONDS = 1.0
+
+Grants = dict[str, dict[ReplicaKey, int]]
+"""router id → replica → `held`: what the router may have in flight there."""
+
+GrantsJournal = Callable[[Grants], Awaitable[None]]
+"""Writes every router's `held` (replacing what was written before); raises when it could not
+(the hub retries every `JOURNAL_RETRY_SECONDS` while it grants)."""
+
+log = structlog.get_logger("inferplane.orchestrator.routing")
 
 
 def table_version(routes: Sequence[pb.ModelRoute]) -> str:
@@ -133,6 +155,8 @@ class RoutingHub:
         lease_margin_seconds: added on the hub's side before a silent router's shares are
             given to the others (clock-rate differences, processing).
         epoch: this hub's lease epoch prefix (random by default; tests pin it).
+        journal: where `held` is written before a grown share is shown (module docstring);
+            None: nothing is written, and a hub that starts granting waits out every lease.
     """
 
     def __init__(
@@ -142,6 +166,7 @@ class RoutingHub:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         lease_margin_seconds: float = DEFAULT_LEASE_MARGIN_SECONDS,
         epoch: str | None = None,
+        journal: GrantsJournal | None = None,
     ) -> None:
         if lease_seconds <= 0 or lease_margin_seconds < 0:
             raise ValueError("lease_seconds must be > 0 and lease_margin_seconds >= 0")
@@ -158,6 +183,11 @@ class RoutingHub:
         self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._journal = journal
+        self._held_seq = 0  # bumped when any `held` grows: views wait until it is written
+        self._saved_seq = 0
+        self._dirty = False  # a `held` shrank or a router went: write it (nothing waits)
+        self._saver: asyncio.Task[None] | None = None
 
     @property
     def table(self) -> pb.WatchRoutingTableResponse:
@@ -177,20 +207,38 @@ class RoutingHub:
         self._notify()
         return True
 
-    def set_granting(self, granting: bool) -> None:
+    def set_granting(
+        self, granting: bool, *, adopted: Mapping[str, Mapping[ReplicaKey, int]] | None = None
+    ) -> None:
         """Whether this hub splits caps (the leader's) or not (a standby's: every router's
         shares are 0 and renewals are refused, so its routers' leases run out). Turning it
-        on starts a new epoch and grants nothing for `lease_seconds + lease_margin_seconds`.
+        on starts a new epoch. `adopted`: the `held` the previous term wrote, complete (module
+        docstring, hand-over): each router keeps it and room nobody held is granted at once.
+        None: nothing is granted for `lease_seconds + lease_margin_seconds`.
         """
-        if granting == self._granting:
+        if granting == self._granting and adopted is None:
             return
         self._granting = granting
+        now = self._clock.monotonic()
         if granting:
             self._epoch = secrets.token_hex(6)
-            self._grants_from = self._clock.monotonic() + self._lease + self._margin
-            self._quiet = True
+            self._grants_from = now if adopted is not None else now + self._lease + self._margin
+            self._quiet = adopted is None
         for router in self._routers.values():  # no lease of before can be renewed
             router.reset(self._new_epoch())
+        self._saved_seq = self._held_seq  # nothing held now was shown unwritten
+        if granting and adopted is not None:
+            for router_id, held in adopted.items():
+                if not held:
+                    continue
+                router = self._routers.get(router_id)
+                if router is None:
+                    router = self._routers[router_id] = _Router(router_id, self._new_epoch())
+                router.held, router.sent = dict(held), dict(held)
+                # Its old lease ends by then at the latest; a renewal here extends it.
+                router.expires = now + self._lease + self._margin
+                router.generation += 1
+            self._dirty = True  # this term writes them: its successor can adopt in turn
         self._rebalance()
         self._notify()
         self._arm()
@@ -198,6 +246,43 @@ class RoutingHub:
     def _notify(self) -> None:
         wake, self._wake = self._wake, asyncio.Event()
         wake.set()
+        self._save_soon()
+
+    # -- the journal -------------------------------------------------------------------------
+
+    def _unsaved(self) -> bool:
+        """Whether a grown `held` is not written yet (views with grown shares wait)."""
+        return self._journal is not None and self._granting and self._saved_seq < self._held_seq
+
+    def _save_soon(self) -> None:
+        if self._journal is None or not self._granting or self._saver is not None:
+            return
+        if not (self._dirty or self._unsaved()):
+            return
+        try:
+            self._saver = asyncio.get_running_loop().create_task(self._save(), name="grants")
+        except RuntimeError:  # outside the event loop (tests driving the hub by hand)
+            return
+
+    async def _save(self) -> None:
+        assert self._journal is not None
+        try:
+            while self._granting and (self._dirty or self._unsaved()):
+                seq, self._dirty = self._held_seq, False
+                held = {r.router_id: dict(r.held) for r in self._routers.values() if r.held}
+                try:
+                    await self._journal(held)
+                except Exception as exc:  # the database away, or deposed: views wait
+                    self._dirty = True
+                    log.warning("router_grants_write_failed", error=str(exc))
+                    await asyncio.sleep(JOURNAL_RETRY_SECONDS)
+                    continue
+                if seq > self._saved_seq:
+                    self._saved_seq = seq
+                    wake, self._wake = self._wake, asyncio.Event()
+                    wake.set()  # views waiting for it
+        finally:
+            self._saver = None
 
     # -- watchers ----------------------------------------------------------------------------
 
@@ -222,6 +307,10 @@ class RoutingHub:
                     if state != built:  # views cost O(table): built only when they changed
                         built = state
                         view, shares = self._view(router)
+                if view.version != sent and router is not None and self._unsaved():
+                    self._save_soon()
+                    await wake.wait()  # its shares may cover a `held` not written yet
+                    continue
                 if view.version != sent:
                     sent = view.version
                     if router is not None:
@@ -320,6 +409,10 @@ class RoutingHub:
                     router.held[key] = value
                 else:
                     del router.held[key]
+        if router.held != held:
+            self._dirty = True
+            if any(n > held.get(k, 0) for k, n in router.held.items()):
+                self._held_seq += 1
         router.expires = now + self._lease + self._margin
         router.released = covered and release
         # Membership or room changed: the split moves (steady renewals change nothing).
@@ -345,6 +438,7 @@ class RoutingHub:
             if router.expires > -math.inf or router.held or router.sent:
                 # Its lease has ended on its own clock too: start over under a new epoch, so
                 # that no lease of the old one can be renewed.
+                self._dirty = self._dirty or bool(router.held)
                 router.reset(self._new_epoch())
                 changed = True
             if router.streams <= 0:
@@ -449,3 +543,4 @@ class RoutingHub:
             router.sent[key] = share
             if share > held:
                 router.held[key] = share
+                self._held_seq += 1

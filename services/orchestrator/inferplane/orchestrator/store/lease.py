@@ -1,6 +1,7 @@
 """The leader's rows in the orchestrator database: the lease orchestrators elect their leader
 with (`leader_leases`), the fence every write of the leader runs first, and the routing table
-the leader publishes for standbys to serve (`routing_tables`).
+the leader publishes for standbys to serve (`routing_tables`), and what the leader granted routers
+of the replicas' concurrency caps (`router_grants`), so that its successor can adopt it.
 
 Each lease operation is ONE conditional statement in a transaction of its own, so it is atomic
 on SQLite (the writer holds the database's write lock) and on PostgreSQL (the row's lock) with
@@ -28,6 +29,8 @@ lease may be taken is the caller's rule: `inferplane.orchestrator.leadership`.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Protocol
 
@@ -110,6 +113,15 @@ class _RoutingTableRow(_Base):
     version: Mapped[str] = mapped_column(String(32))
     data: Mapped[bytes] = mapped_column(LargeBinary)
     term: Mapped[int] = mapped_column(BigInteger)
+    update_time: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class _RouterGrantsRow(_Base):
+    __tablename__ = "router_grants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    term: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
     update_time: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
@@ -264,3 +276,64 @@ class SqlRoutingTables:
         with self._db.transaction() as s:
             row = s.get(_RoutingTableRow, name)
             return None if row is None else (row.version, row.data)
+
+
+Grants = dict[str, dict[tuple[str, str], int]]
+"""router id → replica (address, replica id) → the most the router may have in flight there."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredGrants:
+    """The grants a leader stored last: its `term` and `held` (`Grants`)."""
+
+    term: int
+    held: Grants
+
+
+class SqlRouterGrants:
+    """What the leader's routing hub lets each router have in flight per replica
+    (`inferplane.orchestrator.routing`), one row per lease name holding all routers (JSON), on
+    `database` (the lease store's). `save` is fenced by `fence` when one is given, so a row's
+    `term` is the term of the leader that wrote it."""
+
+    def __init__(self, database: SqlDatabase, *, fence: Fence | None = None) -> None:
+        self._db = database
+        self._fence = fence
+
+    def save(
+        self, name: str, held: Mapping[str, Mapping[tuple[str, str], int]], term: int, now: datetime
+    ) -> None:
+        """Replaces the stored grants under `name` with `held` (routers with nothing held may
+        be left out).
+
+        Raises:
+            NotLeaderError: the fence refused the write.
+            UnavailableError: the database cannot be reached.
+        """
+        data = json.dumps(
+            {
+                router: sorted([address, replica, n] for (address, replica), n in keys.items())
+                for router, keys in sorted(held.items())
+                if keys
+            },
+            separators=(",", ":"),
+        ).encode()
+        with self._db.transaction() as s:
+            if self._fence is not None:
+                self._fence.fence(s)
+            s.merge(_RouterGrantsRow(name=name, term=term, data=data, update_time=now))
+
+    def load(self, name: str) -> StoredGrants | None:
+        """The grants stored under `name` (None: no leader stored any yet)."""
+        with self._db.transaction() as s:
+            row = s.get(_RouterGrantsRow, name)
+            if row is None:
+                return None
+            raw = json.loads(row.data)
+            return StoredGrants(
+                row.term,
+                {
+                    router: {(str(a), str(r)): int(n) for a, r, n in entries}
+                    for router, entries in raw.items()
+                },
+            )

@@ -12,7 +12,8 @@ Pure Python (no grpc, no torch). The node-agent calls it on the hot token path::
     s = parser.start(thinking=True, tools=request["tools"])  # names resolved, args coerced
 
 Formats (``default_registry().names``): ``kimi_k2``, ``qwen3`` (hermes-style JSON calls),
-``deepseek_v31``, ``glm45`` (key/value calls). ``PlainSession()`` has the same surface for
+``deepseek_v31``, ``glm45`` (key/value calls), ``gpt_oss`` (OpenAI's harmony: channels routed
+by their header). ``PlainSession()`` has the same surface for
 output with no format (all content, verbatim).
 """
 
@@ -35,6 +36,7 @@ from inferplane.parsers._errors import (
     UnknownParserError,
 )
 from inferplane.parsers._glm45 import GLM45_MARKERS, glm45_config
+from inferplane.parsers._gpt_oss import GPT_OSS_MARKERS, gpt_oss_config
 from inferplane.parsers._kimi_k2 import (
     KIMI_K2_MARKER_VARIANTS,
     KIMI_K2_MARKERS,
@@ -55,6 +57,7 @@ from inferplane.parsers._validate import (
 __all__ = [
     "DEEPSEEK_V31_MARKERS",
     "GLM45_MARKERS",
+    "GPT_OSS_MARKERS",
     "KIMI_K2_MARKERS",
     "KIMI_K2_MARKER_VARIANTS",
     "QWEN3_MARKERS",
@@ -85,6 +88,7 @@ __all__ = [
     "deepseek_v31_config",
     "default_registry",
     "glm45_config",
+    "gpt_oss_config",
     "kimi_k2_config",
     "qwen3_config",
     "split_kimi_header",

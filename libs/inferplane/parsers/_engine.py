@@ -38,6 +38,11 @@ strategy the machine does not express with markers):
 * ``ENVELOPE`` (Qwen / hermes): the whole ``BODY`` is one JSON object ``{"name": ...,
   "arguments": ...}``; the call opens when its name is read (``JsonEnvelope``) and the
   ``arguments`` value streams like ``JSON`` arguments.
+
+A format whose markers do not say what a message is (gpt-oss's harmony: the channel and the
+recipient are words in a header, ``<|channel|>commentary to=functions.f<|message|>``) routes
+instead: ``BEGIN_MESSAGE`` starts buffering a header, ``ROUTE`` hands the whole header to
+``EngineConfig.route``, which names the next state and, for a call, its name.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ __all__ = [
     "ArgumentsFormat",
     "EngineConfig",
     "HeaderSplitter",
+    "MessageRouter",
     "Parser",
     "Session",
     "Sink",
@@ -93,6 +99,8 @@ class Action(Enum):
     BEGIN_KEY = "begin_key"  # start buffering a parameter name (``KEY_VALUE``)
     BEGIN_VALUE = "begin_value"  # the name is complete: write it, open its value
     END_VALUE = "end_value"  # close the value (decoded when its declared type is not string)
+    BEGIN_MESSAGE = "begin_message"  # start buffering a message header; the marker is kept in it
+    ROUTE = "route"  # the header is complete: ``EngineConfig.route`` picks the next state
 
 
 class ArgumentsFormat(Enum):
@@ -110,6 +118,12 @@ class Transition:
     next_state: str
     actions: tuple[Action, ...] = ()
 
+
+MessageRouter = Callable[[str], "tuple[str, str | None]"]
+"""``raw_message_header -> (next_state, call_header)`` for ``Action.ROUTE``: the state the
+message's body goes to and, when the message is a tool call, the header handed to
+``split_header`` (None otherwise). The header holds the text and the markers seen since the
+``BEGIN_MESSAGE`` marker, that marker included."""
 
 HeaderSplitter = Callable[[str, int], "tuple[str, str] | None"]
 """``(raw_header, call_number) -> (id, name)``, or None when the header names no function.
@@ -164,6 +178,9 @@ class EngineConfig:
             its function.
         arguments_format: how a call's arguments are written (``ArgumentsFormat``); it
             decides which argument sinks the states may use.
+        route: the ``MessageRouter`` that ``Action.ROUTE`` calls (formats that route only).
+            A message routed to a reasoning or content state while that channel already has
+            text starts on a new line (vLLM's harmony parse joins messages with ``\n``).
     """
 
     name: str
@@ -179,6 +196,7 @@ class EngineConfig:
     verbatim_states: frozenset[str] = frozenset()
     names_function: Callable[[str], bool] | None = None
     arguments_format: ArgumentsFormat = ArgumentsFormat.JSON
+    route: MessageRouter | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` if the config refers to undeclared states or terminals."""
@@ -206,6 +224,9 @@ class EngineConfig:
             raise ValueError(f"{self.name}: the BODY sink needs ENVELOPE arguments")
         if used & {Sink.ARG_KEY, Sink.ARG_VALUE} and fmt is not ArgumentsFormat.KEY_VALUE:
             raise ValueError(f"{self.name}: ARG_KEY / ARG_VALUE sinks need KEY_VALUE arguments")
+        routes = any(Action.ROUTE in tr.actions for tr in self.transitions.values())
+        if routes and self.route is None:
+            raise ValueError(f"{self.name}: a ROUTE transition needs a route")
 
 
 class _Tables:
@@ -381,6 +402,7 @@ class Session:
         "_reasoning",
         "_reasoning_tokens",
         "_result",
+        "_routed",
         "_sink",
         "_state",
         "_t",
@@ -442,6 +464,7 @@ class Session:
         self._in_value = False
         self._value: list[str] | None = None  # a JSON-typed value, held until it ends
         self._json_valued: frozenset[str] = frozenset()  # the open call's (ToolSchema)
+        self._routed = False  # a routing format (``EngineConfig.route``) has routed a message
 
     # -- public -----------------------------------------------------------------------------
 
@@ -528,6 +551,8 @@ class Session:
         if self._held:
             held, self._held = self._held, ""
             self._plain(held)
+        if not self._routed and self._t.config.route is not None and self._sink is Sink.HEADER:
+            self._unrouted_output()
         if self._envelope is not None:
             self._end_envelope()
         if self._call_open:
@@ -606,6 +631,7 @@ class Session:
             if self._state in self._t.verbatim:
                 self._plain(literal)  # data here (a JSON string holding "</think>")
             return  # a marker with no meaning here is dropped, never shown
+        nxt = tr.next_state
         for action in tr.actions:
             if action is Action.END_REASONING:
                 self._reasoning.pending.clear()
@@ -635,8 +661,42 @@ class Session:
                 self._begin_value()
             elif action is Action.END_VALUE:
                 self._end_value()
-        self._state = tr.next_state
-        self._sink = self._t.sinks[tr.next_state]
+            elif action is Action.BEGIN_MESSAGE:
+                self._header = [literal]
+            elif action is Action.ROUTE:
+                nxt = self._route()
+        self._state = nxt
+        self._sink = self._t.sinks[nxt]
+
+    def _route(self) -> str:
+        """``ROUTE``: the message header is complete; the config's router picks the state its
+        body goes to (and opens the call it names)."""
+        route = self._t.config.route
+        assert route is not None  # EngineConfig.check
+        header = "".join(self._header)
+        self._header = []
+        nxt, call = route(header)
+        self._routed = True
+        sink = self._t.sinks[nxt]
+        if sink is Sink.REASONING and self._reasoning.started:
+            self._reasoning.pending.append("\n")  # released only if more text follows
+        elif sink is Sink.CONTENT and self._content.started:
+            self._content.pending.append("\n")
+        if call is not None:
+            self._header = [call]
+            self._open_call()
+        return nxt
+
+    def _unrouted_output(self) -> None:
+        """A routing format's output ended before any message header was complete: text that
+        holds no marker is the model answering without the format (SGLang's harmony detector
+        returns it as normal text), so it is content; a cut-off header stays dropped."""
+        text = "".join(self._header)
+        self._header = []
+        if text and self._t.marker_re.search(text) is None:
+            piece = self._content.push(text)
+            if piece:
+                self._out_c.append(piece)
 
     def _open_call(self) -> None:
         """The header is complete: emit the call's first fragment (id, name) if it names a

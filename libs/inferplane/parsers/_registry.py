@@ -15,6 +15,7 @@ from inferplane.parsers._deepseek_v31 import deepseek_v31_config
 from inferplane.parsers._engine import EngineConfig, Parser
 from inferplane.parsers._errors import UnknownParserError
 from inferplane.parsers._glm45 import glm45_config
+from inferplane.parsers._gpt_oss import gpt_oss_config
 from inferplane.parsers._kimi_k2 import kimi_k2_config
 from inferplane.parsers._qwen3 import qwen3_config
 
@@ -59,13 +60,14 @@ class ParserRegistry:
 
 
 def default_registry() -> ParserRegistry:
-    """The formats shipped with inferplane: ``deepseek_v31``, ``glm45``, ``kimi_k2``,
-    ``qwen3``."""
+    """The formats shipped with inferplane: ``deepseek_v31``, ``glm45``, ``gpt_oss``,
+    ``kimi_k2``, ``qwen3``."""
     return ParserRegistry(
         MappingProxyType(
             {
                 "deepseek_v31": deepseek_v31_config,
                 "glm45": glm45_config,
+                "gpt_oss": gpt_oss_config,
                 "kimi_k2": kimi_k2_config,
                 "qwen3": qwen3_config,
             }

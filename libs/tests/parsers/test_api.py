@@ -24,7 +24,8 @@ LIBS = Path(__file__).resolve().parents[2]
 def test_exports_are_pinned() -> None:
     assert sorted(parsers.__all__) == sorted([
         "DEEPSEEK_V31_MARKERS", "GLM45_MARKERS", "QWEN3_MARKERS", "ArgumentsFormat",
-        "deepseek_v31_config", "glm45_config", "qwen3_config",
+        "deepseek_v31_config", "glm45_config", "qwen3_config", "GPT_OSS_MARKERS",
+        "gpt_oss_config",
         "KIMI_K2_MARKERS", "KIMI_K2_MARKER_VARIANTS", "ToolSet", "Action", "Constraint",
         "ConstraintError", "Delta", "EngineConfig",
         "InvalidToolCallError", "ParseResult", "Parser", "ParserError", "ParserRegistry",
@@ -39,18 +40,20 @@ def test_exports_are_pinned() -> None:
 
 def test_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(
-        UnknownParserError, match=r"known parsers: deepseek_v31, glm45, kimi_k2, qwen3$"
+        UnknownParserError, match=r"known parsers: deepseek_v31, glm45, gpt_oss, kimi_k2, qwen3$"
     ) as e:
         build_parser("kimi_k3")
     assert isinstance(e.value, ParserError)
-    assert e.value.known == ("deepseek_v31", "glm45", "kimi_k2", "qwen3")
+    assert e.value.known == ("deepseek_v31", "glm45", "gpt_oss", "kimi_k2", "qwen3")
 
 
 def test_registry_is_a_value() -> None:
     base = default_registry()
     extended = base.with_parser("kimi_k2_alias", kimi_k2_config)
-    assert base.names == ("deepseek_v31", "glm45", "kimi_k2", "qwen3")
-    assert extended.names == ("deepseek_v31", "glm45", "kimi_k2", "kimi_k2_alias", "qwen3")
+    assert base.names == ("deepseek_v31", "glm45", "gpt_oss", "kimi_k2", "qwen3")
+    assert extended.names == (
+        "deepseek_v31", "glm45", "gpt_oss", "kimi_k2", "kimi_k2_alias", "qwen3"
+    )  # fmt: skip
     assert build_parser("kimi_k2_alias", registry=extended).name == "kimi_k2"
     assert isinstance(extended, ParserRegistry)
 

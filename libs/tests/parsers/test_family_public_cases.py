@@ -1,5 +1,5 @@
-"""Qwen3, DeepSeek-V3.1 and GLM-4.5 cases drawn from the public suites of vLLM and SGLang, plus
-derived edge cases, replayed through ``replay`` (the parser's public contract,
+"""Qwen3, DeepSeek-V3.1, GLM-4.5 and gpt-oss (harmony) cases drawn from the public suites of vLLM
+and SGLang, plus derived edge cases, replayed through ``replay`` (the parser's public contract,
 ``cli.replay_case``): the same schema and splits as the Kimi suite
 (``test_kimi_k2_public_cases.py``), one case file per parser.
 
@@ -24,7 +24,7 @@ from inferplane.parsers import Parser, build_parser
 from inferplane.parsers.cli import replay_case
 
 CASES_DIR = Path(__file__).parent / "cases"
-FAMILIES = ("qwen3", "deepseek_v31", "glm45")
+FAMILIES = ("qwen3", "deepseek_v31", "glm45", "gpt_oss")
 CHUNK_SIZES = (1, 2, 3, 5, 11, 23)
 COMPARED = ("reasoning", "content", "tool_calls")
 

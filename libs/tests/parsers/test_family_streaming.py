@@ -1,4 +1,4 @@
-"""Delta-level behaviour of the Qwen3, DeepSeek-V3.1 and GLM-4.5 parsers: the name streams
+"""Delta-level behaviour of the Qwen3, DeepSeek-V3.1, GLM-4.5 and gpt-oss parsers: the name streams
 before the arguments, arguments stream before the call ends, ids are generated, markers are
 matched by token id, and the session options (tool_choice none, parallel_tool_calls false,
 history numbering) hold for every format."""
@@ -42,12 +42,23 @@ def glm_call(name: str, *pairs: tuple[str, str]) -> str:
     return f"<tool_call>{name}\n{body}</tool_call>"
 
 
+def harmony_call(name: str, args: str) -> str:
+    header = f"<|channel|>commentary to=functions.{name} <|constrain|>json"
+    return f"<|start|>assistant{header}<|message|>{args}<|call|>"
+
+
 TWO_CALLS = {
     "qwen3": qwen_call("a", '{"x": 1}') + "\n" + qwen_call("b", "{}"),
     "deepseek_v31": ds_section(("a", '{"x": 1}'), ("b", "{}")),
     "glm45": glm_call("a", ("x", "1")) + glm_call("b"),
+    "gpt_oss": harmony_call("a", '{"x": 1}') + harmony_call("b", ""),
 }
-TWO_CALLS_ARGS = {"qwen3": '{"x": 1}', "deepseek_v31": '{"x": 1}', "glm45": '{"x": "1"}'}
+TWO_CALLS_ARGS = {
+    "qwen3": '{"x": 1}',
+    "deepseek_v31": '{"x": 1}',
+    "glm45": '{"x": "1"}',
+    "gpt_oss": '{"x": 1}',
+}
 FAMILIES = tuple(TWO_CALLS)
 
 

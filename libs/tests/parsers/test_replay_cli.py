@@ -104,7 +104,7 @@ def test_streamed_case_equals_one_shot_case() -> None:
 def test_unknown_parser_lists_known_ones() -> None:
     r = CliRunner().invoke(app, ["replay", "--parser", "nope", "-"], input="")
     assert r.exit_code == 2
-    assert "known parsers: deepseek_v31, glm45, kimi_k2, qwen3" in r.stderr
+    assert "known parsers: deepseek_v31, glm45, gpt_oss, kimi_k2, qwen3" in r.stderr
 
 
 def test_bad_line_is_reported_with_its_number() -> None:

@@ -80,12 +80,14 @@ def test_a_profile_names_known_parsers_only() -> None:
     every known parser; the two parser fields name one parser or one is empty."""
     err = invalid(tool_parser="hermes")
     assert err.param == "deployment.profile.tool_parser"
-    assert err.message == ("unknown parser 'hermes'; known: deepseek_v31, glm45, kimi_k2, qwen3")
+    assert err.message == (
+        "unknown parser 'hermes'; known: deepseek_v31, glm45, gpt_oss, kimi_k2, qwen3"
+    )
     assert invalid(reasoning_parser="deepseek_r1").param == "deployment.profile.reasoning_parser"
     assert invalid(reasoning_parser="qwen3", tool_parser="kimi_k2").param == (
         "deployment.profile.tool_parser"
     )
-    for names in (("qwen3", "qwen3"), ("", "glm45"), ("deepseek_v31", "")):
+    for names in (("qwen3", "qwen3"), ("", "glm45"), ("deepseek_v31", ""), ("gpt_oss", "gpt_oss")):
         profile = dataclasses.replace(PROFILE, reasoning_parser=names[0], tool_parser=names[1])
         validate_deployment(Deployment("llama-3.3-70b", profile).normalised())
 

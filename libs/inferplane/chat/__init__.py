@@ -1,6 +1,6 @@
 """Chat rendering (issue 3 §1, issue 19): an OpenAI chat request → the prompt of the model's
 own chat template, prepared as the model's family wants it (Kimi K2, Qwen3, DeepSeek-V3.1,
-GLM-4.5, or none).
+GLM-4.5, or none), or, for gpt-oss, built by the openai-harmony library.
 
 Pure Python (no grpc); transformers and jinja2 are only touched through the tokenizer given.
 
@@ -16,13 +16,16 @@ from inferplane.chat._family import (
     DEEPSEEK_V31,
     GENERIC,
     GLM45,
+    GPT_OSS,
     KIMI_K2,
     QWEN3,
     ArgumentsForm,
     ChatFamily,
     HistoryIds,
+    Renderer,
     chat_family,
 )
+from inferplane.chat._harmony import HARMONY_EFFORTS, harmony_messages
 from inferplane.chat._normalize import (
     ChatInputs,
     content_text,
@@ -38,6 +41,8 @@ __all__ = [
     "DEEPSEEK_V31",
     "GENERIC",
     "GLM45",
+    "GPT_OSS",
+    "HARMONY_EFFORTS",
     "KIMI_K2",
     "QWEN3",
     "ArgumentsForm",
@@ -47,9 +52,11 @@ __all__ = [
     "ChatTokenizer",
     "HistoryIds",
     "RenderedPrompt",
+    "Renderer",
     "UnknownChatFamilyError",
     "chat_family",
     "content_text",
+    "harmony_messages",
     "integral_floats_to_int",
     "normalize_messages",
     "normalize_tools",

@@ -8,7 +8,11 @@ the renderer must do before the template sees a request, and which keyword switc
     qwen3             enable_thinking, on       yes                   verbatim     object
     deepseek_v31      thinking, off             yes                   verbatim     JSON text
     glm45             enable_thinking, on       no                    verbatim     object
+    gpt_oss           none (reasoning_effort)   no                    verbatim     JSON text
     (no parser)       none                      no                    verbatim     object
+
+gpt_oss is not rendered by a template at all: its prompt is built by the openai-harmony library
+(``Renderer.HARMONY``, ``inferplane.chat._harmony``), as vLLM builds it.
 
 Sources, per family:
 
@@ -28,6 +32,9 @@ Sources, per family:
   off adds ``<think></think>``); the model writes ``<think>`` itself, so the parser starts
   outside reasoning (``inferplane.parsers._glm45``); arguments are iterated with
   ``.items()``, so they must be an object.
+- gpt-oss (openai/gpt-oss-20b; vLLM ``harmony_utils.py``): harmony messages from the
+  openai-harmony library; reasoning cannot be switched off, only its effort set; history calls
+  carry their arguments as the JSON text the model wrote; ids are not rendered.
 - No parser: transformers' convention, which vLLM applies to every template
   (vllm/entrypoints/chat_utils.py ``_postprocess_messages``: "tool call arguments ... need to be
   dicts"); no thinking switch is known, so ``chat_template_kwargs`` pass through untouched.
@@ -50,6 +57,15 @@ class HistoryIds(enum.Enum):
     """``functions.{name}:{n}``, ``n`` counting calls across the conversation."""
     VERBATIM = "verbatim"
     """As the client sent them (a missing id stays missing)."""
+
+
+class Renderer(enum.Enum):
+    """What turns a prepared request into the prompt."""
+
+    TEMPLATE = "template"
+    """The model's own chat template (``tokenizer.apply_chat_template``)."""
+    HARMONY = "harmony"
+    """The openai-harmony library (gpt-oss): no template is used."""
 
 
 class ArgumentsForm(enum.Enum):
@@ -76,6 +92,7 @@ class ChatFamily:
             model writes it first and the parser drops it there.
         history_ids: how history tool-call ids render.
         arguments: what history tool-call arguments are for the template.
+        renderer: what renders the prompt (the model's template, or openai-harmony).
     """
 
     name: str
@@ -84,6 +101,7 @@ class ChatFamily:
     parse_from_reasoning: bool
     history_ids: HistoryIds
     arguments: ArgumentsForm
+    renderer: Renderer = Renderer.TEMPLATE
 
 
 KIMI_K2 = ChatFamily(
@@ -118,6 +136,15 @@ GLM45 = ChatFamily(
     history_ids=HistoryIds.VERBATIM,
     arguments=ArgumentsForm.OBJECT,
 )
+GPT_OSS = ChatFamily(
+    name="gpt_oss",
+    thinking_kwarg=None,
+    thinking_default=True,
+    parse_from_reasoning=False,
+    history_ids=HistoryIds.VERBATIM,
+    arguments=ArgumentsForm.JSON_TEXT,
+    renderer=Renderer.HARMONY,
+)
 GENERIC = ChatFamily(
     name="generic",
     thinking_kwarg=None,
@@ -128,7 +155,7 @@ GENERIC = ChatFamily(
 )
 
 CHAT_FAMILIES: Mapping[str, ChatFamily] = MappingProxyType(
-    {f.name: f for f in (DEEPSEEK_V31, GLM45, KIMI_K2, QWEN3)}
+    {f.name: f for f in (DEEPSEEK_V31, GLM45, GPT_OSS, KIMI_K2, QWEN3)}
 )
 """Parser name (``inferplane.parsers`` registry) -> chat family, read-only."""
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from inferplane.chat._errors import ChatRenderError
-from inferplane.chat._family import KIMI_K2, ChatFamily
+from inferplane.chat._family import KIMI_K2, ChatFamily, Renderer
+from inferplane.chat._harmony import render_harmony
 from inferplane.chat._normalize import prepare_chat
 
 
@@ -50,13 +51,19 @@ def render_chat(
     is the ``kimi-tiny`` fixture's); the generation prompt is always added; the family's
     thinking keyword (``thinking`` for Kimi, ``enable_thinking`` for Qwen3) always reaches the
     template, the client's value or the family's default, and the client's other
-    ``chat_template_kwargs`` are passed through.
+    ``chat_template_kwargs`` are passed through. A ``Renderer.HARMONY`` family (gpt-oss) is
+    rendered by openai-harmony instead (``inferplane.chat._harmony``; it reads
+    ``reasoning_effort`` and refuses ``chat_template_kwargs``), and needs no template.
 
     Raises:
         ChatRenderError: the request is invalid (an OpenAI 400), including a template that
             rejects it (``raise_exception``).
-        RuntimeError: the tokenizer has no chat template (a deployment error, not the client's).
+        RuntimeError: the tokenizer has no chat template, or (harmony) its vocabulary is not
+            ``o200k_harmony`` (a deployment error, not the client's).
     """
+    if family.renderer is Renderer.HARMONY:
+        text, ids = render_harmony(request, tokenizer)
+        return RenderedPrompt(text=text, token_ids=ids, thinking=False)
     if getattr(tokenizer, "chat_template", None) is None:
         raise RuntimeError("the model's tokenizer has no chat template")
     inputs = prepare_chat(request, family)

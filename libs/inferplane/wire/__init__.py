@@ -5,6 +5,7 @@ request back as OpenAI JSON (the renderer takes dicts), and the router writes st
 as exact SSE bytes (`data: {json}\\n\\n`, then `data: [DONE]\\n\\n`). Two proto JSON-mapping
 quirks are undone here: int64 fields print as strings, and numbers inside
 `google.protobuf.Struct` come back as floats (`0` → `0.0`; DESIGN.md, Envoy facts).
+The audio routes' multipart/form-data bodies pass the edge unparsed; `read_form` reads them.
 """
 
 from inferplane.wire._codec import (
@@ -22,13 +23,24 @@ from inferplane.wire._codec import (
     sse_error,
     sse_event,
 )
+from inferplane.wire._multipart import (
+    MAX_AUDIO_FILE_BYTES,
+    Form,
+    FormError,
+    FormFile,
+    read_form,
+)
 from inferplane.wire._summary import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary
 
 __all__ = [
+    "MAX_AUDIO_FILE_BYTES",
     "PICKER_KEY",
     "REPLICA_KEY",
     "SSE_DONE",
     "SUMMARY_KEYS",
+    "Form",
+    "FormError",
+    "FormFile",
     "ResponseSummary",
     "chat_completion_to_dict",
     "chat_request_from_dict",
@@ -39,6 +51,7 @@ __all__ = [
     "completion_request_to_dict",
     "completion_to_dict",
     "error_body",
+    "read_form",
     "restore_ints",
     "sse_error",
     "sse_event",

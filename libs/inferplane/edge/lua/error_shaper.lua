@@ -24,6 +24,9 @@
 -- constant time; bodies without one (chunked, HTTP/2) are counted chunk by chunk.
 
 local MAX_REQUEST_BYTES = __MAX_REQUEST_BYTES__
+-- Audio uploads (multipart/form-data, files up to 25 MB as OpenAI) have their own limit.
+local MAX_AUDIO_REQUEST_BYTES = __MAX_AUDIO_REQUEST_BYTES__
+local AUDIO_PREFIX = "__AUDIO_PREFIX__"
 
 local GENERIC_5XX = "The server had an error while processing your request. Sorry about that!"
 local GENERIC_503 = "The service is temporarily unavailable; please retry."
@@ -83,6 +86,11 @@ end
 
 local function shape(handle, headers, code)
   local http_status = HTTP_STATUS[code] or 500
+  -- gRPC has no "payload too large": a replica refusing an oversized upload says so by code
+  -- (INVALID_ARGUMENT, code request_too_large), and the client gets OpenAI's 413.
+  if headers:get("x-openai-error-code") == "request_too_large" then
+    http_status = 413
+  end
   local error_type = headers:get("x-openai-error-type")
   local shaped = error_type ~= nil
   local body = '{"error":{"message":' .. json_string(message_for(code, http_status, headers, shaped))
@@ -97,9 +105,15 @@ local function shape(handle, headers, code)
 end
 
 function envoy_on_request(handle)
-  local length = handle:headers():get("content-length")
+  local headers = handle:headers()
+  local limit = MAX_REQUEST_BYTES
+  local path = headers:get(":path") or ""
+  if path:sub(1, #AUDIO_PREFIX) == AUDIO_PREFIX then
+    limit = MAX_AUDIO_REQUEST_BYTES
+  end
+  local length = headers:get("content-length")
   if length ~= nil then
-    if (tonumber(length) or 0) > MAX_REQUEST_BYTES then
+    if (tonumber(length) or 0) > limit then
       handle:respond({ [":status"] = "413" }, "")
     end
     return
@@ -107,7 +121,7 @@ function envoy_on_request(handle)
   local seen = 0
   for chunk in handle:bodyChunks() do
     seen = seen + chunk:length()
-    if seen > MAX_REQUEST_BYTES then
+    if seen > limit then
       handle:respond({ [":status"] = "413" }, "")
       return
     end

@@ -128,6 +128,19 @@ class FeatureExtractor:
         data = request.prompt.SerializeToString(deterministic=True)
         return self._features([data], 1, metadata, request.user)
 
+    def speech(self, audio_bytes: int, metadata: Mapping[str, str]) -> RequestFeatures:
+        """Features of a transcription or translation: like an embedding, no prefix blocks
+        and no root (the encoder input is audio, never a shared prompt), so the policies
+        choose by load; `prompt_tokens` stands for the upload's size (`audio_bytes`)."""
+        return RequestFeatures(
+            prefix_blocks=(),
+            root=None,
+            session=_session(metadata, ""),
+            prompt_tokens=audio_bytes // BYTES_PER_TOKEN,
+            flow=metadata.get(KEY_ID_HEADER, ""),
+            weight=_weight(metadata),
+        )
+
     def embedding(
         self, request: pb.EmbeddingRequest, metadata: Mapping[str, str]
     ) -> RequestFeatures:

@@ -42,6 +42,7 @@ import structlog
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.api import httpbody_pb2
 from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError, Message
 
@@ -63,7 +64,15 @@ from inferplane.runtime import (
     NotFoundError,
     error_trailers,
 )
-from inferplane.wire import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary, error_body
+from inferplane.wire import (
+    PICKER_KEY,
+    REPLICA_KEY,
+    SUMMARY_KEYS,
+    FormError,
+    ResponseSummary,
+    error_body,
+    read_form,
+)
 
 log = structlog.get_logger("inferplane.router.picker")
 
@@ -122,6 +131,7 @@ class _Method:
     stream: bool
     chat: bool
     embedding: bool = False
+    speech: bool = False
 
 
 _PREFIX = "/inferplane.inference.v1.InferenceService/"
@@ -135,6 +145,10 @@ METHODS: Mapping[str, _Method] = {
     _PREFIX + "StreamCompletion": _Method(pb.StreamCompletionRequest, True, False),
     _PREFIX + "StreamCompletionEvents": _Method(pb.StreamCompletionEventsRequest, True, False),
     _PREFIX + "CreateEmbedding": _Method(pb.CreateEmbeddingRequest, False, False, embedding=True),
+    _PREFIX + "CreateTranscription": _Method(
+        pb.CreateTranscriptionRequest, False, False, speech=True
+    ),
+    _PREFIX + "CreateTranslation": _Method(pb.CreateTranslationRequest, False, False, speech=True),
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""
 
@@ -216,6 +230,36 @@ def decode_body(body: bytes, request_type: type[Message]) -> Any:
         raise InvalidArgumentError(
             "the request body cannot be parsed", code="invalid_body"
         ) from None
+
+
+_MODEL_ONLY = frozenset({"model"})
+
+
+def form_model(body: httpbody_pb2.HttpBody) -> str:
+    """The `model` field of an audio request's multipart/form-data body (the client's bytes,
+    passed through by the edge as the request's HttpBody). File parts are measured, not copied
+    (`read_form(keep_files=False)`); the replica checks the file itself.
+
+    Raises:
+        InvalidArgumentError: not a readable form, or no `model` field (HTTP 400, param as
+            OpenAI's: `model`, or None for the body).
+    """
+    try:
+        form = read_form(
+            body.content_type,
+            body.data,
+            max_file_bytes=len(body.data),
+            keep_files=False,
+            only=_MODEL_ONLY,
+        )
+    except FormError as exc:
+        raise InvalidArgumentError(str(exc), param=exc.param, code="invalid_body") from None
+    model = form.get("model")
+    if not model:
+        raise InvalidArgumentError(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    return model
 
 
 def _set(mutation: ext_pb.HeaderMutation, key: str, value: str) -> None:
@@ -443,21 +487,28 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         method = exchange.method
         if method is None or exchange.endpoints:
             raise InvalidArgumentError("a request body without request headers")
-        request = decode_body(message.body, method.request_type).request
+        decoded = decode_body(message.body, method.request_type)
         trace, metadata = exchange.trace, exchange.metadata
-        trace.model = request.model
-        if method.chat:
-            self._schemas.check_chat(request)  # a client's bad schema never takes a slot
-        route = self._route(request.model, metadata)
-        trace.deployment = route.deployment_key
-        extract: Extract = (
-            self._features.chat
-            if method.chat
-            else self._features.embedding
-            if method.embedding
-            else self._features.completion
-        )
-        features = extract(request, metadata)
+        if method.speech:
+            trace.model = form_model(decoded.body)
+            route = self._route(trace.model, metadata)
+            trace.deployment = route.deployment_key
+            features = self._features.speech(len(decoded.body.data), metadata)
+        else:
+            request = decoded.request
+            trace.model = request.model
+            if method.chat:
+                self._schemas.check_chat(request)  # a client's bad schema never takes a slot
+            route = self._route(request.model, metadata)
+            trace.deployment = route.deployment_key
+            extract: Extract = (
+                self._features.chat
+                if method.chat
+                else self._features.embedding
+                if method.embedding
+                else self._features.completion
+            )
+            features = extract(request, metadata)
         async for keepalive in self._admit(exchange, route, features, reader):
             yield keepalive
         lease = exchange.lease

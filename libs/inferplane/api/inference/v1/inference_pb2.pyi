@@ -12,6 +12,7 @@ uses): snake_case names, uint32 for counts and timestamps (int64 would print as 
 """
 
 from collections import abc as _abc
+from google.api import httpbody_pb2 as _httpbody_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
@@ -1564,6 +1565,54 @@ class CreateEmbeddingRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CreateEmbeddingRequest: _TypeAlias = CreateEmbeddingRequest  # noqa: Y015
+
+@_typing.final
+class CreateTranscriptionRequest(_message.Message):
+    """A speech-to-text request as the client sent it (OpenAI's multipart/form-data body)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def body(self) -> _httpbody_pb2.HttpBody:
+        """The whole request body and its content type (`multipart/form-data; boundary=...`)."""
+
+    def __init__(
+        self,
+        *,
+        body: _httpbody_pb2.HttpBody | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTranscriptionRequest: _TypeAlias = CreateTranscriptionRequest  # noqa: Y015
+
+@_typing.final
+class CreateTranslationRequest(_message.Message):
+    """A translation request as the client sent it (OpenAI's multipart/form-data body)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def body(self) -> _httpbody_pb2.HttpBody:
+        """The whole request body and its content type (`multipart/form-data; boundary=...`)."""
+
+    def __init__(
+        self,
+        *,
+        body: _httpbody_pb2.HttpBody | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTranslationRequest: _TypeAlias = CreateTranslationRequest  # noqa: Y015
 
 @_typing.final
 class Embedding(_message.Message):

@@ -75,6 +75,16 @@ class InferenceServiceStub:
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.SerializeToString,
                 response_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.FromString,
                 _registered_method=True)
+        self.CreateTranscription = channel.unary_stream(
+                '/inferplane.inference.v1.InferenceService/CreateTranscription',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranscriptionRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CreateTranslation = channel.unary_stream(
+                '/inferplane.inference.v1.InferenceService/CreateTranslation',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/inferplane.inference.v1.InferenceService/ListModels',
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
@@ -148,6 +158,26 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTranscription(self, request, context):
+        """Transcribes audio in its own language (`POST /v1/audio/transcriptions`) with a deployment
+        whose task is speech-to-text; INVALID_ARGUMENT (param `model`) for a deployment of another
+        task. The client's multipart/form-data body (`file`, `model`, `language`, `prompt`,
+        `response_format`, `temperature`, `stream`) passes through the transcoder unparsed, as
+        the request's HttpBody; the answer's bytes and content type are the response format's
+        (JSON, text/plain, SRT, WebVTT, or SSE when the form's `stream` is true).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateTranslation(self, request, context):
+        """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
+        CreateTranscription, without `language` in the form.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Lists the models this endpoint serves (`GET /v1/models`).
         """
@@ -200,6 +230,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.CreateEmbedding,
                     request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.FromString,
                     response_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.SerializeToString,
+            ),
+            'CreateTranscription': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateTranscription,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranscriptionRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CreateTranslation': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateTranslation,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -406,6 +446,60 @@ class InferenceService:
             '/inferplane.inference.v1.InferenceService/CreateEmbedding',
             inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingRequest.SerializeToString,
             inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateEmbeddingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTranscription(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CreateTranscription',
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranscriptionRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTranslation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CreateTranslation',
+            inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
             insecure,

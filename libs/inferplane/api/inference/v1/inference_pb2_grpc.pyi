@@ -68,6 +68,18 @@ class InferenceServiceStub:
     """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
     INVALID_ARGUMENT (param `model`) for a deployment of another task.
     """
+    CreateTranscription: _grpc.UnaryStreamMultiCallable[_inference_pb2.CreateTranscriptionRequest, _httpbody_pb2.HttpBody]
+    """Transcribes audio in its own language (`POST /v1/audio/transcriptions`) with a deployment
+    whose task is speech-to-text; INVALID_ARGUMENT (param `model`) for a deployment of another
+    task. The client's multipart/form-data body (`file`, `model`, `language`, `prompt`,
+    `response_format`, `temperature`, `stream`) passes through the transcoder unparsed, as
+    the request's HttpBody; the answer's bytes and content type are the response format's
+    (JSON, text/plain, SRT, WebVTT, or SSE when the form's `stream` is true).
+    """
+    CreateTranslation: _grpc.UnaryStreamMultiCallable[_inference_pb2.CreateTranslationRequest, _httpbody_pb2.HttpBody]
+    """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
+    CreateTranscription, without `language` in the form.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]
@@ -105,6 +117,18 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     CreateEmbedding: _aio.UnaryUnaryMultiCallable[_inference_pb2.CreateEmbeddingRequest, _inference_pb2.CreateEmbeddingResponse]  # type: ignore[assignment]
     """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
     INVALID_ARGUMENT (param `model`) for a deployment of another task.
+    """
+    CreateTranscription: _aio.UnaryStreamMultiCallable[_inference_pb2.CreateTranscriptionRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """Transcribes audio in its own language (`POST /v1/audio/transcriptions`) with a deployment
+    whose task is speech-to-text; INVALID_ARGUMENT (param `model`) for a deployment of another
+    task. The client's multipart/form-data body (`file`, `model`, `language`, `prompt`,
+    `response_format`, `temperature`, `stream`) passes through the transcoder unparsed, as
+    the request's HttpBody; the answer's bytes and content type are the response format's
+    (JSON, text/plain, SRT, WebVTT, or SSE when the form's `stream` is true).
+    """
+    CreateTranslation: _aio.UnaryStreamMultiCallable[_inference_pb2.CreateTranslationRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
+    CreateTranscription, without `language` in the form.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
@@ -182,6 +206,30 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_inference_pb2.CreateEmbeddingResponse, _abc.Awaitable[_inference_pb2.CreateEmbeddingResponse]]:
         """Creates embeddings (`POST /v1/embeddings`) with a deployment whose task is embedding;
         INVALID_ARGUMENT (param `model`) for a deployment of another task.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateTranscription(
+        self,
+        request: _inference_pb2.CreateTranscriptionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
+        """Transcribes audio in its own language (`POST /v1/audio/transcriptions`) with a deployment
+        whose task is speech-to-text; INVALID_ARGUMENT (param `model`) for a deployment of another
+        task. The client's multipart/form-data body (`file`, `model`, `language`, `prompt`,
+        `response_format`, `temperature`, `stream`) passes through the transcoder unparsed, as
+        the request's HttpBody; the answer's bytes and content type are the response format's
+        (JSON, text/plain, SRT, WebVTT, or SSE when the form's `stream` is true).
+        """
+
+    @_abc_1.abstractmethod
+    def CreateTranslation(
+        self,
+        request: _inference_pb2.CreateTranslationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
+        """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
+        CreateTranscription, without `language` in the form.
         """
 
     @_abc_1.abstractmethod

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 
 GENERATE = "generate"
 EMBED = "embed"
-TASKS: tuple[str, ...] = (GENERATE, EMBED)
-"""What a replica serves (`ReplicaSpec.task`): `generate` (chat and text completions) or
-`embed` (embeddings: the engine runs vLLM's pooling runner)."""
+TRANSCRIBE = "transcribe"
+TASKS: tuple[str, ...] = (GENERATE, EMBED, TRANSCRIBE)
+"""What a replica serves (`ReplicaSpec.task`): `generate` (chat and text completions),
+`embed` (embeddings: the engine runs vLLM's pooling runner) or `transcribe` (speech-to-text:
+`/v1/audio/transcriptions` and `/translations` with an encoder-decoder model like Whisper)."""
 
 
 def replica_task(spec: nodeagent_pb2.ReplicaSpec) -> str:
@@ -105,6 +107,71 @@ class EngineError(Exception):
         super().__init__(message)
         self.retryable = retryable and not rejected
         self.rejected = rejected
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeechParams:
+    """One speech-to-text request as the engine runs it.
+
+    Attributes:
+        task: "transcribe" (text in the audio's language) or "translate" (English text).
+        language: ISO-639-1 code of the audio's language; None: the model detects it.
+        prompt: text to continue from (the previous segment, spellings), "" for none.
+        temperature: sampling temperature, 0 to 1 (0: greedy).
+        timestamps: ask for timestamped segments (verbose_json, srt, vtt).
+    """
+
+    task: str
+    language: str | None = None
+    prompt: str = ""
+    temperature: float = 0.0
+    timestamps: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class SpeechUsage:
+    """Tokens a speech request used, filled in while the engine runs it (decoder prompt
+    tokens, generated tokens; language detection and every 30 s chunk included)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeechResult:
+    """A whole transcription: its `text`, the `language` (detected or given; None when not
+    known) and, with `SpeechParams.timestamps`, OpenAI's segment objects (`id`, `start`, `end`
+    in seconds, `text`, `tokens`, `avg_logprob`, ...)."""
+
+    text: str
+    language: str | None = None
+    segments: tuple[Mapping[str, Any], ...] = ()
+
+
+@runtime_checkable
+class SpeechEngine(Protocol):
+    """An engine that serves speech-to-text (a `transcribe` replica's engine; the transports
+    in `process.SPEECH_TRANSPORTS`). `wav` is the decoded upload at 16 kHz as WAV bytes."""
+
+    async def transcribe(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> SpeechResult:
+        """The whole transcription or translation.
+
+        Raises:
+            EngineError: refused (`rejected`: e.g. an unsupported language), failed or dead.
+        """
+        ...
+
+    def transcribe_stream(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> AsyncIterator[str]:
+        """The text as it is generated; closing the iteration aborts the request.
+
+        Raises:
+            EngineError: as `transcribe`, also after text was yielded.
+        """
+        ...
 
 
 class EngineClient(Protocol):

@@ -14,6 +14,9 @@ Measured facts this follows: ../shared/notes/vllm_inproc_probe.md.
 - Embeddings (a spec whose task is `embed`: `--runner pooling`) go through `AsyncLLM.encode`
   with `PoolingParams(task="embed", dimensions=...)`, one engine request per input, as vLLM's
   own `/v1/embeddings` does (vllm/entrypoints/pooling/base/serving.py).
+- Speech-to-text (a spec whose task is `transcribe`) goes through vLLM's own
+  `OpenAIServingTranscription` / `OpenAIServingTranslation` over this `AsyncLLM`
+  (`inproc_speech.py`): vLLM builds each speech model's prompts.
 - The engine is dead once `AsyncLLM.errored` (a SIGKILLed EngineCore or Worker): streams get
   `EngineDeadError` within ~0.1 s and the only recovery is a new process.
 - Whoever imports vLLM must have set its environment first (`launcher.engine_environment`), and
@@ -33,7 +36,14 @@ from typing import Any
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EngineError, EngineOutput, SamplingParams
+from inferplane.node_agent.engine.api import (
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+    SpeechParams,
+    SpeechResult,
+    SpeechUsage,
+)
 from inferplane.node_agent.engine.process import pooling_args
 
 log = structlog.get_logger("inferplane.node_agent.engine.inproc")
@@ -152,6 +162,7 @@ class InprocEngine:
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
+        self._speech: Any = None  # InprocSpeech, built on the first speech request
 
     @classmethod
     async def start(cls, argv: Sequence[str]) -> InprocEngine:
@@ -297,6 +308,36 @@ class InprocEngine:
             if isinstance(exc, ValueError):  # vLLM's checks when a request is added
                 raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
             raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
+
+    def _speech_serving(self) -> Any:
+        if self._speech is None:
+            from inferplane.node_agent.engine.inproc_speech import InprocSpeech
+
+            self._speech = InprocSpeech(self._llm)
+        return self._speech
+
+    async def transcribe(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> SpeechResult:
+        """A whole transcription or translation through vLLM's own speech serving
+        (`inproc_speech.InprocSpeech`; see `api.SpeechEngine`).
+
+        Raises:
+            EngineError: refused (`rejected`), failed, or the engine died (`retryable`).
+        """
+        result: SpeechResult = await self._speech_serving().transcribe(wav, params, usage)
+        return result
+
+    def transcribe_stream(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> AsyncIterator[str]:
+        """The text as vLLM generates it (see `api.SpeechEngine`).
+
+        Raises:
+            EngineError: as `transcribe`.
+        """
+        stream: AsyncIterator[str] = self._speech_serving().transcribe_stream(wav, params, usage)
+        return stream
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; unknown ids and a dead engine are ignored. Its stream then ends

@@ -29,7 +29,7 @@ from typing import Protocol
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.api import EMBED, replica_task
+from inferplane.node_agent.engine.api import EMBED, TRANSCRIBE, replica_task
 from inferplane.node_agent.engine.cpus import BIND_ENV
 from inferplane.runtime import procguard
 from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
@@ -70,6 +70,12 @@ EMBED_TRANSPORTS: tuple[str, ...] = (HTTP_COMPLETIONS, INPROC)
 server's `/v1/embeddings`. vLLM's gRPC `Embed` takes one input and no `dimensions`."""
 
 
+SPEECH_TRANSPORTS: tuple[str, ...] = (INPROC,)
+"""The transports that serve a `transcribe` spec: vLLM's own speech-to-text request building
+(`OpenAIServingTranscription` / `OpenAIServingTranslation`) hosted in-process over the
+`AsyncLLM`; the child server's routes would need the upload forwarded a second time."""
+
+
 def resolve_transport(spec: nodeagent_pb2.ReplicaSpec) -> str:
     """`spec.transport`, or `DEFAULT_TRANSPORT` when empty.
 
@@ -90,13 +96,19 @@ def check_transport_serves(spec: nodeagent_pb2.ReplicaSpec, transport: str) -> N
     """Refuses a transport that cannot serve the spec's task.
 
     Raises:
-        ValueError: an `embed` spec on a transport outside `EMBED_TRANSPORTS` (the message
-            names the transport and the ones that work).
+        ValueError: an `embed` spec on a transport outside `EMBED_TRANSPORTS`, or a
+            `transcribe` spec outside `SPEECH_TRANSPORTS` (the message names the transport
+            and the ones that work).
     """
     if spec.task == EMBED and transport not in EMBED_TRANSPORTS:
         raise ValueError(
             f"the {transport} engine transport cannot serve embeddings (task 'embed'); "
             f"use {' or '.join(EMBED_TRANSPORTS)}"
+        )
+    if spec.task == TRANSCRIBE and transport not in SPEECH_TRANSPORTS:
+        raise ValueError(
+            f"the {transport} engine transport cannot serve speech-to-text (task "
+            f"'transcribe'); use {' or '.join(SPEECH_TRANSPORTS)}"
         )
 
 

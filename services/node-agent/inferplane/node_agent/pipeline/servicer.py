@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -40,15 +41,19 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.api import (
     EMBED,
     GENERATE,
+    TRANSCRIBE,
     Admitted,
     EngineError,
     LocalReplica,
     ReplicaDirectory,
     SamplingParams,
+    SpeechEngine,
+    SpeechUsage,
     replica_task,
 )
 from inferplane.node_agent.pipeline import chunks
 from inferplane.node_agent.pipeline.assets import ModelAssets, ModelAssetsCache
+from inferplane.node_agent.pipeline.audio import AudioError, decode_audio
 from inferplane.node_agent.pipeline.embeddings import (
     embedding_response,
     needs_thread,
@@ -57,6 +62,18 @@ from inferplane.node_agent.pipeline.embeddings import (
 from inferplane.node_agent.pipeline.generate import Generation, OutputSession, Step
 from inferplane.node_agent.pipeline.outcome import OutcomeSink, RequestOutcome, discard_outcome
 from inferplane.node_agent.pipeline.requests import plan_chat, plan_completion
+from inferplane.node_agent.pipeline.speech import (
+    TRANSCRIBE as TRANSCRIBE_ENDPOINT,
+)
+from inferplane.node_agent.pipeline.speech import (
+    TRANSLATE as TRANSLATE_ENDPOINT,
+)
+from inferplane.node_agent.pipeline.speech import (
+    SpeechRequest,
+    duration_usage,
+    render,
+    speech_request,
+)
 from inferplane.node_agent.pipeline.sse import sse_bodies
 from inferplane.parsers import PlainSession, ToolCallVerdict, ToolValidator
 from inferplane.runtime import (
@@ -85,6 +102,15 @@ KEY_ID_METADATA_KEY = "x-inferplane-key-id"  # set by auth's Check at the edge
 Context = Any  # grpc.aio.ServicerContext
 M = TypeVar("M")
 Body = Callable[[LocalReplica, ModelAssets], AsyncIterator[Any]]
+#: Audio forms larger than this are parsed in a thread (python-multipart is pure Python).
+_INLINE_FORM_BYTES = 1 << 20
+
+
+def json_bytes(payload: Any) -> bytes:
+    """Compact UTF-8 JSON of an event (the speech stream's `transcript.text.*` events)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 ReportToPicker = Callable[[str, str, ResponseSummary], None]
 """`(picker address, request id, summary)`: hands a finished request's summary to the endpoint
 picker that picked it (`inferplane.routing_client.OutcomeReporter.report`). Must not block."""
@@ -112,12 +138,14 @@ class StreamMetrics:
 
 @dataclasses.dataclass(slots=True)
 class _Embedded:
-    """One embeddings request's facts (it has no `Generation`): its engine request id, the
-    tokens of all its inputs, and the time from arrival to the engine's result ("TTFT")."""
+    """One embeddings or speech request's facts (it has no `Generation`): its engine request
+    id, its tokens (an embedding's inputs; a transcription's decoder prompt and generated
+    text), and the time from arrival to the engine's first result ("TTFT")."""
 
     request_id: str
     prompt_tokens: int
     seconds: float | None = None
+    completion_tokens: int = 0
 
 
 class _Tracker:
@@ -174,6 +202,7 @@ class _Tracker:
             return ResponseSummary(
                 replica_id=self.replica,
                 prompt_tokens=embedded.prompt_tokens,
+                completion_tokens=embedded.completion_tokens,
                 finish_reason=finish,
                 ttft_seconds=embedded.seconds or 0.0,
                 gpu_seconds=gpu,
@@ -321,6 +350,100 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         track = self._track("embedding", False, request.request.model)
         body = partial(self._embedding, request.request, track)
         return await _only(self._serve(track, context, body, task=EMBED))
+
+    async def CreateTranscription(
+        self, request: pb.CreateTranscriptionRequest, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """`POST /v1/audio/transcriptions` (the client's multipart form as `request.body`) on
+        a replica whose task is `transcribe`: `pipeline/speech.py` has the form's rules and
+        the answer's formats, `pipeline/audio.py` the decoding."""
+        async for body in self._speech(request.body, TRANSCRIBE_ENDPOINT, context):
+            yield body
+
+    async def CreateTranslation(
+        self, request: pb.CreateTranslationRequest, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """`POST /v1/audio/translations`: as CreateTranscription, into English."""
+        async for body in self._speech(request.body, TRANSLATE_ENDPOINT, context):
+            yield body
+
+    async def _speech(
+        self, http: httpbody_pb2.HttpBody, endpoint: str, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """The speech template: the form read (in a thread when the upload is large: parsing
+        25 MB costs tens of ms), then the common request template with `_speech_body`."""
+        if len(http.data) > _INLINE_FORM_BYTES:
+            speech = await asyncio.to_thread(speech_request, http.content_type, http.data, endpoint)
+        else:
+            speech = speech_request(http.content_type, http.data, endpoint)
+        api = "transcription" if endpoint == TRANSCRIBE_ENDPOINT else "translation"
+        track = self._track(api, speech.stream, speech.model)
+        body = partial(self._speech_body, speech, track)
+        async for message in self._serve(track, context, body, task=TRANSCRIBE):
+            yield message
+
+    async def _speech_body(
+        self, speech: SpeechRequest, track: _Tracker, replica: LocalReplica, assets: ModelAssets
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        engine = replica.engine
+        if not isinstance(engine, SpeechEngine):
+            raise UnavailableError(
+                "this replica's engine transport cannot serve speech-to-text",
+                code="bad_replica_config",
+            )
+        try:
+            audio = await asyncio.to_thread(decode_audio, speech.file.data)
+        except AudioError as exc:
+            raise InvalidArgumentError(str(exc), param="file", code="invalid_file_format") from exc
+        wav = audio.wav_bytes()
+        spent = track.embedded = _Embedded("audio-" + self._new_id(), 0)
+        usage = SpeechUsage()
+        try:
+            if not speech.stream:
+                try:
+                    result = await engine.transcribe(wav, speech.params, usage)
+                except EngineError as exc:
+                    raise _engine_error(exc) from exc
+                spent.seconds = self._clock.monotonic() - track.started
+                content_type, data = render(speech, result, audio.seconds)
+                yield httpbody_pb2.HttpBody(content_type=content_type, data=data)
+                return
+            track.framing = "sse"
+            events = self._speech_events(engine, wav, speech, audio.seconds, usage, track)
+            async with aclosing(sse_bodies(events, json_bytes, on_error=track.fail)) as bodies:
+                async for message in bodies:
+                    yield message
+        finally:
+            spent.prompt_tokens = usage.prompt_tokens
+            spent.completion_tokens = usage.completion_tokens
+
+    async def _speech_events(
+        self,
+        engine: SpeechEngine,
+        wav: bytes,
+        speech: SpeechRequest,
+        seconds: float,
+        usage: SpeechUsage,
+        track: _Tracker,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI's transcript events: one `transcript.text.delta` per piece of text, then
+        `transcript.text.done`; an engine failure is an `InferplaneError` (an error event once
+        text was sent, `sse_bodies`)."""
+        pieces: list[str] = []
+        try:
+            async with aclosing(engine.transcribe_stream(wav, speech.params, usage)) as stream:
+                async for text in stream:
+                    if not pieces and track.embedded is not None:
+                        track.embedded.seconds = self._clock.monotonic() - track.started
+                    pieces.append(text)
+                    yield {"type": "transcript.text.delta", "delta": text}
+        except EngineError as exc:
+            raise _engine_error(exc) from exc
+        yield {
+            "type": "transcript.text.done",
+            "text": "".join(pieces).strip(),
+            "usage": duration_usage(seconds),
+        }
 
     # -- the request template --------------------------------------------------------------
 
@@ -753,6 +876,16 @@ def _check_task(replica: LocalReplica, task: str, model: str) -> None:
         message = (
             f"'{model}' is not an embedding model and thus not supported in the "
             "v1/embeddings endpoint."
+        )
+    elif task == TRANSCRIBE:
+        message = (
+            f"'{model}' is not a speech-to-text model and thus not supported in the "
+            "v1/audio/transcriptions and v1/audio/translations endpoints."
+        )
+    elif served == TRANSCRIBE:
+        message = (
+            f"'{model}' is a speech-to-text model and thus not supported in this endpoint; "
+            "use v1/audio/transcriptions or v1/audio/translations."
         )
     else:
         message = (

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import (
@@ -21,6 +23,10 @@ from inferplane.node_agent.engine.api import (
     EngineError,
     EngineOutput,
     SamplingParams,
+    SpeechEngine,
+    SpeechParams,
+    SpeechResult,
+    SpeechUsage,
 )
 from inferplane.node_agent.pipeline.gpu_share import GpuShareMeter, replica_gpu_share
 from inferplane.runtime import UnavailableError
@@ -68,7 +74,8 @@ class TrackedEngine:
         self._on_failure = on_failure
         self._active: set[str] = set()
         self._shut: set[str] = set()
-        self._embeddings: dict[str, asyncio.Future[list[array[float]]]] = {}
+        self._embeddings: dict[str, asyncio.Future[Any]] = {}
+        self._speech_ids = itertools.count()
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -110,12 +117,69 @@ class TrackedEngine:
             del self._embeddings[request_id]
             self._shut.discard(request_id)
 
+    async def transcribe(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> SpeechResult:
+        """The inner engine's `transcribe` (`api.SpeechEngine`), run as a task `abort_all`
+        can cancel, like `embed`.
+
+        Raises:
+            EngineError: the inner engine serves no speech, failed, or the replica shut down.
+        """
+        inner = self._speech_engine()
+        request_id = f"speech-{next(self._speech_ids)}"
+        task = asyncio.ensure_future(inner.transcribe(wav, params, usage))
+        self._embeddings[request_id] = task
+        try:
+            result: SpeechResult = await task
+            return result
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if request_id in self._shut and not (current and current.cancelling()):
+                raise EngineError(
+                    "the replica shut down before the request finished", retryable=True
+                ) from None
+            raise
+        except EngineError:
+            self._on_failure()
+            raise
+        finally:
+            del self._embeddings[request_id]
+            self._shut.discard(request_id)
+
+    async def transcribe_stream(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> AsyncIterator[str]:
+        """The inner engine's `transcribe_stream`; after `abort_all` the next piece of text
+        ends it with an EngineError (its stream then ends with an error event)."""
+        inner = self._speech_engine()
+        request_id = f"speech-{next(self._speech_ids)}"
+        self._active.add(request_id)
+        try:
+            async with aclosing(inner.transcribe_stream(wav, params, usage)) as stream:
+                async for text in stream:
+                    if request_id in self._shut:
+                        raise EngineError("the replica shut down before the request finished")
+                    yield text
+        except EngineError:
+            self._on_failure()
+            raise
+        finally:
+            self._active.discard(request_id)
+            self._shut.discard(request_id)
+
+    def _speech_engine(self) -> SpeechEngine:
+        if not isinstance(self.inner, SpeechEngine):
+            raise EngineError("this engine transport serves no speech-to-text", rejected=True)
+        return self.inner
+
     async def abort_all(self) -> int:
         """Aborts every request in flight; returns how many."""
         ids = list(self._active)
         self._shut.update(ids)
         for request_id in ids:
-            await self.inner.abort(request_id)
+            if not request_id.startswith("speech-"):  # vLLM's own ids for those
+                await self.inner.abort(request_id)
         for request_id, task in list(self._embeddings.items()):
             self._shut.add(request_id)
             task.cancel()

@@ -23,6 +23,7 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import (
     EMBED,
+    TRANSCRIBE,
     Admitted,
     EngineError,
     EngineOutput,
@@ -336,6 +337,23 @@ def embed_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
         model_source=str(embed_tiny.model_path()),
         max_model_len=embed_tiny.MAX_MODEL_LEN,
         task=EMBED,
+        revision="rev-1",
+    )
+
+
+def whisper_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
+    """A replica spec for models/whisper-tiny with task `transcribe` (448 decoder tokens,
+    float32, no parser, `inproc`): a fresh copy on every call, the caller's to change."""
+    from inferplane.testing import whisper_tiny
+
+    return nodeagent_pb2.ReplicaSpec(
+        deployment=whisper_tiny.SERVED_MODEL_NAME,
+        served_model_name=whisper_tiny.SERVED_MODEL_NAME,
+        model_source=str(whisper_tiny.model_path()),
+        max_model_len=whisper_tiny.MAX_MODEL_LEN,
+        dtype="float32",
+        task=TRANSCRIBE,
+        transport="inproc",
         revision="rev-1",
     )
 

@@ -33,6 +33,8 @@ class OrchestratorSettings(ServiceSettings):
         edge_routers: router instances (`host:port`) the edge's EDS lists; empty: no xDS
             snapshot is published (the ADS service still answers and waits).
         edge_auth_address: the auth service (`host:port`) for ext_authz and the admin API.
+        edge_console_address: the web console (`host:port`) the edge routes `/console/` to;
+            empty: no console route.
         edge_node_id: Envoy node id of the edge (its bootstrap must use the same).
         edge_listen_host / edge_listen_port: where the edge's listener binds.
         edge_tls_cert_path / edge_tls_key_path: PEM certificate chain and key files (on the
@@ -69,6 +71,7 @@ class OrchestratorSettings(ServiceSettings):
     gate_probe_interval_seconds: float = 1.0
     edge_routers: tuple[str, ...] = ()
     edge_auth_address: str = ""
+    edge_console_address: str = ""
     edge_node_id: str = "inferplane-edge"
     edge_listen_host: str = "127.0.0.1"
     edge_listen_port: int = 8080

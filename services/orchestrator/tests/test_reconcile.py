@@ -83,7 +83,13 @@ class FakeAgents:
         return replica
 
     async def probe(
-        self, address: str, replica_id: str, model: str, *, embed: bool = False
+        self,
+        address: str,
+        replica_id: str,
+        model: str,
+        *,
+        embed: bool = False,
+        speech: bool = False,
     ) -> ProbeResult:
         self._check(address, "Probe", replica_id)
         if replica_id in self.bad_probes:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
+import wave
 
 import pytest
 
@@ -15,8 +17,10 @@ from inferplane.orchestrator.convert import profile_from_proto, profile_to_proto
 from inferplane.orchestrator.fleet.model import Gpu, Node
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.placement.planner import static_fit_error
+from inferplane.orchestrator.release.agents import probe_speech_form
 from inferplane.orchestrator.release.spec import build_spec
 from inferplane.runtime import InvalidArgumentError
+from inferplane.wire import read_form
 
 PROFILE = DeploymentProfile(
     model_source="meta-llama/Llama-3.3-70B-Instruct",
@@ -241,9 +245,35 @@ def test_an_embedding_deployment_has_no_parsers_and_an_embedding_transport() -> 
     err = invalid(task="rerank")
     assert (err.param, err.message) == (
         "deployment.profile.task",
-        "unknown task 'rerank'; known: generate, embed",
+        "unknown task 'rerank'; known: generate, embed, transcribe",
     )
     generate = Deployment("llama", dataclasses.replace(PROFILE, task="generate")).normalised()
     assert generate.profile.task == ""
     assert generate.revision == Deployment("llama", PROFILE).normalised().revision
     assert Deployment("bge", embed).normalised().revision != generate.revision
+
+
+def test_a_speech_deployment_has_no_parsers_and_the_inproc_transport() -> None:
+    """Task "transcribe" (issue 19): vLLM's speech serving hosted in the replica process, so
+    only `inproc`; parsers are refused (the text is not parsed); its KV geometry is required
+    (Whisper's decoder keeps a KV cache)."""
+    speech = dataclasses.replace(PROFILE, task="transcribe", transport="inproc")
+    validate_deployment(Deployment("whisper", speech).normalised())
+    assert Deployment("whisper", speech).normalised().profile.transcribes
+    err = invalid(task="transcribe", transport="http-completions")
+    assert err.param == "deployment.profile.transport" and "inproc" in err.message
+    err = invalid(task="transcribe", transport="inproc", reasoning_parser="qwen3")
+    assert err.param == "deployment.profile.reasoning_parser"
+    assert invalid(task="transcribe", transport="inproc", num_layers=0).param == (
+        "deployment.profile.num_layers"
+    )
+
+
+def test_the_speech_warm_up_is_a_form_the_replica_reads() -> None:
+    """The orchestrator's speech warm-up body is a multipart form with the model, the text
+    format and half a second of 16 kHz WAV, as the replica's form reader sees it."""
+    content_type, body = probe_speech_form("whisper-tiny")
+    form = read_form(content_type, body)
+    assert form.get("model") == "whisper-tiny" and form.get("response_format") == "text"
+    with wave.open(io.BytesIO(form.files["file"].data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 1, 8000)

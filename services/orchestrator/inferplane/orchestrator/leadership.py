@@ -417,9 +417,15 @@ class LeaderOnlyAgents:
         return await self._agents.stop_replica(address, replica_id, grace_seconds)
 
     async def probe(
-        self, address: str, replica_id: str, model: str, *, embed: bool = False
+        self,
+        address: str,
+        replica_id: str,
+        model: str,
+        *,
+        embed: bool = False,
+        speech: bool = False,
     ) -> ProbeResult:
-        return await self._agents.probe(address, replica_id, model, embed=embed)
+        return await self._agents.probe(address, replica_id, model, embed=embed, speech=speech)
 
     async def close(self) -> None:
         await self._agents.close()

@@ -37,11 +37,13 @@ class Accelerator(enum.Enum):
 
 #: Profile fields added after the first release, hashed into `revision()` only when set.
 ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task")
-#: What a deployment serves: chat and text completions (the default, stored as ""), or
-#: embeddings (vLLM's pooling runner).
+#: What a deployment serves: chat and text completions (the default, stored as ""),
+#: embeddings (vLLM's pooling runner), or speech-to-text (`/v1/audio/transcriptions` and
+#: `/translations` with an encoder-decoder speech model such as Whisper).
 TASK_GENERATE = "generate"
 TASK_EMBED = "embed"
-TASKS = (TASK_GENERATE, TASK_EMBED)
+TASK_TRANSCRIBE = "transcribe"
+TASKS = (TASK_GENERATE, TASK_EMBED, TASK_TRANSCRIBE)
 #: `constrain_tool_choice_auto` when a deployment created or replaced through the API leaves it
 #: unset (bench/README.md, tool_call_validity: on costs little and makes every call the model
 #: finishes schema-valid).
@@ -89,6 +91,11 @@ class DeploymentProfile:
     def embeds(self) -> bool:
         """Whether the deployment serves embeddings (task "embed")."""
         return self.task == TASK_EMBED
+
+    @property
+    def transcribes(self) -> bool:
+        """Whether the deployment serves speech-to-text (task "transcribe")."""
+        return self.task == TASK_TRANSCRIBE
 
     def with_defaults(self) -> DeploymentProfile:
         """The profile with unset fields filled: engine "vllm", transport "grpc", KV cache

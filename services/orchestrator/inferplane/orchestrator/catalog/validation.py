@@ -34,6 +34,9 @@ ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 ENGINES = (DEFAULT_ENGINE, CPU_ENGINE)
 PARSERS = default_registry()
 EMBED_TRANSPORTS = ("inproc", "http-completions")
+#: The transport that serves speech-to-text: vLLM's speech serving hosted in the replica
+#: process (the node-agent's `process.SPEECH_TRANSPORTS`).
+SPEECH_TRANSPORTS = ("inproc",)
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
 
 
@@ -123,6 +126,9 @@ def _validate_task(deployment: Deployment) -> None:
     p = deployment.profile
     if p.task and p.task not in TASKS:
         raise _fail(f"unknown task {p.task!r}; known: {', '.join(TASKS)}", "profile.task")
+    if p.transcribes:
+        _validate_speech(p)
+        return
     if not p.embeds:
         return
     for field in ("reasoning_parser", "tool_parser"):
@@ -135,6 +141,23 @@ def _validate_task(deployment: Deployment) -> None:
         raise _fail(
             f"transport {p.transport!r} cannot serve embeddings; use one of "
             f"{', '.join(EMBED_TRANSPORTS)}",
+            "profile.transport",
+        )
+
+
+def _validate_speech(p: DeploymentProfile) -> None:
+    """Speech-to-text deployments: no parsers (vLLM's speech serving writes the text) and the
+    transport that hosts vLLM's speech serving (`inproc`)."""
+    for field in ("reasoning_parser", "tool_parser"):
+        if getattr(p, field):
+            raise _fail(
+                f"a speech-to-text deployment writes plain text: leave {field} empty",
+                f"profile.{field}",
+            )
+    if p.transport not in SPEECH_TRANSPORTS:
+        raise _fail(
+            f"transport {p.transport!r} cannot serve speech-to-text; use "
+            f"{' or '.join(SPEECH_TRANSPORTS)}",
             "profile.transport",
         )
 

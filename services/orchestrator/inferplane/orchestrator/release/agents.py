@@ -9,10 +9,13 @@ its first chunk (TTFT).
 from __future__ import annotations
 
 import dataclasses
+import io
 import time
+import wave
 from typing import Protocol
 
 import grpc
+from google.api import httpbody_pb2
 from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -23,6 +26,34 @@ REPLICA_METADATA_KEY = "x-inferplane-replica"
 """Pins a request to one replica on a node-agent (the node-agent's pipeline reads it)."""
 
 PROBE_PROMPT = "Say OK."
+#: The speech warm-up's audio: half a second of 16 kHz silence.
+PROBE_AUDIO_SECONDS = 0.5
+_PROBE_BOUNDARY = "inferplane-probe-boundary"
+
+
+def probe_speech_form(model: str) -> tuple[str, bytes]:
+    """A transcription request's multipart/form-data body (content type, bytes) for the
+    speech warm-up: `model`, `response_format` text and a WAV of `PROBE_AUDIO_SECONDS` of
+    silence (16-bit mono, 16 kHz), as an OpenAI client would upload it."""
+    audio = io.BytesIO()
+    with wave.open(audio, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0\0" * int(16000 * PROBE_AUDIO_SECONDS))
+    dash = f"--{_PROBE_BOUNDARY}\r\n"
+    parts = [
+        f'{dash}Content-Disposition: form-data; name="model"\r\n\r\n{model}\r\n'.encode(),
+        f'{dash}Content-Disposition: form-data; name="response_format"\r\n\r\ntext\r\n'.encode(),
+        (
+            f'{dash}Content-Disposition: form-data; name="file"; filename="probe.wav"\r\n'
+            "Content-Type: audio/wav\r\n\r\n"
+        ).encode()
+        + audio.getvalue()
+        + b"\r\n",
+        f"--{_PROBE_BOUNDARY}--\r\n".encode(),
+    ]
+    return f"multipart/form-data; boundary={_PROBE_BOUNDARY}", b"".join(parts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,7 +84,13 @@ class NodeAgents(Protocol):
     ) -> nodeagent_pb2.Replica: ...
 
     async def probe(
-        self, address: str, replica_id: str, model: str, *, embed: bool = False
+        self,
+        address: str,
+        replica_id: str,
+        model: str,
+        *,
+        embed: bool = False,
+        speech: bool = False,
     ) -> ProbeResult: ...
 
     async def close(self) -> None: ...
@@ -134,13 +171,22 @@ class GrpcNodeAgents:
         return response.replica
 
     async def probe(
-        self, address: str, replica_id: str, model: str, *, embed: bool = False
+        self,
+        address: str,
+        replica_id: str,
+        model: str,
+        *,
+        embed: bool = False,
+        speech: bool = False,
     ) -> ProbeResult:
-        """One warm-up request: a 4-token streamed chat completion, or with `embed` one
-        embedding (its latency stands for the TTFT)."""
+        """One warm-up request: a 4-token streamed chat completion, with `embed` one
+        embedding, with `speech` the transcription of half a second of silence (their latency
+        stands for the TTFT)."""
         stub = inference_pb2_grpc.InferenceServiceStub(self._channel(address))
         if embed:
             return await self._probe_embedding(stub, replica_id, model)
+        if speech:
+            return await self._probe_speech(stub, replica_id, model)
         request = inference_pb2.StreamChatCompletionRequest(
             request=inference_pb2.ChatCompletionRequest(
                 model=model,
@@ -191,6 +237,27 @@ class GrpcNodeAgents:
             return ProbeResult(False, 0.0, f"{exc.code().name}: {exc.details()}")
         if len(response.data) != 1:
             return ProbeResult(False, 0.0, f"{len(response.data)} embeddings for one input")
+        return ProbeResult(True, time.monotonic() - started)
+
+    async def _probe_speech(
+        self, stub: inference_pb2_grpc.InferenceServiceStub, replica_id: str, model: str
+    ) -> ProbeResult:
+        content_type, data = probe_speech_form(model)
+        request = inference_pb2.CreateTranscriptionRequest(
+            body=httpbody_pb2.HttpBody(content_type=content_type, data=data)
+        )
+        started = time.monotonic()
+        try:
+            call = stub.CreateTranscription(
+                request,
+                timeout=self._probe_timeout,
+                metadata=((REPLICA_METADATA_KEY, replica_id),),
+            )
+            answer = b"".join([message.data async for message in call])
+        except grpc.aio.AioRpcError as exc:
+            return ProbeResult(False, 0.0, f"{exc.code().name}: {exc.details()}")
+        if not answer:
+            return ProbeResult(False, 0.0, "the transcription came back empty")
         return ProbeResult(True, time.monotonic() - started)
 
     async def close(self) -> None:

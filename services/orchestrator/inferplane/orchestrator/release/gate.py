@@ -21,13 +21,15 @@ from inferplane.orchestrator.release.agents import NodeAgents
 @dataclasses.dataclass(frozen=True, slots=True)
 class GateTarget:
     """The replica under test: its node-agent address, node-agent replica id and model name;
-    `embed`: the deployment serves embeddings (probed with one)."""
+    `embed`: the deployment serves embeddings (probed with one); `speech`: it serves
+    speech-to-text (probed with a transcription)."""
 
     deployment_id: str
     replica_id: str
     address: str
     model: str
     embed: bool = False
+    speech: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,7 +112,11 @@ class ProbeGate:
         last_error = ""
         for i in range(count):
             result = await self._agents.probe(
-                target.address, target.replica_id, target.model, embed=target.embed
+                target.address,
+                target.replica_id,
+                target.model,
+                embed=target.embed,
+                speech=target.speech,
             )
             if result.ok:
                 ttfts.append(result.ttft_seconds)

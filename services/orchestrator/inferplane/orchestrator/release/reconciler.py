@@ -548,6 +548,7 @@ class Reconciler:
                 target.replica_id,
                 deployment.deployment_id,
                 embed=deployment.profile.embeds,
+                speech=deployment.profile.transcribes,
             )
             if result.ok:
                 error = ""
@@ -567,6 +568,7 @@ class Reconciler:
                 address,
                 deployment.deployment_id,
                 embed=deployment.profile.embeds,
+                speech=deployment.profile.transcribes,
             ),
             float(strategy.gate_window_seconds),
         )

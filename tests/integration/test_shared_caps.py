@@ -51,7 +51,7 @@ class Router:
     def __init__(self, address: str, router_id: str, clock: FakeClock) -> None:
         self.admission = Admission(default_registry(), AdmissionSettings(), clock, _NoTimeouts())
         self.source = OrchestratorRouteSource(address, router_id=router_id)
-        self.lease = CapLease(address, router_id, self.admission, clock)
+        self.lease = CapLease(lambda: self.source.address, router_id, self.admission, clock)
         self.source.subscribe(self.admission.apply)
         self.source.subscribe(self.lease.on_table)
         self.router_id = router_id
@@ -272,6 +272,98 @@ def test_a_restarted_orchestrator_adopts_the_grants_and_routers_keep_admitting(
                 await r.lease.stop()
                 await r.source.stop()
             await server.stop(0)
+            store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_router_follows_the_leader_and_keeps_admitting_through_a_failover(tmp_path: Any) -> None:
+    """Two orchestrators on one database: a router that lists both (the standby first) settles
+    on the leader and admits on its share; when the other takes over (term 2, adopting the
+    grants term 1 wrote) and the first stands by, the router's watch and lease move to the
+    new leader, which grants the share at once (no wait for the old lease to end)."""
+
+    async def scenario() -> None:
+        store = SqlLeaseStore(f"sqlite:///{tmp_path}/orchestrator.db")
+        store.create_schema()
+        lease_clocks = [FakeClock(), FakeClock()]
+        leases = [
+            LeaderLease(
+                store,
+                holder=f"orch-{i + 1}",
+                duration_seconds=10,
+                renew_interval_seconds=3,
+                clock=lease_clocks[i],
+            )
+            for i in range(2)
+        ]
+        journals = [
+            GrantsJournal(
+                SqlRouterGrants(store.database, fence=lease), lease, clock=lease_clocks[i]
+            )
+            for i, lease in enumerate(leases)
+        ]
+        hub_clock = FakeClock()
+        hubs = [
+            RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=j)
+            for j in journals
+        ]
+        table = make_table(
+            [
+                pb.ModelRoute(
+                    model="m",
+                    deployment="m",
+                    routing_policy="least_load",
+                    endpoints=[
+                        pb.RouteEndpoint(
+                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
+                        )
+                    ],
+                )
+            ]
+        )
+        assert leases[0].try_acquire() and not leases[1].try_acquire()
+        hubs[1].set_granting(False)  # orch-2 stands by
+        for hub in hubs:
+            await hub.publish(table)
+        hub_clock.advance(LEASE + MARGIN)  # orch-1's first start: it waited out the leases
+        served = [await _serve(hub) for hub in hubs]
+        a = Router(f"{served[1][1]},{served[0][1]}", "router-a", FakeClock())
+
+        async def settled_on(hub: int, share: int) -> bool:
+            for _ in range(200):
+                await _round(a)
+                if (
+                    a.source.address == served[hub][1]
+                    and a.share() == share
+                    and a.admission.lease_valid()
+                ):
+                    return True
+            return False
+
+        try:
+            await a.source.start()
+            assert await settled_on(0, CAP), (a.source.address, a.share())
+            held = [await a.acquire() for _ in range(2)]
+            # orch-1 stops renewing; orch-2 takes over and adopts what term 1 granted.
+            lease_clocks[1].advance(10)
+            assert leases[1].try_acquire() and leases[1].term() == 2
+            hubs[1].set_granting(True, adopted=await journals[1].adoptable())
+            hubs[0].set_granting(False)  # orch-1 notices it was deposed
+            assert await settled_on(1, CAP), (a.source.address, a.share())
+            more = [a.acquire(), a.acquire()]  # no clock moved: admitted on the adopted share
+            await _settle()
+            assert all(f.done() for f in more) and a.in_flight() == CAP
+            extra = a.acquire()
+            await _settle()
+            assert not extra.done()
+            extra.cancel()
+            del held
+        finally:
+            await a.lease.stop()
+            await a.source.stop()
+            for server, _ in served:
+                await server.stop(0)
             store.close()
 
     asyncio.run(scenario())

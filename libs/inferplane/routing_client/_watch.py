@@ -35,6 +35,13 @@ class RoutingTableWatch(Generic[T]):
     raises on, is logged and skipped; the previous snapshot stays current. `router_id` is
     the router's (its view carries its shares of the replicas' caps); others leave it empty.
 
+    `address` may name several orchestrators on one database, comma-separated (one leads,
+    the others stand by: `inferplane.orchestrator.leadership`). Each reconnect after a broken
+    or refused stream goes to the next one. A router's stream (`router_id`) also moves on from
+    a standby (its tables say `standby`: shares of 0, renewals refused) to find the leader; a
+    standby's table is applied only while none was, so that a router starting while the
+    leader is away still knows the models. Telemetry and operators read any of them.
+
     Attributes:
         received: set once the first snapshot from the orchestrator is current.
         connects: stream attempts so far.
@@ -56,7 +63,8 @@ class RoutingTableWatch(Generic[T]):
         security: PeerSecurity | None = None,
         router_id: str = "",
     ) -> None:
-        self._address = address
+        self._addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self._index = 0
         self._router_id = router_id
         self._security = security or PeerSecurity.plaintext()
         self._convert = convert
@@ -76,7 +84,12 @@ class RoutingTableWatch(Generic[T]):
 
     @property
     def address(self) -> str:
-        return self._address
+        """The orchestrator this watch follows now (host:port)."""
+        return self._addresses[self._index]
+
+    def _move_on(self) -> None:
+        """The next orchestrator, for the next connect (one address: the same)."""
+        self._index = (self._index + 1) % len(self._addresses)
 
     def current(self) -> T:
         """The latest snapshot (`initial` before the first table)."""
@@ -110,31 +123,45 @@ class RoutingTableWatch(Generic[T]):
 
     async def _follow(self) -> None:
         backoff = self._initial
-        self._channel = self._security.aio_channel(self._address, options=self._options)
-        stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
+        seek_leader = bool(self._router_id) and len(self._addresses) > 1
         while True:
             self.connects += 1
+            address = self.address
+            if self._channel is None:
+                self._channel = self._security.aio_channel(address, options=self._options)
+            stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
             try:
                 call = stub.WatchRoutingTable(
                     opb.WatchRoutingTableRequest(models=self._models, router_id=self._router_id)
                 )
                 async for message in call:
+                    if seek_leader and message.standby:
+                        if not self.received.is_set():
+                            self._apply(message)
+                        self._log.info("routing_table_standby", address=address)
+                        call.cancel()
+                        break
                     backoff = self._initial
-                    try:
-                        self._swap(message)
-                    except Exception as exc:
-                        self._log.error(
-                            "routing_table_rejected", version=message.version, error=str(exc)
-                        )
-                    else:
-                        self._log.info(
-                            "routing_table", version=message.version, models=len(message.routes)
-                        )
-                self._log.warning("routing_table_stream_ended", address=self._address)
+                    self._apply(message)
+                else:
+                    self._log.warning("routing_table_stream_ended", address=address)
             except grpc.aio.AioRpcError as exc:
                 self._log.warning(
-                    "routing_table_stream_failed", address=self._address, code=exc.code().name
+                    "routing_table_stream_failed", address=address, code=exc.code().name
                 )
+            if len(self._addresses) > 1:
+                self._move_on()
+                channel, self._channel = self._channel, None
+                if channel is not None:
+                    await channel.close(None)
             delay = self._rng.uniform(0, backoff)
             backoff = min(backoff * 2, self._max)
             await self._sleep(delay)
+
+    def _apply(self, message: opb.WatchRoutingTableResponse) -> None:
+        try:
+            self._swap(message)
+        except Exception as exc:
+            self._log.error("routing_table_rejected", version=message.version, error=str(exc))
+        else:
+            self._log.info("routing_table", version=message.version, models=len(message.routes))

@@ -13,6 +13,7 @@ import inferplane.routing_client as routing_client
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
+from inferplane.runtime.ports import free_port
 
 
 def test_exports() -> None:
@@ -77,5 +78,58 @@ def test_each_table_becomes_the_callers_snapshot_and_a_bad_one_is_skipped() -> N
             fake.release.set()
             await watch.stop()
             await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+async def _serve(fake: FakeRoutingService) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_RoutingServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_routers_watch_moves_on_from_a_standby_and_a_dead_orchestrator_to_the_leader() -> None:
+    """Several orchestrators, comma-separated: a router's stream leaves one that is down or
+    stands by (its table says `standby`) and settles on the leader; the standby's table is
+    applied only because none was. A watch without a router id (telemetry) stays on any."""
+
+    async def scenario() -> None:
+        standby_table = _table("s1", "a")
+        standby_table.standby = True
+        standby, leader = FakeRoutingService([standby_table]), FakeRoutingService([])
+        leader.tables = [_table("l1", "a", "b")]
+        (s_server, s_address), (l_server, l_address) = await _serve(standby), await _serve(leader)
+        dead = f"127.0.0.1:{free_port()}"
+        router = RoutingTableWatch(
+            f"{dead}, {s_address},{l_address}",
+            _replicas,
+            (),
+            router_id="router-1",
+            initial_backoff_seconds=0.01,
+        )
+        plain = RoutingTableWatch(f"{s_address},{l_address}", _replicas, ())
+        seen: list[tuple[str, ...]] = []
+        router.subscribe(seen.append)
+        await router.start()
+        await plain.start()
+        try:
+            for _ in range(500):
+                if router.current() == ("a", "b") and plain.received.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == [(), ("a",), ("a", "b")]
+            assert router.address == l_address and router.connects == 3
+            assert sorted(r.router_id for r in standby.requests) == ["", "router-1"]
+            assert [r.router_id for r in leader.requests] == ["router-1"]
+            assert plain.address == s_address and plain.current() == ("a",)
+        finally:
+            standby.release.set()
+            leader.release.set()
+            await router.stop()
+            await plain.stop()
+            await s_server.stop(0)
+            await l_server.stop(0)
 
     asyncio.run(scenario())

@@ -26,8 +26,9 @@ acknowledge the smaller shares). Hence:
   under a new lease epoch, so no old lease can be renewed. A router that goes away (or loses
   its stream) thus returns its share within that bound.
 - With several orchestrators, only the leader's hub may grant: `set_granting(False)` when it
-  stands by (renewals are refused, every share is 0), `set_granting(True)` when it leads, under
-  a new epoch.
+  stands by (renewals are refused, every share is 0, and a router's view says `standby`, so a
+  router that knows the other orchestrators moves on to the leader), `set_granting(True)` when
+  it leads, under a new epoch.
 - Hand-over. With a `journal` (the leader's database, `leadership.GrantsJournal`), every `held`
   that grows is written there before any router is shown the share it covers, and changes
   that shrink it are written soon after; the writes are fenced by the leader's term. A hub that
@@ -350,10 +351,13 @@ class RoutingHub:
                 endpoint.max_concurrency_share = share
             routes.append(copy)
         version = table_version(routes)
+        standby = not self._granting
         # The epoch is part of the content: a router whose lease was lost sees a new table.
-        version = hashlib.sha256(f"{version}/{router.epoch}".encode()).hexdigest()[:16]
+        content = f"{version}/{router.epoch}/{'standby' if standby else 'leader'}"
+        version = hashlib.sha256(content.encode()).hexdigest()[:16]
         view = pb.WatchRoutingTableResponse(version=version, routes=routes)
         view.lease_epoch = router.epoch
+        view.standby = standby
         return view, shares
 
     # -- leases ------------------------------------------------------------------------------

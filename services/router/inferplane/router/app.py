@@ -104,8 +104,10 @@ def build_app(
     if source is None and settings.orchestrator_address and settings.shared_caps:
         me = router_id(settings)
         source = route_source(settings, me)
+        watch = source
+        assert isinstance(watch, OrchestratorRouteSource)
         lease = CapLease(
-            settings.orchestrator_address,
+            lambda: watch.address,  # renewals follow the watch to the leader
             me,
             admission,
             clock,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -46,7 +46,9 @@ class CapLease:
     """Keeps `admission`'s lease on its shares of the caps, renewed at `address`.
 
     Args:
-        address: the orchestrator's RoutingService (host:port).
+        address: the orchestrator's RoutingService (host:port), or where the router's
+            routing-table watch is now (`OrchestratorRouteSource.address`, which follows the
+            leader among several orchestrators): renewals go there.
         router_id: this router's id, as its routing-table watch sends it.
         admission: where the lease goes (`Admission.set_lease`) and the over-share replicas
             come from.
@@ -55,7 +57,7 @@ class CapLease:
 
     def __init__(
         self,
-        address: str,
+        address: str | Callable[[], str],
         router_id: str,
         admission: Admission,
         clock: Clock,
@@ -64,7 +66,8 @@ class CapLease:
         options: Sequence[tuple[str, Any]] = (),
         retry_seconds: float = RETRY_SECONDS,
     ) -> None:
-        self._address = address
+        self._where = address if callable(address) else (lambda: address)
+        self._address = self._where()
         self.router_id = router_id
         self._admission = admission
         self._clock = clock
@@ -88,9 +91,15 @@ class CapLease:
         """`RouteSource` listener: a new table is acknowledged by a renewal at once."""
         self._wake.set()
 
-    def _stub_for(self) -> Any:
+    async def _stub_for(self) -> Any:
+        address = self._where()
+        if self._stub is not None and address != self._address:
+            channel, self._channel, self._stub = self._channel, None, None
+            if channel is not None:
+                await channel.close(None)
         if self._stub is None:
-            self._channel = self._security.aio_channel(self._address, options=self._options)
+            self._address = address
+            self._channel = self._security.aio_channel(address, options=self._options)
             self._stub = orchestrator_pb2_grpc.RoutingServiceStub(self._channel)
         return self._stub
 
@@ -114,9 +123,8 @@ class CapLease:
             self._admission.set_lease("", -float("inf"))
         sent = self._clock.monotonic()
         try:
-            response = await self._stub_for().RenewRouterLease(
-                request, timeout=RENEW_TIMEOUT_SECONDS
-            )
+            stub = await self._stub_for()
+            response = await stub.RenewRouterLease(request, timeout=RENEW_TIMEOUT_SECONDS)
         except grpc.aio.AioRpcError as exc:
             self._interval = self._retry
             self._log.warning(

@@ -12,7 +12,9 @@ class RouterSettings(ServiceSettings):
     """Settings of the router; defaults suit a local stack on loopback.
 
     The routing table comes from the orchestrator's `RoutingService.WatchRoutingTable` at
-    `orchestrator_address` when set, else from `routes_file`, a static YAML table::
+    `orchestrator_address` when set (host:port; several orchestrators on one database
+    comma-separated: the router's watch and lease follow the leader among them), else from
+    `routes_file`, a static YAML table::
 
         models:
           - model: kimi-tiny

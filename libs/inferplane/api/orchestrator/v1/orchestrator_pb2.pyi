@@ -1109,12 +1109,18 @@ class WatchRoutingTableResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
     LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    STANDBY_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """A content hash of the table."""
     lease_epoch: _builtins.str
     """Set only on a router's stream (WatchRoutingTableRequest.router_id): the lease epoch its
     shares belong to. The router admits on those shares only while it holds a lease of this
     epoch (RenewRouterLease); a new epoch (orchestrator restart, lease lost) starts at none.
+    """
+    standby: _builtins.bool
+    """Set only on a router's stream served by a standby orchestrator (several orchestrators on
+    one database, one leading): every share is 0 and renewals are refused there, so a router
+    that knows other orchestrators moves its watch and lease on until it finds the leader.
     """
     @_builtins.property
     def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRoute]:
@@ -1126,10 +1132,11 @@ class WatchRoutingTableResponse(_message.Message):
         version: _builtins.str = ...,
         routes: _abc.Iterable[Global___ModelRoute] | None = ...,
         lease_epoch: _builtins.str = ...,
+        standby: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "routes", b"routes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "routes", b"routes", "standby", b"standby", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

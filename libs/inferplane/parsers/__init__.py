@@ -46,6 +46,7 @@ from inferplane.parsers._kimi_k2 import (
 from inferplane.parsers._plain import PlainSession
 from inferplane.parsers._qwen3 import QWEN3_MARKERS, qwen3_config
 from inferplane.parsers._registry import ParserRegistry, build_parser, default_registry
+from inferplane.parsers._syntax import CallSyntax
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 from inferplane.parsers._validate import (
     ToolCallVerdict,
@@ -63,6 +64,7 @@ __all__ = [
     "QWEN3_MARKERS",
     "Action",
     "ArgumentsFormat",
+    "CallSyntax",
     "Constraint",
     "ConstraintError",
     "Delta",

@@ -1,4 +1,4 @@
-"""Decoding constraints that make invalid Kimi tool calls impossible, not just detectable.
+"""Decoding constraints that make invalid tool calls impossible, not just detectable.
 
 vLLM's gRPC ``Generate`` takes ``SamplingParams.constraint``, a oneof of ``json_schema |
 regex | grammar | structural_tag | json_object | choice`` (``smg_grpc_proto``'s
@@ -8,9 +8,12 @@ non-legacy form), so the value built here is xgrammar's structural-tag JSON::
 
     {"type": "structural_tag", "format": <format>}
 
-The formats mirror xgrammar 0.2's built-in ``"kimi"`` structural tag
-(``xgrammar.builtin_structural_tag.get_kimi_structural_tag``), written out here so that
-this library needs neither xgrammar nor vLLM at run time. Deliberate differences:
+The tag is built from the output format's ``CallSyntax`` (``EngineConfig.call_syntax``:
+Kimi K2, Qwen3, DeepSeek-V3.1, GLM-4.5, gpt-oss; Kimi's when none is given). The shapes mirror
+xgrammar 0.2's built-in structural tags for those models
+(``xgrammar.builtin_structural_tag``: ``kimi``, ``qwen_3``, ``deepseek_v3_1``, ``glm_4_7``,
+``harmony``), written out here so that this library needs neither xgrammar nor vLLM at run
+time. Deliberate differences (described for Kimi; the other formats follow the same rules):
 
 - ``required`` / a named function: the reasoning span excludes the tool markers, so the model
   must close reasoning with ``</think>`` before calling (our parser would otherwise end
@@ -43,15 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from inferplane.parsers._errors import ConstraintError
-from inferplane.parsers._kimi_k2 import (
-    ARG_BEGIN,
-    CALL_BEGIN,
-    CALL_END,
-    SECTION_BEGIN,
-    SECTION_END,
-    THINK_BEGIN,
-    THINK_END,
-)
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = ["Constraint", "ConstraintKind", "build_tool_constraint"]
 
@@ -59,7 +54,6 @@ ConstraintKind = Literal[
     "json_schema", "regex", "grammar", "structural_tag", "json_object", "choice"
 ]
 
-_CALL_PREFIX = f"{CALL_BEGIN}functions."
 # Consecutive whitespace characters allowed between JSON tokens of the arguments. Unbounded,
 # a model that favours whitespace pads until max_tokens (vLLM #38696); 8 keeps pretty-printed
 # JSON possible (newline plus indent) and is the cap vLLM #44619 proposes for json_schema.
@@ -101,30 +95,30 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
     return out
 
 
-def _call_tag(name: str, schema: Any) -> JSON:
-    """``<|tool_call_begin|>functions.{name}:{N}<|tool_call_argument_begin|>{args}<|tool_call_end|>``"""
-    return {
-        "type": "tag",
-        "begin": f"{_CALL_PREFIX}{name}:",
-        "content": {
-            "type": "sequence",
-            "elements": [
-                {"type": "regex", "pattern": r"\d+"},
-                {"type": "const_string", "value": ARG_BEGIN},
-                _arguments(schema),
-            ],
-        },
-        "end": CALL_END,
-    }
+def _call_tag(syntax: CallSyntax, name: str, schema: Any) -> JSON:
+    """One call of function `name`: ``call_begin``, the id, ``args_begin``, the arguments,
+    ``call_end`` (Kimi: ``<|tool_call_begin|>functions.{name}:{N}<|tool_call_argument_begin|>
+    {args}<|tool_call_end|>``)."""
+    elements: list[JSON] = []
+    if syntax.call_id is not None:
+        elements.append({"type": "regex", "pattern": syntax.call_id})
+    if syntax.args_begin:
+        elements.append({"type": "const_string", "value": syntax.args_begin})
+    elements.append(_arguments(syntax, schema))
+    content = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+    return {"type": "tag", "begin": syntax.begin(name), "content": content, "end": syntax.call_end}
 
 
-def _arguments(schema: Any) -> JSON:
-    """The arguments' JSON: `schema` in required order, whitespace capped."""
-    return {
+def _arguments(syntax: CallSyntax, schema: Any) -> JSON:
+    """The arguments: `schema` in required order, whitespace capped, in the format's style."""
+    out: JSON = {
         "type": "json_schema",
         "json_schema": _in_required_order(schema),
         "max_whitespace_cnt": MAX_WHITESPACE,
     }
+    if syntax.arguments_style is not None:
+        out["style"] = syntax.arguments_style
+    return out
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
@@ -160,13 +154,27 @@ def _in_required_order(schema: Any) -> Any:
     return out
 
 
-def _calls(functions: list[tuple[str, Any]], parallel: bool) -> JSON:
+def _calls(syntax: CallSyntax, functions: list[tuple[str, Any]], parallel: bool) -> JSON:
     return {
         "type": "tags_with_separator",
-        "tags": [_call_tag(n, s) for n, s in functions],
-        "separator": "",
+        "tags": [_call_tag(syntax, n, s) for n, s in functions],
+        "separator": syntax.separator,
         "at_least_one": True,
         "stop_after_first": not parallel,
+    }
+
+
+def _in_section(syntax: CallSyntax, calls: JSON) -> JSON:
+    """`calls` wrapped in the format's section markers (as is when it has none)."""
+    if not syntax.section_begin:
+        return calls
+    return {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": syntax.section_begin},
+            calls,
+            {"type": "const_string", "value": syntax.section_end},
+        ],
     }
 
 
@@ -180,26 +188,90 @@ def _forced_name(tool_choice: Mapping[str, Any]) -> str:
     return name
 
 
+def _auto(
+    syntax: CallSyntax, functions: list[tuple[str, Any]], thinking: bool, parallel: bool
+) -> JSON:
+    """``auto``: free text (reasoning included), but whatever the trigger opens must be
+    declared calls with schema-valid arguments."""
+    # With thinking on, the free text starts inside reasoning, so its end marker may appear;
+    # with thinking off the prompt already closed it. A model that opens reasoning itself
+    # (optional_reasoning) may write both markers.
+    excludes: list[str] = []
+    if not syntax.optional_reasoning:
+        if not (thinking and syntax.model_writes_think):
+            excludes.append(syntax.reasoning_begin)
+        if not thinking:
+            excludes.append(syntax.reasoning_end)
+    excludes += syntax.text_excludes
+    if syntax.section_begin:
+        tags = [
+            {
+                "type": "tag",
+                "begin": syntax.section_begin,
+                "content": _calls(syntax, functions, parallel),
+                "end": syntax.section_end,
+            }
+        ]
+        triggers = [syntax.section_begin]
+    else:
+        tags = [_call_tag(syntax, n, s) for n, s in functions]
+        triggers = [syntax.trigger]
+    return {
+        "type": "triggered_tags",
+        "triggers": triggers,
+        "tags": tags,
+        "excludes": excludes,
+        "at_least_one": False,
+        "stop_after_first": not parallel,
+    }
+
+
+def _reasoning_prefix(syntax: CallSyntax, thinking: bool) -> JSON | None:
+    """What may come before a forced call: the reasoning the prompt opened (it must be
+    closed), or, for a model that opens reasoning itself, an optional block of it."""
+    excludes = list(syntax.reasoning_excludes)
+    if thinking:
+        if not syntax.model_writes_think:
+            excludes.insert(0, syntax.reasoning_begin)
+        begin = ""  # the prompt already opened reasoning
+    elif syntax.optional_reasoning:
+        begin = syntax.reasoning_begin
+    else:
+        return None
+    block = {
+        "type": "tag",
+        "begin": begin,
+        "content": {"type": "any_text", "excludes": excludes},
+        "end": syntax.reasoning_end + syntax.after_reasoning,
+    }
+    return block if thinking else {"type": "optional", "content": block}
+
+
 def build_tool_constraint(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: str | Mapping[str, Any] | None,
     *,
+    syntax: CallSyntax | None = None,
     thinking: bool = True,
     parallel_tool_calls: bool = True,
     constrain_auto: bool = False,
 ) -> Constraint | None:
-    """The structural-tag constraint for a Kimi K2 / K2.5 request, or None if none applies.
+    """The structural-tag constraint for a request's tool calls, or None if none applies.
 
     Args:
         tools: the request's tools (OpenAI shape ``{"type":"function","function":{...}}``).
         tool_choice: ``"none"``, ``"auto"`` (or None), ``"required"``, or a named function
             ``{"type": "function", "function": {"name": ...}}``.
-        thinking: the prompt opened ``<think>`` (K2.5 with thinking on): for ``required`` and
-            a named function, output must first close the reasoning span with ``</think>``.
+        syntax: the output format's call syntax (``parser.config.call_syntax``); None means
+            Kimi K2's.
+        thinking: the prompt opened reasoning (K2.5 with thinking on): for ``required`` and
+            a named function, output must first close it (``</think>``). A format whose model
+            opens reasoning itself (``CallSyntax.optional_reasoning``: GLM, gpt-oss) may
+            write one block of it first when the prompt did not.
         parallel_tool_calls: False allows exactly one call.
-        constrain_auto: also constrain ``auto``: free text (reasoning included), but any tool
-            section must hold only declared tools with schema-valid arguments, and only one
-            call and one section when ``parallel_tool_calls`` is false.
+        constrain_auto: also constrain ``auto``: free text (reasoning included), but any
+            calls must be declared tools with schema-valid arguments, and only one call (one
+            section) when ``parallel_tool_calls`` is false.
 
     Returns:
         ``Constraint("structural_tag", json)``; None for ``"none"``, for ``auto`` unless
@@ -209,79 +281,34 @@ def build_tool_constraint(
         ConstraintError: ``required`` / a named function without matching tools, or a
             tool_choice this function does not understand.
     """
+    if syntax is None:
+        from inferplane.parsers._kimi_k2 import KIMI_K2_CALLS
+
+        syntax = KIMI_K2_CALLS
     functions = _functions(tools or ())
-    suffix: JSON
     if tool_choice is None or tool_choice == "auto":
         if not constrain_auto or not functions:
             return None
-        # With thinking on, the free text starts inside reasoning, so `</think>` may appear
-        # in it (see the module doc); with thinking off the prompt already closed it.
-        excludes = [THINK_BEGIN, CALL_BEGIN] if thinking else [THINK_BEGIN, THINK_END, CALL_BEGIN]
-        auto = {
-            "type": "triggered_tags",
-            "triggers": [SECTION_BEGIN],
-            "tags": [
-                {
-                    "type": "tag",
-                    "begin": SECTION_BEGIN,
-                    "content": _calls(functions, parallel_tool_calls),
-                    "end": SECTION_END,
-                }
-            ],
-            "excludes": excludes,
-            "at_least_one": False,
-            "stop_after_first": not parallel_tool_calls,
-        }
+        auto = _auto(syntax, functions, thinking, parallel_tool_calls)
         return Constraint("structural_tag", _structural_tag(auto))
     elif tool_choice == "none":
         return None
     elif tool_choice == "required":
         if not functions:
             raise ConstraintError("tool_choice 'required' needs at least one function tool")
-        suffix = {
-            "type": "sequence",
-            "elements": [
-                {"type": "const_string", "value": SECTION_BEGIN},
-                _calls(functions, parallel_tool_calls),
-                {"type": "const_string", "value": SECTION_END},
-            ],
-        }
+        suffix = _in_section(syntax, _calls(syntax, functions, parallel_tool_calls))
     elif isinstance(tool_choice, Mapping):
         name = _forced_name(tool_choice)
         schema = dict(functions).get(name)
         if schema is None:
             declared = ", ".join(n for n, _ in functions) or "none"
             raise ConstraintError(f"tool_choice names {name!r}, not a declared tool ({declared})")
-        suffix = {
-            "type": "sequence",
-            "elements": [
-                {"type": "const_string", "value": SECTION_BEGIN},
-                _call_tag(name, schema),
-                {"type": "const_string", "value": SECTION_END},
-            ],
-        }
+        suffix = _in_section(syntax, _call_tag(syntax, name, schema))
     else:
         raise ConstraintError(f"unsupported tool_choice {tool_choice!r}")
 
-    fmt = suffix
-    if thinking:
-        reasoning = {
-            "type": "tag",
-            "begin": "",  # the prompt already opened <think>
-            "content": {
-                "type": "any_text",
-                "excludes": [
-                    THINK_BEGIN,
-                    SECTION_BEGIN,
-                    SECTION_END,
-                    CALL_BEGIN,
-                    ARG_BEGIN,
-                    CALL_END,
-                ],
-            },
-            "end": THINK_END,
-        }
-        fmt = {"type": "sequence", "elements": [reasoning, suffix]}
+    prefix = _reasoning_prefix(syntax, thinking)
+    fmt = suffix if prefix is None else {"type": "sequence", "elements": [prefix, suffix]}
     return Constraint("structural_tag", _structural_tag(fmt))
 
 

@@ -39,6 +39,7 @@ from inferplane.parsers._engine import (
     Transition,
     split_name_header,
 )
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = [
     "DEEPSEEK_V31_MARKERS",
@@ -64,6 +65,17 @@ DEEPSEEK_V31_MARKERS: tuple[str, ...] = (
 )
 
 # States (the same machine as Kimi's: a section of calls, each a header then arguments).
+DEEPSEEK_V31_CALLS = CallSyntax(
+    section_begin=SECTION_BEGIN,
+    section_end=SECTION_END,
+    call_begin=CALL_BEGIN + "{name}" + SEP,
+    call_end=CALL_END,
+    trigger=SECTION_BEGIN,
+    reasoning_excludes=(SECTION_BEGIN, SECTION_END, CALL_BEGIN, SEP, CALL_END),
+    text_excludes=(CALL_BEGIN,),
+)
+"""DeepSeek-V3.1's calls for the decoding constraint (xgrammar's ``deepseek_v3_1`` tag)."""
+
 START = "start"  # prompt did not open reasoning; nothing visible yet
 REASONING = "reasoning"
 CONTENT = "content"
@@ -106,6 +118,7 @@ def deepseek_v31_config() -> EngineConfig:
     }
     return EngineConfig(
         name="deepseek_v31",
+        call_syntax=DEEPSEEK_V31_CALLS,
         terminals={
             "THINK_BEGIN": THINK_BEGIN,
             "THINK_END": THINK_END,

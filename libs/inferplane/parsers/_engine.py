@@ -56,6 +56,7 @@ from typing import Any
 
 from inferplane.parsers._arguments import ArgumentsStream, ToolSet, decode_json_value
 from inferplane.parsers._envelope import JsonEnvelope
+from inferplane.parsers._syntax import CallSyntax
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 
 __all__ = [
@@ -178,6 +179,8 @@ class EngineConfig:
             its function.
         arguments_format: how a call's arguments are written (``ArgumentsFormat``); it
             decides which argument sinks the states may use.
+        call_syntax: how the format writes calls for the decoding constraint
+            (``build_tool_constraint``), or None when it has no grammar.
         route: the ``MessageRouter`` that ``Action.ROUTE`` calls (formats that route only).
             A message routed to a reasoning or content state while that channel already has
             text starts on a new line (vLLM's harmony parse joins messages with ``\n``).
@@ -197,6 +200,7 @@ class EngineConfig:
     names_function: Callable[[str], bool] | None = None
     arguments_format: ArgumentsFormat = ArgumentsFormat.JSON
     route: MessageRouter | None = None
+    call_syntax: CallSyntax | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` if the config refers to undeclared states or terminals."""

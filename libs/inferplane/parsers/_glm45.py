@@ -53,6 +53,7 @@ from inferplane.parsers._engine import (
     Transition,
     split_name_header,
 )
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = ["GLM45_MARKERS", "glm45_config", "split_glm_header"]
 
@@ -77,6 +78,20 @@ GLM45_MARKERS: tuple[str, ...] = (
 )
 
 # States.
+_ARG_MARKERS = (KEY_BEGIN, KEY_END, VALUE_BEGIN, VALUE_END)
+GLM45_CALLS = CallSyntax(
+    call_begin=CALL_BEGIN + "{name}",
+    call_end=CALL_END,
+    trigger=CALL_BEGIN,
+    arguments_style="glm_xml",
+    optional_reasoning=True,
+    reasoning_excludes=(CALL_BEGIN, CALL_END, *_ARG_MARKERS),
+    text_excludes=(CALL_END, *_ARG_MARKERS),
+)
+"""GLM's calls for the decoding constraint (xgrammar's ``glm_4_7`` tag: ``<arg_key>`` /
+``<arg_value>`` pairs in its ``glm_xml`` style). The model opens ``<think>`` itself, so a
+forced call may follow one reasoning block."""
+
 START = "start"  # prompt did not open reasoning; nothing visible yet
 REASONING = "reasoning"
 CONTENT = "content"
@@ -133,6 +148,7 @@ def glm45_config() -> EngineConfig:
     }
     return EngineConfig(
         name="glm45",
+        call_syntax=GLM45_CALLS,
         terminals={
             "THINK_BEGIN": THINK_BEGIN,
             "THINK_END": THINK_END,

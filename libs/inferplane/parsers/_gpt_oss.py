@@ -63,6 +63,7 @@ from inferplane.parsers._engine import (
     Transition,
     split_name_header,
 )
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = ["GPT_OSS_MARKERS", "gpt_oss_config", "route_harmony_message"]
 
@@ -83,6 +84,24 @@ CONTENT = "content"  # a final message's (or a preamble's) body
 ARGS = "args"  # a tool call's body: its JSON arguments
 IGNORED = "ignored"  # the body of a message that is none of those (a built-in tool's call)
 BETWEEN = "between"  # after a message: text here is dropped
+
+GPT_OSS_CALLS = CallSyntax(
+    call_begin=CHANNEL + "commentary to=functions.{name} " + CONSTRAIN + "json" + MESSAGE,
+    call_end="",  # <|call|> is a stop token: xgrammar cannot require it under a constraint
+    trigger=CHANNEL + "commentary to=",
+    separator=START + "assistant",  # never reached: <|call|> ends the response
+    reasoning_begin=CHANNEL + "analysis" + MESSAGE,
+    reasoning_end=END,
+    after_reasoning=START + "assistant",
+    optional_reasoning=True,
+    reasoning_excludes=(START, CHANNEL, MESSAGE, CALL, RETURN),
+    # A call in another form (from ``analysis``, or the recipient in the role) would escape
+    # the trigger, so only the commentary form is left open.
+    text_excludes=(CHANNEL + "analysis to=", CHANNEL + "final to=", "assistant to="),
+)
+"""gpt-oss's calls for the decoding constraint (xgrammar's ``harmony`` tag: one optional
+``analysis`` message, then ``<|channel|>commentary to=functions.{name} <|constrain|>json
+<|message|>`` and the JSON arguments)."""
 
 FUNCTIONS_PREFIX = "functions."
 ASSISTANT = "assistant"
@@ -159,6 +178,7 @@ def gpt_oss_config() -> EngineConfig:
         transitions[(HEADER, term)] = t(BETWEEN)  # a header without a body says nothing
     return EngineConfig(
         name="gpt_oss",
+        call_syntax=GPT_OSS_CALLS,
         terminals={
             "START": START,
             "CHANNEL": CHANNEL,

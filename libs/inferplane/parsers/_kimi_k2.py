@@ -32,6 +32,7 @@ import functools
 import re
 
 from inferplane.parsers._engine import Action, EngineConfig, Sink, Transition
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = [
     "ARG_BEGIN",
@@ -74,6 +75,19 @@ KIMI_K2_MARKER_VARIANTS: dict[str, str] = {
 """Variant marker -> the marker it stands for."""
 
 # States.
+KIMI_K2_CALLS = CallSyntax(
+    section_begin=SECTION_BEGIN,
+    section_end=SECTION_END,
+    call_begin=CALL_BEGIN + "functions.{name}:",
+    call_id=r"\d+",
+    args_begin=ARG_BEGIN,
+    call_end=CALL_END,
+    trigger=SECTION_BEGIN,
+    reasoning_excludes=(SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END),
+    text_excludes=(CALL_BEGIN,),
+)
+"""Kimi's calls for the decoding constraint (xgrammar's ``kimi`` tag)."""
+
 START = "start"  # prompt did not open reasoning; nothing visible yet
 REASONING = "reasoning"
 CONTENT = "content"
@@ -157,6 +171,7 @@ def kimi_k2_config() -> EngineConfig:
     }
     return EngineConfig(
         name="kimi_k2",
+        call_syntax=KIMI_K2_CALLS,
         terminals=terminals,
         transitions=transitions,
         sinks={

@@ -53,6 +53,7 @@ from inferplane.parsers._engine import (
     Transition,
     split_name_header,
 )
+from inferplane.parsers._syntax import CallSyntax
 
 __all__ = ["QWEN3_MARKERS", "qwen3_config"]
 
@@ -64,6 +65,20 @@ CALL_END = "</tool_call>"
 QWEN3_MARKERS: tuple[str, ...] = (THINK_BEGIN, THINK_END, CALL_BEGIN, CALL_END)
 
 # States.
+QWEN3_CALLS = CallSyntax(
+    call_begin=CALL_BEGIN + '\n{"name": "{name}", "arguments": ',
+    call_end="}\n" + CALL_END,
+    trigger=CALL_BEGIN,
+    separator="\n",
+    after_reasoning="\n\n",
+    model_writes_think=True,
+    reasoning_excludes=(CALL_BEGIN, CALL_END),
+    text_excludes=(CALL_END,),
+)
+"""Qwen3's calls for the decoding constraint (xgrammar's ``qwen_3`` tag: the envelope written
+around the arguments, ``</think>\n\n`` before a forced call). The original Qwen3 writes
+``<think>`` itself even when the prompt opened reasoning, so reasoning may hold it."""
+
 START = "start"  # prompt did not open reasoning; nothing visible yet
 REASONING = "reasoning"
 CONTENT = "content"
@@ -92,6 +107,7 @@ def qwen3_config() -> EngineConfig:
     }
     return EngineConfig(
         name="qwen3",
+        call_syntax=QWEN3_CALLS,
         terminals={
             "THINK_BEGIN": THINK_BEGIN,
             "THINK_END": THINK_END,

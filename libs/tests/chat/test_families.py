@@ -258,6 +258,5 @@ def test_every_parser_a_deployment_may_name_has_a_family() -> None:
     with pytest.raises(UnknownChatFamilyError) as e:
         chat_family("hermes")
     assert str(e.value) == (
-        "no chat rendering for parser 'hermes'; "
-        "known: deepseek_v31, glm45, gpt_oss, kimi_k2, qwen3"
+        "no chat rendering for parser 'hermes'; known: deepseek_v31, glm45, gpt_oss, kimi_k2, qwen3"
     )

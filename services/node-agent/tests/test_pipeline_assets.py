@@ -156,3 +156,31 @@ def test_the_parser_name_picks_the_chat_family() -> None:
     assert plan.prompt.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert plan.prompt.thinking is False and plan.history_tool_calls == 1
     assert '"arguments": {"city": "Paris", "unit": "celsius"}' in plan.prompt.text
+
+
+def test_tool_constraints_are_written_in_the_models_own_format() -> None:
+    """tool_choice required / named / auto (constrained) to a Qwen3-format replica send a
+    grammar of Qwen3's `<tool_call>` JSON calls, not Kimi's section markers (issue 19): the
+    grammar comes from the parser's `call_syntax`."""
+    from inferplane.node_agent.pipeline.assets import load_model_assets
+    from inferplane.node_agent.pipeline.requests import plan_chat
+    from inferplane.testing import qwen3_tiny
+    from inferplane.wire import chat_request_from_dict
+
+    spec = nodeagent_pb2.ReplicaSpec(
+        served_model_name=qwen3_tiny.SERVED_MODEL_NAME,
+        model_source=str(qwen3_tiny.model_path()),
+        max_model_len=qwen3_tiny.MAX_MODEL_LEN,
+        reasoning_parser=qwen3_tiny.PARSER,
+        tool_parser=qwen3_tiny.PARSER,
+    )
+    assets = load_model_assets(spec)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named, "auto"):
+        request = chat_request_from_dict({**qwen3_tiny.tools_request(), "tool_choice": choice})
+        plan = plan_chat(request, assets, constrain_tool_choice_auto=True)
+        constraint = plan.params.constraint
+        assert constraint is not None and constraint.kind == "structural_tag", choice
+        assert '<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": ' in constraint.value
+        assert "<|tool_call" not in constraint.value
+        assert plan.calls_constrained

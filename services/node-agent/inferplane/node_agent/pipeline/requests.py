@@ -359,8 +359,9 @@ def plan_chat(
     `constrain_tool_choice_auto` (the deployment profile's option) also constrains
     `tool_choice: "auto"` with tools: any tool section must hold declared functions with
     schema-valid arguments, one call when `parallel_tool_calls` is false. It needs the model's
-    tool parser (the constraint is in its format), and a `response_format` JSON constraint wins
-    over it (the JSON constraint already rules a tool section out).
+    tool parser (the constraint is written in its format: `EngineConfig.call_syntax`), and a
+    `response_format` JSON constraint wins over it (the JSON constraint already rules a tool
+    section out).
 
     Raises:
         InvalidArgumentError: the request is invalid or asks for something unsupported
@@ -395,6 +396,8 @@ def plan_chat(
             built = build_tool_constraint(
                 tools,
                 tool_choice,
+                # The grammar is written in the model's own call format (Kimi's without one).
+                syntax=assets.parser.config.call_syntax if assets.parser is not None else None,
                 thinking=prompt.thinking,
                 parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
                 constrain_auto=(

@@ -84,6 +84,9 @@ class EdgeConfig:
             orchestrator sends them by EDS from its routing table. A pick names hosts of this
             cluster; a pick that names none is served by the fallback policy (round robin).
         auth_endpoint: the auth service (ext_authz `Check` and `ApiKeyService`), HTTP/2 h2c.
+        console_endpoint: the web console (`services/console`, HTTP/1.1; HTTPS under
+            `upstream_tls_dir`), routed at `/console/` without ext_authz (it signs its users
+            in itself); None: no console route.
         listen_host / listen_port: where clients connect (OpenAI REST + SSE, HTTP/1.1 or h2c).
         tls_cert_path / tls_key_path: PEM certificate chain and private key files of the
             listener; both set: clients connect over TLS (1.2+, ALPN h2 and http/1.1) only;
@@ -138,6 +141,7 @@ class EdgeConfig:
 
     router_endpoints: tuple[Endpoint, ...]
     auth_endpoint: Endpoint
+    console_endpoint: Endpoint | None = None
     replica_endpoints: tuple[Endpoint, ...] = ()
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
@@ -179,6 +183,12 @@ class EdgeConfig:
         object.__setattr__(self, "replica_endpoints", _endpoints(self.replica_endpoints))
         if isinstance(self.auth_endpoint, str):
             object.__setattr__(self, "auth_endpoint", Endpoint.parse(self.auth_endpoint))
+        if isinstance(self.console_endpoint, str):
+            object.__setattr__(
+                self,
+                "console_endpoint",
+                Endpoint.parse(self.console_endpoint) if self.console_endpoint else None,
+            )
         if not self.router_endpoints:
             raise EdgeConfigError("router_endpoints is empty: the edge needs at least one router")
         for name in ("listen_port", "admin_port"):

@@ -31,6 +31,9 @@ ROUTER_CLUSTER = "inferplane_router"
 AUTH_CLUSTER = "inferplane_auth"
 #: The replica processes; the endpoint picker's list chooses the host (override_host).
 REPLICAS_CLUSTER = "inferplane_replicas"
+#: The web console (`EdgeConfig.console_endpoint`): HTTP/1.1, its own sign-in, at CONSOLE_PREFIX.
+CONSOLE_CLUSTER = "inferplane_console"
+CONSOLE_PREFIX = "/console/"
 LISTENER_NAME = "inferplane_edge"
 ROUTE_CONFIG_NAME = "inferplane_edge_routes"
 #: Dynamic-metadata namespace json_to_metadata writes `stream` into (read by stream_router.lua).
@@ -523,6 +526,34 @@ def _health_route() -> Resource:
     return route
 
 
+def _console_routes() -> list[Resource]:
+    """`/console` → `/console/`, and `/console/...` → the console cluster with every filter
+    of the OpenAI path off: no ext_authz (the console signs its users in and asks auth with
+    their key), no transcoder, no stream router (a playground body's `"stream": true` must not
+    move the path), no error shaper (its pages are HTML), no picker. Route timeout off: the
+    playground streams (the stream idle timeout still bounds it)."""
+    route = _without_picker(_route(CONSOLE_PREFIX, CONSOLE_CLUSTER))
+    per_filter = route["typed_per_filter_config"]
+    per_filter["envoy.filters.http.ext_authz"] = {"@type": _EXT_AUTHZ_PER_ROUTE, "disabled": True}
+    per_filter["envoy.filters.http.grpc_json_transcoder"] = {
+        "@type": _FILTER_CONFIG,
+        "disabled": True,
+    }
+    for lua in (
+        "inferplane.error_shaper",
+        "inferplane.auth_failure_guard",
+        "inferplane.stream_router",
+        "inferplane.field_guard",
+    ):
+        per_filter[lua] = {"@type": _LUA_PER_ROUTE, "disabled": True}
+    redirect = {
+        "match": {"path": CONSOLE_PREFIX.rstrip("/")},
+        "redirect": {"path_redirect": CONSOLE_PREFIX},
+        "typed_per_filter_config": dict(per_filter),
+    }
+    return [redirect, route]
+
+
 def _method_is(method: str) -> Resource:
     return {"name": ":method", "string_match": {"exact": method}}
 
@@ -565,6 +596,7 @@ def build_route_config(config: EdgeConfig) -> Resource:
                 ],
                 "routes": [
                     _health_route(),
+                    *(_console_routes() if config.console_endpoint is not None else []),
                     _without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
                     _without_picker(
                         _route("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
@@ -773,11 +805,14 @@ def _lb_endpoints(endpoints: tuple[Endpoint, ...]) -> list[Resource]:
 
 
 def _cluster_endpoints(config: EdgeConfig) -> dict[str, tuple[Endpoint, ...]]:
-    return {
+    clusters = {
         ROUTER_CLUSTER: config.router_endpoints,
         AUTH_CLUSTER: (config.auth_endpoint,),
         REPLICAS_CLUSTER: config.replica_endpoints,
     }
+    if config.console_endpoint is not None:
+        clusters[CONSOLE_CLUSTER] = (config.console_endpoint,)
+    return clusters
 
 
 def _override_host_policy() -> Resource:
@@ -856,6 +891,15 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
         }
         if config.upstream_tls_dir:
             cluster["transport_socket"] = build_upstream_tls(config.upstream_tls_dir)
+        if name == CONSOLE_CLUSTER:
+            # The console is an HTTP/1.1 web server (aiohttp), not gRPC.
+            options = cluster["typed_extension_protocol_options"]
+            options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+                "explicit_http_config"
+            ] = {"http_protocol_options": {}}
+            if config.upstream_tls_dir:
+                context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+                context["alpn_protocols"] = ["http/1.1"]
         if name == REPLICAS_CLUSTER:
             cluster["load_balancing_policy"] = _override_host_policy()
             cluster["circuit_breakers"]["thresholds"][0]["retry_budget"] = {

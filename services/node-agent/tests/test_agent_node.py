@@ -13,7 +13,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as orch
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.node_agent.agent.node import memory_bytes, parse_nvidia_smi, probe_inventory
-from inferplane.node_agent.agent.registration import Registrar
+from inferplane.node_agent.agent.registration import SWITCH_SECONDS, Registrar
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import ConfigError, load_settings
 from inferplane.testing.clock import FakeClock
@@ -150,3 +150,51 @@ async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class Standby(orchestrator_pb2_grpc.NodeServiceServicer):  # type: ignore[misc]
+    """A standby orchestrator: catalogue and fleet calls are refused, naming the leader."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def RegisterNode(self, request, context):
+        self.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "not the leader; orch-2 leads")
+
+
+@pytest.mark.anyio
+async def test_a_node_agent_given_several_orchestrators_registers_with_the_leader() -> None:
+    """Several orchestrators, comma-separated: a refusal (standby) or an unreachable one moves
+    registration on to the next one at once, without the exponential backoff; the backoff
+    applies only once all of them failed in a row."""
+    standby, leader = Standby(), Orchestrator()
+    (s_server, s_port), (l_server, l_port) = await _serve(standby), await _serve(leader)
+    clock = PacedClock()
+    registrar = Registrar(
+        f"127.0.0.1:1, 127.0.0.1:{s_port},127.0.0.1:{l_port}",
+        lambda: na.NodeStatus(node="n1"),
+        clock=clock,
+    )
+    task = asyncio.create_task(registrar.run())
+    try:
+        async with asyncio.timeout(10):
+            while len(leader.beats) < 2:
+                await asyncio.sleep(0.02)
+        assert registrar.registered and registrar.address == f"127.0.0.1:{l_port}"
+        assert standby.calls == 1 and registrar.attempts == 3
+        assert clock.slept[:2] == [SWITCH_SECONDS, SWITCH_SECONDS]
+    finally:
+        await _cancel(task)
+        await s_server.stop(0)
+        await l_server.stop(0)
+    # None answers: one pass at the switch pace, then the backoff, and round again.
+    lost = Registrar(
+        "127.0.0.1:1,127.0.0.1:2", lambda: na.NodeStatus(), clock=(clock := PacedClock())
+    )
+    task = asyncio.create_task(lost.run())
+    async with asyncio.timeout(10):
+        while lost.attempts < 5:
+            await asyncio.sleep(0.02)
+    await _cancel(task)
+    assert clock.slept[:4] == [SWITCH_SECONDS, 1.0, SWITCH_SECONDS, 2.0]

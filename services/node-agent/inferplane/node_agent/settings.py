@@ -66,7 +66,8 @@ class NodeAgentSettings(ServiceSettings):
     interpreter; `engine_command` empty means our launcher
     (`python -m inferplane.node_agent.engine.launcher`), the engine a replica process spawns on
     the `http-completions` and `grpc` transports. `replicas` are started at boot (YAML only).
-    `orchestrator_address` empty: no registration.
+    `orchestrator_address` empty: no registration; several comma-separated (orchestrators on
+    one database): registration moves on from a standby or an unreachable one to the leader.
     """
 
     port: int = 50054

@@ -3,6 +3,13 @@ carrying the node's status; reconnects with exponential backoff, never crashes t
 
 An orchestrator that does not implement these yet answers UNIMPLEMENTED: that is logged once
 and retried at the maximum backoff.
+
+Several orchestrators on one database (one leads; a standby answers UNAVAILABLE, reason
+NOT_LEADER: `inferplane.orchestrator.leadership`) are given comma-separated. After a failed
+session the next attempt goes to the next one at once (`SWITCH_SECONDS` later), and the
+exponential backoff applies only once every one of them failed in a row, so a node-agent
+finds a new leader within one pass over the list rather than after a long backoff that could
+outlast the orchestrator's heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from inferplane.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent.registration")
 
+#: Wait before trying the next orchestrator of several after one failed.
+SWITCH_SECONDS = 0.2
+
 
 class Registrar:
     """Keeps this node registered and heartbeating while `run()` runs."""
@@ -35,7 +45,8 @@ class Registrar:
         clock: Clock | None = None,
         channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
     ) -> None:
-        self._address = address
+        self._addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self._index = 0
         self._status = node_status
         self._interval = heartbeat_interval_seconds
         self._retry_max = retry_max_seconds
@@ -47,43 +58,71 @@ class Registrar:
         self.heartbeats_sent = 0
         self.attempts = 0
 
+    @property
+    def address(self) -> str:
+        """The orchestrator this node registers with now (host:port)."""
+        return self._addresses[self._index]
+
     async def run(self) -> None:
         """Registers and heartbeats until cancelled."""
         failures = 0
+        failed_here = 0  # sessions failed in a row since the last full pass over the list
         while True:
             self.attempts += 1
             try:
                 await self._session()
-                failures = 0
+                failures = failed_here = 0
             except asyncio.CancelledError:
                 raise
-            except grpc.aio.AioRpcError as exc:
-                failures += 1
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    if not self._warned_unimplemented:
+            except Exception as exc:
+                if self.registered:  # it was serving: a fresh failure, not one more in a row
+                    failures = failed_here = 0
+                self.registered = False
+                failed, failed_here = self.address, failed_here + 1
+                if len(self._addresses) > 1:
+                    self._index = (self._index + 1) % len(self._addresses)
+                    if failed_here < len(self._addresses):
                         log.warning(
-                            "orchestrator_registration_unimplemented",
-                            address=self._address,
-                            method=exc.details(),
+                            "orchestrator_switch",
+                            failed=failed,
+                            next=self.address,
+                            error=_describe(exc),
                         )
-                        self._warned_unimplemented = True
-                    delay = self._retry_max
-                else:
-                    delay = self._delay(failures)
+                        await self._clock.sleep(SWITCH_SECONDS)
+                        continue
+                failed_here, failures = 0, failures + 1
+                await self._backoff(exc, failures, failed)
+
+    async def _backoff(self, exc: Exception, failures: int, address: str) -> None:
+        """Logs a failed session (at `address`) and waits before the next one."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                if not self._warned_unimplemented:
                     log.warning(
-                        "orchestrator_unreachable",
-                        address=self._address,
-                        code=exc.code().name,
-                        retry_in_seconds=delay,
+                        "orchestrator_registration_unimplemented",
+                        address=address,
+                        method=exc.details(),
                     )
-                self.registered = False
-                await self._clock.sleep(delay)
-            except Exception as exc:  # never crash the agent over reporting
-                failures += 1
+                    self._warned_unimplemented = True
+                delay = self._retry_max
+            else:
                 delay = self._delay(failures)
-                log.exception("registration_error", error=str(exc), retry_in_seconds=delay)
-                self.registered = False
-                await self._clock.sleep(delay)
+                log.warning(
+                    "orchestrator_unreachable",
+                    address=address,
+                    code=exc.code().name,
+                    retry_in_seconds=delay,
+                )
+        else:  # never crash the agent over reporting
+            delay = self._delay(failures)
+            log.error(
+                "registration_error",
+                address=address,
+                error=_describe(exc),
+                retry_in_seconds=delay,
+                exc_info=exc,
+            )
+        await self._clock.sleep(delay)
 
     def _delay(self, failures: int) -> float:
         from tenacity import RetryCallState
@@ -93,7 +132,8 @@ class Registrar:
         return float(self._wait(state))
 
     async def _session(self) -> None:
-        channel = self._channel_factory(self._address)
+        address = self.address
+        channel = self._channel_factory(address)
         try:
             stub = orchestrator_pb2_grpc.NodeServiceStub(channel)
             response = await stub.RegisterNode(
@@ -101,7 +141,7 @@ class Registrar:
             )
             self.registered = True
             interval = float(response.heartbeat_interval_seconds or self._interval)
-            log.info("node_registered", address=self._address, heartbeat_seconds=interval)
+            log.info("node_registered", address=address, heartbeat_seconds=interval)
 
             async def beats() -> AsyncIterator[orchestrator_pb2.StreamHeartbeatsRequest]:
                 while True:
@@ -115,3 +155,7 @@ class Registrar:
         finally:
             with contextlib.suppress(Exception):
                 await channel.close(grace=None)
+
+
+def _describe(exc: BaseException) -> str:
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)

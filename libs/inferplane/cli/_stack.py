@@ -66,10 +66,50 @@ EDGE_NODE_ID = "inferplane-edge"
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
 # are going down with their node-agent.
 _STOP_ORDER = ("router", "telemetry", "orchestrator", "node_agent", "auth")
+# The services with one process each; more routers and node-agents follow as `router_2`,
+# `node_agent_2`... (`StackConfig.routers`, `StackConfig.nodes`).
+_SERVICES = ("auth", "router", "orchestrator", "node_agent", "telemetry")
+EDGE_PROCESS = "edge"
 
 
 class StackError(Exception):
     """The stack could not start; the message names the component and shows its log tail."""
+
+
+def service_of(process: str) -> str:
+    """The service a stack process runs: `router_2` → `router`, `node_agent` → `node_agent`."""
+    base, _, index = process.rpartition("_")
+    return base if base and index.isdigit() else process
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StackHost:
+    """A host a stack process runs on: a Linux network namespace (made by the caller, e.g.
+    `ip netns add`) and the address the process binds there and its peers dial.
+
+    The stack starts such a process under `ip netns exec NETNS` (needs root) with `--host
+    ADDRESS` (the edge: its listener and admin API on ADDRESS), and its certificates carry
+    every host's address, since most peers verify the address they dial. A process without a
+    host runs on 127.0.0.1 in the caller's own namespace. Used by tests/multihost.
+    """
+
+    netns: str
+    address: str
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside this host's namespace."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+
+class _HostedEnvoy(EnvoyProcess):
+    """Envoy started inside a `StackHost`'s network namespace."""
+
+    def __init__(self, bootstrap: str, *, host: StackHost, **kwargs: Any) -> None:
+        super().__init__(bootstrap, **kwargs)
+        self.host = host
+
+    def command(self) -> list[str]:
+        return self.host.wrap(super().command())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +148,14 @@ class StackConfig:
             mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
             `auth`, `router`, `orchestrator`, `node-agent`, `telemetry`, `admin`), each valid
             `tls_cert_days` and re-issued at start once a third of that is left.
+        nodes: one node-agent per node name (process `node_agent`, then `node_agent_2`...,
+            each with its own data directory `node-agent[-<node>]`); start-up waits until
+            all have registered.
+        routers: router processes (`router`, `router_2`...), all in the edge's EDS;
+            `service_args["router"]` applies to each, as a service's args apply to all its
+            processes.
+        hosts: process name (a key of `ports`, or `EDGE_PROCESS` for Envoy) → the
+            `StackHost` (network namespace and address) it runs on; absent: 127.0.0.1 here.
     """
 
     data_dir: Path
@@ -131,11 +179,37 @@ class StackConfig:
     plaintext: bool = False
     embeddings: bool = False
     chat: bool = True
+    nodes: tuple[str, ...] = (NODE_NAME,)
+    routers: int = 1
+    hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)
 
     @property
     def ports(self) -> dict[str, int]:
-        names = ("auth", "router", "orchestrator", "node_agent", "telemetry")
+        """Each process's gRPC port: the five services at `grpc_base_port + 0..4`, then any
+        further routers and node-agents (`router_2`..., `node_agent_2`...)."""
+        names = list(_SERVICES)
+        names += [f"router_{k}" for k in range(2, self.routers + 1)]
+        names += [f"node_agent_{k}" for k in range(2, len(self.nodes) + 1)]
         return {name: self.grpc_base_port + i for i, name in enumerate(names)}
+
+    @property
+    def node_agents(self) -> dict[str, str]:
+        """Node-agent process name → the node it runs (`nodes`, in order)."""
+        return {
+            ("node_agent" if k == 1 else f"node_agent_{k}"): node
+            for k, node in enumerate(self.nodes, start=1)
+        }
+
+    @property
+    def router_names(self) -> list[str]:
+        """The router processes: `router`, `router_2`..."""
+        return ["router", *(f"router_{k}" for k in range(2, self.routers + 1))]
+
+    def host_address(self, name: str) -> str:
+        """The address process `name` (a key of `ports`, or `EDGE_PROCESS`) binds and is
+        dialled at: its `hosts` entry's, else 127.0.0.1."""
+        host = self.hosts.get(name)
+        return host.address if host is not None else "127.0.0.1"
 
     @property
     def metrics_ports(self) -> dict[str, int]:
@@ -144,7 +218,7 @@ class StackConfig:
     @property
     def base_url(self) -> str:
         scheme = "https" if self.tls else "http"
-        return f"{scheme}://127.0.0.1:{self.http_port}/v1"
+        return f"{scheme}://{self.host_address(EDGE_PROCESS)}:{self.http_port}/v1"
 
     @property
     def pki_dir(self) -> Path:
@@ -163,8 +237,9 @@ class StackConfig:
         return LocalCA(self.pki_dir).cert_path if self.tls else None
 
     def address(self, name: str) -> str:
-        """`127.0.0.1:<port>` of service `name` (a key of `ports`)."""
-        return f"127.0.0.1:{self.ports[name]}"
+        """`host:port` of process `name` (a key of `ports`): 127.0.0.1 unless `hosts` names
+        its host."""
+        return f"{self.host_address(name)}:{self.ports[name]}"
 
 
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
@@ -293,7 +368,7 @@ class Stack:
             progress("stopping envoy")
             self.edge.stop()
             self.edge = None
-        order = [n for n in _STOP_ORDER if n in self.processes]
+        order = [n for s in _STOP_ORDER for n in self.processes if service_of(n) == s]
         order += [n for n in reversed(self.processes) if n not in order]
         for name in order:
             progress(f"stopping {name}")
@@ -336,20 +411,24 @@ class Stack:
 
     def _service(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         cfg = self.config
-        module = f"inferplane.{name}"
+        service = service_of(name)
+        host = cfg.hosts.get(name)
         argv = [
             sys.executable,
             "-m",
-            module,
+            f"inferplane.{service}",
             "--port",
             str(cfg.ports[name]),
             "--metrics-port",
             str(cfg.metrics_ports[name]),
+            *(["--host", host.address] if host is not None else []),
             "--no-json-logs",
             *(["--plaintext"] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]),
             *args,
-            *cfg.service_args.get(name, ()),
+            *cfg.service_args.get(service, ()),
         ]
+        if host is not None:
+            argv = host.wrap(argv)
         proc = ManagedProcess(
             name,
             argv,
@@ -366,6 +445,7 @@ class Stack:
         cfg = self.config
         if not cfg.tls and cfg.plaintext:
             return []
+        hosted = sorted({host.address for host in cfg.hosts.values()})
         try:
             ca = LocalCA.ensure(cfg.pki_dir)
             leaves = {
@@ -373,7 +453,8 @@ class Stack:
                     name,
                     # The identity itself too: peers dialled by address are checked by it.
                     dns_names=("localhost", name),
-                    ip_addresses=("127.0.0.1", "::1"),
+                    # And every host's address (`hosts`): most peers check what they dial.
+                    ip_addresses=("127.0.0.1", "::1", *hosted),
                     days=cfg.tls_cert_days,
                 )
                 for name in ((EDGE,) if cfg.plaintext else IDENTITIES)
@@ -403,9 +484,11 @@ class Stack:
             "--data-dir",
             str(data / "orchestrator"),
             "--edge-routers",
-            cfg.address("router"),
+            ",".join(cfg.address(r) for r in cfg.router_names),
             "--edge-auth-address",
             cfg.address("auth"),
+            "--edge-listen-host",
+            cfg.host_address(EDGE_PROCESS),
             "--edge-listen-port",
             str(cfg.http_port),
             "--edge-node-id",
@@ -420,35 +503,37 @@ class Stack:
         self._wait_healthy("orchestrator", progress)
         progress("starting auth, the node-agent and the router")
         self._service("auth", "--data-dir", str(data / "auth"))
-        self._service(
-            "node_agent",
-            "--data-dir",
-            str(data / "node-agent"),
-            "--node-name",
-            NODE_NAME,
-            "--orchestrator-address",
-            cfg.address("orchestrator"),
-            "--telemetry-address",
-            cfg.address("telemetry"),
-            "--engine-startup-timeout-seconds",
-            str(cfg.startup_timeout_seconds),
-            env=dict(cfg.engine_env),
-        )
+        for agent, node in cfg.node_agents.items():
+            self._service(
+                agent,
+                "--data-dir",
+                str(data / ("node-agent" if agent == "node_agent" else f"node-agent-{node}")),
+                "--node-name",
+                node,
+                "--orchestrator-address",
+                cfg.address("orchestrator"),
+                "--telemetry-address",
+                cfg.address("telemetry"),
+                "--engine-startup-timeout-seconds",
+                str(cfg.startup_timeout_seconds),
+                env=dict(cfg.engine_env),
+            )
         # Usage goes to auth (token limits, concurrency slots) and one record per request to
         # telemetry; both sinks buffer until their service is up (telemetry starts last).
-        self._service(
-            "router",
-            "--orchestrator-address",
-            cfg.address("orchestrator"),
-            "--auth-address",
-            cfg.address("auth"),
-            "--telemetry-address",
-            cfg.address("telemetry"),
-            # Usage reports wait there while auth is away, and across a router restart.
-            "--usage-spool-path",
-            str(data / "router" / "usage-spool.db"),
-        )
-        for name in ("auth", "node_agent", "router"):
+        for router in cfg.router_names:
+            self._service(
+                router,
+                "--orchestrator-address",
+                cfg.address("orchestrator"),
+                "--auth-address",
+                cfg.address("auth"),
+                "--telemetry-address",
+                cfg.address("telemetry"),
+                # Usage reports wait there while auth is away, and across a router restart.
+                "--usage-spool-path",
+                str(data / router.replace("_", "-") / "usage-spool.db"),
+            )
+        for name in ("auth", *cfg.node_agents, *cfg.router_names):
             self._wait_healthy(name, progress)
         key_file = data / "auth" / "bootstrap-admin-key"
         self.admin_key = key_file.read_text().strip() if key_file.exists() else ""
@@ -476,18 +561,23 @@ class Stack:
                     listed = list(
                         nodes.ListNodes(orchestrator_pb2.ListNodesRequest(), timeout=5).nodes
                     )
-                node = next((n for n in listed if n.status.node == NODE_NAME), None)
-                if node is not None and node.condition == "Ready":
-                    gib = node.status.memory_bytes / 2**30
-                    progress(
-                        f"node {NODE_NAME} registered ({node.status.cpu_count} CPUs, "
-                        f"{gib:.0f} GiB, {len(node.status.gpus)} GPUs)"
-                    )
+                ready = {n.status.node: n for n in listed if n.condition == "Ready"}
+                if all(name in ready for name in self.config.nodes):
+                    for name in self.config.nodes:
+                        node = ready[name]
+                        gib = node.status.memory_bytes / 2**30
+                        progress(
+                            f"node {name} registered ({node.status.cpu_count} CPUs, "
+                            f"{gib:.0f} GiB, {len(node.status.gpus)} GPUs)"
+                        )
                     break
                 if time.monotonic() > deadline:
+                    agent, node_name = next(
+                        (a, n) for a, n in self.config.node_agents.items() if n not in ready
+                    )
                     raise StackError(
-                        "the node-agent did not register with the orchestrator in 60 s:\n"
-                        + self.processes["node_agent"].log_tail()
+                        f"the node-agent of {node_name} did not register with the orchestrator "
+                        "in 60 s:\n" + self.processes[agent].log_tail()
                     )
                 time.sleep(0.2)
             stub = orchestrator_pb2_grpc.DeploymentServiceStub(channel)
@@ -540,12 +630,15 @@ class Stack:
                 shown.add(line)
                 progress(line)
 
-        with (
-            self.config.security.channel(cfg.address("orchestrator")) as orch,
-            self.config.security.channel(cfg.address("node_agent")) as node,
-        ):
+        with contextlib.ExitStack() as channels:
+            orch = channels.enter_context(self.config.security.channel(cfg.address("orchestrator")))
             deployments = orchestrator_pb2_grpc.DeploymentServiceStub(orch)
-            agent = nodeagent_pb2_grpc.NodeAgentServiceStub(node)
+            agents = [
+                nodeagent_pb2_grpc.NodeAgentServiceStub(
+                    channels.enter_context(self.config.security.channel(cfg.address(name)))
+                )
+                for name in cfg.node_agents
+            ]
             statuses = {name: orchestrator_pb2.DeploymentStatus(phase="unknown") for name in wanted}
             while True:
                 self._raise_if_dead()
@@ -557,9 +650,13 @@ class Stack:
                             timeout=5,
                         ).deployment.status
                         endpoints[name] = self.serving_endpoints(name)
-                    replicas = list(
-                        agent.ListReplicas(nodeagent_pb2.ListReplicasRequest(), timeout=5).replicas
-                    )
+                    replicas = [
+                        replica
+                        for agent in agents
+                        for replica in agent.ListReplicas(
+                            nodeagent_pb2.ListReplicasRequest(), timeout=5
+                        ).replicas
+                    ]
                 except grpc.RpcError as exc:  # a busy machine: ask again until the deadline
                     show(f"waiting for an answer ({exc.code().name})")
                     replicas, endpoints = [], {}
@@ -592,22 +689,30 @@ class Stack:
 
     def _start_edge(self, progress: Progress) -> None:
         cfg = self.config
-        if not port_is_free(cfg.envoy_admin_port):
+        host = cfg.hosts.get(EDGE_PROCESS)
+        if host is None and not port_is_free(cfg.envoy_admin_port):
             # Drawn when the stack was configured, minutes ago; a replica's or an engine's port
             # drawn from the same range since may hold it. Only the stack uses Envoy's admin
             # port (the orchestrator never sees it): draw another rather than fail.
             self.config = cfg = dataclasses.replace(cfg, envoy_admin_port=free_port())
             progress(f"Envoy's admin port was taken meanwhile; using {cfg.envoy_admin_port}")
         progress("starting the Envoy edge (configured by the orchestrator over ADS)")
-        self.edge = EnvoyProcess(
-            render_ads_bootstrap(
-                cfg.address("orchestrator"),
-                node_id=EDGE_NODE_ID,
-                admin_port=cfg.envoy_admin_port,
-                upstream_tls_dir="" if cfg.plaintext else str(cfg.pki_dir.resolve()),
-            ),
-            data_dir=cfg.data_dir / "envoy",
-            admin_url=f"http://127.0.0.1:{cfg.envoy_admin_port}",
+        admin_host = cfg.host_address(EDGE_PROCESS)
+        bootstrap = render_ads_bootstrap(
+            cfg.address("orchestrator"),
+            node_id=EDGE_NODE_ID,
+            admin_host=admin_host,
+            admin_port=cfg.envoy_admin_port,
+            upstream_tls_dir="" if cfg.plaintext else str(cfg.pki_dir.resolve()),
+        )
+        where: dict[str, Any] = {
+            "data_dir": cfg.data_dir / "envoy",
+            "admin_url": f"http://{admin_host}:{cfg.envoy_admin_port}",
+        }
+        self.edge = (
+            EnvoyProcess(bootstrap, **where)
+            if host is None
+            else _HostedEnvoy(bootstrap, host=host, **where)
         )
         try:
             self.edge.start()
@@ -650,9 +755,9 @@ class Stack:
         (cfg.data_dir / "stack.json").write_text(json.dumps(state, indent=2))
 
     def _wait_healthy(self, name: str, progress: Progress) -> None:
-        port = self.config.ports[name]
+        address = self.config.address(name)
         deadline = time.monotonic() + 60
-        with self.config.security.channel(f"127.0.0.1:{port}") as channel:
+        with self.config.security.channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 code = self.processes[name].exited()
@@ -663,7 +768,7 @@ class Stack:
                 with contextlib.suppress(grpc.RpcError):
                     status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
                     if status == health_pb2.HealthCheckResponse.SERVING:
-                        progress(f"{name} is healthy on 127.0.0.1:{port}")
+                        progress(f"{name} is healthy on {address}")
                         return
                 if time.monotonic() > deadline:
                     raise StackError(
@@ -722,16 +827,25 @@ class Stack:
         """The node-agent's view of replica `replica_id`.
 
         Raises:
-            grpc.RpcError: NOT_FOUND for an unknown id, or the node-agent did not answer.
+            grpc.RpcError: NOT_FOUND when no node-agent knows the id, or a node-agent did not
+                answer.
         """
-        with self.config.security.channel(self.config.address("node_agent")) as channel:
-            return (
-                nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
-                .GetReplica(
-                    nodeagent_pb2.GetReplicaRequest(name=f"replicas/{replica_id}"), timeout=5
-                )
-                .replica
-            )
+        agents = list(self.config.node_agents)
+        for agent in agents:
+            with self.config.security.channel(self.config.address(agent)) as channel:
+                try:
+                    return (
+                        nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
+                        .GetReplica(
+                            nodeagent_pb2.GetReplicaRequest(name=f"replicas/{replica_id}"),
+                            timeout=5,
+                        )
+                        .replica
+                    )
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND or agent == agents[-1]:
+                        raise
+        raise AssertionError("unreachable: config.nodes is never empty")
 
     def create_api_key(
         self, display_name: str = "local", scopes: tuple[str, ...] = ("inference",), **fields: Any

@@ -1,0 +1,401 @@
+"""The platform on three hosts with real networking between them (issue 20, "Multi-host").
+
+Hosts are network namespaces (conftest.py): a control host (orchestrator, auth, two routers,
+telemetry, the Envoy edge) and two workers, each a node-agent with one kimi-tiny replica (vLLM
+on the CPU), every service on its host's own address, mutual TLS between them. The test is a
+client on the bridge and talks to the edge's address only, with the official `openai` client.
+Liveness is short here (heartbeats every 1 s, NotReady after 3 missed), so a lost node shows
+within seconds. Invariants:
+
+- requests are spread over both workers (each request's replica from auth's usage ledger,
+  each replica's node from the orchestrator's placements);
+- with worker w1's cable pulled: requests sent afterwards all succeed, served on w2; every
+  stream in flight on w1 ends with an explicit error within `STREAM_END_BOUND_S` (never a
+  clean end without its finish, never a hang); the streams on w2 finish; the orchestrator marks
+  w1 NotReady within `LOST_BOUND_S` and re-places its replica on w2 (room for two there);
+- with the cable back: w1 is Ready again and the deployment still has exactly its two
+  replicas, both on w2: w1's node-agent no longer runs the replica it was cut off with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
+from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from inferplane.cli._stack import EDGE_PROCESS, MODEL_NAME, Stack, StackConfig, running_stack
+from inferplane.testing import kimi_tiny
+
+from .conftest import CONTROL, WORKERS, Hosts
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+T = TypeVar("T")
+
+INTERNAL_TOKEN = "multihost-internal-token"
+HEARTBEAT_S = 1.0
+MISSED_HEARTBEATS = 3
+# NotReady after MISSED_HEARTBEATS × HEARTBEAT_S without a heartbeat, seen by the next sweep.
+LOST_BOUND_S = 15.0
+# Envoy finds a dead replica connection by its HTTP/2 keepalive toward upstreams (a 30 s ping
+# interval, 5 s to answer: inferplane.edge UPSTREAM_KEEPALIVE) and then ends the stream.
+STREAM_END_BOUND_S = 45.0
+STREAM_READ_TIMEOUT_S = 300.0
+STREAM_TOKENS = 1800  # ignore_eos: ~10-30 s of streaming on this machine, outlasting the cut
+# The replica's engine starts on a loaded two-core machine beside the other one.
+REPLACE_BOUND_S = 600.0
+REJOIN_BOUND_S = 120.0
+
+CUT, KEPT = WORKERS
+
+
+@pytest.fixture(scope="module")
+def stack(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    control = hosts.host(CONTROL)
+    placement = {name: control for name in ("orchestrator", "auth", "router", "router_2")}
+    placement |= {"telemetry": control, EDGE_PROCESS: control}
+    placement |= {"node_agent": hosts.host(WORKERS[0]), "node_agent_2": hosts.host(WORKERS[1])}
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp("multihost"),
+        # Every host has its own ports: the defaults do.
+        hosts=placement,
+        nodes=WORKERS,
+        routers=2,
+        replicas=2,
+        transport="inproc",
+        startup_timeout_seconds=900,
+        warmup_timeout_seconds=300,
+        # vLLM's CPU auto-binding would pin both engines to core 0.
+        engine_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        service_args={
+            "orchestrator": (
+                "--heartbeat-interval-seconds",
+                str(HEARTBEAT_S),
+                "--missed-heartbeats",
+                str(MISSED_HEARTBEATS),
+                "--sweep-interval-seconds",
+                "0.5",
+                # Auth accepts the edge's slot releases and the routers' usage reports from
+                # other hosts by this token only (loopback callers need none).
+                "--edge-auth-internal-token",
+                INTERNAL_TOKEN,
+            ),
+            "auth": ("--internal-token", INTERNAL_TOKEN),
+            "router": ("--auth-internal-token", INTERNAL_TOKEN),
+        },
+    )
+    with running_stack(config, print) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def admin(stack: Stack) -> dict[str, str]:
+    return {"authorization": f"Bearer {stack.admin_key}"}
+
+
+def _client(stack: Stack, key: str, timeout: float = 120.0) -> openai.OpenAI:
+    # trust_env off: the edge is on the bridge, never behind a proxy of the machine.
+    return openai.OpenAI(
+        base_url=stack.config.base_url,
+        api_key=key,
+        max_retries=0,
+        timeout=timeout,
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
+
+
+def _new_key(stack: Stack, admin: dict[str, str], name: str) -> tuple[str, str]:
+    """A fresh inference key through the edge's admin API: (secret, key id)."""
+    answer = httpx.post(
+        f"{stack.config.base_url}/admin/api-keys",
+        json={"display_name": name, "tenant": "multihost", "scopes": ["inference"]},
+        headers=admin,
+        timeout=30,
+        trust_env=False,
+    )
+    assert answer.status_code == 200, answer.text
+    created = answer.json()
+    return created["secret"], created["api_key"]["name"].removeprefix("api-keys/")
+
+
+def _poll(what: str, seconds: float, read: Callable[[], T | None], every: float = 0.25) -> T:
+    deadline = time.monotonic() + seconds
+    while True:
+        value = read()
+        if value is not None:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
+        time.sleep(every)
+
+
+def _ledger(
+    stack: Stack, admin: dict[str, str], key_id: str, want: int, seconds: float = 60
+) -> list[dict[str, Any]]:
+    """The key's usage-ledger rows once `want` of them arrived (reports follow responses)."""
+
+    def read() -> list[dict[str, Any]] | None:
+        answer = httpx.get(
+            f"{stack.config.base_url}/admin/usage",
+            params={"key_id": key_id},
+            headers=admin,
+            timeout=30,
+            trust_env=False,
+        )
+        assert answer.status_code == 200, answer.text
+        rows = list(answer.json().get("rows", []))
+        return rows if len(rows) >= want else None
+
+    return _poll(f"{want} usage-ledger rows of key {key_id}", seconds, read, every=0.5)
+
+
+def _placements(stack: Stack) -> list[orchestrator_pb2.Placement]:
+    with stack.config.security.channel(stack.config.address("orchestrator")) as channel:
+        return list(
+            orchestrator_pb2_grpc.DeploymentServiceStub(channel)
+            .ListDeploymentReplicas(
+                orchestrator_pb2.ListDeploymentReplicasRequest(parent=f"deployments/{MODEL_NAME}"),
+                timeout=10,
+            )
+            .placements
+        )
+
+
+def _node_condition(stack: Stack, node: str) -> str:
+    """The orchestrator's condition of `node` (Ready, NotReady, Draining)."""
+    with stack.config.security.channel(stack.config.address("orchestrator")) as channel:
+        listed = (
+            orchestrator_pb2_grpc.NodeServiceStub(channel)
+            .ListNodes(orchestrator_pb2.ListNodesRequest(), timeout=10)
+            .nodes
+        )
+    (found,) = [n for n in listed if n.status.node == node]
+    return str(found.condition)
+
+
+def _agent_replicas(stack: Stack, agent: str) -> list[nodeagent_pb2.Replica]:
+    """What node-agent process `agent` runs (stopped replicas left out)."""
+    with stack.config.security.channel(stack.config.address(agent)) as channel:
+        replicas = (
+            nodeagent_pb2_grpc.NodeAgentServiceStub(channel)
+            .ListReplicas(nodeagent_pb2.ListReplicasRequest(), timeout=10)
+            .replicas
+        )
+    return [r for r in replicas if r.state != nodeagent_pb2.Replica.STATE_STOPPED]
+
+
+def _chat(client: openai.OpenAI, salt: int) -> Any:
+    request = kimi_tiny.NO_TOOL.request()
+    messages = [*request["messages"]]
+    messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']} ({salt})"}
+    return client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"chat_template_kwargs": request["chat_template_kwargs"]},
+    )
+
+
+@dataclasses.dataclass
+class Stream:
+    """One streamed completion read with the openai client, and how it ended."""
+
+    chunks: int = 0
+    finish_reason: str | None = None
+    error_event: str = ""  # the message of an SSE error event (openai.APIError)
+    transport_error: str = ""  # the connection ended without a clean end of the body
+    ended_at: float = 0.0
+    first_chunk: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None and not self.error_event and not self.transport_error
+
+    @property
+    def ended_by_error(self) -> bool:
+        return bool(self.error_event or self.transport_error)
+
+    def run(self, client: openai.OpenAI, salt: int) -> None:
+        request = kimi_tiny.NO_TOOL.request()
+        try:
+            stream = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": f"Count sheep, stream {salt}."}],
+                max_tokens=STREAM_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body={
+                    "ignore_eos": True,
+                    "chat_template_kwargs": request["chat_template_kwargs"],
+                },
+            )
+            for chunk in stream:
+                self.chunks += 1
+                self.first_chunk.set()
+                for choice in chunk.choices:
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except openai.APIError as exc:
+            if isinstance(exc, openai.APIConnectionError):
+                self.transport_error = repr(exc)
+            else:
+                self.error_event = str(exc)
+        except httpx.TransportError as exc:  # a reset while reading the body
+            self.transport_error = repr(exc)
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+
+def _node_of(stack: Stack) -> dict[str, str]:
+    """Serving replica id (as node-agents, the routing table and the ledger name it: the
+    placement's id with its revision) → its node."""
+    return {e.replica_id: e.node for e in stack.serving_endpoints()}
+
+
+def test_requests_are_spread_over_both_workers(stack: Stack, admin: dict[str, str]) -> None:
+    """Two replicas, one per worker, and concurrent requests through the edge land on both."""
+    nodes = _node_of(stack)
+    assert sorted(nodes.values()) == sorted(WORKERS), nodes
+    secret, key_id = _new_key(stack, admin, "spread")
+    client = _client(stack, secret)
+    with futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: _chat(client, i), range(12)))
+    assert all(a.choices[0].message.content for a in answers)
+    rows = _ledger(stack, admin, key_id, len(answers))
+    served = {nodes.get(row["replica"], row["replica"]) for row in rows}
+    print(f"12 requests served by {sorted(r['replica'] for r in rows)}")
+    assert served == set(WORKERS), served
+
+
+def test_a_worker_cut_off_and_back(stack: Stack, hosts: Hosts, admin: dict[str, str]) -> None:
+    """Pull w1's cable under streaming load, then plug it back (module docstring)."""
+    before = _node_of(stack)
+    (cut_replica,) = [r for r, n in before.items() if n == CUT]
+    stream_secret, stream_key = _new_key(stack, admin, "streams")
+    after_secret, after_key = _new_key(stack, admin, "after-cut")
+    streams = [Stream() for _ in range(4)]
+    # A generous read timeout: the kept worker's streams slow down while its second engine
+    # starts; a stream on the cut worker must still end by STREAM_END_BOUND_S.
+    stream_client = _client(stack, stream_secret, timeout=STREAM_READ_TIMEOUT_S)
+    threads = [
+        threading.Thread(target=s.run, args=(stream_client, i), daemon=True)
+        for i, s in enumerate(streams)
+    ]
+    for thread in threads:
+        thread.start()
+    for s in streams:
+        assert s.first_chunk.wait(120), "a stream got no first chunk in 120 s"
+    assert all(s.chunks and not s.ended_by_error for s in streams), streams
+
+    hosts.cut(CUT)
+    cut_at = time.monotonic()
+    print(f"cut {CUT} at {time.strftime('%H:%M:%S')}")
+    # When the orchestrator marks the node lost, watched from the cut on.
+    lost_at: list[float] = []
+    watcher = threading.Thread(
+        target=lambda: lost_at.append(
+            _poll(
+                f"{CUT} NotReady",
+                LOST_BOUND_S,
+                lambda: time.monotonic() if _node_condition(stack, CUT) == "NotReady" else None,
+            )
+        ),
+        daemon=True,
+    )
+    watcher.start()
+
+    # Requests not yet started when the cable went: every one succeeds, on the kept worker.
+    after_client = _client(stack, after_secret)
+    with futures.ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        answers = list(pool.map(lambda i: _chat(after_client, 100 + i), range(8)))
+        took = time.monotonic() - started
+    assert all(a.choices[0].message.content for a in answers)
+    print(f"8 requests after the cut answered in {took:.1f} s")
+
+    for thread in threads:
+        thread.join(STREAM_READ_TIMEOUT_S + 30)
+    assert not any(t.is_alive() for t in threads), "a stream still runs"
+    outcomes = [
+        (s.chunks, s.finish_reason, s.error_event or s.transport_error, s.ended_at - cut_at)
+        for s in streams
+    ]
+    print(f"streams (chunks, finish, error, ended s after the cut): {outcomes}")
+    # Each stream either finished, or ended by an explicit error within the bound; none ended
+    # cleanly without its finish_reason (a silent truncation) and none hung.
+    for s in streams:
+        assert s.finished or s.ended_by_error, outcomes
+        if s.ended_by_error:
+            assert s.ended_at - cut_at <= STREAM_END_BOUND_S, outcomes
+    cut_streams = [s for s in streams if s.ended_by_error]
+    assert cut_streams, f"no stream was in flight on {CUT}: {outcomes}"
+    assert len(cut_streams) < len(streams), f"every stream failed, also on {KEPT}: {outcomes}"
+
+    # The orchestrator marked the node lost within its bound...
+    watcher.join(LOST_BOUND_S)
+    assert lost_at, f"{CUT} was not NotReady within {LOST_BOUND_S:.0f} s of the cut"
+    print(f"{CUT} NotReady {lost_at[0] - cut_at:.1f} s after the cut")
+
+    # ...and re-places its replica on the kept worker: two serving replicas there.
+    def replaced() -> list[str] | None:
+        placed = _placements(stack)
+        serving = [e.replica_id for e in stack.serving_endpoints() if e.node == KEPT]
+        on_kept = [p for p in placed if p.node == KEPT]
+        return serving if len(placed) == 2 and len(on_kept) == 2 and len(serving) == 2 else None
+
+    # (A replica keeps its id, `<deployment>-<slot>-<revision>`, when it moves to another node.)
+    on_kept = _poll(f"two replicas serving on {KEPT}", REPLACE_BOUND_S, replaced, every=1.0)
+    print(f"{cut_replica} re-placed on {KEPT} {time.monotonic() - cut_at:.0f} s after the cut")
+    assert sorted(on_kept) == sorted(before), (on_kept, before)
+
+    # Every request after the cut was accounted; w1 had no network, so w2 served them all.
+    rows = _ledger(stack, admin, after_key, len(answers))
+    print(f"after the cut: served by {sorted(r['replica'] for r in rows)}")
+    # The streams that ended by an error are exactly those the cut worker's replica served
+    # (the ledger names the replica the router picked; ids of requests before the re-placement).
+    stream_rows = _ledger(stack, admin, stream_key, len(streams))
+    print(f"stream ledger rows: {[(r['replica'], r['status']) for r in stream_rows]}")
+    on_cut = [r for r in stream_rows if r["replica"] == cut_replica]
+    assert len(on_cut) == len(cut_streams), (stream_rows, outcomes)
+    assert all(r["status"] != "completed" for r in on_cut), stream_rows
+    assert all(r["status"] == "completed" for r in stream_rows if r not in on_cut), stream_rows
+
+    # Plug the cable back: the node rejoins and nothing is duplicated.
+    hosts.restore(CUT)
+    restored_at = time.monotonic()
+    _poll(
+        f"{CUT} Ready again", REJOIN_BOUND_S, lambda: _node_condition(stack, CUT) == "Ready" or None
+    )
+    print(f"{CUT} Ready {time.monotonic() - restored_at:.1f} s after the restore")
+
+    def settled() -> tuple[list[str], list[str]] | None:
+        placed = _placements(stack)
+        serving = sorted(e.replica_id for e in stack.serving_endpoints())
+        running = {
+            agent: [r.name.removeprefix("replicas/") for r in _agent_replicas(stack, agent)]
+            for agent in stack.config.node_agents
+        }
+        everywhere = sorted(r for names in running.values() for r in names)
+        if len(placed) == 2 and everywhere == serving and len(serving) == 2:
+            return serving, running["node_agent"]
+        return None
+
+    placed, on_cut = _poll(
+        f"{CUT}'s old replica stopped, two replicas in all", REJOIN_BOUND_S, settled, every=1.0
+    )
+    print(f"settled {time.monotonic() - restored_at:.0f} s after the restore: {placed}")
+    assert on_cut == [], on_cut
+    assert sorted(_node_of(stack).values()) == [KEPT, KEPT]
+    serving = stack.serving_endpoints()
+    assert len(serving) == 2 and {e.node for e in serving} == {KEPT}, serving
+    # Still served end to end.
+    assert _chat(_client(stack, after_secret), 999).choices[0].message.content

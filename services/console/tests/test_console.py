@@ -177,8 +177,10 @@ def test_admin_sees_every_tenant_and_created_secret_is_shown_once(
         assert key.limits.monthly_token_budget == 1_000_000
         secret = "ip-secret-1-" + "s" * 30
         assert secret in body and "shown this once" in body
+        [redirect] = response.history  # Post / Redirect / Get: a reload repeats no create
+        assert redirect.status == 303 and secret not in redirect.headers["Location"]
         again = await (await client.get("/console/keys")).text()
-        assert secret not in again
+        assert secret not in again and len(platform.created) == 1
 
         bad = await client.post(
             "/console/keys",

@@ -313,7 +313,9 @@ class Console:
         )
 
     async def keys_get(self, request: web.Request) -> web.StreamResponse:
-        return await self.keys_page(request)
+        session, _, _ = self.signed_in(request)
+        created, session.flash = session.flash, None
+        return await self.keys_page(request, created=created)
 
     async def key_create(self, request: web.Request) -> web.StreamResponse:
         _, identity, client = self.signed_in(request)
@@ -324,8 +326,7 @@ class Console:
             return await self.keys_page(request, status=400, error=str(exc))
         except InferplaneError as exc:
             return await self.keys_page(request, status=exc.http_status, error=exc.message)
-        # The secret is in this response only: never stored, never in a URL.
-        return await self.keys_page(request, created=made)
+        return self._show_once(request, made)
 
     async def key_rotate(self, request: web.Request) -> web.StreamResponse:
         _, _, client = self.signed_in(request)
@@ -337,7 +338,15 @@ class Console:
             return await self.keys_page(request, status=400, error=str(exc))
         except InferplaneError as exc:
             return await self.keys_page(request, status=exc.http_status, error=exc.message)
-        return await self.keys_page(request, created=made)
+        return self._show_once(request, made)
+
+    def _show_once(self, request: web.Request, made: Any) -> web.StreamResponse:
+        """Redirects to the keys page, which shows `made`'s secret once: the secret waits in
+        the server-side session for that one page (never in a URL or cookie), and a reload
+        of the page neither repeats the create nor shows the secret again."""
+        session, _, _ = self.signed_in(request)
+        session.flash = made
+        raise web.HTTPSeeOther(f"{PREFIX}/keys")
 
     async def key_revoke(self, request: web.Request) -> web.StreamResponse:
         _, _, client = self.signed_in(request)

@@ -54,6 +54,9 @@ class Session:
     last_seen: float
     identity: Identity | None = None
     client: Any = None  # the platform client opened for `identity` (closed with the session)
+    # A created or rotated key's secret, shown by the next page and dropped there (Post /
+    # Redirect / Get: a reload never repeats the create, and the secret is in one page only).
+    flash: Any = dataclasses.field(default=None, repr=False)
 
     def csrf_ok(self, presented: str | None) -> bool:
         """Whether `presented` is this session's CSRF token (constant-time comparison)."""

@@ -1,6 +1,11 @@
 """How every SDK call is made: one channel per address (opened on first use, mutual TLS from a
 `PeerSecurity`), a deadline per call, retries on UNAVAILABLE for the methods that allow them,
-and gRPC errors turned into the platform's error classes (`inferplane.runtime`)."""
+and gRPC errors turned into the platform's error classes (`inferplane.runtime`).
+
+A target may name several servers, comma-separated: the orchestrators on one database, of
+which one leads (`inferplane.orchestrator.leadership`). Calls go to one of them; UNAVAILABLE
+moves the next call to the next one, and a refusal with reason NOT_LEADER (nothing was done)
+is retried there whatever the method, once per server, so calls reach the leader."""
 
 from __future__ import annotations
 
@@ -14,8 +19,7 @@ import grpc
 from tenacity import (
     AsyncRetrying,
     Retrying,
-    retry_if_exception_type,
-    retry_never,
+    retry_if_exception,
     stop_after_attempt,
     stop_before_delay,
     wait_random_exponential,
@@ -103,14 +107,22 @@ class Endpoints:
             )
         return address
 
+    def candidates(self, target: Target) -> list[str]:
+        """The target's servers (its address split at commas)."""
+        return [a.strip() for a in self.address(target).split(",") if a.strip()]
+
     def metadata(self, target: Target) -> Metadata:
         if target is Target.AUTH and self.admin_key:
             return (("authorization", f"Bearer {self.admin_key}"),)
         return ()
 
 
-def _stop(policy: RetryPolicy, retry: bool, timeout: float) -> Any:
-    return stop_after_attempt(policy.max_attempts if retry else 1) | stop_before_delay(timeout)
+NOT_LEADER = "NOT_LEADER"
+
+
+def _stop(policy: RetryPolicy, retry: bool, timeout: float, servers: int) -> Any:
+    attempts = max(policy.max_attempts, servers) if retry else servers
+    return stop_after_attempt(attempts) | stop_before_delay(timeout)
 
 
 def _wait(policy: RetryPolicy) -> Any:
@@ -120,7 +132,30 @@ def _wait(policy: RetryPolicy) -> Any:
 
 
 def _retry(retry: bool) -> Any:
-    return retry_if_exception_type(UnavailableError) if retry else retry_never
+    """UNAVAILABLE when the method may be repeated; a NOT_LEADER refusal always."""
+    return retry_if_exception(
+        lambda exc: isinstance(exc, UnavailableError) and (retry or exc.reason == NOT_LEADER)
+    )
+
+
+class _Servers:
+    """The server a target's calls go to now, among its comma-separated addresses."""
+
+    def __init__(self, endpoints: Endpoints) -> None:
+        self._endpoints = endpoints
+        self._index: dict[Target, int] = {}
+
+    def count(self, target: Target) -> int:
+        return len(self._endpoints.candidates(target))
+
+    def current(self, target: Target) -> str:
+        servers = self._endpoints.candidates(target)
+        return servers[self._index.get(target, 0) % len(servers)]
+
+    def failed(self, target: Target, address: str, exc: InferplaneError) -> None:
+        """After UNAVAILABLE from `address`, the target's next call goes to the next one."""
+        if isinstance(exc, UnavailableError) and self.current(target) == address:
+            self._index[target] = self._index.get(target, 0) + 1
 
 
 class SyncTransport:
@@ -138,20 +173,26 @@ class SyncTransport:
         self.timeout = timeout
         self._policy = retry
         self._sleep = sleep
-        self._channels: dict[Target, grpc.Channel] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._servers = _Servers(endpoints)
         self._lock = threading.Lock()
         self._closed = False
 
-    def _channel(self, target: Target) -> grpc.Channel:
+    def _channel(self, target: Target) -> tuple[str, grpc.Channel]:
         with self._lock:
             if self._closed:
                 raise ConfigError("the client is closed")
-            channel = self._channels.get(target)
+            address = self._servers.current(target)
+            channel = self._channels.get(address)
             if channel is None:
-                address = self.endpoints.address(target)
                 channel = self.endpoints.security.channel(address, self._policy.channel_options())
-                self._channels[target] = channel
-            return channel
+                self._channels[address] = channel
+            return address, channel
+
+    def _failed(self, target: Target, address: str, exc: InferplaneError) -> InferplaneError:
+        with self._lock:
+            self._servers.failed(target, address, exc)
+        return exc
 
     def close(self) -> None:
         with self._lock:
@@ -160,12 +201,12 @@ class SyncTransport:
         for channel in channels:
             channel.close()
 
-    def _attempts(self, retry: bool, timeout: float, fn: Callable[[float], T]) -> T:
+    def _attempts(self, target: Target, retry: bool, timeout: float, fn: Callable[[float], T]) -> T:
         """`fn(seconds left)` with retries, all within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         retrying = Retrying(
             retry=_retry(retry),
-            stop=_stop(self._policy, retry, timeout),
+            stop=_stop(self._policy, retry, timeout, self._servers.count(target)),
             wait=_wait(self._policy),
             sleep=self._sleep,
             reraise=True,
@@ -180,20 +221,22 @@ class SyncTransport:
         timeout: float | None = None,
     ) -> Resp:
         """Calls `method`; raises an `InferplaneError` subclass for any non-OK status."""
-        call = self._channel(method.target).unary_unary(
-            method.path,
-            request_serializer=method.serialize,
-            response_deserializer=method.deserialize,
-        )
         metadata = self.endpoints.metadata(method.target)
 
         def attempt(seconds: float) -> Resp:
+            address, channel = self._channel(method.target)
+            call = channel.unary_unary(
+                method.path,
+                request_serializer=method.serialize,
+                response_deserializer=method.deserialize,
+            )
             try:
                 return cast(Resp, call(request, timeout=seconds, metadata=metadata))
             except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from exc
+                raise self._failed(method.target, address, error_from_rpc(exc)) from exc
 
-        return self._attempts(method.retry, self.timeout if timeout is None else timeout, attempt)
+        seconds = self.timeout if timeout is None else timeout
+        return self._attempts(method.target, method.retry, seconds, attempt)
 
     def stream(
         self, method: Method[Req, Resp], request: Req, *, timeout: float | None = None
@@ -201,16 +244,17 @@ class SyncTransport:
         """Starts a server stream and returns once its first message arrived (retrying
         UNAVAILABLE until then, when `method` allows it); the iterator yields every message.
         `timeout` covers the whole stream. Closing the iterator cancels the call."""
-        call = self._channel(method.target).unary_stream(
-            method.path,
-            request_serializer=method.serialize,
-            response_deserializer=method.deserialize,
-        )
         metadata = self.endpoints.metadata(method.target)
         seconds = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + seconds
 
         def attempt(_left: float) -> tuple[Any, Any]:
+            address, channel = self._channel(method.target)
+            call = channel.unary_stream(
+                method.path,
+                request_serializer=method.serialize,
+                response_deserializer=method.deserialize,
+            )
             responses: Any = call(
                 request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata
             )
@@ -220,9 +264,9 @@ class SyncTransport:
                 return responses, _END
             except grpc.RpcError as exc:
                 responses.cancel()
-                raise error_from_rpc(exc) from exc
+                raise self._failed(method.target, address, error_from_rpc(exc)) from exc
 
-        responses, first = self._attempts(method.retry, seconds, attempt)
+        responses, first = self._attempts(method.target, method.retry, seconds, attempt)
         return _rest(responses, first)
 
 
@@ -253,18 +297,23 @@ class AsyncTransport:
         self.timeout = timeout
         self._policy = retry
         self._sleep = sleep
-        self._channels: dict[Target, grpc.aio.Channel] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._servers = _Servers(endpoints)
         self._closed = False
 
-    def _channel(self, target: Target) -> grpc.aio.Channel:
+    def _channel(self, target: Target) -> tuple[str, grpc.aio.Channel]:
         if self._closed:
             raise ConfigError("the client is closed")
-        channel = self._channels.get(target)
+        address = self._servers.current(target)
+        channel = self._channels.get(address)
         if channel is None:
-            address = self.endpoints.address(target)
             channel = self.endpoints.security.aio_channel(address, self._policy.channel_options())
-            self._channels[target] = channel
-        return channel
+            self._channels[address] = channel
+        return address, channel
+
+    def _failed(self, target: Target, address: str, exc: InferplaneError) -> InferplaneError:
+        self._servers.failed(target, address, exc)
+        return exc
 
     async def close(self) -> None:
         self._closed = True
@@ -273,12 +322,12 @@ class AsyncTransport:
             await channel.close(None)
 
     async def _attempts(
-        self, retry: bool, timeout: float, fn: Callable[[float], Awaitable[T]]
+        self, target: Target, retry: bool, timeout: float, fn: Callable[[float], Awaitable[T]]
     ) -> T:
         deadline = time.monotonic() + timeout
         retrying = AsyncRetrying(
             retry=_retry(retry),
-            stop=_stop(self._policy, retry, timeout),
+            stop=_stop(self._policy, retry, timeout, self._servers.count(target)),
             wait=_wait(self._policy),
             sleep=self._sleep,
             reraise=True,
@@ -297,37 +346,38 @@ class AsyncTransport:
         timeout: float | None = None,
     ) -> Resp:
         """`SyncTransport.unary` for asyncio."""
-        call = self._channel(method.target).unary_unary(
-            method.path,
-            request_serializer=method.serialize,
-            response_deserializer=method.deserialize,
-        )
         metadata = self.endpoints.metadata(method.target)
 
         async def attempt(seconds: float) -> Resp:
+            address, channel = self._channel(method.target)
+            call = channel.unary_unary(
+                method.path,
+                request_serializer=method.serialize,
+                response_deserializer=method.deserialize,
+            )
             try:
                 return cast(Resp, await call(request, timeout=seconds, metadata=metadata))
             except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from exc
+                raise self._failed(method.target, address, error_from_rpc(exc)) from exc
 
-        return await self._attempts(
-            method.retry, self.timeout if timeout is None else timeout, attempt
-        )
+        seconds = self.timeout if timeout is None else timeout
+        return await self._attempts(method.target, method.retry, seconds, attempt)
 
     async def stream(
         self, method: Method[Req, Resp], request: Req, *, timeout: float | None = None
     ) -> AsyncGenerator[Resp, None]:
         """`SyncTransport.stream` for asyncio: returns once the first message arrived."""
-        call = self._channel(method.target).unary_stream(
-            method.path,
-            request_serializer=method.serialize,
-            response_deserializer=method.deserialize,
-        )
         metadata = self.endpoints.metadata(method.target)
         seconds = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + seconds
 
         async def attempt(_left: float) -> tuple[Any, Any]:
+            address, channel = self._channel(method.target)
+            call = channel.unary_stream(
+                method.path,
+                request_serializer=method.serialize,
+                response_deserializer=method.deserialize,
+            )
             responses: Any = call(
                 request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata
             )
@@ -335,10 +385,10 @@ class AsyncTransport:
                 first = await responses.read()
             except grpc.RpcError as exc:
                 responses.cancel()
-                raise error_from_rpc(exc) from exc
+                raise self._failed(method.target, address, error_from_rpc(exc)) from exc
             return responses, _END if first is _EOF else first
 
-        responses, first = await self._attempts(method.retry, seconds, attempt)
+        responses, first = await self._attempts(method.target, method.retry, seconds, attempt)
         return _arest(responses, first)
 
 

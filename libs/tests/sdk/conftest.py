@@ -99,12 +99,15 @@ def running_auth(pki: Pki, data_dir: Path, port: int = 0) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_orchestrator(pki: Pki, data_dir: Path) -> Iterator[str]:
-    """The orchestrator (reconcile sweeps left to the tests); yields its address."""
+def running_orchestrator(pki: Pki, data_dir: Path, database_url: str = "") -> Iterator[str]:
+    """The orchestrator (reconcile sweeps left to the tests; its database in `data_dir`
+    unless `database_url` names one); yields its address."""
     settings = OrchestratorSettings(
         host="127.0.0.1",
         port=0,
         data_dir=data_dir,
+        database_url=database_url,
+        leader_id=f"orchestrator-{data_dir.name}",  # one process, several orchestrators
         grace_period_seconds=0.2,
         sweep_interval_seconds=3600.0,
         tls_dir=pki.directory,

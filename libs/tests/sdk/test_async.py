@@ -120,3 +120,25 @@ def test_unavailable_retried_then_served_and_create_not(pki: Any, tmp_path: Path
                 assert waits
 
         asyncio.run(scenario())
+
+
+def test_calls_reach_the_leader_among_several_orchestrators(
+    pki: Any, tmp_path: Path, fx: Any
+) -> None:
+    """As `Client`'s (test_calls.py): the standby's NOT_LEADER sends a create on to the
+    leader, and later calls go to the leader first."""
+    url = f"sqlite:///{tmp_path}/orchestrator.db"
+    with (
+        fx.running_orchestrator(pki, tmp_path / "a", database_url=url) as leader,
+        fx.running_orchestrator(pki, tmp_path / "b", database_url=url) as standby,
+    ):
+
+        async def scenario() -> None:
+            async with AsyncClient(
+                orchestrator=f"{standby},{leader}", security=pki.security(), retry=fx.fast_retry
+            ) as c:
+                created = await c.deployments.create("d", fx.llama8b())
+                assert created.name == "deployments/d"
+                assert [d.name async for d in c.deployments.list()] == ["deployments/d"]
+
+        asyncio.run(scenario())

@@ -136,3 +136,31 @@ def test_a_stream_is_retried_before_its_first_chunk(pki: Any, fx: Any) -> None:
             )
             text = "".join(c.choices[0].delta.content for c in chunks if c.choices)
     assert text == fx.answer and len(sleeps.waits) >= 1
+
+
+def test_calls_reach_the_leader_among_several_orchestrators(
+    pki: Any, tmp_path: Path, fx: Any
+) -> None:
+    """Two orchestrators on one database, the standby named first: a create (never retried
+    on UNAVAILABLE) is refused there with NOT_LEADER, which did nothing, so it is sent to the
+    next one, the leader; the calls after it go to the leader first."""
+    url = f"sqlite:///{tmp_path}/orchestrator.db"
+    with (
+        fx.running_orchestrator(pki, tmp_path / "a", database_url=url) as leader,
+        fx.running_orchestrator(pki, tmp_path / "b", database_url=url) as standby,
+    ):
+        sleeps = Sleeps()
+        with Client(
+            orchestrator=f"{standby},{leader}",
+            security=pki.security(),
+            retry=fx.fast_retry,
+            sleep=sleeps,
+        ) as client:
+            created = client.deployments.create("d", fx.llama8b())
+            assert created.name == "deployments/d" and len(sleeps.waits) == 1
+            assert [d.name for d in client.deployments.list()] == ["deployments/d"]
+            assert len(sleeps.waits) == 1  # straight to the leader
+        with Client(orchestrator=standby, security=pki.security(), sleep=sleeps) as alone:
+            with pytest.raises(UnavailableError) as refused:
+                alone.deployments.create("e", fx.llama8b())
+            assert refused.value.reason == "NOT_LEADER"

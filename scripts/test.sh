@@ -45,6 +45,12 @@ if ! command -v prometheus >/dev/null && [[ $(id -u) == 0 ]]; then
     || echo "prometheus could not be installed: its test will say it skipped"
 fi
 
+if ! command -v chromium >/dev/null && [[ $(id -u) == 0 ]]; then
+  echo "== installing Debian's chromium (the web console's browser test drives it)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "chromium could not be installed: tests/e2e/test_console.py will fail saying so"
+fi
+
 echo "== pytest (unit, integration, end-to-end on the default engine transport)"
 python -m pytest "$@"
 

@@ -35,8 +35,10 @@ import dataclasses
 import fcntl
 import json
 import os
+import ssl
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -65,7 +67,7 @@ NODE_NAME = "local"
 EDGE_NODE_ID = "inferplane-edge"
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
 # are going down with their node-agent.
-_STOP_ORDER = ("router", "telemetry", "orchestrator", "node_agent", "auth")
+_STOP_ORDER = ("console", "router", "telemetry", "orchestrator", "node_agent", "auth")
 # The services with one process each; more routers and node-agents follow as `router_2`,
 # `node_agent_2`... (`StackConfig.routers`, `StackConfig.nodes`).
 _SERVICES = ("auth", "router", "orchestrator", "node_agent", "telemetry")
@@ -156,6 +158,9 @@ class StackConfig:
             processes.
         hosts: process name (a key of `ports`, or `EDGE_PROCESS` for Envoy) → the
             `StackHost` (network namespace and address) it runs on; absent: 127.0.0.1 here.
+        console_port: the web console's port on 127.0.0.1 (`services/console`; HTTPS with
+            client certificates unless `plaintext`); 0: a free port chosen at start
+            (`Stack.console_port`). Browsers reach it through the edge at `console_url`.
     """
 
     data_dir: Path
@@ -182,6 +187,7 @@ class StackConfig:
     nodes: tuple[str, ...] = (NODE_NAME,)
     routers: int = 1
     hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)
+    console_port: int = 0
 
     @property
     def ports(self) -> dict[str, int]:
@@ -219,6 +225,11 @@ class StackConfig:
     def base_url(self) -> str:
         scheme = "https" if self.tls else "http"
         return f"{scheme}://{self.host_address(EDGE_PROCESS)}:{self.http_port}/v1"
+
+    @property
+    def console_url(self) -> str:
+        """The web console's URL, through the edge."""
+        return self.base_url.removesuffix("/v1") + "/console/"
 
     @property
     def pki_dir(self) -> Path:
@@ -323,6 +334,7 @@ class Stack:
     processes: dict[str, ManagedProcess] = dataclasses.field(default_factory=dict)
     edge: EnvoyProcess | None = None
     admin_key: str = ""
+    console_port: int = 0  # the web console's port (`StackConfig.console_port`, or chosen)
     _lock: IO[str] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -339,6 +351,7 @@ class Stack:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
+        self.console_port = cfg.console_port or free_port()
         try:
             self._start_services(progress)
             self._ensure_deployment(progress)
@@ -354,6 +367,7 @@ class Stack:
                 str(engine_sd_file(self.config.data_dir)),
             )
             self._wait_healthy("telemetry", progress)
+            self._start_console(progress)
             self._start_edge(progress)
             self._wait_edge_routes(endpoints, progress)
             self._write_state()
@@ -487,6 +501,8 @@ class Stack:
             ",".join(cfg.address(r) for r in cfg.router_names),
             "--edge-auth-address",
             cfg.address("auth"),
+            "--edge-console-address",
+            f"127.0.0.1:{self.console_port}",
             "--edge-listen-host",
             cfg.host_address(EDGE_PROCESS),
             "--edge-listen-port",
@@ -740,10 +756,64 @@ class Stack:
                 )
             time.sleep(0.2)
 
+    def _start_console(self, progress: Progress) -> None:
+        """The web console (`python -m inferplane.console`), acting for its signed-in users'
+        keys at auth and presenting the operator identity; waits for its health page."""
+        cfg = self.config
+        progress("starting the web console")
+        security = [] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]
+        edge_ca = ["--edge-ca-path", str(cfg.ca_path)] if cfg.ca_path else []
+        argv = [
+            sys.executable,
+            "-m",
+            "inferplane.console",
+            "--port",
+            str(self.console_port),
+            "--no-json-logs",
+            *(["--plaintext"] if cfg.plaintext else security),
+            "--auth-address",
+            cfg.address("auth"),
+            "--orchestrator-address",
+            cfg.address("orchestrator"),
+            "--telemetry-address",
+            cfg.address("telemetry"),
+            "--edge-url",
+            cfg.base_url.removesuffix("/v1"),
+            *edge_ca,
+            *cfg.service_args.get("console", ()),
+        ]
+        proc = ManagedProcess("console", argv, log_path=cfg.data_dir / "logs" / "console.log")
+        proc.start()
+        self.processes["console"] = proc
+        context = None
+        if not cfg.plaintext:
+            # The console asks every client for a certificate of the CA (only the edge has one
+            # besides operators): the check presents the admin identity's.
+            sec = cfg.security
+            context = ssl.create_default_context(cafile=str(sec.ca_path))
+            context.check_hostname = False
+            context.load_cert_chain(str(sec.cert_path), str(sec.key_path))
+        scheme = "http" if context is None else "https"
+        url = f"{scheme}://127.0.0.1:{self.console_port}/console/healthz"
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.exited() is not None:
+                raise StackError(f"console exited at start-up:\n{proc.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2, context=context) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"console did not answer {url} within 60 s:\n{proc.log_tail()}")
+            time.sleep(0.2)
+
     def _write_state(self) -> None:
         cfg = self.config
         state = {
             "base_url": cfg.base_url,
+            "console_url": cfg.console_url,
             "ca_path": str(cfg.ca_path or ""),
             "tls_dir": "" if cfg.plaintext else str(cfg.pki_dir.resolve()),
             "ports": cfg.ports,

@@ -34,6 +34,9 @@ def up(
         int, typer.Option(help="Services listen on this port and the next four.")
     ] = 50051,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy's admin port.")] = 9901,
+    console_port: Annotated[
+        int, typer.Option(help="The web console's own port (browsers use the edge's /console/).")
+    ] = 8090,
     tls: Annotated[
         bool,
         typer.Option(
@@ -59,6 +62,7 @@ def up(
         http_port=port,
         grpc_base_port=grpc_base_port,
         envoy_admin_port=envoy_admin_port,
+        console_port=console_port,
         tls=tls,
         plaintext=plaintext,
         embeddings=embeddings,
@@ -119,6 +123,7 @@ def _banner(config: StackConfig, key: str) -> tuple[str, str]:
     header = f"""
 [bold green]inferplane is up[/bold green]  endpoint: [bold]{url}[/bold]   model: {MODEL_NAME}
 API key (shown once): [bold]{key}[/bold]
+web console: [bold]{config.console_url}[/bold] (the admin key, or a key with the console scope)
 logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.data_dir}"""
     ca = config.ca_path
     # Clients must trust the local CA explicitly (curl --cacert, httpx verify=...).

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.orchestrator.control import ControlPlane
+from inferplane.orchestrator.control import ControlPlane, ObservedReplica
 from inferplane.orchestrator.convert import (
     deployment_from_proto,
     deployment_to_proto,
@@ -23,6 +23,7 @@ from inferplane.orchestrator.convert import (
     placement_to_proto,
 )
 from inferplane.orchestrator.placement.model import Placement
+from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import RoutingHub
 from inferplane.runtime import InvalidArgumentError, PermissionDeniedError
 from inferplane.runtime.identity import ROUTER, peer_identity
@@ -99,12 +100,9 @@ class DeploymentService(
         observed = self._control.observed_replicas()
         return pb.ListDeploymentReplicasResponse(
             placements=[
-                placement_to_proto(
-                    item,
-                    observed.get(item.node, {}).get(item.replica_id)
-                    if isinstance(item, Placement)
-                    else None,
-                )
+                placement_to_proto(item, _reported(observed, item))
+                if isinstance(item, Placement)
+                else placement_to_proto(item, None)
                 for item in page.items
             ],
             next_page_token=page.next_page_token,
@@ -115,6 +113,18 @@ class DeploymentService(
     ) -> pb.ExplainPlacementResponse:
         lines = await asyncio.to_thread(self._control.explain, _deployment_id(request.name))
         return pb.ExplainPlacementResponse(lines=lines)
+
+
+def _reported(
+    observed: Mapping[str, Mapping[str, ObservedReplica]], placement: Placement
+) -> ObservedReplica | None:
+    """What the placement's node-agent reports for it: node-agents name a replica by slot and
+    revision (`release.spec.agent_replica_id`), placements by slot; a report under the bare
+    slot id is accepted too."""
+    on_node = observed.get(placement.node, {})
+    return on_node.get(agent_replica_id(placement.replica_id, placement.revision)) or on_node.get(
+        placement.replica_id
+    )
 
 
 class NodeService(

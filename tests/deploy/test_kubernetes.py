@@ -171,6 +171,46 @@ def test_router_has_replicas_and_a_disruption_budget(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_orchestrators_run_as_peers_that_every_leader_only_caller_lists(overlay: str) -> None:
+    """No single point of failure (issue 20): orchestrators are a StatefulSet of at least two
+    with a disruption budget and a headless Service naming each peer; the callers of what only
+    the leader answers (node-agent registration, router shares, the deployment Jobs) list
+    every peer, and every peer's name is in the orchestrator certificate they check."""
+    (sts,) = (
+        o for o in _objects(overlay, "StatefulSet") if o["metadata"]["name"] == "orchestrator"
+    )
+    replicas = sts["spec"]["replicas"]
+    assert replicas >= 2
+    (peers,) = (
+        o
+        for o in _objects(overlay, "Service")
+        if o["metadata"]["name"] == sts["spec"]["serviceName"]
+    )
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"]
+    names = [f"orchestrator-{i}.{peers['metadata']['name']}" for i in range(replicas)]
+    wanted = ",".join(f"{n}:50053" for n in names)
+    pdbs = [
+        o
+        for o in _objects(overlay, "PodDisruptionBudget")
+        if o["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "orchestrator"}
+    ]
+    assert pdbs and pdbs[0]["spec"]["minAvailable"] >= 1
+    env = {
+        (o["metadata"]["name"], e["name"]): e.get("value")
+        for o in _objects(overlay, "Deployment", "DaemonSet")
+        for c in _containers(o)
+        for e in c.get("env", [])
+    }
+    assert env[("router", "INFERPLANE_ROUTER_ORCHESTRATOR_ADDRESS")] == wanted
+    assert env[("node-agent", "INFERPLANE_NODE_AGENT_ORCHESTRATOR_ADDRESS")] == wanted
+    jobs = [yaml.safe_dump(o) for o in _objects(overlay, "Job")]
+    assert jobs and all(f"--address {wanted}" in j for j in jobs if "deployments create" in j)
+    if overlay == "b200":  # cert-manager's certificate
+        (cert,) = (c for c in _certificates(overlay) if c["spec"]["commonName"] == "orchestrator")
+        assert set(names) <= set(cert["spec"]["dnsNames"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_node_agent_is_a_daemonset_with_its_volumes(overlay: str) -> None:
     (agent,) = (o for o in _objects(overlay, "DaemonSet") if o["metadata"]["name"] == "node-agent")
     volumes = {v["name"]: v for v in _pod_spec(agent)["volumes"]}
@@ -347,6 +387,9 @@ def test_readme_certificate_commands_issue_every_identity_under_its_name(
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert {identity, "localhost"} <= set(sans.get_values_for_type(x509.DNSName)), identity
         assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+        if identity == "orchestrator":  # each StatefulSet peer, where its callers dial it
+            peers = {f"orchestrator-{i}.orchestrator-peers" for i in range(2)}
+            assert peers <= set(sans.get_values_for_type(x509.DNSName))
     text = README.read_text()
     loop = next(line for line in text.splitlines() if line.strip().startswith("for id in "))
     assert sorted(loop.split("for id in ")[1].split(";")[0].split()) == sorted(IDENTITIES)

@@ -23,6 +23,7 @@ OWN_STACK_MODULES = frozenset(
         "test_edge_tls.py",
         "test_embeddings.py",
         "test_catalogue.py",
+        "test_audio.py",
     }
 )
 

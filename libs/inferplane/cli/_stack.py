@@ -57,12 +57,13 @@ from inferplane.runtime import ConfigError
 from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 from inferplane.runtime.ports import free_port, port_is_free
-from inferplane.testing import embed_tiny, kimi_tiny
+from inferplane.testing import embed_tiny, kimi_tiny, whisper_tiny
 
 Progress = Callable[[str], None]
 
 MODEL_NAME = "kimi-tiny"
 EMBED_MODEL_NAME = embed_tiny.SERVED_MODEL_NAME
+SPEECH_MODEL_NAME = whisper_tiny.SERVED_MODEL_NAME
 NODE_NAME = "local"
 EDGE_NODE_ID = "inferplane-edge"
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
@@ -144,6 +145,8 @@ class StackConfig:
             third of that is left.
         embeddings: also serve the embed-tiny embedding model (`EMBED_MODEL_NAME`, one replica,
             `inproc`) beside kimi-tiny.
+        speech: also serve the whisper-tiny speech-to-text model (`SPEECH_MODEL_NAME`, one
+            replica, `inproc`: vLLM's speech serving in the replica process).
         chat: serve kimi-tiny (off only for benchmarks of the other models alone).
         plaintext: the services talk plaintext gRPC without identities (development only);
             by default every service, Envoy toward them, and the stack's own admin calls use
@@ -183,6 +186,7 @@ class StackConfig:
     tls_cert_days: int = 30
     plaintext: bool = False
     embeddings: bool = False
+    speech: bool = False
     chat: bool = True
     nodes: tuple[str, ...] = (NODE_NAME,)
     routers: int = 1
@@ -322,6 +326,37 @@ def embed_tiny_deployment() -> orchestrator_pb2.Deployment:
             max_num_seqs=16,
             transport="inproc",
             task="embed",
+        ),
+    )
+
+
+def whisper_tiny_deployment() -> orchestrator_pb2.Deployment:
+    """The whisper-tiny deployment (`config.speech`): one CPU replica of the fixture speech
+    model, task "transcribe", `inproc`, float32, least-load routing; placement sizes its
+    decoder's KV cache (Whisper's decoder layers and heads, 448 positions)."""
+    model = whisper_tiny.model_path()
+    manifest: dict[str, Any] = {}
+    arch: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        manifest = json.loads((model / "MANIFEST.json").read_text())
+        arch = json.loads((model / "config.json").read_text())
+    heads = int(arch.get("decoder_attention_heads") or 1)
+    return orchestrator_pb2.Deployment(
+        replicas=1,
+        owned_by="inferplane",
+        routing_policy="least_load",
+        profile=orchestrator_pb2.DeploymentProfile(
+            model_source=str(model),
+            engine="vllm-cpu",
+            precision="fp32",
+            parameter_count=int(manifest.get("parameters") or 0) or 1,
+            num_layers=int(arch.get("decoder_layers") or 1),
+            num_kv_heads=heads,
+            head_dim=int(arch.get("d_model") or heads) // heads,
+            max_model_len=whisper_tiny.MAX_MODEL_LEN,
+            max_num_seqs=16,
+            transport="inproc",
+            task="transcribe",
         ),
     )
 
@@ -562,6 +597,8 @@ class Stack:
             wanted[MODEL_NAME] = (kimi_tiny_deployment(cfg), cfg.replicas)
         if cfg.embeddings:
             wanted[EMBED_MODEL_NAME] = (embed_tiny_deployment(), 1)
+        if cfg.speech:
+            wanted[SPEECH_MODEL_NAME] = (whisper_tiny_deployment(), 1)
         return wanted
 
     def _ensure_deployment(self, progress: Progress) -> None:

@@ -18,7 +18,14 @@ from rich.table import Table
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.cli._stack import EMBED_MODEL_NAME, MODEL_NAME, Stack, StackConfig, StackError
+from inferplane.cli._stack import (
+    EMBED_MODEL_NAME,
+    MODEL_NAME,
+    SPEECH_MODEL_NAME,
+    Stack,
+    StackConfig,
+    StackError,
+)
 from inferplane.runtime.identity import ADMIN, PeerSecurity
 from inferplane.testing import kimi_tiny
 
@@ -54,6 +61,10 @@ def up(
     embeddings: Annotated[
         bool, typer.Option(help="Also serve the embed-tiny embedding model (/v1/embeddings).")
     ] = True,
+    speech: Annotated[
+        bool,
+        typer.Option(help="Also serve the whisper-tiny speech model (/v1/audio/transcriptions)."),
+    ] = True,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -66,6 +77,7 @@ def up(
         tls=tls,
         plaintext=plaintext,
         embeddings=embeddings,
+        speech=speech,
     )
     stack = Stack(config)
     stop = threading.Event()
@@ -145,6 +157,12 @@ logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.
 curl{curl_ca} {url}/embeddings -H "Authorization: Bearer {key}" \\
   -H "Content-Type: application/json" -d '{{"model":"{EMBED_MODEL_NAME}","input":["hello"]}}'
 """
+    speech_example = ""
+    if config.speech:
+        speech_example = f"""
+curl{curl_ca} {url}/audio/transcriptions -H "Authorization: Bearer {key}" \\
+  -F model={SPEECH_MODEL_NAME} -F file=@speech.wav -F response_format=text
+"""
     return (
         header,
         f"""
@@ -159,7 +177,7 @@ stream = client.chat.completions.create(model="{MODEL_NAME}", stream=True,
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
 PY
-{embed_example}
+{embed_example}{speech_example}
 Ctrl-C stops everything.""",
     )
 

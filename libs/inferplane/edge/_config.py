@@ -103,6 +103,9 @@ class EdgeConfig:
             buffers the whole body (probe notes §4: the 1 MiB default gives 413). Keep it below
             the services' gRPC `max_receive_message_length` (64 MiB) or an oversized body comes
             back as RESOURCE_EXHAUSTED → 429 and clients retry it.
+        max_audio_request_bytes: the same limit for `/v1/audio/...` (multipart uploads: OpenAI
+            takes files up to 25 MB, plus the form's other fields); the replica checks the
+            file itself. Envoy's buffer limits are the larger of the two (`buffer_limit_bytes`).
         authz_timeout_s: ext_authz `Check` deadline; past it the request gets a shaped 503.
         auth_failure_limit / auth_failure_window_s: a client address whose requests failed
             authentication (401) this many times in the current window of this many whole
@@ -153,6 +156,7 @@ class EdgeConfig:
     node_id: str = "inferplane-edge"
     node_cluster: str = "inferplane-edge"
     max_request_bytes: int = 8 * MiB
+    max_audio_request_bytes: int = 26 * MiB
     authz_timeout_s: float = 1.0
     auth_failure_limit: int = 30
     auth_failure_window_s: int = 10
@@ -172,6 +176,12 @@ class EdgeConfig:
     auth_internal_token: str = dataclasses.field(default="", repr=False)
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
     services: tuple[str, ...] = DEFAULT_SERVICES
+
+    @property
+    def buffer_limit_bytes(self) -> int:
+        """Envoy's per-connection and transcoder buffer limit: the largest body any route
+        accepts (the error shaper turns away bodies over their route's own limit first)."""
+        return max(self.max_request_bytes, self.max_audio_request_bytes)
 
     @property
     def tls(self) -> bool:

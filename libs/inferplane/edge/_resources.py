@@ -68,6 +68,10 @@ _LUA_PER_ROUTE = _T + "envoy.extensions.filters.http.lua.v3.LuaPerRoute"
 _EXT_AUTHZ_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
 _FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
 HEALTH_PATH = "/health"
+#: The speech-to-text routes (`/v1/audio/transcriptions`, `/v1/audio/translations`): their
+#: multipart bodies reach the replica unparsed (InferenceService.CreateTranscription takes
+#: the body as a google.api.HttpBody) and have their own size limit.
+AUDIO_PREFIX = "/v1/audio/"
 HEALTH_BODY = '{"status":"ok"}\n'
 _OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 _ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
@@ -110,6 +114,14 @@ PICKER_FILTERS: tuple[str, ...] = ("envoy.filters.http.ext_proc", "inferplane.pi
 # behind a silent network within ~35 s. Our servers accept pings every 10 s or slower
 # (inferplane.runtime MIN_PING_INTERVAL_MS); faster ones would earn a GOAWAY.
 UPSTREAM_KEEPALIVE = {"interval": "30s", "timeout": "5s"}
+# The replicas cluster's: replica processes run on other machines (GPU nodes), whose cable or
+# switch may die under streams in flight. Envoy learns it only from an unanswered ping, so
+# this bounds how long such a stream waits before it ends with an error, and how long a
+# request picked before the routing table dropped the node waits before Envoy retries it on
+# the next replica of its pick: interval × 1.15 (Envoy's default jitter) + timeout ≈ 18 s,
+# against ~40 s at UPSTREAM_KEEPALIVE (measured by tests/multihost). 11 s, not 10: a ping
+# delayed on the wire must still not arrive sooner than MIN_PING_INTERVAL_MS after the last.
+REPLICA_KEEPALIVE = {"interval": "11s", "timeout": "5s"}
 
 
 def _duration(seconds: float) -> str:
@@ -218,6 +230,13 @@ def _mapper(filter_: dict[str, Any], body: dict[str, Any] | None) -> dict[str, A
     return mapper
 
 
+def _audio_path() -> dict[str, Any]:
+    """Access-log filter: the request's path is an audio route (`AUDIO_PREFIX`)."""
+    return {
+        "header_filter": {"header": {"name": ":path", "string_match": {"prefix": AUDIO_PREFIX}}}
+    }
+
+
 def build_local_reply_config(config: EdgeConfig) -> Resource:
     """OpenAI-shaped bodies for Envoy's own replies (first matching mapper wins).
 
@@ -274,6 +293,16 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
             _status_is(404),
             _error_json("Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)", invalid, "unknown_url"),
         ),
+        # Audio uploads have their own limit (error_shaper.lua's request guard, by path).
+        _mapper(
+            {"and_filter": {"filters": [_status_is(413), _audio_path()]}},
+            _error_json(
+                "The request body is too large; audio requests are limited to "
+                f"{config.max_audio_request_bytes} bytes (files up to 25 MB).",
+                invalid,
+                "request_too_large",
+            ),
+        ),
         _mapper(
             _status_is(413),
             _error_json(
@@ -324,8 +353,11 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     descriptor set), on the body json_to_metadata already buffered.
     """
     descriptor = prune_descriptor_set(config.descriptor_set, config.services)
-    error_shaper = lua_source("error_shaper").replace(
-        "__MAX_REQUEST_BYTES__", str(config.max_request_bytes)
+    error_shaper = (
+        lua_source("error_shaper")
+        .replace("__MAX_REQUEST_BYTES__", str(config.max_request_bytes))
+        .replace("__MAX_AUDIO_REQUEST_BYTES__", str(config.max_audio_request_bytes))
+        .replace("__AUDIO_PREFIX__", AUDIO_PREFIX)
     )
     guard = (
         lua_source("auth_failure_guard")
@@ -428,7 +460,8 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "match_incoming_request_route": True,
                 # SDKs add query parameters (e.g. api-version); they must not fail requests.
                 "ignore_unknown_query_parameters": True,
-                "max_request_body_size": config.max_request_bytes,
+                # The audio routes' multipart bodies pass as one HttpBody (up to 26 MiB).
+                "max_request_body_size": config.buffer_limit_bytes,
                 "max_response_body_size": config.max_request_bytes,
             },
         },
@@ -789,8 +822,9 @@ def build_listener(config: EdgeConfig, *, rds: bool = False) -> Resource:
         "address": {
             "socket_address": {"address": config.listen_host, "port_value": config.listen_port}
         },
-        # Bodies up to max_request_bytes are buffered whole by json_to_metadata (probe §4).
-        "per_connection_buffer_limit_bytes": config.max_request_bytes,
+        # Bodies up to max_request_bytes are buffered whole by json_to_metadata (probe §4), and
+        # audio uploads up to max_audio_request_bytes by the transcoder (HttpBody).
+        "per_connection_buffer_limit_bytes": config.buffer_limit_bytes,
         # SO_REUSEPORT would let a second edge bind the same port and silently split traffic.
         "enable_reuse_port": False,
         "filter_chains": [chain],
@@ -867,13 +901,17 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
         cluster: Resource = {
             "name": name,
             "connect_timeout": _duration(config.connect_timeout_s),
-            "per_connection_buffer_limit_bytes": config.max_request_bytes,
+            "per_connection_buffer_limit_bytes": config.buffer_limit_bytes,
             "typed_extension_protocol_options": {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                     "@type": _HTTP_OPTIONS,
                     "explicit_http_config": {
                         "http2_protocol_options": {
-                            "connection_keepalive": UPSTREAM_KEEPALIVE,
+                            "connection_keepalive": (
+                                REPLICA_KEEPALIVE
+                                if name == REPLICAS_CLUSTER
+                                else UPSTREAM_KEEPALIVE
+                            ),
                         }
                     },
                 }

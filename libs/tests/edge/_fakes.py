@@ -38,7 +38,7 @@ from inferplane.runtime import (
     ResourceExhaustedError,
     error_trailers,
 )
-from inferplane.wire import ResponseSummary
+from inferplane.wire import ResponseSummary, read_form
 
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * MiB),
@@ -222,6 +222,34 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
             model=model,
             usage=pb.EmbeddingUsage(prompt_tokens=1, total_tokens=1),
         )
+
+    def CreateTranscription(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Echoes what reached it of the multipart upload: its content type and size, as
+        text/plain; the form's `model` picks errors as for the other methods, and model
+        "too-large" is the replica refusing the file (code request_too_large)."""
+        form = read_form(
+            request.body.content_type,
+            request.body.data,
+            max_file_bytes=len(request.body.data),
+            keep_files=False,
+        )
+        model = form.get("model") or ""
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        with self._lock:
+            self.calls.append(Call("CreateTranscription", model, metadata, request.ByteSize()))
+        error = ERRORS.get(model)
+        if model == "too-large":
+            error = InvalidArgumentError(
+                "the file is larger than the limit", param="file", code="request_too_large"
+            )
+        if error is not None:
+            context.set_trailing_metadata(error_trailers(error))
+            context.abort(error.status, error.message)
+        context.set_trailing_metadata(SUMMARY.to_metadata())
+        echo = f"{len(request.body.data)} bytes of {request.body.content_type}\n"
+        yield httpbody_pb2.HttpBody(content_type="text/plain; charset=utf-8", data=echo.encode())
+
+    CreateTranslation = CreateTranscription
 
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.calls.append(Call("ListModels", "", {}, 0))

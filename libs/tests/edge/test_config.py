@@ -204,16 +204,26 @@ def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
     assert {"remove_on_match": {"key_matcher": {"exact": edge.PICK_KEY}}} in early
 
 
-def test_buffer_limits_follow_max_request_bytes() -> None:
-    config = EdgeConfig(
-        router_endpoints=CONFIG.router_endpoints,
-        auth_endpoint=CONFIG.auth_endpoint,
-        max_request_bytes=16 * MiB,
-    )
-    assert edge.build_listener(config)["per_connection_buffer_limit_bytes"] == 16 * MiB
-    assert {c["per_connection_buffer_limit_bytes"] for c in edge.build_clusters(config)} == {
-        16 * MiB
-    }
+def test_buffer_limits_follow_the_largest_body_limit() -> None:
+    """Envoy's buffers hold the largest body any route accepts: chat's `max_request_bytes`
+    or the audio routes' `max_audio_request_bytes` (each route's own limit is the error
+    shaper's, by path)."""
+    for chat, audio in ((40 * MiB, 26 * MiB), (8 * MiB, 30 * MiB)):
+        config = EdgeConfig(
+            router_endpoints=CONFIG.router_endpoints,
+            auth_endpoint=CONFIG.auth_endpoint,
+            max_request_bytes=chat,
+            max_audio_request_bytes=audio,
+        )
+        largest = max(chat, audio)
+        assert edge.build_listener(config)["per_connection_buffer_limit_bytes"] == largest
+        assert {c["per_connection_buffer_limit_bytes"] for c in edge.build_clusters(config)} == {
+            largest
+        }
+        shaper = edge.build_http_filters(config)[0]["typed_config"]["default_source_code"]
+        source = shaper["inline_string"]
+        assert f"MAX_REQUEST_BYTES = {chat}\n" in source
+        assert f"MAX_AUDIO_REQUEST_BYTES = {audio}\n" in source
 
 
 def test_clusters_are_http2_static_or_dns_or_eds() -> None:

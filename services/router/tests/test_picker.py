@@ -11,9 +11,11 @@ import json
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
+import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.api import httpbody_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
@@ -194,6 +196,90 @@ def test_an_embeddings_request_is_picked_by_load_alone() -> None:
             assert features.flow == "k1" and features.prompt_tokens > 1000
             await stream.close()
             busy.release()
+
+    asyncio.run(scenario())
+
+
+def _audio_body(model: str | None = "m-alias", audio: bytes = b"RIFF" * 1000) -> bytes:
+    """A CreateTranscription body as the edge's transcoder frames it: the client's multipart
+    form (written by httpx, as the openai client does) inside an HttpBody."""
+    data = {"model": model} if model is not None else {"language": "en"}
+    form = httpx.Request(
+        "POST", "http://x", data=data, files={"file": ("a.wav", audio, "audio/wav")}
+    )
+    body = httpbody_pb2.HttpBody(content_type=form.headers["content-type"], data=form.read())
+    return grpc_frame(pb.CreateTranscriptionRequest(body=body))
+
+
+@pytest.mark.parametrize("method", ["CreateTranscription", "CreateTranslation"])
+def test_an_audio_request_is_routed_by_its_forms_model_and_picked_by_load(method: str) -> None:
+    """`POST /v1/audio/transcriptions` / `translations` (issue 19): the picker reads `model`
+    from the multipart form the edge passed through, and picks the least-loaded replica of
+    that model with no prefix blocks (the input is audio)."""
+
+    async def scenario() -> None:
+        async with picker_rig(2) as rig:
+            busy = await rig.hold(0)
+            stream = rig.stream()
+            path = f"/inferplane.inference.v1.InferenceService/{method}"
+            assert (await stream.headers(path, KEYED)).HasField("request_headers")
+            answer = await stream.body(_audio_body())
+            assert _endpoint_list(answer) == ["10.0.0.1:50054", "10.0.0.0:50054"]
+            features = FeatureExtractor().speech(4000, KEYED)
+            assert features.prefix_blocks == () and features.root is None
+            assert features.flow == "k1" and features.prompt_tokens == 1000
+            await stream.close()
+            busy.release()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (_audio_body(model=None), 400, "missing_required_parameter", "model"),
+        (_audio_body(model="nope"), 404, "model_not_found", "model"),
+        (
+            grpc_frame(
+                pb.CreateTranscriptionRequest(
+                    body=httpbody_pb2.HttpBody(content_type="application/json", data=b"{}")
+                )
+            ),
+            400,
+            "invalid_body",
+            None,
+        ),
+        (
+            grpc_frame(
+                pb.CreateTranscriptionRequest(
+                    body=httpbody_pb2.HttpBody(
+                        content_type="multipart/form-data; boundary=b", data=b"--b\r\ngarbage"
+                    )
+                )
+            ),
+            400,
+            "invalid_body",
+            None,
+        ),
+    ],
+    ids=["no-model", "unknown-model", "not-multipart", "truncated"],
+)
+def test_an_audio_request_without_a_readable_model_is_refused_in_openais_shape(
+    body: bytes, status: int, code: str, param: str | None
+) -> None:
+    """A form without `model`, a model no route serves, a body that is not multipart or is
+    cut short: OpenAI's error body and status, no slot taken."""
+
+    async def scenario() -> None:
+        async with picker_rig() as rig:
+            stream = rig.stream()
+            path = "/inferplane.inference.v1.InferenceService/CreateTranscription"
+            assert (await stream.headers(path, KEYED)).HasField("request_headers")
+            answer = await stream.body(body)
+            assert answer.immediate_response.status.code == status
+            error = _error_json(answer)
+            assert (error["code"], error["param"]) == (code, param)
+            assert rig.in_flight() == 0
 
     asyncio.run(scenario())
 

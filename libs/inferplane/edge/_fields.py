@@ -164,6 +164,11 @@ def _http_rule(method: descriptor_pb2.MethodDescriptorProto) -> http_pb2.HttpRul
     return rule
 
 
+#: A body of this type is the client's raw bytes (the transcoder parses nothing: multipart
+#: audio uploads), so it has no keys to check.
+_RAW_BODY = "google.api.HttpBody"
+
+
 def _field_kind(field: descriptor.FieldDescriptor) -> FieldKind:
     if field.message_type is None:
         return None
@@ -227,6 +232,8 @@ def known_request_fields(descriptor_set: bytes, services: Iterable[str]) -> Know
                     kind = _field_kind(field)
                     if kind is None or kind.map:
                         continue  # the body is a scalar or free-form value: nothing to check
+                    if kind.message == _RAW_BODY:
+                        continue  # the client's bytes, passed through unparsed (audio uploads)
                     body_type = kind.message
                 routes.append(BodyRoute(pattern[0], pattern[1], body_type))
     messages: dict[str, Mapping[str, FieldKind]] = {}

@@ -221,6 +221,8 @@ def test_console_keys_usage_revoke_and_playground(
         summary = page.text_content("section.deployment dl")
         assert "1 ready of 1" in summary and "Available" in summary, summary
         assert page.locator("section.deployment ul.explain li").count() >= 1
+        health = page.locator("section.deployment table tbody td:nth-child(6)").all_text_contents()
+        assert [h.strip() for h in health] == ["ready"], health
         _shot(page, artifacts, "07-deployments")
         response = page.goto(stack.config.console_url + "alerts")
         assert response is not None and response.status == 200

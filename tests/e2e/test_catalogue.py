@@ -286,3 +286,121 @@ def test_qwen3_tool_requests_are_well_formed(client: openai.OpenAI, qwen_tokeniz
             assert isinstance(arguments, dict), context
             if call["name"] in schemas:
                 jsonschema.validate(arguments, schemas[call["name"]])
+
+
+# Tools whose every argument is bounded (an enum, a small integer range), so the random
+# qwen3-tiny, decoding under the grammar, finishes a call in a few dozen tokens.
+BOUNDED_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set_unit",
+            "description": "Set the temperature unit and forecast length.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["unit", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "pick_city",
+            "description": "Pick one of the known cities.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_qwen3_forced_tool_calls_are_schema_valid(client: openai.OpenAI) -> None:
+    """tool_choice required and a named function to the random qwen3-tiny come back as one
+    schema-valid call of a declared (the named) function, streamed or not: the engine decodes
+    under a grammar written in Qwen3's own `<tool_call>` format (issue 19), so even an
+    untrained model cannot write anything else. Thinking off (`reasoning_effort: none`): the
+    call comes first; one call (`parallel_tool_calls: false`), so the grammar ends with it."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    named = {"type": "function", "function": {"name": "pick_city"}}
+    messages = [{"role": "user", "content": "Set up the forecast."}]
+    for choice, seed, stream in [("required", 1, False), ("required", 2, True), (named, 3, False)]:
+        created = client.chat.completions.create(
+            model=QWEN,
+            messages=messages,
+            tools=BOUNDED_TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=256,
+            stream=stream,
+            extra_body={"reasoning_effort": "none"},
+        )
+        if stream:
+            parts: dict[int, dict[str, str]] = {}
+            finish = []
+            texts: list[str] = []
+            for c in created:
+                if not c.choices:
+                    continue
+                finish.append(c.choices[0].finish_reason)
+                texts.append(c.choices[0].delta.content or "")
+                for tc in c.choices[0].delta.tool_calls or []:
+                    part = parts.setdefault(tc.index, {"name": "", "arguments": ""})
+                    if tc.function is not None:
+                        part["name"] += tc.function.name or ""
+                        part["arguments"] += tc.function.arguments or ""
+            calls = [parts[i] for i in sorted(parts)]
+            reason = [f for f in finish if f][-1]
+            content = "".join(texts)
+        else:
+            (choice_out,) = created.choices
+            reason = choice_out.finish_reason
+            content = choice_out.message.content
+            calls = [
+                {"name": c.function.name, "arguments": c.function.arguments}
+                for c in choice_out.message.tool_calls or []
+            ]
+        context = (choice, seed, stream, reason, calls)
+        assert reason == "tool_calls" and len(calls) == 1, context
+        assert not content, context
+        (call,) = calls
+        if isinstance(choice, dict):
+            assert call["name"] == "pick_city", context
+        assert call["name"] in schemas, context
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def test_qwen3_auto_tool_calls_are_schema_valid(client: openai.OpenAI) -> None:
+    """tool_choice auto to qwen3-tiny is constrained too (the profile's
+    `constrain_tool_choice_auto`, now on): the model may write text, but every call it starts
+    is a declared function with schema-valid arguments unless the token limit cut it."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    for seed in range(4):
+        created = client.chat.completions.create(
+            model=QWEN,
+            messages=[{"role": "user", "content": "Forecast?"}],
+            tools=BOUNDED_TOOLS,
+            tool_choice="auto",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=48,
+            extra_body={"reasoning_effort": "none"},
+        )
+        (choice,) = created.choices
+        calls = choice.message.tool_calls or []
+        no_leaks(choice.message.content)
+        assert choice.finish_reason in ("stop", "length", "tool_calls"), seed
+        if choice.finish_reason == "length":
+            continue
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])

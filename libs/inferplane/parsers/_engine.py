@@ -533,7 +533,10 @@ class Session:
             if self._sink is Sink.REASONING:
                 self._reasoning_tokens += len(token_ids)
             id_to_term = self._t.id_to_term
-            if id_to_term:
+            # Under a grammar (``constrained``) markers are matched as text: xgrammar's
+            # structural tags work on strings, so a marker the model spells in byte tokens is
+            # as structural to the grammar as the marker token, and the parser must agree.
+            if id_to_term and not self._constrained:
                 self._token_mode = True
                 for tid in token_ids:
                     term = id_to_term.get(tid)
@@ -1020,7 +1023,9 @@ class Parser:
                 valid JSON (``build_tool_constraint``): a marker inside an open JSON string of
                 the arguments is then data (the grammar lets a string hold it), not the end of
                 the call. Unconstrained, the marker ends the call (a model that never closed
-                its string must not swallow the rest of the output).
+                its string must not swallow the rest of the output). Constrained, markers are
+                also matched by text, not token id: the grammar works on strings, so a marker
+                spelled in several tokens is a marker to it (an untrained model does that).
         """
         c = self._t.config
         toolset = tools if isinstance(tools, ToolSet) or tools is None else ToolSet(tools)

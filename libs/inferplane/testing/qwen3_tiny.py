@@ -128,9 +128,10 @@ def deployment(transport: str = "inproc") -> orchestrator_pb2.Deployment:
     reasoning and tool parsers, :data:`MAX_MODEL_LEN` tokens, 4 concurrent sequences,
     `transport` (``inproc``, ``http-completions`` or ``grpc``).
 
-    ``constrain_tool_choice_auto`` is off: the platform's tool-call structural tag is written
-    in Kimi's format (``inferplane.parsers.build_tool_constraint``), not Qwen3's. Sizing
-    numbers come from the folder's ``config.json`` and ``MANIFEST.json``.
+    ``constrain_tool_choice_auto`` is on, as for every deployment by default: the tool-call
+    structural tag is written in Qwen3's own ``<tool_call>`` format (the ``qwen3`` parser's
+    ``call_syntax``; ``inferplane.parsers.build_tool_constraint``). Sizing numbers come from the
+    folder's ``config.json`` and ``MANIFEST.json``.
 
     Raises:
         FileNotFoundError: the model folder is missing (see :func:`model_path`).
@@ -156,6 +157,6 @@ def deployment(transport: str = "inproc") -> orchestrator_pb2.Deployment:
             reasoning_parser=PARSER,
             tool_parser=PARSER,
             transport=transport,
-            constrain_tool_choice_auto=False,
+            constrain_tool_choice_auto=True,
         ),
     )

@@ -243,3 +243,25 @@ def test_argument_sinks_need_their_arguments_format(sink: Sink, fmt: ArgumentsFo
     )
     with pytest.raises(ValueError, match="arguments"):
         Parser(config)
+
+
+def test_a_constrained_response_reads_markers_the_grammar_way() -> None:
+    """Under a tool-call grammar (xgrammar's structural tags match strings), a marker the model
+    spells in byte tokens is structural to the grammar, so the parser reads it as a marker too;
+    unconstrained, only the marker's own token is one and the spelling is text."""
+    vocab = {m: 1000 + i for i, m in enumerate(QWEN3_MARKERS)}
+    call = qwen_call("a", '{"x": 1}')
+    pieces = [call[i : i + 3] for i in range(0, len(call), 3)]  # no piece is a marker token
+
+    def run(constrained: bool) -> Any:
+        s = build_parser("qwen3", vocab=vocab).start(thinking=False, constrained=constrained)
+        for piece in pieces:
+            s.feed(piece, token_ids=[1])
+        s.finish()
+        return s.result()
+
+    constrained = run(True)
+    assert [(c.name, c.arguments) for c in constrained.tool_calls] == [("a", '{"x": 1}')]
+    assert constrained.content == ""
+    free = run(False)
+    assert free.tool_calls == [] and free.content == call

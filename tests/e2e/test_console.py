@@ -81,14 +81,15 @@ def _sign_in(page: Any, stack: Stack, key: str) -> None:
 
 def _create_key(page: Any, name: str, scopes: tuple[str, ...], tenant: str = "") -> tuple[str, str]:
     """Fills the create form; returns (key id, secret) from the once-shown secret box."""
-    page.get_by_label("Name", exact=True).fill(name)
+    form = page.locator("section[aria-labelledby=create-title] form")  # not a row's edit form
+    form.get_by_label("Name", exact=True).fill(name)
     if tenant:
-        page.get_by_label("Tenant", exact=True).fill(tenant)
+        form.get_by_label("Tenant", exact=True).fill(tenant)
     for scope in ("inference", "console"):
-        box = page.get_by_role("checkbox", name=scope, exact=True)
+        box = form.get_by_role("checkbox", name=scope, exact=True)
         if (scope in scopes) != box.is_checked():
             box.click()
-    page.get_by_role("button", name="Create key").click()
+    form.get_by_role("button", name="Create key").click()
     secret_box = page.locator("#new-secret")
     secret_box.wait_for()
     return secret_box.get_attribute("data-key").split("/")[1], secret_box.input_value()

@@ -39,6 +39,7 @@ class FakePlatform:
     rows: list[usage_pb2.UsageRow] = dataclasses.field(default_factory=list)
     groups: dict[str, list[usage_pb2.UsageGroup]] = dataclasses.field(default_factory=dict)
     closed: int = 0
+    updates: list[tuple[auth_pb2.ApiKey, tuple[str, ...]]] = dataclasses.field(default_factory=list)
     revoked_secrets: set[str] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -101,6 +102,18 @@ class FakeSession:
 
     async def rotate_key(self, name: str, grace_period_seconds: int) -> KeyWithSecret:
         return KeyWithSecret(self._own(name), "ip-rotated-" + "r" * 35)
+
+    async def update_key(self, key: auth_pb2.ApiKey, fields: Sequence[str]) -> auth_pb2.ApiKey:
+        stored = self._own(key.name)
+        self.p.updates.append((key, tuple(fields)))
+        for field in fields:
+            if field in ("scopes", "allowed_models"):
+                getattr(stored, field)[:] = list(getattr(key, field))
+            elif field == "limits":
+                stored.limits.CopyFrom(key.limits)
+            else:
+                setattr(stored, field, getattr(key, field))
+        return stored
 
     async def revoke_key(self, name: str) -> auth_pb2.ApiKey:
         key = self._own(name)

@@ -294,3 +294,39 @@ def test_alerts_page_lists_telemetrys_alerts(run_console: Any, sign_in: Any) -> 
         assert "ttft_p99" in page and "slow" in page
 
     run_console(scenario)
+
+
+def test_edit_sets_name_scopes_models_and_limits_of_an_own_key(
+    run_console: Any, sign_in: Any, csrf: Any
+) -> None:
+    async def scenario(client: Any, platform: Any, clock: Any) -> None:
+        page = await (await sign_in(client, ACME_KEY)).text()
+        assert 'action="/console/keys/k-acme/update"' in page
+        assert 'action="/console/keys/k-globex/update"' not in page
+        form = [
+            ("csrf_token", csrf(page)),
+            ("display_name", "renamed"),
+            ("scopes", "inference"),
+            ("scopes", "console"),
+            ("allowed_models", "kimi-tiny"),
+            ("tokens_per_minute", "500"),
+            ("tenant", "globex"),  # ignored: a key's tenant never changes
+        ]
+        done = await client.post("/console/keys/k-acme/update", data=form, allow_redirects=False)
+        assert done.status == 303
+        [(sent, fields)] = platform.updates
+        assert fields == ("display_name", "scopes", "allowed_models", "limits")
+        assert (sent.name, sent.tenant, list(sent.scopes)) == (
+            "k-acme",
+            "",
+            ["inference", "console"],
+        )
+        key = platform.keys["k-acme"]
+        assert key.display_name == "renamed" and list(key.allowed_models) == ["kimi-tiny"]
+        assert key.limits.tokens_per_minute == 500
+        listed = await (await client.get("/console/keys")).text()
+        assert 'value="renamed"' in listed and 'value="500"' in listed
+        other = await client.post("/console/keys/k-globex/update", data=form, allow_redirects=False)
+        assert other.status == 404
+
+    run_console(scenario)

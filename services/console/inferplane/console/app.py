@@ -102,6 +102,10 @@ def _uint(form: Any, field: str, label: str) -> int:
     return int(raw)
 
 
+# What the edit form of a key sets (AIP-134 update mask paths).
+UPDATE_FIELDS = ("display_name", "scopes", "allowed_models", "limits")
+
+
 def key_from_form(form: Any, identity: Identity) -> auth_pb2.ApiKey:
     """The `ApiKey` a create form asks for (scopes checked, models split on commas or
     whitespace, limits whole numbers). A console key's form has no tenant field and sends
@@ -299,7 +303,7 @@ class Console:
         except InferplaneError as exc:
             return await self.platform_error(
                 request, exc, "keys.html", keys=[], created=None, show_inactive=show_inactive,
-                scopes=SCOPES,
+                scopes=SCOPES, limit_fields=_LIMIT_FIELDS,
             )  # fmt: skip
         return self.render(
             request,
@@ -310,6 +314,7 @@ class Console:
             created=created,
             show_inactive=show_inactive,
             scopes=SCOPES,
+            limit_fields=_LIMIT_FIELDS,
         )
 
     async def keys_get(self, request: web.Request) -> web.StreamResponse:
@@ -346,6 +351,22 @@ class Console:
         of the page neither repeats the create nor shows the secret again."""
         session, _, _ = self.signed_in(request)
         session.flash = made
+        raise web.HTTPSeeOther(f"{PREFIX}/keys")
+
+    async def key_update(self, request: web.Request) -> web.StreamResponse:
+        """Sets a key's name, scopes, model allow-list and limits (the edit form); auth
+        refuses what the signed-in key may not change."""
+        _, identity, client = self.signed_in(request)
+        try:
+            key = key_from_form(await request.post(), identity)
+            key.ClearField("tenant")
+            key.ClearField("expire_time")
+            key.name = request.match_info["key_id"]
+            await client.update_key(key, UPDATE_FIELDS)
+        except FormError as exc:
+            return await self.keys_page(request, status=400, error=str(exc))
+        except InferplaneError as exc:
+            return await self.keys_page(request, status=exc.http_status, error=exc.message)
         raise web.HTTPSeeOther(f"{PREFIX}/keys")
 
     async def key_revoke(self, request: web.Request) -> web.StreamResponse:
@@ -586,6 +607,7 @@ def build_app(
             web.post(f"{PREFIX}/keys", console.key_create),
             web.post(f"{PREFIX}/keys/{{key_id}}/rotate", console.key_rotate),
             web.post(f"{PREFIX}/keys/{{key_id}}/revoke", console.key_revoke),
+            web.post(f"{PREFIX}/keys/{{key_id}}/update", console.key_update),
             web.get(f"{PREFIX}/usage", console.usage_page),
             web.get(f"{PREFIX}/usage.csv", console.usage_export),
             web.get(f"{PREFIX}/deployments", console.deployments_page),

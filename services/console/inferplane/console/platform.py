@@ -54,6 +54,8 @@ class PlatformSession(Protocol):
 
     async def revoke_key(self, name: str) -> auth_pb2.ApiKey: ...
 
+    async def update_key(self, key: auth_pb2.ApiKey, fields: Sequence[str]) -> auth_pb2.ApiKey: ...
+
     async def usage_groups(
         self, by: str, *, start: datetime, key: str = ""
     ) -> Sequence[usage_pb2.UsageGroup]: ...
@@ -136,6 +138,9 @@ class SdkSession:
 
     async def revoke_key(self, name: str) -> auth_pb2.ApiKey:
         return await self._client.keys.revoke(name)
+
+    async def update_key(self, key: auth_pb2.ApiKey, fields: Sequence[str]) -> auth_pb2.ApiKey:
+        return await self._client.keys.update(key, fields)
 
     async def usage_groups(
         self, by: str, *, start: datetime, key: str = ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,13 +154,19 @@ class World:
         return self.control.get("kimi-tiny").status
 
 
-def make_world(tmp_path: Path, fx: Any, agents: FakeAgents | None = None, **gate: Any) -> World:
+def make_world(
+    tmp_path: Path,
+    fx: Any,
+    agents: FakeAgents | None = None,
+    settings_overrides: dict[str, Any] | None = None,
+    **gate: Any,
+) -> World:
     clock = FakeClock()
     agents = agents or FakeAgents()
     fake_gate = FakeGate(
         GateReading(**(gate or {"requests": 10, "errors": 0, "ttft_p99_seconds": 0.1}))
     )
-    settings = fx.make_settings(tmp_path, reconcile=False)
+    settings = fx.make_settings(tmp_path, reconcile=False, **(settings_overrides or {}))
     components = build_components(settings, clock=clock, agents=agents, gate=fake_gate)
     components.store.create_schema()
     components.releases.create_schema()
@@ -410,3 +417,57 @@ def test_gate_verdict_and_percentile() -> None:
     assert "TTFT p99 0.600 s > 0.5 s" in gate_verdict(strategy, GateReading(100, 0, 0.6))
     assert "no request" in gate_verdict(strategy, GateReading(0, 0, 0.0))
     assert p99([float(i) for i in range(1, 101)]) == 99.0
+
+
+class SilentAgents(FakeAgents):
+    """FakeAgents where `silent` addresses answer ListReplicas only after `silence_seconds`
+    of real time: a node whose cable was pulled (no answer, no reset)."""
+
+    def __init__(self, silence_seconds: float) -> None:
+        super().__init__()
+        self.silent: set[str] = set()
+        self.silence_seconds = silence_seconds
+
+    async def list_replicas(self, address: str) -> list[na.Replica]:
+        if address in self.silent:
+            await asyncio.sleep(self.silence_seconds)
+        return await super().list_replicas(address)
+
+
+def test_a_silent_node_holds_neither_the_tick_nor_the_routing_table(
+    tmp_path: Path, fx: Any
+) -> None:
+    """A node-agent that stops answering (its network died: nothing resets the call) costs a
+    reconcile tick at most `node_agent_observe_timeout_seconds`, while the other nodes are
+    observed as usual; once the node is NotReady the next tick drops its replica from the
+    routing table (issue 20: tests/multihost saw a lost node's replica listed 27 s after
+    NotReady, the tick waiting out the 30 s control deadline on it)."""
+    agents = SilentAgents(silence_seconds=3.0)
+    world = make_world(
+        tmp_path, fx, agents, settings_overrides={"node_agent_observe_timeout_seconds": 0.3}
+    )
+    silent = "127.0.0.2:50052"
+    other = fx.cpu_status("cpu-b")
+    other.address = silent
+    world.control.register_node(node_from_status(other))
+    proto = fx.tiny_cpu_proto()
+    proto.replicas = 2
+    world.control.create(deployment_from_proto(proto, "kimi-tiny"))
+    world.tick(3)
+    table = world.table().routes[0].endpoints
+    assert sorted(e.address for e in table) == [ADDRESS, silent], table
+
+    agents.silent.add(silent)
+    started = time.monotonic()
+    world.tick()
+    assert time.monotonic() - started < 2.0, "the tick waited for the silent node"
+    assert len(world.endpoints()) == 2  # not NotReady yet: still listed, as before
+
+    # Its heartbeats stopped too: NotReady after missed_heartbeats intervals; cpu-a beats on.
+    world.clock.advance(31.0)
+    world.control.heartbeat(node_from_status(fx.cpu_status("cpu-a")))
+    assert world.control.sweep() == ["cpu-b"]
+    started = time.monotonic()
+    world.tick()
+    assert time.monotonic() - started < 2.0
+    assert [e.address for e in world.table().routes[0].endpoints] == [ADDRESS]

@@ -297,6 +297,7 @@ def build_components(
         settings=ReconcileSettings(
             interval_seconds=settings.reconcile_interval_seconds,
             propagation_seconds=settings.drain_propagation_seconds,
+            observe_timeout_seconds=settings.node_agent_observe_timeout_seconds,
         ),
     )
     cache = SnapshotCache()

@@ -28,6 +28,9 @@ class OrchestratorSettings(ServiceSettings):
         drain_propagation_seconds: a retired replica is marked draining in the routing table
             this long before DrainReplica (routers must see the table first).
         node_agent_timeout_seconds: deadline of one control call to a node-agent.
+        node_agent_observe_timeout_seconds: how long a reconcile tick waits for a node-agent's
+            replica list; a silent node then counts as unreachable for that tick instead of
+            holding the tick and the routing table (`ReconcileSettings`).
         warmup_timeout_seconds: deadline of one warm-up request (a new engine's first request).
         gate_probe_interval_seconds: the gate sends one probe request this often in its window.
         edge_routers: router instances (`host:port`) the edge's EDS lists; empty: no xDS
@@ -67,6 +70,7 @@ class OrchestratorSettings(ServiceSettings):
     reconcile_interval_seconds: float = 1.0
     drain_propagation_seconds: float = 1.0
     node_agent_timeout_seconds: float = 30.0
+    node_agent_observe_timeout_seconds: float = 5.0
     warmup_timeout_seconds: float = 60.0
     gate_probe_interval_seconds: float = 1.0
     edge_routers: tuple[str, ...] = ()

@@ -64,6 +64,12 @@ class ReconcileSettings:
         DrainReplica (routers must see the table before the replica refuses requests).
     warmup_attempts / warmup_retry_seconds: warm-up requests tried on a new READY replica.
     backoff_initial_seconds / backoff_max_seconds: per-node backoff after a failed call.
+    observe_timeout_seconds: how long a tick waits for one node-agent's ListReplicas (all
+        nodes are asked at once); one that has not answered by then is unreachable for this
+        tick (backoff). A node whose network went silent answers nothing and resets nothing:
+        without this bound it held the whole tick, and so the routing table, for the control
+        calls' deadline (30 s), its replicas still listed after the node was NotReady
+        (tests/multihost, issue 20).
     """
 
     interval_seconds: float = 1.0
@@ -72,6 +78,7 @@ class ReconcileSettings:
     warmup_retry_seconds: float = 1.0
     backoff_initial_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
+    observe_timeout_seconds: float = 5.0
 
 
 class NodeBackoff:
@@ -265,20 +272,34 @@ class Reconciler:
             node = nodes.get(name)
             if node is None or node.condition is NodeCondition.NOT_READY:
                 del self._observed[name]
-        for name, node in sorted(nodes.items()):
-            if node.condition is NodeCondition.NOT_READY or not node.address:
-                continue
-            if self._backoff.blocked(name, now):
-                continue
-            try:
-                replicas = await self._agents.list_replicas(node.address)
-            except Exception as exc:
+        asked = [
+            (name, node)
+            for name, node in sorted(nodes.items())
+            if node.condition is not NodeCondition.NOT_READY
+            and node.address
+            and not self._backoff.blocked(name, now)
+        ]
+        answers = await asyncio.gather(
+            *(
+                asyncio.wait_for(
+                    self._agents.list_replicas(node.address),
+                    self._settings.observe_timeout_seconds,
+                )
+                for _name, node in asked
+            ),
+            return_exceptions=True,
+        )
+        for (name, _node), answer in zip(asked, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer  # cancellation of the tick itself
+                error = str(answer) or type(answer).__name__
                 delay = self._backoff.failed(name, now)
-                log.warning("node_agent_unreachable", node=name, error=str(exc), retry_in=delay)
+                log.warning("node_agent_unreachable", node=name, error=error, retry_in=delay)
                 continue
             self._backoff.succeeded(name)
             self._reachable.add(name)
-            self._observed[name] = {r.name.removeprefix("replicas/"): r for r in replicas}
+            self._observed[name] = {r.name.removeprefix("replicas/"): r for r in answer}
 
     def _seen(self, record: ManagedReplica) -> nodeagent_pb2.Replica | None:
         return self._observed.get(record.node, {}).get(record.replica_id)

@@ -274,6 +274,6 @@ def test_the_speech_warm_up_is_a_form_the_replica_reads() -> None:
     format and half a second of 16 kHz WAV, as the replica's form reader sees it."""
     content_type, body = probe_speech_form("whisper-tiny")
     form = read_form(content_type, body)
-    assert form.get("model") == "whisper-tiny" and form.get("response_format") == "text"
+    assert form.get("model") == "whisper-tiny" and form.get("response_format") == "verbose_json"
     with wave.open(io.BytesIO(form.files["file"].data)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 1, 8000)

@@ -33,8 +33,10 @@ _PROBE_BOUNDARY = "inferplane-probe-boundary"
 
 def probe_speech_form(model: str) -> tuple[str, bytes]:
     """A transcription request's multipart/form-data body (content type, bytes) for the
-    speech warm-up: `model`, `response_format` text and a WAV of `PROBE_AUDIO_SECONDS` of
-    silence (16-bit mono, 16 kHz), as an OpenAI client would upload it."""
+    speech warm-up: `model`, `response_format` verbose_json and a WAV of `PROBE_AUDIO_SECONDS`
+    of silence (16-bit mono, 16 kHz), as an OpenAI client would upload it. verbose_json takes
+    the timestamp path (logprobs in the engine), whose first request costs the engine ~8 s
+    more than a plain one on CPU: paid by the warm-up, not by a client's first srt or vtt."""
     audio = io.BytesIO()
     with wave.open(audio, "wb") as w:
         w.setnchannels(1)
@@ -42,9 +44,10 @@ def probe_speech_form(model: str) -> tuple[str, bytes]:
         w.setframerate(16000)
         w.writeframes(b"\0\0" * int(16000 * PROBE_AUDIO_SECONDS))
     dash = f"--{_PROBE_BOUNDARY}\r\n"
+    field = dash + 'Content-Disposition: form-data; name="{}"\r\n\r\n{}\r\n'
     parts = [
-        f'{dash}Content-Disposition: form-data; name="model"\r\n\r\n{model}\r\n'.encode(),
-        f'{dash}Content-Disposition: form-data; name="response_format"\r\n\r\ntext\r\n'.encode(),
+        field.format("model", model).encode(),
+        field.format("response_format", "verbose_json").encode(),
         (
             f'{dash}Content-Disposition: form-data; name="file"; filename="probe.wav"\r\n'
             "Content-Type: audio/wav\r\n\r\n"

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inferplane.edge._resources import UPSTREAM_KEEPALIVE
+from inferplane.edge import REPLICAS_CLUSTER, EdgeConfig, Endpoint, build_clusters
+from inferplane.edge._resources import REPLICA_KEEPALIVE, UPSTREAM_KEEPALIVE
 from inferplane.runtime import ServiceSettings, _server, grpc_options
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,10 +56,35 @@ async def test_idle_streams_survive_our_keepalive_pings(monkeypatch: pytest.Monk
     assert outcome.startswith("failed") and "ping" in outcome.lower()
 
 
+def _seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
+
+
 def test_envoy_pings_no_faster_than_our_servers_accept() -> None:
-    interval_ms = int(UPSTREAM_KEEPALIVE["interval"].removesuffix("s")) * 1000
-    assert interval_ms >= _server.MIN_PING_INTERVAL_MS
+    for keepalive in (UPSTREAM_KEEPALIVE, REPLICA_KEEPALIVE):
+        assert _seconds(keepalive["interval"]) * 1000 >= _server.MIN_PING_INTERVAL_MS
     assert _server.KEEPALIVE_TIME_MS >= _server.MIN_PING_INTERVAL_MS
+
+
+def test_the_edge_finds_a_silent_replica_host_within_20_seconds() -> None:
+    """A replica whose machine went silent (cable pulled, tests/multihost) is found by Envoy's
+    keepalive alone: its streams end with an error and the requests picked for it are retried
+    on the next replica within interval × 1.15 (Envoy's default jitter) + timeout, which must
+    stay under 20 s (issue 20). The control-plane clusters keep the slower UPSTREAM_KEEPALIVE."""
+    config = EdgeConfig(
+        router_endpoints=(Endpoint.parse("127.0.0.1:7001"),),
+        auth_endpoint=Endpoint.parse("127.0.0.1:7002"),
+        replica_endpoints=(Endpoint.parse("10.0.0.7:7010"),),
+    )
+    keepalive = {
+        c["name"]: c["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        ]["explicit_http_config"]["http2_protocol_options"]["connection_keepalive"]
+        for c in build_clusters(config)
+    }
+    replicas = keepalive.pop(REPLICAS_CLUSTER)
+    assert _seconds(replicas["interval"]) * 1.15 + _seconds(replicas["timeout"]) < 20
+    assert keepalive and all(k == UPSTREAM_KEEPALIVE for k in keepalive.values()), keepalive
 
 
 @pytest.fixture

@@ -14,8 +14,10 @@ Invariants:
 - a standby refuses the catalogue and fleet RPCs with UNAVAILABLE / NOT_LEADER naming the
   leader and serves the routing table the leader stored; a deposed leader stops its loops;
 - kill -9 of the leader process under traffic: the other leads within d + r (plus loading),
-  no replica is started twice, drained or stopped, every request keeps being served, and the
-  standby's routing table keeps every endpoint throughout.
+  no replica is started twice, drained or stopped, every request keeps being served, the
+  standby's routing table keeps every endpoint throughout, and a shared-caps router listing
+  both orchestrators follows the new leader, which adopts its share, so it never stops
+  admitting (for longer than a renewal takes).
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ from inferplane.orchestrator.store.lease import (
     SqlRoutingTables,
 )
 from inferplane.orchestrator.store.sql import SqlStateStore
+from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
+from inferplane.router.leases import CapLease
+from inferplane.router.policies import default_registry
+from inferplane.router.sources import OrchestratorRouteSource
 from inferplane.runtime import ConfigError
+from inferplane.runtime.clock import SystemClock
 from inferplane.runtime.ports import free_port
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.databases import database_or_skip
@@ -637,6 +644,69 @@ def orchestrator(url: str, holder: str, tmp_path: Path) -> Iterator[tuple[Any, s
         log.close()
 
 
+class SharedCapsRouter:
+    """The shared-caps half of a real router, in process: its routing-table watch (with its
+    router id) and lease keeper listing every orchestrator, and its admission. Samples every
+    20 ms, after it first could admit, how long it could not (no lease or no share): the
+    longest such gap is `longest_gap` seconds (a new leader's table and the renewal it
+    triggers are milliseconds apart: requests queue meanwhile)."""
+
+    def __init__(self, addresses: list[str], router_id: str = "router-1") -> None:
+        self.loop = LoopThread()
+        self.longest_gap = 0.0
+        self._could_admit = False
+        self._gap_since: float | None = None
+
+        async def build() -> None:
+            clock = SystemClock()
+            self.admission = Admission(
+                default_registry(), AdmissionSettings(), clock, LoopScheduler()
+            )
+            self.source = OrchestratorRouteSource(
+                ",".join(addresses),
+                router_id=router_id,
+                initial_backoff_seconds=0.1,
+                max_backoff_seconds=1.0,
+            )
+            self.lease = CapLease(lambda: self.source.address, router_id, self.admission, clock)
+            self.source.subscribe(self.admission.apply)
+            self.source.subscribe(self.lease.on_table)
+            await self.source.start()
+            await self.lease.start()
+            self._sampler = asyncio.create_task(self._sample())
+
+        self.loop.run(build())
+
+    def _may_admit(self) -> bool:
+        """Under a lease, with room on some replica (its share)."""
+        route = self.source.current().get("tiny")
+        shares = [self.admission.share(e.key) or 0 for e in (route.endpoints if route else ())]
+        return bool(self.admission.lease_valid()) and sum(shares) > 0
+
+    async def _sample(self) -> None:
+        while True:
+            now = time.monotonic()
+            if self._may_admit():
+                self._could_admit, self._gap_since = True, None
+            elif self._could_admit:
+                self._gap_since = self._gap_since or now
+                self.longest_gap = max(self.longest_gap, now - self._gap_since)
+            await asyncio.sleep(0.02)
+
+    def state(self) -> tuple[str, bool]:
+        """(the lease epoch of the table it applied last, whether it may admit now)"""
+        return self.loop.call(lambda: (self.source.current().lease_epoch, self._may_admit()))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._sampler.cancel()
+            await self.lease.stop()
+            await self.source.stop()
+
+        self.loop.run(stop())
+        self.loop.close()
+
+
 def leads(address: str) -> bool:
     """Whether the orchestrator at `address` answers the fleet API (a standby refuses it)."""
     with grpc.insecure_channel(address) as channel:
@@ -746,12 +816,15 @@ def test_killing_the_leader_under_traffic_fails_over_within_the_bound(
                 ),
                 timeout=10,
             )
+        router = SharedCapsRouter([address_b, address_a])  # the standby first
         with Traffic(address_b, "tiny") as traffic:
             wait_for(
                 lambda: traffic.tables and len(traffic.tables[-1]) == 2,
                 30,
                 "both replicas in the standby's routing table",
             )
+            wait_for(lambda: router.state()[1], 30, "the router's lease at the leader")
+            epoch_a = router.state()[0]
             wait_for(lambda: traffic.ok >= 20, 10, "traffic flows")
             served_before = traffic.ok
             endpoints = traffic.tables[-1]
@@ -770,6 +843,14 @@ def test_killing_the_leader_under_traffic_fails_over_within_the_bound(
                 "the new leader's reconcile loop observes the node-agents",
             )
             wait_for(lambda: traffic.ok >= served_before + 40, 10, "traffic flows after")
+            # The router moved to the new leader, which adopted its share: it kept admitting
+            # (its last renewal at the old leader covered it until then).
+            wait_for(
+                lambda: router.state()[0] != epoch_a and router.state()[1],
+                20,
+                "the router admits under the new leader's lease",
+            )
+        router.close()
         print(
             f"\nfailover after kill -9 ({url.split(':')[0]}): {failover:.2f} s "
             f"(lease {PROCESS_LEASE} s + renew {PROCESS_RENEW} s); requests served "
@@ -778,6 +859,7 @@ def test_killing_the_leader_under_traffic_fails_over_within_the_bound(
         logs = {h: (tmp_path / f"{h}.log").read_text()[-3000:] for h in ("orch-a", "orch-b")}
         assert failover <= PROCESS_LEASE + PROCESS_RENEW + PROCESS_SLACK, logs
         assert traffic.failures == [] and not traffic._watch_error, traffic.failures[:5]
+        assert router.longest_gap < 1.0, f"the router could not admit for {router.longest_gap} s"
         # The standby's watch got the two-endpoint table once and nothing after it.
         assert traffic.tables[traffic.tables.index(endpoints) :] == [endpoints], traffic.tables
         calls = [c for agent in agents for c in agent.calls if c[0] != "List"]

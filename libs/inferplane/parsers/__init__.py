@@ -18,7 +18,11 @@ output with no format (all content, verbatim).
 """
 
 from inferplane.parsers._arguments import ToolSet
-from inferplane.parsers._constrain import Constraint, build_tool_constraint
+from inferplane.parsers._constrain import (
+    Constraint,
+    build_json_constraint,
+    build_tool_constraint,
+)
 from inferplane.parsers._deepseek_v31 import DEEPSEEK_V31_MARKERS, deepseek_v31_config
 from inferplane.parsers._engine import (
     Action,
@@ -85,6 +89,7 @@ __all__ = [
     "Transition",
     "UnknownParserError",
     "VerdictReason",
+    "build_json_constraint",
     "build_parser",
     "build_tool_constraint",
     "deepseek_v31_config",

@@ -48,7 +48,7 @@ from typing import Any, Literal
 from inferplane.parsers._errors import ConstraintError
 from inferplane.parsers._syntax import CallSyntax
 
-__all__ = ["Constraint", "ConstraintKind", "build_tool_constraint"]
+__all__ = ["Constraint", "ConstraintKind", "build_json_constraint", "build_tool_constraint"]
 
 ConstraintKind = Literal[
     "json_schema", "regex", "grammar", "structural_tag", "json_object", "choice"
@@ -309,6 +309,48 @@ def build_tool_constraint(
 
     prefix = _reasoning_prefix(syntax, thinking)
     fmt = suffix if prefix is None else {"type": "sequence", "elements": [prefix, suffix]}
+    return Constraint("structural_tag", _structural_tag(fmt))
+
+
+def build_json_constraint(
+    schema: Mapping[str, Any] | None,
+    *,
+    syntax: CallSyntax | None = None,
+    thinking: bool = True,
+) -> Constraint:
+    """The constraint for ``response_format`` ``json_object`` (`schema` None) or
+    ``json_schema``, in the output format's own shape, so that reasoning is not forced into
+    JSON and the answer lands where the parser reads content.
+
+    Without reasoning and without an answer header the whole output is the JSON value (vLLM's
+    ``json_schema`` / ``json_object``). Otherwise a structural tag: the reasoning the prompt
+    opened, closed (or, for a model that opens it itself, an optional block of it; rules of
+    ``build_tool_constraint``), then the answer header when the format has one (harmony's
+    ``<|channel|>final<|message|>``, vLLM's variants), then the JSON value.
+
+    Args:
+        schema: the JSON schema, or None for any JSON object.
+        syntax: the format's call syntax (``parser.config.call_syntax``); None: Kimi K2's.
+        thinking: the prompt opened reasoning.
+    """
+    if syntax is None:
+        from inferplane.parsers._kimi_k2 import KIMI_K2_CALLS
+
+        syntax = KIMI_K2_CALLS
+    prefix = _reasoning_prefix(syntax, thinking)
+    if prefix is None and not syntax.answer_begins:
+        if schema is None:
+            return Constraint("json_object", "true")
+        return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
+    answer: JSON = {
+        "type": "json_schema",
+        "json_schema": schema if schema is not None else {"type": "object"},
+    }
+    if syntax.answer_begins:
+        heads = [{"type": "const_string", "value": b} for b in syntax.answer_begins]
+        head = heads[0] if len(heads) == 1 else {"type": "or", "elements": heads}
+        answer = {"type": "sequence", "elements": [head, answer]}
+    fmt = answer if prefix is None else {"type": "sequence", "elements": [prefix, answer]}
     return Constraint("structural_tag", _structural_tag(fmt))
 
 

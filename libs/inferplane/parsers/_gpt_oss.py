@@ -98,6 +98,10 @@ GPT_OSS_CALLS = CallSyntax(
     # A call in another form (from ``analysis``, or the recipient in the role) would escape
     # the trigger, so only the commentary form is left open.
     text_excludes=(CHANNEL + "analysis to=", CHANNEL + "final to=", "assistant to="),
+    # vLLM's _FINAL_BEGIN variants for a structured answer.
+    answer_begins=tuple(
+        CHANNEL + "final" + c + MESSAGE for c in (" " + CONSTRAIN + "json", " json", "")
+    ),
 )
 """gpt-oss's calls for the decoding constraint (xgrammar's ``harmony`` tag: one optional
 ``analysis`` message, then ``<|channel|>commentary to=functions.{name} <|constrain|>json

@@ -52,6 +52,9 @@ class CallSyntax:
             markers (a call marker outside a section).
         model_writes_think: the model may write ``reasoning_begin`` first although the prompt
             opened reasoning (Qwen3 before 2507), so reasoning may hold it.
+        answer_begins: the texts that may open the answer after reasoning, one of which a
+            ``response_format`` JSON answer must start with (harmony's ``final`` channel
+            header); empty when the answer is plain text.
     """
 
     call_begin: str
@@ -70,6 +73,7 @@ class CallSyntax:
     reasoning_excludes: tuple[str, ...] = ()
     text_excludes: tuple[str, ...] = ()
     model_writes_think: bool = False
+    answer_begins: tuple[str, ...] = ()
 
     def begin(self, name: str) -> str:
         """``call_begin`` for function ``name``."""

@@ -199,3 +199,46 @@ def test_agrees_with_xgrammars_builtin_tag(family: str, model: str) -> None:
     ):
         ours = accepts(family, "required", text, thinking=False)
         assert ours == bool(testing._is_grammar_accept_string(theirs, text)), text
+
+
+ANSWER = '{"city": "Lima", "days": 1}'
+# How each family answers after its reasoning: where a JSON answer goes.
+ANSWER_AT = {
+    "kimi_k2": ANSWER,
+    "deepseek_v31": ANSWER,
+    "qwen3": ANSWER,
+    "glm45": ANSWER,
+    "gpt_oss": "<|channel|>final <|constrain|>json<|message|>" + ANSWER,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_json_answer_follows_the_familys_reasoning(family: str) -> None:
+    """response_format json_schema: the family's reasoning stays free, then the answer (in
+    harmony's final channel) must be the schema's JSON, which the parser returns as content."""
+    from inferplane.parsers import build_json_constraint
+
+    thinking = THINKING[family]
+    syntax = build_parser(family).config.call_syntax
+    c = build_json_constraint(WEATHER_SCHEMA, syntax=syntax, thinking=thinking)
+    grammar = xgr.Grammar.from_structural_tag(c.value)
+
+    def ok(text: str) -> bool:
+        return bool(testing._is_grammar_accept_string(grammar, text))
+
+    text = REASONING[family] + ANSWER_AT[family]
+    assert ok(text)
+    assert not ok(REASONING[family] + ANSWER_AT[family].replace('"Lima"', "7"))
+    assert not ok(REASONING[family] + "Sure: " + ANSWER)
+    res = build_parser(family).parse(text, thinking=thinking)
+    assert json.loads(res.content) == json.loads(ANSWER) and res.reasoning
+
+
+def test_json_answer_without_reasoning_is_vllms_plain_constraint() -> None:
+    """No reasoning and no answer header: the whole output is the JSON value."""
+    from inferplane.parsers import build_json_constraint
+
+    syntax = build_parser("qwen3").config.call_syntax
+    assert build_json_constraint(None, syntax=syntax, thinking=False).kind == "json_object"
+    c = build_json_constraint(WEATHER_SCHEMA, syntax=syntax, thinking=False)
+    assert c.kind == "json_schema" and json.loads(c.value) == WEATHER_SCHEMA

@@ -28,7 +28,6 @@ What inferplane supports, and what it rejects with a clear 400 (OpenAI's
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -38,11 +37,15 @@ from inferplane.chat import ChatFamily, ChatRenderError, RenderedPrompt, render_
 from inferplane.node_agent.engine.api import EngineConstraint, SamplingParams
 from inferplane.node_agent.pipeline.assets import ModelAssets
 from inferplane.node_agent.pipeline.schemas import check_compiles
-from inferplane.parsers import KIMI_K2_MARKERS, ConstraintError, build_tool_constraint
+from inferplane.parsers import (
+    CallSyntax,
+    ConstraintError,
+    build_json_constraint,
+    build_tool_constraint,
+)
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.wire import chat_request_to_dict, completion_request_to_dict
 
-_THINK_END = "</think>"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk; more is a unary response in disguise
@@ -281,35 +284,21 @@ def _thinking_from_effort(body: dict[str, Any], family: ChatFamily) -> None:
         kwargs.setdefault(family.thinking_kwarg, effort != "none")
 
 
-def _json_constraint(schema: Mapping[str, Any] | None, thinking: bool) -> EngineConstraint:
-    """The constraint for `response_format` json_object / json_schema.
+def _json_constraint(
+    schema: Mapping[str, Any] | None, thinking: bool, syntax: CallSyntax | None
+) -> EngineConstraint:
+    """The constraint for `response_format` json_object / json_schema, in the model's own
+    output format (`inferplane.parsers.build_json_constraint`; `syntax` is the replica's
+    parser's, None for Kimi's).
 
     Without thinking the whole output is the JSON value (vLLM's `json_schema` / `json_object`).
     With thinking on, the K2.5 prompt opened `<think>`, so the output is reasoning, `</think>`,
     then the JSON: an xgrammar structural tag of that sequence (the same shape
-    `build_tool_constraint` uses), so reasoning is not forced into JSON.
+    `build_tool_constraint` uses), so reasoning is not forced into JSON; gpt-oss answers in its
+    `final` channel after an optional `analysis` message.
     """
-    if not thinking:
-        if schema is None:
-            return EngineConstraint("json_object", "true")
-        return EngineConstraint("json_schema", json.dumps(schema, ensure_ascii=False))
-    reasoning = {
-        "type": "tag",
-        "begin": "",  # the prompt already opened <think>
-        "content": {
-            "type": "any_text",
-            "excludes": [m for m in KIMI_K2_MARKERS if m != _THINK_END],
-        },
-        "end": _THINK_END,
-    }
-    value = {
-        "type": "json_schema",
-        "json_schema": schema if schema is not None else {"type": "object"},
-    }
-    fmt = {"type": "sequence", "elements": [reasoning, value]}
-    return EngineConstraint(
-        "structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
-    )
+    built = build_json_constraint(schema, syntax=syntax, thinking=thinking)
+    return EngineConstraint(built.kind, built.value)
 
 
 def _response_format(body: Mapping[str, Any]) -> tuple[bool, Mapping[str, Any] | None]:
@@ -418,7 +407,8 @@ def plan_chat(
             )
         if schema is not None:
             check_compiles([("response_format.json_schema.schema", schema)])
-        constraint = _json_constraint(schema, prompt.thinking)
+        syntax = assets.parser.config.call_syntax if assets.parser is not None else None
+        constraint = _json_constraint(schema, prompt.thinking, syntax)
     requested = _positive_int(body, "max_completion_tokens")
     if requested is None:
         requested = _positive_int(body, "max_tokens")

@@ -27,6 +27,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from inferplane.cli._stack import MODEL_NAME, Stack
+from inferplane.cli._up import _console_health
 from inferplane.testing import kimi_tiny
 
 pytestmark = pytest.mark.e2e
@@ -68,7 +69,8 @@ def _context(browser: Any, stack: Stack) -> Any:
 
 def _shot(page: Any, artifacts: Path, name: str) -> None:
     path = artifacts / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    # Secrets never reach an artifact (issue 18): the once-shown secret box is painted over.
+    page.screenshot(path=str(path), full_page=True, mask=[page.locator("#new-secret")])
     print(f"screenshot: {path}")
 
 
@@ -228,6 +230,10 @@ def test_console_keys_usage_revoke_and_playground(
         response = page.goto(stack.config.console_url + "alerts")
         assert response is not None and response.status == 200
         _shot(page, artifacts, "08-alerts")
+        # `inferplane status` reads the console's health through the edge from stack.json.
+        state = json.loads((stack.config.data_dir / "stack.json").read_text())
+        assert state["console_url"] == stack.config.console_url
+        assert _console_health(state["console_url"], state["ca_path"]) == "SERVING"
         print(f"console browser flow: {time.monotonic() - started:.1f} s")
     finally:
         context.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 import threading
 import time
 import urllib.request
@@ -203,6 +204,10 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
     edge = _envoy_ready(state["envoy_admin_port"])
     healthy &= edge == "LIVE"
     table.add_row("envoy", f"127.0.0.1:{state['http_port']}", edge)
+    if state.get("console_url"):
+        console_health = _console_health(state["console_url"], state.get("ca_path", ""))
+        healthy &= console_health == "SERVING"
+        table.add_row("console", state["console_url"], console_health)
     try:
         with security.channel(f"127.0.0.1:{state['ports']['orchestrator']}") as channel:
             deployments = (
@@ -254,6 +259,16 @@ def _health(security: PeerSecurity, address: str) -> str:
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
     except grpc.RpcError as exc:
         return f"DOWN ({exc.code().name})"
+
+
+def _console_health(console_url: str, ca_path: str) -> str:
+    """The web console's health page, through the edge (as a browser reaches it)."""
+    context = ssl.create_default_context(cafile=ca_path) if ca_path else None
+    try:
+        with urllib.request.urlopen(console_url + "healthz", timeout=2, context=context) as r:
+            return "SERVING" if r.status == 200 else f"HTTP {r.status}"
+    except OSError as exc:
+        return f"DOWN ({exc})"
 
 
 def _envoy_ready(admin_port: int) -> str:

@@ -4,15 +4,18 @@ Hosts are network namespaces (conftest.py): a control host (orchestrator, auth, 
 telemetry, the Envoy edge) and two workers, each a node-agent with one kimi-tiny replica (vLLM
 on the CPU), every service on its host's own address, mutual TLS between them. The test is a
 client on the bridge and talks to the edge's address only, with the official `openai` client.
-Liveness is short here (heartbeats every 1 s, NotReady after 3 missed), so a lost node shows
+Liveness is short here (heartbeats every 1 s, NotReady after 5 missed), so a lost node shows
 within seconds. Invariants:
 
 - requests are spread over both workers (each request's replica from auth's usage ledger,
-  each replica's node from the orchestrator's placements);
-- with worker w1's cable pulled: requests sent afterwards all succeed, served on w2; every
-  stream in flight on w1 ends with an explicit error within `STREAM_END_BOUND_S` (never a
-  clean end without its finish, never a hang); the streams on w2 finish; the orchestrator marks
-  w1 NotReady within `LOST_BOUND_S` and re-places its replica on w2 (room for two there);
+  each replica's node from the routing table);
+- with worker w1's cable pulled: requests sent afterwards all succeed (on w2: w1 has no
+  network); every stream in flight on w1 ends with an error within `STREAM_END_BOUND_S` (a
+  transport error: Envoy resets a response whose replica went silent; no SSE error event can
+  come from an unreachable replica, docs/architecture.md), never a clean end without its
+  finish, never a hang; the streams on w2 finish; the ledger names w1's replica for exactly the
+  streams that ended by an error; the orchestrator marks w1 NotReady and the routing table
+  drops it within `LOST_BOUND_S`, and its replica is re-placed on w2 (room for two there);
 - with the cable back: w1 is Ready again and the deployment still has exactly its two
   replicas, both on w2: w1's node-agent no longer runs the replica it was cut off with.
 """
@@ -43,14 +46,17 @@ T = TypeVar("T")
 
 INTERNAL_TOKEN = "multihost-internal-token"
 HEARTBEAT_S = 1.0
-MISSED_HEARTBEATS = 3
-# NotReady after MISSED_HEARTBEATS × HEARTBEAT_S without a heartbeat, seen by the next sweep.
-LOST_BOUND_S = 15.0
-# Envoy finds a dead replica connection by its HTTP/2 keepalive toward upstreams (a 30 s ping
-# interval, 5 s to answer: inferplane.edge UPSTREAM_KEEPALIVE) and then ends the stream.
-STREAM_END_BOUND_S = 45.0
+MISSED_HEARTBEATS = 5  # 5 s: a node-agent stalled a few seconds under load is not lost
+# NotReady after MISSED_HEARTBEATS × HEARTBEAT_S without a heartbeat, seen by the next sweep;
+# out of the routing table at the next reconcile tick, which waits at most the orchestrator's
+# node_agent_observe_timeout_seconds (5 s) for the silent node-agent.
+LOST_BOUND_S = 20.0
+# Envoy finds a silent replica host by its HTTP/2 keepalive toward the replicas (a ping every
+# 11-12.65 s, 5 s to answer: inferplane.edge REPLICA_KEEPALIVE, ≤ 17.65 s), then resets the
+# streams on it and retries the requests that had no response yet on the next replica picked.
+STREAM_END_BOUND_S = 25.0
 STREAM_READ_TIMEOUT_S = 300.0
-STREAM_TOKENS = 1800  # ignore_eos: ~10-30 s of streaming on this machine, outlasting the cut
+STREAM_TOKENS = 1800  # ignore_eos: ~20 s of streaming on an idle machine, outlasting the cut
 # The replica's engine starts on a loaded two-core machine beside the other one.
 REPLACE_BOUND_S = 600.0
 REJOIN_BOUND_S = 120.0
@@ -91,6 +97,16 @@ def stack(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
             ),
             "auth": ("--internal-token", INTERNAL_TOKEN),
             "router": ("--auth-internal-token", INTERNAL_TOKEN),
+            # Both "hosts" share this machine's cores: a niced engine (19 once ready, the CPU
+            # nodes' default) would starve behind the other worker's engine starting at 0 (the
+            # re-placed replica) and behind anything else the machine runs, and its streams
+            # would stall for minutes.
+            "node_agent": (
+                "--engine-cpu-core-niceness",
+                "0",
+                "--engine-cpu-autogroup-niceness",
+                "0",
+            ),
         },
     )
     with running_stack(config, print) as started:
@@ -299,18 +315,20 @@ def test_a_worker_cut_off_and_back(stack: Stack, hosts: Hosts, admin: dict[str, 
     hosts.cut(CUT)
     cut_at = time.monotonic()
     print(f"cut {CUT} at {time.strftime('%H:%M:%S')}")
-    # When the orchestrator marks the node lost, watched from the cut on.
+    # When the orchestrator marks the node lost, and when the routing table stops listing
+    # its replica, watched from the cut on.
     lost_at: list[float] = []
-    watcher = threading.Thread(
-        target=lambda: lost_at.append(
-            _poll(
-                f"{CUT} NotReady",
-                LOST_BOUND_S,
-                lambda: time.monotonic() if _node_condition(stack, CUT) == "NotReady" else None,
-            )
-        ),
-        daemon=True,
-    )
+    unlisted_at: list[float] = []
+
+    def watch() -> None:
+        while time.monotonic() - cut_at < LOST_BOUND_S and not (lost_at and unlisted_at):
+            if not lost_at and _node_condition(stack, CUT) == "NotReady":
+                lost_at.append(time.monotonic())
+            if not unlisted_at and all(e.node != CUT for e in stack.serving_endpoints()):
+                unlisted_at.append(time.monotonic())
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
 
     # Requests not yet started when the cable went: every one succeeds, on the kept worker.
@@ -343,7 +361,11 @@ def test_a_worker_cut_off_and_back(stack: Stack, hosts: Hosts, admin: dict[str, 
     # The orchestrator marked the node lost within its bound...
     watcher.join(LOST_BOUND_S)
     assert lost_at, f"{CUT} was not NotReady within {LOST_BOUND_S:.0f} s of the cut"
-    print(f"{CUT} NotReady {lost_at[0] - cut_at:.1f} s after the cut")
+    assert unlisted_at, f"the routing table still listed {CUT} {LOST_BOUND_S:.0f} s after the cut"
+    print(
+        f"{CUT} NotReady {lost_at[0] - cut_at:.1f} s after the cut, "
+        f"out of the routing table {unlisted_at[0] - cut_at:.1f} s after it"
+    )
 
     # ...and re-places its replica on the kept worker: two serving replicas there.
     def replaced() -> list[str] | None:

@@ -231,3 +231,33 @@ def test_audio_over_the_length_limit_is_refused() -> None:
     data = _encoded(np.zeros(16000 * 3), 16000, "WAV")
     with pytest.raises(AudioError, match="at most 2 s"):
         decode_audio(data, max_seconds=2)
+
+
+def test_speech_replicas_run_on_inproc_only() -> None:
+    """vLLM's speech serving is hosted in the replica process: a `transcribe` spec on a
+    child-engine transport is refused naming the transport and the one that works."""
+    from inferplane.node_agent.engine.process import resolve_transport
+    from inferplane.node_agent.testing.pipeline import whisper_tiny_spec
+
+    spec = whisper_tiny_spec()
+    assert resolve_transport(spec) == "inproc"
+    for transport in ("http-completions", "grpc"):
+        spec.transport = transport
+        with pytest.raises(ValueError, match=f"the {transport} engine transport cannot serve"):
+            resolve_transport(spec)
+
+
+def test_an_engine_without_speech_is_refused_by_the_tracked_engine() -> None:
+    """The replica's TrackedEngine refuses speech on an engine that has none (a `rejected`
+    EngineError: the replica answers 400, never counts it against the engine)."""
+    import asyncio
+
+    from inferplane.node_agent.engine.api import EngineError, SpeechParams, SpeechUsage
+    from inferplane.node_agent.replica.state import TrackedEngine
+    from inferplane.node_agent.testing.pipeline import ScriptedEngine
+
+    failures: list[int] = []
+    tracked = TrackedEngine(ScriptedEngine(()), lambda: failures.append(1))
+    with pytest.raises(EngineError) as info:
+        asyncio.run(tracked.transcribe(b"", SpeechParams(task="transcribe"), SpeechUsage()))
+    assert info.value.rejected and failures == []

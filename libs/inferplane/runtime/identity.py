@@ -140,9 +140,12 @@ class PeerSecurity:
 
     # -- servers --------------------------------------------------------------------------
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """mTLS server credentials that re-read the files when they change (no restart)."""
-        return _ReloadingServerCredentials(self).credentials()
+    def server_credentials(self, *, require_client: bool = True) -> grpc.ServerCredentials:
+        """mTLS server credentials that re-read the files when they change (no restart).
+        `require_client=False`: server TLS only (the caller shows no certificate and so has
+        no identity; for a port that a NetworkPolicy restricts instead, e.g. the router's
+        listener for conformant gateways)."""
+        return _ReloadingServerCredentials(self, require_client=require_client).credentials()
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Binds `address` with these credentials (or plaintext); the bound port, 0 on failure."""
@@ -177,8 +180,9 @@ class _ReloadingServerCredentials:
     """`grpc.dynamic_ssl_server_credentials` whose fetcher (called by gRPC core at each new
     handshake) returns a new configuration once any of the three files changed."""
 
-    def __init__(self, security: PeerSecurity) -> None:
+    def __init__(self, security: PeerSecurity, *, require_client: bool = True) -> None:
         self._security = security
+        self._require_client = require_client
         self._stamp = self._read_stamp()
 
     def _read_stamp(self) -> tuple[tuple[int, int], ...]:
@@ -208,7 +212,7 @@ class _ReloadingServerCredentials:
             self._fetch,
             # Required at the handshake: gRPC Python has no "request but do not require" mode
             # (False means the server never asks, so no caller would have an identity).
-            require_client_authentication=True,
+            require_client_authentication=self._require_client,
         )
 
 

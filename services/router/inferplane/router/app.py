@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
@@ -19,7 +22,12 @@ from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
 from inferplane.router.outcomes import OutcomeService
 from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
-from inferplane.router.picker import EndpointPicker, PickerSettings
+from inferplane.router.picker import (
+    EndpointPicker,
+    GatewayMode,
+    GatewayProcessor,
+    PickerSettings,
+)
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable, load_routes_file
@@ -27,9 +35,9 @@ from inferplane.router.servicer import ModelsService
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
-from inferplane.runtime import App, ServicerBinding, grpc_options
+from inferplane.runtime import App, ErrorInterceptor, ServicerBinding, grpc_options
 from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy
+from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy, PeerSecurity
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 
@@ -58,6 +66,51 @@ def route_source(settings: RouterSettings, router: str = "") -> RouteSource:
         )
     table = load_routes_file(settings.routes_file) if settings.routes_file else RouteTable.of([])
     return StaticRouteSource(table)
+
+
+class GatewayListener:
+    """The router's second endpoint-picker port for conformant gateways (`gateway_port`):
+    its own gRPC server with `GatewayProcessor` and gRPC health (the protocol's readiness
+    check), server TLS without a client certificate, or plaintext when the router is."""
+
+    def __init__(
+        self, picker: EndpointPicker, settings: RouterSettings, security: PeerSecurity
+    ) -> None:
+        self._settings = settings
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor("router-gateway")], options=grpc_options(settings)
+        )
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            GatewayProcessor(picker, GatewayMode(settings.gateway_node_port)), self.server
+        )
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        address = f"{settings.host}:{settings.gateway_port}"
+        if security.mtls:
+            credentials = security.server_credentials(require_client=False)
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        self._stopping: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", PICKER_SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def drain(self) -> None:
+        """Starts the graceful stop beside the main port's (requests in flight finish)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(
+                self.server.stop(self._settings.grace_period_seconds)
+            )
+
+    async def stop(self) -> None:
+        self.drain()
+        assert self._stopping is not None
+        await self._stopping
 
 
 def build_app(
@@ -157,6 +210,7 @@ def build_app(
         ),
         metrics=metrics,
     )
+    gateway = GatewayListener(picker, settings, security) if settings.gateway_port else None
 
     async def start() -> None:
         if auth_sink is not None:
@@ -166,8 +220,16 @@ def build_app(
         await source.start()
         if lease is not None:
             await lease.start()
+        if gateway is not None:
+            await gateway.start()
+
+    async def drain() -> None:
+        if gateway is not None:
+            gateway.drain()
 
     async def stop() -> None:
+        if gateway is not None:
+            await gateway.stop()
         if lease is not None:
             await lease.stop()  # gives the shares back (the server has stopped)
         await source.stop()
@@ -207,5 +269,6 @@ def build_app(
             ),
         ],
         start=start,
+        drain=drain,
         stop=stop,
     )

@@ -40,16 +40,17 @@ from typing import Any
 import grpc
 import structlog
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from google.api import httpbody_pb2
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, json_format
 from google.protobuf.message import DecodeError, Message
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.edge import PICK_KEY, PICK_NAMESPACE, SERVED_KEY
 from inferplane.router.admission import Admission, Lease
-from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.features import KEY_ID_HEADER, FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
@@ -62,6 +63,7 @@ from inferplane.runtime import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    UnauthenticatedError,
     error_trailers,
 )
 from inferplane.wire import (
@@ -152,6 +154,57 @@ METHODS: Mapping[str, _Method] = {
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""
 
+#: Gateway mode (a conformant gateway's proxy sends the client's own request): the OpenAI
+#: path → (the method without streaming, the method with `"stream": true`), the same pair the
+#: edge's stream router and transcoder choose between (`inferplane.edge`).
+GATEWAY_METHODS: Mapping[str, tuple[_Method, _Method]] = {
+    "/v1/chat/completions": (
+        METHODS[_PREFIX + "CreateChatCompletion"],
+        METHODS[_PREFIX + "StreamChatCompletionEvents"],
+    ),
+    "/v1/completions": (
+        METHODS[_PREFIX + "CreateCompletion"],
+        METHODS[_PREFIX + "StreamCompletionEvents"],
+    ),
+    "/v1/embeddings": (METHODS[_PREFIX + "CreateEmbedding"],) * 2,
+}
+#: The endpoint-picker protocol's request header naming the pick (beside `envoy.lb` metadata).
+DESTINATION_HEADER = PICK_KEY
+#: Where a gateway sends the pool's endpoints the pick must come from
+#: (`docs/proposals/004-endpoint-picker-protocol`, "Endpoint Subset").
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+#: The replica process the node-local Envoy forwards to (its ORIGINAL_DST header).
+REPLICA_ADDRESS_HEADER = "x-inferplane-replica-address"
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# Envoy's ext_proc takes body chunks of any size; the GIE reference picker answers in chunks
+# under 64 KiB, which every gRPC default message size accepts.
+_BODY_CHUNK = 62_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatewayMode:
+    """How the picker answers a conformant gateway (Gateway API Inference Extension) instead
+    of inferplane's edge.
+
+    The gateway's proxy sends the client's request as it came (`/v1/...` and OpenAI's JSON,
+    buffered or FULL_DUPLEX_STREAMED) after its own ext_authz call to auth; the pick names
+    the node-local Envoy of the chosen replica's node (`<replica host>:node_port`, an endpoint
+    of the InferencePool) in `x-gateway-destination-endpoint` and `envoy.lb` metadata, and the
+    replica process in `x-inferplane-replica-address` for that Envoy's ORIGINAL_DST cluster.
+
+    Attributes:
+        node_port: TCP port of the node-local Envoy on every node (the pool's `targetPorts`).
+    """
+
+    node_port: int
+
+    def destination(self, replica_address: str) -> str:
+        """`<host of replica_address>:node_port` (an IPv6 host keeps its brackets)."""
+        host = replica_address.rpartition(":")[0]
+        return f"{host}:{self.node_port}"
+
+
 # Envoy's gRPC → HTTP mapping (Grpc::Utility::grpcToHttpStatus), as the edge's error shaper.
 _HTTP_STATUS: Mapping[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -208,6 +261,76 @@ def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb
     lb = response.dynamic_metadata.fields[PICK_NAMESPACE].struct_value
     lb.fields[PICK_KEY].string_value = ",".join(addresses)
     return response
+
+
+def gateway_pick_response(
+    destination: str, replica: str, outcome_address: str = "", *, phase: str = "request_body"
+) -> ext_pb.ProcessingResponse:
+    """The pick as the endpoint-picker protocol asks for it, answering `phase`
+    (`request_body` when the gateway buffers the body, `request_headers` in
+    FULL_DUPLEX_STREAMED, where the headers wait for the body's end): `destination` (the node
+    Envoy, `ip:port`) in both the `x-gateway-destination-endpoint` header and the `envoy.lb`
+    metadata (one value: the replica header below is wrong on any other node, so no
+    fallbacks), the replica process in `x-inferplane-replica-address` (`host:port`), and
+    `x-inferplane-picker` as for the edge."""
+    response = ext_pb.ProcessingResponse()
+    mutation = getattr(response, phase).response.header_mutation
+    _set(mutation, DESTINATION_HEADER, destination)
+    _set(mutation, REPLICA_ADDRESS_HEADER, replica)
+    if outcome_address:
+        _set(mutation, PICKER_KEY, outcome_address)
+    lb = response.dynamic_metadata.fields[PICK_NAMESPACE].struct_value
+    lb.fields[PICK_KEY].string_value = destination
+    return response
+
+
+def parse_json_request(body: bytes) -> dict[str, Any]:
+    """An OpenAI JSON request body as a dict (the gateway sends the client's bytes).
+
+    Raises:
+        InvalidArgumentError: not UTF-8 JSON holding an object (HTTP 400).
+    """
+    try:
+        value = json.loads(body)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise InvalidArgumentError(
+            f"Could not parse the request body: {exc}", code="invalid_request_body"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            "The request body must be a JSON object.", code="invalid_request_body"
+        )
+    return value
+
+
+def typed_request(body: Mapping[str, Any], method: _Method) -> Any:
+    """The typed request of a parsed OpenAI body, by the proto3 JSON mapping the edge's
+    transcoder applies (`body: "request"`): `method.request_type` with the body as `request`.
+    Unknown keys are skipped here; the node-local Envoy's field guard answers them (400 naming
+    the key, as on the edge).
+
+    Raises:
+        InvalidArgumentError: a field of the wrong type or value (HTTP 400).
+    """
+    wrapper: Any = method.request_type()
+    try:
+        json_format.ParseDict(dict(body), wrapper.request, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise InvalidArgumentError(
+            f"Could not parse the request body: {exc}", code="invalid_request_body"
+        ) from None
+    return wrapper
+
+
+def _subset(message: ext_pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's endpoint subset (`envoy.lb.subset_hint`), None when it sent none."""
+    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET_KEY not in hint.fields:
+        return None
+    value = hint.fields[SUBSET_KEY]
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values)
+    return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
 
 
 def decode_body(body: bytes, request_type: type[Message]) -> Any:
@@ -357,6 +480,15 @@ class _Exchange:
     usage_position: int = 0  # the usage report's position in the sink (Reporter.delivered)
     judged: bool = False
     finished: bool = False
+    # Gateway mode (`GatewayMode`): the body as it arrives, whether the gateway streams it
+    # full-duplex (the headers' answer then waits for the body), the response body likewise,
+    # and the endpoint subset it allows (None: the whole pool).
+    gateway: GatewayMode | None = None
+    chunks: list[bytes] = dataclasses.field(default_factory=list)
+    duplex: bool = False
+    duplex_response: bool = False
+    subset: frozenset[str] | None = None
+    path: str = ""
 
 
 class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -395,11 +527,25 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ext_pb.ProcessingResponse]:
         """One ext_proc stream = one HTTP request (module docstring); ends when Envoy
         half-closes, after an immediate response, or when the call is cancelled."""
+        async for response in self.process(request_iterator):
+            yield response
+
+    async def process(
+        self,
+        request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
+        gateway: GatewayMode | None = None,
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """`Process` for the edge (`gateway` None) or for a conformant gateway
+        (`GatewayProcessor`): one stream, one request, the same decision path."""
         # A placeholder until the request headers arrive (begin() there reads their ids).
-        exchange = _Exchange(RequestTrace("", False, 0.0, 0.0))
+        exchange = _Exchange(RequestTrace("", False, 0.0, 0.0), gateway=gateway)
         reader = _Reader(request_iterator)
         try:
             while (message := await reader.next()) is not None:
+                if gateway is not None and message.HasField("protocol_config"):
+                    config = message.protocol_config
+                    exchange.duplex = config.request_body_mode == _FULL_DUPLEX
+                    exchange.duplex_response = config.response_body_mode == _FULL_DUPLEX
                 served = _served(message)
                 exchange.served = served or exchange.served
                 refused = False
@@ -424,7 +570,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         kind = message.WhichOneof("request")
         request_phase = kind in ("request_headers", "request_body", "request_trailers")
         try:
-            if kind == "request_headers":
+            if exchange.gateway is not None and request_phase:
+                async for response in self._on_gateway_request(exchange, message, reader):
+                    yield response
+            elif kind == "request_headers":
                 yield self._on_request_headers(exchange, message.request_headers)
             elif kind == "request_body":
                 async for response in self._on_request_body(exchange, message.request_body, reader):
@@ -440,7 +589,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif kind == "request_trailers":  # not in the edge's mode; pass through
                 yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
             elif kind == "response_body":
-                yield ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+                yield _body_answer(message.response_body, "response_body", exchange.duplex_response)
             else:
                 raise InvalidArgumentError("an ext_proc message without a request part")
         except InferplaneError as exc:
@@ -488,6 +637,23 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if method is None or exchange.endpoints:
             raise InvalidArgumentError("a request body without request headers")
         decoded = decode_body(message.body, method.request_type)
+        async for keepalive in self._decide(exchange, method, decoded, reader):
+            yield keepalive
+        yield pick_response([e.address for e in exchange.endpoints], self._settings.outcome_address)
+
+    async def _decide(
+        self,
+        exchange: _Exchange,
+        method: _Method,
+        decoded: Any,
+        reader: _Reader,
+        exclude: Callable[[ModelRoute], Sequence[tuple[str, str]]] | None = None,
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """The routing decision on a typed request (edge and gateway alike): route and
+        aliases, the key's allow-list, features, admission with its queue (yielding the
+        message-timer extension while queued), policy, breakers; sets `exchange.endpoints`
+        (primary first; fallbacks unless `exclude` is given, the gateway's case, where
+        `exclude(route)` names the replicas outside the gateway's subset)."""
         trace, metadata = exchange.trace, exchange.metadata
         if method.speech:
             trace.model = form_model(decoded.body)
@@ -509,18 +675,106 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 else self._features.completion
             )
             features = extract(request, metadata)
-        async for keepalive in self._admit(exchange, route, features, reader):
+        excluded = exclude(route) if exclude is not None else ()
+        async for keepalive in self._admit(exchange, route, features, reader, excluded):
             yield keepalive
         lease = exchange.lease
         assert lease is not None  # _admit either set it or raised
         trace.replica = lease.endpoint.replica_id or lease.endpoint.address
         trace.node = lease.endpoint.node
-        fallbacks = self._admission.fallbacks(route, lease, features, self._settings.fallbacks)
+        fallbacks = (
+            self._admission.fallbacks(route, lease, features, self._settings.fallbacks)
+            if exclude is None
+            else ()
+        )
         exchange.endpoints = (lease.endpoint, *fallbacks)
         exchange.picked = self._clock.monotonic()
         if trace.request_id:
             self._active[trace.request_id] = exchange
-        yield pick_response([e.address for e in exchange.endpoints], self._settings.outcome_address)
+
+    # -- gateway mode -------------------------------------------------------------------------
+
+    async def _on_gateway_request(
+        self, exchange: _Exchange, message: ext_pb.ProcessingRequest, reader: _Reader
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """A gateway's request phase: headers (checked, answered at once when the body is
+        buffered, held in FULL_DUPLEX_STREAMED), body chunks (collected; in duplex mode
+        nothing is answered until the end), then at the body's end (or the trailers') the
+        decision and the pick, with the body sent back unchanged in duplex mode."""
+        kind = message.WhichOneof("request")
+        gateway = exchange.gateway
+        assert gateway is not None
+        if kind == "request_headers":
+            self._on_gateway_headers(exchange, message)
+            if not exchange.duplex:
+                yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+            return
+        if exchange.method is None or exchange.endpoints:
+            raise InvalidArgumentError("a request body without request headers")
+        if kind == "request_body":
+            exchange.chunks.append(message.request_body.body)
+            if not message.request_body.end_of_stream:
+                return  # FULL_DUPLEX_STREAMED: more chunks follow
+        body = b"".join(exchange.chunks)
+        parsed = parse_json_request(body)
+        # Top-level `"stream": true` only, as the edge's json_to_metadata rule (a nested
+        # `stream`, or the string "true", asks for no stream).
+        method = GATEWAY_METHODS[exchange.path][1 if parsed.get("stream") is True else 0]
+        exchange.method, exchange.trace.stream = method, method.stream
+        decoded = typed_request(parsed, method)
+        subset = exchange.subset
+
+        def outside(route: ModelRoute) -> list[tuple[str, str]]:
+            if subset is None:
+                return []
+            return [e.key for e in route.endpoints if gateway.destination(e.address) not in subset]
+
+        async for keepalive in self._decide(exchange, method, decoded, reader, outside):
+            yield keepalive
+        replica = exchange.endpoints[0].address
+        destination = gateway.destination(replica)
+        outcome = self._settings.outcome_address
+        if not exchange.duplex:
+            yield gateway_pick_response(destination, replica, outcome, phase="request_body")
+            return
+        yield gateway_pick_response(destination, replica, outcome, phase="request_headers")
+        chunks = [body[i : i + _BODY_CHUNK] for i in range(0, len(body), _BODY_CHUNK)] or [b""]
+        ends_here = kind == "request_body"
+        for i, chunk in enumerate(chunks):
+            answer = ext_pb.ProcessingResponse()
+            streamed = answer.request_body.response.body_mutation.streamed_response
+            streamed.body = chunk
+            streamed.end_of_stream = ends_here and i == len(chunks) - 1
+            yield answer
+        if kind == "request_trailers":
+            yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+
+    def _on_gateway_headers(self, exchange: _Exchange, message: ext_pb.ProcessingRequest) -> None:
+        """Checks a gateway's request headers: a path the picker decides on, a body to come,
+        and auth's verdict (the gateway's ext_authz towards auth; without it no key was
+        checked, so the request is refused rather than served).
+
+        Raises:
+            NotFoundError: another path (404 unknown_url).
+            UnauthenticatedError: no `x-inferplane-key-id` from auth's Check (401).
+            InvalidArgumentError: no body (400).
+        """
+        headers = _headers(message.request_headers.headers)
+        path = headers.get(":path", "").partition("?")[0]
+        exchange.trace = self._reporter.begin("", False, headers)
+        exchange.metadata, exchange.begun = headers, True
+        exchange.subset = _subset(message)
+        if path not in GATEWAY_METHODS:
+            raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
+        exchange.path, exchange.method = path, GATEWAY_METHODS[path][0]
+        if not headers.get(KEY_ID_HEADER):
+            raise UnauthenticatedError(
+                "The request carries no verified API key: the gateway must ask inferplane's "
+                "auth service (ext_authz Check) before the endpoint picker.",
+                code="invalid_api_key",
+            )
+        if message.request_headers.end_of_stream:
+            raise InvalidArgumentError("the request has no body", code="invalid_body")
 
     def _route(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
         table = self._table()
@@ -529,7 +783,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return route
 
     async def _admit(
-        self, exchange: _Exchange, route: ModelRoute, features: RequestFeatures, reader: _Reader
+        self,
+        exchange: _Exchange,
+        route: ModelRoute,
+        features: RequestFeatures,
+        reader: _Reader,
+        exclude: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[ext_pb.ProcessingResponse]:
         """Takes a slot (sets `exchange.lease`), yielding the message-timer extension when
         the request has to queue.
@@ -544,7 +803,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """
         started = self._clock.monotonic()
         admitting = exchange.admitting = asyncio.ensure_future(
-            self._admission.acquire(route, features)
+            self._admission.acquire(route, features, exclude=exclude)
         )
         try:
             done, _ = await asyncio.wait((admitting,), timeout=self._settings.keepalive_seconds)
@@ -799,7 +1058,37 @@ def _served_address(exchange: _Exchange) -> str:
     return ""
 
 
+def _body_answer(message: ext_pb.HttpBody, phase: str, duplex: bool) -> ext_pb.ProcessingResponse:
+    """A body chunk passed on unchanged: an empty answer (Envoy keeps the chunk), or, in
+    FULL_DUPLEX_STREAMED, the chunk itself (Envoy forwards only what the processor sends)."""
+    response = ext_pb.ProcessingResponse()
+    answer = getattr(response, phase)
+    answer.SetInParent()
+    if duplex:
+        streamed = answer.response.body_mutation.streamed_response
+        streamed.body = message.body
+        streamed.end_of_stream = message.end_of_stream
+    return response
+
+
 def _extend(seconds: float) -> ext_pb.ProcessingResponse:
     timeout = duration_pb2.Duration()
     timeout.FromNanoseconds(int(max(seconds, 0.001) * 1e9))
     return ext_pb.ProcessingResponse(override_message_timeout=timeout)
+
+
+class GatewayProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """`envoy.service.ext_proc.v3.ExternalProcessor` for conformant gateways (the router's
+    `gateway_port`): the same `EndpointPicker` (its admission, reports and outcomes) in
+    `GatewayMode`."""
+
+    def __init__(self, picker: EndpointPicker, mode: GatewayMode) -> None:
+        self._picker = picker
+        self._mode = mode
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest], context: Context
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """One gateway request (`EndpointPicker.process` with this mode)."""
+        async for response in self._picker.process(request_iterator, self._mode):
+            yield response

@@ -73,6 +73,14 @@ class RouterSettings(ServiceSettings):
             must use another name or address, e.g. a pod IP).
         outcome_wait_seconds: how long a request whose trailers never reached the picker
             waits for its replica's report before it is recorded as aborted.
+        gateway_port: a second endpoint-picker listener for conformant gateways (Gateway API
+            Inference Extension: the InferencePool's `endpointPickerRef`), 0 = off. It takes
+            the client's OpenAI request (`/v1/...`, JSON, buffered or FULL_DUPLEX_STREAMED)
+            and answers `x-gateway-destination-endpoint` (picker.GatewayMode). Server TLS
+            with this router's certificate and NO client certificate (a gateway's proxy has
+            none; a NetworkPolicy restricts the port), plaintext when the router is.
+        gateway_node_port: the node-local Envoy's port on every node (the pool's
+            `targetPorts`): the gateway's destination is `<replica host>:gateway_node_port`.
     """
 
     port: int = 50052
@@ -103,3 +111,5 @@ class RouterSettings(ServiceSettings):
     picker_timeout_margin_seconds: float = 1.0
     outcome_address: str = ""
     outcome_wait_seconds: float = 5.0
+    gateway_port: int = 0
+    gateway_node_port: int = 8000

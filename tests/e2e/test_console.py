@@ -218,15 +218,25 @@ def test_console_keys_usage_revoke_and_playground(
         assert expected.id in card.text_content()
         assert json.loads(card.locator("pre").text_content()) == dict(expected.arguments)
 
-        # 8. Deployments and alerts render for the tenant (read-only, platform-wide).
+        # 8. The tenant sees the catalogue, not where replicas run nor the platform's alerts.
         page.goto(stack.config.console_url + "deployments")
         assert MODEL_NAME in page.text_content("main")
         summary = page.text_content("section.deployment dl")
         assert "1 ready of 1" in summary and "Available" in summary, summary
+        assert page.locator("section.deployment table").count() == 0
+        assert page.locator("section.deployment ul.explain").count() == 0
+        _shot(page, artifacts, "07-deployments-tenant")
+        response = page.goto(stack.config.console_url + "alerts")
+        assert response is not None and response.status == 403
+        # ... which an admin key sees: each replica's health, the placement, the alerts.
+        page.get_by_role("button", name="Sign out").click()
+        page.wait_for_url("**/console/sign-in")
+        _sign_in(page, stack, stack.admin_key)
+        page.goto(stack.config.console_url + "deployments")
         assert page.locator("section.deployment ul.explain li").count() >= 1
         health = page.locator("section.deployment table tbody td:nth-child(6)").all_text_contents()
         assert [h.strip() for h in health] == ["ready"], health
-        _shot(page, artifacts, "07-deployments")
+        _shot(page, artifacts, "07-deployments-admin")
         response = page.goto(stack.config.console_url + "alerts")
         assert response is not None and response.status == 200
         _shot(page, artifacts, "08-alerts")

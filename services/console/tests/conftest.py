@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.console.app import build_app
 from inferplane.console.platform import DeploymentView
@@ -132,8 +133,13 @@ class FakeSession:
         tenant = self._tenant()
         return [r for r in self.p.rows if tenant is None or r.tenant == tenant]
 
-    async def deployments(self) -> Sequence[DeploymentView]:
-        return []
+    async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
+        deployment = orchestrator_pb2.Deployment(name="deployments/kimi-tiny", replicas=1)
+        deployment.status.phase = "Ready"
+        if not placements:
+            return [DeploymentView(deployment, [], [])]
+        placement = orchestrator_pb2.Placement(replica_id="kimi-tiny-0", node="gpu-node-7")
+        return [DeploymentView(deployment, [placement], ["placed on gpu-node-7: most free"])]
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:
         return [telemetry_pb2.Alert(kind="ttft_p99", deployment="kimi-tiny", message="slow")]

@@ -296,6 +296,30 @@ def test_alerts_page_lists_telemetrys_alerts(run_console: Any, sign_in: Any) -> 
     run_console(scenario)
 
 
+def test_where_replicas_run_and_the_alerts_are_for_admin_keys_only(
+    run_console: Any, sign_in: Any, csrf: Any
+) -> None:
+    """A tenant's console key sees the catalogue (model, phase, replicas) but not the fleet's
+    layout (nodes, GPUs, placement explanation) nor the platform's alerts (403, and no link);
+    an admin key sees all of it."""
+
+    async def scenario(client: Any, platform: Any, clock: Any) -> None:
+        page = await (await sign_in(client, ACME_KEY)).text()
+        assert 'href="/console/alerts"' not in page
+        alerts = await client.get("/console/alerts")
+        assert alerts.status == 403 and "ttft_p99" not in await alerts.text()
+        tenant_view = await (await client.get("/console/deployments")).text()
+        assert "kimi-tiny" in tenant_view and "Ready" in tenant_view
+        assert "gpu-node-7" not in tenant_view and "Placement explained" not in tenant_view
+        await client.post("/console/sign-out", data={"csrf_token": csrf(tenant_view)})
+        page = await (await sign_in(client, ADMIN_KEY)).text()
+        assert 'href="/console/alerts"' in page
+        admin_view = await (await client.get("/console/deployments")).text()
+        assert "gpu-node-7" in admin_view and "most free" in admin_view
+
+    run_console(scenario)
+
+
 def test_edit_sets_name_scopes_models_and_limits_of_an_own_key(
     run_console: Any, sign_in: Any, csrf: Any
 ) -> None:

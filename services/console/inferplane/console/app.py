@@ -445,9 +445,12 @@ class Console:
     # -- deployments, alerts ---------------------------------------------------------------
 
     async def deployments_page(self, request: web.Request) -> web.StreamResponse:
-        _, _, client = self.signed_in(request)
+        """Every deployment's model, phase, replica count and release; for an admin key also
+        each replica's node, GPUs and health and the placement explanation (the fleet's
+        layout is the operators', not a tenant's: a console key sees the catalogue only)."""
+        _, identity, client = self.signed_in(request)
         try:
-            views = await client.deployments()
+            views = await client.deployments(placements=identity.is_admin)
         except InferplaneError as exc:
             return await self.platform_error(request, exc, "deployments.html", views=[])
         except grpc.RpcError as exc:  # a raw channel error (the orchestrator unreachable)
@@ -458,7 +461,13 @@ class Console:
         return self.render(request, "deployments.html", views=views)
 
     async def alerts_page(self, request: web.Request) -> web.StreamResponse:
-        _, _, client = self.signed_in(request)
+        """Telemetry's alerts: platform operations, for admin keys only (403 otherwise)."""
+        _, identity, client = self.signed_in(request)
+        if not identity.is_admin:
+            return self.render(
+                request, "alerts.html", status=403, alerts=[], include_resolved=False,
+                error="Alerts are for platform operators: sign in with an admin key.",
+            )  # fmt: skip
         include_resolved = request.query.get("resolved") == "1"
         try:
             alerts = await client.alerts(include_resolved=include_resolved)

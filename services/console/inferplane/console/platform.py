@@ -5,8 +5,9 @@ decides what it may see (`ApiKeyService.caller`: an admin key sees every tenant,
 the `console` scope only its own tenant, and never reaches the admin scope). The console
 itself presents the operator (`admin`) identity over mutual TLS, as the CLIs do: auth's
 per-RPC policy admits that identity only with a valid key, and the orchestrator and telemetry
-reads (deployments, placements, alerts) are the platform-wide, read-only views every
-signed-in user gets; the console offers no write on them.
+reads are read-only: every signed-in key sees the catalogue (deployments, phase, replica
+counts), and only an admin key sees where replicas run (placements, their explanation) and
+the alerts; the console offers no write on them.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class PlatformSession(Protocol):
         self, *, start: datetime, key: str = "", limit: int = MAX_USAGE_ROWS
     ) -> Sequence[usage_pb2.UsageRow]: ...
 
-    async def deployments(self) -> Sequence[DeploymentView]: ...
+    async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
+        """Every deployment; with `placements`, its replicas' placements and explanation."""
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]: ...
 
@@ -157,15 +159,18 @@ class SdkSession:
                 break
         return rows
 
-    async def deployments(self) -> Sequence[DeploymentView]:
+    async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
         views = []
         async for deployment in self._client.deployments.list():
-            placements = [p async for p in self._client.deployments.replicas(deployment.name)]
+            if not placements:
+                views.append(DeploymentView(deployment, [], []))
+                continue
+            replicas = [p async for p in self._client.deployments.replicas(deployment.name)]
             try:
                 explanation = await self._client.deployments.explain(deployment.name)
             except InferplaneError as exc:
                 explanation = [f"(no explanation: {exc.message})"]
-            views.append(DeploymentView(deployment, placements, explanation))
+            views.append(DeploymentView(deployment, replicas, explanation))
         return views
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:

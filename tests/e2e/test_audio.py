@@ -201,6 +201,9 @@ def test_bad_form_fields_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.audio.transcriptions.create(model=SPEECH_MODEL_NAME, file=audio, temperature=1.5)
     assert info.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.transcriptions.create(model=SPEECH_MODEL_NAME, file=audio, language="xx")
+    assert info.value.body["param"] == "language"  # type: ignore[index]
 
 
 def test_oversized_files_are_413s(speech_stack: Stack, speech_key: tuple[str, str]) -> None:

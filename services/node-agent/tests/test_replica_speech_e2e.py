@@ -157,6 +157,13 @@ async def _scenario(process: EngineProcess, address: str) -> None:
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         trailers = dict(bad.value.trailing_metadata() or ())
         assert trailers.get("x-openai-error-param") == "file"
+        # A language the model does not know: the model's own check, naming `language`.
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await _transcribe(stub, form(wav16, language="xx"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        trailers = dict(bad.value.trailing_metadata() or ())
+        assert trailers.get("x-openai-error-param") == "language"
+        assert "Unsupported language" in (bad.value.details() or "")
         chat = chat_request_from_dict(
             {"model": wt.SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
         )

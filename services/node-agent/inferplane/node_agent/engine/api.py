@@ -101,12 +101,21 @@ class EngineError(Exception):
 
     `rejected` is True when the engine refused the request itself (its validation: a schema
     its constraint backend cannot compile, a parameter out of its range): the client's fault,
-    answered 400, never retried elsewhere and never counted against the replica."""
+    answered 400, never retried elsewhere and never counted against the replica; `param`
+    names the request field at fault when the engine's check says which (e.g. `language`)."""
 
-    def __init__(self, message: str, *, retryable: bool = False, rejected: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        rejected: bool = False,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable and not rejected
         self.rejected = rejected
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -131,6 +131,19 @@ class InprocSpeech:
         except ValidationError as exc:
             raise EngineError(f"invalid speech request: {exc}", rejected=True) from exc
 
+    def _check_language(self, params: SpeechParams) -> None:
+        """The model's own language check (Whisper: its language codes), before any work.
+
+        Raises:
+            EngineError: `rejected`, param `language`, with the model's message.
+        """
+        if not params.language:
+            return
+        try:
+            self._serving[params.task].model_cls.validate_language(params.language)
+        except ValueError as exc:
+            raise EngineError(str(exc), rejected=True, param="language") from exc
+
     async def transcribe(
         self, wav: bytes, params: SpeechParams, usage: SpeechUsage
     ) -> SpeechResult:
@@ -142,6 +155,7 @@ class InprocSpeech:
         """
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+        self._check_language(params)
         request = self._request(params, wav, stream=False)
         token = _usage.set(usage)
         try:
@@ -167,6 +181,7 @@ class InprocSpeech:
         """
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+        self._check_language(params)
         request = self._request(params, wav, stream=True)
         token = _usage.set(usage)
         try:

@@ -900,7 +900,9 @@ def _engine_error(exc: EngineError) -> InferplaneError:
     client's fault (a 400, never retried, never a failure); anything else `_engine_failed`."""
     if exc.rejected:
         return InvalidArgumentError(
-            f"the request was rejected by the engine: {exc}", code="invalid_request"
+            f"the request was rejected by the engine: {exc}",
+            code="invalid_request" if exc.param is None else "invalid_value",
+            param=exc.param,
         )
     return _engine_failed(exc)
 

@@ -97,8 +97,9 @@ class ReplicaSpec(_message.Message):
     with schema-valid arguments (and one call when `parallel_tool_calls` is false).
     """
     task: _builtins.str
-    """What the replica serves: "generate" (chat and text completions; empty means it) or
-    "embed" (embeddings: the engine runs vLLM's pooling runner).
+    """What the replica serves: "generate" (chat and text completions; empty means it),
+    "embed" (embeddings: the engine runs vLLM's pooling runner) or "transcribe"
+    (speech-to-text: vLLM's speech serving hosted in the replica process).
     """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

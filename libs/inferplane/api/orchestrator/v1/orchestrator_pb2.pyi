@@ -189,8 +189,9 @@ class DeploymentProfile(_message.Message):
     function are always constrained.
     """
     task: _builtins.str
-    """What the deployment serves: "generate" (chat and text completions; the default) or
-    "embed" (embeddings: no parsers, a small footprint, least-load routing by default).
+    """What the deployment serves: "generate" (chat and text completions; the default),
+    "embed" (embeddings: no parsers, a small footprint, least-load routing by default) or
+    "transcribe" (speech-to-text, `/v1/audio/*`: no parsers, transport "inproc").
     """
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

@@ -6,6 +6,7 @@
     with EnvoyProcess.from_config(config, data_dir):  # started, LIVE; stopped on exit
         ...
     build_xds_resources(config)                       # the same edge for an ADS server
+    render_node_bootstrap(NodeEnvoyConfig(...))       # the node-local Envoy (gateway path)
     known_request_fields(config.descriptor_set, config.services)  # the field guard's tables
 
 Design and measurements: notes/envoy_edge_probe.md; the Lua filters live in `lua/`.
@@ -28,6 +29,14 @@ from inferplane.edge._fields import (
     known_request_fields,
     render_lua_tables,
     template_lua_pattern,
+)
+from inferplane.edge._node import (
+    NODE_FILTER_ORDER,
+    NODE_REPLICAS_CLUSTER,
+    REPLICA_ADDRESS_HEADER,
+    NodeEnvoyConfig,
+    build_node_bootstrap,
+    render_node_bootstrap,
 )
 from inferplane.edge._process import EnvoyProcess, envoy_binary, validate_bootstrap
 from inferplane.edge._resources import (
@@ -73,10 +82,13 @@ __all__ = [
     "LISTENER_NAME",
     "LISTENER_TYPE",
     "METADATA_NAMESPACE",
+    "NODE_FILTER_ORDER",
+    "NODE_REPLICAS_CLUSTER",
     "PICKER_FILTERS",
     "PICK_KEY",
     "PICK_NAMESPACE",
     "REPLICAS_CLUSTER",
+    "REPLICA_ADDRESS_HEADER",
     "ROUTER_CLUSTER",
     "ROUTE_CONFIG_NAME",
     "ROUTE_TYPE",
@@ -92,6 +104,7 @@ __all__ = [
     "KnownFields",
     "MiB",
     "Nested",
+    "NodeEnvoyConfig",
     "build_ads_bootstrap",
     "build_bootstrap",
     "build_clusters",
@@ -101,6 +114,7 @@ __all__ = [
     "build_http_filters",
     "build_listener",
     "build_local_reply_config",
+    "build_node_bootstrap",
     "build_route_config",
     "build_xds_resources",
     "envoy_binary",
@@ -110,6 +124,7 @@ __all__ = [
     "prune_descriptor_set",
     "render_ads_bootstrap",
     "render_lua_tables",
+    "render_node_bootstrap",
     "render_static_bootstrap",
     "template_lua_pattern",
     "to_proto",

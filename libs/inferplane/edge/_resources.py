@@ -779,12 +779,18 @@ def build_downstream_tls(config: EdgeConfig) -> Resource:
     }
 
 
-def build_upstream_tls(tls_dir: str) -> Resource:
+def build_upstream_tls(tls_dir: str, identity: str = "edge", peer: str = "") -> Resource:
     """The edge's mutual TLS toward inferplane's services (issue 18): Envoy presents the
-    `edge` identity (`<tls_dir>/edge.crt`, `edge.key`) and trusts servers whose certificate
-    chains to `<tls_dir>/ca.crt`; ALPN h2 (every upstream is gRPC). Files are read when the
-    cluster is built (a new push or an edge restart serves a renewed certificate)."""
+    `identity` (`<tls_dir>/<identity>.crt`, `.key`; the node-local Envoy uses `node-agent`)
+    and trusts servers whose certificate chains to `<tls_dir>/ca.crt` (and, with `peer`,
+    carries that identity as a DNS name); ALPN h2 (every upstream is gRPC). Files are read
+    when the cluster is built (a new push or an edge restart serves a renewed certificate)."""
     folder = Path(tls_dir)
+    validation: Resource = {"trusted_ca": {"filename": str(folder / "ca.crt")}}
+    if peer:
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": peer}}
+        ]
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
@@ -794,11 +800,11 @@ def build_upstream_tls(tls_dir: str) -> Resource:
                 "alpn_protocols": ["h2"],
                 "tls_certificates": [
                     {
-                        "certificate_chain": {"filename": str(folder / "edge.crt")},
-                        "private_key": {"filename": str(folder / "edge.key")},
+                        "certificate_chain": {"filename": str(folder / f"{identity}.crt")},
+                        "private_key": {"filename": str(folder / f"{identity}.key")},
                     }
                 ],
-                "validation_context": {"trusted_ca": {"filename": str(folder / "ca.crt")}},
+                "validation_context": validation,
             },
         },
     }

@@ -71,46 +71,57 @@ def route_source(settings: RouterSettings, router: str = "") -> RouteSource:
 class GatewayListener:
     """The router's second endpoint-picker port for conformant gateways (`gateway_port`):
     its own gRPC server with `GatewayProcessor` and gRPC health (the protocol's readiness
-    check), server TLS without a client certificate, or plaintext when the router is."""
+    check), server TLS without a client certificate, or plaintext when the router is. The
+    server is made in `start`, on the loop that serves it."""
 
     def __init__(
         self, picker: EndpointPicker, settings: RouterSettings, security: PeerSecurity
     ) -> None:
+        self._picker = picker
         self._settings = settings
-        self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor("router-gateway")], options=grpc_options(settings)
-        )
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            GatewayProcessor(picker, GatewayMode(settings.gateway_node_port)), self.server
-        )
-        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-        address = f"{settings.host}:{settings.gateway_port}"
-        if security.mtls:
-            credentials = security.server_credentials(require_client=False)
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot bind {address}")
+        self._security = security
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
         self._stopping: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        await self.server.start()
+        """Binds `host:gateway_port` and serves.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        settings = self._settings
+        server = self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor("router-gateway")], options=grpc_options(settings)
+        )
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            GatewayProcessor(self._picker, GatewayMode(settings.gateway_node_port)), server
+        )
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        address = f"{settings.host}:{settings.gateway_port}"
+        if self._security.mtls:
+            credentials = self._security.server_credentials(require_client=False)
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        await server.start()
         for name in ("", PICKER_SERVICE):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def drain(self) -> None:
         """Starts the graceful stop beside the main port's (requests in flight finish)."""
-        if self._stopping is None:
+        if self._stopping is None and self.server is not None:
             self._stopping = asyncio.ensure_future(
                 self.server.stop(self._settings.grace_period_seconds)
             )
 
     async def stop(self) -> None:
         self.drain()
-        assert self._stopping is not None
-        await self._stopping
+        if self._stopping is not None:
+            await self._stopping
 
 
 def build_app(

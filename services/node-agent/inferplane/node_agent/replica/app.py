@@ -53,6 +53,11 @@ from inferplane.runtime.clock import Clock
 from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ORCHESTRATOR, ROUTER, PeerPolicy
 from inferplane.runtime.metrics_http import ScrapedMetrics, serve_text_metrics
 
+#: Who may call a replica's InferenceService: the edge's Envoy, the orchestrator's warm-up
+#: probe, operators, and the node-local Envoy of the gateway path (inferplane.edge
+#: NodeEnvoyConfig), which presents its node-agent's identity.
+INFERENCE_CALLERS: tuple[str, ...] = (EDGE, ORCHESTRATOR, ADMIN, NODE_AGENT)
+
 log = structlog.get_logger("inferplane.node_agent.replica")
 
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
@@ -146,8 +151,7 @@ class ReplicaProcess:
             registry=self.registry,
             peer_policy=PeerPolicy(
                 {
-                    # Generations: Envoy, the orchestrator's warm-up probe, operators.
-                    f"/{INFERENCE_SERVICE}/": [EDGE, ORCHESTRATOR, ADMIN],
+                    f"/{INFERENCE_SERVICE}/": list(INFERENCE_CALLERS),
                     # Drain and load: the node-agent that started this process.
                     f"/{REPLICA_SERVICE}/": [NODE_AGENT],
                 }

@@ -21,6 +21,7 @@ import contextvars
 import io
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import structlog
@@ -67,13 +68,16 @@ class _Counting:
         generated = 0
         prompt = 0
         try:
-            async for out in stream:
-                if out.prompt_token_ids is not None:
-                    prompt = len(out.prompt_token_ids)
-                if out.outputs:
-                    ids = out.outputs[0].token_ids
-                    generated = generated + len(ids) if delta else len(ids)
-                yield out
+            # Closing this closes vLLM's generator at once, which aborts the engine request
+            # (a client gone must not leave the decoder running).
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for out in stream:
+                    if out.prompt_token_ids is not None:
+                        prompt = len(out.prompt_token_ids)
+                    if out.outputs:
+                        ids = out.outputs[0].token_ids
+                        generated = generated + len(ids) if delta else len(ids)
+                    yield out
         finally:
             if usage is not None:
                 usage.prompt_tokens += prompt
@@ -183,28 +187,20 @@ class InprocSpeech:
 
         self._check_language(params)
         request = self._request(params, wav, stream=True)
+        # Every engine request (language detection, each 30 s chunk) is started inside
+        # `_call`: the usage is captured there, so the variable is set around it only.
         token = _usage.set(usage)
         try:
             events = await self._call(params, wav, request)
-            if isinstance(events, ErrorResponse):
-                raise _refused(events)
-            async for event in events:
-                for line in event.splitlines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
-                        return
-                    payload = json.loads(data)
-                    if "error" in payload:
-                        error = payload["error"]
-                        raise EngineError(f"the engine failed the request: {error.get('message')}")
-                    for choice in payload.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            yield text
         finally:
             _usage.reset(token)
+        if isinstance(events, ErrorResponse):
+            raise _refused(events)
+        # Closed at once when our caller stops reading: vLLM then aborts its requests.
+        async with aclosing(events):
+            async for event in events:
+                for text in _deltas(event):
+                    yield text
 
     async def _call(self, params: SpeechParams, wav: bytes, request: Any) -> Any:
         from vllm.exceptions import VLLMValidationError
@@ -232,6 +228,28 @@ class InprocSpeech:
                     f"the in-process engine died: {type(exc).__name__}: {exc}", retryable=True
                 ) from exc
             raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
+
+
+def _deltas(event: str) -> list[str]:
+    """The text pieces of one of vLLM's speech SSE events (`data: {chunk}` with
+    `choices[].delta.content`); `data: [DONE]` has none.
+
+    Raises:
+        EngineError: the event is vLLM's mid-stream error event.
+    """
+    pieces: list[str] = []
+    for line in event.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        payload = json.loads(line[len("data: ") :])
+        if "error" in payload:
+            message = (payload["error"] or {}).get("message")
+            raise EngineError(f"the engine failed the request: {message}")
+        for choice in payload.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                pieces.append(text)
+    return pieces
 
 
 def _refused(error: Any) -> EngineError:

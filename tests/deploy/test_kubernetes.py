@@ -217,7 +217,12 @@ def test_node_agent_is_a_daemonset_with_its_volumes(overlay: str) -> None:
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["dshm"]["emptyDir"]["sizeLimit"]
     assert "model-cache" in volumes
-    (container,) = _pod_spec(agent)["containers"]
+    containers = {c["name"]: c for c in _pod_spec(agent)["containers"]}
+    # The gateway-api overlay adds the node-local Envoy beside it (its own test below).
+    assert set(containers) == (
+        {"node-agent", "node-envoy"} if overlay == "gateway-api" else {"node-agent"}
+    )
+    container = containers["node-agent"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert {"/dev/shm", TLS_DIR} <= set(mounts)
     assert volumes[mounts[TLS_DIR]]["secret"]["secretName"] == "inferplane-tls-node-agent"
@@ -475,6 +480,73 @@ def test_monitoring_objects_are_rendered() -> None:
     assert any(o["kind"] == "Certificate" for o in render("b200"))
     gateway = {o["kind"] for o in render("gateway-api")}
     assert {"InferencePool", "HTTPRoute"} <= gateway
+
+
+def _named(overlay: str, kind: str, name: str) -> dict[str, Any]:
+    (found,) = (o for o in _objects(overlay, kind) if o["metadata"]["name"] == name)
+    return found
+
+
+def test_gateway_api_serves_through_the_node_envoy_and_the_pickers_gateway_port() -> None:
+    """The InferencePool's endpoints are the node Envoys (one targetPort, the router's
+    gateway_node_port), its picker the router's gateway port (a Service port), the node
+    Envoy runs non-root beside the node-agent from the generated bootstrap with the pod's own
+    identity, and the gateway's namespace reaches exactly those two ports."""
+    pool = _named("gateway-api", "InferencePool", "inferplane")["spec"]
+    assert pool["targetPorts"] == [{"number": 8000}] and pool["appProtocol"] == "http"
+    picker = pool["endpointPickerRef"]
+    assert (picker["name"], picker["port"]["number"], picker["failureMode"]) == (
+        "router",
+        50062,
+        "FailClose",
+    )
+    service = _named("gateway-api", "Service", "router")["spec"]["ports"]
+    assert {"name": "gateway-picker", "port": 50062, "targetPort": "gateway-picker"}.items() <= {
+        k: v for p in service if p["name"] == "gateway-picker" for k, v in p.items()
+    }.items()
+    (router,) = _named("gateway-api", "Deployment", "router")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = {e["name"]: e.get("value") for e in router["env"]}
+    assert env["INFERPLANE_ROUTER_GATEWAY_PORT"] == "50062"
+    assert env["INFERPLANE_ROUTER_GATEWAY_NODE_PORT"] == "8000"
+    assert {"name": "gateway-picker", "containerPort": 50062} in router["ports"]
+
+    agent = _named("gateway-api", "DaemonSet", "node-agent")
+    spec = _pod_spec(agent)
+    (envoy,) = (c for c in spec["containers"] if c["name"] == "node-envoy")
+    assert {"name": "gateway-http", "containerPort": 8000} in envoy["ports"]
+    assert envoy["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert envoy["securityContext"]["readOnlyRootFilesystem"] is True
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in envoy["volumeMounts"]}
+    assert volumes[mounts[TLS_DIR]]["secret"]["secretName"] == "inferplane-tls-node-agent"
+    config_map = volumes[mounts["/etc/envoy"]]["configMap"]["name"]
+    bootstrap = yaml.safe_load(
+        _named("gateway-api", "ConfigMap", config_map)["data"]["bootstrap.yaml"]
+    )
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8000}
+    (cluster,) = bootstrap["static_resources"]["clusters"]
+    assert cluster["type"] == "ORIGINAL_DST"
+    tls = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_certificates"][0]["private_key"]["filename"] == f"{TLS_DIR}/node-agent.key"
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+    from_gateway = {}
+    for policy in _policies("gateway-api"):
+        for rule in policy["spec"].get("ingress", []):
+            namespaces = {
+                p.get("namespaceSelector", {})
+                .get("matchLabels", {})
+                .get("kubernetes.io/metadata.name")
+                for p in rule.get("from", [])
+            }
+            if "gateway" in namespaces:
+                selected = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                from_gateway[selected] = sorted(p["port"] for p in rule.get("ports", []))
+    assert from_gateway == {"router": [50062], "node-agent": [8000]}
 
 
 def test_generated_files_match_the_generator() -> None:

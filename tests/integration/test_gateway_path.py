@@ -18,8 +18,10 @@ Envoy, and a client's own replica header never reaches it (the picker's value wi
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 ANSWER = "Paris is the capital of France."
 MODEL = "kimi-tiny"
 SUBSET_TEST_HEADER = "x-test-subset"
+ENGINE_DELAY_S = 0.2  # per increment of 3 tokens
 
 _T = "type.googleapis.com/envoy."
 _HTTP2 = {
@@ -109,8 +112,11 @@ def _replica_app() -> App:
 
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
+    # Slow enough that a second request queued behind the first (cap 1) waits longer than
+    # the gateway's 1 s ext_proc message timeout.
     engine = ScriptedEngine(
-        script(kimi_tiny_ids("</think>" + ANSWER + "<|im_end|>"), per_increment=3)
+        script(kimi_tiny_ids("</think>" + ANSWER + "<|im_end|>"), per_increment=3),
+        delay=ENGINE_DELAY_S,
     )
     directory = FakeDirectory([FakeReplica("chat-1", kimi_tiny_spec(), engine)])
     servicer = InferenceServicer(directory, assets, clock=TickingClock())
@@ -156,7 +162,9 @@ def _gateway_bootstrap(
                 "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}, "timeout": "10s"},
                 "failure_mode_allow": False,
-                "message_timeout": "10s",
+                # As the edge's; the picker extends it while a request queues.
+                "message_timeout": "1s",
+                "max_message_timeout": "10s",
                 "processing_mode": {
                     "request_header_mode": "SEND",
                     "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -314,7 +322,9 @@ def gateway_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path_]:
                     "models": [
                         {
                             "model": MODEL,
-                            "endpoints": [{"address": replica, "replica_id": "chat-1"}],
+                            "endpoints": [
+                                {"address": replica, "replica_id": "chat-1", "max_concurrency": 1}
+                            ],
                         }
                     ]
                 }
@@ -459,3 +469,25 @@ def test_the_node_envoy_serves_a_replica_on_its_node_with_the_edges_mapping(
         url, json={"model": MODEL, "messages": MESSAGES, "bogus": 1}, headers=headers, timeout=30
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bogus"
+
+
+def test_a_request_queued_behind_the_cap_waits_past_the_gateways_message_timeout(
+    gateway_path: Path_,
+) -> None:
+    """Cap 1: the second of two concurrent requests waits in the picker's admission queue
+    longer than the gateway's 1 s ext_proc message timeout, and the picker sends its
+    `override_message_timeout` while it does (after 0.25 s); in FULL_DUPLEX_STREAMED Envoy
+    accepts that message and the request is served after the first. (Measured: with the
+    extension held back past 1 s the request is served too, so in this mode Envoy 1.40 does
+    not time the held headers out; what this pins is that the extension does no harm.)"""
+
+    def one() -> tuple[str, float]:
+        started = time.monotonic()
+        completion = gateway_path.client().chat.completions.create(model=MODEL, messages=MESSAGES)
+        return completion.choices[0].message.content or "", time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: one(), range(2)))
+    assert [text for text, _ in results] == [ANSWER, ANSWER]
+    slower = max(seconds for _, seconds in results)
+    assert slower > 1.2, f"the second request did not queue past 1 s ({slower:.2f} s)"

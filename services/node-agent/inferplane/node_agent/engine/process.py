@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -424,7 +425,7 @@ class EngineProcess:
     """One replica process tree (the replica process, its engine and what vLLM starts), led
     by `pid` (which is also its process group id)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: procguard.Child) -> None:
         self._proc = proc
         _live.add(self)
 
@@ -471,11 +472,11 @@ class ProcessSpawner:
         with open_private_log(plan.log_path) as log:
             log.write(f"--- starting: {' '.join(plan.argv)}\n".encode())
             log.flush()
-            proc = await asyncio.create_subprocess_exec(
-                *plan.argv,
-                stdin=asyncio.subprocess.DEVNULL,
+            proc = procguard.spawn(
+                plan.argv,
+                stdin=subprocess.DEVNULL,
                 stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, **plan.env},
                 start_new_session=True,
             )

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -119,14 +120,14 @@ class ChildEngineHost:
         self._client_factory = client
         self._poll = poll_seconds
         self._stop_seconds = stop_seconds
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: procguard.Child | None = None
         self._client: EngineClient | None = None
 
     async def start(self) -> EngineClient:
         env = {**os.environ, procguard.PARENT_PID_ENV: str(os.getpid())}
         # From the loop's (long-lived) thread: PDEATHSIG follows the thread that forked.
-        self._proc = await asyncio.create_subprocess_exec(
-            *self._argv, env=env, start_new_session=True, stdin=asyncio.subprocess.DEVNULL
+        self._proc = procguard.spawn(
+            self._argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL
         )
         log.info("engine_child_started", pid=self._proc.pid)
         client = self._client = self._client_factory()

@@ -44,19 +44,19 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
+from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.cli._process import ManagedProcess
 from inferplane.cli._prometheus import engine_sd_file
 from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
-from inferplane.runtime import ConfigError
+from inferplane.runtime import AlreadyExistsError, ConfigError, InferplaneError
 from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 from inferplane.runtime.ports import free_port, port_is_free
+from inferplane.sdk import Client
 from inferplane.testing import embed_tiny, kimi_tiny, whisper_tiny
 
 Progress = Callable[[str], None]
@@ -604,16 +604,13 @@ class Stack:
     def _ensure_deployment(self, progress: Progress) -> None:
         """Waits for the node to register, then creates each deployment (or, when a previous
         run left it in the catalogue, updates it to this configuration)."""
-        with self.config.security.channel(self.config.address("orchestrator")) as channel:
-            nodes = orchestrator_pb2_grpc.NodeServiceStub(channel)
+        with self._client(orchestrator=self.config.address("orchestrator")) as client:
             deadline = time.monotonic() + 60
             while True:
                 self._raise_if_dead()
                 listed = []
-                with contextlib.suppress(grpc.RpcError):  # a busy machine: ask again
-                    listed = list(
-                        nodes.ListNodes(orchestrator_pb2.ListNodesRequest(), timeout=5).nodes
-                    )
+                with contextlib.suppress(InferplaneError):  # a busy machine: ask again
+                    listed = list(client.nodes.list(timeout=5))
                 ready = {n.status.node: n for n in listed if n.condition == "Ready"}
                 if all(name in ready for name in self.config.nodes):
                     for name in self.config.nodes:
@@ -633,40 +630,28 @@ class Stack:
                         "in 60 s:\n" + self.processes[agent].log_tail()
                     )
                 time.sleep(0.2)
-            stub = orchestrator_pb2_grpc.DeploymentServiceStub(channel)
             for name, (deployment, _replicas) in self.deployments().items():
-                self._create_or_update(stub, name, deployment, progress)
+                self._create_or_update(client, name, deployment, progress)
 
+    def _client(self, *, orchestrator: str) -> Client:
+        """The SDK client (the operators' way to call the platform) on this stack's identity."""
+        return Client(orchestrator=orchestrator, security=self.config.security, timeout=10)
+
+    @staticmethod
     def _create_or_update(
-        self,
-        stub: orchestrator_pb2_grpc.DeploymentServiceStub,
-        name: str,
-        deployment: orchestrator_pb2.Deployment,
-        progress: Progress,
+        client: Client, name: str, deployment: orchestrator_pb2.Deployment, progress: Progress
     ) -> None:
         try:
             try:
-                stub.CreateDeployment(
-                    orchestrator_pb2.CreateDeploymentRequest(
-                        deployment_id=name, deployment=deployment
-                    ),
-                    timeout=10,
-                )
+                client.deployments.create(name, deployment)
                 progress(f"deployment {name} created")
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
+            except AlreadyExistsError:
                 deployment.name = f"deployments/{name}"
-                stub.UpdateDeployment(
-                    orchestrator_pb2.UpdateDeploymentRequest(
-                        deployment=deployment, update_mask=field_mask_pb2.FieldMask()
-                    ),
-                    timeout=10,
-                )
+                client.deployments.update(deployment)  # every updatable field
                 progress(f"deployment {name} found in the catalogue and updated")
-        except grpc.RpcError as exc:
+        except InferplaneError as exc:
             raise StackError(
-                f"the orchestrator refused the {name} deployment: {exc.code().name} {exc.details()}"
+                f"the orchestrator refused the {name} deployment: {exc.reason} {exc.message}"
             ) from exc
 
     def _wait_routable(self, progress: Progress) -> list[orchestrator_pb2.RouteEndpoint]:
@@ -684,8 +669,7 @@ class Stack:
                 progress(line)
 
         with contextlib.ExitStack() as channels:
-            orch = channels.enter_context(self.config.security.channel(cfg.address("orchestrator")))
-            deployments = orchestrator_pb2_grpc.DeploymentServiceStub(orch)
+            client = channels.enter_context(self._client(orchestrator=cfg.address("orchestrator")))
             agents = [
                 nodeagent_pb2_grpc.NodeAgentServiceStub(
                     channels.enter_context(self.config.security.channel(cfg.address(name)))
@@ -698,10 +682,7 @@ class Stack:
                 endpoints: dict[str, list[orchestrator_pb2.RouteEndpoint]] = {}
                 try:
                     for name in wanted:
-                        statuses[name] = deployments.GetDeployment(
-                            orchestrator_pb2.GetDeploymentRequest(name=f"deployments/{name}"),
-                            timeout=5,
-                        ).deployment.status
+                        statuses[name] = client.deployments.get(name, timeout=5).status
                         endpoints[name] = self.serving_endpoints(name)
                     replicas = [
                         replica
@@ -712,6 +693,9 @@ class Stack:
                     ]
                 except grpc.RpcError as exc:  # a busy machine: ask again until the deadline
                     show(f"waiting for an answer ({exc.code().name})")
+                    replicas, endpoints = [], {}
+                except InferplaneError as exc:
+                    show(f"waiting for an answer ({exc.reason})")
                     replicas, endpoints = [], {}
                 for name, status in statuses.items():
                     show(f"deployment {name}: {status.phase} ({status.message})")
@@ -960,18 +944,16 @@ class Stack:
         """Creates a key through ApiKeyService with the bootstrap admin key; returns its secret."""
         if not self.admin_key:
             raise ConfigError("no bootstrap admin key was found in the auth data directory")
-        with self.config.security.channel(self.config.address("auth")) as channel:
-            stub = auth_pb2_grpc.ApiKeyServiceStub(channel)
-            response = stub.CreateApiKey(
-                auth_pb2.CreateApiKeyRequest(
-                    api_key=auth_pb2.ApiKey(
-                        display_name=display_name, tenant="local", scopes=list(scopes), **fields
-                    )
-                ),
-                metadata=(("authorization", f"Bearer {self.admin_key}"),),
-                timeout=10,
-            )
-        return str(response.secret)
+        key = auth_pb2.ApiKey(
+            display_name=display_name, tenant="local", scopes=list(scopes), **fields
+        )
+        with Client(
+            auth=self.config.address("auth"),
+            security=self.config.security,
+            admin_key=self.admin_key,
+            timeout=10,
+        ) as client:
+            return client.keys.create(key).secret
 
 
 @contextlib.contextmanager

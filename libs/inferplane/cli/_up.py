@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.cli._stack import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
@@ -27,7 +26,9 @@ from inferplane.cli._stack import (
     StackConfig,
     StackError,
 )
+from inferplane.runtime import InferplaneError
 from inferplane.runtime.identity import ADMIN, PeerSecurity
+from inferplane.sdk import Client
 from inferplane.testing import kimi_tiny
 
 DEFAULT_DATA_DIR = Path(".state")
@@ -209,12 +210,10 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
         healthy &= console_health == "SERVING"
         table.add_row("console", state["console_url"], console_health)
     try:
-        with security.channel(f"127.0.0.1:{state['ports']['orchestrator']}") as channel:
-            deployments = (
-                orchestrator_pb2_grpc.DeploymentServiceStub(channel)
-                .ListDeployments(orchestrator_pb2.ListDeploymentsRequest(), timeout=5)
-                .deployments
-            )
+        with Client(
+            orchestrator=f"127.0.0.1:{state['ports']['orchestrator']}", security=security, timeout=5
+        ) as client:
+            deployments = list(client.deployments.list())
         for deployment in deployments:
             # Progressing is a rollout in flight (the serving replicas still serve).
             healthy &= deployment.status.phase in ("Available", "Progressing")
@@ -223,9 +222,9 @@ def status(data_dir: DataDir = DEFAULT_DATA_DIR) -> None:
                 f"revision {deployment.status.current_revision[:8]}",
                 f"{deployment.status.phase}: {deployment.status.message}",
             )
-    except grpc.RpcError as exc:
+    except InferplaneError as exc:
         healthy = False
-        table.add_row("deployments", "-", f"unknown ({exc.code().name})")
+        table.add_row("deployments", "-", f"unknown ({exc.reason})")
     try:
         with security.channel(f"127.0.0.1:{state['ports']['node_agent']}") as channel:
             replicas = (

@@ -2,7 +2,7 @@
 TLS from one test CA:
 
     openai client → a real Envoy playing the conformant gateway
-        (ext_authz → real auth; ext_proc FULL_DUPLEX_STREAMED → the router's gateway port,
+        (ext_authz → real auth; ext_proc → the router's gateway port, full duplex or buffered,
          server TLS without a client certificate; ORIGINAL_DST on x-gateway-destination-endpoint)
     → the node-local Envoy (inferplane.edge.render_node_bootstrap: transcoder, stream router,
       field guard, error shaper, node guard; ORIGINAL_DST on x-inferplane-replica-address,
@@ -134,13 +134,35 @@ def _replica_app() -> App:
     )
 
 
+# How the gateway's ext_proc sends the body: full duplex (what the protocol requires pickers
+# to support, Envoy Gateway's choice) or buffered (the edge's).
+PROCESSING_MODES: dict[str, dict[str, str]] = {
+    "full-duplex": {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_trailer_mode": "SEND",
+    },
+    "buffered": {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_header_mode": "SEND",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SEND",
+    },
+}
+
+
 def _gateway_bootstrap(
-    tls: Path, port: int, admin_port: int, auth_port: int, picker_port: int
+    tls: Path, port: int, admin_port: int, auth_port: int, picker_port: int, mode: str
 ) -> str:
     """A conformant gateway's Envoy as Envoy Gateway configures one for an InferencePool:
     ext_authz (here towards inferplane's auth, presenting the edge identity auth admits),
-    ext_proc to the endpoint picker in FULL_DUPLEX_STREAMED with the envoy.lb namespaces, and
-    an ORIGINAL_DST cluster on the picker's x-gateway-destination-endpoint header."""
+    ext_proc to the endpoint picker (`PROCESSING_MODES[mode]`) with the envoy.lb namespaces,
+    and an ORIGINAL_DST cluster on the picker's x-gateway-destination-endpoint header."""
     lua = _T + "extensions.filters.http.lua.v3.Lua"
     filters = [
         {
@@ -165,14 +187,7 @@ def _gateway_bootstrap(
                 # As the edge's; the picker extends it while a request queues.
                 "message_timeout": "1s",
                 "max_message_timeout": "10s",
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "request_body_mode": "FULL_DUPLEX_STREAMED",
-                    "request_trailer_mode": "SEND",
-                    "response_header_mode": "SEND",
-                    "response_body_mode": "FULL_DUPLEX_STREAMED",
-                    "response_trailer_mode": "SEND",
-                },
+                "processing_mode": PROCESSING_MODES[mode],
                 "metadata_options": {
                     "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
                     "receiving_namespaces": {"untyped": ["envoy.lb"]},
@@ -291,8 +306,10 @@ class Path_:
         )
 
 
-@pytest.fixture(scope="module")
-def gateway_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path_]:
+@pytest.fixture(scope="module", params=sorted(PROCESSING_MODES))
+def gateway_path(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path_]:
     tmp = tmp_path_factory.mktemp("gateway")
     tls = tmp / "tls"
     ca = LocalCA.ensure(tls)
@@ -358,7 +375,9 @@ def gateway_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path_]:
         stack.enter_context(node)
         gateway_admin = free_port()
         gateway = EnvoyProcess(
-            _gateway_bootstrap(tls, gateway_port, gateway_admin, auth_server.port, picker_port),
+            _gateway_bootstrap(
+                tls, gateway_port, gateway_admin, auth_server.port, picker_port, request.param
+            ),
             data_dir=tmp / "gateway-envoy",
             admin_url=f"http://127.0.0.1:{gateway_admin}",
             concurrency=1,

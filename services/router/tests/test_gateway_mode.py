@@ -365,3 +365,34 @@ def test_the_router_app_serves_the_gateway_port_beside_the_edges() -> None:
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_trailers_are_answered_whether_they_end_the_body_or_follow_it() -> None:
+    """FULL_DUPLEX_STREAMED body ended by trailers: the pick comes at the trailers (headers'
+    answer, the body echoed without end_of_stream, the trailers' answer). BUFFERED with
+    trailers: the whole body is decided on at once, the trailers then passed on."""
+
+    async def scenario() -> None:
+        async with gateway_rig(1) as rig:
+            stream = GatewayStream(rig.stub, DUPLEX)
+            await stream.headers()
+            await stream.body(_chat(), end_of_stream=False)
+            await stream.send(ext_pb.ProcessingRequest(request_trailers=ext_pb.HttpTrailers()))
+            assert (await stream.read()).HasField("request_headers")
+            streamed = (await stream.read()).request_body.response.body_mutation
+            assert streamed.streamed_response.body == _chat()
+            assert not streamed.streamed_response.end_of_stream
+            assert (await stream.read()).HasField("request_trailers")
+            await stream.close()
+
+            stream = GatewayStream(rig.stub, BUFFERED)
+            await stream.headers()
+            await stream.read()
+            await stream.body(_chat(), end_of_stream=False)
+            assert _destination(await stream.read()) == f"10.0.0.0:{NODE_PORT}"
+            await stream.send(ext_pb.ProcessingRequest(request_trailers=ext_pb.HttpTrailers()))
+            assert (await stream.read()).HasField("request_trailers")
+            await stream.close()
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())

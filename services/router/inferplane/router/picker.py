@@ -709,12 +709,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if not exchange.duplex:
                 yield ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
             return
+        if kind == "request_trailers" and exchange.endpoints:
+            # Trailers after a body already decided on (BUFFERED with trailers sent).
+            yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+            return
         if exchange.method is None or exchange.endpoints:
             raise InvalidArgumentError("a request body without request headers")
         if kind == "request_body":
             exchange.chunks.append(message.request_body.body)
-            if not message.request_body.end_of_stream:
-                return  # FULL_DUPLEX_STREAMED: more chunks follow
+            if exchange.duplex and not message.request_body.end_of_stream:
+                return  # more chunks (or the trailers) follow; BUFFERED sends it whole
         body = b"".join(exchange.chunks)
         parsed = parse_json_request(body)
         # Top-level `"stream": true` only, as the edge's json_to_metadata rule (a nested

@@ -53,6 +53,7 @@ pytestmark = pytest.mark.timeout(180)
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 ANSWER = "Paris is the capital of France."
 MODEL = "kimi-tiny"
+EMBED_MODEL = "embed-tiny"
 SUBSET_TEST_HEADER = "x-test-subset"
 ENGINE_DELAY_S = 0.4  # per increment of 3 tokens: a chat takes ~1.6 s
 
@@ -104,6 +105,8 @@ def _replica_app() -> App:
         FakeReplica,
         ScriptedEngine,
         TickingClock,
+        embed_tiny_assets,
+        embed_tiny_spec,
         kimi_tiny_assets,
         kimi_tiny_ids,
         kimi_tiny_spec,
@@ -112,13 +115,19 @@ def _replica_app() -> App:
 
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
+    assets.put(embed_tiny_assets(), None)
     # Slow enough that a second request queued behind the first (cap 1) waits longer than
     # the gateway's 1 s ext_proc message timeout.
     engine = ScriptedEngine(
         script(kimi_tiny_ids("</think>" + ANSWER + "<|im_end|>"), per_increment=3),
         delay=ENGINE_DELAY_S,
     )
-    directory = FakeDirectory([FakeReplica("chat-1", kimi_tiny_spec(), engine)])
+    directory = FakeDirectory(
+        [
+            FakeReplica("chat-1", kimi_tiny_spec(), engine),
+            FakeReplica("embed-1", embed_tiny_spec(), ScriptedEngine([], embedding_size=16)),
+        ]
+    )
     servicer = InferenceServicer(directory, assets, clock=TickingClock())
     return App(
         component="replica",
@@ -342,7 +351,11 @@ def gateway_path(
                             "endpoints": [
                                 {"address": replica, "replica_id": "chat-1", "max_concurrency": 1}
                             ],
-                        }
+                        },
+                        {
+                            "model": EMBED_MODEL,
+                            "endpoints": [{"address": replica, "replica_id": "embed-1"}],
+                        },
                     ]
                 }
             )
@@ -511,3 +524,10 @@ def test_a_request_queued_behind_the_cap_waits_past_the_gateways_message_timeout
     slower = max(seconds for _, seconds in results)
     # Its own ~1.6 s after ~1.6 s in the queue.
     assert slower > 2.8, f"the second request did not queue past 1 s ({slower:.2f} s)"
+
+
+def test_embeddings_come_back_through_the_gateway(gateway_path: Path_) -> None:
+    """`POST /v1/embeddings`: decided by load in gateway mode, transcoded by the node Envoy."""
+    result = gateway_path.client().embeddings.create(model=EMBED_MODEL, input=["hi", "there"])
+    assert [len(item.embedding) for item in result.data] == [16, 16]
+    assert result.usage.prompt_tokens > 0

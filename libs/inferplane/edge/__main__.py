@@ -1,8 +1,10 @@
-"""`python -m inferplane.edge render`: writes (and optionally validates) a static edge bootstrap.
+"""`python -m inferplane.edge render`: writes (and optionally validates) a static edge bootstrap;
+`render-node`: the node-local Envoy's (the Gateway API path, `NodeEnvoyConfig`).
 
     python -m inferplane.edge render --router 127.0.0.1:50052 --auth 127.0.0.1:50051 \
         --replica 127.0.0.1:50061 --listen-port 8080 --admin-port 9901 --validate \
         -o deploy/envoy/edge.example.yaml
+    python -m inferplane.edge render-node --listen-port 8000 --tls-dir /etc/inferplane/tls
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.edge._errors import EdgeError
+from inferplane.edge._node import NodeEnvoyConfig, render_node_bootstrap
 from inferplane.edge._process import validate_bootstrap
 from inferplane.edge._resources import render_static_bootstrap
 
@@ -61,13 +64,37 @@ def parser() -> argparse.ArgumentParser:
         "--validate", action="store_true", help="check it with envoy --mode validate"
     )
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    node = sub.add_parser(
+        "render-node", help="write the node-local Envoy's bootstrap (Gateway API path)"
+    )
+    node.add_argument("--listen-host", default="0.0.0.0")
+    node.add_argument("--listen-port", type=int, default=8000, help="the pool's targetPort")
+    node.add_argument("--admin-port", type=int, default=9902)
+    node.add_argument(
+        "--tls-dir", default="", help="ca.crt + node-agent.crt/.key (empty: plaintext h2c)"
+    )
+    node.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    node.add_argument("--validate", action="store_true", help="check it with envoy --mode validate")
+    node.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     return p
+
+
+def _render(args: argparse.Namespace) -> str:
+    if args.command == "render-node":
+        config = NodeEnvoyConfig(
+            listen_host=args.listen_host,
+            listen_port=args.listen_port,
+            admin_port=args.admin_port,
+            upstream_tls_dir=args.tls_dir,
+        )
+        return render_node_bootstrap(config, fmt=args.format)
+    return render_static_bootstrap(config_from_args(args), fmt=args.format)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        text = render_static_bootstrap(config_from_args(args), fmt=args.format)
+        text = _render(args)
         if args.validate:
             validate_bootstrap(text)
     except (EdgeError, ValueError) as exc:

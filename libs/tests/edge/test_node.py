@@ -97,3 +97,14 @@ def test_envoy_accepts_the_rendered_bootstrap(tmp_path) -> None:
     text = render_node_bootstrap(NodeEnvoyConfig(upstream_tls_dir=str(tmp_path)))
     assert yaml.safe_load(text)["static_resources"]["listeners"][0]["name"] == "inferplane_node"
     validate_bootstrap(text)
+
+
+def test_the_cli_renders_the_node_bootstrap(tmp_path, capsys) -> None:
+    import inferplane.edge.__main__ as cli
+
+    out = tmp_path / "node.yaml"
+    assert cli.main(["render-node", "--listen-port", "18001", "-o", str(out)]) == 0
+    listener = yaml.safe_load(out.read_text())["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == 18001
+    assert cli.main(["render-node", "--listen-port", "0"]) == 1
+    assert "listen_port=0" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from inferplane.runtime import ErrorInterceptor, RunningServer
 from inferplane.runtime.ports import free_port
 from inferplane.testing.clock import FakeClock
 
-from .fakes import FakeScheduler, RecordingUsage, endpoints, header_map
+from .fakes import FakeScheduler, RecordingUsage, endpoints, header_map, lb_metadata
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -394,5 +394,44 @@ def test_trailers_are_answered_whether_they_end_the_body_or_follow_it() -> None:
             assert (await stream.read()).HasField("request_trailers")
             await stream.close()
             assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_gateways_served_endpoint_names_the_node_envoy_and_counts_for_the_replica() -> None:
+    """Gateways write `x-gateway-destination-endpoint-served` (protocol v1.0) with the node
+    Envoy's address; it is the picked replica that served, so a success is its success (not
+    a failure of the primary for a "served" endpoint outside the list)."""
+
+    async def scenario() -> None:
+        async with gateway_rig(1) as rig:
+            for _ in range(8):  # more than the breaker's 5 consecutive failures
+                stream = GatewayStream(rig.stub)
+                await stream.headers()
+                await stream.read()
+                await stream.body(_chat())
+                node = _destination(await stream.read())
+                request = ext_pb.ProcessingRequest(
+                    response_headers=ext_pb.HttpHeaders(
+                        headers=header_map({":status": "200", "x-inferplane-replica": "r0"})
+                    )
+                )
+                lb_metadata(request, node)
+                await stream.send(request)
+                await stream.read()
+                await stream.send(
+                    ext_pb.ProcessingRequest(
+                        response_trailers=ext_pb.HttpTrailers(
+                            trailers=header_map({"grpc-status": "0"})
+                        )
+                    )
+                )
+                await stream.read()
+                await stream.close()
+            replicas = rig.admission.replicas("d")
+            assert replicas is not None
+            breaker = replicas.states[0].breaker.peek(0.0)
+            assert breaker.name == "CLOSED", breaker
+            assert rig.records[-1].replica == "r0"
 
     asyncio.run(scenario())

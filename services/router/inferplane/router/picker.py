@@ -547,6 +547,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     exchange.duplex = config.request_body_mode == _FULL_DUPLEX
                     exchange.duplex_response = config.response_body_mode == _FULL_DUPLEX
                 served = _served(message)
+                if served and gateway is not None:
+                    served = _gateway_served(exchange, gateway, served)
                 exchange.served = served or exchange.served
                 refused = False
                 try:
@@ -1045,6 +1047,15 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             trace.fail(exchange.error_code or summary.error_code or _status_code(status))
         elif summary.error_code:
             trace.fail(summary.error_code)  # an SSE stream that ended with an error event
+
+
+def _gateway_served(exchange: _Exchange, gateway: GatewayMode, served: str) -> str:
+    """A gateway's `-served` names the node Envoy (`<host>:node_port`), not the replica: the
+    picked replica when it is that Envoy's, else "" (unknown; never a verdict on another)."""
+    for endpoint in exchange.endpoints:
+        if gateway.destination(endpoint.address) == served:
+            return endpoint.address
+    return ""
 
 
 def _served_address(exchange: _Exchange) -> str:

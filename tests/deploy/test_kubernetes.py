@@ -516,6 +516,8 @@ def test_gateway_api_serves_through_the_node_envoy_and_the_pickers_gateway_port(
     spec = _pod_spec(agent)
     (envoy,) = (c for c in spec["containers"] if c["name"] == "node-envoy")
     assert {"name": "gateway-http", "containerPort": 8000} in envoy["ports"]
+    (edge,) = _named("gateway-api", "Deployment", "edge")["spec"]["template"]["spec"]["containers"]
+    assert envoy["image"] == edge["image"] and ":" in envoy["image"]  # the same pinned build
     assert envoy["readinessProbe"]["httpGet"]["path"] == "/health"
     assert envoy["securityContext"]["readOnlyRootFilesystem"] is True
     assert spec["securityContext"]["runAsNonRoot"] is True

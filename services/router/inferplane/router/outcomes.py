@@ -20,7 +20,8 @@ SERVICE_NAME = "inferplane.router.v1.OutcomeService"
 
 
 class OutcomeService(outcome_pb2_grpc.OutcomeServiceServicer):  # type: ignore[misc]
-    """Hands each reported outcome to the picker (`EndpointPicker.report_outcomes`)."""
+    """Hands each reported outcome to the picker and answers once auth has the usage they
+    concluded (`EndpointPicker.report_outcomes_settled`, bounded by `usage_wait_seconds`)."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self._picker = picker
@@ -28,7 +29,7 @@ class OutcomeService(outcome_pb2_grpc.OutcomeServiceServicer):  # type: ignore[m
     async def ReportOutcomes(
         self, request: outcome_pb2.ReportOutcomesRequest, context: Any
     ) -> outcome_pb2.ReportOutcomesResponse:
-        matched = self._picker.report_outcomes(
+        matched = await self._picker.report_outcomes_settled(
             [
                 (outcome.request_id, ResponseSummary.from_metadata(dict(outcome.summary)))
                 for outcome in request.outcomes

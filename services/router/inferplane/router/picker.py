@@ -943,23 +943,42 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         state died with the process): its usage is reported from the summary's key and model,
         so a router crash loses no tokens (auth drops a copy by request id if the previous
         process had reported it). Returns how many matched a request in flight."""
-        matched = 0
+        return self._report_outcomes(outcomes)[0]
+
+    async def report_outcomes_settled(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
+        """`report_outcomes`, then waits (at most `usage_wait_seconds`) until auth has the
+        usage reports they concluded, so that the replica's report is acknowledged only once
+        nothing of it lives in this process's memory alone: a router killed in between is
+        not acknowledged, the replica sends the report again, and the restarted router
+        accounts it (auth keeps one row per request id)."""
+        matched, positions = self._report_outcomes(outcomes)
+        if positions and not await self._reporter.delivered(
+            max(positions), self._settings.usage_wait_seconds
+        ):
+            log.warning("outcome_usage_late", reports=len(positions))
+        return matched
+
+    def _report_outcomes(
+        self, outcomes: Sequence[tuple[str, ResponseSummary]]
+    ) -> tuple[int, list[int]]:
+        matched, positions = 0, []
         for request_id, summary in outcomes:
             exchange = self._active.get(request_id)
             if exchange is None:
                 if request_id not in self._concluded and summary.key_id:
-                    self._account_orphan(request_id, summary)
+                    positions.append(self._account_orphan(request_id, summary))
                 continue
             matched += 1
             exchange.reported = summary
             if exchange.waiting is not None:
                 exchange.waiting.cancel()
                 self._report(exchange)
-        return matched
+                positions.append(exchange.usage_position)
+        return matched, [p for p in positions if p]
 
-    def _account_orphan(self, request_id: str, summary: ResponseSummary) -> None:
+    def _account_orphan(self, request_id: str, summary: ResponseSummary) -> int:
         self._concluded[request_id] = None
-        self._reporter.usage.record(
+        position = self._reporter.usage.record(
             UsageRecord(
                 key_id=summary.key_id,
                 request_id=request_id,
@@ -972,6 +991,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self._metrics is not None:
             self._metrics.orphan_outcomes.inc()
         log.info("orphan_outcome_accounted", request_id=request_id, key_id=summary.key_id)
+        return position
 
     def _report(self, exchange: _Exchange) -> None:
         """Concludes the request and hands its trace over (usage + record), exactly once."""

@@ -12,9 +12,9 @@ import enum
 import itertools
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.engine.api import (
@@ -30,6 +30,8 @@ from inferplane.node_agent.engine.api import (
 )
 from inferplane.node_agent.pipeline.gpu_share import GpuShareMeter, replica_gpu_share
 from inferplane.runtime import UnavailableError
+
+T = TypeVar("T")
 
 
 class Phase(enum.Enum):
@@ -99,23 +101,9 @@ class TrackedEngine:
     ) -> list[array[float]]:
         """The inner engine's `embed`, run as a task `abort_all` can cancel (cancelling aborts
         it in the engine); a request cut short that way raises EngineError."""
-        task = asyncio.ensure_future(self.inner.embed(request_id, inputs, dimensions=dimensions))
-        self._embeddings[request_id] = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if request_id in self._shut and not (current and current.cancelling()):
-                raise EngineError(
-                    "the replica shut down before the request finished", retryable=True
-                ) from None
-            raise
-        except EngineError:
-            self._on_failure()
-            raise
-        finally:
-            del self._embeddings[request_id]
-            self._shut.discard(request_id)
+        return await self._cancellable(
+            request_id, self.inner.embed(request_id, inputs, dimensions=dimensions)
+        )
 
     async def transcribe(
         self, wav: bytes, params: SpeechParams, usage: SpeechUsage
@@ -128,11 +116,19 @@ class TrackedEngine:
         """
         inner = self._speech_engine()
         request_id = f"speech-{next(self._speech_ids)}"
-        task = asyncio.ensure_future(inner.transcribe(wav, params, usage))
+        result: SpeechResult = await self._cancellable(
+            request_id, inner.transcribe(wav, params, usage)
+        )
+        return result
+
+    async def _cancellable(self, request_id: str, work: Awaitable[T]) -> T:
+        """Runs `work` as a task `abort_all` can cancel (it is kept under `request_id`); a
+        request cut short that way raises a retryable EngineError, an EngineError of the
+        engine counts as a failure."""
+        task = asyncio.ensure_future(work)
         self._embeddings[request_id] = task
         try:
-            result: SpeechResult = await task
-            return result
+            return await task
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if request_id in self._shut and not (current and current.cancelling()):

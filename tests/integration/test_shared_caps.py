@@ -69,6 +69,22 @@ class Router:
         return asyncio.ensure_future(self.admission.acquire(route, RequestFeatures()))
 
 
+def _one_replica_table() -> pb.WatchRoutingTableResponse:
+    """Model "m" on one replica, r0, whose cap is CAP."""
+    return make_table(
+        [
+            pb.ModelRoute(
+                model="m",
+                deployment="m",
+                routing_policy="least_load",
+                endpoints=[
+                    pb.RouteEndpoint(replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP)
+                ],
+            )
+        ]
+    )
+
+
 async def _settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0.005)
@@ -96,20 +112,7 @@ def test_two_routers_share_a_replicas_cap_and_a_gone_routers_share_returns_after
     async def scenario() -> None:
         hub_clock = FakeClock()
         hub = RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN)
-        table = make_table(
-            [
-                pb.ModelRoute(
-                    model="m",
-                    deployment="m",
-                    routing_policy="least_load",
-                    endpoints=[
-                        pb.RouteEndpoint(
-                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
-                        )
-                    ],
-                )
-            ]
-        )
+        table = _one_replica_table()
         await hub.publish(table)
         hub_clock.advance(LEASE + MARGIN)  # the start-up wait is over
         server, address = await _serve(hub)
@@ -184,20 +187,7 @@ def test_a_restarted_orchestrator_adopts_the_grants_and_routers_keep_admitting(
     async def scenario() -> None:
         store = SqlLeaseStore(f"sqlite:///{tmp_path}/orchestrator.db")
         store.create_schema()
-        table = make_table(
-            [
-                pb.ModelRoute(
-                    model="m",
-                    deployment="m",
-                    routing_policy="least_load",
-                    endpoints=[
-                        pb.RouteEndpoint(
-                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
-                        )
-                    ],
-                )
-            ]
-        )
+        table = _one_replica_table()
 
         def leader(clock: FakeClock) -> tuple[RoutingHub, GrantsJournal]:
             lease = LeaderLease(
@@ -308,20 +298,7 @@ def test_a_router_follows_the_leader_and_keeps_admitting_through_a_failover(tmp_
             RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=j)
             for j in journals
         ]
-        table = make_table(
-            [
-                pb.ModelRoute(
-                    model="m",
-                    deployment="m",
-                    routing_policy="least_load",
-                    endpoints=[
-                        pb.RouteEndpoint(
-                            replica_id="r0", address="10.0.0.1:9000", max_concurrency=CAP
-                        )
-                    ],
-                )
-            ]
-        )
+        table = _one_replica_table()
         assert leases[0].try_acquire() and not leases[1].try_acquire()
         hubs[1].set_granting(False)  # orch-2 stands by
         for hub in hubs:

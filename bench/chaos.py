@@ -5,7 +5,7 @@ between, under a streaming load through the edge of the whole local stack.
                                     [--max-tokens 300] [--database postgresql|sqlite]
                                     [--transport inproc] [--keep]
 
-Starts the local stack (`inferplane.cli._stack.Stack`: Envoy, auth, router, orchestrator,
+Starts the local stack (`inferplane.localstack.Stack`: Envoy, auth, router, orchestrator,
 telemetry, one node-agent and ONE kimi-tiny replica on the CPU engine: Envoy has nowhere else to
 retry a request) with auth logging at debug level, then for each fault: a load of `--workers`
 closed loops of streamed chat completions (`--max-tokens` each, `ignore_eos`, raw SSE read with
@@ -84,12 +84,12 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig
+from inferplane.localstack import MODEL_NAME, Stack, StackConfig
 from inferplane.edge import REPLICAS_CLUSTER
 from inferplane.node_agent.engine.process import tree_pids
 from inferplane.runtime.identity import PeerSecurity
 from inferplane.runtime.ports import free_port, free_port_run
-from inferplane.testing import kimi_tiny
+from inferplane.fixtures import kimi_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 Log = Callable[[str], None]

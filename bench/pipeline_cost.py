@@ -40,7 +40,7 @@ from inferplane.node_agent.testing.pipeline import (
     script,
 )
 from inferplane.runtime.clock import SystemClock
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import chat_request_from_dict
 
 WORDS = [

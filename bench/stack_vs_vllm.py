@@ -64,7 +64,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.cli._stack import MODEL_NAME, Stack, StackConfig, kimi_tiny_deployment
+from inferplane.localstack import MODEL_NAME, Stack, StackConfig, kimi_tiny_deployment
 from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
 from inferplane.node_agent.engine.priority import renice_engine_cores
 from inferplane.node_agent.engine.process import (
@@ -749,7 +749,7 @@ def main() -> None:
     # an explicit value alone (engine/cpus.py) instead of choosing cores itself.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     log(f"VLLM_CPU_OMP_THREADS_BIND={args.omp_bind} for every engine")
-    from inferplane.testing import kimi_tiny
+    from inferplane.fixtures import kimi_tiny
 
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)

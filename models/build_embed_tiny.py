@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.testing import embed_tiny as et  # noqa: E402
-from inferplane.testing.fixture_build import (  # noqa: E402
+from inferplane.fixtures import embed_tiny as et  # noqa: E402
+from fixture_build import (  # noqa: E402
     folder_digests,
     library_versions,
     publish,

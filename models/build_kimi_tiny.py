@@ -6,7 +6,7 @@ One deterministic script (fixed seeds, fixed step count, 2 torch threads): it ge
 Kimi-K2.5-format chats, trains a byte-level BPE tokenizer on their text, builds a tiny
 ``Qwen2ForCausalLM`` (hidden 128, 2 layers, 4 heads / 2 KV heads, vocab 2048, tied embeddings),
 trains it with the loss on assistant tokens only, checks greedy decoding on held-out prompts and
-on the canonical prompts of ``inferplane.testing.kimi_tiny``, and writes the folder with a
+on the canonical prompts of ``inferplane.fixtures.kimi_tiny``, and writes the folder with a
 ``MANIFEST.json``. Nothing is downloaded. Recipe and timings: notes/vllm_cpu_probe.md §1 and §5.
 
 Token roles follow Kimi K2.5 (DESIGN.md, "Kimi K2 / K2.5 facts"): ``<|im_end|>`` (eos), the role
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.testing import kimi_tiny as kt  # noqa: E402
+from inferplane.fixtures import kimi_tiny as kt  # noqa: E402
 
 SEED = 1234
 THREADS = 2
@@ -556,7 +556,7 @@ def easy_samples(seed: int, n: int) -> list[Sample]:
 
 
 def canonical_samples() -> list[Sample]:
-    """The canonical cases of inferplane.testing.kimi_tiny, checked against this generator.
+    """The canonical cases of inferplane.fixtures.kimi_tiny, checked against this generator.
 
     Raises:
         AssertionError: a case's phrasing or output differs from what the templates produce.

@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.testing import qwen3_tiny as qt  # noqa: E402
-from inferplane.testing.fixture_build import (  # noqa: E402
+from inferplane.fixtures import qwen3_tiny as qt  # noqa: E402
+from fixture_build import (  # noqa: E402
     bytes_to_unicode,
     folder_digests,
     library_versions,

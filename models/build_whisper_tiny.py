@@ -23,7 +23,7 @@ embedding and writes the next token's embedding into the residual stream; the ou
 projection is tied to the embeddings, so that token gets the top logit). One always-on neuron
 writes ``<|endoftext|>``, the next token after anything without a rule. The other weights keep
 their random initialisation, so the audio still changes the logits a little. The rules
-(:data:`RULES`) give the paths documented in ``inferplane.testing.whisper_tiny``. The build
+(:data:`RULES`) give the paths documented in ``inferplane.fixtures.whisper_tiny``. The build
 replays them with transformers on several audios (silence, tones, noise) and prompts (plain,
 translate, timestamps, a ``<|startofprev|>`` history that shifts positions) and fails unless
 greedy decoding follows them with a top-1/top-2 logit margin of at least ``MIN_MARGIN``.
@@ -51,8 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.testing import whisper_tiny as wt  # noqa: E402
-from inferplane.testing.fixture_build import (  # noqa: E402
+from inferplane.fixtures import whisper_tiny as wt  # noqa: E402
+from fixture_build import (  # noqa: E402
     bytes_to_unicode,
     folder_digests,
     library_versions,

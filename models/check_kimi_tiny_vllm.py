@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from inferplane.testing import kimi_tiny as kt  # noqa: E402
+from inferplane.fixtures import kimi_tiny as kt  # noqa: E402
 
 
 def main() -> int:

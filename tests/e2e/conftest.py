@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from inferplane.cli._stack import Stack, StackConfig, running_stack
+from inferplane.localstack import Stack, StackConfig, running_stack
 from inferplane.runtime.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).

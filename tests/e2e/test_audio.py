@@ -1,7 +1,7 @@
 """Speech-to-text end to end (issue 19 item 2): the official `openai` client through the edge
 (ext_authz, the transcoder passing the multipart body through as an HttpBody, the endpoint
 picker reading the form's `model`) to the whisper-tiny replica (vLLM's speech serving in the
-replica process). The fixture is random but programmed (`inferplane.testing.whisper_tiny`):
+replica process). The fixture is random but programmed (`inferplane.fixtures.whisper_tiny`):
 greedy decoding writes `TRANSCRIPT` (or `TIMESTAMPED_TRANSCRIPT` in one 0-1 s segment when
 timestamps are asked for) whatever the audio, so the answers are checked exactly.
 
@@ -21,8 +21,8 @@ import openai
 import pytest
 import soundfile
 
-from inferplane.cli._stack import SPEECH_MODEL_NAME, Stack, running_stack
-from inferplane.testing import whisper_tiny as wt
+from inferplane.localstack import SPEECH_MODEL_NAME, Stack, running_stack
+from inferplane.fixtures import whisper_tiny as wt
 
 from .conftest import local_config
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from inferplane.cli._stack import Stack, running_stack
+from inferplane.localstack import Stack, running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

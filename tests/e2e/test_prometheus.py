@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from inferplane.cli._prometheus import engine_sd_file, render_prometheus_config
-from inferplane.cli._stack import MODEL_NAME, Stack
+from inferplane.localstack import MODEL_NAME, Stack
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.metrics import TTFT_BUCKETS
 

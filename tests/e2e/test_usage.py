@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from inferplane.cli._stack import MODEL_NAME, Stack
-from inferplane.testing import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack
+from inferplane.fixtures import kimi_tiny
 
 
 def _admin(stack: Stack) -> dict[str, str]:

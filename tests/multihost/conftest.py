@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from inferplane.cli._stack import StackHost
+from inferplane.localstack import StackHost
 
 CONTROL = "ctl"
 WORKERS = ("w1", "w2")

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.cli._stack import (
+from inferplane.localstack import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
     SPEECH_MODEL_NAME,
@@ -29,7 +29,7 @@ from inferplane.cli._stack import (
 from inferplane.runtime import InferplaneError
 from inferplane.runtime.identity import ADMIN, PeerSecurity
 from inferplane.sdk import Client
-from inferplane.testing import kimi_tiny
+from inferplane.fixtures import kimi_tiny
 
 DEFAULT_DATA_DIR = Path(".state")
 

@@ -1,1 +1,2 @@
-"""Test helpers shared by inferplane test suites and the local stack (no test framework imports)."""
+"""Test fakes and helpers shared by inferplane test suites (fake clock, loop, databases, replica
+and picker fakes, tool-schema strategies). No production module imports this package."""

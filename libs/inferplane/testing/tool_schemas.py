@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from inferplane.testing import kimi_tiny
+from inferplane.fixtures import kimi_tiny
 
 JSON = dict[str, Any]
 

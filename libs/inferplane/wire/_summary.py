@@ -21,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-REPLICA_KEY = "x-inferplane-replica"
-PICKER_KEY = "x-inferplane-picker"
-"""Request header the picker adds: the `host:port` of its `inferplane.router.v1.OutcomeService`,
-where the replica that served the request reports its summary too (the trailers alone can be
-lost when a client closes its connection right after `data: [DONE]`)."""
+from inferplane.wire import headers
+
+REPLICA_KEY = headers.SERVED_BY
+PICKER_KEY = headers.PICKER
 PROMPT_TOKENS_KEY = "x-inferplane-prompt-tokens"
 COMPLETION_TOKENS_KEY = "x-inferplane-completion-tokens"
 CACHED_TOKENS_KEY = "x-inferplane-cached-tokens"

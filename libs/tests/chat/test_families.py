@@ -25,8 +25,8 @@ from inferplane.chat import (
     prepare_chat,
     render_chat,
 )
-from inferplane.testing import kimi_tiny as kt
-from inferplane.testing import qwen3_tiny as qt
+from inferplane.fixtures import kimi_tiny as kt
+from inferplane.fixtures import qwen3_tiny as qt
 
 transformers = pytest.importorskip("transformers")
 

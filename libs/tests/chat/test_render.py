@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from inferplane.chat import ChatRenderError, RenderedPrompt, prepare_chat, render_chat
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,6 +26,10 @@ import pytest
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port
 
+# The fixture models' build tooling (`models/fixture_build.py`) is not a package of the
+# platform: the build scripts import it as their sibling, the tests through this path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "models"))
+
 READY_TIMEOUT_SECONDS = 120.0  # measured ready times on 2 cores: ~20-30 s
 _STOP_GRACE_SECONDS = 10.0
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from inferplane.parsers import build_parser
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 
 EOS = kt.EOS
 BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.testing import embed_tiny as et
-from inferplane.testing.fixture_build import assert_rebuilds_identically, folder_digests
+from inferplane.fixtures import embed_tiny as et
+from fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

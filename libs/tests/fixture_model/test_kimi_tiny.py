@@ -15,7 +15,7 @@ import pytest
 
 from inferplane.chat import RenderedPrompt, render_chat
 from inferplane.parsers import ParseResult, build_parser
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from inferplane.chat import render_chat
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

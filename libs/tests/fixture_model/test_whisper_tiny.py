@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.testing import whisper_tiny as wt
-from inferplane.testing.fixture_build import assert_rebuilds_identically, folder_digests
+from inferplane.fixtures import whisper_tiny as wt
+from fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

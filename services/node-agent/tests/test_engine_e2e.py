@@ -52,7 +52,7 @@ def anyio_backend() -> str:
 
 def fixture_model(tmp: Path) -> Path:
     """kimi-tiny, or (not built yet) a random-init model of its shape."""
-    from inferplane.testing import kimi_tiny
+    from inferplane.fixtures import kimi_tiny
 
     try:
         return kimi_tiny.model_path()

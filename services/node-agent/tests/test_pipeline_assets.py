@@ -134,7 +134,7 @@ def test_the_parser_name_picks_the_chat_family() -> None:
     from inferplane.chat import KIMI_K2, QWEN3
     from inferplane.node_agent.pipeline.assets import load_model_assets
     from inferplane.node_agent.pipeline.requests import plan_chat
-    from inferplane.testing import qwen3_tiny
+    from inferplane.fixtures import qwen3_tiny
     from inferplane.wire import chat_request_from_dict
 
     spec = nodeagent_pb2.ReplicaSpec(
@@ -164,7 +164,7 @@ def test_tool_constraints_are_written_in_the_models_own_format() -> None:
     grammar comes from the parser's `call_syntax`."""
     from inferplane.node_agent.pipeline.assets import load_model_assets
     from inferplane.node_agent.pipeline.requests import plan_chat
-    from inferplane.testing import qwen3_tiny
+    from inferplane.fixtures import qwen3_tiny
     from inferplane.wire import chat_request_from_dict
 
     spec = nodeagent_pb2.ReplicaSpec(

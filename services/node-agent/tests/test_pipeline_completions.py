@@ -19,7 +19,7 @@ from inferplane.node_agent.testing.pipeline import (
     run_scenario,
     script,
 )
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import completion_request_from_dict
 
 Stub = inference_pb2_grpc.InferenceServiceStub

@@ -30,8 +30,8 @@ from inferplane.node_agent.testing.pipeline import (
     run_scenario,
 )
 from inferplane.runtime import InvalidArgumentError
-from inferplane.testing import embed_tiny as et
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import embed_tiny as et
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import PICKER_KEY, ResponseSummary, chat_request_from_dict
 
 Stub = inference_pb2_grpc.InferenceServiceStub

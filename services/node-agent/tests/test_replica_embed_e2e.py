@@ -26,7 +26,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.node_agent.engine.process import EngineProcess, ProcessSpawner, plan_launch
 from inferplane.node_agent.testing.pipeline import embed_tiny_spec
-from inferplane.testing import embed_tiny as et
+from inferplane.fixtures import embed_tiny as et
 from inferplane.wire import ResponseSummary, chat_request_from_dict
 
 np = pytest.importorskip("numpy")

@@ -33,7 +33,7 @@ from inferplane.node_agent.testing.pipeline import (
 )
 from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
-from inferplane.testing import kimi_tiny as kt
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import (
     PICKER_KEY,
     REPLICA_KEY,

@@ -301,7 +301,7 @@ def kimi_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
 
 @cache
 def _kimi_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
-    from inferplane.testing import kimi_tiny
+    from inferplane.fixtures import kimi_tiny
 
     return nodeagent_pb2.ReplicaSpec(
         deployment=kimi_tiny.SERVED_MODEL_NAME,
@@ -329,7 +329,7 @@ def kimi_tiny_ids(text: str) -> list[int]:
 def embed_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
     """A replica spec for models/embed-tiny with task `embed` (512-token context, no parser):
     a fresh copy on every call, the caller's to change."""
-    from inferplane.testing import embed_tiny
+    from inferplane.fixtures import embed_tiny
 
     return nodeagent_pb2.ReplicaSpec(
         deployment=embed_tiny.SERVED_MODEL_NAME,
@@ -344,7 +344,7 @@ def embed_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
 def whisper_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
     """A replica spec for models/whisper-tiny with task `transcribe` (448 decoder tokens,
     float32, no parser, `inproc`): a fresh copy on every call, the caller's to change."""
-    from inferplane.testing import whisper_tiny
+    from inferplane.fixtures import whisper_tiny
 
     return nodeagent_pb2.ReplicaSpec(
         deployment=whisper_tiny.SERVED_MODEL_NAME,

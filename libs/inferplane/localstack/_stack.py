@@ -57,7 +57,7 @@ from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 from inferplane.runtime.ports import free_port, port_is_free
 from inferplane.sdk import Client
-from inferplane.testing import embed_tiny, kimi_tiny, whisper_tiny
+from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
 
 Progress = Callable[[str], None]
 

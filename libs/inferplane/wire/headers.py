@@ -1,0 +1,77 @@
+"""The edge's header contract: every HTTP/gRPC metadata name that crosses a service boundary on
+the data path, defined once. Auth, the router (endpoint picker), the replica process, the edge's
+Envoy configuration (and its Lua filters, through `inferplane.edge`) and the orchestrator import
+these names; nothing else spells them.
+
+Names are lower-case (gRPC metadata keys and HTTP/2 header names are). Every name under
+`TRUSTED_PREFIX` is trusted by the services behind the edge: the edge strips any copy a client
+sends before auth's Check adds its own (an `x-inferplane-*` header a client sent never reaches
+a service).
+
+Groups:
+
+- the auth verdict: what auth's ext_authz `Check` adds to a request it allows;
+- the request id: Envoy's (`REQUEST_ID`) and the client's own, given back under another name;
+- the endpoint picker (Gateway API Inference Extension, protocol v1.0): the ordered endpoint
+  list, the subset hint, the served endpoint a gateway reports, and the picker's own headers;
+- served-by: the replica that answered (a response header, never a request header);
+- internal: the shared secret internal callers present to auth's usage endpoint.
+
+The summary trailers a replica ends every response with are defined beside their codec in
+`inferplane.wire._summary` (`SUMMARY_KEYS`).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+TRUSTED_PREFIX: Final = "x-inferplane-"
+"""Headers only the edge (after auth's Check) may set; a client's own copies are removed."""
+
+# --- auth verdict (ext_authz Check → upstream request headers) ---------------------------------
+TENANT: Final = "x-inferplane-tenant"
+"""The calling key's tenant."""
+KEY_ID: Final = "x-inferplane-key-id"
+"""The calling API key's id (never its secret): the fair-share flow, the ledger's key."""
+SCOPES: Final = "x-inferplane-scopes"
+"""The key's scopes, comma-separated."""
+ALLOWED_MODELS: Final = "x-inferplane-allowed-models"
+"""The models the key may call, comma-separated; absent = every model."""
+TIER: Final = "x-inferplane-tier"
+"""The key's priority tier (the admission queue's class)."""
+
+AUTH_VERDICT: Final[tuple[str, ...]] = (TENANT, KEY_ID, SCOPES, ALLOWED_MODELS, TIER)
+"""Every header of auth's verdict, in the order Check writes them."""
+
+# --- request id -------------------------------------------------------------------------------
+REQUEST_ID: Final = "x-request-id"
+"""Envoy's request id (always Envoy's own: a client's is moved to `CLIENT_REQUEST_ID`)."""
+CLIENT_REQUEST_ID: Final = "x-client-request-id"
+"""A client's own `x-request-id`, passed on and given back under this name."""
+
+# --- endpoint picker ---------------------------------------------------------------------------
+PICK_NAMESPACE: Final = "envoy.lb"
+"""Dynamic-metadata namespace of the picker's answer (Gateway API Inference Extension)."""
+DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"
+"""The picked endpoints, `host:port` in order (metadata key and, for a gateway, header)."""
+DESTINATION_ENDPOINT_SERVED: Final = "x-gateway-destination-endpoint-served"
+"""The endpoint that served, as a gateway reports it (protocol v1.0)."""
+DESTINATION_ENDPOINT_SUBSET: Final = "x-gateway-destination-endpoint-subset"
+"""A gateway's hint: the endpoints the picker may choose among."""
+PICKER: Final = "x-inferplane-picker"
+"""Request header the picker adds: the `host:port` of its `inferplane.router.v1.OutcomeService`,
+where the serving replica reports the request's summary (the trailers alone can be lost when a
+client closes right after `data: [DONE]`)."""
+REPLICA_ADDRESS: Final = "x-inferplane-replica-address"
+"""Request header the picker adds in gateway mode: the picked replica process's address, which
+the node-local Envoy dials (and refuses when it is not on its node)."""
+ENVOY_MAX_RETRIES: Final = "x-envoy-max-retries"
+"""Envoy's own header: the picker sets it to the number of fallback endpoints it listed."""
+
+# --- served-by (response) ----------------------------------------------------------------------
+SERVED_BY: Final = "x-inferplane-replica"
+"""Response header (initial metadata) and summary trailer: the replica that answered."""
+
+# --- internal ----------------------------------------------------------------------------------
+INTERNAL_TOKEN: Final = "x-inferplane-internal-token"
+"""The shared secret the router presents to auth's internal usage endpoint."""

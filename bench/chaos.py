@@ -84,12 +84,12 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.localstack import MODEL_NAME, Stack, StackConfig
 from inferplane.edge import REPLICAS_CLUSTER
+from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack, StackConfig
 from inferplane.node_agent.engine.process import tree_pids
 from inferplane.runtime.identity import PeerSecurity
 from inferplane.runtime.ports import free_port, free_port_run
-from inferplane.fixtures import kimi_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 Log = Callable[[str], None]

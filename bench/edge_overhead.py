@@ -41,9 +41,9 @@ import httpx
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import Stack, StackConfig
 from inferplane.runtime.ports import free_port, free_port_run
-from inferplane.fixtures import kimi_tiny
 from inferplane.wire import chat_request_from_dict
 
 

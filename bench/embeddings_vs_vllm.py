@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
+from inferplane.fixtures import embed_tiny
 from inferplane.localstack import EMBED_MODEL_NAME, Stack, StackConfig
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port, free_port_run
-from inferplane.fixtures import embed_tiny
 
 WORDS = [
     "the",

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline.chunks import ChatChunks
 from inferplane.node_agent.pipeline.detokenize import TextStage
@@ -40,7 +41,6 @@ from inferplane.node_agent.testing.pipeline import (
     script,
 )
 from inferplane.runtime.clock import SystemClock
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import chat_request_from_dict
 
 WORDS = [

@@ -40,13 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.fixtures import embed_tiny as et  # noqa: E402
 from fixture_build import (  # noqa: E402
     folder_digests,
     library_versions,
     publish,
     write_json,
 )
+
+from inferplane.fixtures import embed_tiny as et  # noqa: E402
 
 SEED = 1234
 SHAPE = {

@@ -51,7 +51,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inferplane.fixtures import whisper_tiny as wt  # noqa: E402
 from fixture_build import (  # noqa: E402
     bytes_to_unicode,
     folder_digests,
@@ -59,6 +58,8 @@ from fixture_build import (  # noqa: E402
     publish,
     write_json,
 )
+
+from inferplane.fixtures import whisper_tiny as wt  # noqa: E402
 
 SEED = 1234
 SHAPE = {

@@ -21,8 +21,8 @@ import openai
 import pytest
 import soundfile
 
-from inferplane.localstack import SPEECH_MODEL_NAME, Stack, running_stack
 from inferplane.fixtures import whisper_tiny as wt
+from inferplane.localstack import SPEECH_MODEL_NAME, Stack, running_stack
 
 from .conftest import local_config
 

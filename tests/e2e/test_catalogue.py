@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from inferplane.chat import QWEN3, render_chat
-from inferplane.localstack import EMBED_MODEL_NAME, MODEL_NAME, Stack
 from inferplane.fixtures import embed_tiny, kimi_tiny, qwen3_tiny
+from inferplane.localstack import EMBED_MODEL_NAME, MODEL_NAME, Stack
 
 from .conftest import local_config
 

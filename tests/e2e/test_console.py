@@ -26,9 +26,9 @@ import openai
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from inferplane.localstack import MODEL_NAME, Stack
 from inferplane.cli._up import _console_health
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack
 
 pytestmark = pytest.mark.e2e
 

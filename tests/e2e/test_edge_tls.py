@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
+from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import Stack, running_stack
 from inferplane.runtime.pki import LocalCA
-from inferplane.fixtures import kimi_tiny
 
 from .conftest import local_config
 

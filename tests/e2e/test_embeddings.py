@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from inferplane.localstack import EMBED_MODEL_NAME, MODEL_NAME, Stack, running_stack
 from inferplane.fixtures import embed_tiny
+from inferplane.localstack import EMBED_MODEL_NAME, MODEL_NAME, Stack, running_stack
 
 from .conftest import local_config
 

@@ -24,8 +24,8 @@ import openai
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.localstack import MODEL_NAME, Stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack
 
 from .conftest import engine_core_pid
 

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from inferplane.localstack import Stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import Stack
 
 pytestmark = pytest.mark.e2e
 

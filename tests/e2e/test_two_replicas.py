@@ -39,8 +39,8 @@ import openai
 import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.localstack import MODEL_NAME, Stack, running_stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack, running_stack
 
 from .conftest import engine_core_pid, local_config
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from inferplane.localstack import MODEL_NAME, Stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from inferplane.localstack import MODEL_NAME, Stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME, Stack
 
 
 def _admin(stack: Stack) -> dict[str, str]:

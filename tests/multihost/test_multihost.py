@@ -35,8 +35,8 @@ import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.localstack import EDGE_PROCESS, MODEL_NAME, Stack, StackConfig, running_stack
 from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import EDGE_PROCESS, MODEL_NAME, Stack, StackConfig, running_stack
 
 from .conftest import CONTROL, WORKERS, Hosts
 

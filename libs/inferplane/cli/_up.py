@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
+from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
@@ -29,7 +30,6 @@ from inferplane.localstack import (
 from inferplane.runtime import InferplaneError
 from inferplane.runtime.identity import ADMIN, PeerSecurity
 from inferplane.sdk import Client
-from inferplane.fixtures import kimi_tiny
 
 DEFAULT_DATA_DIR = Path(".state")
 

@@ -52,12 +52,12 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_gr
 from inferplane.cli._process import ManagedProcess
 from inferplane.cli._prometheus import engine_sd_file
 from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
+from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
 from inferplane.runtime import AlreadyExistsError, ConfigError, InferplaneError
 from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
 from inferplane.runtime.pki import LocalCA
 from inferplane.runtime.ports import free_port, port_is_free
 from inferplane.sdk import Client
-from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
 
 Progress = Callable[[str], None]
 

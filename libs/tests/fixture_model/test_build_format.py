@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from inferplane.parsers import build_parser
 from inferplane.fixtures import kimi_tiny as kt
+from inferplane.parsers import build_parser
 
 EOS = kt.EOS
 BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fixture_build import assert_rebuilds_identically, folder_digests
 
 from inferplane.fixtures import embed_tiny as et
-from fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from inferplane.chat import RenderedPrompt, render_chat
-from inferplane.parsers import ParseResult, build_parser
 from inferplane.fixtures import kimi_tiny as kt
+from inferplane.parsers import ParseResult, build_parser
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

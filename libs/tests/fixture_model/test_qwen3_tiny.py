@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from fixture_build import assert_rebuilds_identically, folder_digests
 
 from inferplane.fixtures import qwen3_tiny as qt
-from fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

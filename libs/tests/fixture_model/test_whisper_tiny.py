@@ -14,9 +14,9 @@ import wave
 from pathlib import Path
 
 import pytest
+from fixture_build import assert_rebuilds_identically, folder_digests
 
 from inferplane.fixtures import whisper_tiny as wt
-from fixture_build import assert_rebuilds_identically, folder_digests
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -132,9 +132,9 @@ def test_the_parser_name_picks_the_chat_family() -> None:
     qwen3-tiny with the qwen3 parser gets Qwen3 rendering — `reasoning_effort: "none"` turns
     `enable_thinking` off and history ids stay the client's — while kimi-tiny keeps Kimi's."""
     from inferplane.chat import KIMI_K2, QWEN3
+    from inferplane.fixtures import qwen3_tiny
     from inferplane.node_agent.pipeline.assets import load_model_assets
     from inferplane.node_agent.pipeline.requests import plan_chat
-    from inferplane.fixtures import qwen3_tiny
     from inferplane.wire import chat_request_from_dict
 
     spec = nodeagent_pb2.ReplicaSpec(
@@ -162,9 +162,9 @@ def test_tool_constraints_are_written_in_the_models_own_format() -> None:
     """tool_choice required / named / auto (constrained) to a Qwen3-format replica send a
     grammar of Qwen3's `<tool_call>` JSON calls, not Kimi's section markers (issue 19): the
     grammar comes from the parser's `call_syntax`."""
+    from inferplane.fixtures import qwen3_tiny
     from inferplane.node_agent.pipeline.assets import load_model_assets
     from inferplane.node_agent.pipeline.requests import plan_chat
-    from inferplane.fixtures import qwen3_tiny
     from inferplane.wire import chat_request_from_dict
 
     spec = nodeagent_pb2.ReplicaSpec(

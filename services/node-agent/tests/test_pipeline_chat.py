@@ -13,6 +13,7 @@ import pytest
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.engine.api import EngineOutput
 from inferplane.node_agent.pipeline import RequestOutcome
 from inferplane.node_agent.testing.pipeline import (
@@ -24,7 +25,6 @@ from inferplane.node_agent.testing.pipeline import (
     run_scenario,
     script,
 )
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import chat_request_from_dict
 
 Stub = inference_pb2_grpc.InferenceServiceStub

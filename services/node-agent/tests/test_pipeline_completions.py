@@ -10,6 +10,7 @@ import pytest
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,
@@ -19,7 +20,6 @@ from inferplane.node_agent.testing.pipeline import (
     run_scenario,
     script,
 )
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import completion_request_from_dict
 
 Stub = inference_pb2_grpc.InferenceServiceStub

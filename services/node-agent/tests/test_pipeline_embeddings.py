@@ -18,6 +18,8 @@ from google.protobuf import json_format
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.fixtures import embed_tiny as et
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.pipeline import RequestOutcome
 from inferplane.node_agent.pipeline.embeddings import MAX_INPUTS, needs_thread, plan_embedding
 from inferplane.node_agent.testing.pipeline import (
@@ -30,8 +32,6 @@ from inferplane.node_agent.testing.pipeline import (
     run_scenario,
 )
 from inferplane.runtime import InvalidArgumentError
-from inferplane.fixtures import embed_tiny as et
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import PICKER_KEY, ResponseSummary, chat_request_from_dict
 
 Stub = inference_pb2_grpc.InferenceServiceStub

@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.testing.pipeline import kimi_tiny_spec
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import ResponseSummary, chat_request_from_dict, completion_request_from_dict
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

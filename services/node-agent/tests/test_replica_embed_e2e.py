@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.fixtures import embed_tiny as et
 from inferplane.node_agent.engine.process import EngineProcess, ProcessSpawner, plan_launch
 from inferplane.node_agent.testing.pipeline import embed_tiny_spec
-from inferplane.fixtures import embed_tiny as et
 from inferplane.wire import ResponseSummary, chat_request_from_dict
 
 np = pytest.importorskip("numpy")

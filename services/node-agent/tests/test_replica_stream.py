@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
 from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache, RequestOutcome
 from inferplane.node_agent.pipeline.coalesce import CoalescingEngine, merge_outputs
@@ -33,7 +34,6 @@ from inferplane.node_agent.testing.pipeline import (
 )
 from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
-from inferplane.fixtures import kimi_tiny as kt
 from inferplane.wire import (
     PICKER_KEY,
     REPLICA_KEY,

@@ -30,7 +30,7 @@ from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, exte
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
 from inferplane.auth.app import build_components
-from inferplane.auth.servicer import Authorization
+from inferplane.auth.ext_authz import Authorization
 from inferplane.auth.settings import AuthSettings
 from inferplane.runtime import RunningServer
 from inferplane.testing.loop import LoopThread

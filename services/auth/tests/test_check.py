@@ -15,7 +15,7 @@ from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.auth.domain import SecretHasher
-from inferplane.auth.servicer import Authorization
+from inferplane.auth.ext_authz import Authorization
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import UnavailableError
 from inferplane.runtime.clock import SystemClock

@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
-from inferplane.auth.usage import INTERNAL_TOKEN_HEADER, InternalCallerGuard, is_loopback_peer
+from inferplane.auth.usage import InternalCallerGuard, is_loopback_peer
 from inferplane.runtime import PermissionDeniedError, UnauthenticatedError
+from inferplane.wire.headers import INTERNAL_TOKEN
 
 RESOURCE_EXHAUSTED = 8
 
@@ -77,14 +78,12 @@ def test_a_configured_internal_token_is_required(
         _, key_id = _key(auth, tokens_per_minute=10)
         for metadata, code in (
             ((), grpc.StatusCode.UNAUTHENTICATED),
-            (((INTERNAL_TOKEN_HEADER, "wrong"),), grpc.StatusCode.PERMISSION_DENIED),
+            (((INTERNAL_TOKEN, "wrong"),), grpc.StatusCode.PERMISSION_DENIED),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 _report(auth, _usage(key_id, "r1", 1, 1), metadata=metadata)
             assert info.value.code() == code
-        _report(
-            auth, _usage(key_id, "r1", 1, 1), metadata=((INTERNAL_TOKEN_HEADER, "s3cret-internal"),)
-        )
+        _report(auth, _usage(key_id, "r1", 1, 1), metadata=((INTERNAL_TOKEN, "s3cret-internal"),))
 
 
 def test_without_a_token_only_loopback_peers_are_accepted() -> None:

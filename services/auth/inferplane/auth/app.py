@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.auth.v1 import auth_pb2_grpc, usage_pb2_grpc
 from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import SecretHasher
+from inferplane.auth.ext_authz import Authorization
+from inferplane.auth.key_service import ApiKeyService
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter
-from inferplane.auth.servicer import ApiKeyService, Authorization
 from inferplane.auth.settings import AuthSettings, resolve_pepper
 from inferplane.auth.slots import SlotReleaseService
 from inferplane.auth.sql_store import SqlApiKeyStore

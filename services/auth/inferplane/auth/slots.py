@@ -26,10 +26,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from inferplane.auth.limits import RateLimiter
 from inferplane.auth.usage import InternalCallerGuard
+from inferplane.wire.headers import KEY_ID
 
 log = structlog.get_logger("inferplane.auth.slots")
-
-KEY_ID_HEADER = "x-inferplane-key-id"
 
 
 class SlotReleaseService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
@@ -53,7 +52,7 @@ class SlotReleaseService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore
         self._guard.check(dict(context.invocation_metadata() or ()), context.peer())
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
-                key_id = entry.request.request_headers.get(KEY_ID_HEADER, "")
+                key_id = entry.request.request_headers.get(KEY_ID, "")
                 request_id = entry.request.request_id
                 if not key_id or not request_id:
                     continue

@@ -38,17 +38,16 @@ from inferplane.auth.ledger import STATUSES, LedgerRow, SqlUsageLedger, UsageQue
 from inferplane.auth.limits import RateLimiter
 from inferplane.runtime import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
 from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.wire.headers import INTERNAL_TOKEN
 
 if TYPE_CHECKING:
-    from inferplane.auth.servicer import Caller
+    from inferplane.auth.key_service import Caller
 
     Context = grpc.aio.ServicerContext[Any, Any]
 else:
     Context = Any
 
 log = structlog.get_logger("inferplane.auth.usage")
-
-INTERNAL_TOKEN_HEADER = "x-inferplane-internal-token"
 
 
 def is_loopback_peer(peer: str) -> bool:
@@ -82,10 +81,10 @@ class InternalCallerGuard:
 
     def check(self, metadata: Mapping[str, str | bytes], peer: str) -> None:
         if self._token:
-            presented = metadata.get(INTERNAL_TOKEN_HEADER)
+            presented = metadata.get(INTERNAL_TOKEN)
             if not presented:
                 raise UnauthenticatedError(
-                    f"internal RPC: missing {INTERNAL_TOKEN_HEADER}", code="invalid_internal_token"
+                    f"internal RPC: missing {INTERNAL_TOKEN}", code="invalid_internal_token"
                 )
             raw = presented if isinstance(presented, bytes) else presented.encode()
             if not hmac.compare_digest(raw, self._token):

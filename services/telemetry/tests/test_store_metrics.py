@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from inferplane.runtime.gaps import thin
 from inferplane.telemetry.domain import Sources
-from inferplane.telemetry.ingest import Ingestor, sample_from_record, thin
+from inferplane.telemetry.ingest import Ingestor, sample_from_record
 from inferplane.telemetry.metrics import LabelCaps, RecordMetrics
 from inferplane.telemetry.store import Query, Sample, SampleStore
 from inferplane.telemetry.summary import summarize

@@ -6,20 +6,10 @@ from collections.abc import Iterable
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.runtime.clock import Clock
+from inferplane.runtime.gaps import thin
 from inferplane.telemetry.domain import Sources
 from inferplane.telemetry.metrics import RecordMetrics
 from inferplane.telemetry.store import Sample, SampleStore
-
-
-def thin(values: Iterable[float], limit: int) -> tuple[float, ...]:
-    """At most `limit` values, evenly spaced over the input (first and last kept)."""
-    items = tuple(float(v) for v in values)
-    if len(items) <= limit:
-        return items
-    if limit <= 1:
-        return items[-1:] if limit == 1 else ()
-    step = (len(items) - 1) / (limit - 1)
-    return tuple(items[round(i * step)] for i in range(limit))
 
 
 def sample_from_record(

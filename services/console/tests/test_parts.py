@@ -8,9 +8,10 @@ import xml.etree.ElementTree as ET
 import pytest
 from multidict import MultiDict
 
-from inferplane.console.app import FormError, key_from_form
 from inferplane.console.charts import Bar, bar_chart
+from inferplane.console.pages.keys import key_from_form
 from inferplane.console.sessions import Identity, SessionStore
+from inferplane.console.web import FormError
 from inferplane.testing.clock import FakeClock
 
 SVG = "{http://www.w3.org/2000/svg}"

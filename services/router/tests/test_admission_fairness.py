@@ -20,8 +20,6 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.router.admission import Admission, AdmissionSettings, Lease
 from inferplane.router.features import (
-    KEY_ID_HEADER,
-    TIER_HEADER,
     TIER_WEIGHT,
     FeatureExtractor,
     RequestFeatures,
@@ -30,6 +28,7 @@ from inferplane.router.metrics import AdmissionCollector
 from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.runtime import ResourceExhaustedError
 from inferplane.testing.clock import FakeClock
+from inferplane.wire import headers
 
 from .fakes import FakeScheduler, admission, route
 
@@ -115,11 +114,11 @@ def test_the_key_and_its_tier_from_the_edge_headers_make_the_flow_and_its_weight
     requests without a key (or tier) share one standard flow; an unknown tier weighs less."""
     extract = FeatureExtractor()
     request = pb.ChatCompletionRequest(model="m", messages=[pb.ChatMessage(role="user")])
-    keyed = extract.chat(request, {KEY_ID_HEADER: "key-1", TIER_HEADER: "priority"})
+    keyed = extract.chat(request, {headers.KEY_ID: "key-1", headers.TIER: "priority"})
     assert (keyed.flow, keyed.weight) == ("key-1", TIER_WEIGHT["priority"])
     anonymous = extract.chat(request, {})
     assert (anonymous.flow, anonymous.weight) == ("", TIER_WEIGHT["standard"])
-    odd = extract.chat(request, {KEY_ID_HEADER: "key-2", TIER_HEADER: "gold"})
+    odd = extract.chat(request, {headers.KEY_ID: "key-2", headers.TIER: "gold"})
     assert 0 < odd.weight < TIER_WEIGHT["standard"]
 
 

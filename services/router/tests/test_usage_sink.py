@@ -19,13 +19,13 @@ from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.policies import default_registry
 from inferplane.router.routes import RouteTable
 from inferplane.router.usage import (
-    INTERNAL_TOKEN_HEADER,
     AuthUsageSink,
     UsageRecord,
     UsageSinkSettings,
 )
 from inferplane.runtime.ports import free_port
 from inferplane.testing.clock import FakeClock
+from inferplane.wire import headers
 
 from .fakes import FakeScheduler, endpoints, route
 
@@ -40,7 +40,7 @@ class FakeUsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[mis
 
     async def ReportUsage(self, request: Any, context: Any) -> usage_pb2.ReportUsageResponse:
         self.calls += 1
-        if self.token and dict(context.invocation_metadata()).get(INTERNAL_TOKEN_HEADER) != (
+        if self.token and dict(context.invocation_metadata()).get(headers.INTERNAL_TOKEN) != (
             self.token
         ):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong internal token")

@@ -19,10 +19,9 @@ import hashlib
 from collections.abc import Iterable, Mapping
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.wire import headers
 
 SESSION_HEADER = "x-session-id"
-TIER_HEADER = "x-inferplane-tier"
-KEY_ID_HEADER = "x-inferplane-key-id"
 # Admission weight by key tier (fair share of the queue's grants while flows compete, see
 # admission.py); an unknown tier gets less than standard.
 TIER_WEIGHT: Mapping[str, float] = {"priority": 8.0, "standard": 1.0}
@@ -77,7 +76,7 @@ def block_hashes(data: bytes, block_bytes: int, max_blocks: int) -> tuple[int, .
 
 
 def _weight(metadata: Mapping[str, str]) -> float:
-    return TIER_WEIGHT.get(metadata.get(TIER_HEADER, "standard"), UNKNOWN_TIER_WEIGHT)
+    return TIER_WEIGHT.get(metadata.get(headers.TIER, "standard"), UNKNOWN_TIER_WEIGHT)
 
 
 def _session(metadata: Mapping[str, str], user: str) -> int | None:
@@ -103,7 +102,7 @@ class FeatureExtractor:
             root=hash64(root_bytes) if root_bytes else None,
             session=_session(metadata, user),
             prompt_tokens=len(data) // BYTES_PER_TOKEN,
-            flow=metadata.get(KEY_ID_HEADER, ""),
+            flow=metadata.get(headers.KEY_ID, ""),
             weight=_weight(metadata),
         )
 
@@ -137,7 +136,7 @@ class FeatureExtractor:
             root=None,
             session=_session(metadata, ""),
             prompt_tokens=audio_bytes // BYTES_PER_TOKEN,
-            flow=metadata.get(KEY_ID_HEADER, ""),
+            flow=metadata.get(headers.KEY_ID, ""),
             weight=_weight(metadata),
         )
 
@@ -152,6 +151,6 @@ class FeatureExtractor:
             root=None,
             session=_session(metadata, request.user),
             prompt_tokens=len(data) // BYTES_PER_TOKEN,
-            flow=metadata.get(KEY_ID_HEADER, ""),
+            flow=metadata.get(headers.KEY_ID, ""),
             weight=_weight(metadata),
         )

@@ -50,7 +50,7 @@ from google.protobuf.message import DecodeError, Message
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.edge import PICK_KEY, PICK_NAMESPACE, SERVED_KEY
 from inferplane.router.admission import Admission, Lease
-from inferplane.router.features import KEY_ID_HEADER, FeatureExtractor, RequestFeatures
+from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
@@ -75,6 +75,7 @@ from inferplane.wire import (
     error_body,
     read_form,
 )
+from inferplane.wire.headers import KEY_ID as KEY_ID_HEADER
 
 log = structlog.get_logger("inferplane.router.picker")
 

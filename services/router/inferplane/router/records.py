@@ -1,32 +1,24 @@
 """The router's view of one request (`RequestTrace`) → telemetry's `RequestRecord`.
 
 Telemetry counts requests, status, latency and tokens from the router's records
-(`request_source = "router"`, services/telemetry/README.md) and tool-call facts from the
-node-agent's, so the router sends exactly one record per request it received: success,
-error (before or after the first chunk, 429s and unknown models included) or cancel.
+(`request_source = "router"`, services/telemetry/README.md) and tool-call facts and
+inter-token gaps from the replica processes', so the router sends exactly one record per
+request it received: success, error (429s and unknown models included) or cancel.
 
-What the router measures, from the request's arrival at the router:
+As the endpoint picker (`picker/`) the router sees no chunk of the response, only the
+replica's `ResponseSummary` trailers (`on_summary`), or the replica's report of them. From the
+request's arrival at the router:
 - queue time: time spent waiting for a slot in admission (every attempt summed);
-- TTFT: until the first chunk with a choice (the node-agent emits its role chunk when the
-  engine produced the first step, so this is the client's time to first token minus the
-  edge's hop). Unary responses have no first token the router can see: TTFT stays 0 (unset);
-- ITL: the gaps between consecutive chunks that carry text (content, reasoning, tool-call
-  or completion text), evenly thinned to at most `MAX_GAPS`; their mean. That is what clients
-  see: one token per chunk by default, several with a stream interval (then a gap spans them;
-  the node-agent's own records count ITL per token);
-- e2e: until the last chunk or the error.
-
-As the endpoint picker (`picker.py`, data path v2) the router sees no chunk, only the
-replica's `ResponseSummary` trailers (`on_summary`): usage and finish reason come from there,
-TTFT is the time until the pick plus the replica's own TTFT (Envoy's hop to the replica is
-not in it), there are no ITL gaps (the replica's own records carry them), and e2e ends when
-the trailers arrive or the side stream closes.
+- TTFT: the time until the pick plus the replica's own TTFT (Envoy's hop to the replica is not
+  in it); 0 (unset) when the replica reported none;
+- ITL: none (the replica's own records carry the gaps, measured per token);
+- e2e: until the trailers (or the replica's report) arrive or the side stream closes;
+- usage, finish reason, GPU-seconds: from the summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -35,52 +27,18 @@ from google.protobuf import timestamp_pb2
 
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.wire import ResponseSummary
+from inferplane.wire import ResponseSummary, headers
 
 SOURCE = "router"
-MAX_GAPS = 128  # telemetry keeps at most this many inter-token gaps per record
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
 STATUS_CANCELLED = "cancelled"
 
 
-def carries_tokens(chunk: Any) -> bool:
-    """Whether a streamed chat or completion chunk carries generated text."""
-    for choice in chunk.choices:
-        if "delta" in choice.DESCRIPTOR.fields_by_name:
-            delta = choice.delta
-            if delta.content or delta.reasoning_content or len(delta.tool_calls):
-                return True
-        elif choice.text:
-            return True
-    return False
-
-
-def _finish_reason(chunk: Any) -> str:
-    for choice in chunk.choices:
-        if "finish_reason" not in choice.DESCRIPTOR.fields_by_name:
-            continue
-        value = choice.finish_reason
-        if isinstance(value, str):
-            if value:
-                return value
-        elif value.HasField("string_value"):  # google.protobuf.Value (completions)
-            return str(value.string_value)
-    return ""
-
-
-def thin(gaps: list[float], limit: int = MAX_GAPS) -> list[float]:
-    """At most `limit` gaps, evenly spaced over the input (keeps the distribution's shape)."""
-    if len(gaps) <= limit:
-        return gaps
-    step = len(gaps) / limit
-    return [gaps[int(i * step)] for i in range(limit)]
-
-
 @dataclasses.dataclass(slots=True)
 class RequestTrace:
     """What the router saw of one request; times are monotonic seconds except `start_wall`
-    (Unix seconds). Filled by the servicer as the request moves; see `to_record`."""
+    (Unix seconds). Filled by the endpoint picker as the request moves; see `to_record`."""
 
     model: str
     stream: bool
@@ -94,9 +52,6 @@ class RequestTrace:
     node: str = ""
     queue_seconds: float = 0.0
     first_token: float | None = None
-    last_token: float | None = None
-    end: float | None = None
-    gaps: list[float] = dataclasses.field(default_factory=list)
     usage: Any = None  # inferplane.inference.v1.Usage, once the replica said
     gpu_seconds: float = 0.0  # attributed by the replica (`ResponseSummary.gpu_seconds`)
     finish_reason: str = ""
@@ -112,30 +67,10 @@ class RequestTrace:
             stream=stream,
             start=now,
             start_wall=wall,
-            request_id=metadata.get("x-request-id") or f"router-{uuid.uuid4().hex}",
-            tenant=metadata.get("x-inferplane-tenant", ""),
-            key_id=metadata.get("x-inferplane-key-id", ""),
+            request_id=metadata.get(headers.REQUEST_ID) or f"router-{uuid.uuid4().hex}",
+            tenant=metadata.get(headers.TENANT, ""),
+            key_id=metadata.get(headers.KEY_ID, ""),
         )
-
-    def on_chunk(self, chunk: Any, now: float) -> None:
-        """A streamed chunk reached the router."""
-        if chunk.HasField("usage"):
-            self.usage = chunk.usage
-        if not len(chunk.choices):
-            return
-        if self.first_token is None:
-            self.first_token = now
-        if carries_tokens(chunk):
-            if self.last_token is not None:
-                self.gaps.append(now - self.last_token)
-            self.last_token = now
-        self.finish_reason = _finish_reason(chunk) or self.finish_reason
-
-    def on_response(self, response: Any) -> None:
-        """A unary response reached the router."""
-        if response.HasField("usage"):
-            self.usage = response.usage
-        self.finish_reason = _finish_reason(response) or self.finish_reason
 
     def on_summary(self, summary: ResponseSummary, picked: float) -> None:
         """The replica's summary reached the endpoint picker; `picked` (monotonic seconds) is
@@ -169,14 +104,13 @@ class RequestTrace:
         self.error_code = ""
 
     def timings(self, now: float) -> tuple[float, float]:
-        """(TTFT, end-to-end) seconds from arrival at the router, the request ended at
-        monotonic `now` unless `end` was set; TTFT is 0 when no output came."""
-        end = self.end if self.end is not None else now
+        """(TTFT, end-to-end) seconds from arrival at the router, the request having ended at
+        monotonic `now`; TTFT is 0 when no output came."""
         ttft = self.first_token - self.start if self.first_token is not None else 0.0
-        return max(0.0, ttft), max(0.0, end - self.start)
+        return max(0.0, ttft), max(0.0, now - self.start)
 
     def to_record(self, now: float) -> telemetry_pb2.RequestRecord:
-        """The record of this request, ended at monotonic `now` (unless `end` was set)."""
+        """The record of this request, ended at monotonic `now`."""
         ttft, e2e = self.timings(now)
         start = timestamp_pb2.Timestamp()
         start.FromNanoseconds(int(self.start_wall * 1e9))
@@ -202,19 +136,10 @@ class RequestTrace:
             finish_reason=finish,
             error_code=self.error_code,
             stream=self.stream,
-            inter_token_latencies_seconds=thin(self.gaps),
         )
-        if self.gaps:
-            record.inter_token_latency_mean_seconds = statistics.fmean(self.gaps)
-            record.inter_token_latency_p99_seconds = _p99(self.gaps)
         if usage is not None:
             record.prompt_tokens = usage.prompt_tokens
             record.completion_tokens = usage.completion_tokens
             record.cached_tokens = usage.prompt_tokens_details.cached_tokens
             record.reasoning_tokens = usage.completion_tokens_details.reasoning_tokens
         return record
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * (len(ordered) - 1) + 0.5))]

@@ -1,6 +1,6 @@
 """The end of every request the router handled: one usage report and one telemetry record.
 
-The endpoint picker (`picker.py`) opens a `RequestTrace` when a request arrives and hands it
+The endpoint picker (`picker/`) opens a `RequestTrace` when a request arrives and hands it
 here exactly once when it ends.
 """
 
@@ -17,11 +17,9 @@ from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.records import STATUS_CANCELLED, STATUS_OK, RequestTrace
 from inferplane.router.usage import UsageRecord, UsageSink
 from inferplane.runtime.clock import Clock
+from inferplane.wire import headers
 
 log = structlog.get_logger("inferplane.router")
-
-KEY_ID_HEADER = "x-inferplane-key-id"
-REQUEST_ID_HEADER = "x-request-id"
 
 RecordSend = Callable[[telemetry_pb2.RequestRecord], None]
 
@@ -53,7 +51,7 @@ class Reporter:
         report also frees the key's concurrency slot in auth) and one telemetry record.
         Returns the usage report's position for `delivered` (0: none to wait for). Never
         raises: reporting must not fail a request."""
-        key_id = metadata.get(KEY_ID_HEADER)
+        key_id = metadata.get(headers.KEY_ID)
         usage = trace.usage
         position = 0
         if key_id:
@@ -65,7 +63,7 @@ class Reporter:
             position = self.usage.record(
                 UsageRecord(
                     key_id=key_id,
-                    request_id=metadata.get(REQUEST_ID_HEADER, ""),
+                    request_id=metadata.get(headers.REQUEST_ID, ""),
                     model=trace.model,
                     prompt_tokens=usage.prompt_tokens if usage is not None else 0,
                     completion_tokens=usage.completion_tokens if usage is not None else 0,

@@ -10,8 +10,7 @@ from typing import Any
 import yaml
 
 from inferplane.runtime import ConfigError, NotFoundError, PermissionDeniedError
-
-ALLOWED_MODELS_HEADER = "x-inferplane-allowed-models"
+from inferplane.wire import headers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,7 +108,7 @@ def resolve(table: RouteTable, model: str, metadata: Mapping[str, str]) -> Model
         PermissionDeniedError: the key may not use `model` (HTTP 403, code model_not_allowed).
         NotFoundError: no route serves `model` (HTTP 404, code model_not_found).
     """
-    allowed = metadata.get(ALLOWED_MODELS_HEADER, "")
+    allowed = metadata.get(headers.ALLOWED_MODELS, "")
     if allowed and model not in {m.strip() for m in allowed.split(",")}:
         raise PermissionDeniedError(
             f"this API key may not use the model '{model}'",

@@ -32,11 +32,11 @@ from inferplane.runtime.batching import (
     Sleep,
 )
 from inferplane.runtime.spool import Spool
+from inferplane.wire import headers
 
 log = structlog.get_logger("inferplane.router.usage")
 
 __all__ = [
-    "INTERNAL_TOKEN_HEADER",
     "RETRYABLE_CODES",
     "AuthUsageSink",
     "LoggingUsageSink",
@@ -46,8 +46,6 @@ __all__ = [
     "UsageSinkSettings",
     "to_proto",
 ]
-
-INTERNAL_TOKEN_HEADER = "x-inferplane-internal-token"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,7 +209,7 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
         self._wall_clock = wall_clock
         self._stub: Any = None
         self._metadata: tuple[tuple[str, str], ...] = (
-            ((INTERNAL_TOKEN_HEADER, settings.internal_token),) if settings.internal_token else ()
+            ((headers.INTERNAL_TOKEN, settings.internal_token),) if settings.internal_token else ()
         )
 
     def record(self, usage: UsageRecord) -> int:

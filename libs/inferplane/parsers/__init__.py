@@ -18,21 +18,19 @@ output with no format (all content, verbatim).
 """
 
 from inferplane.parsers._arguments import ToolSet
+from inferplane.parsers._config import (
+    Action,
+    ArgumentsFormat,
+    EngineConfig,
+    Sink,
+    Transition,
+)
 from inferplane.parsers._constrain import (
     Constraint,
     build_json_constraint,
     build_tool_constraint,
 )
 from inferplane.parsers._deepseek_v31 import DEEPSEEK_V31_MARKERS, deepseek_v31_config
-from inferplane.parsers._engine import (
-    Action,
-    ArgumentsFormat,
-    EngineConfig,
-    Parser,
-    Session,
-    Sink,
-    Transition,
-)
 from inferplane.parsers._errors import (
     ConstraintError,
     InvalidToolCallError,
@@ -47,9 +45,11 @@ from inferplane.parsers._kimi_k2 import (
     kimi_k2_config,
     split_kimi_header,
 )
+from inferplane.parsers._parser import Parser
 from inferplane.parsers._plain import PlainSession
 from inferplane.parsers._qwen3 import QWEN3_MARKERS, qwen3_config
 from inferplane.parsers._registry import ParserRegistry, build_parser, default_registry
+from inferplane.parsers._session import Session
 from inferplane.parsers._syntax import CallSyntax
 from inferplane.parsers._types import Delta, ParseResult, ToolCall, ToolCallDelta
 from inferplane.parsers._validate import (

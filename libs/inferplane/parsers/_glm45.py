@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 
-from inferplane.parsers._engine import (
+from inferplane.parsers._config import (
     Action,
     ArgumentsFormat,
     EngineConfig,

@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import re
 
-from inferplane.parsers._engine import (
+from inferplane.parsers._config import (
     Action,
     ArgumentsFormat,
     EngineConfig,

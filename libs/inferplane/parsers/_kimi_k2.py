@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import re
 
-from inferplane.parsers._engine import Action, EngineConfig, Sink, Transition
+from inferplane.parsers._config import Action, EngineConfig, Sink, Transition
 from inferplane.parsers._syntax import CallSyntax
 
 __all__ = [

@@ -11,12 +11,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from inferplane.parsers._config import EngineConfig
 from inferplane.parsers._deepseek_v31 import deepseek_v31_config
-from inferplane.parsers._engine import EngineConfig, Parser
 from inferplane.parsers._errors import UnknownParserError
 from inferplane.parsers._glm45 import glm45_config
 from inferplane.parsers._gpt_oss import gpt_oss_config
 from inferplane.parsers._kimi_k2 import kimi_k2_config
+from inferplane.parsers._parser import Parser
 from inferplane.parsers._qwen3 import qwen3_config
 
 __all__ = ["ParserRegistry", "build_parser", "default_registry"]

@@ -13,8 +13,8 @@ from typing import Annotated, Any, TextIO
 
 import typer
 
-from inferplane.parsers._engine import Parser
 from inferplane.parsers._errors import ParserError
+from inferplane.parsers._parser import Parser
 from inferplane.parsers._registry import build_parser, default_registry
 
 __all__ = ["app", "replay_cases"]

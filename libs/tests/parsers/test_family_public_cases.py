@@ -1,7 +1,7 @@
-"""Qwen3, DeepSeek-V3.1, GLM-4.5 and gpt-oss (harmony) cases drawn from the public suites of vLLM
-and SGLang, plus derived edge cases, replayed through ``replay`` (the parser's public contract,
-``cli.replay_case``): the same schema and splits as the Kimi suite
-(``test_kimi_k2_public_cases.py``), one case file per parser.
+"""Cases of every registered parser but Kimi K2 (today Qwen3, DeepSeek-V3.1, GLM-4.5 and
+gpt-oss's harmony) drawn from the public suites of vLLM and SGLang, plus derived edge cases,
+replayed through ``replay`` (the parser's public contract, ``cli.replay_case``): the same schema
+and splits as the Kimi suite (``test_kimi_k2_public_cases.py``), one case file per parser.
 
 Each line of ``cases/<parser>_public.jsonl`` is a replay case (``name``, ``model_output``,
 ``stream_deltas``, ``thinking``, optional ``tools``) plus ``source``, ``expected``
@@ -9,6 +9,11 @@ Each line of ``cases/<parser>_public.jsonl`` is a replay case (``name``, ``model
 suite's expectation, a one-line ``note``. Every case is replayed whole, with its own
 ``stream_deltas`` when given, and in chunks of 1, 2, 3, 5, 11 and 23 characters; every split
 must give exactly ``expected``.
+
+The parsers are discovered from the registry (``default_registry().names``): a registered
+parser without its ``cases/<name>_public.jsonl`` fails
+``test_every_registered_parser_has_public_cases``. Kimi K2's file is replayed by its own suite
+(``test_kimi_k2_public_cases.py``).
 """
 
 from __future__ import annotations
@@ -20,17 +25,27 @@ from typing import Any
 
 import pytest
 
-from inferplane.parsers import Parser, build_parser
+from inferplane.parsers import Parser, build_parser, default_registry
 from inferplane.parsers.cli import replay_case
 
 CASES_DIR = Path(__file__).parent / "cases"
-FAMILIES = ("qwen3", "deepseek_v31", "glm45", "gpt_oss")
+REGISTERED = default_registry().names
+# Parsers whose public cases have a suite of their own (more cases, other sources).
+OWN_SUITE = frozenset({"kimi_k2"})
+FAMILIES = tuple(name for name in REGISTERED if name not in OWN_SUITE)
 CHUNK_SIZES = (1, 2, 3, 5, 11, 23)
 COMPARED = ("reasoning", "content", "tool_calls")
 
 
+def _cases_path(family: str) -> Path:
+    return CASES_DIR / f"{family}_public.jsonl"
+
+
 def _load(family: str) -> list[dict[str, Any]]:
-    with (CASES_DIR / f"{family}_public.jsonl").open(encoding="utf-8") as f:
+    path = _cases_path(family)
+    if not path.is_file():
+        return []  # reported by test_every_registered_parser_has_public_cases
+    with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -74,6 +89,16 @@ def test_case_at_every_split(family: str, case: dict[str, Any]) -> None:
     assert not failures, f"expected {json.dumps(expected, ensure_ascii=False)}\n" + "\n".join(
         failures
     )
+
+
+def test_every_registered_parser_has_public_cases() -> None:
+    """Each parser a deployment may name has its public cases file, and each cases file names
+    a registered parser."""
+    missing = [name for name in REGISTERED if not _cases_path(name).is_file()]
+    assert not missing, f"registered parsers without cases/<name>_public.jsonl: {missing}"
+    files = {p.name.removesuffix("_public.jsonl") for p in CASES_DIR.glob("*_public.jsonl")}
+    assert files <= set(REGISTERED), f"cases for unregistered parsers: {files - set(REGISTERED)}"
+    assert set(REGISTERED) >= OWN_SUITE
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,6 +22,7 @@ from inferplane.parsers import (
     Sink,
     ToolCallDelta,
     build_parser,
+    default_registry,
 )
 from inferplane.parsers.cli import app
 
@@ -60,11 +61,19 @@ TWO_CALLS_ARGS = {
     "gpt_oss": '{"x": 1}',
 }
 FAMILIES = tuple(TWO_CALLS)
+# Kimi K2 writes its own ids (``functions.NAME:N``); its streaming is test_kimi_k2_streaming.py.
+OWN_IDS = frozenset({"kimi_k2"})
 
 
 def fragments(parser: Parser, text: str, **start: Any) -> list[ToolCallDelta]:
     s = parser.start(**start)
     return [tc for ch in text for tc in s.feed(ch).tool_calls] + s.finish().tool_calls
+
+
+def test_every_registered_parser_is_streamed_here() -> None:
+    """The parsers are discovered from the registry: a newly registered one needs its two calls
+    in ``TWO_CALLS`` (or, writing its own ids, a streaming suite of its own)."""
+    assert set(FAMILIES) == set(default_registry().names) - OWN_IDS
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -29,8 +29,7 @@ import openai
 import pytest
 import yaml
 
-from inferplane.cli._prometheus import engine_sd_file, render_prometheus_config
-from inferplane.localstack import MODEL_NAME, Stack
+from inferplane.localstack import MODEL_NAME, Stack, engine_sd_file, render_prometheus_config
 from inferplane.runtime.ports import free_port
 from inferplane.telemetry.metrics import TTFT_BUCKETS
 

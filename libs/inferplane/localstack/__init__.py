@@ -1,23 +1,36 @@
-"""The local stack (`inferplane up`, and the end-to-end tests and benches): every service, the
-node-agent, the fixture deployments and Envoy, run on this machine. See `_stack.py`'s docstring
-for the start-up order and the data directory's layout, and docs/localstack.md for its use."""
+"""The local stack: every service, the node-agent(s), the fixture deployments and Envoy, run on
+this machine. `inferplane up` runs it; the end-to-end tests, the multi-host tests and the
+benches start it. docs/localstack.md describes its use, its start-up order and its data
+directory.
 
-from inferplane.localstack._stack import (
+Modules (private; import from here):
+
+- `_config`: process names, `StackHost`, `StackConfig`;
+- `_deployments`: the fixture deployments (kimi-tiny, embed-tiny, whisper-tiny);
+- `_process`: `ManagedProcess` (one child process, stopped with its group), Envoy in a host;
+- `_launch`: each process's command line, certificates, and the waits between starts;
+- `_stack`: `Stack` (start-up order, stop, the deployments, queries) and `running_stack`;
+- `_prometheus`: deploy/'s Prometheus configuration, pointed at a stack's ports.
+"""
+
+from inferplane.localstack._config import (
     EDGE_PROCESS,
     EMBED_MODEL_NAME,
     MODEL_NAME,
     NODE_NAME,
     SPEECH_MODEL_NAME,
-    Stack,
     StackConfig,
     StackError,
     StackHost,
+    service_of,
+)
+from inferplane.localstack._deployments import (
     embed_tiny_deployment,
     kimi_tiny_deployment,
-    running_stack,
-    service_of,
     whisper_tiny_deployment,
 )
+from inferplane.localstack._prometheus import engine_sd_file, render_prometheus_config
+from inferplane.localstack._stack import Stack, running_stack
 
 __all__ = [
     "EDGE_PROCESS",
@@ -30,7 +43,9 @@ __all__ = [
     "StackError",
     "StackHost",
     "embed_tiny_deployment",
+    "engine_sd_file",
     "kimi_tiny_deployment",
+    "render_prometheus_config",
     "running_stack",
     "service_of",
     "whisper_tiny_deployment",

@@ -1,7 +1,7 @@
-"""The local stack: every service, one node-agent, the kimi-tiny deployment, and Envoy, all
-run on the control plane.
+"""The local stack's life cycle: every service, the node-agent(s), the fixture deployments
+(kimi-tiny; embed-tiny and whisper-tiny when asked) and Envoy, all run on this machine.
 
-`Stack` is what `inferplane up` runs and what the end-to-end tests start once per session.
+`Stack` is what `inferplane up` runs and what the end-to-end tests and benches start.
 Start-up order (each step waits for the previous one):
 
 1. the orchestrator, with the edge (xDS) flags: Envoy's listener and clusters, the router
@@ -13,17 +13,22 @@ Start-up order (each step waits for the previous one):
    the reconcile loop starts it on the node-agent, warms it up and adds it to the routing table;
 4. telemetry, following the orchestrator's routing table for the engines to scrape (and
    writing them to `<data_dir>/prometheus/engines.json` for Prometheus's file_sd);
-5. Envoy from the minimal ADS bootstrap: LIVE once the orchestrator pushed its config, and
-   ready once its replicas cluster holds every routable replica process (the endpoint
-   picker's lists name them; DESIGN.md, data path v2).
+5. the web console (`python -m inferplane.console`), once its health page answers;
+6. Envoy from the minimal ADS bootstrap: LIVE once the orchestrator pushed its config, and
+   ready once its replicas cluster holds every routable replica process. The endpoint picker
+   (the router, over ext_proc) answers each request with an ordered list of replica processes
+   and Envoy's override_host load balancing sends it to the first; a pick naming a host the
+   cluster does not hold yet (not yet pushed by EDS) would fall back to round robin.
 
 Layout of the data directory::
 
     <data_dir>/up.lock            held (flock) while a stack runs: a second `up` refuses
     <data_dir>/stack.json         ports and pids, for `inferplane status`
     <data_dir>/logs/<name>.log    each component's output (mode 0600, as every log here)
-    <data_dir>/pki/               with `tls`: the local CA (`ca.crt`, `ca.key`) and the edge's
-                                  certificate (`edge.crt`, `edge.key`); keys 0600
+    <data_dir>/pki/               the local CA (`ca.crt`, `ca.key`) and each identity's
+                                  certificate (`<identity>.crt`, `.key`: edge, auth, router,
+                                  orchestrator, node-agent, telemetry, admin); keys 0600; with
+                                  `plaintext` only the edge's, and only with `tls`
     <data_dir>/<name>/            each component's own state (auth and orchestrator databases,
                                   engine logs...); the orchestrator's catalogue survives an `up`
 """
@@ -35,341 +40,49 @@ import dataclasses
 import fcntl
 import json
 import os
-import ssl
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 from typing import IO, Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.cli._process import ManagedProcess
-from inferplane.cli._prometheus import engine_sd_file
-from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
-from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
+from inferplane.localstack._config import (
+    EMBED_MODEL_NAME,
+    MODEL_NAME,
+    SPEECH_MODEL_NAME,
+    Progress,
+    StackConfig,
+    StackError,
+    service_of,
+)
+from inferplane.localstack._deployments import (
+    embed_tiny_deployment,
+    kimi_tiny_deployment,
+    whisper_tiny_deployment,
+)
+from inferplane.localstack._launch import Launcher
+from inferplane.localstack._prometheus import engine_sd_file
 from inferplane.runtime import AlreadyExistsError, ConfigError, InferplaneError
-from inferplane.runtime.identity import ADMIN, EDGE, IDENTITIES, PeerSecurity
-from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port, port_is_free
+from inferplane.runtime.ports import free_port
 from inferplane.sdk import Client
 
-Progress = Callable[[str], None]
-
-MODEL_NAME = "kimi-tiny"
-EMBED_MODEL_NAME = embed_tiny.SERVED_MODEL_NAME
-SPEECH_MODEL_NAME = whisper_tiny.SERVED_MODEL_NAME
-NODE_NAME = "local"
-EDGE_NODE_ID = "inferplane-edge"
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
 # are going down with their node-agent.
 _STOP_ORDER = ("console", "router", "telemetry", "orchestrator", "node_agent", "auth")
-# The services with one process each; more routers and node-agents follow as `router_2`,
-# `node_agent_2`... (`StackConfig.routers`, `StackConfig.nodes`).
-_SERVICES = ("auth", "router", "orchestrator", "node_agent", "telemetry")
-EDGE_PROCESS = "edge"
-
-
-class StackError(Exception):
-    """The stack could not start; the message names the component and shows its log tail."""
-
-
-def service_of(process: str) -> str:
-    """The service a stack process runs: `router_2` → `router`, `node_agent` → `node_agent`."""
-    base, _, index = process.rpartition("_")
-    return base if base and index.isdigit() else process
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StackHost:
-    """A host a stack process runs on: a Linux network namespace (made by the caller, e.g.
-    `ip netns add`) and the address the process binds there and its peers dial.
-
-    The stack starts such a process under `ip netns exec NETNS` (needs root) with `--host
-    ADDRESS` (the edge: its listener and admin API on ADDRESS), and its certificates carry
-    every host's address, since most peers verify the address they dial. A process without a
-    host runs on 127.0.0.1 in the caller's own namespace. Used by tests/multihost.
-    """
-
-    netns: str
-    address: str
-
-    def wrap(self, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
-
-
-class _HostedEnvoy(EnvoyProcess):
-    """Envoy started inside a `StackHost`'s network namespace."""
-
-    def __init__(self, bootstrap: str, *, host: StackHost, **kwargs: Any) -> None:
-        super().__init__(bootstrap, **kwargs)
-        self.host = host
-
-    def command(self) -> list[str]:
-        return self.host.wrap(super().command())
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StackConfig:
-    """Where the stack lives and listens. Service ports are `grpc_base_port + 0..4`.
-
-    Attributes:
-        transport: the engine transport of the kimi-tiny deployment's replica process
-            (`inproc`: vLLM's AsyncLLM in the replica process; `http-completions`: a vLLM HTTP
-            server child, `/v1/completions` with token ids; `grpc`: a `vllm serve --grpc`
-            child, its token-level `Generate`).
-        startup_timeout_seconds: how long the first replica may take to become ready and
-            routable (also each engine's start-up timeout in the node-agent).
-        warmup_timeout_seconds: the orchestrator's deadline for a new replica's warm-up request.
-        engine_env: extra environment of the node-agent, inherited by its engines (e.g.
-            `VLLM_CPU_OMP_THREADS_BIND`; vLLM's CPU default pins every engine to core 0).
-        replicas: replicas of the kimi-tiny deployment; start-up waits until all are routable.
-        routing_policy: the deployment's routing policy ("" = the orchestrator's default).
-        max_num_seqs: the profile's concurrent sequences per replica (also the router's
-            per-replica admission cap).
-        stream_interval: the profile's generated tokens per streamed chunk at least (vLLM's
-            `--stream-interval`; 0 or 1: every token).
-        constrain_tool_choice_auto: the profile's option of that name (`tool_choice: "auto"`
-            decoded under the tool-call structural tag), on as in the catalogue's default.
-        service_args: extra command-line flags per service name (a key of `ports`), e.g.
-            `{"router": ("--queue-timeout-seconds", "1")}`.
-        tls: the edge serves HTTPS with a certificate for localhost / 127.0.0.1 issued from
-            the local CA in `<data_dir>/pki` (created once, then reused; clients trust
-            `ca_path`); the leaf is valid `tls_cert_days` and re-issued at each start once a
-            third of that is left.
-        embeddings: also serve the embed-tiny embedding model (`EMBED_MODEL_NAME`, one replica,
-            `inproc`) beside kimi-tiny.
-        speech: also serve the whisper-tiny speech-to-text model (`SPEECH_MODEL_NAME`, one
-            replica, `inproc`: vLLM's speech serving in the replica process).
-        chat: serve kimi-tiny (off only for benchmarks of the other models alone).
-        plaintext: the services talk plaintext gRPC without identities (development only);
-            by default every service, Envoy toward them, and the stack's own admin calls use
-            mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
-            `auth`, `router`, `orchestrator`, `node-agent`, `telemetry`, `admin`), each valid
-            `tls_cert_days` and re-issued at start once a third of that is left.
-        nodes: one node-agent per node name (process `node_agent`, then `node_agent_2`...,
-            each with its own data directory `node-agent[-<node>]`); start-up waits until
-            all have registered.
-        routers: router processes (`router`, `router_2`...), all in the edge's EDS;
-            `service_args["router"]` applies to each, as a service's args apply to all its
-            processes.
-        hosts: process name (a key of `ports`, or `EDGE_PROCESS` for Envoy) → the
-            `StackHost` (network namespace and address) it runs on; absent: 127.0.0.1 here.
-        console_port: the web console's port on 127.0.0.1 (`services/console`; HTTPS with
-            client certificates unless `plaintext`); 0: a free port chosen at start
-            (`Stack.console_port`). Browsers reach it through the edge at `console_url`.
-    """
-
-    data_dir: Path
-    http_port: int = 8080
-    grpc_base_port: int = 50051
-    metrics_base_port: int = 50151
-    envoy_admin_port: int = 9901
-    model_path: Path = dataclasses.field(default_factory=lambda: kimi_tiny.model_path())
-    transport: str = "inproc"
-    startup_timeout_seconds: float = 300.0
-    warmup_timeout_seconds: float = 120.0
-    engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    replicas: int = 1
-    routing_policy: str = ""
-    max_num_seqs: int = 16
-    stream_interval: int = 0
-    constrain_tool_choice_auto: bool = True
-    service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
-    tls: bool = False
-    tls_cert_days: int = 30
-    plaintext: bool = False
-    embeddings: bool = False
-    speech: bool = False
-    chat: bool = True
-    nodes: tuple[str, ...] = (NODE_NAME,)
-    routers: int = 1
-    hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)
-    console_port: int = 0
-
-    @property
-    def ports(self) -> dict[str, int]:
-        """Each process's gRPC port: the five services at `grpc_base_port + 0..4`, then any
-        further routers and node-agents (`router_2`..., `node_agent_2`...)."""
-        names = list(_SERVICES)
-        names += [f"router_{k}" for k in range(2, self.routers + 1)]
-        names += [f"node_agent_{k}" for k in range(2, len(self.nodes) + 1)]
-        return {name: self.grpc_base_port + i for i, name in enumerate(names)}
-
-    @property
-    def node_agents(self) -> dict[str, str]:
-        """Node-agent process name → the node it runs (`nodes`, in order)."""
-        return {
-            ("node_agent" if k == 1 else f"node_agent_{k}"): node
-            for k, node in enumerate(self.nodes, start=1)
-        }
-
-    @property
-    def router_names(self) -> list[str]:
-        """The router processes: `router`, `router_2`..."""
-        return ["router", *(f"router_{k}" for k in range(2, self.routers + 1))]
-
-    def host_address(self, name: str) -> str:
-        """The address process `name` (a key of `ports`, or `EDGE_PROCESS`) binds and is
-        dialled at: its `hosts` entry's, else 127.0.0.1."""
-        host = self.hosts.get(name)
-        return host.address if host is not None else "127.0.0.1"
-
-    @property
-    def metrics_ports(self) -> dict[str, int]:
-        return {name: self.metrics_base_port + i for i, name in enumerate(self.ports)}
-
-    @property
-    def base_url(self) -> str:
-        scheme = "https" if self.tls else "http"
-        return f"{scheme}://{self.host_address(EDGE_PROCESS)}:{self.http_port}/v1"
-
-    @property
-    def console_url(self) -> str:
-        """The web console's URL, through the edge."""
-        return self.base_url.removesuffix("/v1") + "/console/"
-
-    @property
-    def pki_dir(self) -> Path:
-        return self.data_dir / "pki"
-
-    @property
-    def security(self) -> PeerSecurity:
-        """The admin identity the stack (and `inferplane status`) calls the services with."""
-        return (
-            PeerSecurity.plaintext(ADMIN) if self.plaintext else PeerSecurity(self.pki_dir, ADMIN)
-        )
-
-    @property
-    def ca_path(self) -> Path | None:
-        """The CA certificate clients must trust (`tls`), else None."""
-        return LocalCA(self.pki_dir).cert_path if self.tls else None
-
-    def address(self, name: str) -> str:
-        """`host:port` of process `name` (a key of `ports`): 127.0.0.1 unless `hosts` names
-        its host."""
-        return f"{self.host_address(name)}:{self.ports[name]}"
-
-
-def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
-    """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
-    vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
-    `config.max_num_seqs`, `config.stream_interval`, `config.constrain_tool_choice_auto`, one
-    surge replica per rollout.
-
-    Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
-    parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
-
-    Raises:
-        StackError: the model folder has no readable `config.json`.
-    """
-    model = config.model_path
-    try:
-        arch = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise StackError(f"cannot read the fixture model's config.json in {model}: {exc}") from exc
-    heads = int(arch["num_attention_heads"])
-    parameters = 0
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        parameters = int(json.loads((model / "MANIFEST.json").read_text())["parameters"])
-    if not parameters:
-        parameters = (model / "model.safetensors").stat().st_size // 4
-    return orchestrator_pb2.Deployment(
-        replicas=config.replicas,
-        owned_by="inferplane",
-        routing_policy=config.routing_policy,
-        profile=orchestrator_pb2.DeploymentProfile(
-            model_source=str(model),
-            engine="vllm-cpu",
-            precision="fp32",
-            parameter_count=parameters,
-            num_layers=int(arch["num_hidden_layers"]),
-            num_kv_heads=int(arch.get("num_key_value_heads") or heads),
-            head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // heads),
-            max_model_len=2048,
-            # The router caps in-flight requests per replica at this; the default 16 lets the
-            # edge benchmark's concurrency-16 level run unqueued.
-            max_num_seqs=config.max_num_seqs,
-            reasoning_parser="kimi_k2",
-            tool_parser="kimi_k2",
-            transport=config.transport,
-            stream_interval=config.stream_interval,
-            constrain_tool_choice_auto=config.constrain_tool_choice_auto,
-        ),
-        rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
-    )
-
-
-def embed_tiny_deployment() -> orchestrator_pb2.Deployment:
-    """The embed-tiny deployment (`config.embeddings`): one CPU replica of the fixture
-    embedding model, task "embed", `inproc` (vLLM's pooling runner), least-load routing."""
-    model = embed_tiny.model_path()
-    manifest: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        manifest = json.loads((model / "MANIFEST.json").read_text())
-    return orchestrator_pb2.Deployment(
-        replicas=1,
-        owned_by="inferplane",
-        routing_policy="least_load",
-        profile=orchestrator_pb2.DeploymentProfile(
-            model_source=str(model),
-            engine="vllm-cpu",
-            precision="fp32",
-            parameter_count=int(manifest.get("parameters") or 0) or 1,
-            max_model_len=embed_tiny.MAX_MODEL_LEN,
-            max_num_seqs=16,
-            transport="inproc",
-            task="embed",
-        ),
-    )
-
-
-def whisper_tiny_deployment() -> orchestrator_pb2.Deployment:
-    """The whisper-tiny deployment (`config.speech`): one CPU replica of the fixture speech
-    model, task "transcribe", `inproc`, float32, least-load routing; placement sizes its
-    decoder's KV cache (Whisper's decoder layers and heads, 448 positions)."""
-    model = whisper_tiny.model_path()
-    manifest: dict[str, Any] = {}
-    arch: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        manifest = json.loads((model / "MANIFEST.json").read_text())
-        arch = json.loads((model / "config.json").read_text())
-    heads = int(arch.get("decoder_attention_heads") or 1)
-    return orchestrator_pb2.Deployment(
-        replicas=1,
-        owned_by="inferplane",
-        routing_policy="least_load",
-        profile=orchestrator_pb2.DeploymentProfile(
-            model_source=str(model),
-            engine="vllm-cpu",
-            precision="fp32",
-            parameter_count=int(manifest.get("parameters") or 0) or 1,
-            num_layers=int(arch.get("decoder_layers") or 1),
-            num_kv_heads=heads,
-            head_dim=int(arch.get("d_model") or heads) // heads,
-            max_model_len=whisper_tiny.MAX_MODEL_LEN,
-            max_num_seqs=16,
-            transport="inproc",
-            task="transcribe",
-        ),
-    )
 
 
 @dataclasses.dataclass(slots=True)
-class Stack:
-    """Starts and stops the components in dependency order."""
+class Stack(Launcher):
+    """Starts and stops the components in dependency order (the module's docstring), and
+    answers questions about the running stack (serving replicas, API keys).
 
-    config: StackConfig
-    processes: dict[str, ManagedProcess] = dataclasses.field(default_factory=dict)
-    edge: EnvoyProcess | None = None
-    admin_key: str = ""
-    console_port: int = 0  # the web console's port (`StackConfig.console_port`, or chosen)
+    Its attributes are `Launcher`'s (`config`, `processes`, `edge`, `admin_key`,
+    `console_port`) and, while it runs, the held `<data_dir>/up.lock`.
+    """
+
     _lock: IO[str] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -458,136 +171,20 @@ class Stack:
         handle.flush()
         self._lock = handle
 
-    def _service(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def _write_state(self) -> None:
         cfg = self.config
-        service = service_of(name)
-        host = cfg.hosts.get(name)
-        argv = [
-            sys.executable,
-            "-m",
-            f"inferplane.{service}",
-            "--port",
-            str(cfg.ports[name]),
-            "--metrics-port",
-            str(cfg.metrics_ports[name]),
-            *(["--host", host.address] if host is not None else []),
-            "--no-json-logs",
-            *(["--plaintext"] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]),
-            *args,
-            *cfg.service_args.get(service, ()),
-        ]
-        if host is not None:
-            argv = host.wrap(argv)
-        proc = ManagedProcess(
-            name,
-            argv,
-            log_path=cfg.data_dir / "logs" / f"{name}.log",
-            env={**os.environ, **(env or {})},
-        )
-        proc.start()
-        self.processes[name] = proc
-
-    def _edge_tls_args(self, progress: Progress) -> list[str]:
-        """The local CA (created or reused) and every identity's certificate (unless
-        `plaintext`); then the orchestrator's edge flags: its upstream identity folder and,
-        with `tls`, the edge's HTTPS certificate (the `edge` one: localhost / 127.0.0.1)."""
-        cfg = self.config
-        if not cfg.tls and cfg.plaintext:
-            return []
-        hosted = sorted({host.address for host in cfg.hosts.values()})
-        try:
-            ca = LocalCA.ensure(cfg.pki_dir)
-            leaves = {
-                name: ca.issue(
-                    name,
-                    # The identity itself too: peers dialled by address are checked by it.
-                    dns_names=("localhost", name),
-                    # And every host's address (`hosts`): most peers check what they dial.
-                    ip_addresses=("127.0.0.1", "::1", *hosted),
-                    days=cfg.tls_cert_days,
-                )
-                for name in ((EDGE,) if cfg.plaintext else IDENTITIES)
-            }
-        except (OSError, ValueError) as exc:
-            raise StackError(f"cannot create certificates in {cfg.pki_dir}: {exc}") from exc
-        edge = leaves[EDGE]
-        progress(f"certificates valid until {edge.not_after:%Y-%m-%d}; CA {ca.cert_path}")
-        args = [] if cfg.plaintext else ["--edge-upstream-tls-dir", str(cfg.pki_dir.resolve())]
-        if cfg.tls:
-            args += [
-                "--edge-tls-cert-path",
-                str(edge.cert_path.resolve()),
-                "--edge-tls-key-path",
-                str(edge.key_path.resolve()),
-            ]
-        return args
-
-    def _start_services(self, progress: Progress) -> None:
-        cfg = self.config
-        data = cfg.data_dir
-        tls_args = self._edge_tls_args(progress)
-        progress("starting the orchestrator (catalogue, placement, routing table, xDS)")
-        self._service(
-            "orchestrator",
-            *tls_args,
-            "--data-dir",
-            str(data / "orchestrator"),
-            "--edge-routers",
-            ",".join(cfg.address(r) for r in cfg.router_names),
-            "--edge-auth-address",
-            cfg.address("auth"),
-            "--edge-console-address",
-            f"127.0.0.1:{self.console_port}",
-            "--edge-listen-host",
-            cfg.host_address(EDGE_PROCESS),
-            "--edge-listen-port",
-            str(cfg.http_port),
-            "--edge-node-id",
-            EDGE_NODE_ID,
-            "--warmup-timeout-seconds",
-            str(cfg.warmup_timeout_seconds),
-            # Its open streams (heartbeats, table watches) would hold the default 10 s grace.
-            "--grace-period-seconds",
-            "2",
-        )
-        # Node-agents and routers connect to it at once (their retries back off).
-        self._wait_healthy("orchestrator", progress)
-        progress("starting auth, the node-agent and the router")
-        self._service("auth", "--data-dir", str(data / "auth"))
-        for agent, node in cfg.node_agents.items():
-            self._service(
-                agent,
-                "--data-dir",
-                str(data / ("node-agent" if agent == "node_agent" else f"node-agent-{node}")),
-                "--node-name",
-                node,
-                "--orchestrator-address",
-                cfg.address("orchestrator"),
-                "--telemetry-address",
-                cfg.address("telemetry"),
-                "--engine-startup-timeout-seconds",
-                str(cfg.startup_timeout_seconds),
-                env=dict(cfg.engine_env),
-            )
-        # Usage goes to auth (token limits, concurrency slots) and one record per request to
-        # telemetry; both sinks buffer until their service is up (telemetry starts last).
-        for router in cfg.router_names:
-            self._service(
-                router,
-                "--orchestrator-address",
-                cfg.address("orchestrator"),
-                "--auth-address",
-                cfg.address("auth"),
-                "--telemetry-address",
-                cfg.address("telemetry"),
-                # Usage reports wait there while auth is away, and across a router restart.
-                "--usage-spool-path",
-                str(data / router.replace("_", "-") / "usage-spool.db"),
-            )
-        for name in ("auth", *cfg.node_agents, *cfg.router_names):
-            self._wait_healthy(name, progress)
-        key_file = data / "auth" / "bootstrap-admin-key"
-        self.admin_key = key_file.read_text().strip() if key_file.exists() else ""
+        state = {
+            "base_url": cfg.base_url,
+            "console_url": cfg.console_url,
+            "ca_path": str(cfg.ca_path or ""),
+            "tls_dir": "" if cfg.plaintext else str(cfg.pki_dir.resolve()),
+            "ports": cfg.ports,
+            "http_port": cfg.http_port,
+            "envoy_admin_port": cfg.envoy_admin_port,
+            "deployment": MODEL_NAME,
+            "pids": {n: p.pid for n, p in self.processes.items()},
+        }
+        (cfg.data_dir / "stack.json").write_text(json.dumps(state, indent=2))
 
     def deployments(self) -> dict[str, tuple[orchestrator_pb2.Deployment, int]]:
         """The deployments this stack serves, by name, with the replicas each must have."""
@@ -723,164 +320,6 @@ class Stack:
                         f"logs in {cfg.data_dir / 'logs'}"
                     )
                 time.sleep(0.5)
-
-    def _start_edge(self, progress: Progress) -> None:
-        cfg = self.config
-        host = cfg.hosts.get(EDGE_PROCESS)
-        if host is None and not port_is_free(cfg.envoy_admin_port):
-            # Drawn when the stack was configured, minutes ago; a replica's or an engine's port
-            # drawn from the same range since may hold it. Only the stack uses Envoy's admin
-            # port (the orchestrator never sees it): draw another rather than fail.
-            self.config = cfg = dataclasses.replace(cfg, envoy_admin_port=free_port())
-            progress(f"Envoy's admin port was taken meanwhile; using {cfg.envoy_admin_port}")
-        progress("starting the Envoy edge (configured by the orchestrator over ADS)")
-        admin_host = cfg.host_address(EDGE_PROCESS)
-        bootstrap = render_ads_bootstrap(
-            cfg.address("orchestrator"),
-            node_id=EDGE_NODE_ID,
-            admin_host=admin_host,
-            admin_port=cfg.envoy_admin_port,
-            upstream_tls_dir="" if cfg.plaintext else str(cfg.pki_dir.resolve()),
-        )
-        where: dict[str, Any] = {
-            "data_dir": cfg.data_dir / "envoy",
-            "admin_url": f"http://{admin_host}:{cfg.envoy_admin_port}",
-        }
-        self.edge = (
-            EnvoyProcess(bootstrap, **where)
-            if host is None
-            else _HostedEnvoy(bootstrap, host=host, **where)
-        )
-        try:
-            self.edge.start()
-        except EnvoyStartError as exc:
-            raise StackError(str(exc)) from exc
-
-    def _wait_edge_routes(
-        self, endpoints: Sequence[orchestrator_pb2.RouteEndpoint], progress: Progress
-    ) -> None:
-        """Waits until Envoy's replicas cluster holds every routable replica process (pushed by
-        EDS from the routing table), so the first request can be sent where it is picked."""
-        assert self.edge is not None
-        wanted = {e.address for e in endpoints}
-        deadline = time.monotonic() + 60
-        while True:
-            self._raise_if_dead()
-            with contextlib.suppress(OSError):
-                if wanted <= self.edge.cluster_hosts(REPLICAS_CLUSTER):
-                    progress(f"edge is ready on {self.config.base_url}")
-                    return
-            if time.monotonic() > deadline:
-                raise StackError(
-                    f"Envoy's replicas cluster did not list {sorted(wanted)} in 60 s; "
-                    f"see {self.edge.log_path}"
-                )
-            time.sleep(0.2)
-
-    def _start_console(self, progress: Progress) -> None:
-        """The web console (`python -m inferplane.console`), acting for its signed-in users'
-        keys at auth and presenting the operator identity; waits for its health page."""
-        cfg = self.config
-        progress("starting the web console")
-        security = [] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]
-        edge_ca = ["--edge-ca-path", str(cfg.ca_path)] if cfg.ca_path else []
-        argv = [
-            sys.executable,
-            "-m",
-            "inferplane.console",
-            "--port",
-            str(self.console_port),
-            "--no-json-logs",
-            *(["--plaintext"] if cfg.plaintext else security),
-            "--auth-address",
-            cfg.address("auth"),
-            "--orchestrator-address",
-            cfg.address("orchestrator"),
-            "--telemetry-address",
-            cfg.address("telemetry"),
-            "--edge-url",
-            cfg.base_url.removesuffix("/v1"),
-            *edge_ca,
-            *cfg.service_args.get("console", ()),
-        ]
-        proc = ManagedProcess("console", argv, log_path=cfg.data_dir / "logs" / "console.log")
-        proc.start()
-        self.processes["console"] = proc
-        context = None
-        if not cfg.plaintext:
-            # The console asks every client for a certificate of the CA (only the edge has one
-            # besides operators): the check presents the admin identity's.
-            sec = cfg.security
-            context = ssl.create_default_context(cafile=str(sec.ca_path))
-            context.check_hostname = False
-            context.load_cert_chain(str(sec.cert_path), str(sec.key_path))
-        scheme = "http" if context is None else "https"
-        url = f"{scheme}://127.0.0.1:{self.console_port}/console/healthz"
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.exited() is not None:
-                raise StackError(f"console exited at start-up:\n{proc.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2, context=context) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise StackError(f"console did not answer {url} within 60 s:\n{proc.log_tail()}")
-            time.sleep(0.2)
-
-    def _write_state(self) -> None:
-        cfg = self.config
-        state = {
-            "base_url": cfg.base_url,
-            "console_url": cfg.console_url,
-            "ca_path": str(cfg.ca_path or ""),
-            "tls_dir": "" if cfg.plaintext else str(cfg.pki_dir.resolve()),
-            "ports": cfg.ports,
-            "http_port": cfg.http_port,
-            "envoy_admin_port": cfg.envoy_admin_port,
-            "deployment": MODEL_NAME,
-            "pids": {n: p.pid for n, p in self.processes.items()},
-        }
-        (cfg.data_dir / "stack.json").write_text(json.dumps(state, indent=2))
-
-    def _wait_healthy(self, name: str, progress: Progress) -> None:
-        address = self.config.address(name)
-        deadline = time.monotonic() + 60
-        with self.config.security.channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                code = self.processes[name].exited()
-                if code is not None:
-                    raise StackError(
-                        f"{name} exited with code {code}:\n{self.processes[name].log_tail()}"
-                    )
-                with contextlib.suppress(grpc.RpcError):
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        progress(f"{name} is healthy on {address}")
-                        return
-                if time.monotonic() > deadline:
-                    raise StackError(
-                        f"{name} did not become healthy in 60 s:\n{self.processes[name].log_tail()}"
-                    )
-                time.sleep(0.2)
-
-    def _raise_if_dead(self) -> None:
-        dead = self.dead_component()
-        if dead:
-            raise StackError(dead)
-
-    def dead_component(self) -> str:
-        """A sentence naming a component that exited on its own, or "" when all run."""
-        for name, proc in self.processes.items():
-            code = proc.exited()
-            if code is not None:
-                return f"{name} exited with code {code}:\n{proc.log_tail()}"
-        if self.edge is not None and not self.edge.running:
-            return f"envoy exited; see {self.edge.log_path}"
-        return ""
 
     # -- helpers for users of a running stack ------------------------------------------------
 

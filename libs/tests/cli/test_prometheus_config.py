@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferplane.cli._prometheus import engine_sd_file, render_prometheus_config
-from inferplane.localstack import StackConfig
+from inferplane.localstack import StackConfig, engine_sd_file, render_prometheus_config
 from inferplane.runtime import ConfigError
 
 PROMETHEUS_DIR = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"

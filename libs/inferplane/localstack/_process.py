@@ -1,5 +1,5 @@
 """Child processes of the local stack: started in their own group, dying with `up`, stopped
-gracefully (SIGTERM, then SIGKILL after a timeout)."""
+gracefully (SIGTERM, then SIGKILL after a timeout); Envoy inside a `StackHost`'s namespace."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from inferplane.edge import EnvoyProcess
+from inferplane.localstack._config import StackHost
 from inferplane.runtime import procguard
 from inferplane.runtime.private_files import open_private_log
 
@@ -82,3 +85,14 @@ class ManagedProcess:
         while self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.proc.poll()
+
+
+class HostedEnvoy(EnvoyProcess):
+    """Envoy started inside a `StackHost`'s network namespace."""
+
+    def __init__(self, bootstrap: str, *, host: StackHost, **kwargs: Any) -> None:
+        super().__init__(bootstrap, **kwargs)
+        self.host = host
+
+    def command(self) -> list[str]:
+        return self.host.wrap(super().command())

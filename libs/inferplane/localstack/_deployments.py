@@ -1,0 +1,119 @@
+"""The fixture deployments a local stack creates in the orchestrator's catalogue: kimi-tiny
+(chat, Kimi K2 parsers), embed-tiny (`StackConfig.embeddings`) and whisper-tiny
+(`StackConfig.speech`), each on CPU replicas (`engine: vllm-cpu`, fp32). Placement's sizing
+numbers come from each model folder's `config.json` and `MANIFEST.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.fixtures import embed_tiny, whisper_tiny
+from inferplane.localstack._config import StackConfig, StackError
+
+
+def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
+    """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
+    vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
+    `config.max_num_seqs`, `config.stream_interval`, `config.constrain_tool_choice_auto`, one
+    surge replica per rollout.
+
+    Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
+    parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
+
+    Raises:
+        StackError: the model folder has no readable `config.json`.
+    """
+    model = config.model_path
+    try:
+        arch = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise StackError(f"cannot read the fixture model's config.json in {model}: {exc}") from exc
+    heads = int(arch["num_attention_heads"])
+    parameters = 0
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        parameters = int(json.loads((model / "MANIFEST.json").read_text())["parameters"])
+    if not parameters:
+        parameters = (model / "model.safetensors").stat().st_size // 4
+    return orchestrator_pb2.Deployment(
+        replicas=config.replicas,
+        owned_by="inferplane",
+        routing_policy=config.routing_policy,
+        profile=orchestrator_pb2.DeploymentProfile(
+            model_source=str(model),
+            engine="vllm-cpu",
+            precision="fp32",
+            parameter_count=parameters,
+            num_layers=int(arch["num_hidden_layers"]),
+            num_kv_heads=int(arch.get("num_key_value_heads") or heads),
+            head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // heads),
+            max_model_len=2048,
+            # The router caps in-flight requests per replica at this; the default 16 lets the
+            # edge benchmark's concurrency-16 level run unqueued.
+            max_num_seqs=config.max_num_seqs,
+            reasoning_parser="kimi_k2",
+            tool_parser="kimi_k2",
+            transport=config.transport,
+            stream_interval=config.stream_interval,
+            constrain_tool_choice_auto=config.constrain_tool_choice_auto,
+        ),
+        rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
+    )
+
+
+def embed_tiny_deployment() -> orchestrator_pb2.Deployment:
+    """The embed-tiny deployment (`config.embeddings`): one CPU replica of the fixture
+    embedding model, task "embed", `inproc` (vLLM's pooling runner), least-load routing."""
+    model = embed_tiny.model_path()
+    manifest: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        manifest = json.loads((model / "MANIFEST.json").read_text())
+    return orchestrator_pb2.Deployment(
+        replicas=1,
+        owned_by="inferplane",
+        routing_policy="least_load",
+        profile=orchestrator_pb2.DeploymentProfile(
+            model_source=str(model),
+            engine="vllm-cpu",
+            precision="fp32",
+            parameter_count=int(manifest.get("parameters") or 0) or 1,
+            max_model_len=embed_tiny.MAX_MODEL_LEN,
+            max_num_seqs=16,
+            transport="inproc",
+            task="embed",
+        ),
+    )
+
+
+def whisper_tiny_deployment() -> orchestrator_pb2.Deployment:
+    """The whisper-tiny deployment (`config.speech`): one CPU replica of the fixture speech
+    model, task "transcribe", `inproc`, float32, least-load routing; placement sizes its
+    decoder's KV cache (Whisper's decoder layers and heads, 448 positions)."""
+    model = whisper_tiny.model_path()
+    manifest: dict[str, Any] = {}
+    arch: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        manifest = json.loads((model / "MANIFEST.json").read_text())
+        arch = json.loads((model / "config.json").read_text())
+    heads = int(arch.get("decoder_attention_heads") or 1)
+    return orchestrator_pb2.Deployment(
+        replicas=1,
+        owned_by="inferplane",
+        routing_policy="least_load",
+        profile=orchestrator_pb2.DeploymentProfile(
+            model_source=str(model),
+            engine="vllm-cpu",
+            precision="fp32",
+            parameter_count=int(manifest.get("parameters") or 0) or 1,
+            num_layers=int(arch.get("decoder_layers") or 1),
+            num_kv_heads=heads,
+            head_dim=int(arch.get("d_model") or heads) // heads,
+            max_model_len=whisper_tiny.MAX_MODEL_LEN,
+            max_num_seqs=16,
+            transport="inproc",
+            task="transcribe",
+        ),
+    )

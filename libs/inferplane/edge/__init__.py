@@ -9,10 +9,35 @@
     render_node_bootstrap(NodeEnvoyConfig(...))       # the node-local Envoy (gateway path)
     known_request_fields(config.descriptor_set, config.services)  # the field guard's tables
 
-Design and measurements: notes/envoy_edge_probe.md; the Lua filters live in `lua/`.
+Which module builds what: this folder's README; why each non-obvious Envoy setting is there,
+with its public source: `docs/envoy.md`; the Lua filters live in `lua/`. Header names come
+from their one definition, `inferplane.wire.headers`: `PICK_NAMESPACE`, `PICK_KEY`
+(`DESTINATION_ENDPOINT`), `SERVED_KEY` (`DESTINATION_ENDPOINT_SERVED`) and
+`REPLICA_ADDRESS_HEADER` (`REPLICA_ADDRESS`) are its names under the edge's older spelling.
 """
 
 from inferplane.edge._ads import build_ads_bootstrap, render_ads_bootstrap
+from inferplane.edge._base import (
+    BOOTSTRAP_TYPE,
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    lua_source,
+)
+from inferplane.edge._bootstrap import (
+    build_bootstrap,
+    build_xds_resources,
+    render_static_bootstrap,
+    to_proto,
+)
+from inferplane.edge._clusters import (
+    AUTH_CLUSTER,
+    REPLICAS_CLUSTER,
+    ROUTER_CLUSTER,
+    build_clusters,
+    build_endpoints,
+)
 from inferplane.edge._config import (
     DEFAULT_SERVICES,
     EdgeConfig,
@@ -30,6 +55,15 @@ from inferplane.edge._fields import (
     render_lua_tables,
     template_lua_pattern,
 )
+from inferplane.edge._filters import (
+    FILTER_ORDER,
+    METADATA_NAMESPACE,
+    PICKER_FILTERS,
+    build_ext_proc_filter,
+    build_http_filters,
+    prune_descriptor_set,
+)
+from inferplane.edge._listener import LISTENER_NAME, build_http_connection_manager, build_listener
 from inferplane.edge._node import (
     NODE_FILTER_ORDER,
     NODE_REPLICAS_CLUSTER,
@@ -39,38 +73,11 @@ from inferplane.edge._node import (
     render_node_bootstrap,
 )
 from inferplane.edge._process import EnvoyProcess, envoy_binary, validate_bootstrap
-from inferplane.edge._resources import (
-    AUTH_CLUSTER,
-    BOOTSTRAP_TYPE,
-    CLUSTER_TYPE,
-    ENDPOINT_TYPE,
-    FILTER_ORDER,
-    LISTENER_NAME,
-    LISTENER_TYPE,
-    METADATA_NAMESPACE,
-    PICK_KEY,
-    PICK_NAMESPACE,
-    PICKER_FILTERS,
-    REPLICAS_CLUSTER,
-    ROUTE_CONFIG_NAME,
-    ROUTE_TYPE,
-    ROUTER_CLUSTER,
-    SERVED_KEY,
-    build_bootstrap,
-    build_clusters,
-    build_endpoints,
-    build_ext_proc_filter,
-    build_http_connection_manager,
-    build_http_filters,
-    build_listener,
-    build_local_reply_config,
-    build_route_config,
-    build_xds_resources,
-    lua_source,
-    prune_descriptor_set,
-    render_static_bootstrap,
-    to_proto,
-)
+from inferplane.edge._replies import build_local_reply_config
+from inferplane.edge._routes import ROUTE_CONFIG_NAME, build_route_config
+from inferplane.wire.headers import DESTINATION_ENDPOINT as PICK_KEY
+from inferplane.wire.headers import DESTINATION_ENDPOINT_SERVED as SERVED_KEY
+from inferplane.wire.headers import PICK_NAMESPACE
 
 __all__ = [
     "AUTH_CLUSTER",

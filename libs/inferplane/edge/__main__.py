@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from inferplane.edge._bootstrap import render_static_bootstrap
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.edge._errors import EdgeError
 from inferplane.edge._node import NodeEnvoyConfig, render_node_bootstrap
 from inferplane.edge._process import validate_bootstrap
-from inferplane.edge._resources import render_static_bootstrap
 
 #: The local stack's default ports (services/*/settings.py).
 EXAMPLE_ARGS = (

@@ -2,14 +2,15 @@
 front of the replica processes of one node, built from the edge's own filter builders.
 
 A gateway (Envoy Gateway, kgateway, Istio...) asks inferplane's router in its gateway mode
-for a pick (`inferplane.router.picker.GatewayMode`) and sends the client's OpenAI request to
-`x-gateway-destination-endpoint` = `<node address>:<this Envoy's port>`, with the replica
-process in `x-inferplane-replica-address`. This Envoy maps REST ⇄ gRPC exactly as the edge
-does (the same error shaper, json_to_metadata rule, stream router, field guard and
-transcoder, from `build_http_filters`), without ext_authz (the gateway asked auth) or the
-picker call (the gateway did), then forwards over mutual TLS to the replica through an
-ORIGINAL_DST cluster reading that header; `lua/node_guard.lua` first refuses any replica
-address that is not on this node (a 421 in OpenAI's shape).
+for a pick and sends the client's OpenAI request to the picked endpoint
+(`inferplane.wire.headers.DESTINATION_ENDPOINT`) = `<node address>:<this Envoy's port>`, with
+the replica process in `REPLICA_ADDRESS_HEADER` (`inferplane.wire.headers.REPLICA_ADDRESS`).
+This Envoy maps REST ⇄ gRPC exactly as the edge does (the same error shaper, json_to_metadata
+rule, stream router, field guard and transcoder, from `build_http_filters`), without
+ext_authz (the gateway asked auth) or the picker call (the gateway did), then forwards over
+mutual TLS to the replica through an ORIGINAL_DST cluster reading that header;
+`lua/node_guard.lua` first refuses any replica address that is not on this node (a 421 in
+OpenAI's shape).
 
     text = render_node_bootstrap(NodeEnvoyConfig(listen_port=8000, upstream_tls_dir="/tls"))
 """
@@ -18,42 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
-import yaml
-
+from inferplane.edge._base import HCM_TYPE, Resource, lua_filter, render_lua, render_yaml
+from inferplane.edge._bootstrap import connection_cap, node_and_admin
+from inferplane.edge._clusters import REPLICA_KEEPALIVE, build_upstream_tls, cluster_limits
 from inferplane.edge._config import EdgeConfig, Endpoint, MiB, load_descriptor_set
 from inferplane.edge._errors import EdgeConfigError
-from inferplane.edge._resources import (
-    _DOWNSTREAM_CONNECTIONS,
-    _FILTER_CONFIG,
-    _HCM,
-    _HTTP_OPTIONS,
-    _LUA,
-    _LUA_PER_ROUTE,
-    HEALTH_BODY,
-    HEALTH_PATH,
-    REPLICA_KEEPALIVE,
-    Resource,
-    _access_log,
-    _cel,
-    _Dumper,
-    _duration,
-    _mapper,
-    _method_is,
-    build_http_filters,
-    build_local_reply_config,
-    build_upstream_tls,
-    lua_source,
-)
+from inferplane.edge._filters import build_http_filters
+from inferplane.edge._listener import access_log, hcm_limits, listener
+from inferplane.edge._replies import build_local_reply_config, cel, mapper
+from inferplane.edge._routes import health_route
+from inferplane.wire.headers import REPLICA_ADDRESS
 
 NODE_LISTENER_NAME = "inferplane_node"
 NODE_ROUTE_CONFIG_NAME = "inferplane_node_routes"
 #: The replica processes of this node: ORIGINAL_DST on `REPLICA_ADDRESS_HEADER`.
 NODE_REPLICAS_CLUSTER = "inferplane_node_replicas"
 #: The request header naming the replica process (`host:port`), set by the endpoint picker in
-#: gateway mode beside `x-gateway-destination-endpoint`.
-REPLICA_ADDRESS_HEADER = "x-inferplane-replica-address"
+#: gateway mode beside the picked endpoint (`inferplane.wire.headers.DESTINATION_ENDPOINT`).
+#: An alias of `inferplane.wire.headers.REPLICA_ADDRESS`, its one definition.
+REPLICA_ADDRESS_HEADER = REPLICA_ADDRESS
 #: The node Envoy's filters in chain order (pinned by a test): the edge's, less the auth
 #: failure guard, ext_authz, ext_proc and the picker guard, plus the node guard.
 NODE_FILTER_ORDER: tuple[str, ...] = (
@@ -82,7 +67,7 @@ class NodeEnvoyConfig:
             mutual TLS to the replica processes; empty: plaintext h2c (development only).
         identity: the identity presented to replicas and expected from them: a replica
             process serves with its node-agent's certificate, and admits `node-agent` callers
-            on InferenceService (node_agent/replica/app.py, INFERENCE_CALLERS).
+            on InferenceService (inferplane.replica.app, INFERENCE_CALLERS).
         admin_host / admin_port: Envoy's admin API (keep it on loopback).
         node_id / node_cluster: the Envoy node identity.
         max_request_bytes / max_audio_request_bytes: body limits, as `EdgeConfig`.
@@ -153,17 +138,9 @@ def build_node_http_filters(config: NodeEnvoyConfig) -> list[Resource]:
     (`build_http_filters`, so the REST ⇄ gRPC mapping has one source) and the node guard
     right after the error shaper (its 421 is shaped, and nothing is buffered first)."""
     edge = {f["name"]: f for f in build_http_filters(config.edge())}
-    guard = {
-        "name": "inferplane.node_guard",
-        "typed_config": {
-            "@type": _LUA,
-            "default_source_code": {
-                "inline_string": lua_source("node_guard").replace(
-                    "__REPLICA_HEADER__", REPLICA_ADDRESS_HEADER
-                )
-            },
-        },
-    }
+    guard = lua_filter(
+        "inferplane.node_guard", render_lua("node_guard", REPLICA_HEADER=REPLICA_ADDRESS_HEADER)
+    )
     return [guard if name == "inferplane.node_guard" else edge[name] for name in NODE_FILTER_ORDER]
 
 
@@ -171,8 +148,8 @@ def build_node_local_reply_config(config: NodeEnvoyConfig) -> Resource:
     """The edge's local-reply mappers, after one that passes the node guard's 421 (already
     OpenAI-shaped) through unchanged."""
     mappers = build_local_reply_config(config.edge())["mappers"]
-    passthrough = _mapper(
-        _cel("response.code_details == 'lua_response' && response.code == 421"), None
+    passthrough = mapper(
+        cel("response.code_details == 'lua_response' && response.code == 421"), None
     )
     return {"mappers": [passthrough, *mappers]}
 
@@ -182,20 +159,7 @@ def build_node_route_config(config: NodeEnvoyConfig) -> Resource:
     `/internal/events/` (after the stream router) → the replica the header names, anything
     else → 404. No retries: ORIGINAL_DST would retry the same replica, and the gateway's
     pick names one."""
-    health = {
-        "match": {"path": HEALTH_PATH, "headers": [_method_is("GET")]},
-        "direct_response": {"status": 200, "body": {"inline_string": HEALTH_BODY}},
-        "response_headers_to_add": [
-            {
-                "header": {"key": "content-type", "value": "application/json"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ],
-        "typed_per_filter_config": {
-            "inferplane.node_guard": {"@type": _LUA_PER_ROUTE, "disabled": True},
-            "envoy.filters.http.grpc_json_transcoder": {"@type": _FILTER_CONFIG, "disabled": True},
-        },
-    }
+    health = health_route(("inferplane.node_guard", "envoy.filters.http.grpc_json_transcoder"))
 
     def to_replica(prefix: str) -> Resource:
         return {
@@ -224,34 +188,12 @@ def build_node_cluster(config: NodeEnvoyConfig) -> Resource:
     """The replica processes: ORIGINAL_DST on `REPLICA_ADDRESS_HEADER` (a host per address
     seen, cleaned up when idle), HTTP/2 with the edge's replica keepalive, mutual TLS as
     `identity` expecting the same identity from the replica."""
-    cluster: Resource = {
-        "name": NODE_REPLICAS_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "original_dst_lb_config": {
-            "use_http_header": True,
-            "http_header_name": REPLICA_ADDRESS_HEADER,
-        },
-        "connect_timeout": _duration(config.connect_timeout_s),
-        "per_connection_buffer_limit_bytes": config.edge().buffer_limit_bytes,
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _HTTP_OPTIONS,
-                "explicit_http_config": {
-                    "http2_protocol_options": {"connection_keepalive": REPLICA_KEEPALIVE}
-                },
-            }
-        },
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "priority": "DEFAULT",
-                    "max_connections": config.max_concurrent_requests,
-                    "max_pending_requests": config.max_concurrent_requests,
-                    "max_requests": config.max_concurrent_requests,
-                }
-            ]
-        },
+    cluster = cluster_limits(NODE_REPLICAS_CLUSTER, config.edge(), REPLICA_KEEPALIVE)
+    cluster["type"] = "ORIGINAL_DST"
+    cluster["lb_policy"] = "CLUSTER_PROVIDED"
+    cluster["original_dst_lb_config"] = {
+        "use_http_header": True,
+        "http_header_name": REPLICA_ADDRESS_HEADER,
     }
     if config.upstream_tls_dir:
         cluster["transport_socket"] = build_upstream_tls(
@@ -263,58 +205,28 @@ def build_node_cluster(config: NodeEnvoyConfig) -> Resource:
 def build_node_bootstrap(config: NodeEnvoyConfig) -> Resource:
     """A static Bootstrap: the listener (plain HTTP/1.1 or h2c), the replica cluster, the
     admin API and the downstream connection cap."""
+    edge = config.edge()
     hcm: Resource = {
-        "@type": _HCM,
+        "@type": HCM_TYPE,
         "stat_prefix": "node",
         "codec_type": "AUTO",
         "server_name": "inferplane",
-        # The gateway is the caller: its x-request-id and auth's x-inferplane-* headers stay.
+        # The gateway is the caller: its request id and auth's trusted headers stay.
         "use_remote_address": False,
-        "normalize_path": True,
-        "merge_slashes": True,
-        "path_with_escaped_slashes_action": "REJECT_REQUEST",
-        "stream_idle_timeout": _duration(config.stream_idle_timeout_s),
-        "request_headers_timeout": _duration(config.request_headers_timeout_s),
+        **hcm_limits(edge),
         "local_reply_config": build_node_local_reply_config(config),
         "http_filters": build_node_http_filters(config),
         "route_config": build_node_route_config(config),
     }
     if config.access_log:
-        hcm["access_log"] = _access_log()
-    listener = {
-        "name": NODE_LISTENER_NAME,
-        "address": {
-            "socket_address": {"address": config.listen_host, "port_value": config.listen_port}
-        },
-        "per_connection_buffer_limit_bytes": config.edge().buffer_limit_bytes,
-        "enable_reuse_port": False,
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
-    }
+        hcm["access_log"] = access_log()
     return {
-        "node": {"id": config.node_id, "cluster": config.node_cluster},
-        "admin": {
-            "address": {
-                "socket_address": {"address": config.admin_host, "port_value": config.admin_port}
-            }
+        **node_and_admin(config.node_id, config.node_cluster, config.admin_host, config.admin_port),
+        "static_resources": {
+            "listeners": [listener(NODE_LISTENER_NAME, edge, hcm)],
+            "clusters": [build_node_cluster(config)],
         },
-        "static_resources": {"listeners": [listener], "clusters": [build_node_cluster(config)]},
-        "overload_manager": {
-            "resource_monitors": [
-                {
-                    "name": "envoy.resource_monitors.global_downstream_max_connections",
-                    "typed_config": {
-                        "@type": _DOWNSTREAM_CONNECTIONS,
-                        "max_active_downstream_connections": config.max_connections,
-                    },
-                }
-            ]
-        },
+        "overload_manager": connection_cap(config.max_connections),
     }
 
 
@@ -323,12 +235,9 @@ def render_node_bootstrap(config: NodeEnvoyConfig, *, fmt: str = "yaml") -> str:
 
     Raises: ValueError for another `fmt`.
     """
-    bootstrap: Any = build_node_bootstrap(config)
+    bootstrap = build_node_bootstrap(config)
     if fmt == "json":
         return json.dumps(bootstrap, indent=2) + "\n"
     if fmt == "yaml":
-        header = "# Generated by inferplane.edge.render_node_bootstrap; do not edit.\n"
-        return header + yaml.dump(
-            bootstrap, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True
-        )
+        return render_yaml(bootstrap, generated_by="inferplane.edge.render_node_bootstrap")
     raise ValueError(f"unknown format {fmt!r}; expected 'yaml' or 'json'")

@@ -15,9 +15,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from inferplane.edge._bootstrap import render_static_bootstrap
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._errors import EdgeConfigError, EnvoyStartError
-from inferplane.edge._resources import render_static_bootstrap
 from inferplane.runtime import procguard
 from inferplane.runtime.private_files import open_private_log, write_private_file
 

@@ -94,7 +94,7 @@ def configure_logging(level: str = "info", json_logs: bool = True) -> None:
 
 
 # HTTP/2 keepalive (gRPC core's channel arguments). Every client of ours, and Envoy (its ADS and
-# upstream clusters, edge/_ads.py and edge/_resources.py: `connection_keepalive` 30 s), pings
+# upstream clusters, edge/_ads.py and edge/_clusters.py: `connection_keepalive` 30 s), pings
 # every KEEPALIVE_TIME_MS, also on idle connections. A gRPC server by default accepts a ping
 # without data in between only every 5 minutes and answers the third early one with GOAWAY
 # "too_many_pings", failing the calls in flight: a routing-table watch, an ADS stream or a

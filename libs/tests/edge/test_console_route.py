@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import inferplane.edge as edge
-from inferplane.edge import EdgeConfig, Endpoint
-from inferplane.edge._resources import CONSOLE_CLUSTER, build_xds_resources
+from inferplane.edge import EdgeConfig, Endpoint, build_xds_resources
+from inferplane.edge._clusters import CONSOLE_CLUSTER
 
 BASE = {
     "router_endpoints": (Endpoint.parse("127.0.0.1:7001"),),

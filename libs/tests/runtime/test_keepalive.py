@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferplane.edge import REPLICAS_CLUSTER, EdgeConfig, Endpoint, build_clusters
-from inferplane.edge._resources import REPLICA_KEEPALIVE, UPSTREAM_KEEPALIVE
+from inferplane.edge._clusters import REPLICA_KEEPALIVE, UPSTREAM_KEEPALIVE
 from inferplane.runtime import ServiceSettings, _server, grpc_options
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,13 +3,15 @@
 -- Runs FIRST in http_filters, so on the response path it runs LAST and sees the transcoded
 -- response. A gRPC error from a servicer arrives as a trailers-only response: the transcoder
 -- (convert_grpc_status: false) has set :status from grpc-status and leaves grpc-status,
--- grpc-message and the servicer's trailing metadata (x-openai-error-type / -code / -param,
--- retry-after; see inferplane/runtime/_interceptor.py) as response headers. This script turns
--- them into OpenAI's body {"error": {"message", "type", "param", "code"}}
+-- grpc-message and the servicer's trailing metadata (the error type / code / param keys
+-- below, retry-after; see inferplane/runtime/_interceptor.py) as response headers. This script
+-- turns them into OpenAI's body {"error": {"message", "type", "param", "code"}}
 -- (https://platform.openai.com/docs/guides/error-codes) and strips the gRPC headers that the
--- transcoder leaks on every response, success included (probe notes §3, §4).
+-- transcoder leaks on every response, success included (grpc-status: 0, grpc-message, ...).
+-- With convert_grpc_status: true the transcoder would answer a google.rpc.Status JSON
+-- ({"code":16,"message":...}) instead, which OpenAI's clients do not read.
 --
--- Errors NOT from an inferplane servicer (no x-openai-error-type: an unhandled Python
+-- Errors NOT from an inferplane servicer (no error type key: an unhandled Python
 -- exception -> UNKNOWN "Exception calling application: ...", Envoy's own gRPC-style local
 -- replies such as "upstream connect error ...") get a generic message per status so no
 -- internals leak. The body is only touched for error responses, so SSE success streams are
@@ -27,6 +29,10 @@ local MAX_REQUEST_BYTES = __MAX_REQUEST_BYTES__
 -- Audio uploads (multipart/form-data, files up to 25 MB as OpenAI) have their own limit.
 local MAX_AUDIO_REQUEST_BYTES = __MAX_AUDIO_REQUEST_BYTES__
 local AUDIO_PREFIX = "__AUDIO_PREFIX__"
+-- The servicer's error trailers (inferplane.runtime OPENAI_ERROR_*_KEY).
+local ERROR_TYPE = "__ERROR_TYPE_KEY__"
+local ERROR_CODE = "__ERROR_CODE_KEY__"
+local ERROR_PARAM = "__ERROR_PARAM_KEY__"
 
 local GENERIC_5XX = "The server had an error while processing your request. Sorry about that!"
 local GENERIC_503 = "The service is temporarily unavailable; please retry."
@@ -49,7 +55,7 @@ local DEFAULT_CODE = {
 
 local STRIP = {
   "grpc-status", "grpc-message", "grpc-status-details-bin", "grpc-accept-encoding",
-  "grpc-encoding", "x-openai-error-type", "x-openai-error-code", "x-openai-error-param",
+  "grpc-encoding", ERROR_TYPE, ERROR_CODE, ERROR_PARAM,
 }
 
 local function percent_decode(s)
@@ -88,15 +94,15 @@ local function shape(handle, headers, code)
   local http_status = HTTP_STATUS[code] or 500
   -- gRPC has no "payload too large": a replica refusing an oversized upload says so by code
   -- (INVALID_ARGUMENT, code request_too_large), and the client gets OpenAI's 413.
-  if headers:get("x-openai-error-code") == "request_too_large" then
+  if headers:get(ERROR_CODE) == "request_too_large" then
     http_status = 413
   end
-  local error_type = headers:get("x-openai-error-type")
+  local error_type = headers:get(ERROR_TYPE)
   local shaped = error_type ~= nil
   local body = '{"error":{"message":' .. json_string(message_for(code, http_status, headers, shaped))
     .. ',"type":' .. json_string(error_type or default_type(http_status))
-    .. ',"param":' .. json_string(headers:get("x-openai-error-param"))
-    .. ',"code":' .. json_string(headers:get("x-openai-error-code") or DEFAULT_CODE[code])
+    .. ',"param":' .. json_string(headers:get(ERROR_PARAM))
+    .. ',"code":' .. json_string(headers:get(ERROR_CODE) or DEFAULT_CODE[code])
     .. '}}'
   headers:replace(":status", tostring(http_status))
   headers:replace("content-type", "application/json")

@@ -1,10 +1,11 @@
 -- inferplane node Envoy: only replica processes on THIS node (request path).
 --
--- The node-local Envoy (inferplane.edge.build_node_bootstrap) forwards to the address in
--- x-inferplane-replica-address through an ORIGINAL_DST cluster, which would connect to ANY
--- address it is given. The endpoint picker sets that header beside
--- x-gateway-destination-endpoint (`<replica host>:<this Envoy's port>`), so the replica's host
--- is the address the gateway dialled: the local address of this request's connection. Any
+-- The node-local Envoy (inferplane.edge.build_node_bootstrap) forwards to the address in the
+-- replica address header (HEADER, filled in from inferplane.wire.headers REPLICA_ADDRESS)
+-- through an ORIGINAL_DST cluster, which would connect to ANY address it is given. The
+-- endpoint picker sets that header beside the picked endpoint it gives the gateway
+-- (`<replica host>:<this Envoy's port>`), so the replica's host is the address the gateway
+-- dialled: the local address of this request's connection. Any
 -- other host (a pick meant for another node, a forged header) or no header is refused with a
 -- shaped 421 before routing, and so is this Envoy's own port (a loop).
 

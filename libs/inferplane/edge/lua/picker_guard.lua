@@ -1,14 +1,19 @@
 -- inferplane edge: fail closed when the endpoint picker gave no pick (request path).
 --
 -- ext_proc runs with failure_mode_allow: true, because with false a picker that dies resets
--- every stream in flight (notes/envoy_ext_proc_probe.md, (v)). The price is that a request
--- the picker never answered (picker down, timed out) would be sent by the cluster's fallback
--- policy to any replica, unrouted and unadmitted. This guard runs right after ext_proc and
--- turns such a request away with a shaped 503 instead; a request the picker refused never
--- gets here (ext_proc answered it directly).
+-- every stream in flight (measured on Envoy 1.40: a picker killed mid-way through 2 s streams
+-- reset all of them with gRPC INTERNAL; with true they all finished). The price is that a
+-- request the picker never answered (picker down, timed out) would be sent by the cluster's
+-- fallback policy to any replica, unrouted and unadmitted. This guard runs right after
+-- ext_proc and turns such a request away with a shaped 503 instead; a request the picker
+-- refused never gets here (ext_proc answered it directly).
+--
+-- NAMESPACE and KEY are the endpoint picker protocol's (Gateway API Inference Extension):
+-- the dynamic-metadata namespace and key of the picker's ordered endpoint list, filled in
+-- from inferplane.wire.headers when the edge's configuration is built.
 
-local NAMESPACE = "envoy.lb"
-local KEY = "x-gateway-destination-endpoint"
+local NAMESPACE = "__PICK_NAMESPACE__"
+local KEY = "__PICK_KEY__"
 local BODY = '{"error":{"message":"The endpoint picker is unavailable; please retry.",'
   .. '"type":"server_error","param":null,"code":"picker_unavailable"}}'
 

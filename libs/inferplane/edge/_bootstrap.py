@@ -1,0 +1,156 @@
+"""The edge as a whole: the static Bootstrap (`envoy -c`), its text, the pieces every
+inferplane bootstrap shares (node identity and admin API, the downstream connection cap),
+and the same resources as xds-protos messages for the orchestrator's ADS server.
+
+The static bootstrap and the xDS resources come from the same builders, so the local stack
+and the orchestrator-pushed edge cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from inferplane.edge._base import (
+    _T,
+    BOOTSTRAP_TYPE,
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    Resource,
+    render_yaml,
+)
+from inferplane.edge._clusters import build_clusters, build_endpoints
+from inferplane.edge._config import EdgeConfig
+from inferplane.edge._listener import build_listener
+from inferplane.edge._routes import build_route_config
+
+_DOWNSTREAM_CONNECTIONS = (
+    _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+)
+
+
+def node_and_admin(node_id: str, node_cluster: str, admin_host: str, admin_port: int) -> Resource:
+    """A bootstrap's `node` (the identity xDS snapshots are keyed by) and `admin` (the admin
+    API's address: keep it on loopback, it can shut Envoy down)."""
+    return {
+        "node": {"id": node_id, "cluster": node_cluster},
+        "admin": {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}},
+    }
+
+
+def connection_cap(max_connections: int) -> Resource:
+    """A bootstrap's `overload_manager`: at most `max_connections` downstream connections
+    over all listeners (Envoy refuses more; without a cap it warns at start-up)."""
+    return {
+        "resource_monitors": [
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": _DOWNSTREAM_CONNECTIONS,
+                    "max_active_downstream_connections": max_connections,
+                },
+            }
+        ]
+    }
+
+
+def build_bootstrap(config: EdgeConfig) -> Resource:
+    """A static Bootstrap (`BOOTSTRAP_TYPE`) holding the listener and clusters."""
+    return {
+        **node_and_admin(config.node_id, config.node_cluster, config.admin_host, config.admin_port),
+        "static_resources": {
+            "listeners": [build_listener(config)],
+            "clusters": build_clusters(config),
+        },
+        "overload_manager": connection_cap(config.max_connections),
+    }
+
+
+def render_static_bootstrap(config: EdgeConfig, *, fmt: str = "yaml") -> str:
+    """The static bootstrap as text for `envoy -c`: `fmt` is "yaml" or "json".
+
+    Raises: ValueError for another `fmt`.
+    """
+    bootstrap = build_bootstrap(config)
+    if fmt == "json":
+        return json.dumps(bootstrap, indent=2) + "\n"
+    if fmt == "yaml":
+        return render_yaml(bootstrap, generated_by="inferplane.edge.render_static_bootstrap")
+    raise ValueError(f"unknown format {fmt!r}; expected 'yaml' or 'json'")
+
+
+def _message_types() -> dict[str, type[Message]]:
+    # Importing these registers every typed_config type in the default pool, which
+    # json_format needs to parse the `Any` fields.
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+    from envoy.config.cluster.v3 import cluster_pb2
+    from envoy.config.endpoint.v3 import endpoint_pb2
+    from envoy.config.listener.v3 import listener_pb2
+    from envoy.config.route.v3 import route_pb2
+    from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
+    from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
+    from envoy.extensions.access_loggers.stream.v3 import stream_pb2  # noqa: F401
+    from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2  # noqa: F401
+    from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+    from envoy.extensions.filters.http.grpc_json_transcoder.v3 import transcoder_pb2  # noqa: F401
+    from envoy.extensions.filters.http.json_to_metadata.v3 import (  # noqa: F401
+        json_to_metadata_pb2,
+    )
+    from envoy.extensions.filters.http.lua.v3 import lua_pb2  # noqa: F401
+    from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
+        http_connection_manager_pb2,
+    )
+    from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (  # noqa: F401
+        header_mutation_pb2,
+    )
+    from envoy.extensions.load_balancing_policies.override_host.v3 import (  # noqa: F401
+        override_host_pb2,
+    )
+    from envoy.extensions.load_balancing_policies.round_robin.v3 import (  # noqa: F401
+        round_robin_pb2,
+    )
+    from envoy.extensions.resource_monitors.downstream_connections.v3 import (  # noqa: F401
+        downstream_connections_pb2,
+    )
+    from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
+    from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+
+    return {
+        LISTENER_TYPE: listener_pb2.Listener,
+        ROUTE_TYPE: route_pb2.RouteConfiguration,
+        CLUSTER_TYPE: cluster_pb2.Cluster,
+        ENDPOINT_TYPE: endpoint_pb2.ClusterLoadAssignment,
+        BOOTSTRAP_TYPE: bootstrap_pb2.Bootstrap,
+    }
+
+
+def to_proto(resource: Mapping[str, Any], type_url: str) -> Message:
+    """Parses a built resource into its xds-protos message (`type_url` is e.g. `LISTENER_TYPE`).
+
+    Raises: json_format.ParseError on a field Envoy's protos do not have; KeyError for an
+    unknown `type_url`.
+    """
+    message = _message_types()[type_url]()
+    json_format.ParseDict(dict(resource), message)
+    return message
+
+
+def build_xds_resources(config: EdgeConfig) -> dict[str, list[Message]]:
+    """What an ADS server pushes for this edge, by type URL, in ADS order (CDS, EDS, LDS, RDS).
+
+    Clusters use EDS and the listener fetches its routes over RDS, so endpoint and route changes
+    never touch the listener (no listener drain).
+    """
+    return {
+        CLUSTER_TYPE: [to_proto(c, CLUSTER_TYPE) for c in build_clusters(config, eds=True)],
+        ENDPOINT_TYPE: [to_proto(e, ENDPOINT_TYPE) for e in build_endpoints(config)],
+        LISTENER_TYPE: [to_proto(build_listener(config, rds=True), LISTENER_TYPE)],
+        ROUTE_TYPE: [to_proto(build_route_config(config), ROUTE_TYPE)],
+    }

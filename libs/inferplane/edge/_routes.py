@@ -1,0 +1,174 @@
+"""The edge's RouteConfiguration: `GET /health`, the console, the admin API and models list,
+the generation routes to the picked replica (with their retry policy), and the 404 for
+everything else; plus the per-route filter switches (`without_picker`) and the route pieces
+the node-local Envoy reuses (`health_route`, `method_is`).
+"""
+
+from __future__ import annotations
+
+from inferplane.edge._base import (
+    _T,
+    FILTER_CONFIG_TYPE,
+    HEALTH_BODY,
+    HEALTH_PATH,
+    LUA_PER_ROUTE_TYPE,
+    Resource,
+    duration,
+)
+from inferplane.edge._clusters import (
+    AUTH_CLUSTER,
+    CONSOLE_CLUSTER,
+    REPLICAS_CLUSTER,
+    ROUTER_CLUSTER,
+)
+from inferplane.edge._config import EdgeConfig
+from inferplane.wire.headers import CLIENT_REQUEST_ID
+
+ROUTE_CONFIG_NAME = "inferplane_edge_routes"
+#: The web console's path prefix (`EdgeConfig.console_endpoint`); `/console` redirects here.
+CONSOLE_PREFIX = "/console/"
+
+_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_EXT_AUTHZ_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
+
+
+def _route(prefix: str, cluster: str, timeout_s: float | None = None) -> Resource:
+    # timeout 0s disables the route timeout: generations are bounded by the stream idle
+    # timeout and by the services' own deadlines.
+    timeout = "0s" if timeout_s is None else duration(timeout_s)
+    return {"match": {"prefix": prefix}, "route": {"cluster": cluster, "timeout": timeout}}
+
+
+def disabled(filter_name: str) -> Resource:
+    """The `typed_per_filter_config` value that turns `filter_name` off on one route: the
+    filter's own per-route type where it has one (ext_proc, ext_authz, Lua), else the generic
+    `FilterConfig` (the transcoder has no per-route `disabled`)."""
+    if filter_name == "envoy.filters.http.ext_proc":
+        return {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
+    if filter_name == "envoy.filters.http.ext_authz":
+        return {"@type": _EXT_AUTHZ_PER_ROUTE, "disabled": True}
+    if filter_name.startswith("inferplane."):
+        return {"@type": LUA_PER_ROUTE_TYPE, "disabled": True}
+    return {"@type": FILTER_CONFIG_TYPE, "disabled": True}
+
+
+def without_picker(route: Resource) -> Resource:
+    """`route` with ext_proc and the picker guard off (routes the picker does not decide)."""
+    route["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": disabled("envoy.filters.http.ext_proc"),
+        "inferplane.picker_guard": disabled("inferplane.picker_guard"),
+    }
+    return route
+
+
+def method_is(method: str) -> Resource:
+    """A route header matcher: the request's `:method` is `method`."""
+    return {"name": ":method", "string_match": {"exact": method}}
+
+
+def health_route(off: tuple[str, ...]) -> Resource:
+    """`GET /health`: 200 `{"status":"ok"}` from Envoy itself with the filters `off` turned
+    off on it (the edge: the picker, ext_authz and the transcoder; the node Envoy: its node
+    guard and the transcoder). The transcoder must be off: it answers 404 to any path no gRPC
+    method maps (`reject_unknown_method`)."""
+    return {
+        "match": {"path": HEALTH_PATH, "headers": [method_is("GET")]},
+        "direct_response": {"status": 200, "body": {"inline_string": HEALTH_BODY}},
+        "response_headers_to_add": [
+            {
+                "header": {"key": "content-type", "value": "application/json"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ],
+        "typed_per_filter_config": {name: disabled(name) for name in off},
+    }
+
+
+def _health_route() -> Resource:
+    """The edge's `GET /health`, with no key (ext_authz off) and nothing about the fleet
+    behind it (load balancers' and clients' liveness checks, e.g. GuideLLM's backend check)."""
+    return health_route(
+        (
+            "envoy.filters.http.ext_proc",
+            "inferplane.picker_guard",
+            "envoy.filters.http.ext_authz",
+            "envoy.filters.http.grpc_json_transcoder",
+        )
+    )
+
+
+def _console_routes() -> list[Resource]:
+    """`/console` → `/console/`, and `/console/...` → the console cluster with every filter
+    of the OpenAI path off: no ext_authz (the console signs its users in and asks auth with
+    their key), no transcoder, no stream router (a playground body's `"stream": true` must not
+    move the path), no error shaper (its pages are HTML), no picker. Route timeout off: the
+    playground streams (the stream idle timeout still bounds it)."""
+    route = without_picker(_route(CONSOLE_PREFIX, CONSOLE_CLUSTER))
+    per_filter = route["typed_per_filter_config"]
+    for name in (
+        "envoy.filters.http.ext_authz",
+        "envoy.filters.http.grpc_json_transcoder",
+        "inferplane.error_shaper",
+        "inferplane.auth_failure_guard",
+        "inferplane.stream_router",
+        "inferplane.field_guard",
+    ):
+        per_filter[name] = disabled(name)
+    redirect = {
+        "match": {"path": CONSOLE_PREFIX.rstrip("/")},
+        "redirect": {"path_redirect": CONSOLE_PREFIX},
+        "typed_per_filter_config": dict(per_filter),
+    }
+    return [redirect, route]
+
+
+def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
+    """A route to the replica the picker chose, retried down its list before the first
+    response byte only (Envoy never retries once it forwarded response headers): a refused
+    or reset connection, or an UNAVAILABLE answer (a draining replica, an engine that failed
+    before its first token)."""
+    route = _route(prefix, REPLICAS_CLUSTER)
+    route["route"]["retry_policy"] = {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable",
+        "num_retries": config.max_retries,
+    }
+    return route
+
+
+def build_route_config(config: EdgeConfig) -> Resource:
+    """The RouteConfiguration: `GET /health` → Envoy's own 200 (no key), admin API → auth,
+    `/v1/models` → the router, every other OpenAI path → the replica the endpoint picker
+    chose, anything else → 404.
+
+    Matched on the REST path (`match_incoming_request_route`), after stream_router.lua may have
+    moved a streaming request to `/internal/events/...` (clients cannot reach that prefix).
+    """
+    return {
+        "name": ROUTE_CONFIG_NAME,
+        "virtual_hosts": [
+            {
+                "name": "openai",
+                "domains": ["*"],
+                "response_headers_to_add": [
+                    {
+                        "header": {
+                            "key": CLIENT_REQUEST_ID,
+                            "value": f"%REQ({CLIENT_REQUEST_ID})%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                ],
+                "routes": [
+                    _health_route(),
+                    *(_console_routes() if config.console_endpoint is not None else []),
+                    without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
+                    without_picker(
+                        _route("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
+                    ),
+                    _generation_route("/v1/", config),
+                    _generation_route("/internal/events/", config),
+                    without_picker({"match": {"prefix": "/"}, "direct_response": {"status": 404}}),
+                ],
+            }
+        ],
+    }

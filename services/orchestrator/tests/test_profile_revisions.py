@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
+from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator import convert
 from inferplane.orchestrator.release.store import profile_from_json
@@ -47,3 +48,26 @@ def test_fixture_covers_each_task_and_transport() -> None:
     profiles = [c["request_profile"] for c in CASES if "request_profile" in c]
     assert {p.get("task", "") for p in profiles} >= {"", "generate", "embed", "transcribe"}
     assert {p.get("transport", "") for p in profiles} >= {"", "inproc", "grpc", "http-completions"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if "request_profile" in c],
+    ids=[c["name"] for c in CASES if "request_profile" in c],
+)
+def test_the_enum_spelling_hashes_as_the_string_did(case: dict[str, Any]) -> None:
+    """`replica_task` / `replica_transport` instead of (or beside) the deprecated strings give
+    the revision the strings gave."""
+    tasks = {v: na.ReplicaTask.Name(k) for k, v in convert.TASK_ENUMS.items()}
+    transports = {v: na.ReplicaTransport.Name(k) for k, v in convert.TRANSPORT_ENUMS.items()}
+    profile = dict(case["request_profile"])
+    both = dict(profile)
+    for string, enum, names in (
+        ("task", "replica_task", tasks),
+        ("transport", "replica_transport", transports),
+    ):
+        if profile.get(string):
+            both[enum] = names[profile[string]]
+            profile[enum] = names[profile.pop(string)]
+    assert request_revision(profile) == case["revision"]
+    assert request_revision(both) == case["revision"]

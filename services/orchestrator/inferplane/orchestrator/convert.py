@@ -1,8 +1,25 @@
-"""Proto ⇄ domain conversions for the orchestrator (no logic beyond field mapping)."""
+"""Proto ⇄ domain conversions for the orchestrator (field mapping, nothing else).
+
+A deployment profile travels by ONE field list, `PROFILE_FIELDS`: each entry names a domain
+attribute of `DeploymentProfile` and the proto field(s) of `DeploymentProfile` it is read from and
+written to, with converters where the types differ. Every proto field is either in that list or
+in `REFUSED_PROFILE_FIELDS` (deprecated, never implemented: a request that sets one is refused
+with INVALID_ARGUMENT naming it); `tests/test_convert.py` fails for a proto field in neither, so a
+new field needs a decision. The rollout strategy has its own list, `ROLLOUT_FIELDS`.
+
+Task and transport travel twice during their deprecation window: the deprecated strings (`task`,
+`transport`) and the enums (`replica_task`, `replica_transport`). Read: the enum when it is set,
+else the string. Written (responses, and the `ReplicaSpec` node-agents get): both, the string
+for clients and node-agents older than the enums. The domain keeps the strings, so a profile's
+revision is the same whichever spelling a client sent.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from typing import Any
 
 from google.protobuf import timestamp_pb2
 
@@ -10,6 +27,9 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.orchestrator.catalog.model import (
     DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO,
+    TASK_EMBED,
+    TASK_GENERATE,
+    TASK_TRANSCRIBE,
     Deployment,
     DeploymentProfile,
     RolloutStrategy,
@@ -17,8 +37,63 @@ from inferplane.orchestrator.catalog.model import (
 from inferplane.orchestrator.control import DeploymentView, ObservedReplica
 from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node
 from inferplane.orchestrator.placement.model import Placement, Unplaced
+from inferplane.runtime import InvalidArgumentError
 
 pb = orchestrator_pb2
+na = nodeagent_pb2
+
+#: `ReplicaTask` values and the task strings they mean (the domain's spelling).
+TASK_ENUMS: Mapping[int, str] = {
+    na.REPLICA_TASK_GENERATE: TASK_GENERATE,
+    na.REPLICA_TASK_EMBED: TASK_EMBED,
+    na.REPLICA_TASK_TRANSCRIBE: TASK_TRANSCRIBE,
+}
+#: `ReplicaTransport` values and the transport strings they mean.
+TRANSPORT_ENUMS: Mapping[int, str] = {
+    na.REPLICA_TRANSPORT_INPROC: "inproc",
+    na.REPLICA_TRANSPORT_HTTP_COMPLETIONS: "http-completions",
+    na.REPLICA_TRANSPORT_GRPC: "grpc",
+}
+_TASK_VALUES = {v: k for k, v in TASK_ENUMS.items()}
+_TRANSPORT_VALUES = {v: k for k, v in TRANSPORT_ENUMS.items()}
+
+
+def task_from_wire(text: str, value: int, param: str) -> str:
+    """The task a message means: the enum `value` when set, else the string `text` (unchecked:
+    catalogue validation names an unknown string).
+
+    Raises:
+        InvalidArgumentError: `value` is not a `ReplicaTask` (`param` names the field).
+    """
+    return _from_wire(text, value, TASK_ENUMS, na.ReplicaTask, param)
+
+
+def transport_from_wire(text: str, value: int, param: str) -> str:
+    """The transport a message means: the enum `value` when set, else the string `text`.
+
+    Raises:
+        InvalidArgumentError: `value` is not a `ReplicaTransport` (`param` names the field).
+    """
+    return _from_wire(text, value, TRANSPORT_ENUMS, na.ReplicaTransport, param)
+
+
+def task_enum(task: str) -> int:
+    """The `ReplicaTask` of a task string ("" reads as generate); UNSPECIFIED for an unknown one."""
+    return _TASK_VALUES.get(task or TASK_GENERATE, na.REPLICA_TASK_UNSPECIFIED)
+
+
+def transport_enum(transport: str) -> int:
+    """The `ReplicaTransport` of a transport string; UNSPECIFIED for "" or an unknown one."""
+    return _TRANSPORT_VALUES.get(transport, na.REPLICA_TRANSPORT_UNSPECIFIED)
+
+
+def _from_wire(text: str, value: int, known: Mapping[int, str], enum: Any, param: str) -> str:
+    if value == 0:
+        return text
+    if value not in known:
+        names = ", ".join(enum.Name(v) for v in known)
+        raise InvalidArgumentError(f"unknown {param} {value}; known: {names}", param=param)
+    return known[value]
 
 
 def _ts(value: datetime | None) -> timestamp_pb2.Timestamp | None:
@@ -29,81 +104,175 @@ def _ts(value: datetime | None) -> timestamp_pb2.Timestamp | None:
     return ts
 
 
-def profile_from_proto(p: pb.DeploymentProfile) -> DeploymentProfile:
-    return DeploymentProfile(
-        model_source=p.model_source,
-        engine=p.engine,
-        engine_version=p.engine_version,
-        precision=p.precision,
-        parameter_count=p.parameter_count,
-        active_parameter_count=p.active_parameter_count,
-        num_layers=p.num_layers,
-        num_kv_heads=p.num_kv_heads,
-        head_dim=p.head_dim,
-        kv_cache_dtype=p.kv_cache_dtype,
-        tensor_parallel_size=p.tensor_parallel_size,
-        max_model_len=p.max_model_len,
-        max_num_seqs=p.max_num_seqs,
-        expected_context_tokens=p.expected_context_tokens,
-        reasoning_parser=p.reasoning_parser,
-        tool_parser=p.tool_parser,
-        speculative_method=p.speculative_method,
-        speculative_model=p.speculative_model,
-        transport=p.transport,
-        stream_interval=p.stream_interval,
-        constrain_tool_choice_auto=(
-            p.constrain_tool_choice_auto
-            if p.HasField("constrain_tool_choice_auto")
-            else DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO
-        ),
-        extra_engine_args=tuple(p.extra_engine_args),
-        task=p.task,
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WireField:
+    """One domain attribute and the proto field it travels in.
+
+    `proto` is the proto field name (default: `attr`). `read(message)` gives the domain value
+    (default: the proto field through `to_domain`); `write(value)` gives the proto fields to set
+    (default: `{proto: to_proto(value)}`). `also` names the further proto fields `read` and
+    `write` handle (an enum beside its deprecated string).
+    """
+
+    attr: str
+    proto: str = ""
+    to_domain: Callable[[Any], Any] = _same
+    to_proto: Callable[[Any], Any] = _same
+    read: Callable[[Any], Any] | None = None
+    write: Callable[[Any], dict[str, Any]] | None = None
+    also: tuple[str, ...] = ()
+
+    @property
+    def proto_name(self) -> str:
+        return self.proto or self.attr
+
+    @property
+    def proto_fields(self) -> tuple[str, ...]:
+        """Every proto field this entry reads and writes."""
+        return (self.proto_name, *self.also)
+
+    def from_message(self, message: Any) -> Any:
+        if self.read is not None:
+            return self.read(message)
+        return self.to_domain(getattr(message, self.proto_name))
+
+    def to_message(self, value: Any) -> dict[str, Any]:
+        if self.write is not None:
+            return self.write(value)
+        return {self.proto_name: self.to_proto(value)}
+
+
+def _read_tool_choice(p: pb.DeploymentProfile) -> bool:
+    # `optional` in the proto: unset means the API's default (on), not the proto's False.
+    if p.HasField("constrain_tool_choice_auto"):
+        return p.constrain_tool_choice_auto
+    return DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO
+
+
+def _read_task(p: pb.DeploymentProfile) -> str:
+    if p.replica_task == na.REPLICA_TASK_GENERATE:
+        return ""  # the domain's spelling of generate (`DeploymentProfile.with_defaults`)
+    return task_from_wire(p.task, p.replica_task, "deployment.profile.replica_task")
+
+
+def _write_task(task: str) -> dict[str, Any]:
+    return {"task": task, "replica_task": task_enum(task)}
+
+
+def _read_transport(p: pb.DeploymentProfile) -> str:
+    return transport_from_wire(
+        p.transport, p.replica_transport, "deployment.profile.replica_transport"
     )
+
+
+def _write_transport(transport: str) -> dict[str, Any]:
+    return {"transport": transport, "replica_transport": transport_enum(transport)}
+
+
+#: `DeploymentProfile` (domain) ⇄ `inferplane.orchestrator.v1.DeploymentProfile`, in proto
+#: field-number order.
+PROFILE_FIELDS: tuple[WireField, ...] = (
+    WireField("model_source"),
+    WireField("engine"),
+    WireField("engine_version"),
+    WireField("precision"),
+    WireField("parameter_count"),
+    WireField("active_parameter_count"),
+    WireField("num_layers"),
+    WireField("num_kv_heads"),
+    WireField("head_dim"),
+    WireField("kv_cache_dtype"),
+    WireField("tensor_parallel_size"),
+    WireField("max_model_len"),
+    WireField("max_num_seqs"),
+    WireField("expected_context_tokens"),
+    WireField("reasoning_parser"),
+    WireField("tool_parser"),
+    WireField("speculative_method"),
+    WireField("speculative_model"),
+    WireField(
+        "transport", read=_read_transport, write=_write_transport, also=("replica_transport",)
+    ),
+    WireField("extra_engine_args", to_domain=tuple, to_proto=list),
+    WireField("stream_interval"),
+    WireField("constrain_tool_choice_auto", read=_read_tool_choice),
+    WireField("task", read=_read_task, write=_write_task, also=("replica_task",)),
+)
+#: Proto profile fields with no domain attribute, and why: a request that sets one is refused
+#: (INVALID_ARGUMENT, `param` `deployment.profile.<field>`), never silently dropped.
+REFUSED_PROFILE_FIELDS: Mapping[str, str] = {
+    "accelerator": (
+        "deprecated, never implemented: what a replica runs on follows from the engine "
+        '("vllm-cpu": a CPU node\'s host memory; any other engine: GPUs of one node)'
+    ),
+    "quantization_group_size": (
+        "deprecated, never implemented: sizing counts the precision's bytes per parameter; "
+        "per-group scales and zeros are not sized"
+    ),
+}
+#: `RolloutStrategy` (domain) ⇄ `inferplane.orchestrator.v1.RolloutStrategy`.
+ROLLOUT_FIELDS: tuple[WireField, ...] = tuple(
+    WireField(f.name) for f in dataclasses.fields(RolloutStrategy)
+)
+#: Proto profile field name → domain attribute, for update-mask paths (`profile.replica_task`
+#: updates the domain's `task`).
+PROFILE_PATHS: Mapping[str, str] = {name: f.attr for f in PROFILE_FIELDS for name in f.proto_fields}
+
+
+def profile_from_proto(p: pb.DeploymentProfile) -> DeploymentProfile:
+    """The domain profile (unset values stay unset: `with_defaults` fills them).
+
+    Raises:
+        InvalidArgumentError: a refused field (`REFUSED_PROFILE_FIELDS`) is set, or an enum holds
+            a value this version does not know; `param` names the field.
+    """
+    for name, reason in REFUSED_PROFILE_FIELDS.items():
+        if getattr(p, name):
+            raise InvalidArgumentError(
+                f"profile.{name} is not supported ({reason}); leave it unset",
+                param=f"deployment.profile.{name}",
+            )
+    return DeploymentProfile(**{f.attr: f.from_message(p) for f in PROFILE_FIELDS})
 
 
 def profile_to_proto(p: DeploymentProfile) -> pb.DeploymentProfile:
-    return pb.DeploymentProfile(
-        model_source=p.model_source,
-        engine=p.engine,
-        engine_version=p.engine_version,
-        precision=p.precision,
-        parameter_count=p.parameter_count,
-        active_parameter_count=p.active_parameter_count,
-        num_layers=p.num_layers,
-        num_kv_heads=p.num_kv_heads,
-        head_dim=p.head_dim,
-        kv_cache_dtype=p.kv_cache_dtype,
-        tensor_parallel_size=p.tensor_parallel_size,
-        max_model_len=p.max_model_len,
-        max_num_seqs=p.max_num_seqs,
-        expected_context_tokens=p.expected_context_tokens,
-        reasoning_parser=p.reasoning_parser,
-        tool_parser=p.tool_parser,
-        speculative_method=p.speculative_method,
-        speculative_model=p.speculative_model,
-        transport=p.transport,
-        stream_interval=p.stream_interval,
-        constrain_tool_choice_auto=p.constrain_tool_choice_auto,
-        extra_engine_args=list(p.extra_engine_args),
-        task=p.task,
-    )
+    """The proto profile, task and transport in both spellings (string and enum)."""
+    fields: dict[str, Any] = {}
+    for f in PROFILE_FIELDS:
+        fields.update(f.to_message(getattr(p, f.attr)))
+    return pb.DeploymentProfile(**fields)
+
+
+def rollout_from_proto(r: pb.RolloutStrategy) -> RolloutStrategy:
+    return RolloutStrategy(**{f.attr: f.from_message(r) for f in ROLLOUT_FIELDS})
+
+
+def rollout_to_proto(r: RolloutStrategy) -> pb.RolloutStrategy:
+    fields: dict[str, Any] = {}
+    for f in ROLLOUT_FIELDS:
+        fields.update(f.to_message(getattr(r, f.attr)))
+    return pb.RolloutStrategy(**fields)
+
+
+def domain_paths(paths: list[str]) -> list[str]:
+    """Update-mask paths in domain attribute names: `profile.<proto field>` becomes
+    `profile.<attribute>` (`profile.replica_task` → `profile.task`); other paths unchanged."""
+    out = []
+    for path in paths:
+        head, _, leaf = path.partition(".")
+        if head == "profile" and leaf in PROFILE_PATHS:
+            path = f"profile.{PROFILE_PATHS[leaf]}"
+        out.append(path)
+    return out
 
 
 def deployment_from_proto(d: pb.Deployment, deployment_id: str) -> Deployment:
     """The domain deployment; `rollout` unset in the request means the default strategy."""
-    r = d.rollout
-    rollout = (
-        RolloutStrategy(
-            max_surge=r.max_surge,
-            max_unavailable=r.max_unavailable,
-            max_error_rate=r.max_error_rate,
-            max_ttft_p99_seconds=r.max_ttft_p99_seconds,
-            gate_window_seconds=r.gate_window_seconds,
-            drain_grace_period_seconds=r.drain_grace_period_seconds,
-        )
-        if d.HasField("rollout")
-        else RolloutStrategy()
-    )
+    rollout = rollout_from_proto(d.rollout) if d.HasField("rollout") else RolloutStrategy()
     return Deployment(
         deployment_id=deployment_id,
         profile=profile_from_proto(d.profile),
@@ -119,7 +288,6 @@ def deployment_from_proto(d: pb.Deployment, deployment_id: str) -> Deployment:
 
 def deployment_to_proto(view: DeploymentView) -> pb.Deployment:
     d, s = view.deployment, view.status
-    r = d.rollout
     return pb.Deployment(
         name=d.name,
         aliases=list(d.aliases),
@@ -127,14 +295,7 @@ def deployment_to_proto(view: DeploymentView) -> pb.Deployment:
         min_replicas=d.min_replicas,
         max_replicas=d.max_replicas,
         replicas=d.replicas,
-        rollout=pb.RolloutStrategy(
-            max_surge=r.max_surge,
-            max_unavailable=r.max_unavailable,
-            max_error_rate=r.max_error_rate,
-            max_ttft_p99_seconds=r.max_ttft_p99_seconds,
-            gate_window_seconds=r.gate_window_seconds,
-            drain_grace_period_seconds=r.drain_grace_period_seconds,
-        ),
+        rollout=rollout_to_proto(d.rollout),
         status=pb.DeploymentStatus(
             phase=s.phase,
             message=s.message,

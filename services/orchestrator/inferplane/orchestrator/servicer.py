@@ -17,6 +17,7 @@ from inferplane.orchestrator.control import ControlPlane, ObservedReplica
 from inferplane.orchestrator.convert import (
     deployment_from_proto,
     deployment_to_proto,
+    domain_paths,
     node_from_status,
     node_to_proto,
     observed_from_status,
@@ -80,7 +81,7 @@ class DeploymentService(
         deployment_id = _deployment_id(request.deployment.name, "deployment.name")
         incoming = deployment_from_proto(request.deployment, deployment_id)
         view = await asyncio.to_thread(
-            self._control.update, incoming, list(request.update_mask.paths)
+            self._control.update, incoming, domain_paths(list(request.update_mask.paths))
         )
         return pb.UpdateDeploymentResponse(deployment=deployment_to_proto(view))
 

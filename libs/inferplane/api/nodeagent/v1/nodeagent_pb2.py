@@ -26,13 +26,17 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/nodeagent/v1/nodeagent.proto\x12\x17inferplane.nodeagent.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8e\x04\n\x0bReplicaSpec\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x14\n\x0cmodel_source\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x13\n\x0bgpu_indices\x18\n \x03(\r\x12\x1b\n\x13gpu_memory_fraction\x18\x0b \x01(\x01\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x18\n\x10reasoning_parser\x18\r \x01(\t\x12\x13\n\x0btool_parser\x18\x0e \x01(\t\x12\x11\n\ttransport\x18\x0f \x01(\t\x12\x19\n\x11\x65xtra_engine_args\x18\x10 \x03(\t\x12\x10\n\x08revision\x18\x11 \x01(\t\x12\x11\n\tgpu_uuids\x18\x12 \x03(\t\x12\x0f\n\x07\x63reated\x18\x13 \x01(\r\x12\x10\n\x08owned_by\x18\x14 \x01(\t\x12\x17\n\x0fstream_interval\x18\x15 \x01(\r\x12\"\n\x1a\x63onstrain_tool_choice_auto\x18\x16 \x01(\x08\x12\x0c\n\x04task\x18\x17 \x01(\t\"\xbe\x04\n\x07Replica\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x08\x12\x32\n\x04spec\x18\x02 \x01(\x0b\x32$.inferplane.nodeagent.v1.ReplicaSpec\x12;\n\x05state\x18\x03 \x01(\x0e\x32&.inferplane.nodeagent.v1.Replica.StateB\x04\xe2\x41\x01\x03\x12\x1f\n\x11inference_address\x18\x04 \x01(\tB\x04\xe2\x41\x01\x03\x12\x18\n\nengine_pid\x18\x05 \x01(\rB\x04\xe2\x41\x01\x03\x12\x1b\n\rrestart_count\x18\x06 \x01(\rB\x04\xe2\x41\x01\x03\x12\x18\n\nlast_error\x18\x07 \x01(\tB\x04\xe2\x41\x01\x03\x12 \n\x12in_flight_requests\x18\x08 \x01(\rB\x04\xe2\x41\x01\x03\x12\x34\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x34\n\nready_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x19\n\x0bmetrics_url\x18\x0b \x01(\tB\x04\xe2\x41\x01\x03\"\x92\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_STARTING\x10\x01\x12\x0f\n\x0bSTATE_READY\x10\x02\x12\x12\n\x0eSTATE_DRAINING\x10\x03\x12\x11\n\rSTATE_STOPPED\x10\x04\x12\x14\n\x10STATE_RESTARTING\x10\x05\x12\x10\n\x0cSTATE_FAILED\x10\x06\"\xae\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x39\n\npartitions\x18\x07 \x03(\x0b\x32%.inferplane.nodeagent.v1.GpuPartition\"C\n\x0cGpuPartition\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xbb\x02\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x04gpus\x18\x03 \x03(\x0b\x32\x1c.inferplane.nodeagent.v1.Gpu\x12\x11\n\tcpu_count\x18\x04 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12?\n\x06labels\x18\x06 \x03(\x0b\x32/.inferplane.nodeagent.v1.NodeStatus.LabelsEntry\x12\x32\n\x08replicas\x18\x07 \x03(\x0b\x32 .inferplane.nodeagent.v1.Replica\x12\x15\n\ragent_version\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x13StartReplicaRequest\x12\x18\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x38\n\x04spec\x18\x02 \x01(\x0b\x32$.inferplane.nodeagent.v1.ReplicaSpecB\x04\xe2\x41\x01\x02\"I\n\x14StartReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"G\n\x13\x44rainReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\r\"I\n\x14\x44rainReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"U\n\x12StopReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x1c\n\x14grace_period_seconds\x18\x03 \x01(\r\"H\n\x13StopReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"\'\n\x11GetReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"G\n\x12GetReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"<\n\x13ListReplicasRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"c\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .inferplane.nodeagent.v1.Replica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x16\n\x14GetNodeStatusRequest\"L\n\x15GetNodeStatusResponse\x12\x33\n\x06status\x18\x01 \x01(\x0b\x32#.inferplane.nodeagent.v1.NodeStatus2\x9a\x05\n\x10NodeAgentService\x12k\n\x0cStartReplica\x12,.inferplane.nodeagent.v1.StartReplicaRequest\x1a-.inferplane.nodeagent.v1.StartReplicaResponse\x12k\n\x0c\x44rainReplica\x12,.inferplane.nodeagent.v1.DrainReplicaRequest\x1a-.inferplane.nodeagent.v1.DrainReplicaResponse\x12h\n\x0bStopReplica\x12+.inferplane.nodeagent.v1.StopReplicaRequest\x1a,.inferplane.nodeagent.v1.StopReplicaResponse\x12\x65\n\nGetReplica\x12*.inferplane.nodeagent.v1.GetReplicaRequest\x1a+.inferplane.nodeagent.v1.GetReplicaResponse\x12k\n\x0cListReplicas\x12,.inferplane.nodeagent.v1.ListReplicasRequest\x1a-.inferplane.nodeagent.v1.ListReplicasResponse\x12n\n\rGetNodeStatus\x12-.inferplane.nodeagent.v1.GetNodeStatusRequest\x1a..inferplane.nodeagent.v1.GetNodeStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/nodeagent/v1/nodeagent.proto\x12\x17inferplane.nodeagent.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x05\n\x0bReplicaSpec\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x14\n\x0cmodel_source\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x13\n\x0bgpu_indices\x18\n \x03(\r\x12\x1b\n\x13gpu_memory_fraction\x18\x0b \x01(\x01\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x18\n\x10reasoning_parser\x18\r \x01(\t\x12\x13\n\x0btool_parser\x18\x0e \x01(\t\x12\x15\n\ttransport\x18\x0f \x01(\tB\x02\x18\x01\x12\x19\n\x11\x65xtra_engine_args\x18\x10 \x03(\t\x12\x10\n\x08revision\x18\x11 \x01(\t\x12\x11\n\tgpu_uuids\x18\x12 \x03(\t\x12\x0f\n\x07\x63reated\x18\x13 \x01(\r\x12\x10\n\x08owned_by\x18\x14 \x01(\t\x12\x17\n\x0fstream_interval\x18\x15 \x01(\r\x12\"\n\x1a\x63onstrain_tool_choice_auto\x18\x16 \x01(\x08\x12\x10\n\x04task\x18\x17 \x01(\tB\x02\x18\x01\x12:\n\x0creplica_task\x18\x18 \x01(\x0e\x32$.inferplane.nodeagent.v1.ReplicaTask\x12\x44\n\x11replica_transport\x18\x19 \x01(\x0e\x32).inferplane.nodeagent.v1.ReplicaTransport\"\xbe\x04\n\x07Replica\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x08\x12\x32\n\x04spec\x18\x02 \x01(\x0b\x32$.inferplane.nodeagent.v1.ReplicaSpec\x12;\n\x05state\x18\x03 \x01(\x0e\x32&.inferplane.nodeagent.v1.Replica.StateB\x04\xe2\x41\x01\x03\x12\x1f\n\x11inference_address\x18\x04 \x01(\tB\x04\xe2\x41\x01\x03\x12\x18\n\nengine_pid\x18\x05 \x01(\rB\x04\xe2\x41\x01\x03\x12\x1b\n\rrestart_count\x18\x06 \x01(\rB\x04\xe2\x41\x01\x03\x12\x18\n\nlast_error\x18\x07 \x01(\tB\x04\xe2\x41\x01\x03\x12 \n\x12in_flight_requests\x18\x08 \x01(\rB\x04\xe2\x41\x01\x03\x12\x34\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x34\n\nready_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x19\n\x0bmetrics_url\x18\x0b \x01(\tB\x04\xe2\x41\x01\x03\"\x92\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_STARTING\x10\x01\x12\x0f\n\x0bSTATE_READY\x10\x02\x12\x12\n\x0eSTATE_DRAINING\x10\x03\x12\x11\n\rSTATE_STOPPED\x10\x04\x12\x14\n\x10STATE_RESTARTING\x10\x05\x12\x10\n\x0cSTATE_FAILED\x10\x06\"\xae\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x39\n\npartitions\x18\x07 \x03(\x0b\x32%.inferplane.nodeagent.v1.GpuPartition\"C\n\x0cGpuPartition\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xbb\x02\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x04gpus\x18\x03 \x03(\x0b\x32\x1c.inferplane.nodeagent.v1.Gpu\x12\x11\n\tcpu_count\x18\x04 \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12?\n\x06labels\x18\x06 \x03(\x0b\x32/.inferplane.nodeagent.v1.NodeStatus.LabelsEntry\x12\x32\n\x08replicas\x18\x07 \x03(\x0b\x32 .inferplane.nodeagent.v1.Replica\x12\x15\n\ragent_version\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x13StartReplicaRequest\x12\x18\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x38\n\x04spec\x18\x02 \x01(\x0b\x32$.inferplane.nodeagent.v1.ReplicaSpecB\x04\xe2\x41\x01\x02\"I\n\x14StartReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"G\n\x13\x44rainReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\r\"I\n\x14\x44rainReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"U\n\x12StopReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x1c\n\x14grace_period_seconds\x18\x03 \x01(\r\"H\n\x13StopReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"\'\n\x11GetReplicaRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"G\n\x12GetReplicaResponse\x12\x31\n\x07replica\x18\x01 \x01(\x0b\x32 .inferplane.nodeagent.v1.Replica\"<\n\x13ListReplicasRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"c\n\x14ListReplicasResponse\x12\x32\n\x08replicas\x18\x01 \x03(\x0b\x32 .inferplane.nodeagent.v1.Replica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x16\n\x14GetNodeStatusRequest\"L\n\x15GetNodeStatusResponse\x12\x33\n\x06status\x18\x01 \x01(\x0b\x32#.inferplane.nodeagent.v1.NodeStatus*{\n\x0bReplicaTask\x12\x1c\n\x18REPLICA_TASK_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_TASK_GENERATE\x10\x01\x12\x16\n\x12REPLICA_TASK_EMBED\x10\x02\x12\x1b\n\x17REPLICA_TASK_TRANSCRIBE\x10\x03*\x97\x01\n\x10ReplicaTransport\x12!\n\x1dREPLICA_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18REPLICA_TRANSPORT_INPROC\x10\x01\x12&\n\"REPLICA_TRANSPORT_HTTP_COMPLETIONS\x10\x02\x12\x1a\n\x16REPLICA_TRANSPORT_GRPC\x10\x03\x32\x9a\x05\n\x10NodeAgentService\x12k\n\x0cStartReplica\x12,.inferplane.nodeagent.v1.StartReplicaRequest\x1a-.inferplane.nodeagent.v1.StartReplicaResponse\x12k\n\x0c\x44rainReplica\x12,.inferplane.nodeagent.v1.DrainReplicaRequest\x1a-.inferplane.nodeagent.v1.DrainReplicaResponse\x12h\n\x0bStopReplica\x12+.inferplane.nodeagent.v1.StopReplicaRequest\x1a,.inferplane.nodeagent.v1.StopReplicaResponse\x12\x65\n\nGetReplica\x12*.inferplane.nodeagent.v1.GetReplicaRequest\x1a+.inferplane.nodeagent.v1.GetReplicaResponse\x12k\n\x0cListReplicas\x12,.inferplane.nodeagent.v1.ListReplicasRequest\x1a-.inferplane.nodeagent.v1.ListReplicasResponse\x12n\n\rGetNodeStatus\x12-.inferplane.nodeagent.v1.GetNodeStatusRequest\x1a..inferplane.nodeagent.v1.GetNodeStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferplane.nodeagent.v1.nodeagent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REPLICASPEC'].fields_by_name['transport']._loaded_options = None
+  _globals['_REPLICASPEC'].fields_by_name['transport']._serialized_options = b'\030\001'
+  _globals['_REPLICASPEC'].fields_by_name['task']._loaded_options = None
+  _globals['_REPLICASPEC'].fields_by_name['task']._serialized_options = b'\030\001'
   _globals['_REPLICA'].fields_by_name['name']._loaded_options = None
   _globals['_REPLICA'].fields_by_name['name']._serialized_options = b'\342A\001\010'
   _globals['_REPLICA'].fields_by_name['state']._loaded_options = None
@@ -65,44 +69,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPREPLICAREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002'
   _globals['_GETREPLICAREQUEST'].fields_by_name['name']._loaded_options = None
   _globals['_GETREPLICAREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002'
+  _globals['_REPLICATASK']._serialized_start=2812
+  _globals['_REPLICATASK']._serialized_end=2935
+  _globals['_REPLICATRANSPORT']._serialized_start=2938
+  _globals['_REPLICATRANSPORT']._serialized_end=3089
   _globals['_REPLICASPEC']._serialized_start=135
-  _globals['_REPLICASPEC']._serialized_end=661
-  _globals['_REPLICA']._serialized_start=664
-  _globals['_REPLICA']._serialized_end=1238
-  _globals['_REPLICA_STATE']._serialized_start=1092
-  _globals['_REPLICA_STATE']._serialized_end=1238
-  _globals['_GPU']._serialized_start=1241
-  _globals['_GPU']._serialized_end=1415
-  _globals['_GPUPARTITION']._serialized_start=1417
-  _globals['_GPUPARTITION']._serialized_end=1484
-  _globals['_NODESTATUS']._serialized_start=1487
-  _globals['_NODESTATUS']._serialized_end=1802
-  _globals['_NODESTATUS_LABELSENTRY']._serialized_start=1757
-  _globals['_NODESTATUS_LABELSENTRY']._serialized_end=1802
-  _globals['_STARTREPLICAREQUEST']._serialized_start=1804
-  _globals['_STARTREPLICAREQUEST']._serialized_end=1909
-  _globals['_STARTREPLICARESPONSE']._serialized_start=1911
-  _globals['_STARTREPLICARESPONSE']._serialized_end=1984
-  _globals['_DRAINREPLICAREQUEST']._serialized_start=1986
-  _globals['_DRAINREPLICAREQUEST']._serialized_end=2057
-  _globals['_DRAINREPLICARESPONSE']._serialized_start=2059
-  _globals['_DRAINREPLICARESPONSE']._serialized_end=2132
-  _globals['_STOPREPLICAREQUEST']._serialized_start=2134
-  _globals['_STOPREPLICAREQUEST']._serialized_end=2219
-  _globals['_STOPREPLICARESPONSE']._serialized_start=2221
-  _globals['_STOPREPLICARESPONSE']._serialized_end=2293
-  _globals['_GETREPLICAREQUEST']._serialized_start=2295
-  _globals['_GETREPLICAREQUEST']._serialized_end=2334
-  _globals['_GETREPLICARESPONSE']._serialized_start=2336
-  _globals['_GETREPLICARESPONSE']._serialized_end=2407
-  _globals['_LISTREPLICASREQUEST']._serialized_start=2409
-  _globals['_LISTREPLICASREQUEST']._serialized_end=2469
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=2471
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=2570
-  _globals['_GETNODESTATUSREQUEST']._serialized_start=2572
-  _globals['_GETNODESTATUSREQUEST']._serialized_end=2594
-  _globals['_GETNODESTATUSRESPONSE']._serialized_start=2596
-  _globals['_GETNODESTATUSRESPONSE']._serialized_end=2672
-  _globals['_NODEAGENTSERVICE']._serialized_start=2675
-  _globals['_NODEAGENTSERVICE']._serialized_end=3341
+  _globals['_REPLICASPEC']._serialized_end=799
+  _globals['_REPLICA']._serialized_start=802
+  _globals['_REPLICA']._serialized_end=1376
+  _globals['_REPLICA_STATE']._serialized_start=1230
+  _globals['_REPLICA_STATE']._serialized_end=1376
+  _globals['_GPU']._serialized_start=1379
+  _globals['_GPU']._serialized_end=1553
+  _globals['_GPUPARTITION']._serialized_start=1555
+  _globals['_GPUPARTITION']._serialized_end=1622
+  _globals['_NODESTATUS']._serialized_start=1625
+  _globals['_NODESTATUS']._serialized_end=1940
+  _globals['_NODESTATUS_LABELSENTRY']._serialized_start=1895
+  _globals['_NODESTATUS_LABELSENTRY']._serialized_end=1940
+  _globals['_STARTREPLICAREQUEST']._serialized_start=1942
+  _globals['_STARTREPLICAREQUEST']._serialized_end=2047
+  _globals['_STARTREPLICARESPONSE']._serialized_start=2049
+  _globals['_STARTREPLICARESPONSE']._serialized_end=2122
+  _globals['_DRAINREPLICAREQUEST']._serialized_start=2124
+  _globals['_DRAINREPLICAREQUEST']._serialized_end=2195
+  _globals['_DRAINREPLICARESPONSE']._serialized_start=2197
+  _globals['_DRAINREPLICARESPONSE']._serialized_end=2270
+  _globals['_STOPREPLICAREQUEST']._serialized_start=2272
+  _globals['_STOPREPLICAREQUEST']._serialized_end=2357
+  _globals['_STOPREPLICARESPONSE']._serialized_start=2359
+  _globals['_STOPREPLICARESPONSE']._serialized_end=2431
+  _globals['_GETREPLICAREQUEST']._serialized_start=2433
+  _globals['_GETREPLICAREQUEST']._serialized_end=2472
+  _globals['_GETREPLICARESPONSE']._serialized_start=2474
+  _globals['_GETREPLICARESPONSE']._serialized_end=2545
+  _globals['_LISTREPLICASREQUEST']._serialized_start=2547
+  _globals['_LISTREPLICASREQUEST']._serialized_end=2607
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=2609
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=2708
+  _globals['_GETNODESTATUSREQUEST']._serialized_start=2710
+  _globals['_GETNODESTATUSREQUEST']._serialized_end=2732
+  _globals['_GETNODESTATUSRESPONSE']._serialized_start=2734
+  _globals['_GETNODESTATUSRESPONSE']._serialized_end=2810
+  _globals['_NODEAGENTSERVICE']._serialized_start=3092
+  _globals['_NODEAGENTSERVICE']._serialized_end=3758
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,72 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ReplicaTask:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicaTaskEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicaTask.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICA_TASK_UNSPECIFIED: _ReplicaTask.ValueType  # 0
+    """Unset: the deprecated string field decides (empty there means generate)."""
+    REPLICA_TASK_GENERATE: _ReplicaTask.ValueType  # 1
+    """Chat and text completions ("generate")."""
+    REPLICA_TASK_EMBED: _ReplicaTask.ValueType  # 2
+    """Embeddings with vLLM's pooling runner ("embed"); transports inproc or http-completions."""
+    REPLICA_TASK_TRANSCRIBE: _ReplicaTask.ValueType  # 3
+    """Speech-to-text, `/v1/audio/*`, vLLM's speech serving in the replica process
+    ("transcribe"); transport inproc only.
+    """
+
+class ReplicaTask(_ReplicaTask, metaclass=_ReplicaTaskEnumTypeWrapper):
+    """What a replica serves."""
+
+REPLICA_TASK_UNSPECIFIED: ReplicaTask.ValueType  # 0
+"""Unset: the deprecated string field decides (empty there means generate)."""
+REPLICA_TASK_GENERATE: ReplicaTask.ValueType  # 1
+"""Chat and text completions ("generate")."""
+REPLICA_TASK_EMBED: ReplicaTask.ValueType  # 2
+"""Embeddings with vLLM's pooling runner ("embed"); transports inproc or http-completions."""
+REPLICA_TASK_TRANSCRIBE: ReplicaTask.ValueType  # 3
+"""Speech-to-text, `/v1/audio/*`, vLLM's speech serving in the replica process
+("transcribe"); transport inproc only.
+"""
+Global___ReplicaTask: _TypeAlias = ReplicaTask  # noqa: Y015
+
+class _ReplicaTransport:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicaTransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicaTransport.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICA_TRANSPORT_UNSPECIFIED: _ReplicaTransport.ValueType  # 0
+    """Unset: the deprecated string field decides (empty there means inproc)."""
+    REPLICA_TRANSPORT_INPROC: _ReplicaTransport.ValueType  # 1
+    """vLLM's AsyncLLM inside the replica process ("inproc"; the default)."""
+    REPLICA_TRANSPORT_HTTP_COMPLETIONS: _ReplicaTransport.ValueType  # 2
+    """vLLM's OpenAI HTTP server as the replica's child, `/v1/completions` ("http-completions")."""
+    REPLICA_TRANSPORT_GRPC: _ReplicaTransport.ValueType  # 3
+    """vLLM's `--grpc` server as the replica's child ("grpc")."""
+
+class ReplicaTransport(_ReplicaTransport, metaclass=_ReplicaTransportEnumTypeWrapper):
+    """How a replica process reaches its engine."""
+
+REPLICA_TRANSPORT_UNSPECIFIED: ReplicaTransport.ValueType  # 0
+"""Unset: the deprecated string field decides (empty there means inproc)."""
+REPLICA_TRANSPORT_INPROC: ReplicaTransport.ValueType  # 1
+"""vLLM's AsyncLLM inside the replica process ("inproc"; the default)."""
+REPLICA_TRANSPORT_HTTP_COMPLETIONS: ReplicaTransport.ValueType  # 2
+"""vLLM's OpenAI HTTP server as the replica's child, `/v1/completions` ("http-completions")."""
+REPLICA_TRANSPORT_GRPC: ReplicaTransport.ValueType  # 3
+"""vLLM's `--grpc` server as the replica's child ("grpc")."""
+Global___ReplicaTransport: _TypeAlias = ReplicaTransport  # noqa: Y015
 
 @_typing.final
 class ReplicaSpec(_message.Message):
@@ -53,6 +118,8 @@ class ReplicaSpec(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    REPLICA_TASK_FIELD_NUMBER: _builtins.int
+    REPLICA_TRANSPORT_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment this replica belongs to."""
     served_model_name: _builtins.str
@@ -79,8 +146,22 @@ class ReplicaSpec(_message.Message):
     """Reasoning parser name ("kimi_k2")."""
     tool_parser: _builtins.str
     """Tool-call parser name ("kimi_k2")."""
-    transport: _builtins.str
-    """Engine transport: "grpc" or "http-completions"."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def transport(self) -> _builtins.str:
+        """Engine transport as a string: "inproc", "grpc" or "http-completions" (empty: "inproc").
+        Deprecated: set `replica_transport`; when it is set this field is ignored. Senders set both
+        while node-agents older than `replica_transport` may receive the spec.
+        """
+
+    @transport.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def transport(self, value: _builtins.str) -> None:
+        """Engine transport as a string: "inproc", "grpc" or "http-completions" (empty: "inproc").
+        Deprecated: set `replica_transport`; when it is set this field is ignored. Senders set both
+        while node-agents older than `replica_transport` may receive the spec.
+        """
+
     revision: _builtins.str
     """Revision of the deployment profile this spec came from (rollouts compare it)."""
     created: _builtins.int
@@ -96,10 +177,31 @@ class ReplicaSpec(_message.Message):
     tag: free text or reasoning until the tool section begins, then only declared functions
     with schema-valid arguments (and one call when `parallel_tool_calls` is false).
     """
-    task: _builtins.str
-    """What the replica serves: "generate" (chat and text completions; empty means it),
-    "embed" (embeddings: the engine runs vLLM's pooling runner) or "transcribe"
-    (speech-to-text: vLLM's speech serving hosted in the replica process).
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def task(self) -> _builtins.str:
+        """What the replica serves as a string: "generate" (chat and text completions; empty means
+        it), "embed" (embeddings: the engine runs vLLM's pooling runner) or "transcribe"
+        (speech-to-text: vLLM's speech serving hosted in the replica process).
+        Deprecated: set `replica_task`; when it is set this field is ignored. Senders set both
+        while node-agents older than `replica_task` may receive the spec.
+        """
+
+    @task.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def task(self, value: _builtins.str) -> None:
+        """What the replica serves as a string: "generate" (chat and text completions; empty means
+        it), "embed" (embeddings: the engine runs vLLM's pooling runner) or "transcribe"
+        (speech-to-text: vLLM's speech serving hosted in the replica process).
+        Deprecated: set `replica_task`; when it is set this field is ignored. Senders set both
+        while node-agents older than `replica_task` may receive the spec.
+        """
+
+    replica_task: Global___ReplicaTask.ValueType
+    """What the replica serves. Wins over `task` when set; unspecified: `task` decides."""
+    replica_transport: Global___ReplicaTransport.ValueType
+    """Engine transport of the replica process. Wins over `transport` when set; unspecified:
+    `transport` decides.
     """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -141,10 +243,12 @@ class ReplicaSpec(_message.Message):
         stream_interval: _builtins.int = ...,
         constrain_tool_choice_auto: _builtins.bool = ...,
         task: _builtins.str = ...,
+        replica_task: Global___ReplicaTask.ValueType = ...,
+        replica_transport: Global___ReplicaTransport.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "revision", b"revision", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -132,6 +137,8 @@ class DeploymentProfile(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     CONSTRAIN_TOOL_CHOICE_AUTO_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    REPLICA_TASK_FIELD_NUMBER: _builtins.int
+    REPLICA_TRANSPORT_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -168,16 +175,56 @@ class DeploymentProfile(_message.Message):
     """Speculative decoding method ("", "ngram", "eagle", "mtp")."""
     speculative_model: _builtins.str
     """Draft model for speculative decoding."""
-    transport: _builtins.str
-    """Engine transport of the replica process ("inproc", "grpc", "http-completions")."""
-    accelerator: _builtins.str
-    """What replicas run on: "gpu" (GPUs of one node) or "cpu" (a CPU node's host memory).
-    Empty: "cpu" for the CPU engine ("vllm-cpu"), else "gpu".
-    """
-    quantization_group_size: _builtins.int
-    """Quantization group size for grouped int4 weights (AWQ/GPTQ, e.g. 128; 0 = the method's
-    default); scales and zeros add memory per group.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def transport(self) -> _builtins.str:
+        """Engine transport of the replica process as a string ("inproc", "grpc",
+        "http-completions"; empty: "inproc"). Deprecated: set `replica_transport`; when it is set
+        this field is ignored. Responses carry both.
+        """
+
+    @transport.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def transport(self, value: _builtins.str) -> None:
+        """Engine transport of the replica process as a string ("inproc", "grpc",
+        "http-completions"; empty: "inproc"). Deprecated: set `replica_transport`; when it is set
+        this field is ignored. Responses carry both.
+        """
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def accelerator(self) -> _builtins.str:
+        """Deprecated, never implemented: must stay empty (CreateDeployment and UpdateDeployment
+        refuse a value with INVALID_ARGUMENT naming `deployment.profile.accelerator`). What a
+        replica runs on follows from `engine`: "vllm-cpu" runs on a CPU node's host memory, every
+        other engine on GPUs of one node.
+        """
+
+    @accelerator.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def accelerator(self, value: _builtins.str) -> None:
+        """Deprecated, never implemented: must stay empty (CreateDeployment and UpdateDeployment
+        refuse a value with INVALID_ARGUMENT naming `deployment.profile.accelerator`). What a
+        replica runs on follows from `engine`: "vllm-cpu" runs on a CPU node's host memory, every
+        other engine on GPUs of one node.
+        """
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def quantization_group_size(self) -> _builtins.int:
+        """Deprecated, never implemented: must stay 0 (CreateDeployment and UpdateDeployment refuse a
+        value with INVALID_ARGUMENT naming `deployment.profile.quantization_group_size`). Sizing
+        counts `precision`'s bytes per parameter; per-group scales and zeros are not sized.
+        """
+
+    @quantization_group_size.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def quantization_group_size(self, value: _builtins.int) -> None:
+        """Deprecated, never implemented: must stay 0 (CreateDeployment and UpdateDeployment refuse a
+        value with INVALID_ARGUMENT naming `deployment.profile.quantization_group_size`). Sizing
+        counts `precision`'s bytes per parameter; per-group scales and zeros are not sized.
+        """
+
     stream_interval: _builtins.int
     """Generated tokens per streamed chunk at least (vLLM's `--stream-interval`; 0 or 1: every
     token, the default). Larger values trade smoother streaming for less CPU per token.
@@ -188,10 +235,31 @@ class DeploymentProfile(_message.Message):
     arguments, one call when `parallel_tool_calls` is false. Unset: on. `required` and a named
     function are always constrained.
     """
-    task: _builtins.str
-    """What the deployment serves: "generate" (chat and text completions; the default),
-    "embed" (embeddings: no parsers, a small footprint, least-load routing by default) or
-    "transcribe" (speech-to-text, `/v1/audio/*`: no parsers, transport "inproc").
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def task(self) -> _builtins.str:
+        """What the deployment serves as a string: "generate" (chat and text completions; the
+        default), "embed" (embeddings: no parsers, a small footprint, least-load routing by
+        default) or "transcribe" (speech-to-text, `/v1/audio/*`: no parsers, transport "inproc").
+        Deprecated: set `replica_task`; when it is set this field is ignored. Responses carry both.
+        """
+
+    @task.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def task(self, value: _builtins.str) -> None:
+        """What the deployment serves as a string: "generate" (chat and text completions; the
+        default), "embed" (embeddings: no parsers, a small footprint, least-load routing by
+        default) or "transcribe" (speech-to-text, `/v1/audio/*`: no parsers, transport "inproc").
+        Deprecated: set `replica_task`; when it is set this field is ignored. Responses carry both.
+        """
+
+    replica_task: _nodeagent_pb2.ReplicaTask.ValueType
+    """What the deployment serves. Wins over `task` when set; unspecified: `task` decides. Both
+    spellings of one task give the same profile revision.
+    """
+    replica_transport: _nodeagent_pb2.ReplicaTransport.ValueType
+    """Engine transport of the replica process. Wins over `transport` when set; unspecified:
+    `transport` decides. Both spellings of one transport give the same profile revision.
     """
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -225,10 +293,12 @@ class DeploymentProfile(_message.Message):
         stream_interval: _builtins.int = ...,
         constrain_tool_choice_auto: _builtins.bool | None = ...,
         task: _builtins.str = ...,
+        replica_task: _nodeagent_pb2.ReplicaTask.ValueType = ...,
+        replica_transport: _nodeagent_pb2.ReplicaTransport.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["constrain_tool_choice_auto"]  # noqa: Y015
     _WhichOneofArgType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto"]  # noqa: Y015

@@ -13,6 +13,7 @@ import re
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
+from inferplane.orchestrator.convert import task_enum, transport_enum
 from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
 
@@ -54,6 +55,9 @@ def build_spec(
         placement: node, GPU indices, memory fraction (`--gpu-memory-utilization`) and the KV
             budget in bytes (a CPU engine's KV cache size).
         node: the placement's node, for the GPUs' UUIDs (None: unknown, no UUIDs).
+
+    Task and transport are sent in both spellings, the deprecated strings (what node-agents
+    older than the enums read) and `replica_task` / `replica_transport`.
     """
     uuids = {g.index: g.uuid for g in node.gpus} if node is not None else {}
     created = deployment.create_time
@@ -77,6 +81,8 @@ def build_spec(
         constrain_tool_choice_auto=profile.constrain_tool_choice_auto,
         extra_engine_args=list(profile.extra_engine_args),
         task=profile.task,
+        replica_task=task_enum(profile.task),
+        replica_transport=transport_enum(profile.transport),
         revision=revision,
         gpu_uuids=[uuids.get(i, "") for i in placement.gpu_indices] if uuids else [],
         created=int(created.timestamp()) if created is not None else 0,

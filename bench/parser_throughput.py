@@ -152,7 +152,8 @@ def load_vllm() -> Callable[[list[tuple[str, int]], dict[str, int]], tuple[float
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # The PyPI torchvision/torchaudio/torchcodec wheels are CUDA builds that break
-    # ``import vllm`` on CPU (DESIGN.md); the parser needs none of them.
+    # ``import vllm`` on CPU (scripts/setup.sh removes them; docs/architecture.md); the parser
+    # needs none of them.
     for name in ("torchvision", "torchaudio", "torchcodec"):
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):

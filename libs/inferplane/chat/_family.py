@@ -16,7 +16,8 @@ gpt_oss is not rendered by a template at all: its prompt is built by the openai-
 
 Sources, per family:
 
-- Kimi K2 / K2.5 (DESIGN.md, Kimi facts): the generation prompt opens ``<think>`` (``thinking``,
+- Kimi K2 / K2.5 (the model repo's ``chat_template.jinja``; facts and sources in
+  ``docs/kimi.md``): the generation prompt opens ``<think>`` (``thinking``,
   default on); history ids must read ``functions.{name}:{n}`` (the template renders them
   verbatim, and a client id shows the model a format it never wrote); arguments render as the
   JSON text the model wrote.

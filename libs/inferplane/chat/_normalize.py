@@ -1,9 +1,10 @@
 """Request → template inputs: the fixes of issue 3 §1, before the chat template sees anything.
 
 Each rule exists because rendering Kimi K2 requests straight through the template broke tool
-calling in production (DESIGN.md, "Why the node-agent owns render → generate → parse"):
-content lists reached the template as Python reprs, history tool-call ids lacked ``functions.``,
-and schemas that had crossed a protobuf ``Struct`` rendered ``0.0`` where the client sent ``0``.
+calling (vLLM blog, "Chasing 100% Accuracy: A Deep Dive into Debugging Kimi K2's Tool-Calling
+on vLLM", 2025-10-28; ``docs/kimi.md``): content lists reached the template as Python reprs,
+history tool-call ids lacked ``functions.``; and schemas that had crossed a protobuf ``Struct``
+rendered ``0.0`` where the client sent ``0``.
 The rules that belong to one family's template (Kimi's ids, the thinking keyword, the form of
 tool-call arguments) follow the request's ``ChatFamily`` (``inferplane.chat._family``); the
 rest apply to every family.
@@ -97,10 +98,10 @@ def prepare_chat(request: Mapping[str, Any], family: ChatFamily = KIMI_K2) -> Ch
 def integral_floats_to_int(value: Any) -> Any:
     """Copy of a JSON-like value with every integral float turned into an int (``0.0`` → ``0``).
 
-    protobuf ``Struct`` carries every number as a double, so a schema that crossed the gRPC edge
-    (DESIGN.md, Envoy notes: "Numbers inside Struct become doubles") would otherwise render
-    ``"minimum":1.0`` where the client sent ``1`` and change the prompt. Non-integral and
-    non-finite floats, bools and everything else are kept.
+    protobuf ``Struct`` carries every number as a double (``google/protobuf/struct.proto``:
+    ``Value.number_value`` is the only number), so a schema that crossed the gRPC edge would
+    otherwise render ``"minimum":1.0`` where the client sent ``1`` and change the prompt.
+    Non-integral and non-finite floats, bools and everything else are kept.
     """
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else value
@@ -260,7 +261,7 @@ class _KimiIds:
     """Kimi ids for history tool calls, and the map from the client's ids to them.
 
     Kimi writes ids as ``functions.{name}:{n}`` with n counting calls across the conversation
-    (DESIGN.md, Kimi facts); its template renders history ids verbatim, so a client id such as
+    (``docs/kimi.md``); its template renders history ids verbatim, so a client id such as
     ``call_abc`` or ``search:2`` would show the model a format it never produced. A client id
     that already carries a number (``search:2``, ``functions.search:2``) keeps it when it does
     not go backwards; every other id takes the next number. Tool results are mapped through the

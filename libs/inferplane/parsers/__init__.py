@@ -1,6 +1,6 @@
 """inferplane.parsers: reasoning + tool-call parsing, validation and decoding constraints.
 
-Pure Python (no grpc, no torch). The node-agent calls it on the hot token path::
+Pure Python (no grpc, no torch). The replica process calls it on the hot token path::
 
     parser = build_parser("kimi_k2", vocab=tokenizer.get_vocab())
     s = parser.start(thinking=True)             # tool_calls=False: tool_choice "none"

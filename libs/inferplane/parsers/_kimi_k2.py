@@ -1,6 +1,7 @@
 """The Kimi K2 / K2.5 output format as a declarative ``EngineConfig``.
 
-Format (DESIGN.md, "Kimi K2 / K2.5 facts")::
+Format (Moonshot's tool-call guide, ``docs/tool_call_guidance.md`` of the Kimi-K2 repository;
+the facts and their sources: ``docs/kimi.md``)::
 
     reasoning</think>content<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
     <|tool_call_argument_begin|>{"city": "Tokyo"}<|tool_call_end|><|tool_calls_section_end|>
@@ -11,19 +12,20 @@ Rules beyond the happy path, and where they come from:
   (``start(thinking=True)``). An explicit ``<think>`` is also accepted, in reasoning or
   before any content.
 * Reasoning ends on ``</think>`` OR on ``<|tool_calls_section_begin|>`` (the model skips
-  ``</think>``: the reasoning parser of vLLM never ended in that case) and never resumes:
+  ``</think>``: vLLM's reasoning parser then never ended, vLLM PR #32216) and never resumes:
   no transition leads back to ``REASONING``. A ``<|tool_call_begin|>`` without a section
   also ends reasoning and opens a call.
 * Text after the tool section is dropped (vLLM keeps its Kimi parser in a tool state after
   the section for the same reason); a second section adds more calls.
-* Markers with no meaning in a state are dropped (vLLM's streaming parser raised
-  ``IndexError`` when a marker came as its own delta), except inside arguments, where
+* Markers with no meaning in a state are dropped (streaming Kimi parsers have crashed on them
+  with ``IndexError``: vLLM issue #54701, SGLang issue #8269), except inside arguments, where
   ``<think>`` / ``</think>`` are data (a JSON string may hold them) and stay verbatim.
 * Variants seen from Kimi models in the wild: the singular ``<|tool_call_section_begin|>`` /
   ``<|tool_call_section_end|>`` and older Kimi models' ``◁think▷`` / ``◁/think▷`` mean the same
   as the markers above (``KIMI_K2_MARKER_VARIANTS``).
 * Ids are the model's, verbatim (clients echo them back; the renderer normalises history ids
-  to ``functions.{name}:{n}``, DESIGN.md).
+  to ``functions.{name}:{n}``, since the chat template renders them verbatim and other ids
+  broke Kimi tool calling on vLLM: vLLM blog "Chasing 100% Accuracy", 2025-10-28).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def split_kimi_header(header: str, call_number: int) -> tuple[str, str] | None:
     ``functions.get_weather:0`` -> ``("functions.get_weather:0", "get_weather")``. The id is
     the header as written, surrounding whitespace trimmed (``get_weather:3`` stays
     ``get_weather:3``: clients echo ids back). A header without ``:N`` holds no id: it gets
-    ``functions.{name}:{call_number}``, the form the chat template expects (DESIGN.md).
+    ``functions.{name}:{call_number}``, the form the chat template expects (``docs/kimi.md``).
     Returns None when no name is left.
     """
     h = header.strip()

@@ -1,8 +1,8 @@
 """Parsers chosen by name: a registry built as an immutable value, never a mutable global.
 
-The composition root (node-agent) builds or receives a ``ParserRegistry`` and asks it for
-the parser a deployment profile names (STYLE.md: strategies chosen by name from a registry;
-an unknown name is an error listing the known ones).
+The composition root (the replica process) builds or receives a ``ParserRegistry`` and asks it for
+the parser a deployment profile names (a strategy chosen by name from a registry; an unknown
+name is an error listing the known ones).
 """
 
 from __future__ import annotations

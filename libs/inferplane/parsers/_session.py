@@ -97,7 +97,7 @@ class Session:
         """Token ids fed while the machine was in a reasoning state (OpenAI's
         ``completion_tokens_details.reasoning_tokens``). A feed counts all its ids when it
         starts in reasoning, so the marker that ends reasoning (``</think>``) is included;
-        with one token per feed (the node-agent's case) the count is exact. Feeds without
+        with one token per feed (the replica process's case) the count is exact. Feeds without
         ids count nothing."""
         return self._reasoning_tokens
 
@@ -132,7 +132,7 @@ class Session:
                 only if its token id was seen (text merely spelling a marker stays text).
                 Ids are credits consumed in text order: if one delta holds both a spelled
                 marker and the real marker token of the same kind, the first occurrence wins
-                (deltas of one token, the node-agent's case, are exact). Under a grammar
+                (deltas of one token, the replica process's case, are exact). Under a grammar
                 (``constrained``) markers are matched as text (``Lexer``).
 
         Returns:

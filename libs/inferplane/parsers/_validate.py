@@ -3,7 +3,8 @@
 A call is valid when its name is declared, its arguments parse as a JSON object (strict
 JSON: ``NaN`` / ``Infinity`` are rejected) and they validate against that function's
 ``parameters`` schema. The verdicts are what telemetry counts as tool-call validity: the
-"schema accuracy" of Moonshot's K2-Vendor-Verifier (DESIGN.md).
+"schema accuracy" of Moonshot's K2-Vendor-Verifier (github.com/MoonshotAI/K2-Vendor-Verifier:
+the share of tool calls whose arguments validate against the request's JSON schema).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """render_chat through the fixture model's real tokenizer and K2.5-like template (issue 3 §1).
 
 Each test's docstring states the invariant it protects; the broken behaviours they pin down are
-the three template bugs of DESIGN.md ("Why the node-agent owns render → generate → parse").
+the template faults that broke Kimi tool calling on vLLM (``add_generation_prompt`` not passed,
+an empty content rendered as ``[{'type': 'text', 'text': ''}]``, history ids not in
+``functions.{name}:{n}`` form: vLLM blog, "Chasing 100% Accuracy: A Deep Dive into Debugging
+Kimi K2's Tool-Calling on vLLM", 2025-10-28; ``docs/kimi.md``).
 """
 
 from __future__ import annotations

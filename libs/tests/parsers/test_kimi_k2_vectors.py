@@ -1,5 +1,6 @@
 """Hand-written Kimi K2 / K2.5 outputs, each replayed at chunk sizes 1, 2, 3, 5, 11, 23, whole,
-and with every marker as its own delta (the vLLM ``IndexError`` case, DESIGN.md).
+and with every marker as its own delta (streaming Kimi parsers have crashed with ``IndexError``
+mid-stream: vLLM issue #54701, SGLang issue #8269; ``docs/kimi.md``).
 
 Invariants checked for every vector: the one-shot result is the expected one, every streamed
 split concatenates to exactly the one-shot result, and no marker ever leaks.

@@ -100,7 +100,7 @@ class EdgeConfig:
         node_id / node_cluster: the Envoy node identity (xDS snapshots are keyed by it).
         max_request_bytes: the largest request body accepted; larger → 413. It is Envoy's
             per-connection buffer limit on the listener and clusters, because json_to_metadata
-            buffers the whole body (probe notes §4: the 1 MiB default gives 413). Keep it below
+            buffers the whole body (at Envoy's 1 MiB default a larger body gets 413). Keep it below
             the services' gRPC `max_receive_message_length` (64 MiB) or an oversized body comes
             back as RESOURCE_EXHAUSTED → 429 and clients retry it.
         max_audio_request_bytes: the same limit for `/v1/audio/...` (multipart uploads: OpenAI

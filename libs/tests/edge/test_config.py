@@ -106,7 +106,7 @@ def test_public_api_is_pinned() -> None:
 
 
 def test_filters_are_in_the_recipe_order() -> None:
-    """Error shaper first (sees the transcoded response last), router last (probe recipe 1)."""
+    """Error shaper first (sees the transcoded response last), router last."""
     assert tuple(f["name"] for f in _hcm()["http_filters"]) == FILTER_ORDER
 
 

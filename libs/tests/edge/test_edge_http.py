@@ -258,7 +258,8 @@ def test_measure_edge_overhead(edge: Edge, http: httpx.Client) -> None:
 
     Also prints the parts it is made of: the fake authz `Check` alone, and the httpx client's
     own floor (a GET of Envoy's admin `/ready`), since a Python HTTP client costs more per
-    request than a Python gRPC one (probe notes §7).
+    request than a Python gRPC one (measured on 2 cores: p50 4.5 ms for an httpx loop against
+    1.7 ms for `hey`, one request at a time).
     """
     n = 200
     request = json_format.ParseDict({"request": chat()}, pb.CreateChatCompletionRequest())

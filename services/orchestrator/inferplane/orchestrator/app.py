@@ -34,7 +34,8 @@ from inferplane.orchestrator.placement.registry import (
 )
 from inferplane.orchestrator.release.agents import GrpcNodeAgents, NodeAgents
 from inferplane.orchestrator.release.gate import Gate, ProbeGate
-from inferplane.orchestrator.release.reconciler import Reconciler, ReconcileSettings
+from inferplane.orchestrator.release.observe import ReconcileSettings
+from inferplane.orchestrator.release.reconciler import Reconciler
 from inferplane.orchestrator.release.store import (
     MemoryReleaseStore,
     ReleaseStore,

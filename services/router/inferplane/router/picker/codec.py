@@ -1,0 +1,275 @@
+"""The ext_proc protocol codec: what the picker reads from Envoy's `ProcessingRequest`s and
+the `ProcessingResponse`s it writes back (no decision, no state).
+
+Reading: the generation methods by `:path` (`METHODS`), header maps (`headers`), the gRPC
+frame of a transcoded request body (`decode_body`), the `model` of an audio request's form
+(`form_model`), the endpoint that served (`served`) and a gateway's endpoint subset (`subset`)
+from the stream's filter metadata.
+
+Writing: a refusal in OpenAI's error shape (`immediate_response`), the pick for the edge
+(`pick_response`) and for a gateway (`gateway_pick_response`), the summary trailers removed
+from the response (`summary_removal`), a body chunk passed on (`body_answer`), the message
+timer extended while a request queues (`extend`). Header names come from
+`inferplane.wire.headers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from google.api import httpbody_pb2
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError, Message
+
+from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
+from inferplane.wire import SUMMARY_KEYS, FormError, error_body, headers, read_form
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: Envoy's retry cap the pick sets (the number of fallbacks listed).
+MAX_RETRIES_HEADER = headers.ENVOY_MAX_RETRIES
+#: The endpoint-picker protocol's request header naming the pick (beside `envoy.lb` metadata).
+DESTINATION_HEADER = headers.DESTINATION_ENDPOINT
+#: Where a gateway sends the pool's endpoints the pick must come from (the Gateway API
+#: Inference Extension's endpoint-picker protocol, "Endpoint Subset").
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = headers.DESTINATION_ENDPOINT_SUBSET
+#: The replica process the node-local Envoy forwards to (its ORIGINAL_DST header).
+REPLICA_ADDRESS_HEADER = headers.REPLICA_ADDRESS
+_GRPC_FRAME_HEADER = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Method:
+    """A generation method of InferenceService as the transcoder names it in `:path`: its
+    request type, whether it streams, and which features it is decided on (chat, embedding,
+    speech; otherwise a completion)."""
+
+    request_type: type[Message]
+    stream: bool
+    chat: bool
+    embedding: bool = False
+    speech: bool = False
+
+
+_PREFIX = "/inferplane.inference.v1.InferenceService/"
+METHODS: Mapping[str, Method] = {
+    _PREFIX + "CreateChatCompletion": Method(pb.CreateChatCompletionRequest, False, True),
+    _PREFIX + "StreamChatCompletion": Method(pb.StreamChatCompletionRequest, True, True),
+    _PREFIX + "StreamChatCompletionEvents": Method(
+        pb.StreamChatCompletionEventsRequest, True, True
+    ),
+    _PREFIX + "CreateCompletion": Method(pb.CreateCompletionRequest, False, False),
+    _PREFIX + "StreamCompletion": Method(pb.StreamCompletionRequest, True, False),
+    _PREFIX + "StreamCompletionEvents": Method(pb.StreamCompletionEventsRequest, True, False),
+    _PREFIX + "CreateEmbedding": Method(pb.CreateEmbeddingRequest, False, False, embedding=True),
+    _PREFIX + "CreateTranscription": Method(
+        pb.CreateTranscriptionRequest, False, False, speech=True
+    ),
+    _PREFIX + "CreateTranslation": Method(pb.CreateTranslationRequest, False, False, speech=True),
+}
+"""`:path` → method, for every path the picker decides on (ListModels never comes here)."""
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def header_map(header_map: base_pb2.HeaderMap) -> dict[str, str]:
+    """Lower-case keys → values; Envoy sends values in `raw_value` (bytes, decoded as UTF-8
+    with replacement)."""
+    return {
+        h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        for h in header_map.headers
+    }
+
+
+def decode_body(body: bytes, request_type: type[Message]) -> Any:
+    """The typed request of a gRPC-framed unary body (1 flag byte, 4-byte big-endian length,
+    the message).
+
+    Raises:
+        InvalidArgumentError: not exactly one uncompressed, parseable message (HTTP 400).
+    """
+    if len(body) < _GRPC_FRAME_HEADER:
+        raise InvalidArgumentError("the request body is empty or truncated", code="invalid_body")
+    if body[0] != 0:
+        raise InvalidArgumentError("compressed requests are not supported", code="invalid_body")
+    length = int.from_bytes(body[1:_GRPC_FRAME_HEADER], "big")
+    if len(body) != _GRPC_FRAME_HEADER + length:
+        raise InvalidArgumentError("the request body is not one message", code="invalid_body")
+    try:
+        return request_type.FromString(body[_GRPC_FRAME_HEADER:])
+    except DecodeError:
+        raise InvalidArgumentError(
+            "the request body cannot be parsed", code="invalid_body"
+        ) from None
+
+
+_MODEL_ONLY = frozenset({"model"})
+
+
+def form_model(body: httpbody_pb2.HttpBody) -> str:
+    """The `model` field of an audio request's multipart/form-data body (the client's bytes,
+    passed through by the edge as the request's HttpBody). File parts are measured, not copied
+    (`read_form(keep_files=False)`); the replica checks the file itself.
+
+    Raises:
+        InvalidArgumentError: not a readable form, or no `model` field (HTTP 400, param as
+            OpenAI's: `model`, or None for the body).
+    """
+    try:
+        form = read_form(
+            body.content_type,
+            body.data,
+            max_file_bytes=len(body.data),
+            keep_files=False,
+            only=_MODEL_ONLY,
+        )
+    except FormError as exc:
+        raise InvalidArgumentError(str(exc), param=exc.param, code="invalid_body") from None
+    model = form.get("model")
+    if not model:
+        raise InvalidArgumentError(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    return model
+
+
+def served(message: ext_pb.ProcessingRequest) -> str:
+    """The endpoint that served, as a gateway writes it (`envoy.lb` filter metadata,
+    `x-gateway-destination-endpoint-served`); "" when absent."""
+    lb = message.metadata_context.filter_metadata.get(headers.PICK_NAMESPACE)
+    value = lb.fields.get(headers.DESTINATION_ENDPOINT_SERVED) if lb is not None else None
+    return value.string_value if value is not None else ""
+
+
+def subset(message: ext_pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's endpoint subset (`envoy.lb.subset_hint`, a list or a comma-separated
+    string of `host:port`), None when it sent none."""
+    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET_KEY not in hint.fields:
+        return None
+    value = hint.fields[SUBSET_KEY]
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values)
+    return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+def set_header(mutation: ext_pb.HeaderMutation, key: str, value: str) -> None:
+    """Adds `key: value` to `mutation` (as `raw_value`, overwriting any earlier value)."""
+    mutation.set_headers.add(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def immediate_response(error: InferplaneError) -> ext_pb.ProcessingResponse:
+    """The refusal Envoy answers the client with instead of forwarding the request.
+
+    HTTP status from the error's gRPC code (Envoy's mapping, `inferplane.runtime.HTTP_STATUS`:
+    403, 404, 429, 503...; 500 for a code without one), the gRPC status for gRPC clients,
+    OpenAI's body `{"error": {"message", "type", "param", "code"}}` with
+    `content-type: application/json`, the `x-openai-error-*` headers and `retry-after`
+    exactly as the gRPC servicers' trailers (`inferplane.runtime.error_trailers`), and
+    `details = "picker_<code>"`, which the edge's local-reply mappers pass through unchanged.
+    """
+    mutation = ext_pb.HeaderMutation()
+    set_header(mutation, "content-type", "application/json")
+    for key, value in error_trailers(error):
+        if isinstance(value, str):  # grpc-status-details-bin is for gRPC servers only
+            set_header(mutation, key, value)
+    body = error_body(error.message, error.openai_type, error.code, error.param)
+    return ext_pb.ProcessingResponse(
+        immediate_response=ext_pb.ImmediateResponse(
+            status={"code": HTTP_STATUS.get(error.status, 500)},
+            headers=mutation,
+            body=json.dumps(body).encode(),
+            grpc_status=ext_pb.GrpcStatus(status=error.status.value[0]),
+            details=f"picker_{error.code}",
+        )
+    )
+
+
+def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb.ProcessingResponse:
+    """The answer to the request body: the ordered endpoint list (primary first) in the
+    `envoy.lb` namespace that the `override_host` policy reads, `x-envoy-max-retries`
+    capping Envoy's retries at the list (beyond it the fallback policy would pick any host),
+    and, with `outcome_address`, `x-inferplane-picker` telling the replica where to report."""
+    response = ext_pb.ProcessingResponse()
+    mutation = response.request_body.response.header_mutation
+    set_header(mutation, MAX_RETRIES_HEADER, str(len(addresses) - 1))
+    if outcome_address:
+        set_header(mutation, headers.PICKER, outcome_address)
+    lb = response.dynamic_metadata.fields[headers.PICK_NAMESPACE].struct_value
+    lb.fields[headers.DESTINATION_ENDPOINT].string_value = ",".join(addresses)
+    return response
+
+
+def gateway_pick_response(
+    destination: str, replica: str, outcome_address: str = "", *, phase: str = "request_body"
+) -> ext_pb.ProcessingResponse:
+    """The pick as the endpoint-picker protocol asks for it, answering `phase`
+    (`request_body` when the gateway buffers the body, `request_headers` in
+    FULL_DUPLEX_STREAMED, where the headers wait for the body's end): `destination` (the node
+    Envoy, `ip:port`) in both the `x-gateway-destination-endpoint` header and the `envoy.lb`
+    metadata (one value: the replica header below is wrong on any other node, so no
+    fallbacks), the replica process in `x-inferplane-replica-address` (`host:port`), and
+    `x-inferplane-picker` as for the edge."""
+    response = ext_pb.ProcessingResponse()
+    mutation = getattr(response, phase).response.header_mutation
+    set_header(mutation, DESTINATION_HEADER, destination)
+    set_header(mutation, REPLICA_ADDRESS_HEADER, replica)
+    if outcome_address:
+        set_header(mutation, headers.PICKER, outcome_address)
+    lb = response.dynamic_metadata.fields[headers.PICK_NAMESPACE].struct_value
+    lb.fields[headers.DESTINATION_ENDPOINT].string_value = destination
+    return response
+
+
+def summary_removal(seen: Mapping[str, str]) -> ext_pb.HeaderMutation:
+    """Removes the `ResponseSummary` keys present in `seen` (no client sees internal
+    topology or the replica's accounting)."""
+    return ext_pb.HeaderMutation(remove_headers=[k for k in SUMMARY_KEYS if k in seen])
+
+
+def body_answer(message: ext_pb.HttpBody, phase: str, duplex: bool) -> ext_pb.ProcessingResponse:
+    """A body chunk passed on unchanged: an empty answer (Envoy keeps the chunk), or, in
+    FULL_DUPLEX_STREAMED, the chunk itself (Envoy forwards only what the processor sends)."""
+    response = ext_pb.ProcessingResponse()
+    answer = getattr(response, phase)
+    answer.SetInParent()
+    if duplex:
+        streamed = answer.response.body_mutation.streamed_response
+        streamed.body = message.body
+        streamed.end_of_stream = message.end_of_stream
+    return response
+
+
+def extend(seconds: float) -> ext_pb.ProcessingResponse:
+    """Extends Envoy's message timer to `seconds` (at least 1 ms) while a request queues."""
+    timeout = duration_pb2.Duration()
+    timeout.FromNanoseconds(int(max(seconds, 0.001) * 1e9))
+    return ext_pb.ProcessingResponse(override_message_timeout=timeout)
+
+
+def status_code(status: int) -> str:
+    """The record's error code for a gRPC status that came without an OpenAI code."""
+    if status == UNAVAILABLE:
+        return "replica_unavailable"  # no replica of the list could be reached
+    for code in grpc.StatusCode:
+        if code.value[0] == status:
+            return str(code.name.lower())
+    return "unknown"
+
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+"""The numeric gRPC status UNAVAILABLE (14): the endpoint failed."""

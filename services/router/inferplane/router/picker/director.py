@@ -1,0 +1,180 @@
+"""The picker's decision, without ext_proc: route → admit → pick.
+
+`Director.decide(facts)` takes what a request says (its method, model, typed request and the
+edge's headers) and returns the `Decision` (the slot and the ordered endpoint list), or raises
+the refusal the client gets. The ext_proc server (`server.py`) runs the same steps one by one
+(`route`, then `admit` while it keeps Envoy's message timer alive and watches for the client
+going away), so what a test of `decide` sees is what Envoy gets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from inferplane.router.admission import Admission, Lease
+from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.picker.codec import Method, form_model
+from inferplane.router.replicas import ReplicaKey
+from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
+from inferplane.router.schemas import SchemaCheck
+
+#: A gateway's restriction: the replicas of a route outside its endpoint subset.
+Outside = Callable[[ModelRoute], Sequence[ReplicaKey]]
+Extract = Callable[[Any, Mapping[str, str]], RequestFeatures]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the decision reads of one request.
+
+    Attributes:
+        method: the generation method (`codec.METHODS`).
+        model: the model the client asked for (before aliases).
+        request: the typed request inside the method's wrapper (`ChatCompletionRequest`,
+            `CompletionRequest`, `EmbeddingRequest`), or the `HttpBody` of an audio request.
+        metadata: the request's headers, lower-case keys (auth's verdict, `x-session-id`).
+    """
+
+    method: Method
+    model: str
+    request: Any
+    metadata: Mapping[str, str]
+
+    @classmethod
+    def of(cls, method: Method, decoded: Any, metadata: Mapping[str, str]) -> RequestFacts:
+        """The facts of `decoded`, an instance of `method.request_type`.
+
+        Raises:
+            InvalidArgumentError: an audio request's form is unreadable or has no model (400).
+        """
+        if method.speech:
+            return cls(method, form_model(decoded.body), decoded.body, metadata)
+        return cls(method, decoded.request.model, decoded.request, metadata)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Routed:
+    """A request whose route is known: what admission needs.
+
+    Attributes:
+        facts: the request.
+        route: its model's route (deployment, endpoints, policy).
+        features: what the routing policy reads of it.
+        exclude: replicas it may not go to (outside a gateway's subset).
+        fallbacks: how many endpoints to list after the primary (0 for a gateway).
+    """
+
+    facts: RequestFacts
+    route: ModelRoute
+    features: RequestFeatures
+    exclude: tuple[ReplicaKey, ...] = ()
+    fallbacks: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes.
+
+    Attributes:
+        route: its model's route.
+        lease: the slot held on the primary; its holder releases it exactly once.
+        endpoints: the primary (the lease's) first, then the fallbacks in the policy's order.
+    """
+
+    route: ModelRoute
+    lease: Lease
+    endpoints: tuple[Endpoint, ...]
+
+
+class Director:
+    """Route → admit → pick for the endpoint picker.
+
+    `table` returns the current routing table (it can change between calls; admission follows
+    it); `admission` holds the slots, queues and breakers; `fallbacks` is how many endpoints
+    an edge request lists after the primary (`PickerSettings.fallbacks`).
+    """
+
+    def __init__(
+        self,
+        table: Callable[[], RouteTable],
+        admission: Admission,
+        *,
+        features: FeatureExtractor | None = None,
+        fallbacks: int = 2,
+    ) -> None:
+        self._table = table
+        self._admission = admission
+        self._features = features or FeatureExtractor()
+        self._schemas = SchemaCheck()
+        self._fallbacks = fallbacks
+
+    @property
+    def queue_timeout_seconds(self) -> float:
+        """The longest a request waits in admission's queue (seconds)."""
+        return self._admission.queue_timeout_seconds
+
+    async def decide(self, facts: RequestFacts, outside: Outside | None = None) -> Decision:
+        """`route`, then `admit`: the decision on one request (waits while it is queued).
+
+        Raises:
+            as `route` and `admit`.
+        """
+        return await self.admit(self.route(facts, outside))
+
+    def route(self, facts: RequestFacts, outside: Outside | None = None) -> Routed:
+        """The route of the request's model and its features; with `outside` (a gateway's
+        subset) the replicas to leave out, and no fallbacks.
+
+        Raises:
+            InvalidArgumentError: a chat request's schema is invalid (400; before it takes a
+                slot).
+            PermissionDeniedError: the key may not use the model (403 model_not_allowed).
+            NotFoundError: no route serves the model (404 model_not_found).
+        """
+        method, metadata = facts.method, facts.metadata
+        if method.speech:
+            route = self._resolve(facts.model, metadata)
+            features = self._features.speech(len(facts.request.data), metadata)
+        else:
+            if method.chat:
+                self._schemas.check_chat(facts.request)  # a client's bad schema never takes a slot
+            route = self._resolve(facts.model, metadata)
+            extract: Extract = (
+                self._features.chat
+                if method.chat
+                else self._features.embedding
+                if method.embedding
+                else self._features.completion
+            )
+            features = extract(facts.request, metadata)
+        if outside is None:
+            return Routed(facts, route, features, fallbacks=self._fallbacks)
+        return Routed(facts, route, features, exclude=tuple(outside(route)))
+
+    async def admit(self, routed: Routed) -> Decision:
+        """A slot on the replica the policy chooses (queued while all are at their cap), then
+        the fallbacks after it. Cancelling the call while it is queued gives back a slot
+        granted meanwhile.
+
+        Raises:
+            ResourceExhaustedError: the queue is full, the key holds its share of it, or the
+                wait ran out (429 model_overloaded, Retry-After).
+            UnavailableError: no replica can take it (503 no_ready_replica).
+        """
+        lease = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
+        try:
+            fallbacks = self._admission.fallbacks(
+                routed.route, lease, routed.features, routed.fallbacks
+            )
+        except BaseException:
+            lease.release()
+            raise
+        return Decision(routed.route, lease, (lease.endpoint, *fallbacks))
+
+    def _resolve(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
+        table = self._table()
+        route = resolve(table, model, metadata)
+        self._admission.apply(table)  # no-op unless the table changed under us
+        return route

@@ -1,0 +1,429 @@
+"""`EndpointPicker`: the `envoy.service.ext_proc.v3.ExternalProcessor` servicer that runs one
+request's ext_proc stream: it reads each message (`codec`), moves the request's `Exchange`
+through its `Phase`s, asks the `Director` for the decision (keeping Envoy's message timer
+alive while the request queues, and noticing the client going away), and hands the request's
+end to the `Concluder`. Gateway mode's request phase is `gateway.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any
+
+import structlog
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+from inferplane.router.admission import Admission
+from inferplane.router.features import FeatureExtractor
+from inferplane.router.metrics import RouterMetrics
+from inferplane.router.picker import codec
+from inferplane.router.picker.conclusion import Concluder
+from inferplane.router.picker.director import Director, Outside, RequestFacts, Routed
+from inferplane.router.picker.gateway import (
+    GatewayMode,
+    gateway_headers,
+    gateway_request,
+    gateway_served,
+)
+from inferplane.router.picker.state import Exchange, Phase, RequestPart, ResponsePart
+from inferplane.router.records import RequestTrace
+from inferplane.router.reporting import Reporter
+from inferplane.router.routes import RouteTable
+from inferplane.runtime import (
+    OPENAI_ERROR_CODE_KEY,
+    InferplaneError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from inferplane.wire import SUMMARY_KEYS, ResponseSummary, headers
+
+log = structlog.get_logger("inferplane.router.picker")
+
+Context = Any  # grpc.aio.ServicerContext
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_BEFORE_RESPONSE = (Phase.REQUEST_HEADERS_DONE, Phase.BODY_DONE)
+_RESPONDING = (*_BEFORE_RESPONSE, Phase.RESPONSE_HEADERS_DONE, Phase.RESPONSE_STARTED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PickerSettings:
+    """Knobs of the endpoint picker (see `RouterSettings.picker_*`).
+
+    Attributes:
+        fallbacks: endpoints listed after the primary (Envoy tries them, in order, when the
+            primary fails before its first response byte); 0 = the primary only.
+        keepalive_seconds: how long a request may wait in the admission queue before the
+            picker extends Envoy's ext_proc message timer; must stay below the edge's
+            `message_timeout` (1 s).
+        timeout_margin_seconds: added to the longest remaining queue wait in that extension;
+            the edge's `max_message_timeout` must be at least queue timeout + this margin
+            (Envoy ignores a larger extension).
+        outcome_address: `host:port` of this router's `inferplane.router.v1.OutcomeService`,
+            sent to the replica with every pick (`x-inferplane-picker`) so that it reports how
+            the request ended; "" = no report asked for (the trailers only).
+        outcome_wait_seconds: how long a request whose response started but whose trailers
+            never reached the picker (its client closed the connection right after
+            `data: [DONE]`) waits for the replica's report before it is recorded as aborted.
+        usage_wait_seconds: how long the picker holds the response's end (its answer to the
+            trailers) until auth has the request's usage report, so that a client reading to
+            the end of a response can send its next request at once without finding its
+            concurrency slot still taken or its tokens not yet counted; must stay below the
+            edge's `message_timeout` (1 s). Auth unreachable costs each response this much.
+    """
+
+    fallbacks: int = 2
+    keepalive_seconds: float = 0.25
+    timeout_margin_seconds: float = 1.0
+    outcome_address: str = ""
+    outcome_wait_seconds: float = 5.0
+    usage_wait_seconds: float = 0.5
+
+
+class _Reader:
+    """The side stream's requests, with at most one read in flight, so that a read can race
+    admission (Envoy closing the stream while the request is queued = client gone)."""
+
+    __slots__ = ("_it", "_pending")
+
+    def __init__(self, requests: AsyncIterator[ext_pb.ProcessingRequest]) -> None:
+        self._it = aiter(requests)
+        self._pending: asyncio.Future[ext_pb.ProcessingRequest | None] | None = None
+
+    async def _read(self) -> ext_pb.ProcessingRequest | None:
+        try:
+            return await anext(self._it)
+        except StopAsyncIteration:
+            return None
+
+    def pending(self) -> asyncio.Future[ext_pb.ProcessingRequest | None]:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._read())
+        return self._pending
+
+    async def next(self) -> ext_pb.ProcessingRequest | None:
+        """The next message; None once Envoy half-closed the stream."""
+        pending, self._pending = self._pending, None
+        return await (pending if pending is not None else self._read())
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
+
+class _ClientGone(Exception):
+    """Envoy closed the side stream while the request waited in the queue."""
+
+
+class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """`envoy.service.ext_proc.v3.ExternalProcessor` as the router's endpoint picker.
+
+    `table` returns the current routing table; `admission` holds the slots, queues and
+    breakers; `reporter` hands over one usage report and one record per request; `metrics`
+    (optional) counts requests a fallback served and orphan reports.
+    """
+
+    def __init__(
+        self,
+        table: Callable[[], RouteTable],
+        admission: Admission,
+        reporter: Reporter,
+        *,
+        features: FeatureExtractor | None = None,
+        settings: PickerSettings | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self._settings = settings = settings or PickerSettings()
+        self._reporter = reporter
+        self._clock = reporter.clock
+        self.director = Director(table, admission, features=features, fallbacks=settings.fallbacks)
+        self.concluder = Concluder(
+            admission,
+            reporter,
+            metrics=metrics,
+            outcome_address=settings.outcome_address,
+            outcome_wait_seconds=settings.outcome_wait_seconds,
+            usage_wait_seconds=settings.usage_wait_seconds,
+        )
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ext_pb.ProcessingRequest], context: Context
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """One ext_proc stream = one HTTP request (the package docstring); ends when Envoy
+        half-closes, after an immediate response, or when the call is cancelled."""
+        async for response in self.process(request_iterator):
+            yield response
+
+    def report_outcomes(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
+        """`Concluder.report_outcomes`: replicas' reports of how requests ended."""
+        return self.concluder.report_outcomes(outcomes)
+
+    async def report_outcomes_settled(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
+        """`Concluder.report_outcomes_settled`: the reports, acknowledged once auth has them."""
+        return await self.concluder.report_outcomes_settled(outcomes)
+
+    async def process(
+        self,
+        request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
+        gateway: GatewayMode | None = None,
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """`Process` for the edge (`gateway` None) or for a conformant gateway
+        (`GatewayProcessor`): one stream, one request, the same decision path."""
+        # A placeholder trace until the request headers arrive (they carry its ids).
+        exchange = Exchange(RequestPart(RequestTrace("", False, 0.0, 0.0)), gateway=gateway)
+        reader = _Reader(request_iterator)
+        try:
+            while (message := await reader.next()) is not None:
+                if gateway is not None and message.HasField("protocol_config"):
+                    config = message.protocol_config
+                    exchange.request.duplex = config.request_body_mode == _FULL_DUPLEX
+                    exchange.request.duplex_response = config.response_body_mode == _FULL_DUPLEX
+                served = codec.served(message)
+                if served and gateway is not None:
+                    served = gateway_served(exchange, gateway, served)
+                exchange.response.served = served or exchange.response.served
+                refused = False
+                try:
+                    async with contextlib.aclosing(
+                        self._respond(exchange, message, reader)
+                    ) as responses:
+                        async for response in responses:
+                            refused = response.HasField("immediate_response")
+                            yield response
+                except _ClientGone:
+                    return
+                if refused:
+                    return  # Envoy ends the request; nothing else comes on this stream
+        finally:
+            reader.close()
+            self.concluder.end(exchange)
+
+    async def _respond(
+        self, exchange: Exchange, message: ext_pb.ProcessingRequest, reader: _Reader
+    ) -> AsyncGenerator[ext_pb.ProcessingResponse, None]:
+        kind = message.WhichOneof("request")
+        request_phase = kind in ("request_headers", "request_body", "request_trailers")
+        try:
+            if kind == "request_headers":
+                answer = self._on_request_headers(exchange, message)
+                if answer is not None:
+                    yield answer
+            elif exchange.gateway is not None and request_phase:
+
+                def decide(
+                    ex: Exchange, method: codec.Method, decoded: Any, outside: Outside
+                ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+                    return self._decide(ex, method, decoded, reader, outside)
+
+                outcome = self._settings.outcome_address
+                async for response in gateway_request(exchange, message, decide, outcome):
+                    yield response
+            elif kind == "request_body":
+                async for response in self._on_request_body(exchange, message.request_body, reader):
+                    yield response
+            elif kind == "response_headers":
+                response = self._on_response_headers(exchange, message.response_headers)
+                await self.concluder.usage_delivered(exchange)  # a trailers-only response ended
+                yield response
+            elif kind == "response_trailers":
+                response = self._on_response_trailers(exchange, message.response_trailers)
+                await self.concluder.usage_delivered(exchange)
+                yield response
+            elif kind == "request_trailers":  # not in the edge's mode; pass through
+                yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+            elif kind == "response_body":
+                yield codec.body_answer(
+                    message.response_body, "response_body", exchange.request.duplex_response
+                )
+            else:
+                raise InvalidArgumentError("an ext_proc message without a request part")
+        except InferplaneError as exc:
+            yield self._refuse(exchange, exc)
+        except (_ClientGone, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("picker_message_failed", kind=kind, request_id=exchange.trace.request_id)
+            if request_phase or kind is None:
+                yield self._refuse(exchange, InternalError("the endpoint picker failed"))
+            elif kind == "response_headers":  # never break a response over our own bug
+                yield ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+            else:
+                yield ext_pb.ProcessingResponse(response_trailers=ext_pb.TrailersResponse())
+
+    def _refuse(self, exchange: Exchange, error: InferplaneError) -> ext_pb.ProcessingResponse:
+        if exchange.phase is Phase.RECEIVED:  # refused before any request headers
+            exchange.request.trace = self._reporter.begin("", False, {})
+        if exchange.phase not in (Phase.ENDED, Phase.CONCLUDED):
+            exchange.phase = Phase.REFUSED
+        exchange.trace.fail(error.code)
+        return codec.immediate_response(error)
+
+    # -- request ------------------------------------------------------------------------------
+
+    def _on_request_headers(
+        self, exchange: Exchange, message: ext_pb.ProcessingRequest
+    ) -> ext_pb.ProcessingResponse | None:
+        """Opens the request's trace and checks its path (a gateway's: `gateway_headers`).
+        Returns the answer (None: a duplex gateway's headers wait for the body's end).
+
+        Raises:
+            NotFoundError: a path that is no generation method (404 unknown_url).
+            InvalidArgumentError: no body will follow (400).
+        """
+        request = exchange.request
+        request.metadata = codec.header_map(message.request_headers.headers)
+        request.trace = self._reporter.begin("", False, request.metadata)
+        if exchange.phase is Phase.RECEIVED:
+            exchange.phase = Phase.REQUEST_HEADERS_DONE
+        if exchange.gateway is not None:
+            gateway_headers(exchange, message)
+            if request.duplex:
+                return None
+            return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+        path = request.metadata.get(":path", "").partition("?")[0]
+        method = codec.METHODS.get(path)
+        if method is None:
+            raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
+        request.trace.stream = method.stream
+        request.method = method
+        if message.request_headers.end_of_stream:  # no body message would follow, so no pick
+            raise InvalidArgumentError("the request has no body", code="invalid_body")
+        return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+
+    async def _on_request_body(
+        self, exchange: Exchange, message: ext_pb.HttpBody, reader: _Reader
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        method = exchange.request.method
+        if method is None or exchange.pick.endpoints:
+            raise InvalidArgumentError("a request body without request headers")
+        decoded = codec.decode_body(message.body, method.request_type)
+        async for keepalive in self._decide(exchange, method, decoded, reader):
+            yield keepalive
+        addresses = [e.address for e in exchange.pick.endpoints]
+        yield codec.pick_response(addresses, self._settings.outcome_address)
+
+    async def _decide(
+        self,
+        exchange: Exchange,
+        method: codec.Method,
+        decoded: Any,
+        reader: _Reader,
+        outside: Outside | None = None,
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """The `Director`'s decision on a typed request (edge and gateway alike), step by
+        step into the trace, yielding the message-timer extension while queued; sets the
+        exchange's pick (→ `Phase.BODY_DONE`). `outside`: a gateway's subset (no fallbacks).
+
+        Raises:
+            InferplaneError: the refusal (400, 403, 404, 429, 503).
+            _ClientGone: Envoy closed the stream while the request was queued.
+        """
+        trace = exchange.trace
+        facts = RequestFacts.of(method, decoded, exchange.request.metadata)
+        trace.model = facts.model
+        routed = self.director.route(facts, outside)
+        trace.deployment = routed.route.deployment_key
+        async for keepalive in self._admit(exchange, routed, reader):
+            yield keepalive
+        lease = exchange.pick.lease
+        assert lease is not None  # _admit either set it or raised
+        trace.replica = lease.endpoint.replica_id or lease.endpoint.address
+        trace.node = lease.endpoint.node
+        exchange.pick.picked = self._clock.monotonic()
+        exchange.phase = Phase.BODY_DONE
+        self.concluder.picked(exchange)
+
+    async def _admit(
+        self, exchange: Exchange, routed: Routed, reader: _Reader
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        """Takes a slot and the endpoint list (`Director.admit`; sets the exchange's pick),
+        yielding the message-timer extension when the request has to queue.
+
+        Envoy honours ONE `override_message_timeout` per message (its ProcessorState keeps a
+        `new_timeout_received_` flag, reset per message), so the single extension covers the
+        longest remaining wait plus the margin instead of being re-sent periodically.
+
+        Raises:
+            ResourceExhaustedError / UnavailableError: from `Admission.acquire` (429 / 503).
+            _ClientGone: Envoy closed the stream while the request was queued.
+        """
+        started = self._clock.monotonic()
+        pick = exchange.pick
+        admitting = pick.admitting = asyncio.ensure_future(self.director.admit(routed))
+        try:
+            done, _ = await asyncio.wait((admitting,), timeout=self._settings.keepalive_seconds)
+            if not done:
+                waited = self._clock.monotonic() - started
+                remaining = max(0.0, self.director.queue_timeout_seconds - waited)
+                yield codec.extend(remaining + self._settings.timeout_margin_seconds)
+                await self._wait_or_gone(admitting, reader)
+            decision = admitting.result()
+            pick.lease, pick.endpoints = decision.lease, decision.endpoints
+        finally:
+            exchange.trace.queue_seconds += self._clock.monotonic() - started
+
+    @staticmethod
+    async def _wait_or_gone(admitting: asyncio.Future[Any], reader: _Reader) -> None:
+        incoming = reader.pending()
+        await asyncio.wait((admitting, incoming), return_when=asyncio.FIRST_COMPLETED)
+        if admitting.done():
+            return
+        if incoming.cancelled() or incoming.exception() is not None or incoming.result() is None:
+            raise _ClientGone()
+        # A message before our answer breaks the protocol; keep it for the loop, keep waiting.
+        await admitting
+
+    # -- response -----------------------------------------------------------------------------
+
+    def _on_response_headers(
+        self, exchange: Exchange, message: ext_pb.HttpHeaders
+    ) -> ext_pb.ProcessingResponse:
+        seen = codec.header_map(message.headers)
+        status = seen.get(":status", "")
+        exchange.response.http_status = int(status) if status.isdigit() else 0
+        if exchange.phase in _BEFORE_RESPONSE:
+            # The replica names itself in the headers it sends with its first message.
+            output = headers.SERVED_BY in seen and not message.end_of_stream
+            exchange.phase = Phase.RESPONSE_STARTED if output else Phase.RESPONSE_HEADERS_DONE
+            try:
+                _note_outcome(exchange.response, seen)
+            finally:
+                self.concluder.judge(exchange)  # once: on entering the response
+        else:
+            _note_outcome(exchange.response, seen)
+        if message.end_of_stream:  # trailers-only (an error): nothing else will come
+            self.concluder.end(exchange)
+        mutation = codec.summary_removal(seen)
+        return ext_pb.ProcessingResponse(
+            response_headers=ext_pb.HeadersResponse(
+                response=ext_pb.CommonResponse(header_mutation=mutation)
+            )
+        )
+
+    def _on_response_trailers(
+        self, exchange: Exchange, message: ext_pb.HttpTrailers
+    ) -> ext_pb.ProcessingResponse:
+        seen = codec.header_map(message.trailers)
+        if exchange.phase in _RESPONDING:
+            exchange.phase = Phase.RESPONSE_DONE
+        _note_outcome(exchange.response, seen)
+        self.concluder.end(exchange)
+        return ext_pb.ProcessingResponse(
+            response_trailers=ext_pb.TrailersResponse(header_mutation=codec.summary_removal(seen))
+        )
+
+
+def _note_outcome(response: ResponsePart, seen: dict[str, str]) -> None:
+    """Records the gRPC status, OpenAI error code and summary among response headers or
+    trailers."""
+    status = seen.get("grpc-status")
+    if status is not None and status.isdigit():
+        response.grpc_status = int(status)
+    response.error_code = seen.get(OPENAI_ERROR_CODE_KEY, response.error_code)
+    if any(k in seen for k in SUMMARY_KEYS):
+        response.summary = ResponseSummary.from_metadata(seen)

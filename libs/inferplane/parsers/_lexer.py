@@ -25,7 +25,30 @@ __all__ = ["Lexer", "LexerEvents", "Tables"]
 
 
 class Tables:
-    """Everything derived from a config once, shared read-only by all sessions."""
+    """Everything derived from a config once, shared read-only by all sessions.
+
+    Args:
+        config: the format.
+        vocab: ``tokenizer.get_vocab()`` or None. Token-id matching (``id_to_term``) is on only
+            when it holds every terminal's marker (a missing one would leak as text).
+
+    Raises:
+        ValueError: the config is inconsistent (``EngineConfig.check``).
+
+    Attributes:
+        term_index: terminal name -> its index (what marker events carry).
+        literal_to_term: marker string (terminals and aliases) -> terminal name.
+        marker_re: any marker, longest first; ``args_marker_re``: the markers that cannot be
+            data inside arguments (every marker when the config has no verbatim state).
+        prefixes: every proper prefix of a marker (held back at the end of a delta);
+            ``max_len``: the longest marker; ``first_chars`` / ``first_pair`` / ``first_re``:
+            the characters a marker can start with (fast "no marker here" tests).
+        id_to_term: marker token id -> terminal index (empty: match by text).
+        transitions: ``(state, terminal index) -> Transition``; ``sinks``,
+            ``text_transitions``, ``verbatim``: the config's, as plain containers.
+        key_value / envelope: the config's ``arguments_format`` is ``KEY_VALUE`` /
+            ``ENVELOPE``.
+    """
 
     __slots__ = (
         "args_marker_re",

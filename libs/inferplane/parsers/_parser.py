@@ -72,7 +72,7 @@ class Parser:
                 ``tool_choice: "none"``).
             tools: the request's ``tools`` (OpenAI shape), or None when unknown (names are
                 then taken from the headers as written). With tools, names are resolved and
-                arguments coerced against them (module docstring); an empty list means the
+                arguments coerced against them (``CallAssembler``); an empty list means the
                 request offered none, which implies ``tool_calls=False``.
             max_tool_calls: calls after this many are dropped (1 for OpenAI's
                 ``parallel_tool_calls: false``); None = no limit.

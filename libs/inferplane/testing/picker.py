@@ -20,9 +20,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2 as status_codes
 from google.protobuf import struct_pb2
 
-from inferplane.edge import PICK_KEY, PICK_NAMESPACE
 from inferplane.runtime import InferplaneError, ResourceExhaustedError
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
+from inferplane.wire.headers import DESTINATION_ENDPOINT as PICK_KEY
+from inferplane.wire.headers import ENVOY_MAX_RETRIES, PICK_NAMESPACE
 
 
 def _header_value(header: core_pb2.HeaderValue) -> str:
@@ -83,7 +84,7 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     request_body=ep.BodyResponse(
                         response=ep.CommonResponse(
                             header_mutation=ep.HeaderMutation(
-                                set_headers=[_raw_header("x-envoy-max-retries", retries)]
+                                set_headers=[_raw_header(ENVOY_MAX_RETRIES, retries)]
                             )
                         )
                     ),

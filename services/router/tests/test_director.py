@@ -12,7 +12,8 @@ from google.api import httpbody_pb2
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.router.admission import AdmissionSettings
-from inferplane.router.picker import METHODS, Director, RequestFacts
+from inferplane.router.picker.codec import METHODS
+from inferplane.router.picker.director import Director, RequestFacts
 from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.runtime import (
     InvalidArgumentError,

@@ -23,13 +23,9 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.admission import Admission, AdmissionSettings
 from inferplane.router.app import build_app
-from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
-from inferplane.router.picker import (
-    EndpointPicker,
-    GatewayMode,
-    GatewayProcessor,
-    PickerSettings,
-)
+from inferplane.router.picker.codec import SERVICE_NAME as PICKER_SERVICE
+from inferplane.router.picker.gateway import GatewayMode, GatewayProcessor
+from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import ModelRoute, RouteTable

@@ -27,7 +27,7 @@ from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.metrics import RouterMetrics
-from inferplane.router.picker import EndpointPicker, PickerSettings
+from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import ModelRoute, RouteTable

@@ -21,13 +21,9 @@ from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
 from inferplane.router.outcomes import OutcomeService
-from inferplane.router.picker import SERVICE_NAME as PICKER_SERVICE
-from inferplane.router.picker import (
-    EndpointPicker,
-    GatewayMode,
-    GatewayProcessor,
-    PickerSettings,
-)
+from inferplane.router.picker.codec import SERVICE_NAME as PICKER_SERVICE
+from inferplane.router.picker.gateway import GatewayMode, GatewayProcessor
+from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable, load_routes_file

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
-from inferplane.router.picker import EndpointPicker
+from inferplane.router.picker.server import EndpointPicker
 from inferplane.wire import ResponseSummary
 
 SERVICE_NAME = "inferplane.router.v1.OutcomeService"

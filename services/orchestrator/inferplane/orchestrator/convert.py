@@ -34,8 +34,8 @@ from inferplane.orchestrator.catalog.model import (
     DeploymentProfile,
     RolloutStrategy,
 )
-from inferplane.orchestrator.control import DeploymentView, ObservedReplica
-from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node
+from inferplane.orchestrator.catalog.service import DeploymentView
+from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node, ObservedReplica
 from inferplane.orchestrator.placement.model import Placement, Unplaced
 from inferplane.runtime import InvalidArgumentError
 

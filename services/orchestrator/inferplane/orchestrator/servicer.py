@@ -13,7 +13,7 @@ from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.orchestrator.control import ControlPlane, ObservedReplica
+from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.convert import (
     deployment_from_proto,
     deployment_to_proto,
@@ -23,6 +23,7 @@ from inferplane.orchestrator.convert import (
     observed_from_status,
     placement_to_proto,
 )
+from inferplane.orchestrator.fleet.model import ObservedReplica
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import RoutingHub

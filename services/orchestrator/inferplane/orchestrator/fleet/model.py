@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from datetime import datetime, timedelta
+from typing import Any
 
 from inferplane.orchestrator.catalog.model import Accelerator
 
@@ -133,3 +134,13 @@ class Liveness:
     def is_late(self, last_seen: datetime, now: datetime) -> bool:
         """True when more than `missed_heartbeats` intervals passed since `last_seen`."""
         return now - last_seen > self.timeout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObservedReplica:
+    """A replica as a node-agent reports it: `replica_id`, state name (`STATE_READY`...) and
+    the raw report (the node-agent's `Replica` message, passed through to API responses)."""
+
+    replica_id: str
+    state: str
+    raw: Any = None

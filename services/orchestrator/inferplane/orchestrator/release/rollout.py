@@ -13,7 +13,7 @@ from datetime import datetime
 import structlog
 
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
-from inferplane.orchestrator.control import DeploymentStatus
+from inferplane.orchestrator.catalog.service import DeploymentStatus
 from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.gate import Gate, GateTarget, gate_enabled, gate_verdict

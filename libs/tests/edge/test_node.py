@@ -108,3 +108,34 @@ def test_the_cli_renders_the_node_bootstrap(tmp_path, capsys) -> None:
     assert listener["address"]["socket_address"]["port_value"] == 18001
     assert cli.main(["render-node", "--listen-port", "0"]) == 1
     assert "listen_port=0" in capsys.readouterr().err
+
+
+def test_the_node_envoy_builds_on_the_edges_shared_limits() -> None:
+    """Circuit breakers, buffer limits, keepalive, HCM hardening and the connection cap are
+    the edge's own builders' (`cluster_limits`, `listener`, `hcm_limits`, `connection_cap`),
+    not copies: a limit is defined once."""
+    from inferplane.edge._bootstrap import connection_cap
+    from inferplane.edge._clusters import REPLICA_KEEPALIVE, cluster_limits
+    from inferplane.edge._listener import hcm_limits
+
+    config = NodeEnvoyConfig(
+        listen_port=18000,
+        admin_port=19902,
+        max_concurrent_requests=123,
+        max_connections=45,
+        connect_timeout_s=1.5,
+        stream_idle_timeout_s=60.0,
+    )
+    bootstrap = build_node_bootstrap(config)
+    (cluster,) = bootstrap["static_resources"]["clusters"]
+    shared = cluster_limits(NODE_REPLICAS_CLUSTER, config.edge(), REPLICA_KEEPALIVE)
+    assert {key: cluster[key] for key in shared} == shared
+    assert shared["circuit_breakers"]["thresholds"][0]["max_requests"] == 123
+    assert shared["connect_timeout"] == "1.5s"
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    assert listener["per_connection_buffer_limit_bytes"] == config.edge().buffer_limit_bytes
+    assert listener["enable_reuse_port"] is False
+    hcm = _hcm(config)
+    assert {key: hcm[key] for key in hcm_limits(config.edge())} == hcm_limits(config.edge())
+    assert hcm["stream_idle_timeout"] == "60s"
+    assert bootstrap["overload_manager"] == connection_cap(45)

@@ -33,12 +33,8 @@ servicer, `EndpointPicker`).
 """
 
 from inferplane.router.picker.codec import (
-    DESTINATION_HEADER,
-    MAX_RETRIES_HEADER,
     METHODS,
-    REPLICA_ADDRESS_HEADER,
     SERVICE_NAME,
-    SUBSET_KEY,
     SUBSET_NAMESPACE,
     Method,
     decode_body,
@@ -59,13 +55,9 @@ from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.picker.state import Exchange, Phase
 
 __all__ = [
-    "DESTINATION_HEADER",
     "GATEWAY_METHODS",
-    "MAX_RETRIES_HEADER",
     "METHODS",
-    "REPLICA_ADDRESS_HEADER",
     "SERVICE_NAME",
-    "SUBSET_KEY",
     "SUBSET_NAMESPACE",
     "Decision",
     "Director",

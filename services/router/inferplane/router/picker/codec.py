@@ -32,16 +32,10 @@ from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentErro
 from inferplane.wire import SUMMARY_KEYS, FormError, error_body, headers, read_form
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-#: Envoy's retry cap the pick sets (the number of fallbacks listed).
-MAX_RETRIES_HEADER = headers.ENVOY_MAX_RETRIES
-#: The endpoint-picker protocol's request header naming the pick (beside `envoy.lb` metadata).
-DESTINATION_HEADER = headers.DESTINATION_ENDPOINT
 #: Where a gateway sends the pool's endpoints the pick must come from (the Gateway API
-#: Inference Extension's endpoint-picker protocol, "Endpoint Subset").
+#: Inference Extension's endpoint-picker protocol, "Endpoint Subset"), under the key
+#: `headers.DESTINATION_ENDPOINT_SUBSET`.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = headers.DESTINATION_ENDPOINT_SUBSET
-#: The replica process the node-local Envoy forwards to (its ORIGINAL_DST header).
-REPLICA_ADDRESS_HEADER = headers.REPLICA_ADDRESS
 _GRPC_FRAME_HEADER = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
 
 
@@ -80,12 +74,12 @@ METHODS: Mapping[str, Method] = {
 # -- reading -----------------------------------------------------------------------------------
 
 
-def header_map(header_map: base_pb2.HeaderMap) -> dict[str, str]:
+def header_map(message: base_pb2.HeaderMap) -> dict[str, str]:
     """Lower-case keys → values; Envoy sends values in `raw_value` (bytes, decoded as UTF-8
     with replacement)."""
     return {
         h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        for h in header_map.headers
+        for h in message.headers
     }
 
 
@@ -153,9 +147,9 @@ def subset(message: ext_pb.ProcessingRequest) -> frozenset[str] | None:
     """The gateway's endpoint subset (`envoy.lb.subset_hint`, a list or a comma-separated
     string of `host:port`), None when it sent none."""
     hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
-    if hint is None or SUBSET_KEY not in hint.fields:
+    if hint is None or headers.DESTINATION_ENDPOINT_SUBSET not in hint.fields:
         return None
-    value = hint.fields[SUBSET_KEY]
+    value = hint.fields[headers.DESTINATION_ENDPOINT_SUBSET]
     if value.HasField("list_value"):
         return frozenset(v.string_value for v in value.list_value.values)
     return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
@@ -206,7 +200,7 @@ def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb
     and, with `outcome_address`, `x-inferplane-picker` telling the replica where to report."""
     response = ext_pb.ProcessingResponse()
     mutation = response.request_body.response.header_mutation
-    set_header(mutation, MAX_RETRIES_HEADER, str(len(addresses) - 1))
+    set_header(mutation, headers.ENVOY_MAX_RETRIES, str(len(addresses) - 1))
     if outcome_address:
         set_header(mutation, headers.PICKER, outcome_address)
     lb = response.dynamic_metadata.fields[headers.PICK_NAMESPACE].struct_value
@@ -226,8 +220,8 @@ def gateway_pick_response(
     `x-inferplane-picker` as for the edge."""
     response = ext_pb.ProcessingResponse()
     mutation = getattr(response, phase).response.header_mutation
-    set_header(mutation, DESTINATION_HEADER, destination)
-    set_header(mutation, REPLICA_ADDRESS_HEADER, replica)
+    set_header(mutation, headers.DESTINATION_ENDPOINT, destination)
+    set_header(mutation, headers.REPLICA_ADDRESS, replica)
     if outcome_address:
         set_header(mutation, headers.PICKER, outcome_address)
     lb = response.dynamic_metadata.fields[headers.PICK_NAMESPACE].struct_value

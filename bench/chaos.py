@@ -87,7 +87,7 @@ from inferplane.api.auth.v1 import auth_pb2
 from inferplane.edge import REPLICAS_CLUSTER
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import MODEL_NAME, Stack, StackConfig
-from inferplane.node_agent.engine.process import tree_pids
+from inferplane.node_agent.supervisor.process import tree_pids
 from inferplane.runtime.identity import PeerSecurity
 from inferplane.runtime.ports import free_port, free_port_run
 

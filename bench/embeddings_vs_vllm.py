@@ -115,7 +115,7 @@ def plain_vllm(work: Path) -> Iterator[str]:
     argv = [
         sys.executable,
         "-m",
-        "inferplane.node_agent.engine.launcher",
+        "inferplane.replica.engines.launcher",
         "--device",
         "cpu",
         "--cache-root",

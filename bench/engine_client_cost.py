@@ -3,7 +3,7 @@
     .venv/bin/python bench/engine_client_cost.py [--requests 200] [--concurrency 8] [--rounds 3]
 
 Starts the fake vLLM HTTP server
-(services/node-agent/inferplane/node_agent/testing/fake_http_engine.py: one SSE event per
+(libs/inferplane/testing/fake_http_engine.py: one SSE event per
 token, as vLLM streams at stream interval 1) in its own process, then measures in this
 process, side by side and alternating rounds, the CPU time (process_time) per 64-token
 streamed request of:
@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from inferplane.node_agent.engine.api import SamplingParams
-from inferplane.node_agent.engine.http_client import HttpEngineClient, to_completion_body
+from inferplane.replica.engines.base import SamplingParams
+from inferplane.replica.engines.http_client import HttpEngineClient, to_completion_body
 from inferplane.runtime.ports import free_port
 
 TOKENS = 64
@@ -99,7 +99,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "inferplane.node_agent.testing.fake_http_engine",
+            "inferplane.testing.fake_http_engine",
             "--",
             "serve",
             "fake",

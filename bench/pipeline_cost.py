@@ -29,11 +29,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.fixtures import kimi_tiny as kt
-from inferplane.node_agent.engine.api import EngineOutput, SamplingParams
-from inferplane.node_agent.pipeline.chunks import ChatChunks
-from inferplane.node_agent.pipeline.detokenize import TextStage
-from inferplane.node_agent.pipeline.generate import Generation
-from inferplane.node_agent.testing.pipeline import (
+from inferplane.replica.engines.base import EngineOutput, SamplingParams
+from inferplane.replica.pipeline.chunks import ChatChunks
+from inferplane.replica.pipeline.detokenize import TextStage
+from inferplane.replica.pipeline.generate import Generation
+from inferplane.replica.testing.pipeline import (
     TickingClock,
     kimi_tiny_assets,
     kimi_tiny_ids,
@@ -153,7 +153,7 @@ def main() -> None:
     print(f"detokenize_parse_us_per_token: {parse:.2f}")
     pipeline = best_of(args.runs, lambda: generation(True)) / n * 1e6
 
-    from inferplane.node_agent.testing.pipeline import ScriptedEngine
+    from inferplane.replica.testing.pipeline import ScriptedEngine
 
     elapsed: list[float] = []
 

@@ -65,15 +65,15 @@ from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.localstack import MODEL_NAME, Stack, StackConfig, kimi_tiny_deployment
-from inferplane.node_agent.engine.grpc_client import GrpcEngineClient
-from inferplane.node_agent.engine.priority import renice_engine_cores
-from inferplane.node_agent.engine.process import (
+from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.node_agent.supervisor.priority import renice_engine_cores
+from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     EngineLaunch,
     plan_engine,
     tree_pids,
 )
-from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.replica.engines.grpc_client import GrpcEngineClient
 from inferplane.runtime import procguard
 from inferplane.runtime.ports import free_port, free_port_run
 from inferplane.runtime.private_files import open_private_log

@@ -83,7 +83,7 @@ def engine_core_pid(replica_pid: int, timeout: float = 10.0) -> int:
     """
     import time
 
-    from inferplane.node_agent.engine.process import tree_pids
+    from inferplane.node_agent.supervisor.process import tree_pids
 
     deadline = time.monotonic() + timeout
     while True:

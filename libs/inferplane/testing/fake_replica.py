@@ -4,7 +4,7 @@ an InferenceService or an engine of its own.
 
 In-process (`FakeReplicaControl` + `serve_fake_replica`), a test sets its readiness and its
 requests in flight by hand. As a process (`python -m inferplane.testing.fake_replica`), it takes
-the replica process's command line exactly (`python -m inferplane.node_agent.replica --help`
+the replica process's command line exactly (`python -m inferplane.replica --help`
 lists the same flags; an unknown or missing flag is an error, so a launch plan that drifts from
 that contract fails here), spawns `-- ENGINE ARGV` as its child (leading its own session, as
 the replica process's does) when given, reports SERVING once

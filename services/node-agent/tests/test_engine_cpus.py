@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.cpus import BIND_ENV, NOBIND, CpuCorePool, format_cpu_list
-from inferplane.node_agent.engine.process import LaunchPlan
-from inferplane.node_agent.engine.supervisor import ReplicaManager, SupervisorConfig
+from inferplane.node_agent.supervisor.cpus import BIND_ENV, NOBIND, CpuCorePool, format_cpu_list
+from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorConfig
+from inferplane.node_agent.supervisor.process import LaunchPlan
 from inferplane.testing.clock import FakeClock
 
 from .test_engine_process import SPEC, manager_for

@@ -17,8 +17,9 @@ import pytest
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine import supervisor
-from inferplane.node_agent.engine.priority import (
+from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.node_agent.supervisor import manager as supervisor
+from inferplane.node_agent.supervisor.priority import (
     ENGINE_CORE_COMM,
     autogroup_niceness,
     autogroups_enabled,
@@ -28,8 +29,7 @@ from inferplane.node_agent.engine.priority import (
     set_autogroup_niceness,
     thread_ids,
 )
-from inferplane.node_agent.engine.process import plan_launch, tree_pids
-from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.node_agent.supervisor.process import plan_launch, tree_pids
 from inferplane.runtime import ConfigError
 
 from .test_engine_supervisor import make_manager

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from inferplane import replica_contract
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine import process
-from inferplane.node_agent.engine.process import (
-    INPROC,
+from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorConfig
+from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     REPLICA_COMMAND,
     ReplicaOptions,
@@ -31,14 +31,14 @@ from inferplane.node_agent.engine.process import (
     plan_launch,
     tree_pids,
 )
-from inferplane.node_agent.engine.supervisor import ReplicaManager, SupervisorConfig
+from inferplane.replica_contract import Transport
 from inferplane.testing import fake_replica
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
 
 FAKE_REPLICA = (sys.executable, "-m", "inferplane.testing.fake_replica")
-FAKE_ENGINE = (sys.executable, "-m", "inferplane.node_agent.testing.fake_engine")
+FAKE_ENGINE = (sys.executable, "-m", "inferplane.testing.fake_engine")
 SPEC = nodeagent_pb2.ReplicaSpec(
     served_model_name="fake", model_source="/models/fake", transport="grpc"
 )
@@ -285,10 +285,17 @@ def test_the_inproc_plan_has_no_engine_command_and_serves_metrics_itself(
 ) -> None:
     """Invariant: `inproc` passes the launcher's environment set-up flags to the replica
     process itself and its own metrics port; no engine command line, no engine address."""
-    if INPROC not in process.TRANSPORTS:  # until the replica process lands with it
-        monkeypatch.setattr(process, "TRANSPORTS", (*process.TRANSPORTS, INPROC))
+    if (
+        Transport.INPROC not in replica_contract.TRANSPORTS
+    ):  # until the replica process lands with it
+        monkeypatch.setattr(
+            replica_contract, "TRANSPORTS", (*replica_contract.TRANSPORTS, Transport.INPROC)
+        )
     spec = nodeagent_pb2.ReplicaSpec(
-        model_source="/m/kimi", transport=INPROC, kv_cache_bytes=1 << 30, gpu_indices=[2, 3]
+        model_source="/m/kimi",
+        transport=Transport.INPROC,
+        kv_cache_bytes=1 << 30,
+        gpu_indices=[2, 3],
     )
     plan = plan_launch("r1", spec, data_dir=tmp_path, cpu=False, cpu_bind="1")
     assert "--" not in plan.argv and plan.engine_address == ""
@@ -333,14 +340,14 @@ AGENT = textwrap.dedent(
     import asyncio, sys
     from pathlib import Path
     from inferplane.api.nodeagent.v1 import nodeagent_pb2
-    from inferplane.node_agent.engine.process import ReplicaOptions, tree_pids
-    from inferplane.node_agent.engine.supervisor import ReplicaManager, SupervisorConfig
+    from inferplane.node_agent.supervisor.process import ReplicaOptions, tree_pids
+    from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorConfig
 
     async def main():
         cfg = SupervisorConfig(
             data_dir=Path(sys.argv[1]), cpu=True, startup_poll_seconds=0.1,
             replica_command=(sys.executable, "-m", "inferplane.testing.fake_replica"),
-            engine_command=(sys.executable, "-m", "inferplane.node_agent.testing.fake_engine",
+            engine_command=(sys.executable, "-m", "inferplane.testing.fake_engine",
                             *sys.argv[2:]),
             replica=ReplicaOptions(drain_grace_seconds=1),
         )

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.engine.process import LaunchPlan
-from inferplane.node_agent.engine.supervisor import (
+from inferplane.node_agent.supervisor.manager import (
     ReplicaControlError,
     ReplicaLoad,
     ReplicaManager,
     ReplicaProcessClient,
     SupervisorConfig,
 )
+from inferplane.node_agent.supervisor.process import LaunchPlan
 from inferplane.runtime import AlreadyExistsError, FailedPreconditionError, NotFoundError
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.fake_replica import FakeReplicaControl, serve_fake_replica

@@ -62,12 +62,13 @@ class NodeAgentSettings(ServiceSettings):
     The node-agent is the node's control plane (issue 16): each replica runs in a replica
     process of its own that serves InferenceService on its own port, bound on `host` and
     reported at `advertise_address`'s host (else `host`). Engine knobs are in seconds.
-    `replica_command` empty means `python -m inferplane.node_agent.replica` in this
-    interpreter; `engine_command` empty means our launcher
-    (`python -m inferplane.node_agent.engine.launcher`), the engine a replica process spawns on
-    the `http-completions` and `grpc` transports. `replicas` are started at boot (YAML only).
-    `orchestrator_address` empty: no registration; several comma-separated (orchestrators on
-    one database): registration moves on from a standby or an unreachable one to the leader.
+    `replica_command` empty means `python -m <replica_contract.REPLICA_MODULE>` in this
+    interpreter (the inferplane-replica distribution); `engine_command` empty means our
+    launcher (`python -m <replica_contract.LAUNCHER_MODULE>`), the engine a replica process
+    spawns on the `http-completions` and `grpc` transports. `replicas` are started at boot
+    (YAML only). `orchestrator_address` empty: no registration; several comma-separated
+    (orchestrators on one database): registration moves on from a standby or an unreachable
+    one to the leader.
     """
 
     port: int = 50054

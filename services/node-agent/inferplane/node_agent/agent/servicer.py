@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.node_agent.engine.supervisor import ReplicaManager
+from inferplane.node_agent.supervisor.manager import ReplicaManager
 from inferplane.runtime import InvalidArgumentError
 
 # Replica ids become path segments and directory names: keep them boring (RFC 1123 label).

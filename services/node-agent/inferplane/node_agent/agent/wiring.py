@@ -23,14 +23,14 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.agent.node import Inventory, probe_inventory
 from inferplane.node_agent.agent.registration import Registrar
 from inferplane.node_agent.agent.servicer import NodeAgentServicer
-from inferplane.node_agent.engine.process import (
+from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.node_agent.supervisor.manager import ClientFactory, ReplicaManager, SupervisorConfig
+from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     REPLICA_COMMAND,
     ReplicaOptions,
     Spawner,
 )
-from inferplane.node_agent.engine.supervisor import ClientFactory, ReplicaManager, SupervisorConfig
-from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime.clock import Clock, SystemClock
 from inferplane.runtime.identity import NODE_AGENT
 

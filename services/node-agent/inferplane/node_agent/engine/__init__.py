@@ -1,1 +1,0 @@
-"""Engine replicas: the interface (`api`), the launcher, the supervisor and transports."""

@@ -1,0 +1,371 @@
+"""`inproc`: vLLM 0.32's `AsyncLLM` hosted in the replica process (issue 16 B).
+
+The engine core and its workers stay in vLLM's own subprocesses (`VLLM::EngineCore`,
+`VLLM::Worker`); this process runs vLLM's front half (input processing, output collection)
+next to our pipeline, so tokens cross no HTTP or gRPC hop before the client's stream.
+Measured facts this follows: ../shared/notes/vllm_inproc_probe.md.
+
+- Prompts go in as token ids through the renderer's synchronous path; outputs come back as
+  `RequestOutputKind.DELTA` token ids without vLLM's detokenizer (`detokenize=False`: the
+  pipeline decodes once). vLLM's output collector merges the deltas the consumer has not taken
+  yet, so a consumer that pulls lazily coalesces for free.
+- Stop strings are never passed: vLLM needs its detokenizer for them, and the pipeline matches
+  them on its own decoded text.
+- Embeddings (a spec whose task is `embed`: `--runner pooling`) go through `AsyncLLM.encode`
+  with `PoolingParams(task="embed", dimensions=...)`, one engine request per input, as vLLM's
+  own `/v1/embeddings` does (vllm/entrypoints/pooling/base/serving.py).
+- Speech-to-text (a spec whose task is `transcribe`) goes through vLLM's own
+  `OpenAIServingTranscription` / `OpenAIServingTranslation` over this `AsyncLLM`
+  (`inproc_speech.py`): vLLM builds each speech model's prompts.
+- The engine is dead once `AsyncLLM.errored` (a SIGKILLed EngineCore or Worker): streams get
+  `EngineDeadError` within ~0.1 s and the only recovery is a new process.
+- Whoever imports vLLM must have set its environment first (`launcher.engine_environment`), and
+  the program's `__main__` must be guarded: EngineCore is spawned and re-imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from array import array
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import structlog
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.replica.engines.base import (
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+    SpeechParams,
+    SpeechResult,
+    SpeechUsage,
+)
+from inferplane.replica_contract import pooling_args
+
+log = structlog.get_logger("inferplane.replica.engines.inproc")
+
+
+def engine_argv(spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool) -> list[str]:
+    """vLLM engine arguments for `spec` (as `vllm serve` takes them), then
+    `spec.extra_engine_args`: the same mapping as `process.plan_launch`, for vLLM's own parser.
+    On CPU `--enforce-eager` is the default (it halves start-up, notes/vllm_cpu_probe.md §2);
+    an `embed` spec gets `--runner pooling` (`process.pooling_args`).
+
+    Raises:
+        ValueError: an unknown task (`api.replica_task`).
+    """
+    extra = list(spec.extra_engine_args)
+    argv = [
+        "--model",
+        spec.model_source,
+        "--served-model-name",
+        spec.served_model_name or spec.deployment or spec.model_source,
+        *pooling_args(spec),
+    ]
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.max_num_seqs:
+        argv += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.stream_interval > 1:
+        argv += ["--stream-interval", str(spec.stream_interval)]
+    if spec.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.dtype:
+        argv += ["--dtype", spec.dtype]
+    if cpu and "--enforce-eager" not in extra and "--no-enforce-eager" not in extra:
+        argv.append("--enforce-eager")
+    if not cpu and spec.gpu_memory_fraction:
+        argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_fraction:g}"]
+    return argv + extra
+
+
+def engine_args(argv: Sequence[str]) -> Any:
+    """`AsyncEngineArgs` from engine arguments, parsed by vLLM's own engine-arg parser.
+
+    Raises:
+        SystemExit: an unknown or malformed argument (argparse's behaviour).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="inferplane-inproc"))
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def to_vllm_sampling(params: SamplingParams) -> Any:
+    """Our `SamplingParams` as vLLM's: token ids out (`detokenize=False`), DELTA outputs,
+    structured-output constraints; stop strings stay with the pipeline (see the module doc).
+
+    Raises:
+        EngineError: a malformed `choice` constraint.
+    """
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+    kwargs: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "detokenize": False,
+        "output_kind": RequestOutputKind.DELTA,
+        "skip_special_tokens": params.skip_special_tokens,
+        "ignore_eos": params.ignore_eos,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+    ):
+        value = getattr(params, name)
+        if value is not None:
+            kwargs[name] = value
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logit_bias:
+        kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.stream_interval and params.stream_interval > 1:
+        kwargs["stream_interval"] = params.stream_interval
+    constraint = params.constraint
+    if constraint is not None:
+        if constraint.kind == "json_schema":
+            structured = StructuredOutputsParams(json=constraint.value)
+        elif constraint.kind == "json_object":
+            structured = StructuredOutputsParams(json_object=True)
+        elif constraint.kind == "choice":
+            try:
+                choices = json.loads(constraint.value)
+            except json.JSONDecodeError as exc:
+                raise EngineError(f"choice constraint is not JSON: {exc}") from exc
+            structured = StructuredOutputsParams(choice=list(choices))
+        elif constraint.kind in ("regex", "grammar", "structural_tag"):
+            structured = StructuredOutputsParams(**{constraint.kind: constraint.value})
+        else:
+            raise EngineError(f"unknown constraint kind {constraint.kind!r}")
+        kwargs["structured_outputs"] = structured
+    return VllmSamplingParams(**kwargs)
+
+
+class InprocEngine:
+    """An `EngineClient` over an `AsyncLLM` in this process (see the module docstring).
+
+    Build it with `start` inside the running event loop; `close` shuts vLLM's engine core down
+    (it blocks for 3–5 s, so it runs in a thread).
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self._speech: Any = None  # InprocSpeech, built on the first speech request
+
+    @classmethod
+    async def start(cls, argv: Sequence[str]) -> InprocEngine:
+        """Starts vLLM's engine (core and workers in its subprocesses) from engine arguments
+        (`engine_argv`). Construction blocks for tens of seconds, so it runs in a thread while
+        the loop keeps answering health checks; vLLM's loop-bound tasks start on this loop.
+
+        Raises:
+            Exception: whatever vLLM raises when the engine cannot start.
+        """
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(argv)
+        llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, args, usage_context=UsageContext.OPENAI_API_SERVER
+        )
+        # Outside a running loop vLLM defers its output handler to the first request; start
+        # it now so that a worker dying before any request is noticed (llm.errored).
+        run_output_handler = getattr(llm, "_run_output_handler", None)
+        if run_output_handler is not None:
+            run_output_handler()
+        return cls(llm)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        """Streams increments of one generation (see `EngineClient.generate`); closing the
+        iteration aborts the request in the engine (vLLM's generate does it on close).
+
+        Raises:
+            EngineError: the engine is dead (`retryable` when no token came yet) or refused
+                the request (a validation error: not retryable).
+        """
+        from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        sampling = to_vllm_sampling(params)
+        prompt_tokens = len(prompt_token_ids)
+        completion_tokens = 0
+        cached_tokens = 0
+        try:
+            engine_input = llm.renderer.process_for_engine(
+                {"prompt_token_ids": list(prompt_token_ids)}, arrival_time=time.time()
+            )
+            async with aclosing(llm.generate(engine_input, sampling, request_id)) as stream:
+                async for out in stream:
+                    completion = out.outputs[0]
+                    ids = tuple(completion.token_ids)
+                    completion_tokens += len(ids)
+                    if out.num_cached_tokens:
+                        cached_tokens = out.num_cached_tokens
+                    if out.prompt_token_ids is not None:
+                        prompt_tokens = len(out.prompt_token_ids)
+                    reason = completion.finish_reason
+                    if out.finished and reason == "error":
+                        raise EngineError("the engine failed the request", retryable=False)
+                    yield EngineOutput(
+                        token_ids=ids,
+                        finished=out.finished,
+                        finish_reason=(reason or "stop") if out.finished else None,
+                        prompt_tokens=prompt_tokens,
+                        cached_tokens=cached_tokens,
+                        completion_tokens=completion_tokens,
+                        matched_stop=completion.stop_reason if out.finished else None,
+                    )
+        except EngineDeadError as exc:
+            raise EngineError(
+                f"the in-process engine died: {exc}", retryable=completion_tokens == 0
+            ) from exc
+        except VLLMValidationError as exc:
+            raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+        except (EngineError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            if llm.errored:
+                raise EngineError(
+                    f"the in-process engine died: {type(exc).__name__}: {exc}",
+                    retryable=completion_tokens == 0,
+                ) from exc
+            if isinstance(exc, ValueError) and completion_tokens == 0:
+                # vLLM validates a request when it is added (e.g. a structured-output schema
+                # its backend cannot compile) and raises ValueError: the request's fault.
+                raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+            raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
+
+    async def embed(
+        self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[array[float]]:
+        """The embeddings of `inputs` (see `EngineClient.embed`): one `AsyncLLM.encode` per
+        input (`{request_id}-{i}`), all at once (the scheduler batches them); cancelling
+        cancels each, which makes vLLM abort it.
+
+        Raises:
+            EngineError: the engine is dead (`retryable`), refused an input (vLLM's
+                validation: `rejected`) or failed it.
+        """
+        from vllm.exceptions import VLLMValidationError
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        arrival = time.time()
+
+        async def one(index: int, ids: Sequence[int]) -> array[float]:
+            engine_input = llm.renderer.process_for_engine(
+                {"prompt_token_ids": list(ids)}, arrival_time=arrival
+            )
+            # A fresh PoolingParams per request: vLLM's validation fills defaults into it.
+            params = PoolingParams(task="embed", dimensions=dimensions)
+            final = None
+            async with aclosing(llm.encode(engine_input, params, f"{request_id}-{index}")) as s:
+                async for out in s:
+                    final = out
+            if final is None or not final.finished:
+                raise EngineError("the engine ended an embedding without a result")
+            if final.error is not None:
+                raise EngineError(
+                    f"the engine failed the request: {final.error.message}",
+                    retryable=final.error.retryable,
+                )
+            return _float32(final.outputs.data)
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
+        try:
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:  # after a failure the others' results would be dropped
+                    task.cancel()
+        except EngineDeadError as exc:
+            raise EngineError(f"the in-process engine died: {exc}", retryable=True) from exc
+        except VLLMValidationError as exc:
+            raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if llm.errored:
+                raise EngineError(
+                    f"the in-process engine died: {type(exc).__name__}: {exc}", retryable=True
+                ) from exc
+            if isinstance(exc, ValueError):  # vLLM's checks when a request is added
+                raise EngineError(f"engine rejected the request: {exc}", rejected=True) from exc
+            raise EngineError(f"engine failed the request: {type(exc).__name__}: {exc}") from exc
+
+    def _speech_serving(self) -> Any:
+        if self._speech is None:
+            from inferplane.replica.engines.inproc_speech import InprocSpeech
+
+            self._speech = InprocSpeech(self._llm)
+        return self._speech
+
+    async def transcribe(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> SpeechResult:
+        """A whole transcription or translation through vLLM's own speech serving
+        (`inproc_speech.InprocSpeech`; see `api.SpeechEngine`).
+
+        Raises:
+            EngineError: refused (`rejected`), failed, or the engine died (`retryable`).
+        """
+        result: SpeechResult = await self._speech_serving().transcribe(wav, params, usage)
+        return result
+
+    def transcribe_stream(
+        self, wav: bytes, params: SpeechParams, usage: SpeechUsage
+    ) -> AsyncIterator[str]:
+        """The text as vLLM generates it (see `api.SpeechEngine`).
+
+        Raises:
+            EngineError: as `transcribe`.
+        """
+        stream: AsyncIterator[str] = self._speech_serving().transcribe_stream(wav, params, usage)
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; unknown ids and a dead engine are ignored. Its stream then ends
+        with one `finish_reason="abort"` increment."""
+        if self._llm.errored:
+            return
+        try:
+            await self._llm.abort(request_id)
+        except Exception:  # a dead engine cannot abort anything, and need not
+            log.debug("abort_failed", request_id=request_id, exc_info=True)
+
+    async def healthy(self) -> bool:
+        """False once the engine core or a worker died (`AsyncLLM.errored`)."""
+        return not self._llm.errored
+
+    @property
+    def dead(self) -> bool:
+        """The engine core or a worker died (no await: the replica's watchdog polls it)."""
+        return bool(self._llm.errored)
+
+    async def close(self) -> None:
+        """Shuts vLLM's engine core and workers down (in a thread: it blocks for seconds)."""
+        await asyncio.to_thread(self._llm.shutdown)
+
+
+def _float32(data: Any) -> array[float]:
+    """A pooled vector (a 1-D torch tensor of any float dtype) as float32 values; vLLM's
+    `/v1/embeddings` converts to float32 too (`embed_dtype` float32, its default)."""
+    import torch
+
+    return array("f", data.detach().to(device="cpu", dtype=torch.float32).numpy().tobytes())

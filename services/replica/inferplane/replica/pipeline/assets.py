@@ -1,0 +1,230 @@
+"""What the pipeline needs per model, loaded once per model source and shared by requests.
+
+A replica's `ReplicaSpec` names a local model folder (`model_source`) and parser names; the
+tokenizer (chat template, vocab, fast `tokenizers` backend for incremental decoding), the
+compiled parser and the end-of-sequence ids come from that folder, offline; the parser name
+also picks the chat family the renderer prepares requests for. An `embed`
+replica's assets are its tokenizer, context length and Matryoshka dimensions only (no parser,
+no chat template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.chat import ChatFamily, UnknownChatFamilyError, chat_family
+from inferplane.parsers import Parser, ParserError, build_parser
+from inferplane.replica_contract import Task, replica_task
+from inferplane.runtime import UnavailableError
+
+log = structlog.get_logger("inferplane.replica.pipeline")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelAssets:
+    """Everything about one model that requests share (read-only after loading).
+
+    Attributes:
+        model_source: the folder the assets came from (the cache key).
+        tokenizer: the Hugging Face tokenizer (`apply_chat_template`, `encode`, `decode`).
+        backend: its fast `tokenizers.Tokenizer`, used by `DecodeStream` (incremental decoding).
+        parser: the compiled reasoning + tool-call parser, or None when the spec names none
+            (then all output is content).
+        chat_family: how requests are prepared for the model's chat template (thinking
+            keyword, history tool-call ids and arguments): `chat_family(parser name)`.
+        eos_token_ids: ids that end generation: the tokenizer's eos plus
+            `generation_config.json`'s `eos_token_id` (int or list), as vLLM merges them.
+        max_model_len: context length in tokens (prompt + completion).
+        vocab_size: number of token ids (valid ids are `0 .. vocab_size - 1`).
+        matryoshka_dimensions: the embedding sizes the model may be cut to (OpenAI's
+            `dimensions`), from config.json as vLLM reads it (`ModelConfig.is_matryoshka`):
+            its `matryoshka_dimensions`, or every size from 1 to `hidden_size` when it only
+            says `is_matryoshka: true`; empty for other models (and for generate replicas).
+    """
+
+    model_source: str
+    tokenizer: Any
+    backend: Any
+    parser: Parser | None
+    chat_family: ChatFamily
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    vocab_size: int
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
+def parser_name(spec: nodeagent_pb2.ReplicaSpec) -> str | None:
+    """The one parser name of a spec: `reasoning_parser` and `tool_parser` name the same
+    combined parser in `inferplane.parsers` ("kimi_k2"); either may be empty. None for an
+    `embed` spec (nothing is generated, so nothing is parsed).
+
+    Raises:
+        UnavailableError: the two names differ (a deployment error: the library has no
+            separate reasoning and tool parsers to combine).
+    """
+    if spec.task == Task.EMBED:
+        return None
+    names = {n for n in (spec.reasoning_parser, spec.tool_parser) if n}
+    if len(names) > 1:
+        raise UnavailableError(
+            f"replica of '{spec.served_model_name}' names two parsers ({', '.join(sorted(names))});"
+            " inferplane's parsers handle reasoning and tool calls together: name one",
+            code="bad_replica_config",
+        )
+    return names.pop() if names else None
+
+
+def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
+    """Loads a model's assets from its local folder, offline (blocking: call it in a thread).
+
+    Raises:
+        UnavailableError: the folder, tokenizer or parser cannot be loaded.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    source = spec.model_source
+    folder = Path(source)
+    try:
+        embed = replica_task(spec) == Task.EMBED
+    except ValueError as exc:
+        raise UnavailableError(str(exc), code="bad_replica_config") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UnavailableError(
+            f"cannot load the tokenizer of '{spec.served_model_name}'", code="model_unavailable"
+        ) from exc
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise UnavailableError(
+            f"'{spec.served_model_name}' has no fast tokenizer (tokenizer.json)",
+            code="model_unavailable",
+        )
+    name = parser_name(spec)
+    try:
+        parser = build_parser(name, vocab=tokenizer.get_vocab()) if name else None
+        family = chat_family(name)
+    except (ParserError, UnknownChatFamilyError) as exc:
+        raise UnavailableError(str(exc), code="bad_replica_config") from exc
+    eos: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    generation = _read_json(folder / "generation_config.json")
+    configured = generation.get("eos_token_id")
+    if isinstance(configured, int):
+        eos.add(configured)
+    elif isinstance(configured, list):
+        eos.update(int(i) for i in configured)
+    config = _read_json(folder / "config.json")
+    max_len = int(spec.max_model_len) or int(config.get("max_position_embeddings", 0))
+    if max_len <= 0:
+        max_len = int(getattr(tokenizer, "model_max_length", 0) or 0)
+    if max_len <= 0 or max_len > 1 << 31:
+        raise UnavailableError(
+            f"'{spec.served_model_name}' has no max_model_len", code="bad_replica_config"
+        )
+    if embed and (backend.truncation is not None or backend.padding is not None):
+        # Embeddings tokenize with the backend directly: a truncation or padding that
+        # tokenizer.json switches on would cut or pad inputs silently (transformers resets
+        # them on every call; vLLM refuses a too-long input instead).
+        backend = copy.deepcopy(backend)
+        backend.no_truncation()
+        backend.no_padding()
+    return ModelAssets(
+        model_source=source,
+        tokenizer=tokenizer,
+        backend=backend,
+        parser=parser,
+        chat_family=family,
+        eos_token_ids=frozenset(eos),
+        max_model_len=max_len,
+        vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
+        matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
+    )
+
+
+def _matryoshka_dimensions(config: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes an embedding may be cut to, as vLLM 0.32 reads config.json
+    (vllm/config/model.py `is_matryoshka`, `matryoshka_dimensions`;
+    vllm/pooling_params.py checks a request's `dimensions` against them)."""
+    listed = config.get("matryoshka_dimensions")
+    if isinstance(listed, list) and listed:
+        return tuple(sorted({int(d) for d in listed}))
+    if config.get("is_matryoshka"):
+        return tuple(range(1, int(config.get("hidden_size", 0)) + 1))
+    return ()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+Loader = Callable[[nodeagent_pb2.ReplicaSpec], ModelAssets]
+
+
+class ModelAssetsCache:
+    """Model assets per (model_source, parser), loaded on first use in a worker thread.
+
+    Concurrent first requests for one model wait for a single load; a failed load is not
+    cached (the next request tries again, e.g. after the folder was fixed).
+
+    Args:
+        loader: builds the assets of a spec (default `load_model_assets`; tests pass fakes).
+        on_loaded: called on the event loop after each successful load; the service passes
+            `inferplane.runtime.freeze_heap`, so the tokenizer and the libraries its first load
+            imported (transformers, torch: ~370k objects) leave the collector's scans.
+    """
+
+    def __init__(
+        self, loader: Loader = load_model_assets, on_loaded: Callable[[], object] = lambda: None
+    ) -> None:
+        self._loader = loader
+        self._on_loaded = on_loaded
+        self._assets: dict[tuple[str, str | None], ModelAssets] = {}
+        self._loading: dict[tuple[str, str | None], asyncio.Future[ModelAssets]] = {}
+
+    async def get(self, spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
+        """The assets of `spec`'s model (loads them once).
+
+        Raises:
+            UnavailableError: loading failed.
+        """
+        key = (spec.model_source, parser_name(spec))
+        assets = self._assets.get(key)
+        if assets is not None:
+            return assets
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self._loader, spec))
+            self._loading[key] = pending
+            pending.add_done_callback(lambda f: self._done(key, f))
+        # shield: one cancelled request must not cancel the load the others wait for.
+        return await asyncio.shield(pending)
+
+    def _done(self, key: tuple[str, str | None], future: asyncio.Future[ModelAssets]) -> None:
+        self._loading.pop(key, None)
+        if not future.cancelled() and future.exception() is None:
+            self._assets[key] = future.result()
+            log.info("model_assets_loaded", model_source=key[0], parser=key[1])
+            self._on_loaded()
+        elif not future.cancelled():
+            log.warning("model_assets_failed", model_source=key[0], error=str(future.exception()))
+
+    def put(self, assets: ModelAssets, parser: str | None) -> None:
+        """Pre-loads assets (start-up warm-up, tests)."""
+        self._assets[(assets.model_source, parser)] = assets

@@ -1,0 +1,300 @@
+"""One generation as a line of stages, each token passing each stage once:
+
+    engine output → detokenize (`TextStage`) → parser session → stream interval → `Step`
+
+(the servicer turns steps into chunks, then SSE bytes). The parser session owns the assembled
+response (`Generation.session`: `result()`, `reasoning_tokens`, `dropped_tool_calls`); nothing
+here keeps a second copy. Costs are O(1) amortised per token (DecodeStream, a parser that never
+rescans, appends only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+
+from inferplane.parsers import Delta, PlainSession, Session, ToolCallDelta
+from inferplane.replica.engines.base import (
+    EngineClient,
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+)
+from inferplane.replica.pipeline.detokenize import Piece, TextStage
+from inferplane.runtime.clock import Clock
+
+OutputSession = Session | PlainSession
+"""A parser session (`Parser.start`), or `PlainSession` when output has no format."""
+
+
+@dataclasses.dataclass(slots=True)
+class Step:
+    """What one engine increment made visible.
+
+    Attributes:
+        reasoning: new reasoning text.
+        content: new content text.
+        tool_calls: tool-call fragments (at most one per call index, in index order; a call's
+            first fragment carries its id and name).
+        finish_reason: set on the last step only: "stop", "length" or "tool_calls".
+    """
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        """True when the step shows nothing and finishes nothing."""
+        return not (self.reasoning or self.content or self.tool_calls or self.finish_reason)
+
+
+class Generation:
+    """Runs one request on an engine and yields visible `Step`s (see `steps`).
+
+    Args:
+        engine: the replica's engine connection.
+        request_id: the engine request id (also the completion id).
+        prompt_ids: the prompt's token ids.
+        params: sampling parameters (its `stop` strings are also matched here, so output is
+            cut correctly whatever the engine does with them).
+        backend: the fast tokenizer for incremental decoding.
+        stop_token_ids: ids whose final occurrence ends output without being shown (eos and
+            `params.stop_token_ids`).
+        session: the response's parser session, started by the caller (thinking, history
+            tool calls, `tool_calls=False` for `tool_choice: "none"`), or a `PlainSession`.
+        clock: time source; `started` is the request's arrival on its `monotonic()`.
+
+    After `steps` is exhausted, the attributes hold the request's facts (token counts,
+    `finish_reason`, `ttft_seconds`, `itl_seconds`) and `session` the response itself.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: EngineClient,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        backend: object,
+        stop_token_ids: frozenset[int],
+        session: OutputSession,
+        clock: Clock,
+        started: float,
+    ) -> None:
+        self.request_id = request_id
+        self.session = session
+        self._engine = engine
+        self._prompt_ids = prompt_ids
+        self._params = params
+        self._stop_ids = stop_token_ids | frozenset(params.stop_token_ids)
+        self._text = TextStage(backend, prompt_ids, params.stop, params.min_tokens or 0)
+        self._clock = clock
+        self._started = started
+        self._last: float | None = None
+        self._held_stop: int | None = None
+        self.prompt_tokens = len(prompt_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.ttft_seconds: float | None = None
+        self.itl_seconds: list[float] = []
+        self.started_output = False
+
+    async def steps(self) -> AsyncGenerator[Step, None]:
+        """Streams the visible steps: the first engine output always yields a step (maybe
+        empty: the caller's cue for a role chunk), later outputs only when they show something,
+        and the last step carries `finish_reason`. With `params.stream_interval` N > 1, later
+        outputs are merged until N tokens have arrived since the last step (`StreamInterval`).
+
+        Raises:
+            EngineError: the engine failed, aborted the request, or ended its stream without
+                finishing; `retryable` is True when no engine output had arrived.
+
+        Whenever the iteration ends before the engine finished (client cancel, deadline, a
+        matched stop string, an error), the engine request is aborted.
+        """
+        engine = self._engine
+        stream = engine.generate(self.request_id, self._prompt_ids, self._params)
+        interval = StreamInterval(self._params.stream_interval or 1)
+        text = self._text
+        finished = False
+        try:
+            async for out in stream:
+                ids, hide_last = self._observe(out)
+                step = self._parse(text.push(ids, hide_last=hide_last))
+                # Progress so far (a cancelled or failed request still reports what it cost).
+                self.completion_tokens = out.completion_tokens or text.tokens
+                if text.stopped is not None or out.finished:
+                    self._finish(step, out)
+                    finished = True
+                    yield interval.last(step)
+                    return
+                ready = interval.push(step, len(out.token_ids))
+                if ready is not None:
+                    yield ready
+            raise EngineError(
+                "the engine stream ended before the request finished",
+                retryable=not self.started_output,
+            )
+        except EngineError:
+            held = interval.held()
+            if held is not None:
+                yield held  # what was generated before the failure still reaches the client
+            raise
+        finally:
+            if not finished or text.stopped is not None:
+                # The EngineClient contract aborts when its iterator is closed; the explicit
+                # abort also covers a stop string matched here while the engine runs on.
+                await _close(stream)
+                # shielded: a second cancellation must not skip the abort.
+                await asyncio.shield(engine.abort(self.request_id))
+            else:
+                await _close(stream)
+
+    # -- the stages ----------------------------------------------------------------------------
+
+    def _observe(self, out: EngineOutput) -> tuple[Sequence[int], bool]:
+        """Engine output → the ids to decode and whether the last one is hidden; records
+        latencies and the engine's counts.
+
+        Raises:
+            EngineError: the engine ended the request other than by "stop" or "length".
+        """
+        now = self._clock.monotonic()
+        if self._last is None:
+            self.ttft_seconds = now - self._started
+        else:
+            # Per token: an increment of n tokens (the engine's stream interval, or events
+            # merged in one read) stands for n gaps of a n-th of its wait.
+            n = len(out.token_ids)
+            if n <= 1:
+                self.itl_seconds.append(now - self._last)
+            else:
+                self.itl_seconds.extend([(now - self._last) / n] * n)
+        self._last = now
+        first = not self.started_output
+        self.started_output = True
+        if out.prompt_tokens:
+            self.prompt_tokens = out.prompt_tokens
+        if out.cached_tokens:
+            self.cached_tokens = out.cached_tokens
+        if out.finished and out.finish_reason not in ("stop", "length"):
+            raise EngineError(
+                f"the engine ended the request ({out.finish_reason or 'no reason'})",
+                retryable=first and not out.token_ids,
+            )
+        ids = out.token_ids
+        if self._held_stop is not None:
+            ids = (self._held_stop, *ids)
+            self._held_stop = None
+        if not out.finished and ids and ids[-1] in self._stop_ids:
+            # vLLM's gRPC stream sends the eos id in its last chunk and the finish in a
+            # separate, empty message: hold the id until we know whether it ended the output
+            # (hidden) or generation went on past it (ignore_eos: shown).
+            self._held_stop = ids[-1]
+            ids = ids[:-1]
+        hide_last = (
+            out.finished
+            and out.finish_reason == "stop"
+            and bool(ids)
+            and ids[-1] in self._stop_ids
+            and not isinstance(out.matched_stop, str)
+        )
+        return ids, hide_last
+
+    def _parse(self, pieces: list[Piece]) -> Step:
+        """Detokenized pieces → the parser session → one step. One feed per piece: the session
+        counts a feed's tokens as reasoning by the state it starts in."""
+        step = Step()
+        feed = self.session.feed
+        for text, ids in pieces:
+            _append(step, feed(text, ids))
+        return step
+
+    def _finish(self, step: Step, out: EngineOutput) -> None:
+        """End of output: flushes the detokenizer and the session into `step` and sets the
+        finish reason ("tool_calls" when a "stop" ended a response that called tools)."""
+        if self._text.stopped is not None:
+            reason = "stop"
+            self.completion_tokens = self._text.tokens
+        else:
+            reason = out.finish_reason or "stop"
+        _append(step, self._parse(self._text.finish()))
+        _append(step, self.session.finish())
+        if reason == "stop" and self.session.result().tool_calls:
+            reason = "tool_calls"
+        step.finish_reason = self.finish_reason = reason
+
+
+class StreamInterval:
+    """vLLM's `--stream-interval` rule, applied whatever the transport delivers: the first
+    step goes at once, then one step per `n` generated tokens, and the last one carries
+    whatever is held (`n` <= 1: every step that shows something)."""
+
+    __slots__ = ("_first", "_n", "_pending", "_tokens")
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._first = True
+        self._pending: Step | None = None
+        self._tokens = 0
+
+    def push(self, step: Step, tokens: int) -> Step | None:
+        """`step`, made of `tokens` generated tokens → the step to send now, or None."""
+        if self._first:
+            self._first = False
+            return step  # even empty: the caller's cue for a role chunk
+        if self._n <= 1:
+            return None if step.empty else step
+        self._tokens += tokens
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = step
+        else:
+            _append(pending, step)
+        if self._tokens >= self._n and not pending.empty:
+            self._pending, self._tokens = None, 0
+            return pending
+        return None
+
+    def last(self, step: Step) -> Step:
+        """The final step: what is held, then `step` (its finish_reason kept)."""
+        pending = self._pending
+        if pending is None:
+            return step
+        self._pending = None
+        _append(pending, step)
+        pending.finish_reason = step.finish_reason
+        return pending
+
+    def held(self) -> Step | None:
+        """What is held back and shows something (a failed stream still delivers it)."""
+        pending, self._pending = self._pending, None
+        return pending if pending is not None and not pending.empty else None
+
+
+def _append(step: Step, more: Step | Delta) -> None:
+    """Appends `more`'s output to `step`, joining a call's fragments to the previous one of
+    the same call (one entry per call index per chunk, as OpenAI streams them)."""
+    if more.reasoning:
+        step.reasoning += more.reasoning
+    if more.content:
+        step.content += more.content
+    calls = step.tool_calls
+    for tc in more.tool_calls:
+        if calls and calls[-1].index == tc.index:
+            prev = calls[-1]
+            calls[-1] = ToolCallDelta(
+                tc.index, prev.id or tc.id, prev.name or tc.name, prev.arguments + tc.arguments
+            )
+        else:
+            calls.append(tc)
+
+
+async def _close(stream: object) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

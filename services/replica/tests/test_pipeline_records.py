@@ -1,0 +1,84 @@
+"""What the node-agent tells telemetry about a request."""
+
+from __future__ import annotations
+
+from inferplane.parsers import ToolCallVerdict, VerdictReason
+from inferplane.replica.pipeline.outcome import RequestOutcome
+from inferplane.replica.pipeline.records import MAX_GAPS, outcome_to_record, record_sender
+
+
+def _outcome(**extra: object) -> RequestOutcome:
+    fields: dict[str, object] = dict(
+        request_id="chatcmpl-1",
+        model="kimi-tiny",
+        replica_id="r0",
+        api="chat",
+        stream=True,
+        status="ok",
+        finish_reason="tool_calls",
+        prompt_tokens=10,
+        completion_tokens=20,
+        cached_tokens=4,
+        reasoning_tokens=7,
+        ttft_seconds=0.25,
+        itl_seconds=(0.01, 0.03),
+        e2e_seconds=1.5,
+        tool_call_verdicts=(
+            ToolCallVerdict(index=0, id="functions.a:0", name="a", reason=None, message=""),
+            ToolCallVerdict(
+                index=1,
+                id="functions.b:1",
+                name="b",
+                reason=VerdictReason.SCHEMA_MISMATCH,
+                message="city missing",
+            ),
+        ),
+    )
+    fields.update(extra)
+    return RequestOutcome(**fields)  # type: ignore[arg-type]
+
+
+def test_record_carries_latency_tokens_and_tool_call_validity() -> None:
+    """Telemetry's tool-call validity (K2-Vendor-Verifier's schema accuracy) comes from here."""
+    record = outcome_to_record(_outcome(), node="n1", deployment="kimi", now=1000.0)
+    assert (record.source, record.model, record.deployment, record.replica, record.node) == (
+        "node-agent",
+        "kimi-tiny",
+        "kimi",
+        "r0",
+        "n1",
+    )
+    assert record.start_time.ToNanoseconds() == int(998.5e9)
+    assert (record.time_to_first_token_seconds, record.e2e_latency_seconds) == (0.25, 1.5)
+    assert abs(record.inter_token_latency_mean_seconds - 0.02) < 1e-9
+    assert (
+        record.prompt_tokens,
+        record.cached_tokens,
+        record.completion_tokens,
+        record.reasoning_tokens,
+    ) == (10, 4, 20, 7)
+    assert (record.tool_calls, record.tool_calls_valid) == (2, 1)
+    assert list(record.tool_call_invalid_reasons) == ["schema_mismatch"]
+    assert record.markers_leaked == 0 and record.finish_reason == "tool_calls"
+
+
+def test_cancelled_requests_and_long_gap_lists() -> None:
+    """A client that left is an abort; gap lists are thinned to what telemetry keeps."""
+    record = outcome_to_record(
+        _outcome(status="cancelled", finish_reason="", itl_seconds=tuple([0.01] * 1000)),
+        node="n",
+        deployment="",
+        now=10.0,
+    )
+    assert record.finish_reason == "abort"
+    assert len(record.inter_token_latencies_seconds) == MAX_GAPS
+    assert record.deployment == "kimi-tiny"  # falls back to the model
+
+
+def test_sender_converts_and_hands_over() -> None:
+    sent = []
+    on_outcome = record_sender(
+        sent.append, node="n", deployment_of=lambda r: f"dep-{r}", wall_clock=lambda: 5.0
+    )
+    on_outcome(_outcome())
+    assert sent[0].deployment == "dep-r0"

@@ -16,19 +16,24 @@ import yaml
 
 Resource = dict[str, Any]
 
-_T = "type.googleapis.com/"
-LISTENER_TYPE = _T + "envoy.config.listener.v3.Listener"
-ROUTE_TYPE = _T + "envoy.config.route.v3.RouteConfiguration"
-CLUSTER_TYPE = _T + "envoy.config.cluster.v3.Cluster"
-ENDPOINT_TYPE = _T + "envoy.config.endpoint.v3.ClusterLoadAssignment"
-BOOTSTRAP_TYPE = _T + "envoy.config.bootstrap.v3.Bootstrap"
-HCM_TYPE = _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-LUA_TYPE = _T + "envoy.extensions.filters.http.lua.v3.Lua"
-LUA_PER_ROUTE_TYPE = _T + "envoy.extensions.filters.http.lua.v3.LuaPerRoute"
-FILTER_CONFIG_TYPE = _T + "envoy.config.route.v3.FilterConfig"
-CEL_FILTER_TYPE = _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+TYPE_URL_PREFIX = "type.googleapis.com/"
+LISTENER_TYPE = TYPE_URL_PREFIX + "envoy.config.listener.v3.Listener"
+ROUTE_TYPE = TYPE_URL_PREFIX + "envoy.config.route.v3.RouteConfiguration"
+CLUSTER_TYPE = TYPE_URL_PREFIX + "envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = TYPE_URL_PREFIX + "envoy.config.endpoint.v3.ClusterLoadAssignment"
+BOOTSTRAP_TYPE = TYPE_URL_PREFIX + "envoy.config.bootstrap.v3.Bootstrap"
+HCM_TYPE = (
+    TYPE_URL_PREFIX
+    + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+LUA_TYPE = TYPE_URL_PREFIX + "envoy.extensions.filters.http.lua.v3.Lua"
+LUA_PER_ROUTE_TYPE = TYPE_URL_PREFIX + "envoy.extensions.filters.http.lua.v3.LuaPerRoute"
+FILTER_CONFIG_TYPE = TYPE_URL_PREFIX + "envoy.config.route.v3.FilterConfig"
+CEL_FILTER_TYPE = (
+    TYPE_URL_PREFIX + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+)
 HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-HTTP_OPTIONS_TYPE = _T + HTTP_OPTIONS_KEY
+HTTP_OPTIONS_TYPE = TYPE_URL_PREFIX + HTTP_OPTIONS_KEY
 
 HEALTH_PATH = "/health"
 HEALTH_BODY = '{"status":"ok"}\n'

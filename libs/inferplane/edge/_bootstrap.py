@@ -16,12 +16,12 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from inferplane.edge._base import (
-    _T,
     BOOTSTRAP_TYPE,
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,
     ROUTE_TYPE,
+    TYPE_URL_PREFIX,
     Resource,
     render_yaml,
 )
@@ -31,7 +31,8 @@ from inferplane.edge._listener import build_listener
 from inferplane.edge._routes import build_route_config
 
 _DOWNSTREAM_CONNECTIONS = (
-    _T + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+    TYPE_URL_PREFIX
+    + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
 
 

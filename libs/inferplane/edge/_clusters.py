@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inferplane.edge._base import _T, HTTP_OPTIONS_KEY, HTTP_OPTIONS_TYPE, Resource, duration
+from inferplane.edge._base import (
+    HTTP_OPTIONS_KEY,
+    HTTP_OPTIONS_TYPE,
+    TYPE_URL_PREFIX,
+    Resource,
+    duration,
+)
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.wire.headers import DESTINATION_ENDPOINT, PICK_NAMESPACE
 
@@ -18,9 +24,13 @@ REPLICAS_CLUSTER = "inferplane_replicas"
 #: The web console (`EdgeConfig.console_endpoint`): HTTP/1.1, its own sign-in.
 CONSOLE_CLUSTER = "inferplane_console"
 
-_OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-_UPSTREAM_TLS = _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_OVERRIDE_HOST = (
+    TYPE_URL_PREFIX + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+)
+_ROUND_ROBIN = (
+    TYPE_URL_PREFIX + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+)
+_UPSTREAM_TLS = TYPE_URL_PREFIX + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 
 # HTTP/2 keepalive towards our gRPC services (ADS and upstream clusters): finds a dead service
 # behind a silent network within ~35 s. Our servers accept pings every 10 s or slower

@@ -14,7 +14,14 @@ import base64
 
 from google.protobuf import descriptor_pb2
 
-from inferplane.edge._base import _T, AUDIO_PREFIX, Resource, duration, lua_filter, render_lua
+from inferplane.edge._base import (
+    AUDIO_PREFIX,
+    TYPE_URL_PREFIX,
+    Resource,
+    duration,
+    lua_filter,
+    render_lua,
+)
 from inferplane.edge._clusters import AUTH_CLUSTER, ROUTER_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._fields import known_request_fields, render_lua_tables
@@ -29,11 +36,15 @@ from inferplane.wire.headers import (
 #: Dynamic-metadata namespace json_to_metadata writes `stream` into (read by stream_router.lua).
 METADATA_NAMESPACE = "inferplane.edge"
 
-_EXT_AUTHZ = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
-_JSON_TO_METADATA = _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
-_TRANSCODER = _T + "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
-_ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
-_EXT_PROC = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_AUTHZ = TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
+_JSON_TO_METADATA = (
+    TYPE_URL_PREFIX + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
+)
+_TRANSCODER = (
+    TYPE_URL_PREFIX + "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
+)
+_ROUTER = TYPE_URL_PREFIX + "envoy.extensions.filters.http.router.v3.Router"
+_EXT_PROC = TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 
 #: Filter names in chain order (pinned by a test; order is behaviour here).
 FILTER_ORDER: tuple[str, ...] = (

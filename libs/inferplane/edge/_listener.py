@@ -6,7 +6,7 @@ itself with its buffer limit (`listener`).
 
 from __future__ import annotations
 
-from inferplane.edge._base import _T, HCM_TYPE, Resource, duration
+from inferplane.edge._base import HCM_TYPE, TYPE_URL_PREFIX, Resource, duration
 from inferplane.edge._clusters import AUTH_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._filters import build_http_filters
@@ -24,11 +24,12 @@ from inferplane.wire.headers import (
 LISTENER_NAME = "inferplane_edge"
 
 _EARLY_MUTATION = (
-    _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+    TYPE_URL_PREFIX
+    + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 )
-_STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
-_DOWNSTREAM_TLS = _T + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
-_GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+_STDOUT_LOG = TYPE_URL_PREFIX + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+_DOWNSTREAM_TLS = TYPE_URL_PREFIX + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+_GRPC_LOG = TYPE_URL_PREFIX + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 
 
 def hcm_limits(config: EdgeConfig) -> Resource:

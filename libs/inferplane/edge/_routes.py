@@ -7,11 +7,11 @@ the node-local Envoy reuses (`health_route`, `method_is`).
 from __future__ import annotations
 
 from inferplane.edge._base import (
-    _T,
     FILTER_CONFIG_TYPE,
     HEALTH_BODY,
     HEALTH_PATH,
     LUA_PER_ROUTE_TYPE,
+    TYPE_URL_PREFIX,
     Resource,
     duration,
 )
@@ -28,8 +28,10 @@ ROUTE_CONFIG_NAME = "inferplane_edge_routes"
 #: The web console's path prefix (`EdgeConfig.console_endpoint`); `/console` redirects here.
 CONSOLE_PREFIX = "/console/"
 
-_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
-_EXT_AUTHZ_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
+_EXT_PROC_PER_ROUTE = TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_EXT_AUTHZ_PER_ROUTE = (
+    TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
+)
 
 
 def _route(prefix: str, cluster: str, timeout_s: float | None = None) -> Resource:

@@ -28,7 +28,7 @@ from inferplane.edge._errors import EdgeConfigError
 from inferplane.edge._filters import build_http_filters
 from inferplane.edge._listener import access_log, hcm_limits, listener
 from inferplane.edge._replies import build_local_reply_config, cel, mapper
-from inferplane.edge._routes import health_route
+from inferplane.edge._routes import health_route, route_to
 from inferplane.wire.headers import REPLICA_ADDRESS
 
 NODE_LISTENER_NAME = "inferplane_node"
@@ -160,13 +160,6 @@ def build_node_route_config(config: NodeEnvoyConfig) -> Resource:
     else → 404. No retries: ORIGINAL_DST would retry the same replica, and the gateway's
     pick names one."""
     health = health_route(("inferplane.node_guard", "envoy.filters.http.grpc_json_transcoder"))
-
-    def to_replica(prefix: str) -> Resource:
-        return {
-            "match": {"prefix": prefix},
-            "route": {"cluster": NODE_REPLICAS_CLUSTER, "timeout": "0s"},
-        }
-
     return {
         "name": NODE_ROUTE_CONFIG_NAME,
         "virtual_hosts": [
@@ -175,8 +168,8 @@ def build_node_route_config(config: NodeEnvoyConfig) -> Resource:
                 "domains": ["*"],
                 "routes": [
                     health,
-                    to_replica("/v1/"),
-                    to_replica("/internal/events/"),
+                    route_to("/v1/", NODE_REPLICAS_CLUSTER),
+                    route_to("/internal/events/", NODE_REPLICAS_CLUSTER),
                     {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
                 ],
             }

@@ -1,7 +1,7 @@
 """The edge's RouteConfiguration: `GET /health`, the console, the admin API and models list,
 the generation routes to the picked replica (with their retry policy), and the 404 for
 everything else; plus the per-route filter switches (`without_picker`) and the route pieces
-the node-local Envoy reuses (`health_route`, `method_is`).
+the node-local Envoy reuses (`health_route`, `route_to`, `method_is`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ _EXT_AUTHZ_PER_ROUTE = (
 )
 
 
-def _route(prefix: str, cluster: str, timeout_s: float | None = None) -> Resource:
-    # timeout 0s disables the route timeout: generations are bounded by the stream idle
-    # timeout and by the services' own deadlines.
+def route_to(prefix: str, cluster: str, timeout_s: float | None = None) -> Resource:
+    """A route sending paths under `prefix` to `cluster` with a `timeout_s` route timeout;
+    None: no route timeout (`0s`), for generations, which the stream idle timeout and the
+    services' own deadlines bound instead."""
     timeout = "0s" if timeout_s is None else duration(timeout_s)
     return {"match": {"prefix": prefix}, "route": {"cluster": cluster, "timeout": timeout}}
 
@@ -105,7 +106,7 @@ def _console_routes() -> list[Resource]:
     their key), no transcoder, no stream router (a playground body's `"stream": true` must not
     move the path), no error shaper (its pages are HTML), no picker. Route timeout off: the
     playground streams (the stream idle timeout still bounds it)."""
-    route = without_picker(_route(CONSOLE_PREFIX, CONSOLE_CLUSTER))
+    route = without_picker(route_to(CONSOLE_PREFIX, CONSOLE_CLUSTER))
     per_filter = route["typed_per_filter_config"]
     for name in (
         "envoy.filters.http.ext_authz",
@@ -129,7 +130,7 @@ def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
     response byte only (Envoy never retries once it forwarded response headers): a refused
     or reset connection, or an UNAVAILABLE answer (a draining replica, an engine that failed
     before its first token)."""
-    route = _route(prefix, REPLICAS_CLUSTER)
+    route = route_to(prefix, REPLICAS_CLUSTER)
     route["route"]["retry_policy"] = {
         "retry_on": "connect-failure,refused-stream,reset,unavailable",
         "num_retries": config.max_retries,
@@ -163,9 +164,11 @@ def build_route_config(config: EdgeConfig) -> Resource:
                 "routes": [
                     _health_route(),
                     *(_console_routes() if config.console_endpoint is not None else []),
-                    without_picker(_route("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)),
                     without_picker(
-                        _route("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
+                        route_to("/v1/admin/", AUTH_CLUSTER, config.admin_api_timeout_s)
+                    ),
+                    without_picker(
+                        route_to("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
                     ),
                     _generation_route("/v1/", config),
                     _generation_route("/internal/events/", config),

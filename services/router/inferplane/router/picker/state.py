@@ -160,7 +160,3 @@ class Exchange:
         """The request's trace (`request.trace`)."""
         return self.request.trace
 
-    @property
-    def begun(self) -> bool:
-        """Whether the stream carried a request (headers, or a refusal): it gets a record."""
-        return self.phase is not Phase.RECEIVED

@@ -159,4 +159,3 @@ class Exchange:
     def trace(self) -> RequestTrace:
         """The request's trace (`request.trace`)."""
         return self.request.trace
-

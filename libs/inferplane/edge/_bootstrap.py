@@ -8,7 +8,6 @@ and the orchestrator-pushed edge cannot drift apart.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ from inferplane.edge._base import (
     ROUTE_TYPE,
     TYPE_URL_PREFIX,
     Resource,
-    render_yaml,
+    render_bootstrap,
 )
 from inferplane.edge._clusters import build_clusters, build_endpoints
 from inferplane.edge._config import EdgeConfig
@@ -61,16 +60,22 @@ def connection_cap(max_connections: int) -> Resource:
     }
 
 
-def build_bootstrap(config: EdgeConfig) -> Resource:
-    """A static Bootstrap (`BOOTSTRAP_TYPE`) holding the listener and clusters."""
+def static_bootstrap(
+    config: EdgeConfig, listeners: list[Resource], clusters: list[Resource]
+) -> Resource:
+    """A static Bootstrap (`BOOTSTRAP_TYPE`) of `listeners` and `clusters`, with
+    `config`'s node identity, admin API and downstream connection cap (the edge's and the
+    node Envoy's)."""
     return {
         **node_and_admin(config.node_id, config.node_cluster, config.admin_host, config.admin_port),
-        "static_resources": {
-            "listeners": [build_listener(config)],
-            "clusters": build_clusters(config),
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
         "overload_manager": connection_cap(config.max_connections),
     }
+
+
+def build_bootstrap(config: EdgeConfig) -> Resource:
+    """A static Bootstrap (`BOOTSTRAP_TYPE`) holding the listener and clusters."""
+    return static_bootstrap(config, [build_listener(config)], build_clusters(config))
 
 
 def render_static_bootstrap(config: EdgeConfig, *, fmt: str = "yaml") -> str:
@@ -78,12 +83,9 @@ def render_static_bootstrap(config: EdgeConfig, *, fmt: str = "yaml") -> str:
 
     Raises: ValueError for another `fmt`.
     """
-    bootstrap = build_bootstrap(config)
-    if fmt == "json":
-        return json.dumps(bootstrap, indent=2) + "\n"
-    if fmt == "yaml":
-        return render_yaml(bootstrap, generated_by="inferplane.edge.render_static_bootstrap")
-    raise ValueError(f"unknown format {fmt!r}; expected 'yaml' or 'json'")
+    return render_bootstrap(
+        build_bootstrap(config), fmt, generated_by="inferplane.edge.render_static_bootstrap"
+    )
 
 
 def _message_types() -> dict[str, type[Message]]:

@@ -18,12 +18,12 @@ OpenAI's shape).
 from __future__ import annotations
 
 import dataclasses
-import json
+from typing import Any
 
-from inferplane.edge._base import HCM_TYPE, Resource, lua_filter, render_lua, render_yaml
-from inferplane.edge._bootstrap import connection_cap, node_and_admin
+from inferplane.edge._base import HCM_TYPE, Resource, lua_filter, render_bootstrap, render_lua
+from inferplane.edge._bootstrap import static_bootstrap
 from inferplane.edge._clusters import REPLICA_KEEPALIVE, build_upstream_tls, cluster_limits
-from inferplane.edge._config import EdgeConfig, Endpoint, MiB, load_descriptor_set
+from inferplane.edge._config import EdgeConfig, Endpoint, load_descriptor_set
 from inferplane.edge._errors import EdgeConfigError
 from inferplane.edge._filters import build_http_filters
 from inferplane.edge._listener import access_log, hcm_limits, listener
@@ -51,6 +51,13 @@ NODE_FILTER_ORDER: tuple[str, ...] = (
     "envoy.filters.http.router",
 )
 _NODE_SERVICES = ("inferplane.inference.v1.InferenceService",)
+#: `EdgeConfig`'s defaults: the limits the node Envoy shares with the edge default to the
+#: edge's own, written once there.
+_EDGE_DEFAULT: dict[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(EdgeConfig)
+    if f.default is not dataclasses.MISSING
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +82,7 @@ class NodeEnvoyConfig:
         max_concurrent_requests / max_connections: the replica cluster's circuit breakers
             and the downstream connection cap.
         access_log: one JSON access-log line per request on stdout.
+        The limits and timeouts default to `EdgeConfig`'s own defaults.
         descriptor_set: the `FileDescriptorSet` the transcoder uses.
     """
 
@@ -86,14 +94,14 @@ class NodeEnvoyConfig:
     admin_port: int = 9902
     node_id: str = "inferplane-node"
     node_cluster: str = "inferplane-node"
-    max_request_bytes: int = 8 * MiB
-    max_audio_request_bytes: int = 26 * MiB
-    connect_timeout_s: float = 2.0
-    stream_idle_timeout_s: float = 900.0
-    request_headers_timeout_s: float = 10.0
-    max_concurrent_requests: int = 100_000
-    max_connections: int = 50_000
-    access_log: bool = True
+    max_request_bytes: int = _EDGE_DEFAULT["max_request_bytes"]
+    max_audio_request_bytes: int = _EDGE_DEFAULT["max_audio_request_bytes"]
+    connect_timeout_s: float = _EDGE_DEFAULT["connect_timeout_s"]
+    stream_idle_timeout_s: float = _EDGE_DEFAULT["stream_idle_timeout_s"]
+    request_headers_timeout_s: float = _EDGE_DEFAULT["request_headers_timeout_s"]
+    max_concurrent_requests: int = _EDGE_DEFAULT["max_concurrent_requests"]
+    max_connections: int = _EDGE_DEFAULT["max_connections"]
+    access_log: bool = _EDGE_DEFAULT["access_log"]
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +127,8 @@ class NodeEnvoyConfig:
             listen_port=self.listen_port,
             admin_host=self.admin_host,
             admin_port=self.admin_port,
+            node_id=self.node_id,
+            node_cluster=self.node_cluster,
             max_request_bytes=self.max_request_bytes,
             max_audio_request_bytes=self.max_audio_request_bytes,
             connect_timeout_s=self.connect_timeout_s,
@@ -213,14 +223,9 @@ def build_node_bootstrap(config: NodeEnvoyConfig) -> Resource:
     }
     if config.access_log:
         hcm["access_log"] = access_log()
-    return {
-        **node_and_admin(config.node_id, config.node_cluster, config.admin_host, config.admin_port),
-        "static_resources": {
-            "listeners": [listener(NODE_LISTENER_NAME, edge, hcm)],
-            "clusters": [build_node_cluster(config)],
-        },
-        "overload_manager": connection_cap(config.max_connections),
-    }
+    return static_bootstrap(
+        edge, [listener(NODE_LISTENER_NAME, edge, hcm)], [build_node_cluster(config)]
+    )
 
 
 def render_node_bootstrap(config: NodeEnvoyConfig, *, fmt: str = "yaml") -> str:
@@ -228,9 +233,6 @@ def render_node_bootstrap(config: NodeEnvoyConfig, *, fmt: str = "yaml") -> str:
 
     Raises: ValueError for another `fmt`.
     """
-    bootstrap = build_node_bootstrap(config)
-    if fmt == "json":
-        return json.dumps(bootstrap, indent=2) + "\n"
-    if fmt == "yaml":
-        return render_yaml(bootstrap, generated_by="inferplane.edge.render_node_bootstrap")
-    raise ValueError(f"unknown format {fmt!r}; expected 'yaml' or 'json'")
+    return render_bootstrap(
+        build_node_bootstrap(config), fmt, generated_by="inferplane.edge.render_node_bootstrap"
+    )

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
-from inferplane.orchestrator import routing
 from inferplane.orchestrator.routing import ReplicaKey, RoutingHub, make_table
+from inferplane.orchestrator.routing import hub as routing
 from inferplane.orchestrator.servicer import RoutingService
 from inferplane.runtime import ErrorInterceptor, FailedPreconditionError
 from inferplane.testing.clock import FakeClock
@@ -469,7 +469,7 @@ def test_what_routers_may_have_in_flight_never_exceeds_the_cap(
     lease holds) stay within the cap, whatever the order of joins, renewals, finished
     requests, routers going away or cut off (`mute`: no renewals, stream open) and time.
     Not counted: the requests of a router whose lease ended before they did (module
-    docstring of `inferplane.orchestrator.routing`: the hub cannot see them)."""
+    docstring of `inferplane.orchestrator.routing.shares`: the hub cannot see them)."""
 
     async def scenario() -> None:
         clock = FakeClock()

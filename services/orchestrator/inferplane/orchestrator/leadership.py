@@ -497,8 +497,8 @@ class RoutingTableRelay:
 
 class GrantsJournal:
     """The routing hub's grants journal (`RoutingHub(journal=...)`, hand-over in
-    `inferplane.orchestrator.routing`) on the lease store's database: each write is fenced by
-    this orchestrator's term, and `adoptable` reads what the term just before it wrote."""
+    `inferplane.orchestrator.routing.shares`) on the lease store's database: each write is fenced
+    by this orchestrator's term, and `adoptable` reads what the term just before it wrote."""
 
     def __init__(
         self, grants: SqlRouterGrants, lease: LeaderLease, *, clock: Clock, name: str = LEASE_NAME

@@ -292,9 +292,9 @@ class StoredGrants:
 
 class SqlRouterGrants:
     """What the leader's routing hub lets each router have in flight per replica
-    (`inferplane.orchestrator.routing`), one row per lease name holding all routers (JSON), on
-    `database` (the lease store's). `save` is fenced by `fence` when one is given, so a row's
-    `term` is the term of the leader that wrote it."""
+    (`inferplane.orchestrator.routing.shares`), one row per lease name holding all routers
+    (JSON), on `database` (the lease store's). `save` is fenced by `fence` when one is given, so
+    a row's `term` is the term of the leader that wrote it."""
 
     def __init__(self, database: SqlDatabase, *, fence: Fence | None = None) -> None:
         self._db = database

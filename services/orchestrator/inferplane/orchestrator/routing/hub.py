@@ -1,149 +1,38 @@
-"""The routing table routers watch: model (deployment id and each alias) → ready replicas.
-
-`RoutingHub` keeps the latest table and wakes watchers when its content changes. Versions are
-content hashes (16 hex digits of SHA-256 over the deterministic serialization of the routes a
-watcher sees), so a restarted orchestrator publishing the same table gives the same version and
-watchers can skip it.
-
-Shared caps (issue 20): a router that watches with a `router_id` gets, in its own view of the
-table, a share of each replica's `max_concurrency` (`RouteEndpoint.max_concurrency_share`),
-and admits at most that many requests to the replica while it holds a lease
-(`RenewRouterLease`). The hub keeps, per router and replica, `held`: the most the router may
-have in flight there. The rule it never breaks: the `held` of all routers on a replica sum to
-at most its cap (a cap lowered by a new table is the only exception, until the routers
-acknowledge the smaller shares). Hence:
-
-- A share only grows out of room (cap minus the `held` of all routers), and its `held` grows
-  with it before the router can see it.
-- A share that shrinks lowers `held` only when the router acknowledges the table that shrank
-  it and reports that its in-flight requests to the replica fit the new share (the renewal's
-  `over_share`); until then the others wait for that room.
-- A lease lasts `lease_seconds` from when the router sent its renewal (so it ends, on the
-  router's clock, no later than `lease_seconds` after the hub received it), and only a router
-  whose watch stream is open is renewed. The hub forgets a router's `held`
-  `lease_seconds + lease_margin_seconds` after the last renewal it granted (the margin covers
-  clock-rate differences); the router then has stopped admitting, and its next table comes
-  under a new lease epoch, so no old lease can be renewed. A router that goes away (or loses
-  its stream) thus returns its share within that bound.
-- With several orchestrators, only the leader's hub may grant: `set_granting(False)` when it
-  stands by (renewals are refused, every share is 0, and a router's view says `standby`, so a
-  router that knows the other orchestrators moves on to the leader), `set_granting(True)` when
-  it leads, under a new epoch.
-- Hand-over. With a `journal` (the leader's database, `leadership.GrantsJournal`), every `held`
-  that grows is written there before any router is shown the share it covers, and changes
-  that shrink it are written soon after; the writes are fenced by the leader's term. A hub that
-  starts leading adopts what the previous term wrote (`set_granting(True, adopted=...)`): each
-  router's `held` counts as it was, the router keeps its shares under the new epoch at once
-  (or gets them when it reconnects), and a router that does not come back within
-  `lease_seconds + lease_margin_seconds` gives them up like any silent router. Only room
-  nobody held is granted. Without a complete hand-over (no journal, a first start, or stored
-  grants of an older term than the one just before this leader's: that term may have granted
-  without writing) the hub grants nothing for `lease_seconds + lease_margin_seconds`, after
-  which every lease a previous orchestrator granted has ended.
-
-Shares are the cap split evenly among the routers holding a lease that see the replica, the
-remainder going to routers in an order rotated per replica.
+"""`RoutingHub`: the latest routing table, its watchers (the full table first, then every change
+of what each one sees), and the routers' shares of each replica's cap under leases, with the
+grants journal (the rule: `inferplane.orchestrator.routing.shares`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import itertools
 import math
 import secrets
-import zlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 
 import structlog
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.orchestrator.routing.shares import (
+    DEFAULT_LEASE_MARGIN_SECONDS,
+    DEFAULT_LEASE_SECONDS,
+    JOURNAL_RETRY_SECONDS,
+    GrantsJournal,
+    RouterLease,
+    split_cap,
+)
+from inferplane.orchestrator.routing.table import (
+    ReplicaKey,
+    endpoint_key,
+    filter_table,
+    make_table,
+    router_view,
+)
 from inferplane.runtime import FailedPreconditionError
 from inferplane.runtime.clock import Clock, SystemClock
 
-ReplicaKey = tuple[str, str]
-"""A replica as the routers key it: (address, replica_id)."""
-
-DEFAULT_LEASE_SECONDS = 15.0
-DEFAULT_LEASE_MARGIN_SECONDS = 1.0
-#: Between attempts to write the grants after a failed one.
-JOURNAL_RETRY_SECONDS = 1.0
-
-Grants = dict[str, dict[ReplicaKey, int]]
-"""router id → replica → `held`: what the router may have in flight there."""
-
-GrantsJournal = Callable[[Grants], Awaitable[None]]
-"""Writes every router's `held` (replacing what was written before); raises when it could not
-(the hub retries every `JOURNAL_RETRY_SECONDS` while it grants)."""
-
 log = structlog.get_logger("inferplane.orchestrator.routing")
-
-
-def table_version(routes: Sequence[pb.ModelRoute]) -> str:
-    """Content hash of `routes` (their order matters; builders sort them by model)."""
-    digest = hashlib.sha256()
-    for route in routes:
-        data = route.SerializeToString(deterministic=True)
-        digest.update(len(data).to_bytes(8, "big"))
-        digest.update(data)
-    return digest.hexdigest()[:16]
-
-
-def make_table(routes: Iterable[pb.ModelRoute]) -> pb.WatchRoutingTableResponse:
-    """A table with routes sorted by model and endpoints by replica id, versioned by content."""
-    ordered = []
-    for route in sorted(routes, key=lambda r: r.model):
-        copy = pb.ModelRoute()
-        copy.CopyFrom(route)
-        endpoints = sorted(copy.endpoints, key=lambda e: (e.replica_id, e.node))
-        del copy.endpoints[:]
-        copy.endpoints.extend(endpoints)
-        ordered.append(copy)
-    return pb.WatchRoutingTableResponse(version=table_version(ordered), routes=ordered)
-
-
-def filter_table(
-    table: pb.WatchRoutingTableResponse, models: Sequence[str]
-) -> pb.WatchRoutingTableResponse:
-    """Only the routes of `models` (empty: all), re-versioned for that view."""
-    if not models:
-        return table
-    wanted = set(models)
-    routes = [r for r in table.routes if r.model in wanted]
-    return pb.WatchRoutingTableResponse(version=table_version(routes), routes=routes)
-
-
-def _key(endpoint: pb.RouteEndpoint) -> ReplicaKey:
-    return (endpoint.address, endpoint.replica_id)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Router:
-    """What the hub knows of one router (see the module docstring for the rule)."""
-
-    router_id: str
-    epoch: str
-    models: tuple[str, ...] = ()
-    streams: int = 0
-    expires: float = -math.inf  # hub monotonic: member while now < expires
-    released: bool = False
-    sent: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)  # next view's shares
-    held: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)
-    shown: dict[ReplicaKey, int] = dataclasses.field(default_factory=dict)  # last view's
-    shown_version: str = ""
-    generation: int = 0  # bumped whenever `sent` or `epoch` changes: its view is stale
-
-    def member(self, now: float) -> bool:
-        return not self.released and now < self.expires
-
-    def reset(self, epoch: str) -> None:
-        """Forgets everything of its lease: a new epoch, nothing held, not a member."""
-        self.epoch = epoch
-        self.expires = -math.inf
-        self.released = False
-        self.held, self.sent, self.shown, self.shown_version = {}, {}, {}, ""
-        self.generation += 1
 
 
 class RoutingHub:
@@ -156,7 +45,7 @@ class RoutingHub:
         lease_margin_seconds: added on the hub's side before a silent router's shares are
             given to the others (clock-rate differences, processing).
         epoch: this hub's lease epoch prefix (random by default; tests pin it).
-        journal: where `held` is written before a grown share is shown (module docstring);
+        journal: where `held` is written before a grown share is shown (`routing.shares`);
             None: nothing is written, and a hub that starts granting waits out every lease.
     """
 
@@ -180,7 +69,7 @@ class RoutingHub:
         self._grants_from = self._clock.monotonic() + lease_seconds + lease_margin_seconds
         self._quiet = True
         self._granting = True
-        self._routers: dict[str, _Router] = {}
+        self._routers: dict[str, RouterLease] = {}
         self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -213,8 +102,9 @@ class RoutingHub:
     ) -> None:
         """Whether this hub splits caps (the leader's) or not (a standby's: every router's
         shares are 0 and renewals are refused, so its routers' leases run out). Turning it
-        on starts a new epoch. `adopted`: the `held` the previous term wrote, complete (module
-        docstring, hand-over): each router keeps it and room nobody held is granted at once.
+        on starts a new epoch. `adopted`: the `held` the previous term wrote, complete
+        (`routing.shares`, hand-over): each router keeps it and room nobody held is granted at
+        once.
         None: nothing is granted for `lease_seconds + lease_margin_seconds`.
         """
         if granting == self._granting and adopted is None:
@@ -234,7 +124,7 @@ class RoutingHub:
                     continue
                 router = self._routers.get(router_id)
                 if router is None:
-                    router = self._routers[router_id] = _Router(router_id, self._new_epoch())
+                    router = self._routers[router_id] = RouterLease(router_id, self._new_epoch())
                 router.held, router.sent = dict(held), dict(held)
                 # Its old lease ends by then at the latest; a renewal here extends it.
                 router.expires = now + self._lease + self._margin
@@ -292,7 +182,7 @@ class RoutingHub:
     ) -> AsyncGenerator[pb.WatchRoutingTableResponse, None]:
         """The current table (filtered to `models`) at once, then every table whose filtered
         content changed. With `router_id`, the view is that router's: its shares and lease
-        epoch (module docstring). Runs until the consumer stops iterating (close it, e.g.
+        epoch (`routing.shares`). Runs until the consumer stops iterating (close it, e.g.
         with `contextlib.aclosing`, so the router's stream is counted as closed at once)."""
         router = self._open(router_id, tuple(models)) if router_id else None
         sent = ""
@@ -323,10 +213,10 @@ class RoutingHub:
             if router is not None:
                 router.streams -= 1
 
-    def _open(self, router_id: str, models: tuple[str, ...]) -> _Router:
+    def _open(self, router_id: str, models: tuple[str, ...]) -> RouterLease:
         router = self._routers.get(router_id)
         if router is None:
-            router = self._routers[router_id] = _Router(router_id, self._new_epoch())
+            router = self._routers[router_id] = RouterLease(router_id, self._new_epoch())
         router.streams += 1
         if router.models != models:
             router.models = models
@@ -337,28 +227,12 @@ class RoutingHub:
     def _new_epoch(self) -> str:
         return f"{self._epoch}.{next(self._incarnations)}"
 
-    def _view(self, router: _Router) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
-        base = filter_table(self._table, router.models)
-        routes = []
-        shares: dict[ReplicaKey, int] = {}
-        sent = router.sent
-        for route in base.routes:
-            copy = pb.ModelRoute()
-            copy.CopyFrom(route)
-            for endpoint in copy.endpoints:
-                key = _key(endpoint)
-                share = shares[key] = sent.get(key, 0)
-                endpoint.max_concurrency_share = share
-            routes.append(copy)
-        version = table_version(routes)
-        standby = not self._granting
-        # The epoch is part of the content: a router whose lease was lost sees a new table.
-        content = f"{version}/{router.epoch}/{'standby' if standby else 'leader'}"
-        version = hashlib.sha256(content.encode()).hexdigest()[:16]
-        view = pb.WatchRoutingTableResponse(version=version, routes=routes)
-        view.lease_epoch = router.epoch
-        view.standby = standby
-        return view, shares
+    def _view(
+        self, router: RouterLease
+    ) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
+        return router_view(
+            self._table, router.models, router.sent, router.epoch, standby=not self._granting
+        )
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -497,7 +371,7 @@ class RoutingHub:
         seen_by: dict[ReplicaKey, set[str]] = {}
         for route in self._table.routes:
             for endpoint in route.endpoints:
-                key = _key(endpoint)
+                key = endpoint_key(endpoint)
                 cap = endpoint.max_concurrency
                 caps[key] = min(caps.get(key, cap), cap)
                 seen_by.setdefault(key, set()).add(route.model)
@@ -505,7 +379,9 @@ class RoutingHub:
         for key, cap in caps.items():
             models = seen_by[key]
             sharing = [r for r in members if not r.models or models.intersection(r.models)]
-            self._split(key, cap, sharing, routers)
+            self._held_seq += split_cap(
+                key, cap, sharing, routers, granting=self._granting and not self._quiet
+            )
         changed = False
         for router, sent in zip(routers, before, strict=True):
             for key in [k for k in router.sent if k not in caps]:
@@ -514,37 +390,3 @@ class RoutingHub:
                 router.generation += 1
                 changed = True
         return changed
-
-    def _split(
-        self, key: ReplicaKey, cap: int, sharing: list[_Router], routers: list[_Router]
-    ) -> None:
-        n = len(sharing)
-        target: dict[str, int] = {}
-        if n and self._granting and not self._quiet:
-            base, extra = divmod(cap, n)
-            offset = zlib.crc32(key[1].encode()) % n
-            for i, router in enumerate(sharing):
-                target[router.router_id] = base + (1 if (i - offset) % n < extra else 0)
-        for router in routers:  # shrink at once; `held` follows on the router's word
-            want = target.get(router.router_id, 0)
-            if router.sent.get(key, 0) > want:
-                if want:
-                    router.sent[key] = want
-                else:
-                    del router.sent[key]
-        room = cap - sum(r.held.get(key, 0) for r in routers)
-        order = sorted(sharing, key=lambda r: (r.sent.get(key, 0), r.router_id))
-        for router in order:  # grow out of room, the smallest shares first
-            current = router.sent.get(key, 0)
-            want = target.get(router.router_id, 0)
-            if want <= current:
-                continue
-            held = router.held.get(key, 0)
-            share = min(want, max(current, held + max(0, room)))
-            if share <= current:
-                continue
-            room -= max(0, share - held)
-            router.sent[key] = share
-            if share > held:
-                router.held[key] = share
-                self._held_seq += 1

@@ -1,0 +1,88 @@
+"""The routing table routers watch: model (deployment id and each alias) → ready replicas.
+
+Versions are content hashes (16 hex digits of SHA-256 over the deterministic serialization of
+the routes a watcher sees), so a restarted orchestrator publishing the same table gives the same
+version and watchers can skip it. A router's view (`router_view`) carries its shares of each
+replica's cap (`inferplane.orchestrator.routing.shares`) and its lease epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+ReplicaKey = tuple[str, str]
+"""A replica as the routers key it: (address, replica_id)."""
+
+
+def table_version(routes: Sequence[pb.ModelRoute]) -> str:
+    """Content hash of `routes` (their order matters; builders sort them by model)."""
+    digest = hashlib.sha256()
+    for route in routes:
+        data = route.SerializeToString(deterministic=True)
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def make_table(routes: Iterable[pb.ModelRoute]) -> pb.WatchRoutingTableResponse:
+    """A table with routes sorted by model and endpoints by replica id, versioned by content."""
+    ordered = []
+    for route in sorted(routes, key=lambda r: r.model):
+        copy = pb.ModelRoute()
+        copy.CopyFrom(route)
+        endpoints = sorted(copy.endpoints, key=lambda e: (e.replica_id, e.node))
+        del copy.endpoints[:]
+        copy.endpoints.extend(endpoints)
+        ordered.append(copy)
+    return pb.WatchRoutingTableResponse(version=table_version(ordered), routes=ordered)
+
+
+def filter_table(
+    table: pb.WatchRoutingTableResponse, models: Sequence[str]
+) -> pb.WatchRoutingTableResponse:
+    """Only the routes of `models` (empty: all), re-versioned for that view."""
+    if not models:
+        return table
+    wanted = set(models)
+    routes = [r for r in table.routes if r.model in wanted]
+    return pb.WatchRoutingTableResponse(version=table_version(routes), routes=routes)
+
+
+def endpoint_key(endpoint: pb.RouteEndpoint) -> ReplicaKey:
+    """The replica an endpoint is: (address, replica_id)."""
+    return (endpoint.address, endpoint.replica_id)
+
+
+def router_view(
+    table: pb.WatchRoutingTableResponse,
+    models: Sequence[str],
+    shares: Mapping[ReplicaKey, int],
+    epoch: str,
+    *,
+    standby: bool,
+) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
+    """One router's view of `table`: the routes of `models` (empty: all), each endpoint's
+    `max_concurrency_share` from `shares` (0 when absent), the lease `epoch` and whether the
+    hub stands by. The version covers the shares, the epoch and the standby flag, so a router
+    whose lease was lost sees a new table. Returns the view and the shares it shows."""
+    base = filter_table(table, models)
+    routes = []
+    shown: dict[ReplicaKey, int] = {}
+    for route in base.routes:
+        copy = pb.ModelRoute()
+        copy.CopyFrom(route)
+        for endpoint in copy.endpoints:
+            key = endpoint_key(endpoint)
+            share = shown[key] = shares.get(key, 0)
+            endpoint.max_concurrency_share = share
+        routes.append(copy)
+    version = table_version(routes)
+    content = f"{version}/{epoch}/{'standby' if standby else 'leader'}"
+    version = hashlib.sha256(content.encode()).hexdigest()[:16]
+    view = pb.WatchRoutingTableResponse(version=version, routes=routes)
+    view.lease_epoch = epoch
+    view.standby = standby
+    return view, shown

@@ -187,9 +187,23 @@ class CallAssembler:
     # -- sink text -------------------------------------------------------------------------------
 
     def args(self, s: str) -> None:
-        """``ARGS`` text: the open call's JSON arguments (dropped when no call is open)."""
-        if self._call_open:
-            self._args_text(s)
+        """``ARGS`` text: the open call's JSON arguments (dropped when no call is open). The
+        hot path of a call: ``_args_text`` inlined."""
+        if not self._call_open:
+            return
+        piece = self._args.push(s)
+        if not piece:
+            return
+        held = self._held_call
+        if held is not None:
+            held[1].append(piece)
+            return
+        arguments = self._arguments
+        if arguments is not None:
+            piece = arguments.feed(piece)
+            if not piece:
+                return
+        self._call_parts().append(piece)
 
     def arg_value(self, s: str) -> None:
         """``ARG_VALUE`` text: a ``KEY_VALUE`` parameter's raw value."""

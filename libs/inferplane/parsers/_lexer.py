@@ -134,7 +134,7 @@ class Tables:
 
 
 class LexerEvents(Protocol):
-    """What ``Lexer.scan`` reports to, in text order (the session)."""
+    """What ``Lexer.feed`` reports to, in text order (the session)."""
 
     def _on_text(self, text: str) -> None:
         """Plain text (no marker in it; never empty)."""
@@ -164,26 +164,34 @@ class Lexer:
         self._credit_total = 0
         self._token_mode = False
 
-    def see_ids(self, token_ids: Sequence[int]) -> None:
-        """Credit the marker ids among one delta's ``token_ids`` (no-op without token-id
-        matching); from the first call on, markers match only against credited ids."""
-        id_to_term = self._ids
-        if id_to_term:
-            self._token_mode = True
-            for tid in token_ids:
-                term = id_to_term.get(tid)
-                if term is not None:
-                    self._credits[term] += 1
-                    self._credit_total += 1
-
     def flush(self) -> str:
         """The text held back as a possible marker start (end of stream: it is plain text)."""
         held, self._held = self._held, ""
         return held
 
-    def scan(self, text: str, out: LexerEvents) -> None:
-        """Report ``text`` (a non-empty delta) to ``out`` as text and marker events, holding
-        back a suffix that may start a marker."""
+    def feed(self, text: str, token_ids: Sequence[int] | None, out: LexerEvents) -> None:
+        """One delta: credit the marker ids among ``token_ids``, then report ``text`` to
+        ``out`` as text and marker events, in text order, holding back a suffix that may
+        start a marker.
+
+        Args:
+            text: the delta's text (may be empty).
+            token_ids: the ids it came from, or None. With token-id matching (a vocab holding
+                every marker, not ``constrained``), the first ids turn it on: from then on a
+                marker string is a marker only while an id of its terminal is credited.
+            out: the receiver of the events (the session).
+        """
+        if token_ids is not None:
+            id_to_term = self._ids
+            if id_to_term:
+                self._token_mode = True
+                for tid in token_ids:
+                    term = id_to_term.get(tid)
+                    if term is not None:
+                        self._credits[term] += 1
+                        self._credit_total += 1
+        if not text:
+            return
         t = self._t
         if self._held:
             buf = self._held + text

@@ -140,12 +140,9 @@ class Session:
         """
         if self._finished:
             return Delta()
-        if token_ids is not None:
-            if self._sink is Sink.REASONING:
-                self._reasoning_tokens += len(token_ids)
-            self._lexer.see_ids(token_ids)
-        if text:
-            self._lexer.scan(text, self)
+        if token_ids is not None and self._sink is Sink.REASONING:
+            self._reasoning_tokens += len(token_ids)
+        self._lexer.feed(text, token_ids, self)
         return self._collect()
 
     def finish(self) -> Delta:

@@ -134,7 +134,12 @@ class Tables:
 
 
 class LexerEvents(Protocol):
-    """What ``Lexer.feed`` reports to, in text order (the session)."""
+    """What ``Lexer.feed`` reports to, in text order (the session).
+
+    The handlers are underscored because they are not the session's public API: the lexer is
+    their one caller. The receiver is passed to each ``feed`` rather than stored as callbacks,
+    so a session and its lexer hold no reference cycle (a finished session is freed at once).
+    """
 
     def _on_text(self, text: str) -> None:
         """Plain text (no marker in it; never empty)."""

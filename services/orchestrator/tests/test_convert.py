@@ -222,3 +222,13 @@ def test_replica_specs_carry_both_spellings() -> None:
     assert (spec.task, spec.replica_task) == ("embed", na.REPLICA_TASK_EMBED)
     assert spec.transport == "http-completions"
     assert spec.replica_transport == na.REPLICA_TRANSPORT_HTTP_COMPLETIONS
+
+
+def test_the_enums_and_the_contract_name_the_same_values() -> None:
+    """Every `ReplicaTask` / `ReplicaTransport` value but UNSPECIFIED is a contract member."""
+    from inferplane import replica_contract as contract
+
+    assert sorted(convert.TASK_ENUMS.values()) == sorted(t.value for t in contract.Task)
+    assert set(convert.TASK_ENUMS) == set(na.ReplicaTask.values()) - {0}
+    assert sorted(convert.TRANSPORT_ENUMS.values()) == sorted(t.value for t in contract.Transport)
+    assert set(convert.TRANSPORT_ENUMS) == set(na.ReplicaTransport.values()) - {0}

@@ -23,13 +23,12 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 
+from inferplane import replica_contract as contract
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.orchestrator.catalog.model import (
     DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO,
-    TASK_EMBED,
     TASK_GENERATE,
-    TASK_TRANSCRIBE,
     Deployment,
     DeploymentProfile,
     RolloutStrategy,
@@ -42,17 +41,15 @@ from inferplane.runtime import InvalidArgumentError
 pb = orchestrator_pb2
 na = nodeagent_pb2
 
-#: `ReplicaTask` values and the task strings they mean (the domain's spelling).
+#: `ReplicaTask` values and the task strings they mean: `REPLICA_TASK_<NAME>` is the contract's
+#: `Task.<NAME>` (`inferplane.replica_contract`; a member without its proto value fails here).
 TASK_ENUMS: Mapping[int, str] = {
-    na.REPLICA_TASK_GENERATE: TASK_GENERATE,
-    na.REPLICA_TASK_EMBED: TASK_EMBED,
-    na.REPLICA_TASK_TRANSCRIBE: TASK_TRANSCRIBE,
+    na.ReplicaTask.Value(f"REPLICA_TASK_{t.name}"): t.value for t in contract.Task
 }
-#: `ReplicaTransport` values and the transport strings they mean.
+#: `ReplicaTransport` values and the transport strings they mean (`REPLICA_TRANSPORT_<NAME>` is
+#: `Transport.<NAME>`).
 TRANSPORT_ENUMS: Mapping[int, str] = {
-    na.REPLICA_TRANSPORT_INPROC: "inproc",
-    na.REPLICA_TRANSPORT_HTTP_COMPLETIONS: "http-completions",
-    na.REPLICA_TRANSPORT_GRPC: "grpc",
+    na.ReplicaTransport.Value(f"REPLICA_TRANSPORT_{t.name}"): t.value for t in contract.Transport
 }
 _TASK_VALUES = {v: k for k, v in TASK_ENUMS.items()}
 _TRANSPORT_VALUES = {v: k for k, v in TRANSPORT_ENUMS.items()}

@@ -15,13 +15,17 @@ import hashlib
 import json
 from datetime import datetime
 
+from inferplane import replica_contract as contract
+
 DEFAULT_ENGINE = "vllm"
 CPU_ENGINE = "vllm-cpu"
-# The replica process's engine transports (node-agent engine/process.py): vLLM's AsyncLLM in
-# the replica process, vLLM's HTTP server or its `--grpc` server as the replica's child.
-DEFAULT_TRANSPORT = "inproc"  # the fastest measured (bench/README.md, stack_vs_vllm)
+# The replica process's engine transports, defined once in `inferplane.replica_contract`:
+# vLLM's AsyncLLM in the replica process (the default, the fastest measured), vLLM's HTTP
+# server or its `--grpc` server as the replica's child. Plain strings here: profiles store and
+# hash the strings.
+DEFAULT_TRANSPORT: str = contract.DEFAULT_TRANSPORT.value
 DEFAULT_KV_CACHE_DTYPE = "auto"
-TRANSPORTS = ("inproc", "grpc", "http-completions")
+TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.TRANSPORTS)
 SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")
 ROUTING_POLICIES = ("least_load", "prefix_affinity", "round_robin", "session_affinity")
 DEFAULT_ROUTING_POLICY = "least_load"
@@ -40,10 +44,10 @@ ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task")
 #: What a deployment serves: chat and text completions (the default, stored as ""),
 #: embeddings (vLLM's pooling runner), or speech-to-text (`/v1/audio/transcriptions` and
 #: `/translations` with an encoder-decoder speech model such as Whisper).
-TASK_GENERATE = "generate"
-TASK_EMBED = "embed"
-TASK_TRANSCRIBE = "transcribe"
-TASKS = (TASK_GENERATE, TASK_EMBED, TASK_TRANSCRIBE)
+TASK_GENERATE: str = contract.Task.GENERATE.value
+TASK_EMBED: str = contract.Task.EMBED.value
+TASK_TRANSCRIBE: str = contract.Task.TRANSCRIBE.value
+TASKS: tuple[str, ...] = tuple(t.value for t in contract.TASKS)
 #: `constrain_tool_choice_auto` when a deployment created or replaced through the API leaves it
 #: unset (bench/README.md, tool_call_validity: on costs little and makes every call the model
 #: finishes schema-valid).

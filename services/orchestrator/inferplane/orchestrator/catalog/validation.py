@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 
+from inferplane import replica_contract as contract
 from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
 from inferplane.orchestrator.catalog.model import (
     CPU_ENGINE,
     DEFAULT_ENGINE,
+    DEFAULT_TRANSPORT,
     MAX_OWNED_BY,
     ROUTING_POLICIES,
     SPECULATIVE_METHODS,
@@ -33,11 +35,16 @@ DEPLOYMENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 ENGINES = (DEFAULT_ENGINE, CPU_ENGINE)
 PARSERS = default_registry()
-EMBED_TRANSPORTS = ("inproc", "http-completions")
-#: The transport that serves speech-to-text: vLLM's speech serving hosted in the replica
-#: process (the node-agent's `process.SPEECH_TRANSPORTS`).
-SPEECH_TRANSPORTS = ("inproc",)
+#: The transports that serve embeddings, and speech-to-text (vLLM's speech serving hosted in the
+#: replica process): `inferplane.replica_contract`, which the node-agent and replica check too.
+EMBED_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.EMBED_TRANSPORTS)
+SPEECH_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.SPEECH_TRANSPORTS)
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
+
+
+def _listed(transports: tuple[str, ...]) -> list[str]:
+    """Transports as messages list them: the default first, then the contract's order."""
+    return sorted(transports, key=lambda t: t != DEFAULT_TRANSPORT)
 
 
 def _fail(message: str, field: str) -> InvalidArgumentError:
@@ -140,7 +147,7 @@ def _validate_task(deployment: Deployment) -> None:
     if p.transport not in EMBED_TRANSPORTS:
         raise _fail(
             f"transport {p.transport!r} cannot serve embeddings; use one of "
-            f"{', '.join(EMBED_TRANSPORTS)}",
+            f"{', '.join(_listed(EMBED_TRANSPORTS))}",
             "profile.transport",
         )
 
@@ -228,7 +235,7 @@ def _validate_profile(deployment: Deployment) -> None:
         )
     if p.transport not in TRANSPORTS:
         raise _fail(
-            f"unknown transport {p.transport!r}; known: {', '.join(TRANSPORTS)}",
+            f"unknown transport {p.transport!r}; known: {', '.join(_listed(TRANSPORTS))}",
             "profile.transport",
         )
     if p.speculative_method not in SPECULATIVE_METHODS:

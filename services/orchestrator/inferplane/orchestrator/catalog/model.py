@@ -102,7 +102,7 @@ class DeploymentProfile:
         return self.task == TASK_TRANSCRIBE
 
     def with_defaults(self) -> DeploymentProfile:
-        """The profile with unset fields filled: engine "vllm", transport "grpc", KV cache
+        """The profile with unset fields filled: engine "vllm", transport "inproc", KV cache
         dtype "auto", tensor parallel size 1, expected context = max_model_len; task
         "generate" is stored as "" (what every profile from before the field reads as)."""
         return dataclasses.replace(
@@ -120,8 +120,8 @@ class DeploymentProfile:
     def accelerator(self) -> Accelerator:
         """CPU for the CPU build of the engine (`engine: vllm-cpu`, our fixture model), else GPU.
 
-        Until the contract has an explicit field (see services/orchestrator/README.md), the
-        engine kind is what says a replica runs on host memory.
+        The engine kind is what says a replica runs on host memory: the proto's
+        `DeploymentProfile.accelerator` is deprecated and refused when set (convert.py).
         """
         return Accelerator.CPU if self.engine == CPU_ENGINE else Accelerator.GPU
 

@@ -7,9 +7,9 @@ Kimi-K2.5-format chats, trains a byte-level BPE tokenizer on their text, builds 
 ``Qwen2ForCausalLM`` (hidden 128, 2 layers, 4 heads / 2 KV heads, vocab 2048, tied embeddings),
 trains it with the loss on assistant tokens only, checks greedy decoding on held-out prompts and
 on the canonical prompts of ``inferplane.fixtures.kimi_tiny``, and writes the folder with a
-``MANIFEST.json``. Nothing is downloaded. Recipe and timings: notes/vllm_cpu_probe.md §1 and §5.
+``MANIFEST.json``. Nothing is downloaded. Results, timings, rebuild command: models/README.md.
 
-Token roles follow Kimi K2.5 (DESIGN.md, "Kimi K2 / K2.5 facts"): ``<|im_end|>`` (eos), the role
+Token roles follow Kimi K2.5 (docs/kimi.md, with its public sources): ``<|im_end|>`` (eos), the role
 tokens and pad are special tokens; ``<think>``, ``</think>`` and the five tool-call markers are
 plain added tokens, so they survive ``decode(..., skip_special_tokens=True)`` as in real Kimi.
 """
@@ -389,7 +389,8 @@ def calls_output(calls: Sequence[Call], first_n: int, thinking: bool, urgent: bo
     if not thinking:
         return section(calls, first_n)
     reasoning = call_reasoning(calls, urgent)
-    # URGENT: the model skips </think> and goes straight to the section (DESIGN.md).
+    # URGENT: the model skips </think> and goes straight to the section, as Kimi K2 does
+    # (docs/kimi.md, "Output format": vLLM PR #32216).
     return reasoning + ("" if urgent else THINK_END) + section(calls, first_n)
 
 

@@ -158,17 +158,18 @@ def drift(
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sources:
     """Which record source feeds which numbers, so a request reported by both the router and
-    the node-agent counts once. Empty means any source.
+    the replica process counts once. Empty means any source.
 
     Attributes:
         request: feeds request counts, status, latency and tokens (default "router": the
             client's view, including admission queue, retries and router-side failures).
-        tool_call: feeds tool-call validity and leaked markers (default "node-agent": it parses
-            and validates the output).
+        tool_call: feeds tool-call validity and leaked markers (default "replica": the replica
+            process parses and validates the output; `ingest.record_source` reads an older
+            replica's "node-agent" as "replica").
     """
 
     request: str = "router"
-    tool_call: str = "node-agent"
+    tool_call: str = "replica"
 
     def counts_request(self, source: str) -> bool:
         return not self.request or source == self.request

@@ -11,6 +11,27 @@ from inferplane.telemetry.domain import Sources
 from inferplane.telemetry.metrics import RecordMetrics
 from inferplane.telemetry.store import Sample, SampleStore
 
+_SOURCE_LABELS = {
+    telemetry_pb2.RECORD_SOURCE_ROUTER: "router",
+    telemetry_pb2.RECORD_SOURCE_REPLICA: "replica",
+}
+_LEGACY_SOURCES = {"node-agent": "replica"}
+"""Source strings of older senders that name a source by another name: replica processes
+before `RequestRecord.record_source` said "node-agent" (where the pipeline used to run)."""
+
+
+def record_source(record: telemetry_pb2.RequestRecord) -> str:
+    """The record's source label ("router", "replica", or an unknown sender's own string).
+
+    `record_source` (the enum) wins when set; otherwise the deprecated `source` string of an
+    older sender is read, "node-agent" meaning the replica (the proto's comment on `source`).
+    """
+    label = _SOURCE_LABELS.get(record.record_source)
+    if label is not None:
+        return label
+    source = record.source
+    return _LEGACY_SOURCES.get(source, source)
+
 
 def sample_from_record(
     record: telemetry_pb2.RequestRecord, received_at: float, max_itl_gaps: int
@@ -29,7 +50,7 @@ def sample_from_record(
     return Sample(
         time=finished,
         request_id=record.request_id,
-        source=record.source,
+        source=record_source(record),
         model=record.model,
         deployment=record.deployment,
         tenant=record.tenant,

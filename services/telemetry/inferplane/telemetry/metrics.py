@@ -62,7 +62,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 TOKEN_KINDS = ("prompt", "cached", "completion", "reasoning")
 INVALID_REASONS = ("unknown_tool", "invalid_json", "schema_mismatch")
-SOURCES = ("router", "node-agent")
+SOURCES = ("router", "replica")
 UNKNOWN = "unknown"
 
 
@@ -81,7 +81,7 @@ class RecordMetrics:
 
     `observe_request` feeds latency, status and token metrics; `observe_parse` feeds tool-call
     and marker metrics (the service decides which source feeds which, so a request reported by
-    both the router and the node-agent is counted once).
+    both the router and the replica process is counted once).
     """
 
     def __init__(self, registry: CollectorRegistry, caps: LabelCaps | None = None) -> None:

@@ -54,7 +54,7 @@ class TelemetrySettings(ServiceSettings):
     retention_seconds: float = 3900.0
     max_itl_gaps: int = 128
     request_source: str = "router"
-    tool_call_source: str = "node-agent"
+    tool_call_source: str = "replica"
     max_models: int = 50
     max_deployments_per_model: int = 20
     max_tenants_per_deployment: int = 20

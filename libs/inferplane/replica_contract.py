@@ -11,7 +11,10 @@ imports the other. What both must agree on is defined once, below:
   (`resolve_transport`, `check_transport_serves`);
 - the pooling arguments an `embed` replica's engine gets (`pooling_args`);
 - the module names the supervisor spawns (`REPLICA_MODULE`, `LAUNCHER_MODULE`: strings, so the
-  node-agent never imports the replica's code) and the `--device auto` probe (`has_nvidia_gpu`).
+  node-agent never imports the replica's code) and the `--device auto` probe (`has_nvidia_gpu`);
+- every flag of the replica process's command line (`ReplicaFlags`: the supervisor writes it
+  with `to_argv`, the replica declares and reads it with `add_to` / `from_args`). How to add
+  one: docs/replica-flags.md.
 
 The values are the strings stored in specs and on the wire (`Task.EMBED == "embed"`); a
 `StrEnum` member compares equal to its string, so specs written before this module read the
@@ -20,10 +23,15 @@ same. The orchestrator's catalogue validation checks profiles against the same c
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import enum
+import typing
 from pathlib import Path
+from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
 REPLICA_MODULE = "inferplane.replica"
 """What the supervisor runs as `python -m REPLICA_MODULE ...`: the replica process."""
@@ -160,3 +168,182 @@ def has_nvidia_gpu() -> bool:
     """True when the NVIDIA kernel driver lists at least one GPU (no CUDA import needed)."""
     gpus = Path("/proc/driver/nvidia/gpus")
     return gpus.is_dir() and any(gpus.iterdir())
+
+
+def runs_on_cpu(device: str) -> bool:
+    """Whether a `--device` choice (`DEVICES`) means the CPU: `cpu`, or `auto` without an
+    NVIDIA GPU (`has_nvidia_gpu`)."""
+    return device == "cpu" or (device == "auto" and not has_nvidia_gpu())
+
+
+def _flag(help: str, *, always: bool = False, required: bool = False) -> dict[str, Any]:
+    """A `ReplicaFlags` field's metadata: its help line, and whether `to_argv` writes it even
+    at its default (`always`) or the replica refuses to start without it (`required`)."""
+    return {"help": help, "always": always, "required": required}
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"transport": TRANSPORTS, "device": DEVICES}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaFlags:
+    """Every flag the supervisor passes to a replica process, each default written here once.
+
+    The node-agent builds one per node from its settings (the node-wide fields: where records
+    go, tool-call strictness, timeouts, identity ...), and `plan_launch` fills in the
+    per-replica ones with `dataclasses.replace` (id, spec file, ports, transport, engine
+    environment or child engine address); `to_argv()` writes the command line. The replica
+    process (and `inferplane.testing.fake_replica`) declares the same flags with
+    `add_to(parser)` and reads them back with `from_args(namespace)`, so a flag added here
+    reaches both sides; its consumer reads `flags.<name>`.
+
+    A field's flag is `--<name with dashes>`. `to_argv` writes a field when it differs from
+    its default, or always when its metadata says so; `None` never; a `bool` defaulting to
+    False is a switch (`--x`), one defaulting to True is written `--x` / `--no-x` every time.
+    `tls_dir` is special: `--tls-dir DIR`, or `--plaintext` when None (the replica requires
+    one of the two, never assuming the development mode). Units: seconds, bytes.
+    """
+
+    replica_id: str = dataclasses.field(
+        default="", metadata=_flag("the replica this process serves", required=True)
+    )
+    spec_file: Path | None = dataclasses.field(
+        default=None,
+        metadata=_flag(
+            "the ReplicaSpec as proto JSON (<data_dir>/replicas/<id>/spec.json)", required=True
+        ),
+    )
+    host: str = dataclasses.field(
+        default="127.0.0.1", metadata=_flag("address the replica's gRPC port binds", always=True)
+    )
+    port: int = dataclasses.field(
+        default=0, metadata=_flag("the replica's gRPC port (0: any free one)", always=True)
+    )
+    transport: Transport = dataclasses.field(
+        default=DEFAULT_TRANSPORT, metadata=_flag("how it reaches its engine", always=True)
+    )
+    metrics_port: int = dataclasses.field(
+        default=0, metadata=_flag("its Prometheus endpoint (0: none)", always=True)
+    )
+    metrics_host: str = dataclasses.field(
+        default="127.0.0.1", metadata=_flag("address its Prometheus endpoint binds", always=True)
+    )
+    cache_root: Path | None = dataclasses.field(
+        default=None, metadata=_flag("inproc: the engine's per-replica cache folder")
+    )
+    device: str = dataclasses.field(
+        default="auto", metadata=_flag("inproc: cpu, gpu, or auto (probe NVIDIA)")
+    )
+    kv_cache_bytes: int = dataclasses.field(
+        default=0, metadata=_flag("inproc: KV cache budget (0: the spec's)")
+    )
+    engine_address: str = dataclasses.field(
+        default="", metadata=_flag("child transports: host:port of the engine server")
+    )
+    engine_metrics_url: str = dataclasses.field(
+        default="", metadata=_flag("child transports: the engine's Prometheus endpoint")
+    )
+    telemetry_address: str = dataclasses.field(
+        default="", metadata=_flag("host:port of telemetry for request records (none)")
+    )
+    node_name: str = dataclasses.field(
+        default="", metadata=_flag("the node in request records (empty: the host name)")
+    )
+    strict_tool_calls: bool = dataclasses.field(
+        default=False, metadata=_flag("a tool call that does not validate is an error")
+    )
+    owned_by: str = dataclasses.field(
+        default="inferplane", metadata=_flag("the owner /v1/models shows", always=True)
+    )
+    gc_freeze: bool = dataclasses.field(
+        default=True, metadata=_flag("freeze the start-up heap out of the GC's scans")
+    )
+    startup_timeout_seconds: float = dataclasses.field(
+        default=180.0,
+        metadata=_flag("the engine must be ready within this, or the process exits 3", always=True),
+    )
+    drain_grace_seconds: float = dataclasses.field(
+        default=5.0,
+        metadata=_flag(
+            "on SIGTERM, how long requests in flight may finish (the supervisor drains first, so "
+            "this bounds forced stops and the node-agent's own shutdown)",
+            always=True,
+        ),
+    )
+    log_level: str = dataclasses.field(default="info", metadata=_flag("the replica's log level"))
+    tls_dir: Path | None = dataclasses.field(
+        default=None, metadata=_flag("mTLS folder (ca.crt, <identity>.crt/.key); None: plaintext")
+    )
+    identity: str = dataclasses.field(
+        default=NODE_AGENT, metadata=_flag("the certificate it serves and calls with", always=True)
+    )
+
+    def to_argv(self) -> list[str]:
+        """These flags as the replica process's command line (without the program and without
+        the engine's command line after `--`).
+
+        Raises:
+            ValueError: a required field (`replica_id`, `spec_file`) is empty.
+        """
+        out: list[str] = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            option = "--" + field.name.replace("_", "-")
+            if field.name == "tls_dir":
+                out += [option, str(value)] if value is not None else ["--plaintext"]
+            elif field.metadata["required"] and value in ("", None):
+                raise ValueError(f"ReplicaFlags.{field.name} is required")
+            elif isinstance(value, bool):
+                if field.default is True:
+                    out.append(option if value else f"--no-{option[2:]}")
+                elif value:
+                    out.append(option)
+            elif value is not None and (field.metadata["always"] or value != field.default):
+                out += [option, f"{value:g}" if isinstance(value, float) else str(value)]
+        return out
+
+    @classmethod
+    def add_to(cls, parser: argparse.ArgumentParser) -> None:
+        """Declares every flag on `parser` (types, choices, defaults and help from the
+        fields); `--tls-dir` and `--plaintext` form a required mutually exclusive group."""
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            option = "--" + field.name.replace("_", "-")
+            meta, default = field.metadata, field.default
+            if field.name == "tls_dir":
+                security = parser.add_mutually_exclusive_group(required=True)
+                security.add_argument(option, type=Path, help=meta["help"])
+                security.add_argument(
+                    "--plaintext", action="store_true", help="no TLS: development only"
+                )
+            elif isinstance(default, bool):
+                action = argparse.BooleanOptionalAction if default else "store_true"
+                parser.add_argument(option, action=action, default=default, help=meta["help"])
+            else:
+                kind = next(a for a in typing.get_args(hints[field.name]) or (hints[field.name],))
+                parser.add_argument(
+                    option,
+                    type=str if issubclass(kind, enum.Enum) else kind,
+                    choices=_CHOICES.get(field.name),
+                    default=default,
+                    required=meta["required"],
+                    help=meta["help"],
+                )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ReplicaFlags:
+        """The flags a parser built with `add_to` read (other attributes of `args` ignored)."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        values["transport"] = Transport(values["transport"])
+        return cls(**values)
+
+    def with_security(self, security: PeerSecurity) -> ReplicaFlags:
+        """These flags serving and calling as `security` (its folder, or plaintext; its name,
+        else `node-agent`)."""
+        return dataclasses.replace(
+            self, tls_dir=security.tls_dir, identity=security.name or NODE_AGENT
+        )
+
+
+DEFAULT_FLAGS = ReplicaFlags()
+"""Every flag at its default: what node-agent settings that name a flag default to."""

@@ -4,9 +4,9 @@ an InferenceService or an engine of its own.
 
 In-process (`FakeReplicaControl` + `serve_fake_replica`), a test sets its readiness and its
 requests in flight by hand. As a process (`python -m inferplane.testing.fake_replica`), it takes
-the replica process's command line exactly (`python -m inferplane.replica --help`
-lists the same flags; an unknown or missing flag is an error, so a launch plan that drifts from
-that contract fails here), spawns `-- ENGINE ARGV` as its child (leading its own session, as
+the replica process's command line: its parser declares the flags from the same contract
+(`inferplane.replica_contract.ReplicaFlags.add_to`) as the replica's, so an unknown or missing
+flag is an error here as there; it spawns `-- ENGINE ARGV` as its child (leading its own session, as
 the replica process's does) when given, reports SERVING once
 its engine's address accepts connections (at once for `inproc`), exits 1 when its engine
 child dies, drains on SIGTERM for `--drain-grace-seconds` then exits 0, and dies with its
@@ -40,6 +40,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
+from inferplane.replica_contract import ReplicaFlags, Transport
 from inferplane.runtime import procguard
 from inferplane.runtime.identity import PeerSecurity
 
@@ -122,38 +123,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         cut = argv.index("--")
         argv, engine = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(prog="fake-replica")
-    p.add_argument("--replica-id", required=True)
-    p.add_argument("--spec-file", type=Path, required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--transport", choices=("inproc", "http-completions", "grpc"), required=True)
-    p.add_argument("--engine-address", default="")
-    p.add_argument("--engine-metrics-url", default="")
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--metrics-host", default="127.0.0.1")
-    p.add_argument("--cache-root", type=Path)
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("--kv-cache-bytes", type=int, default=0)
-    p.add_argument("--telemetry-address", default="")
-    p.add_argument("--node-name", default="")
-    p.add_argument("--strict-tool-calls", action="store_true")
-    p.add_argument("--owned-by", default="inferplane")
-    p.add_argument("--gc-freeze", action="store_true")
-    p.add_argument("--startup-timeout-seconds", type=float, default=180.0)
-    p.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    ReplicaFlags.add_to(p)
     for name in ("--fake-ready-after", "--fake-die-after", "--fake-drain-seconds"):
         p.add_argument(name, type=float, default=0.0)
-    security = p.add_mutually_exclusive_group(required=True)
-    security.add_argument("--tls-dir", type=Path)
-    security.add_argument("--plaintext", action="store_true")
-    p.add_argument("--identity", default="node-agent")
     p.add_argument("--fake-fail-starts", type=int, default=0)
     p.add_argument("--fake-state-file", type=Path)
     p.add_argument("--fake-in-flight", type=int, default=0)
     p.add_argument("--fake-spawn-child", action="store_true")
     p.add_argument("--fake-ignore-sigterm", action="store_true")
     opts = p.parse_args(argv)
-    if (opts.transport == "inproc") == bool(engine):
+    if (opts.transport == Transport.INPROC) == bool(engine):
         p.error("an engine command line after -- is given for http-completions / grpc only")
     if bool(opts.engine_address) != bool(engine):
         p.error("--engine-address goes with an engine command line")

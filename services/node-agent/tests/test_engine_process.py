@@ -25,13 +25,12 @@ from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorC
 from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     REPLICA_COMMAND,
-    ReplicaOptions,
     is_loopback,
     listening_addresses,
     plan_launch,
     tree_pids,
 )
-from inferplane.replica_contract import Transport
+from inferplane.replica_contract import ReplicaFlags, Transport
 from inferplane.testing import fake_replica
 
 State = nodeagent_pb2.Replica.State
@@ -230,7 +229,7 @@ def test_the_plan_starts_the_replica_process_with_its_engine_as_child(
     spec = nodeagent_pb2.ReplicaSpec(
         served_model_name="kimi-tiny", model_source="/m/kimi", transport=transport
     )
-    options = ReplicaOptions(
+    options = ReplicaFlags(
         telemetry_address="127.0.0.1:7000",
         node_name="node-a",
         strict_tool_calls=True,
@@ -340,7 +339,8 @@ AGENT = textwrap.dedent(
     import asyncio, sys
     from pathlib import Path
     from inferplane.api.nodeagent.v1 import nodeagent_pb2
-    from inferplane.node_agent.supervisor.process import ReplicaOptions, tree_pids
+    from inferplane.node_agent.supervisor.process import tree_pids
+    from inferplane.replica_contract import ReplicaFlags
     from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorConfig
 
     async def main():
@@ -349,7 +349,7 @@ AGENT = textwrap.dedent(
             replica_command=(sys.executable, "-m", "inferplane.testing.fake_replica"),
             engine_command=(sys.executable, "-m", "inferplane.testing.fake_engine",
                             *sys.argv[2:]),
-            replica=ReplicaOptions(drain_grace_seconds=1),
+            replica=ReplicaFlags(drain_grace_seconds=1),
         )
         manager = ReplicaManager(cfg)
         replica = await manager.start(

@@ -23,6 +23,7 @@ from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingP
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.settings import ReplicaSettings, parse_args
 from inferplane.replica.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids, kimi_tiny_spec
+from inferplane.replica_contract import ReplicaFlags
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY
 from inferplane.wire import PICKER_KEY, ResponseSummary, completion_request_from_dict
 
@@ -153,8 +154,8 @@ def run_process(
 ) -> int:
     """Runs a ReplicaProcess on a free port with a FakeHost; `body` drives it; returns the
     process's exit code. A `picker` is served (on a free port) until the process exited."""
-    settings = ReplicaSettings(
-        replica_id="r1", spec=kimi_tiny_spec(), drain_grace_seconds=drain_grace
+    settings = ReplicaSettings.of(
+        ReplicaFlags(replica_id="r1", drain_grace_seconds=drain_grace), kimi_tiny_spec()
     )
 
     async def scenario() -> int:
@@ -356,14 +357,14 @@ def test_command_line_contract(tmp_path: Any) -> None:
             "x",
         ]
     )
-    assert (s.replica_id, s.port, s.transport, s.engine_address) == (
+    assert (s.flags.replica_id, s.port, s.flags.transport, s.flags.engine_address) == (
         "r9",
         1234,
         "grpc",
         "127.0.0.1:5555",
     )
     assert s.spec.served_model_name == "kimi-tiny" and s.engine_argv == ("python", "-m", "x")
-    assert s.drain_grace_seconds == 7.0 and s.startup_timeout_seconds == 300.0
+    assert s.flags.drain_grace_seconds == 7.0 and s.flags.startup_timeout_seconds == 180.0
     from inferplane.runtime import ConfigError
 
     with pytest.raises(ConfigError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.replica_contract import DEFAULT_FLAGS, ReplicaFlags
 from inferplane.runtime import ConfigError, ServiceSettings
+from inferplane.runtime.identity import NODE_AGENT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ class NodeAgentSettings(ServiceSettings):
     registration_retry_max_seconds: float = 60.0
     replica_command: tuple[str, ...] = ()
     engine_command: tuple[str, ...] = ()
-    engine_startup_timeout_seconds: float = 180.0
+    engine_startup_timeout_seconds: float = DEFAULT_FLAGS.startup_timeout_seconds
     engine_health_interval_seconds: float = 2.0
     engine_max_start_attempts: int = 5
     engine_backoff_initial_seconds: float = 1.0
@@ -104,16 +107,32 @@ class NodeAgentSettings(ServiceSettings):
     # How long a replica process lets its requests in flight finish when it gets SIGTERM
     # (a forced stop, the node-agent's own shutdown: a normal stop has drained it for
     # drain_grace_seconds already). Below engine_stop_timeout_seconds, or SIGKILL cuts it.
-    replica_drain_grace_seconds: float = 5.0
+    replica_drain_grace_seconds: float = DEFAULT_FLAGS.drain_grace_seconds
     # Passed to each replica process (which renders, generates and parses):
     # Turn a tool call that does not validate against the request's tools into an error
     # instead of returning it as OpenAI would.
-    strict_tool_calls: bool = False
+    strict_tool_calls: bool = DEFAULT_FLAGS.strict_tool_calls
     # The telemetry service (host:port) each replica process sends one record per request
     # to; empty: none.
-    telemetry_address: str = ""
-    owned_by: str = "inferplane"
+    telemetry_address: str = DEFAULT_FLAGS.telemetry_address
+    owned_by: str = DEFAULT_FLAGS.owned_by
     replicas: tuple[ReplicaConfig, ...] = ()
+
+    def replica_flags(self) -> ReplicaFlags:
+        """The flags every replica process of this node gets (`plan_launch` fills in the
+        per-replica ones): the settings above that name a replica flag (their defaults are
+        the contract's, `DEFAULT_FLAGS`), this node's name (else the host name) and the
+        node-agent's own identity (`security`). A new replica flag that operators set gets a
+        setting above and one line here (docs/replica-flags.md)."""
+        return ReplicaFlags(
+            telemetry_address=self.telemetry_address,
+            node_name=self.node_name or socket.gethostname(),
+            strict_tool_calls=self.strict_tool_calls,
+            owned_by=self.owned_by,
+            gc_freeze=self.gc_freeze,
+            startup_timeout_seconds=self.engine_startup_timeout_seconds,
+            drain_grace_seconds=self.replica_drain_grace_seconds,
+        ).with_security(self.security(NODE_AGENT))
 
     def __post_init__(self) -> None:
         for name in ("engine_cpu_core_niceness", "engine_cpu_autogroup_niceness"):

@@ -40,6 +40,7 @@ from inferplane.replica.pipeline.servicer import StreamMetrics
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
+from inferplane.replica_contract import Transport
 from inferplane.routing_client import OutcomeReporter, OutcomeReporterSettings
 from inferplane.runtime import (
     App,
@@ -123,12 +124,12 @@ class ReplicaProcess:
         self.registry = CollectorRegistry()
         if extra_metrics is not None:
             self.registry.register(_Collect(extra_metrics))
-        self.state = ReplicaState(settings.replica_id, settings.spec)
+        self.state = ReplicaState(settings.flags.replica_id, settings.spec)
         self.security = settings.security(NODE_AGENT)
         self._assets = assets or ModelAssetsCache()
         self._sink: Any = None
         if on_outcome is None:
-            on_outcome = self._telemetry() if settings.telemetry_address else discard_outcome
+            on_outcome = self._telemetry() if settings.flags.telemetry_address else discard_outcome
         self.outcomes = OutcomeReporter(
             self.registry,
             OutcomeReporterSettings(security=self.security),
@@ -141,8 +142,8 @@ class ReplicaProcess:
             self._assets,
             clock=clock,
             on_outcome=on_outcome,
-            strict_tool_calls=settings.strict_tool_calls,
-            owned_by=settings.owned_by,
+            strict_tool_calls=settings.flags.strict_tool_calls,
+            owned_by=settings.flags.owned_by,
             metrics=StreamMetrics(self.registry),
             report_to_picker=self.outcomes.report,
         )
@@ -178,14 +179,14 @@ class ReplicaProcess:
         from inferplane.telemetry_client import RecordSink, SinkSettings
 
         self._sink = RecordSink(
-            SinkSettings(target=self.settings.telemetry_address, security=self.security),
+            SinkSettings(target=self.settings.flags.telemetry_address, security=self.security),
             self.registry,
             channel_options=grpc_options(self.settings),
         )
         deployment = self.settings.spec.deployment
         return record_sender(
             self._sink.record,
-            node=self.settings.node_name or socket.gethostname(),
+            node=self.settings.flags.node_name or socket.gethostname(),
             deployment_of=lambda _replica_id: deployment,
             wall_clock=time.time,
         )
@@ -219,15 +220,15 @@ class ReplicaProcess:
         await self.server.start()
         if settings.metrics_port:
             self._metrics_server = serve_text_metrics(
-                settings.metrics_port, settings.metrics_host, self.registry
+                settings.metrics_port, settings.flags.metrics_host, self.registry
             )
         if self._sink is not None:
             await self._sink.start()
         await self.outcomes.start()
-        log.info("replica_listening", replica=settings.replica_id, port=self.port)
+        log.info("replica_listening", replica=settings.flags.replica_id, port=self.port)
         started = time.monotonic()
         starting = asyncio.ensure_future(
-            asyncio.wait_for(self._start_engine(), settings.startup_timeout_seconds)
+            asyncio.wait_for(self._start_engine(), settings.flags.startup_timeout_seconds)
         )
         stopping = asyncio.ensure_future(stop.wait())
         try:
@@ -248,8 +249,8 @@ class ReplicaProcess:
                 await self._serving(True)
             log.info(
                 "replica_ready",
-                replica=settings.replica_id,
-                transport=settings.transport,
+                replica=settings.flags.replica_id,
+                transport=settings.flags.transport,
                 startup_seconds=round(time.monotonic() - started, 2),
             )
             if settings.gc_freeze:
@@ -266,7 +267,7 @@ class ReplicaProcess:
             stopping.cancel()
 
     async def _graceful(self) -> int:
-        grace = self.settings.drain_grace_seconds
+        grace = self.settings.flags.drain_grace_seconds
         self.state.start_drain()
         await self.server.health.enter_graceful_shutdown()
         log.info("replica_stopping", in_flight=self.state.in_flight, grace_seconds=grace)
@@ -277,7 +278,7 @@ class ReplicaProcess:
         return await self._close(EXIT_OK)
 
     async def _died(self, reason: str) -> int:
-        log.error("engine_died", replica=self.settings.replica_id, reason=reason)
+        log.error("engine_died", replica=self.settings.flags.replica_id, reason=reason)
         self.state.mark_dead()
         await self.server.health.enter_graceful_shutdown()
         await self.state.wait_idle(DEAD_WAIT_SECONDS)
@@ -301,38 +302,35 @@ class ReplicaProcess:
                 await self._sink.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        log.info("replica_stopped", replica=self.settings.replica_id, exit_code=code)
+        log.info("replica_stopped", replica=self.settings.flags.replica_id, exit_code=code)
         return code
 
 
 def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any] | None]:
-    """The engine host for `settings.transport` and vLLM's series to serve with ours (its
-    registry for inproc, the child engine's endpoint otherwise).
+    """The engine host for `settings.flags.transport` and vLLM's series to serve with ours
+    (its registry for inproc, the child engine's endpoint otherwise).
 
-    For inproc this sets the engine environment first (`launcher.engine_environment`: before
+    For inproc this sets the engine environment first (`environment.engine_environment`: before
     vLLM is imported)."""
-    from inferplane.replica.engines.launcher import (
-        engine_environment,
-        has_nvidia_gpu,
-        patch_vllm_version,
-    )
+    from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
     from inferplane.replica.hosts import ChildEngineHost, InprocHost, client_for
+    from inferplane.replica_contract import runs_on_cpu
 
-    if settings.transport != "inproc":
-        transport, address = settings.transport, settings.engine_address
+    if settings.flags.transport != Transport.INPROC:
+        transport, address = settings.flags.transport, settings.flags.engine_address
         host = ChildEngineHost(settings.engine_argv, lambda: client_for(transport, address))
-        url = settings.engine_metrics_url
+        url = settings.flags.engine_metrics_url
         scraped = ScrapedMetrics(url) if url else None
         return host, (lambda: scraped) if scraped is not None else None
     from inferplane.replica.engines.inproc import engine_argv
 
-    cpu = settings.device == "cpu" or (settings.device == "auto" and not has_nvidia_gpu())
+    cpu = runs_on_cpu(settings.flags.device)
     os.environ.update(
         engine_environment(
             os.environ,
             cpu=cpu,
             kv_cache_bytes=settings.kv_cache_bytes,
-            cache_root=settings.cache_root,
+            cache_root=settings.flags.cache_root,
         )
     )
     patch_vllm_version(cpu)

@@ -17,6 +17,7 @@ import structlog
 
 from inferplane.replica.engines.base import EngineClient
 from inferplane.replica.engines.http_client import HttpEngineClient
+from inferplane.replica_contract import Transport
 from inferplane.runtime import procguard
 
 log = structlog.get_logger("inferplane.replica")
@@ -86,7 +87,7 @@ class InprocHost:
 
 def client_for(transport: str, address: str) -> EngineClient:
     """The existing client of a child engine: HTTP `/v1/completions` or vLLM's gRPC."""
-    if transport == "http-completions":
+    if transport == Transport.HTTP_COMPLETIONS:
         return HttpEngineClient(f"http://{address}")
     from inferplane.replica.engines.grpc_client import GrpcEngineClient
     from inferplane.replica.pipeline.coalesce import CoalescingEngine

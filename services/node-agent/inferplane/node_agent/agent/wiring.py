@@ -28,7 +28,6 @@ from inferplane.node_agent.supervisor.manager import ClientFactory, ReplicaManag
 from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     REPLICA_COMMAND,
-    ReplicaOptions,
     Spawner,
 )
 from inferplane.runtime.clock import Clock, SystemClock
@@ -47,16 +46,7 @@ def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
         data_dir=settings.data_dir.resolve(),
         replica_command=settings.replica_command or REPLICA_COMMAND,
         engine_command=settings.engine_command or LAUNCHER_COMMAND,
-        replica=ReplicaOptions(
-            telemetry_address=settings.telemetry_address,
-            node_name=settings.node_name or socket.gethostname(),
-            strict_tool_calls=settings.strict_tool_calls,
-            owned_by=settings.owned_by,
-            gc_freeze=settings.gc_freeze,
-            startup_timeout_seconds=settings.engine_startup_timeout_seconds,
-            drain_grace_seconds=settings.replica_drain_grace_seconds,
-            security=settings.security(NODE_AGENT),
-        ),
+        replica=settings.replica_flags(),
         host="127.0.0.1",
         replica_host=settings.host,
         replica_advertise_host=advertised_host(settings),

@@ -57,12 +57,17 @@ from inferplane.node_agent.supervisor.process import (
     EngineHandle,
     LaunchPlan,
     ProcessSpawner,
-    ReplicaOptions,
     Spawner,
     plan_launch,
     session_leaders,
 )
-from inferplane.replica_contract import has_nvidia_gpu, replica_task, resolve_transport
+from inferplane.replica_contract import (
+    DEFAULT_FLAGS,
+    ReplicaFlags,
+    has_nvidia_gpu,
+    replica_task,
+    resolve_transport,
+)
 from inferplane.runtime import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -88,7 +93,8 @@ class SupervisorConfig:
     `engine_command` is the engine its `http-completions` / `grpc` replicas spawn (plan_launch).
     Replica processes bind `replica_host` and are reported at `replica_advertise_host`
     (empty: `replica_host`); engines and metrics bind `host` (loopback). `replica` holds the
-    flags every replica process gets. `drain_poll_seconds` is how often a drain reads the
+    flags every replica process gets (`ReplicaFlags`; `plan_launch` fills in the per-replica
+    ones). `drain_poll_seconds` is how often a drain reads the
     replica's load. `cpu` None: probe for an NVIDIA GPU. On a CPU node each engine rank gets
     `cpu_cores_per_rank` cores of its own, out of the node's cores less the
     `cpu_reserved_cores` lowest (engine/cpus.py; fewer when fewer are free, `nobind` when not
@@ -100,7 +106,7 @@ class SupervisorConfig:
     data_dir: Path
     replica_command: tuple[str, ...] = REPLICA_COMMAND
     engine_command: tuple[str, ...] = LAUNCHER_COMMAND
-    replica: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions)
+    replica: ReplicaFlags = DEFAULT_FLAGS
     host: str = "127.0.0.1"
     replica_host: str = "127.0.0.1"
     replica_advertise_host: str = ""

@@ -33,8 +33,10 @@ from google.protobuf import json_format
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.supervisor.cpus import BIND_ENV
 from inferplane.replica_contract import (
+    DEFAULT_FLAGS,
     LAUNCHER_MODULE,
     REPLICA_MODULE,
+    ReplicaFlags,
     Transport,
     has_nvidia_gpu,
     pooling_args,
@@ -42,7 +44,6 @@ from inferplane.replica_contract import (
     resolve_transport,
 )
 from inferplane.runtime import procguard
-from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 from inferplane.runtime.ports import free_port
 from inferplane.runtime.private_files import open_private_log
 
@@ -56,43 +57,6 @@ REPLICA_COMMAND: tuple[str, ...] = (sys.executable, "-m", REPLICA_MODULE)
 HTTP_MODE_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
 """vLLM arguments of the HTTP mode: usage carries cached-token counts; no access-log line per
 request (the replica process records requests itself)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaOptions:
-    """What every replica process of a node gets besides its spec (the replica process's
-    flags of the same names): where it sends one record per request (`telemetry_address`,
-    host:port; empty: none), the node name in those records, tool-call strictness, the owner
-    shown in /v1/models, whether it freezes its start-up heap out of the GC's scans, how long
-    its engine may take to start (seconds) and how long it lets requests in flight finish on
-    SIGTERM (`drain_grace_seconds`; the supervisor drains first, so this only matters for
-    forced stops and the node-agent's own shutdown), and the identity it serves and calls with
-    (`security`: the node-agent's certificate, or plaintext)."""
-
-    telemetry_address: str = ""
-    node_name: str = ""
-    strict_tool_calls: bool = False
-    owned_by: str = "inferplane"
-    gc_freeze: bool = False
-    startup_timeout_seconds: float = 180.0
-    drain_grace_seconds: float = 5.0
-    security: PeerSecurity = dataclasses.field(default_factory=PeerSecurity.plaintext)
-
-    def argv(self) -> list[str]:
-        """These options as replica process flags (flags only when set)."""
-        out: list[str] = [*self.security.args(), "--identity", self.security.name or NODE_AGENT]
-        if self.telemetry_address:
-            out += ["--telemetry-address", self.telemetry_address]
-        if self.node_name:
-            out += ["--node-name", self.node_name]
-        if self.strict_tool_calls:
-            out.append("--strict-tool-calls")
-        out += ["--owned-by", self.owned_by]
-        if self.gc_freeze:
-            out.append("--gc-freeze")
-        out += ["--startup-timeout-seconds", f"{self.startup_timeout_seconds:g}"]
-        out += ["--drain-grace-seconds", f"{self.drain_grace_seconds:g}"]
-        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,7 +185,7 @@ def plan_launch(
     data_dir: Path,
     command: Sequence[str] = REPLICA_COMMAND,
     engine_command: Sequence[str] = LAUNCHER_COMMAND,
-    options: ReplicaOptions = ReplicaOptions(),
+    options: ReplicaFlags = DEFAULT_FLAGS,
     host: str = "127.0.0.1",
     replica_host: str = "127.0.0.1",
     advertise_host: str = "",
@@ -232,6 +196,9 @@ def plan_launch(
 ) -> LaunchPlan:
     """Builds the replica process's command line for `spec` (`command` then its flags), on
     fresh ports (`inferplane.runtime.ports.free_port`).
+
+    The flags are `options` (the node-wide ones: `ReplicaFlags`, the supervisor ⇄ replica
+    contract) with this replica's filled in, written by `ReplicaFlags.to_argv`.
 
     The replica process binds `replica_host` and is reported at `advertise_host` (default:
     `replica_host`) as `inference_address`. By transport (`resolve_transport`):
@@ -256,23 +223,27 @@ def plan_launch(
     replica_dir = data_dir / "replicas" / replica_id
     spec_path = replica_dir / "spec.json"
     port = free_port(replica_host)
-    argv = [
-        *command,
-        *("--replica-id", replica_id),
-        *("--spec-file", str(spec_path)),
-        *("--host", replica_host),
-        *("--port", str(port)),
-        *("--transport", transport),
-    ]
-    engine_argv: tuple[str, ...] = ()
-    engine_address = ""
     metrics_port = free_port(host)
     metrics_url = f"http://{host}:{metrics_port}/metrics"
-    argv += ["--metrics-port", str(metrics_port), "--metrics-host", host]
+    flags = dataclasses.replace(
+        options,
+        replica_id=replica_id,
+        spec_file=spec_path,
+        host=replica_host,
+        port=port,
+        transport=transport,
+        metrics_port=metrics_port,
+        metrics_host=host,
+    )
+    engine_argv: tuple[str, ...] = ()
+    engine_address = ""
     if transport == Transport.INPROC:
-        argv += ["--cache-root", str(replica_dir / "cache"), "--device", "cpu" if cpu else "gpu"]
-        if spec.kv_cache_bytes:
-            argv += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
+        flags = dataclasses.replace(
+            flags,
+            cache_root=replica_dir / "cache",
+            device="cpu" if cpu else "gpu",
+            kv_cache_bytes=spec.kv_cache_bytes,
+        )
     else:
         engine = plan_engine(
             replica_id,
@@ -284,8 +255,10 @@ def plan_launch(
             cpu=cpu,
         )
         engine_argv, engine_address = engine.argv, engine.address
-        argv += ["--engine-address", engine_address, "--engine-metrics-url", engine.metrics_url]
-    argv += options.argv()
+        flags = dataclasses.replace(
+            flags, engine_address=engine_address, engine_metrics_url=engine.metrics_url
+        )
+    argv = [*command, *flags.to_argv()]
     if engine_argv:
         argv += ["--", *engine_argv]
     env: dict[str, str] = {procguard.PARENT_PID_ENV: str(os.getpid())}

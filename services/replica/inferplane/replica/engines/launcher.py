@@ -29,7 +29,7 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
-from inferplane.replica_contract import DEVICES, has_nvidia_gpu
+from inferplane.replica_contract import DEVICES, runs_on_cpu
 from inferplane.runtime import procguard
 
 
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | 
     if not opts.no_parent_guard and os.getpgrp() == os.getpid():
         # Also kills, at exit, whatever vLLM leaves behind in our group.
         procguard.guard_parent()
-    cpu = opts.device == "cpu" or (opts.device == "auto" and not has_nvidia_gpu())
+    cpu = runs_on_cpu(opts.device)
     environ.update(
         engine_environment(
             environ, cpu=cpu, kv_cache_bytes=opts.kv_cache_bytes, cache_root=opts.cache_root

@@ -27,7 +27,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
 )
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
-from inferplane.replica_contract import Task
+from inferplane.replica_contract import Task, Transport
 from inferplane.runtime import ErrorInterceptor, UnavailableError
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.fake_http_engine import fake_embedding
@@ -340,7 +340,7 @@ def whisper_tiny_spec() -> nodeagent_pb2.ReplicaSpec:
         max_model_len=whisper_tiny.MAX_MODEL_LEN,
         dtype="float32",
         task=Task.TRANSCRIBE,
-        transport="inproc",
+        transport=Transport.INPROC,
         revision="rev-1",
     )
 

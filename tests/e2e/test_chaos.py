@@ -28,7 +28,7 @@ import pytest
 
 from inferplane.localstack import Stack, running_stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 
 def _load_bench() -> ModuleType:

@@ -44,7 +44,7 @@ from inferplane.localstack import MODEL_NAME, Stack, running_stack
 
 from .conftest import engine_core_pid, local_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(1800)]
 
 REPLICAS = 2
 MAX_NUM_SEQS = 4  # per replica: the router admits at most 8 requests at once

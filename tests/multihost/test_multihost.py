@@ -40,7 +40,7 @@ from inferplane.localstack import EDGE_PROCESS, MODEL_NAME, Stack, StackConfig, 
 
 from .conftest import CONTROL, WORKERS, Hosts
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(1200)]
 
 T = TypeVar("T")
 

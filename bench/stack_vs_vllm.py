@@ -11,7 +11,7 @@ line for the plain engines), one after another and never two engines at once:
 - `vllm`: plain `vllm serve` over HTTP with vLLM's own kimi_k2 reasoning and tool parsers, as
   its users run it (what the ratios below compare with);
 - `vllm-nice`: the same with its engine core at the niceness the node-agent gives its engines'
-  on CPU nodes (`engine_cpu_core_niceness`, engine/priority.py);
+  on CPU nodes (`engine_cpu_core_niceness`, supervisor/priority.py);
 - `stack-inproc`: the full stack (Envoy + ext_authz + the router as endpoint picker + the
   replica process hosting vLLM's AsyncLLM in-process) — the data path of docs/architecture.md;
 - `stack-inproc-nonice`: `stack-inproc` with the node-agent's CPU-node priorities off (engine
@@ -93,7 +93,7 @@ STACK_TRANSPORTS = {
     "stack-http": "http-completions",
     "stack-grpc": "grpc",
 }
-#: The node-agent's CPU-node priority settings turned off (engine/priority.py), for the A/B
+#: The node-agent's CPU-node priority settings turned off (supervisor/priority.py), for the A/B
 #: that decides whether they stay on the v2 path.
 NO_NICENESS = ("--engine-cpu-core-niceness", "0", "--engine-cpu-autogroup-niceness", "0")
 #: Process titles vLLM gives its engine core and workers (comm, 15 characters at most).
@@ -486,7 +486,7 @@ def run_vllm(
     work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec, core_niceness: int = 0
 ) -> PathResult:
     """Plain `vllm serve` as its users run it; with `core_niceness`, its engine core gets the
-    niceness the node-agent gives its engines' (engine/priority.py) once ready."""
+    niceness the node-agent gives its engines' (supervisor/priority.py) once ready."""
     name = "vllm-nice" if core_niceness else "vllm"
     launch = plan_engine(
         name, spec, transport="http-completions", replica_dir=work / name, cpu=True
@@ -746,7 +746,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     # Like for like: plain engines inherit this environment, and the stack's node-agent leaves
-    # an explicit value alone (engine/cpus.py) instead of choosing cores itself.
+    # an explicit value alone (supervisor/cpus.py) instead of choosing cores itself.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     log(f"VLLM_CPU_OMP_THREADS_BIND={args.omp_bind} for every engine")
     from inferplane.fixtures import kimi_tiny

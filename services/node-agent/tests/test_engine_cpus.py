@@ -1,4 +1,4 @@
-"""CPU cores per engine replica on a CPU node (engine/cpus.py): disjoint sets while the node
+"""CPU cores per engine replica on a CPU node (supervisor/cpus.py): disjoint sets while the node
 has room (smaller ones when it has less), `nobind` when not even one core per rank is free,
 cores back to the pool when a replica stops, and an explicit `VLLM_CPU_OMP_THREADS_BIND` in
 the agent's environment left alone."""

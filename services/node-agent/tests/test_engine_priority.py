@@ -1,4 +1,4 @@
-"""vLLM's engine core at a lower CPU priority (engine/priority.py): once a CPU replica is
+"""vLLM's engine core at a lower CPU priority (supervisor/priority.py): once a CPU replica is
 ready, the engine core process below its launcher gets the niceness asked for on every
 thread, while the launcher (the engine front) and the workers keep theirs; only CPU plans ask
 for it; it never raises a priority; bad values are refused."""

@@ -90,17 +90,17 @@ class NodeAgentSettings(ServiceSettings):
     engine_backoff_max_seconds: float = 60.0
     engine_stop_timeout_seconds: float = 15.0
     # CPU nodes: cores of its own per engine rank (0: never bind), out of the node's cores
-    # less the lowest `engine_cpu_reserved_cores` (engine/cpus.py); fewer free: an equal
+    # less the lowest `engine_cpu_reserved_cores` (supervisor/cpus.py); fewer free: an equal
     # share of them; not even one per rank: nobind.
     engine_cpu_cores_per_rank: int = 2
     engine_cpu_reserved_cores: int = 1
     # CPU nodes: niceness (0-19) given to each engine's core process once it is ready (it
     # busy-waits for its workers; the front, the workers and the request path keep their
-    # priority: engine/priority.py). 0: leave it at the node-agent's.
+    # priority: supervisor/priority.py). 0: leave it at the node-agent's.
     engine_cpu_core_niceness: int = 19
     # CPU nodes: niceness (0-19) of each replica process's session autogroup (its front, its
     # engine and the engine's workers) once it is ready, against the platform's own services
-    # (engine/priority.py); 0: leave it at 0. Measured on the v1 path, where the front was
+    # (supervisor/priority.py); 0: leave it at 0. Measured on the v1 path, where the front was
     # the node-agent's: kept until an A/B on the replica-process path decides (issue 16).
     engine_cpu_autogroup_niceness: int = 10
     drain_grace_seconds: float = 30.0

@@ -49,7 +49,7 @@ class EngineHost(Protocol):
 
 
 class InprocHost:
-    """vLLM's AsyncLLM in this process (`engine/inproc.py`).
+    """vLLM's AsyncLLM in this process (`engines/inproc.py`).
 
     Args:
         argv: engine arguments (`inproc.engine_argv(spec, cpu=...)`).

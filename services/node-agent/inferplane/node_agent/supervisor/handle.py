@@ -96,7 +96,7 @@ class SupervisorConfig:
     host: str = "127.0.0.1"
     replica_host: str = "127.0.0.1"
     replica_advertise_host: str = ""
-    startup_timeout_seconds: float = 180.0
+    startup_timeout_seconds: float = DEFAULT_FLAGS.startup_timeout_seconds
     health_interval_seconds: float = 2.0
     startup_poll_seconds: float = 0.5
     unhealthy_threshold: int = 3
@@ -369,7 +369,7 @@ class Replica:
         raise _ReplicaDied(reason, stable=stable)
 
     def _renice_engine_core(self, pid: int, niceness: int) -> None:
-        """Gives the engine core below `pid` `niceness` (engine/priority.py). A failure costs
+        """Gives the engine core below `pid` `niceness` (supervisor/priority.py). A failure costs
         the engine its priority tuning, not its start: logged, and the replica goes READY."""
         try:
             cores = renice_engine_cores(pid, niceness)
@@ -383,7 +383,7 @@ class Replica:
 
     async def _renice_engine_autogroup(self, pid: int, niceness: int) -> None:
         """Gives the session `pid` leads an autogroup niceness of `niceness`
-        (engine/priority.py), retrying while the kernel rate-limits the write. Like the engine
+        (supervisor/priority.py), retrying while the kernel rate-limits the write. Like the engine
         core's, a failure is logged and the replica still goes READY."""
         try:
             async for attempt in AsyncRetrying(

@@ -1,13 +1,13 @@
 """CPU scheduling priority of a replica's engine processes (CPU nodes).
 
 The process layout (issue 16 B): the node-agent's supervisor launches one replica process per
-replica, which leads a session of its own (`engine/process.py`); the engine lives in its tree.
+replica, which leads a session of its own (`supervisor/process.py`); the engine lives in its tree.
 With the `inproc` transport the replica process is the engine's front itself (vLLM's
 `AsyncLLM`), and vLLM starts the engine core (scheduler; process title `VLLM::EngineCore`)
 below it, which starts one model-runner worker per rank (`VLLM::Worker`). With
 `http-completions` / `grpc` the replica process spawns a child engine (our launcher running
 `vllm serve`: its API server, then the engine core and workers below it), which leads a session
-of its own. `session_leaders(replica_pid)` (`engine/process.py`) lists the replica process and
+of its own. `session_leaders(replica_pid)` (`supervisor/process.py`) lists the replica process and
 every such session of its tree.
 
 Why the engine core: it reads the workers' results through vLLM's shared-memory message queue,

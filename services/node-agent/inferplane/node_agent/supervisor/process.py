@@ -88,7 +88,7 @@ class LaunchPlan:
     engine's endpoint fetched at each scrape and served with ours).
     `engine_core_niceness` (1..19; 0: none) is what the supervisor gives vLLM's engine core
     process below the replica once ready, `engine_autogroup_niceness` (1..19; 0: none) what it
-    gives the replica's session autogroup (engine/priority.py).
+    gives the replica's session autogroup (supervisor/priority.py).
     """
 
     argv: tuple[str, ...]
@@ -210,13 +210,13 @@ def plan_launch(
     `--metrics-port`/`--metrics-host` for vLLM's registry, served by the replica process on
     `host`; the engine arguments come from the spec file. GPU nodes get `CUDA_VISIBLE_DEVICES`
     from `gpu_indices`; CPU nodes get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND`
-    (engine/cpus.py), `engine_core_niceness` and `engine_autogroup_niceness`
-    (engine/priority.py; the supervisor applies them once ready). The environment carries this
+    (supervisor/cpus.py), `engine_core_niceness` and `engine_autogroup_niceness`
+    (supervisor/priority.py; the supervisor applies them once ready). The environment carries this
     process's pid for the replica process's `procguard.guard_parent`.
 
     Raises:
-        ValueError: an unknown task (`api.replica_task`) or transport, or a transport that
-            cannot serve the task (`resolve_transport`).
+        ValueError: an unknown task (`replica_contract.replica_task`) or transport, or a
+            transport that cannot serve the task (`resolve_transport`).
     """
     cpu = (not has_nvidia_gpu()) if cpu is None else cpu
     replica_task(spec)
@@ -407,7 +407,7 @@ def tree_pids(root: int) -> list[int]:
 def session_leaders(root: int) -> list[int]:
     """`root` (a replica process, which leads its own session) and every live descendant that
     leads a session of its own: the engine a replica process spawns does (it leads its own
-    process group), so its autogroup is not the replica's (engine/priority.py)."""
+    process group), so its autogroup is not the replica's (supervisor/priority.py)."""
     leaders = [root]
     for pid in tree_pids(root)[1:]:
         with contextlib.suppress(OSError):

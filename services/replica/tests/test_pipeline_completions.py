@@ -9,7 +9,6 @@ import pytest
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.replica.testing.pipeline import (
     FakeReplica,
@@ -109,26 +108,18 @@ def test_invalid_completion_requests_are_400s(body: dict[str, Any], param: str) 
     run_scenario(engine, scenario)
 
 
-def test_list_models_lists_each_served_model_once() -> None:
-    """ListModels: OpenAI's list with one entry per served model name on this node (ready or
-    not), owned_by and created set, max_model_len included."""
-    other = nodeagent_pb2.ReplicaSpec(
-        served_model_name="other", deployment="other", max_model_len=4096, model_source="/x"
-    )
+def test_list_models_lists_the_replicas_model() -> None:
+    """ListModels: OpenAI's list with the replica's one model (ready or not), owned_by and
+    created set, max_model_len included."""
     engine = ScriptedEngine([])
-    replicas = [
-        FakeReplica("r1", kimi_tiny_spec(), engine),
-        FakeReplica("r2", kimi_tiny_spec(), engine),
-        FakeReplica("r3", other, engine),
-    ]
-    replicas[2].ready = False
+    replicas = [FakeReplica("r1", kimi_tiny_spec(), engine)]
+    replicas[0].ready = False
 
     async def body(stub: Stub) -> None:
         response = await stub.ListModels(pb.ListModelsRequest())
         assert response.object == "list"
         assert [(m.id, m.object, m.owned_by, m.max_model_len) for m in response.data] == [
             (kt.SERVED_MODEL_NAME, "model", "acme", 2048),
-            ("other", "model", "acme", 4096),
         ]
         assert all(m.created == 1_700_000_000 for m in response.data)
 

@@ -20,8 +20,8 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.fixtures import embed_tiny as et
 from inferplane.fixtures import kimi_tiny as kt
-from inferplane.replica.pipeline import RequestOutcome
 from inferplane.replica.pipeline.embeddings import MAX_INPUTS, needs_thread, plan_embedding
+from inferplane.replica.server import RequestOutcome
 from inferplane.replica.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,
@@ -404,7 +404,7 @@ def test_a_replica_that_is_not_ready_is_unavailable_and_admission_counts_embeddi
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.CreateEmbedding(request("hello"))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert trailers(info.value)["x-openai-error-code"] == "no_ready_replica"
+        assert trailers(info.value)["x-openai-error-code"] == "replica_not_ready"
 
     run_scenario(engine, body, replicas=[replica])
     assert len(engine.embeddings) == 1

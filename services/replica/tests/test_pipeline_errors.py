@@ -12,7 +12,7 @@ import pytest
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.fixtures import kimi_tiny as kt
-from inferplane.replica.pipeline import RequestOutcome
+from inferplane.replica.server import RequestOutcome
 from inferplane.replica.testing.pipeline import (
     FakeReplica,
     ScriptedEngine,
@@ -155,25 +155,9 @@ def test_context_length_error_reads_like_openai() -> None:
     run_scenario(engine, body)
 
 
-def test_unknown_model_is_not_found_with_model_not_found_code() -> None:
-    """A model this node does not serve: NOT_FOUND (404) with code model_not_found."""
-
-    async def body(stub: Stub) -> None:
-        for call in (
-            lambda: stub.CreateChatCompletion(_unary(kt.NO_TOOL.request(model="gpt-9"))),
-            lambda: _drain(stub.StreamChatCompletion(_stream(kt.NO_TOOL.request(model="gpt-9")))),
-        ):
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call()
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
-            assert _trailers(info.value)["x-openai-error-code"] == "model_not_found"
-
-    run_scenario(_engine(), body)
-
-
 def test_known_model_without_a_ready_replica_is_unavailable() -> None:
-    """The model is served here but its replica is not READY: UNAVAILABLE (the router tries
-    another node), never NOT_FOUND."""
+    """The replica is not READY: UNAVAILABLE (the router tries another replica), never
+    NOT_FOUND; the code is the replica's own (replica_not_ready)."""
     engine = _engine()
     replica = FakeReplica("r1", kimi_tiny_spec(), engine)
     replica.ready = False
@@ -182,32 +166,10 @@ def test_known_model_without_a_ready_replica_is_unavailable() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.CreateChatCompletion(_unary(kt.NO_TOOL.request()))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert _trailers(info.value)["x-openai-error-code"] == "no_ready_replica"
+        assert _trailers(info.value)["x-openai-error-code"] == "replica_not_ready"
         assert engine.requests == []
 
     run_scenario(engine, body, replicas=[replica])
-
-
-def test_replica_header_pins_the_replica() -> None:
-    """`x-inferplane-replica` (set by the router) pins the request to that replica; a pinned
-    replica that is not ready is UNAVAILABLE rather than silently served elsewhere."""
-    first, second = _engine(), _engine()
-    replicas = [
-        FakeReplica("r1", kimi_tiny_spec(), first),
-        FakeReplica("r2", kimi_tiny_spec(), second),
-    ]
-
-    async def body(stub: Stub) -> None:
-        request = _unary(kt.NO_TOOL.request())
-        await stub.CreateChatCompletion(request)
-        await stub.CreateChatCompletion(request, metadata=(("x-inferplane-replica", "r2"),))
-        assert (len(first.requests), len(second.requests)) == (1, 1)
-        replicas[1].ready = False
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.CreateChatCompletion(request, metadata=(("x-inferplane-replica", "r2"),))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-
-    run_scenario(first, body, replicas=replicas)
 
 
 def test_engine_failure_before_the_first_chunk_is_unavailable_and_retryable() -> None:

@@ -1,10 +1,11 @@
-"""What the node-agent tells telemetry about a request."""
+"""What the replica tells telemetry about a request."""
 
 from __future__ import annotations
 
+from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.parsers import ToolCallVerdict, VerdictReason
-from inferplane.replica.pipeline.outcome import RequestOutcome
-from inferplane.replica.pipeline.records import MAX_GAPS, outcome_to_record, record_sender
+from inferplane.replica.server import End, Ending, RequestOutcome, record_sender
+from inferplane.runtime.gaps import MAX_GAPS
 
 
 def _outcome(**extra: object) -> RequestOutcome:
@@ -14,8 +15,7 @@ def _outcome(**extra: object) -> RequestOutcome:
         replica_id="r0",
         api="chat",
         stream=True,
-        status="ok",
-        finish_reason="tool_calls",
+        ending=Ending(End.COMPLETED, "tool_calls"),
         prompt_tokens=10,
         completion_tokens=20,
         cached_tokens=4,
@@ -40,9 +40,10 @@ def _outcome(**extra: object) -> RequestOutcome:
 
 def test_record_carries_latency_tokens_and_tool_call_validity() -> None:
     """Telemetry's tool-call validity (K2-Vendor-Verifier's schema accuracy) comes from here."""
-    record = outcome_to_record(_outcome(), node="n1", deployment="kimi", now=1000.0)
+    record = _outcome().to_record(node="n1", deployment="kimi", now=1000.0)
+    assert record.record_source == telemetry_pb2.RECORD_SOURCE_REPLICA
     assert (record.source, record.model, record.deployment, record.replica, record.node) == (
-        "node-agent",
+        "replica",
         "kimi-tiny",
         "kimi",
         "r0",
@@ -64,8 +65,9 @@ def test_record_carries_latency_tokens_and_tool_call_validity() -> None:
 
 def test_cancelled_requests_and_long_gap_lists() -> None:
     """A client that left is an abort; gap lists are thinned to what telemetry keeps."""
-    record = outcome_to_record(
-        _outcome(status="cancelled", finish_reason="", itl_seconds=tuple([0.01] * 1000)),
+    record = _outcome(
+        ending=Ending(End.CANCELLED, "abort"), itl_seconds=tuple([0.01] * 1000)
+    ).to_record(
         node="n",
         deployment="",
         now=10.0,

@@ -19,11 +19,10 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.replica.engines.base import EngineOutput, SamplingParams
-from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache, RequestOutcome
+from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.pipeline.coalesce import CoalescingEngine, merge_outputs
-from inferplane.replica.pipeline.servicer import StreamMetrics
+from inferplane.replica.server import InferenceServicer, RequestOutcome, StreamMetrics
 from inferplane.replica.testing.pipeline import (
-    FakeDirectory,
     FakeReplica,
     ScriptedEngine,
     TickingClock,
@@ -136,7 +135,7 @@ def serve(
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
     servicer = InferenceServicer(
-        FakeDirectory([FakeReplica("r1", kimi_tiny_spec(), engine)]),
+        FakeReplica("r1", kimi_tiny_spec(), engine),
         assets,
         clock=TickingClock(),
         on_outcome=outcomes.append if outcomes is not None else (lambda _o: None),

@@ -33,10 +33,9 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2_grpc
 from inferplane.replica.engines.base import EngineClient
 from inferplane.replica.hosts import EngineHost
-from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache
-from inferplane.replica.pipeline.outcome import OutcomeSink, discard_outcome
-from inferplane.replica.pipeline.records import record_sender
-from inferplane.replica.pipeline.servicer import StreamMetrics
+from inferplane.replica.pipeline import ModelAssetsCache
+from inferplane.replica.server import InferenceServicer, StreamMetrics
+from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine

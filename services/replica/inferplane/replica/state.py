@@ -1,8 +1,8 @@
 """The replica process's one replica: admission, load, drain, and its engine's requests.
 
-`ReplicaState` is both the pipeline's `ReplicaDirectory` and its only `LocalReplica`. The
-endpoint picker already chose this replica for the request's model (aliases included), so every
-model name maps to it; `admit` decides whether it may run now.
+`ReplicaState` is the server's one `LocalReplica` (`inferplane.replica.server` takes it
+directly: the endpoint picker already chose this replica for the request's model, aliases
+included); `admit` decides whether it may run now.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class TrackedEngine:
 
 
 class ReplicaState:
-    """This process's replica (`LocalReplica`) and its directory (`ReplicaDirectory`).
+    """This process's replica (`LocalReplica`).
 
     Args:
         replica_id: the replica id.
@@ -266,14 +266,6 @@ class ReplicaState:
                 )
             raise UnavailableError(f"replica {self._id} is not ready", code="replica_not_ready")
         return self._admitted()
-
-    # -- ReplicaDirectory ----------------------------------------------------------------------
-
-    def ready_replicas(self, model: str) -> Sequence[ReplicaState]:
-        return (self,)
-
-    def known_models(self) -> Sequence[nodeagent_pb2.ReplicaSpec]:
-        return (self._spec,)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """The replica process's view of its engine: the one small interface pipeline and engines share.
 
-The replica process (`inferplane.replica.app`) hosts one engine and hands the pipeline a
-`LocalReplica`; the inference pipeline (`inferplane.replica.pipeline`) renders, generates
-through `EngineClient`, and parses. Engine transports (vLLM's AsyncLLM in-process, vLLM's HTTP
-server, vLLM's gRPC `VllmEngine/Generate`) implement `EngineClient`; nothing above this file
-knows which.
+The replica process (`inferplane.replica.app`) hosts one engine and hands the server
+(`inferplane.replica.server`) its one `LocalReplica`; the inference pipeline
+(`inferplane.replica.pipeline`) renders, generates through `EngineClient`, and parses. Engine
+transports (vLLM's AsyncLLM in-process, vLLM's HTTP server, vLLM's gRPC `VllmEngine/Generate`)
+implement `EngineClient`; nothing above this file knows which.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class Admitted:
 
 
 class LocalReplica(Protocol):
-    """A replica on this node as the pipeline sees it."""
+    """The process's replica as the server sees it (`state.ReplicaState`; fakes in tests)."""
 
     @property
     def replica_id(self) -> str:
@@ -234,17 +234,4 @@ class LocalReplica(Protocol):
         request's GPU-seconds once the context exits. Raises
         `inferplane.runtime.UnavailableError` when the replica is not READY (draining, starting,
         restarting) so that the router can go elsewhere."""
-        ...
-
-
-class ReplicaDirectory(Protocol):
-    """Finds the replicas of this node that serve a model."""
-
-    def ready_replicas(self, model: str) -> Sequence[LocalReplica]:
-        """READY replicas whose served_model_name (or deployment) is `model`, least loaded first.
-        Empty when none is ready."""
-        ...
-
-    def known_models(self) -> Sequence[nodeagent_pb2.ReplicaSpec]:
-        """Specs of every replica on the node (for ListModels), one per served model."""
         ...

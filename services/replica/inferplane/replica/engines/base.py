@@ -203,6 +203,23 @@ class EngineClient(Protocol):
         ...
 
 
+@runtime_checkable
+class TracksRequests(Protocol):
+    """An engine that keeps its generations in flight (the replica's `state.TrackedEngine`),
+    so that shutdown can abort them. A `Generation` tells it about each request once, never
+    per token: `was_shut` when the engine reports the request finished, `release` when the
+    request leaves the generation however it ended."""
+
+    def was_shut(self, request_id: str) -> bool:
+        """True when the replica aborted the request at shutdown (`abort_all`): its finish
+        is then an error, never a complete response."""
+        ...
+
+    def release(self, request_id: str, *, failed: bool) -> None:
+        """The request is no longer in flight; `failed`: it ended with an `EngineError`."""
+        ...
+
+
 @dataclasses.dataclass(slots=True)
 class Admitted:
     """One admitted request: `gpu_seconds` is set when it leaves the replica

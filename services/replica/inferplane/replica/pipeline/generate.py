@@ -22,6 +22,7 @@ from inferplane.replica.engines.base import (
     EngineError,
     EngineOutput,
     SamplingParams,
+    TracksRequests,
 )
 from inferplane.replica.pipeline.detokenize import Piece, TextStage
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
@@ -90,6 +91,8 @@ class Generation:
         self.request_id = request_id
         self.session = session
         self._engine = engine
+        # The replica's engine keeps requests in flight (told once per request, not per token).
+        self._tracking = engine if isinstance(engine, TracksRequests) else None
         self._prompt_ids = prompt_ids
         self._params = params
         self._stop_ids = stop_token_ids | frozenset(params.stop_token_ids)
@@ -127,6 +130,7 @@ class Generation:
         interval = StreamInterval(self._params.stream_interval or 1)
         text = self._text
         finished = False
+        failed = False
         try:
             async for out in stream:
                 ids, hide_last = self._observe(out)
@@ -146,19 +150,25 @@ class Generation:
                 retryable=not self.started_output,
             )
         except EngineError as exc:
+            failed = True
             held = interval.held()
             if held is not None:
                 yield held  # what was generated before the failure still reaches the client
             raise engine_error(exc) from exc
         finally:
-            if not finished or text.stopped is not None:
-                # The EngineClient contract aborts when its iterator is closed; the explicit
-                # abort also covers a stop string matched here while the engine runs on.
-                await _close(stream)
-                # shielded: a second cancellation must not skip the abort.
-                await asyncio.shield(engine.abort(self.request_id))
-            else:
-                await _close(stream)
+            try:
+                if not finished or text.stopped is not None:
+                    # The EngineClient contract aborts when its iterator is closed; the
+                    # explicit abort also covers a stop string matched here while the engine
+                    # runs on.
+                    await _close(stream)
+                    # shielded: a second cancellation must not skip the abort.
+                    await asyncio.shield(engine.abort(self.request_id))
+                else:
+                    await _close(stream)
+            finally:
+                if self._tracking is not None:
+                    self._tracking.release(self.request_id, failed=failed)
 
     # -- the stages ----------------------------------------------------------------------------
 
@@ -167,8 +177,12 @@ class Generation:
         latencies and the engine's counts.
 
         Raises:
-            EngineError: the engine ended the request other than by "stop" or "length".
+            EngineError: the engine ended the request other than by "stop" or "length", or
+                the replica aborted it at shutdown (`TracksRequests.was_shut`: whatever the
+                finish says, the response is cut short).
         """
+        if out.finished and self._tracking is not None and self._tracking.was_shut(self.request_id):
+            raise EngineError("the replica shut down before the request finished")
         now = self._clock.monotonic()
         if self._last is None:
             self.ttft_seconds = now - self._started

@@ -24,6 +24,7 @@ from inferplane.replica_contract import (
     pooling_args,
     replica_task,
     resolve_transport,
+    with_enum_fields,
 )
 from inferplane.runtime.identity import PeerSecurity
 
@@ -135,3 +136,21 @@ def test_tasks_and_transports_keep_their_strings() -> None:
     assert pooling_args(spec) == ["--runner", "pooling"]
     with pytest.raises(ValueError, match="cannot serve embeddings"):
         resolve_transport(nodeagent_pb2.ReplicaSpec(task="embed", transport="grpc"))
+
+
+def test_the_enum_fields_win_over_the_deprecated_strings() -> None:
+    na = nodeagent_pb2
+    every_task = {t: getattr(na, f"REPLICA_TASK_{t.name}") for t in TASKS}
+    every_transport = {t: getattr(na, f"REPLICA_TRANSPORT_{t.name}") for t in TRANSPORTS}
+    for task, number in every_task.items():
+        assert with_enum_fields(na.ReplicaSpec(task="generate", replica_task=number)).task == task
+    for transport, number in every_transport.items():
+        spec = na.ReplicaSpec(replica_transport=number)
+        assert with_enum_fields(spec).transport == transport
+    # No enum: the strings stand; the input is not modified.
+    legacy = na.ReplicaSpec(task="embed", transport="grpc")
+    assert with_enum_fields(legacy) == legacy
+    enum_only = na.ReplicaSpec(replica_task=na.REPLICA_TASK_EMBED)
+    assert with_enum_fields(enum_only).task == "embed" and enum_only.task == ""
+    with pytest.raises(ValueError, match="ReplicaTask value 99"):
+        with_enum_fields(na.ReplicaSpec(replica_task=99))

@@ -418,6 +418,31 @@ async def test_an_engine_argument_off_the_allow_list_starts_nothing(tmp_path: Pa
     await manager.close()
 
 
+async def test_a_spec_sent_with_enum_fields_only_runs_what_they_name(tmp_path: Path) -> None:
+    """The enum fields win over the deprecated strings: an enum-only `embed` spec is refused
+    on `grpc` (no embeddings there) and started as `embed` on `http-completions`."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    na = nodeagent_pb2
+    grpc_embed = na.ReplicaSpec(
+        model_source="/models/x",
+        replica_task=na.REPLICA_TASK_EMBED,
+        replica_transport=na.REPLICA_TRANSPORT_GRPC,
+    )
+    with pytest.raises(FailedPreconditionError, match="cannot serve embeddings"):
+        await manager.start("r1", grpc_embed)
+    spec = na.ReplicaSpec(
+        model_source="/models/x",
+        task="generate",
+        replica_task=na.REPLICA_TASK_EMBED,
+        replica_transport=na.REPLICA_TRANSPORT_HTTP_COMPLETIONS,
+    )
+    replica = await manager.start("r1", spec)
+    assert (replica.spec.task, replica.spec.transport) == ("embed", "http-completions")
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    assert len(spawner.plans) == 1
+    await manager.close()
+
+
 async def test_a_drained_replica_that_restarts_stays_draining(tmp_path: Path) -> None:
     """Invariant: a replica process that replaces a drained one is drained as soon as it
     serves: it must not admit requests the picker may still send."""

@@ -28,6 +28,7 @@ from inferplane.replica_contract import (
     has_nvidia_gpu,
     replica_task,
     resolve_transport,
+    with_enum_fields,
 )
 from inferplane.runtime import (
     AlreadyExistsError,
@@ -121,6 +122,11 @@ class ReplicaManager:
             raise FailedPreconditionError(
                 "spec.model_source is required", reason="INVALID_SPEC", param="spec.model_source"
             )
+        try:
+            # The enum fields win over the deprecated strings (which the replica reads).
+            spec = with_enum_fields(spec)
+        except ValueError as exc:
+            raise FailedPreconditionError(str(exc), reason="INVALID_SPEC", param="spec") from None
         try:
             replica_task(spec)
         except ValueError as exc:

@@ -9,14 +9,11 @@ from contextlib import aclosing
 import pytest
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.parsers import PlainSession
-from inferplane.replica.engines.base import SamplingParams
-from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.server import End, Ending, RequestFacts
 from inferplane.replica.testing.pipeline import (
     ScriptedEngine,
     TickingClock,
-    kimi_tiny_assets,
+    kimi_tiny_generation,
     kimi_tiny_ids,
     script,
 )
@@ -97,21 +94,6 @@ def test_an_embedding_or_speech_request_ends_the_same_in_every_view(end: str) ->
     _views_agree(facts, EXPECTED[end])
 
 
-def _generation(engine: ScriptedEngine, clock: TickingClock, started: float) -> Generation:
-    assets = kimi_tiny_assets()
-    return Generation(
-        engine=engine,
-        request_id="chatcmpl-1",
-        prompt_ids=[1, 2, 3],
-        params=SamplingParams(max_tokens=16),
-        backend=assets.backend,
-        stop_token_ids=assets.eos_token_ids,
-        session=PlainSession(),
-        clock=clock,
-        started=started,
-    )
-
-
 @pytest.mark.parametrize("end", ENDS)
 def test_a_generation_ends_the_same_in_every_view(end: str) -> None:
     """A generation: output has started with the engine's first increment; completed says the
@@ -122,9 +104,8 @@ def test_a_generation_ends_the_same_in_every_view(end: str) -> None:
         script(kimi_tiny_ids("hello there friend"), prompt_tokens=3),
         fail_at=0 if fails_before else None,
     )
-    started = clock.monotonic()
-    gen = _generation(engine, clock, started)
-    facts = RequestFacts("chat", True, "kimi-tiny", started=started)
+    gen = kimi_tiny_generation(engine, request_id="chatcmpl-1", clock=clock)
+    facts = RequestFacts("chat", True, "kimi-tiny", started=clock.monotonic())
     facts.replica = "r1"
     facts.gen = gen
 

@@ -8,14 +8,12 @@ from contextlib import aclosing
 
 import pytest
 
-from inferplane.parsers import PlainSession
-from inferplane.replica.engines.base import SamplingParams, TracksRequests
+from inferplane.replica.engines.base import TracksRequests
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.state import TrackedEngine
 from inferplane.replica.testing.pipeline import (
     ScriptedEngine,
-    TickingClock,
-    kimi_tiny_assets,
+    kimi_tiny_generation,
     kimi_tiny_ids,
     script,
 )
@@ -24,20 +22,8 @@ from inferplane.runtime import UnavailableError
 OUTPUTS = script(kimi_tiny_ids("one two three four"), prompt_tokens=3)
 
 
-def _generation(engine: TrackedEngine, request_id: str = "cmpl-1") -> Generation:
-    assets = kimi_tiny_assets()
-    clock = TickingClock()
-    return Generation(
-        engine=engine,
-        request_id=request_id,
-        prompt_ids=[1, 2, 3],
-        params=SamplingParams(max_tokens=16),
-        backend=assets.backend,
-        stop_token_ids=assets.eos_token_ids,
-        session=PlainSession(),
-        clock=clock,
-        started=clock.monotonic(),
-    )
+def _generation(engine: TrackedEngine) -> Generation:
+    return kimi_tiny_generation(engine, request_id="cmpl-1")
 
 
 def test_generate_hands_out_the_inner_stream_and_the_generation_releases_it() -> None:

@@ -20,6 +20,7 @@ import grpc
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.parsers import PlainSession
 from inferplane.replica.engines.base import (
     Admitted,
     EngineError,
@@ -27,6 +28,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
 )
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
+from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica_contract import Task, Transport
 from inferplane.runtime import ErrorInterceptor, UnavailableError
 from inferplane.testing.clock import FakeClock
@@ -236,6 +238,26 @@ class TickingClock(FakeClock):
     def monotonic(self) -> float:
         self.advance(self.step)
         return super().monotonic()
+
+
+def kimi_tiny_generation(
+    engine: Any, *, request_id: str = "cmpl-1", clock: TickingClock | None = None
+) -> Generation:
+    """A `Generation` of the fixture model on `engine` (prompt `[1, 2, 3]`, 16 tokens at
+    most, no parser), arriving now on `clock` (default: a fresh `TickingClock`)."""
+    clock = clock or TickingClock()
+    assets = kimi_tiny_assets()
+    return Generation(
+        engine=engine,
+        request_id=request_id,
+        prompt_ids=[1, 2, 3],
+        params=SamplingParams(max_tokens=16),
+        backend=assets.backend,
+        stop_token_ids=assets.eos_token_ids,
+        session=PlainSession(),
+        clock=clock,
+        started=clock.monotonic(),
+    )
 
 
 @asynccontextmanager

@@ -4,7 +4,8 @@ The edge's transcoder parses request bodies into protos; internal code sometimes
 request back as OpenAI JSON (the renderer takes dicts), and the router writes streamed chunks
 as exact SSE bytes (`data: {json}\\n\\n`, then `data: [DONE]\\n\\n`). Two proto JSON-mapping
 quirks are undone here: int64 fields print as strings, and numbers inside
-`google.protobuf.Struct` come back as floats (`0` → `0.0`; DESIGN.md, Envoy facts).
+`google.protobuf.Struct` come back as floats (`0` → `0.0`: Struct holds every number as a
+`double`, google/protobuf/struct.proto).
 The audio routes' multipart/form-data bodies pass the edge unparsed; `read_form` reads them.
 """
 

@@ -1,6 +1,6 @@
 """`ResponseSummary`: what a replica tells the endpoint picker about a finished request.
 
-On the v2 data path (DESIGN.md) Envoy relays the tokens and the router (the endpoint picker)
+On the data path (docs/architecture.md) Envoy relays the tokens and the router (the endpoint picker)
 never sees a response body. A replica therefore ends every InferenceService response with
 trailing metadata that summarises it: usage, finish reason, TTFT and which replica served.
 Envoy hands those trailers to the picker over ext_proc (`response_trailers`), which releases

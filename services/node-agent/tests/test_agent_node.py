@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import grpc
@@ -115,7 +114,47 @@ async def test_registration_and_heartbeats() -> None:
                 await asyncio.sleep(0.02)
         assert orchestrator.registered[0].node == "n1" and registrar.registered
     finally:
-        await _cancel(task)
+        await _stop(registrar, task)
+        await server.stop(0)
+
+
+class StreamRecorder(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Keeps every stream-stream call the registrar makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[grpc.aio.StreamStreamCall] = []
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        call = await continuation(client_call_details, request_iterator)
+        self.calls.append(call)
+        return call
+
+
+@pytest.mark.anyio
+async def test_stop_half_closes_the_heartbeat_stream_rather_than_cancelling_it() -> None:
+    """The heartbeat stream ends with the orchestrator's OK after the node-agent's half-close,
+    not CANCELLED, and `run()` returns once it ended: no call of the registrar is left to
+    complete in gRPC core after the event loop that made it closed."""
+    orchestrator = Orchestrator()
+    server, port = await _serve(orchestrator)
+    streams = StreamRecorder()
+    registrar = Registrar(
+        f"127.0.0.1:{port}",
+        lambda: na.NodeStatus(node="n1"),
+        clock=PacedClock(),
+        channel_factory=lambda address: grpc.aio.insecure_channel(address, interceptors=[streams]),
+    )
+    task = asyncio.create_task(registrar.run())
+    try:
+        async with asyncio.timeout(10):
+            while len(orchestrator.beats) < 2:
+                await asyncio.sleep(0.02)
+        registrar.stop()
+        async with asyncio.timeout(5):
+            await task
+        assert [await call.code() for call in streams.calls] == [grpc.StatusCode.OK]
+    finally:
+        task.cancel()
         await server.stop(0)
 
 
@@ -135,7 +174,7 @@ async def test_an_orchestrator_without_node_service_never_crashes_the_agent() ->
         assert not task.done() and not registrar.registered
         assert clock.slept[:2] == [30, 30]
     finally:
-        await _cancel(task)  # its channel closes before the test's loop does
+        await _stop(registrar, task)  # its channel closes before the test's loop does
         await server.stop(0)
     unreachable = Registrar("127.0.0.1:1", lambda: na.NodeStatus(), clock=PacedClock())
     task = asyncio.create_task(unreachable.run())
@@ -143,12 +182,15 @@ async def test_an_orchestrator_without_node_service_never_crashes_the_agent() ->
         while unreachable.attempts < 3:
             await asyncio.sleep(0.02)
     assert not task.done()
-    await _cancel(task)
+    await _stop(unreachable, task)
 
 
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+async def _stop(registrar: Registrar, task: asyncio.Task[None]) -> None:
+    """Stops the registrar as the node-agent's shutdown does: no RPC of it is cancelled in
+    flight, so none completes in gRPC core after this test's event loop closed (gRPC's poller
+    would hand it to the next test's loop: `RuntimeError: Event loop is closed` there)."""
+    registrar.stop()
+    async with asyncio.timeout(15):  # RegisterNode's own deadline is 10 s
         await task
 
 
@@ -185,7 +227,7 @@ async def test_a_node_agent_given_several_orchestrators_registers_with_the_leade
         assert standby.calls == 1 and registrar.attempts == 3
         assert clock.slept[:2] == [SWITCH_SECONDS, SWITCH_SECONDS]
     finally:
-        await _cancel(task)
+        await _stop(registrar, task)
         await s_server.stop(0)
         await l_server.stop(0)
     # None answers: one pass at the switch pace, then the backoff, and round again.
@@ -196,5 +238,5 @@ async def test_a_node_agent_given_several_orchestrators_registers_with_the_leade
     async with asyncio.timeout(10):
         while lost.attempts < 5:
             await asyncio.sleep(0.02)
-    await _cancel(task)
+    await _stop(lost, task)
     assert clock.slept[:4] == [SWITCH_SECONDS, 1.0, SWITCH_SECONDS, 2.0]

@@ -10,6 +10,13 @@ session the next attempt goes to the next one at once (`SWITCH_SECONDS` later), 
 exponential backoff applies only once every one of them failed in a row, so a node-agent
 finds a new leader within one pass over the list rather than after a long backoff that could
 outlast the orchestrator's heartbeat timeout.
+
+`stop()` ends registration without cancelling an RPC in flight: the heartbeat stream ends by
+the node-agent's half-close, which the orchestrator answers by ending the RPC, and a
+`RegisterNode` already sent gets its answer. A cancelled grpc.aio call completes in gRPC core
+later, after the task that made it has gone; if the event loop closes meanwhile, gRPC's
+poller hands that completion to whichever event loop uses gRPC next (`RuntimeError: Event
+loop is closed` there).
 """
 
 from __future__ import annotations
@@ -57,17 +64,23 @@ class Registrar:
         self.registered = False
         self.heartbeats_sent = 0
         self.attempts = 0
+        self._stopping = asyncio.Event()
 
     @property
     def address(self) -> str:
         """The orchestrator this node registers with now (host:port)."""
         return self._addresses[self._index]
 
+    def stop(self) -> None:
+        """Makes `run()` return once its RPC in flight, if any, has ended (a heartbeat stream
+        is half-closed at once); await the task that runs it, with a bound of your own."""
+        self._stopping.set()
+
     async def run(self) -> None:
-        """Registers and heartbeats until cancelled."""
+        """Registers and heartbeats until `stop()` (or until cancelled)."""
         failures = 0
         failed_here = 0  # sessions failed in a row since the last full pass over the list
-        while True:
+        while not self._stopping.is_set():
             self.attempts += 1
             try:
                 await self._session()
@@ -75,6 +88,8 @@ class Registrar:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stopping.is_set():
+                    return
                 if self.registered:  # it was serving: a fresh failure, not one more in a row
                     failures = failed_here = 0
                 self.registered = False
@@ -88,7 +103,7 @@ class Registrar:
                             next=self.address,
                             error=_describe(exc),
                         )
-                        await self._clock.sleep(SWITCH_SECONDS)
+                        await self._pause(SWITCH_SECONDS)
                         continue
                 failed_here, failures = 0, failures + 1
                 await self._backoff(exc, failures, failed)
@@ -122,7 +137,17 @@ class Registrar:
                 retry_in_seconds=delay,
                 exc_info=exc,
             )
-        await self._clock.sleep(delay)
+        await self._pause(delay)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleeps `seconds` on the clock, or until `stop()`."""
+        sleep = asyncio.ensure_future(self._clock.sleep(seconds))
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({sleep, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            stopped.cancel()
 
     def _delay(self, failures: int) -> float:
         from tenacity import RetryCallState
@@ -142,12 +167,15 @@ class Registrar:
             self.registered = True
             interval = float(response.heartbeat_interval_seconds or self._interval)
             log.info("node_registered", address=address, heartbeat_seconds=interval)
+            if self._stopping.is_set():
+                return
 
             async def beats() -> AsyncIterator[orchestrator_pb2.StreamHeartbeatsRequest]:
-                while True:
+                # Ends at stop(): gRPC then half-closes the stream, and the orchestrator ends it.
+                while not self._stopping.is_set():
                     self.heartbeats_sent += 1
                     yield orchestrator_pb2.StreamHeartbeatsRequest(status=self._status())
-                    await self._clock.sleep(interval)
+                    await self._pause(interval)
 
             call = stub.StreamHeartbeats(beats())
             async for answer in call:

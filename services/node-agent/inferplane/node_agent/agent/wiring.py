@@ -37,6 +37,9 @@ log = structlog.get_logger("inferplane.node_agent")
 
 AGENT_VERSION = "0.1.0"
 
+#: How long shutdown waits for the registration's RPC in flight before cancelling it.
+REGISTRAR_STOP_SECONDS = 5.0
+
 
 def supervisor_config(settings: NodeAgentSettings) -> SupervisorConfig:
     """The supervisor's knobs from the node-agent's settings. Replica processes bind the
@@ -132,7 +135,12 @@ class NodeAgentParts:
         await asyncio.gather(*(r.drain(0) for r in self.manager.list()), return_exceptions=True)
 
     async def stop(self) -> None:
-        """The gRPC server stopped: stop every replica process and the registration."""
+        """The gRPC server stopped: stop the registration (its RPC in flight ends first, at
+        most `REGISTRAR_STOP_SECONDS`: `Registrar.stop`) and every replica process."""
+        if self.registrar is not None:
+            self.registrar.stop()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=REGISTRAR_STOP_SECONDS)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

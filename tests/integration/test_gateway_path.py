@@ -37,7 +37,7 @@ from inferplane.auth.app import build_components as build_auth
 from inferplane.auth.domain import KeySpec
 from inferplane.auth.settings import AuthSettings
 from inferplane.edge import EnvoyProcess, NodeEnvoyConfig, render_node_bootstrap
-from inferplane.edge._resources import build_upstream_tls
+from inferplane.edge._clusters import build_upstream_tls
 from inferplane.replica.app import INFERENCE_CALLERS
 from inferplane.router.app import build_app as build_router
 from inferplane.router.settings import RouterSettings

@@ -16,8 +16,8 @@ from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorC
 from inferplane.node_agent.supervisor.process import LaunchPlan
 from inferplane.testing.clock import FakeClock
 
-from .test_supervisor_process import SPEC, manager_for
 from .test_supervisor_manager import FakeClient, FakeSpawner
+from .test_supervisor_process import SPEC, manager_for
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test command (README): sets up what it needs (idempotent), then runs every check CI runs:
+# The test command (README): sets up what it needs (idempotent), then runs the checks CI runs:
 # generated-code drift, buf lint, buf breaking against the previous commit, ruff, mypy of libs/,
-# and the pytest suite (unit, integration and end-to-end), each pass listing its 25 slowest tests.
+# and the pytest suite (unit, integration and end-to-end; the long scenario suites only with
+# --scenarios, as CI does), each pass listing its 25 slowest tests.
 #
 #   ./scripts/test.sh [--scenarios] [pytest args]
 #

@@ -5,7 +5,7 @@ then tool calls with large arguments), tokenized by the REAL fixture tokenizer
 (models/kimi-tiny), through the pipeline's stages with an engine that costs nothing, one token
 per engine increment (the worst case: vLLM streams one token per step per request):
 
-- `detokenize`: `TextStage.push` (DecodeStream + stop-string bookkeeping);
+- `detokenize`: `IncrementalDetokenizer.push` (DecodeStream + stop-string bookkeeping);
 - `detokenize_parse`: `Generation.steps()` (async iteration, detokenize, the Kimi parser
   session per token (which also assembles the response and counts reasoning tokens), stream
   interval);
@@ -31,7 +31,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.replica.engines.base import EngineOutput, SamplingParams
 from inferplane.replica.pipeline.chunks import ChatChunks
-from inferplane.replica.pipeline.detokenize import TextStage
+from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.testing.pipeline import (
     TickingClock,
@@ -119,10 +119,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=n)
 
     def detokenize() -> None:
-        stage = TextStage(assets.backend, prompt)
+        detokenizer = IncrementalDetokenizer(assets.backend, prompt)
         for out in outputs:
-            stage.push(out.token_ids)
-        stage.finish()
+            detokenizer.push(out.token_ids)
+        detokenizer.finish()
 
     def generation(build_chunks: bool) -> None:
         async def go() -> None:

@@ -10,7 +10,7 @@ With the queue (issue 18's fair queuing): at 1,000 and at 10,000 replicas all at
 (4 each), with 10,000 requests waiting from 100 API keys (Zipf-distributed sizes: fair service
 drains the light keys, so the queue holds mostly the heavy ones) or from 10,000 keys (uniform:
 thousands of keys waiting), one key in ten of the priority tier, a slot is freed and the
-queue's fair-share head is granted (`Lease.release`: counters, fair pick, policy, slot taken)
+queue's fair-share head is granted (`Slot.release`: counters, fair pick, policy, slot taken)
 — the decision on every freed slot — and a new request joins the queue (`Admission.acquire`
 up to its wait: the waiters go first, the O(1) "all full" check, the key's share checked, the
 flow heap pushed, the timer set). It prints how many keys were waiting on average.
@@ -36,7 +36,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
-from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.policies import default_registry
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
@@ -111,23 +111,23 @@ def bench(policy: str, n: int, features: list[RequestFeatures], decisions: int) 
     admission.apply(RouteTable.of([route]))
     deployment = admission._deployments["m"]
     rng = random.Random(n)
-    held: list[Lease] = []
+    held: list[Slot] = []
     target = 4 * n
     timings: list[float] = []
     for i in range(decisions + 200):
         feature = features[i % len(features)]
         start = time.perf_counter_ns()
-        lease = admission._try(deployment, feature, frozenset())
+        slot = admission._try(deployment, feature, frozenset())
         elapsed = (time.perf_counter_ns() - start) / 1000
         if i >= 200:  # warm-up: ring built, caches filled
             timings.append(elapsed)
-        assert lease is not None
-        lease.first_chunk()
-        held.append(lease)
+        assert slot is not None
+        slot.first_chunk()
+        held.append(slot)
         while len(held) > target:
             held.pop(rng.randrange(len(held))).release()
-    for lease in held:
-        lease.release()
+    for slot in held:
+        slot.release()
     return timings
 
 
@@ -168,13 +168,13 @@ def bench_queued(
         key = keys[k]
         return dataclasses.replace(base, flow=key.flow, weight=key.weight)
 
-    held: list[Lease] = []
+    held: list[Slot] = []
     while admission.replicas("m").total_in_flight < 4 * n:
-        lease = admission._try(admission._deployments["m"], request(), frozenset())
-        assert lease is not None
-        lease.first_chunk()
-        held.append(lease)
-    queued: dict[int, Coroutine[Any, Any, Lease]] = {}  # id(future it waits on) -> acquire
+        slot = admission._try(admission._deployments["m"], request(), frozenset())
+        assert slot is not None
+        slot.first_chunk()
+        held.append(slot)
+    queued: dict[int, Coroutine[Any, Any, Slot]] = {}  # id(future it waits on) -> acquire
 
     def enqueue() -> float:
         while True:
@@ -203,13 +203,13 @@ def bench_queued(
         elapsed = (time.perf_counter_ns() - start) / 1000
         assert head.future.done()
         try:
-            queued.pop(id(head.future)).send(None)  # the waiter resumes with its lease
+            queued.pop(id(head.future)).send(None)  # the waiter resumes with its slot
         except StopIteration as done:
-            lease = done.value
+            slot = done.value
         else:
-            raise AssertionError("a granted waiter did not return its lease")
-        lease.first_chunk()
-        held.append(lease)
+            raise AssertionError("a granted waiter did not return its slot")
+        slot.first_chunk()
+        held.append(slot)
         joined = enqueue()
         if i >= 200:
             grants.append(elapsed)
@@ -217,8 +217,8 @@ def bench_queued(
             waiting_keys += queue.flows
     for coro in queued.values():
         coro.close()
-    for lease in held:
-        lease.release()
+    for slot in held:
+        slot.release()
     return grants, joins, waiting_keys / decisions
 
 

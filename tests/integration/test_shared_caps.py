@@ -22,7 +22,7 @@ from inferplane.orchestrator.leadership import GrantsJournal, LeaderLease
 from inferplane.orchestrator.routing import RoutingHub, make_table
 from inferplane.orchestrator.servicer import RoutingService
 from inferplane.orchestrator.store.lease import SqlLeaseStore, SqlRouterGrants
-from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.features import RequestFeatures
 from inferplane.router.leases import CapLease
 from inferplane.router.policies import default_registry
@@ -63,7 +63,7 @@ class Router:
         replicas = self.admission.replicas("m")
         return 0 if replicas is None else replicas.total_in_flight
 
-    def acquire(self) -> asyncio.Future[Lease]:
+    def acquire(self) -> asyncio.Future[Slot]:
         route = self.source.current().get("m")
         assert route is not None
         return asyncio.ensure_future(self.admission.acquire(route, RequestFeatures()))
@@ -155,8 +155,8 @@ def test_two_routers_share_a_replicas_cap_and_a_gone_routers_share_returns_after
             assert all(f.done() for f in waiting_b) and total() == CAP
             # a goes away (crash or cut off: no release, no renewals); its requests end.
             await a.source.stop()
-            for lease in held:
-                lease.release()
+            for slot in held:
+                slot.release()
             more_b = [b.acquire(), b.acquire()]
             await _settle()
             for _ in range(int(LEASE)):

@@ -7,27 +7,29 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferplane.replica.pipeline.detokenize import TextStage
+from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer
 from inferplane.replica.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids
 
 TEXT = "Größe: 日本語のテキスト 😀🎉 </think> café <|tool_call_begin|> done"
 
 
-def _stage(stop: tuple[str, ...] = (), min_tokens: int = 0) -> TextStage:
-    return TextStage(kimi_tiny_assets().backend, kimi_tiny_ids("Hi"), stop, min_tokens)
+def _detokenizer(stop: tuple[str, ...] = (), min_tokens: int = 0) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(kimi_tiny_assets().backend, kimi_tiny_ids("Hi"), stop, min_tokens)
 
 
-def _run(stage: TextStage, ids: list[int], sizes: list[int]) -> list[tuple[str, list[int]]]:
+def _run(
+    detokenizer: IncrementalDetokenizer, ids: list[int], sizes: list[int]
+) -> list[tuple[str, list[int]]]:
     pieces = []
     i = 0
     for n in sizes:
-        pieces += stage.push(ids[i : i + n])
+        pieces += detokenizer.push(ids[i : i + n])
         i += n
         if i >= len(ids):
             break
     if i < len(ids):
-        pieces += stage.push(ids[i:])
-    return pieces + stage.finish()
+        pieces += detokenizer.push(ids[i:])
+    return pieces + detokenizer.finish()
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,7 +40,7 @@ def test_any_increment_split_gives_the_text_without_replacement_characters(
     """Whatever the increments, the pieces join to the exact text, no piece holds U+FFFD, and
     every id appears exactly once, with the text it produced (markers whole, with their id)."""
     ids = kimi_tiny_ids(TEXT)
-    pieces = _run(_stage(), ids, sizes)
+    pieces = _run(_detokenizer(), ids, sizes)
     assert "".join(p[0] for p in pieces) == TEXT
     assert all("\ufffd" not in p[0] for p in pieces)
     assert [i for p in pieces for i in p[1]] == ids
@@ -52,39 +54,39 @@ def test_any_increment_split_gives_the_text_without_replacement_characters(
 def test_stop_string_cuts_the_text_at_its_first_occurrence(sizes: list[int], stop: str) -> None:
     """The text ends right before the first stop string, wherever token boundaries fall (the
     stop text may span tokens and increments); the stop is reported; nothing of it leaks."""
-    stage = _stage(stop=(stop, "never-there"))
-    pieces = _run(stage, kimi_tiny_ids(TEXT), sizes)
+    detokenizer = _detokenizer(stop=(stop, "never-there"))
+    pieces = _run(detokenizer, kimi_tiny_ids(TEXT), sizes)
     assert "".join(p[0] for p in pieces) == TEXT[: TEXT.index(stop)]
-    assert stage.stopped == stop
+    assert detokenizer.stopped == stop
 
 
 def test_earliest_completing_stop_wins_and_later_pushes_are_ignored() -> None:
     """With several stop strings in one increment the one that completes first wins (vLLM's
     rule); after a stop nothing more comes out, and tokens after it are not counted."""
     ids = kimi_tiny_ids("abc def ghi jkl")
-    stage = _stage(stop=("ghi", "def"))
-    pieces = stage.push(ids) + stage.push(ids) + stage.finish()
+    detokenizer = _detokenizer(stop=("ghi", "def"))
+    pieces = detokenizer.push(ids) + detokenizer.push(ids) + detokenizer.finish()
     assert "".join(p[0] for p in pieces) == "abc "
-    assert stage.stopped == "def"
-    assert stage.tokens < len(ids)
+    assert detokenizer.stopped == "def"
+    assert detokenizer.tokens < len(ids)
 
 
 def test_min_tokens_delays_stop_matching() -> None:
     """A stop string that ends within the first min_tokens tokens does not count (vLLM's
     min_tokens rule; one that ends after them does, wherever it starts)."""
     ids = kimi_tiny_ids("stop here, then stop again")  # st|o|p| |her|e|,| the|n| |st|o|p...
-    stage = _stage(stop=("stop",), min_tokens=4)
-    pieces = [p for i in ids for p in stage.push([i])] + stage.finish()
+    detokenizer = _detokenizer(stop=("stop",), min_tokens=4)
+    pieces = [p for i in ids for p in detokenizer.push([i])] + detokenizer.finish()
     assert "".join(p[0] for p in pieces) == "stop here, then "
 
 
 def test_hidden_last_token_is_counted_not_shown() -> None:
     """The final eos token counts as a completion token but never appears in the text."""
     ids = kimi_tiny_ids("done<|im_end|>")
-    stage = _stage()
-    pieces = stage.push(ids, hide_last=True) + stage.finish()
+    detokenizer = _detokenizer()
+    pieces = detokenizer.push(ids, hide_last=True) + detokenizer.finish()
     assert "".join(p[0] for p in pieces) == "done"
-    assert stage.tokens == len(ids)
+    assert detokenizer.tokens == len(ids)
 
 
 def test_cost_per_token_is_flat() -> None:
@@ -98,10 +100,10 @@ def test_cost_per_token_is_flat() -> None:
     ids = kimi_tiny_ids(words)
 
     def per_token(n: int) -> float:
-        stage = _stage(stop=("zzzz-not-there",))
+        detokenizer = _detokenizer(stop=("zzzz-not-there",))
         start = time.perf_counter()
         for i in ids[:n]:
-            stage.push([i])
+            detokenizer.push([i])
         return (time.perf_counter() - start) / n
 
     per_token(2000)  # warm up

@@ -91,9 +91,9 @@ def test_priority_tier_is_served_before_earlier_standard_requests() -> None:
         order: list[str] = []
 
         async def wait(name: str, features: RequestFeatures) -> None:
-            lease = await a.acquire(r, features)
+            slot = await a.acquire(r, features)
             order.append(name)
-            lease.release()
+            slot.release()
 
         tasks = [
             asyncio.ensure_future(wait("standard-1", STANDARD)),
@@ -134,8 +134,8 @@ def test_a_replica_that_leaves_the_table_gets_no_new_request_at_once() -> None:
         a.apply(RouteTable.of([smaller]))
         keys = set()
         for _ in range(5):
-            lease = await a.acquire(smaller, STANDARD)
-            keys.add(lease.key)
+            slot = await a.acquire(smaller, STANDARD)
+            keys.add(slot.key)
         assert keys == {r.endpoints[1].key}
         in_flight.release()  # the old request still finishes cleanly
 
@@ -180,13 +180,13 @@ def test_breaker_opens_after_consecutive_failures_then_lets_one_probe_through() 
         )
         bad = r.endpoints[0].key
         for _ in range(3):
-            lease = await a.acquire(r, STANDARD, exclude=[r.endpoints[1].key])
-            assert lease.key == bad
-            lease.failed()
-            lease.release()
+            slot = await a.acquire(r, STANDARD, exclude=[r.endpoints[1].key])
+            assert slot.key == bad
+            slot.failed()
+            slot.release()
         # Open: everything goes to the other replica, even when it is busier.
-        leases = [await a.acquire(r, STANDARD) for _ in range(3)]
-        assert {lease.key for lease in leases} == {r.endpoints[1].key}
+        slots = [await a.acquire(r, STANDARD) for _ in range(3)]
+        assert {slot.key for slot in slots} == {r.endpoints[1].key}
         clock.advance(10)
         probe = await a.acquire(r, STANDARD)
         assert probe.key == bad  # half-open: one probe

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
-from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.features import (
     TIER_WEIGHT,
     FeatureExtractor,
@@ -81,14 +81,14 @@ async def _run(
     async def client(name: str, features: RequestFeatures) -> None:
         t0 = clock.monotonic()
         try:
-            lease = await a.acquire(r, features)
+            slot = await a.acquire(r, features)
         except ResourceExhaustedError as error:
             assert error.retry_after_seconds and error.code == "model_overloaded"
             out[name].refused += 1
             return
         out[name].waits.append(clock.monotonic() - t0)
         out[name].grant_times.append(clock.monotonic() - start)
-        scheduler.call_later(next(services), lease.release)
+        scheduler.call_later(next(services), slot.release)
 
     tasks = []
     for step in range(int(seconds / STEP)):
@@ -302,7 +302,7 @@ def test_metrics_show_the_waiting_keys_and_every_429_by_reason() -> None:
                 return
             raise AssertionError(f"{key} was not refused")
 
-        def queue(keys: str) -> list[asyncio.Future[Lease]]:
+        def queue(keys: str) -> list[asyncio.Future[Slot]]:
             return [asyncio.ensure_future(a.acquire(r, RequestFeatures(flow=k))) for k in keys]
 
         held = await a.acquire(r, RequestFeatures(flow="a"))
@@ -359,9 +359,9 @@ OPS = st.lists(
 @given(OPS)
 def test_no_waiter_is_lost_or_served_twice(ops: list[tuple[str, Any, float | None]]) -> None:
     """Invariant: under any mix of arrivals (some with a 1 s deadline), cancellations, slot
-    releases and time passing (queue timeout 3 s), every request ends exactly once (a lease,
+    releases and time passing (queue timeout 3 s), every request ends exactly once (a slot,
     a 429 or its cancellation); the queue holds exactly the requests still waiting; the slots
-    taken are exactly the leases not yet released; a request waits only while every slot is
+    taken are exactly the granted ones not yet released; a request waits only while every slot is
     taken; at the end nothing is left queued or held."""
 
     async def scenario() -> None:
@@ -370,10 +370,10 @@ def test_no_waiter_is_lost_or_served_twice(ops: list[tuple[str, Any, float | Non
             RouteTable.of([r]),
             AdmissionSettings(queue_timeout_seconds=3.0, max_queue_per_deployment=5),
         )
-        tasks: list[asyncio.Task[Lease]] = []
+        tasks: list[asyncio.Task[Slot]] = []
         released: set[int] = set()
 
-        def held() -> list[Lease]:
+        def held() -> list[Slot]:
             return [
                 t.result()
                 for t in tasks
@@ -405,26 +405,26 @@ def test_no_waiter_is_lost_or_served_twice(ops: list[tuple[str, Any, float | Non
                 if waiting:
                     waiting[int(arg) % len(waiting)].cancel()
             elif op == "release":
-                leases = held()
-                if leases:
-                    lease = leases[int(arg) % len(leases)]
-                    released.add(id(lease))
-                    lease.release()
+                slots = held()
+                if slots:
+                    slot = slots[int(arg) % len(slots)]
+                    released.add(id(slot))
+                    slot.release()
             else:
                 scheduler.advance(arg)
             await _settle()
             check()
-        while leases := held():
-            for lease in leases:
-                released.add(id(lease))
-                lease.release()
+        while slots := held():
+            for slot in slots:
+                released.add(id(slot))
+                slot.release()
             await _settle()
         scheduler.advance(10)
         await _settle()
-        while leases := held():
-            for lease in leases:
-                released.add(id(lease))
-                lease.release()
+        while slots := held():
+            for slot in slots:
+                released.add(id(slot))
+                slot.release()
             await _settle()
         assert all(t.done() for t in tasks)
         assert a.queue_length("d") == 0 and a.queued_flows("d") == 0

@@ -52,11 +52,11 @@ def test_a_decision_holds_a_slot_on_the_primary_and_lists_the_fallbacks_after_it
         decision = await director.decide(_chat("m-alias"))
         assert decision.route.deployment_key == "d"
         addresses = [e.address for e in decision.endpoints]
-        assert addresses[0] == decision.lease.endpoint.address
+        assert addresses[0] == decision.slot.endpoint.address
         assert len(addresses) == 3 == len(set(addresses))
         replicas = control.replicas("d")
         assert replicas is not None and replicas.total_in_flight == 1
-        decision.lease.release()
+        decision.slot.release()
         assert replicas.total_in_flight == 0
 
     asyncio.run(scenario())
@@ -110,7 +110,7 @@ def test_a_full_deployment_queues_the_request_until_a_slot_frees_or_the_wait_run
         second = asyncio.ensure_future(director.decide(_chat()))
         await asyncio.sleep(0)
         assert not second.done() and control.queue_length("d") == 1
-        first.lease.release()
+        first.slot.release()
         decision = await asyncio.wait_for(second, 5)
         assert decision.endpoints == first.endpoints
         third = asyncio.ensure_future(director.decide(_chat()))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
 from inferplane.router.features import FeatureExtractor, RequestFeatures
@@ -97,7 +97,7 @@ class Rig:
         assert replicas is not None
         return replicas.total_in_flight
 
-    async def hold(self, index: int) -> Lease:
+    async def hold(self, index: int) -> Slot:
         """Takes a slot on replica `index` directly (load from other requests)."""
         others = [e.key for i, e in enumerate(self.route.endpoints) if i != index]
         return await self.admission.acquire(self.route, RequestFeatures(), exclude=others)
@@ -169,8 +169,8 @@ def test_pick_is_the_least_loaded_replica_then_fallbacks_with_max_retries() -> N
             assert _set_headers(mutation) == {"x-envoy-max-retries": "2"}
             assert rig.in_flight() == 4  # the pick holds a slot on its primary
             await stream.close()
-            for lease in busy:
-                lease.release()
+            for slot in busy:
+                slot.release()
 
     asyncio.run(scenario())
 

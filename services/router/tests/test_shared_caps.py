@@ -19,7 +19,7 @@ import pytest
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
-from inferplane.router.admission import Admission, AdmissionSettings, Lease
+from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.app import build_app
 from inferplane.router.features import RequestFeatures
 from inferplane.router.leases import CapLease
@@ -120,7 +120,7 @@ class Router:
     async def receive(self, version: str) -> None:
         await _wait_for(lambda: self.source.current().version == version, version)
 
-    def acquire(self) -> asyncio.Future[Lease]:
+    def acquire(self) -> asyncio.Future[Slot]:
         return asyncio.ensure_future(self.admission.acquire(self.route, REQUEST))
 
     async def stop(self) -> None:

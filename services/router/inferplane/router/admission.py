@@ -1,6 +1,6 @@
 """Admission control: a concurrency cap per replica and a fair queue per deployment.
 
-A request takes a slot on one replica (`Lease`) before it is sent. When the deployment's policy
+A request takes a slot on one replica (`Slot`) before it is sent. When the deployment's policy
 finds no replica that can take it (all at their cap), the request waits in the deployment's
 queue for at most `queue_timeout_seconds`; past that it fails with RESOURCE_EXHAUSTED (HTTP
 429 + Retry-After), never a 5xx and never extra load on an engine already full (which would
@@ -76,9 +76,11 @@ class AdmissionSettings:
     breaker_open_seconds: float = 5.0
 
 
-class Lease:
-    """One request's slot on one replica. Call `first_chunk` when the replica answered and
-    `release` exactly once at the end (with `failed` before it for transport failures)."""
+class Slot:
+    """An admission grant: one request's slot on one replica (one unit of its concurrency
+    cap), held until the request ends, with no time bound (unlike the cap-share lease of
+    `set_lease`). Call `first_chunk` when the replica answered and `release` exactly once at
+    the end (with `failed` before it for transport failures)."""
 
     __slots__ = ("_controller", "_done", "_state", "_tokens", "_verdict", "endpoint")
 
@@ -136,7 +138,7 @@ REFUSAL_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT)
 class _Waiter:
     features: RequestFeatures
     exclude: frozenset[ReplicaKey]
-    future: asyncio.Future[Lease]
+    future: asyncio.Future[Slot]
 
 
 @dataclasses.dataclass(slots=True)
@@ -323,7 +325,7 @@ class Admission:
         *,
         exclude: Iterable[ReplicaKey] = (),
         timeout: float | None = None,
-    ) -> Lease:
+    ) -> Slot:
         """A slot on a replica of `route`'s deployment chosen by its policy, waiting in the
         deployment's queue when all are full (fair share across `features.flow`, see the
         module docstring).
@@ -344,9 +346,9 @@ class Admission:
         queue = deployment.queue
         if queue:  # a slot free now (a breaker's probe) goes to the fair head, not a newcomer
             self._pump(deployment)
-        lease = None if queue else self._try(deployment, features, excluded)
-        if lease is not None:
-            return lease
+        slot = None if queue else self._try(deployment, features, excluded)
+        if slot is not None:
+            return slot
         if not self._could_serve(deployment.replicas, excluded):
             raise UnavailableError(
                 f"no ready replica serves '{route.model}'", code="no_ready_replica"
@@ -360,7 +362,7 @@ class Admission:
         wait = self._settings.queue_timeout_seconds
         if timeout is not None:
             wait = max(0.0, min(wait, timeout))
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(features, excluded, future)
         ticket = queue.push(features.flow, features.weight, waiter)
         deployment_key = route.deployment_key
@@ -370,7 +372,7 @@ class Admission:
         try:
             return await future
         except asyncio.CancelledError:
-            # The caller went away; a lease granted in the same instant must not leak.
+            # The caller went away; a slot granted in the same instant must not leak.
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()
             raise
@@ -380,7 +382,7 @@ class Admission:
 
     def _try(
         self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
-    ) -> Lease | None:
+    ) -> Slot | None:
         replicas = deployment.replicas
         now = self.clock.monotonic()
         replicas.wake(now)
@@ -412,14 +414,14 @@ class Admission:
             for i, score in hidden:
                 replicas.scores[i] = score
 
-    def _grant(self, replicas: ReplicaSet, index: int, features: RequestFeatures) -> Lease:
+    def _grant(self, replicas: ReplicaSet, index: int, features: RequestFeatures) -> Slot:
         state = replicas.states[index]
         now = self.clock.monotonic()
         state.in_flight += 1
         state.queued_tokens += features.prompt_tokens
         state.breaker.on_start(now)
         state.changed(now)
-        return Lease(replicas.endpoints[index], state, features.prompt_tokens, self)
+        return Slot(replicas.endpoints[index], state, features.prompt_tokens, self)
 
     @staticmethod
     def _could_serve(replicas: ReplicaSet, exclude: frozenset[ReplicaKey]) -> bool:
@@ -448,17 +450,17 @@ class Admission:
             if waiter.future.done():  # cancelled; its task has not run its `finally` yet
                 queue.drop()
                 continue
-            lease = self._try(deployment, waiter.features, waiter.exclude)
-            if lease is None:
+            slot = self._try(deployment, waiter.features, waiter.exclude)
+            if slot is None:
                 return
             queue.pop()
-            waiter.future.set_result(lease)
+            waiter.future.set_result(slot)
 
     def _expire(
         self,
         queue: FairQueue[_Waiter],
         ticket: Ticket[_Waiter],
-        future: asyncio.Future[Lease],
+        future: asyncio.Future[Slot],
         deployment: str,
         model: str,
         waited: float,
@@ -482,10 +484,10 @@ class Admission:
         )
 
     def fallbacks(
-        self, route: ModelRoute, lease: Lease, features: RequestFeatures, n: int
+        self, route: ModelRoute, slot: Slot, features: RequestFeatures, n: int
     ) -> tuple[Endpoint, ...]:
-        """Up to `n` endpoints of `route`'s deployment besides the lease's, best first in the
-        deployment policy's order, for Envoy to try when the lease's replica fails before
+        """Up to `n` endpoints of `route`'s deployment besides the slot's, best first in the
+        deployment policy's order, for Envoy to try when the slot's replica fails before
         answering (the endpoint picker's list). Draining replicas and open breakers are left
         out; no slot is taken on them (a fallback serves only when the primary failed)."""
         deployment = self._deployments.get(route.deployment_key)
@@ -493,13 +495,13 @@ class Admission:
             return ()
         replicas = deployment.replicas
         replicas.wake(self.clock.monotonic())
-        chosen = replicas.index.get(lease.key)
+        chosen = replicas.index.get(slot.key)
         picked = deployment.policy.fallbacks(replicas, features, chosen, n)
         return tuple(replicas.endpoints[i] for i in picked)
 
     def observe(self, deployment: str, address: str, *, ok: bool) -> None:
         """A verdict on a replica that served a request, or failed to, without holding its
-        lease (an endpoint picker's fallback, named by `address`): feeds its breaker.
+        slot (an endpoint picker's fallback, named by `address`): feeds its breaker.
         Unknown deployments or addresses are ignored (the table moved on)."""
         d = self._deployments.get(deployment)
         i = None if d is None else d.replicas.by_address.get(address)

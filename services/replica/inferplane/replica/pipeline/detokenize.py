@@ -1,4 +1,5 @@
-"""Token ids → text pieces, incrementally, with OpenAI stop strings cut out.
+"""Incremental detokenization (`IncrementalDetokenizer`): token ids → text pieces, with
+OpenAI stop strings cut out.
 
 Decoding uses the `tokenizers` library's `DecodeStream` (Rust; O(1) amortised per token, holds
 back the bytes of a UTF-8 character split across tokens instead of emitting U+FFFD), the way
@@ -27,8 +28,16 @@ _PROMPT_CONTEXT_TOKENS = 8
 _INVALID_PREFIX = "Invalid prefix encountered"
 
 
-class TextStage:
-    """Incremental detokenizer + stop-string matcher for one request. Not thread-safe.
+class IncrementalDetokenizer:
+    """The incremental detokenizer of one request: token ids in, text deltas out (`Piece`s).
+
+    O(1) amortised per token via `tokenizers.DecodeStream`: each token is decoded once, with
+    a few tokens of left context, never the whole output again. The bytes of a multi-byte
+    character split across tokens are held back until it is whole, so no delta carries
+    U+FFFD. Stop strings are cut as vLLM does: the stop string and everything after it are
+    dropped, the earliest-completing one wins, and the last (longest stop string − 1)
+    characters are held back, as they could begin one. In the `Generation`'s line of stages
+    it is the detokenize stage. Not thread-safe.
 
     Args:
         backend: the fast `tokenizers.Tokenizer`.

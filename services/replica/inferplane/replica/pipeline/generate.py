@@ -1,6 +1,7 @@
 """One generation as a line of stages, each token passing each stage once:
 
-    engine output → detokenize (`TextStage`) → parser session → stream interval → `Step`
+    engine output → incremental detokenizer (`IncrementalDetokenizer`: text deltas, stop
+    strings cut) → parser session → stream interval → `Step`
 
 (the server turns steps into chunks, then SSE bytes). An engine failure leaves here as the
 platform's error (`engine_error`): the server and the runtime's ErrorInterceptor answer it as
@@ -24,7 +25,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
     TracksRequests,
 )
-from inferplane.replica.pipeline.detokenize import Piece, TextStage
+from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer, Piece
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
 from inferplane.runtime.clock import Clock
 
@@ -96,7 +97,9 @@ class Generation:
         self._prompt_ids = prompt_ids
         self._params = params
         self._stop_ids = stop_token_ids | frozenset(params.stop_token_ids)
-        self._text = TextStage(backend, prompt_ids, params.stop, params.min_tokens or 0)
+        self._detokenizer = IncrementalDetokenizer(
+            backend, prompt_ids, params.stop, params.min_tokens or 0
+        )
         self._clock = clock
         self._started = started
         self._last: float | None = None
@@ -128,16 +131,16 @@ class Generation:
         engine = self._engine
         stream = engine.generate(self.request_id, self._prompt_ids, self._params)
         interval = StreamInterval(self._params.stream_interval or 1)
-        text = self._text
+        detokenizer = self._detokenizer
         finished = False
         failed = False
         try:
             async for out in stream:
                 ids, hide_last = self._observe(out)
-                step = self._parse(text.push(ids, hide_last=hide_last))
+                step = self._parse(detokenizer.push(ids, hide_last=hide_last))
                 # Progress so far (a cancelled or failed request still reports what it cost).
-                self.completion_tokens = out.completion_tokens or text.tokens
-                if text.stopped is not None or out.finished:
+                self.completion_tokens = out.completion_tokens or detokenizer.tokens
+                if detokenizer.stopped is not None or out.finished:
                     self._finish(step, out)
                     finished = True
                     yield interval.last(step)
@@ -157,7 +160,7 @@ class Generation:
             raise engine_error(exc) from exc
         finally:
             try:
-                if not finished or text.stopped is not None:
+                if not finished or detokenizer.stopped is not None:
                     # The EngineClient contract aborts when its iterator is closed; the
                     # explicit abort also covers a stop string matched here while the engine
                     # runs on.
@@ -237,12 +240,12 @@ class Generation:
     def _finish(self, step: Step, out: EngineOutput) -> None:
         """End of output: flushes the detokenizer and the session into `step` and sets the
         finish reason ("tool_calls" when a "stop" ended a response that called tools)."""
-        if self._text.stopped is not None:
+        if self._detokenizer.stopped is not None:
             reason = "stop"
-            self.completion_tokens = self._text.tokens
+            self.completion_tokens = self._detokenizer.tokens
         else:
             reason = out.finish_reason or "stop"
-        _append(step, self._parse(self._text.finish()))
+        _append(step, self._parse(self._detokenizer.finish()))
         _append(step, self.session.finish())
         if reason == "stop" and self.session.result().tool_calls:
             reason = "tool_calls"

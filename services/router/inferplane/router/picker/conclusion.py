@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from inferplane.router.admission import Admission, Lease
+from inferplane.router.admission import Admission, Slot
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker.codec import UNAVAILABLE, status_code
 from inferplane.router.picker.state import Exchange, Phase
@@ -72,28 +72,28 @@ class Concluder:
         client errors included, means it is healthy. Without the served endpoint (edge
         without `-served`) the verdict goes to the primary.
         """
-        lease, response = exchange.pick.lease, exchange.response
-        if lease is None or response.http_status is None:
+        slot, response = exchange.pick.slot, exchange.response
+        if slot is None or response.http_status is None:
             return
         failed = response.grpc_status == UNAVAILABLE or (
             response.grpc_status is None and response.http_status >= 500
         )
         addresses = [e.address for e in exchange.pick.endpoints]
-        served = served_address(exchange) or lease.endpoint.address
+        served = served_address(exchange) or slot.endpoint.address
         before = addresses[: addresses.index(served)] if served in addresses else addresses
         if before and self._metrics is not None:
             self._metrics.fallbacks_served.inc()
         for address in before:
-            self._verdict(exchange, lease, address, ok=False)
-        self._verdict(exchange, lease, served, ok=not failed)
+            self._verdict(exchange, slot, address, ok=False)
+        self._verdict(exchange, slot, served, ok=not failed)
 
-    def _verdict(self, exchange: Exchange, lease: Lease, address: str, *, ok: bool) -> None:
-        if address != lease.endpoint.address:
+    def _verdict(self, exchange: Exchange, slot: Slot, address: str, *, ok: bool) -> None:
+        if address != slot.endpoint.address:
             self._admission.observe(exchange.trace.deployment, address, ok=ok)
         elif ok:
-            lease.first_chunk()
+            slot.first_chunk()
         else:
-            lease.failed()
+            slot.failed()
 
     def end(self, exchange: Exchange) -> None:
         """Exactly once per stream (→ `Phase.ENDED`): release the slot at once, then classify
@@ -218,13 +218,13 @@ def _release(exchange: Exchange) -> None:
     """Gives the slot back (a grant that raced the end included)."""
     pick = exchange.pick
     admitting = pick.admitting
-    if pick.lease is None and admitting is not None:
+    if pick.slot is None and admitting is not None:
         if not admitting.done():
             admitting.cancel()  # Admission.acquire gives back a slot granted meanwhile
         elif not admitting.cancelled() and admitting.exception() is None:
-            pick.lease = admitting.result().lease
-    if pick.lease is not None:
-        pick.lease.release()
+            pick.slot = admitting.result().slot
+    if pick.slot is not None:
+        pick.slot.release()
 
 
 def _conclude(exchange: Exchange) -> None:

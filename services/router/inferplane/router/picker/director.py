@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from inferplane.router.admission import Admission, Lease
+from inferplane.router.admission import Admission, Slot
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.picker.codec import Method, form_model
 from inferplane.router.replicas import ReplicaKey
@@ -79,12 +79,12 @@ class Decision:
 
     Attributes:
         route: its model's route.
-        lease: the slot held on the primary; its holder releases it exactly once.
-        endpoints: the primary (the lease's) first, then the fallbacks in the policy's order.
+        slot: the slot held on the primary; its holder releases it exactly once.
+        endpoints: the primary (the slot's) first, then the fallbacks in the policy's order.
     """
 
     route: ModelRoute
-    lease: Lease
+    slot: Slot
     endpoints: tuple[Endpoint, ...]
 
 
@@ -163,15 +163,15 @@ class Director:
                 wait ran out (429 model_overloaded, Retry-After).
             UnavailableError: no replica can take it (503 no_ready_replica).
         """
-        lease = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
+        slot = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
         try:
             fallbacks = self._admission.fallbacks(
-                routed.route, lease, routed.features, routed.fallbacks
+                routed.route, slot, routed.features, routed.fallbacks
             )
         except BaseException:
-            lease.release()
+            slot.release()
             raise
-        return Decision(routed.route, lease, (lease.endpoint, *fallbacks))
+        return Decision(routed.route, slot, (slot.endpoint, *fallbacks))
 
     def _resolve(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
         table = self._table()

@@ -330,10 +330,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         trace.deployment = routed.route.deployment_key
         async for keepalive in self._admit(exchange, routed, reader):
             yield keepalive
-        lease = exchange.pick.lease
-        assert lease is not None  # _admit either set it or raised
-        trace.replica = lease.endpoint.replica_id or lease.endpoint.address
-        trace.node = lease.endpoint.node
+        slot = exchange.pick.slot
+        assert slot is not None  # _admit either set it or raised
+        trace.replica = slot.endpoint.replica_id or slot.endpoint.address
+        trace.node = slot.endpoint.node
         exchange.pick.picked = self._clock.monotonic()
         exchange.phase = Phase.BODY_DONE
         self.concluder.picked(exchange)
@@ -363,7 +363,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield codec.extend(remaining + self._settings.timeout_margin_seconds)
                 await self._wait_or_gone(admitting, reader)
             decision = admitting.result()
-            pick.lease, pick.endpoints = decision.lease, decision.endpoints
+            pick.slot, pick.endpoints = decision.slot, decision.endpoints
         finally:
             exchange.trace.queue_seconds += self._clock.monotonic() - started
 

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-from inferplane.router.admission import Lease
+from inferplane.router.admission import Slot
 from inferplane.router.picker.codec import Method
 from inferplane.router.picker.director import Decision
 from inferplane.router.records import RequestTrace
@@ -91,13 +91,13 @@ class PickPart:
 
     Attributes:
         admitting: the admission in flight (a slot, then the endpoint list), while queued.
-        lease: the slot held on the primary (released exactly once, at the end).
+        slot: the slot held on the primary (released exactly once, at the end).
         endpoints: primary first, then the fallbacks Envoy may try, in order.
         picked: monotonic seconds when the pick was answered (TTFT counts from here).
     """
 
     admitting: asyncio.Future[Decision] | None = None
-    lease: Lease | None = None
+    slot: Slot | None = None
     endpoints: tuple[Endpoint, ...] = ()
     picked: float = 0.0
 

@@ -88,8 +88,8 @@ from inferplane.edge import REPLICAS_CLUSTER
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import MODEL_NAME, Stack, StackConfig
 from inferplane.node_agent.supervisor.process import tree_pids
-from inferplane.runtime.identity import PeerSecurity
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.processes.ports import free_port, free_port_run
+from inferplane.runtime.security.identity import PeerSecurity
 
 REPO = Path(__file__).resolve().parents[1]
 Log = Callable[[str], None]

@@ -43,7 +43,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import Stack, StackConfig
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.processes.ports import free_port, free_port_run
 from inferplane.wire import chat_request_from_dict
 
 

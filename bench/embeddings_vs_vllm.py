@@ -35,8 +35,8 @@ import httpx
 
 from inferplane.fixtures import embed_tiny
 from inferplane.localstack import EMBED_MODEL_NAME, Stack, StackConfig
-from inferplane.runtime import procguard
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.processes.ports import free_port, free_port_run
 
 WORDS = [
     "the",

@@ -30,7 +30,7 @@ import httpx
 
 from inferplane.replica.engines.base import SamplingParams
 from inferplane.replica.engines.http_client import HttpEngineClient, to_completion_body
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 
 TOKENS = 64
 

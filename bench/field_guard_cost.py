@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from inferplane.edge import EdgeConfig, Endpoint, EnvoyProcess, build_http_filters
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 
 _HCM = (
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."

@@ -40,7 +40,7 @@ from inferplane.replica.testing.pipeline import (
     run_scenario,
     script,
 )
-from inferplane.runtime.clock import SystemClock
+from inferplane.runtime.time.clock import SystemClock
 from inferplane.wire import chat_request_from_dict
 
 WORDS = [

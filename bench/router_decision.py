@@ -41,7 +41,7 @@ from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.policies import default_registry
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.runtime import ResourceExhaustedError
-from inferplane.runtime.clock import SystemClock
+from inferplane.runtime.time.clock import SystemClock
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "session_affinity")
 SIZES = (10, 100, 1000, 10_000)

@@ -74,9 +74,9 @@ from inferplane.node_agent.supervisor.process import (
     tree_pids,
 )
 from inferplane.replica.engines.grpc_client import GrpcEngineClient
-from inferplane.runtime import procguard
-from inferplane.runtime.ports import free_port, free_port_run
-from inferplane.runtime.private_files import open_private_log
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.processes.ports import free_port, free_port_run
+from inferplane.runtime.security.private_files import open_private_log
 
 PATHS = (
     "vllm",

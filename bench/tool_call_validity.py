@@ -55,7 +55,7 @@ import httpx
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import Stack, StackConfig, running_stack
 from inferplane.parsers import ToolCall, validate_tool_calls
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.processes.ports import free_port, free_port_run
 from inferplane.testing.tool_schemas import draw, tool_sets, weather_requests
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
+from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
 
 REPLICA_MODULE = "inferplane.replica"
 """What the supervisor runs as `python -m REPLICA_MODULE ...`: the replica process."""

@@ -27,7 +27,7 @@ import yaml
 from google.protobuf import json_format
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
-from inferplane.runtime.identity import IDENTITIES
+from inferplane.runtime.security.identity import IDENTITIES
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from inferplane.localstack import Stack, StackConfig, running_stack
-from inferplane.runtime.ports import free_port, free_port_run
+from inferplane.runtime.processes.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
 OWN_STACK_MODULES = frozenset(

@@ -18,7 +18,7 @@ import pytest
 
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import Stack, running_stack
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.pki import LocalCA
 
 from .conftest import local_config
 

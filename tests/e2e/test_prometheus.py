@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from inferplane.localstack import MODEL_NAME, Stack, engine_sd_file, render_prometheus_config
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.metrics import TTFT_BUCKETS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.localstack import MODEL_NAME, Stack, engine_sd_file
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -42,9 +42,9 @@ from inferplane.replica.app import INFERENCE_CALLERS
 from inferplane.router.app import build_app as build_router
 from inferplane.router.settings import RouterSettings
 from inferplane.runtime import App, RunningServer, ServicerBinding, ServiceSettings
-from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
-from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.pki import LocalCA
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.loop import LoopThread
 

@@ -44,7 +44,7 @@ from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
 from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import ErrorInterceptor, RunningServer
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.app import TelemetryComponents
 from inferplane.telemetry.app import build_components as build_telemetry
 from inferplane.telemetry.settings import TelemetrySettings

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
 from inferplane.router.usage import AuthUsageSink, UsageRecord, UsageSinkSettings
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 
 ADMIN_KEY = "ledger-crash-test-admin-key-0123456789"
 REQUESTS = 3000

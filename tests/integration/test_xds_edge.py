@@ -35,7 +35,7 @@ from inferplane.orchestrator.routing import make_table
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.orchestrator.xds.cache import InconsistentSnapshotError, Snapshot
 from inferplane.runtime import RunningServer
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.loop import LoopThread
 from inferplane.testing.picker import FakePicker
 

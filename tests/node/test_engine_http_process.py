@@ -27,7 +27,7 @@ from inferplane.replica.engines.base import SamplingParams
 from inferplane.replica.engines.http_client import HttpEngineClient
 from inferplane.replica_contract import DEFAULT_TRANSPORT, TRANSPORTS
 from inferplane.runtime import FailedPreconditionError
-from inferplane.runtime.ports import LOWEST_PORT, ephemeral_range
+from inferplane.runtime.processes.ports import LOWEST_PORT, ephemeral_range
 
 State = nodeagent_pb2.Replica.State
 pytestmark = [pytest.mark.timeout(60)]
@@ -88,7 +88,8 @@ def test_grpc_plan_is_unchanged(tmp_path: Path) -> None:
 @pytest.mark.parametrize("transport", ["grpc", "http-completions"])
 def test_engine_ports_lie_below_the_ephemeral_range(tmp_path: Path, transport: str) -> None:
     """The engine's ports are chosen like every other server port of the platform
-    (inferplane.runtime.ports), never by binding port 0: an ephemeral port can be taken by any
+    (inferplane.runtime.processes.ports), never by binding port 0: an ephemeral port can be
+    taken by any
     outgoing connection before the engine binds it."""
     low, _high = ephemeral_range()
     for _ in range(10):

@@ -20,9 +20,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
-from inferplane.runtime.identity import ADMIN, PeerSecurity
-from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.security.identity import ADMIN, PeerSecurity
+from inferplane.runtime.security.pki import LocalCA
 
 
 def _generate(channel: grpc.Channel) -> Any:

@@ -28,7 +28,7 @@ from inferplane.localstack import (
     StackError,
 )
 from inferplane.runtime import InferplaneError
-from inferplane.runtime.identity import ADMIN, PeerSecurity
+from inferplane.runtime.security.identity import ADMIN, PeerSecurity
 from inferplane.sdk import Client
 
 DEFAULT_DATA_DIR = Path(".state")

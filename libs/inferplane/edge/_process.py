@@ -18,8 +18,8 @@ from types import TracebackType
 from inferplane.edge._bootstrap import render_static_bootstrap
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._errors import EdgeConfigError, EnvoyStartError
-from inferplane.runtime import procguard
-from inferplane.runtime.private_files import open_private_log, write_private_file
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.security.private_files import open_private_log, write_private_file
 
 
 def envoy_binary() -> Path:

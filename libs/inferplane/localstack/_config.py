@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
-from inferplane.runtime.identity import ADMIN, PeerSecurity
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.identity import ADMIN, PeerSecurity
+from inferplane.runtime.security.pki import LocalCA
 
 Progress = Callable[[str], None]
 

@@ -31,9 +31,9 @@ from inferplane.localstack._config import (
     service_of,
 )
 from inferplane.localstack._process import HostedEnvoy, ManagedProcess
-from inferplane.runtime.identity import EDGE, IDENTITIES
-from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port, port_is_free
+from inferplane.runtime.processes.ports import free_port, port_is_free
+from inferplane.runtime.security.identity import EDGE, IDENTITIES
+from inferplane.runtime.security.pki import LocalCA
 
 
 @dataclasses.dataclass(slots=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 from inferplane.edge import EnvoyProcess
 from inferplane.localstack._config import StackHost
-from inferplane.runtime import procguard
-from inferplane.runtime.private_files import open_private_log
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.security.private_files import open_private_log
 
 
 class ManagedProcess:

@@ -66,7 +66,7 @@ from inferplane.localstack._deployments import (
 from inferplane.localstack._launch import Launcher
 from inferplane.localstack._prometheus import engine_sd_file
 from inferplane.runtime import AlreadyExistsError, ConfigError, InferplaneError
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.sdk import Client
 
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines

@@ -22,15 +22,15 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.router.v1 import outcome_pb2, outcome_pb2_grpc
-from inferplane.runtime.batching import (
+from inferplane.runtime.delivery.batching import (
     BatchingSettings,
     BatchMetrics,
     GrpcSink,
     GrpcSinkSettings,
     Sleep,
 )
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.runtime.time.clock import Clock
 from inferplane.wire import ResponseSummary
 
 __all__ = ["OutcomeMetrics", "OutcomeReporter", "OutcomeReporterSettings"]
@@ -140,7 +140,8 @@ class OutcomeReporter:
     """Reports finished requests' summaries to the pickers that picked them, in the background.
 
     `report()` is what the request path calls: it never blocks, never raises and never does
-    I/O. Each picker address gets its own batching sink (`inferplane.runtime.batching`), made
+    I/O. Each picker address gets its own batching sink
+    (`inferplane.runtime.delivery.batching`), made
     on its first report and kept (routers are few; at most `max_addresses`): batches of up to
     `batch_size` outcomes, a partial one after `flush_interval_seconds`, re-sent with backoff
     while the picker is unreachable, at most `capacity` outcomes held per address (the newest

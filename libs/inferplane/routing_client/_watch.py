@@ -14,7 +14,7 @@ import structlog
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 
 T = TypeVar("T")
 

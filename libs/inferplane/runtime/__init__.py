@@ -6,7 +6,7 @@ server runner (`App`, `ServicerBinding`, `serve`, `run`) with health, reflection
 /metrics, structured logs and graceful shutdown.
 """
 
-from inferplane.runtime._errors import (
+from inferplane.runtime.service._errors import (
     DEFAULT_OPENAI_CODE,
     ERROR_DOMAIN,
     HTTP_STATUS,
@@ -26,8 +26,8 @@ from inferplane.runtime._errors import (
     error_from_call,
     error_from_status,
 )
-from inferplane.runtime._gc import GcPauses, freeze_heap
-from inferplane.runtime._interceptor import (
+from inferplane.runtime.service._gc import GcPauses, freeze_heap
+from inferplane.runtime.service._interceptor import (
     OPENAI_ERROR_CODE_KEY,
     OPENAI_ERROR_PARAM_KEY,
     OPENAI_ERROR_TYPE_KEY,
@@ -36,7 +36,7 @@ from inferplane.runtime._interceptor import (
     ServerMetrics,
     error_trailers,
 )
-from inferplane.runtime._server import (
+from inferplane.runtime.service._server import (
     App,
     RunningServer,
     ServicerBinding,
@@ -46,7 +46,7 @@ from inferplane.runtime._server import (
     run,
     serve,
 )
-from inferplane.runtime._settings import ServiceSettings, load_settings
+from inferplane.runtime.service._settings import ServiceSettings, load_settings
 
 __all__ = [
     "DEFAULT_OPENAI_CODE",

@@ -10,7 +10,7 @@ from types import TracebackType
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.inference.v1 import inference_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
-from inferplane.runtime.identity import PeerSecurity, operator_security
+from inferplane.runtime.security.identity import PeerSecurity, operator_security
 from inferplane.sdk import _methods as m
 from inferplane.sdk._pages import Page, Paged
 from inferplane.sdk._requests import (

@@ -33,7 +33,7 @@ from inferplane.runtime import (
     error_from_call,
     grpc_options,
 )
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.sdk._methods import Method, Req, Resp, Target
 
 T = TypeVar("T")

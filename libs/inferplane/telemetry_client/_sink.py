@@ -12,14 +12,14 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
-from inferplane.runtime.batching import (
+from inferplane.runtime.delivery.batching import (
     RETRYABLE_CODES,
     BatchMetrics,
     GrpcSink,
     GrpcSinkSettings,
     Sleep,
 )
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 __all__ = ["RETRYABLE_CODES", "RecordSink", "SinkMetrics", "SinkSettings"]
 
@@ -54,7 +54,8 @@ class RecordSink(GrpcSink[telemetry_pb2.RequestRecord]):
 
     `record()` is what the request path calls: it never blocks, never raises and never does
     I/O. Batches go over `RecordRequests` with the guarantees of
-    `inferplane.runtime.batching.Batcher`: bounded (`capacity`; the newest record is dropped
+    `inferplane.runtime.delivery.batching.Batcher`: bounded (`capacity`; the newest record is
+    dropped
     and counted as `inferplane_telemetry_records_dropped_total{reason="buffer_full"}`), no
     loss across an outage shorter than the buffer (a failed batch is re-sent first, with
     backoff), a refused batch (INVALID_ARGUMENT and other non-retryable codes) dropped and

@@ -1,4 +1,4 @@
-"""`FakeClock`: an `inferplane.runtime.clock.Clock` that moves only when told to."""
+"""`FakeClock`: an `inferplane.runtime.time.clock.Clock` that moves only when told to."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from inferplane.runtime import procguard
+from inferplane.runtime.processes import procguard
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -34,7 +34,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from inferplane.runtime import procguard
+from inferplane.runtime.processes import procguard
 
 
 def fake_embedding(

@@ -41,8 +41,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2, replica_pb2_grpc
 from inferplane.replica_contract import ReplicaFlags, Transport
-from inferplane.runtime import procguard
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.security.identity import PeerSecurity
 
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -154,7 +154,7 @@ async def _serve(opts: argparse.Namespace, engine_argv: list[str]) -> int:
     if opts.metrics_port:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-        from inferplane.runtime.metrics_http import ScrapedMetrics
+        from inferplane.runtime.service.metrics_http import ScrapedMetrics
 
         registry = CollectorRegistry()
         Gauge("inferplane_replica_fake_up", "1 while the fake replica serves", registry=registry)

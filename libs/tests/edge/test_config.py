@@ -23,7 +23,7 @@ from inferplane.edge import (
     Endpoint,
     MiB,
 )
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.pki import LocalCA
 
 CONFIG = EdgeConfig(
     router_endpoints=(Endpoint.parse("127.0.0.1:7001"), Endpoint.parse("127.0.0.1:7003")),

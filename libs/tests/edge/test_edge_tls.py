@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.pki import LocalCA
 
 from ._fakes import STREAM_PIECES
 from .conftest import Edge, running_edge

@@ -18,7 +18,7 @@ from inferplane.edge import (
     render_node_bootstrap,
     validate_bootstrap,
 )
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.pki import LocalCA
 
 CONFIG = NodeEnvoyConfig(listen_port=18000, admin_port=19902)
 

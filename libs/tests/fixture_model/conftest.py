@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferplane.runtime import procguard
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.processes.ports import free_port
 
 # The fixture models' build tooling (`models/fixture_build.py`) is not a package of the
 # platform: the build scripts import it as their sibling, the tests through this path.

@@ -26,7 +26,7 @@ from inferplane.replica_contract import (
     resolve_transport,
     with_enum_fields,
 )
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 
 ROOT = Path(__file__).resolve().parents[3]
 

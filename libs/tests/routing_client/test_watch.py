@@ -13,7 +13,7 @@ import inferplane.routing_client as routing_client
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 
 
 def test_exports() -> None:

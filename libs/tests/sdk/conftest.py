@@ -23,7 +23,7 @@ from inferplane.auth.settings import AuthSettings
 from inferplane.orchestrator.app import build_components as build_orchestrator
 from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.runtime import App, RunningServer, ServicerBinding, ServiceSettings
-from inferplane.runtime.identity import (
+from inferplane.runtime.security.identity import (
     ADMIN,
     EDGE,
     NODE_AGENT,
@@ -32,7 +32,7 @@ from inferplane.runtime.identity import (
     PeerPolicy,
     PeerSecurity,
 )
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.pki import LocalCA
 from inferplane.sdk import Client, RetryPolicy
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.loop import LoopThread

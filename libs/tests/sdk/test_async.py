@@ -12,7 +12,7 @@ import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.sdk import (
     AlreadyExistsError,
     AsyncClient,

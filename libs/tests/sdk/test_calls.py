@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.sdk import (
     Client,
     DeadlineExceededError,

@@ -12,7 +12,7 @@ import pytest
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.runtime import DEFAULT_OPENAI_CODE, HTTP_STATUS
-from inferplane.runtime.identity import ROUTER
+from inferplane.runtime.security.identity import ROUTER
 from inferplane.sdk import (
     AlreadyExistsError,
     Client,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from inferplane.runtime.identity import ROUTER
+from inferplane.runtime.security.identity import ROUTER
 from inferplane.sdk import Client, InvalidArgumentError, NotFoundError, PermissionDeniedError
 from inferplane.wire import chat_request_from_dict
 

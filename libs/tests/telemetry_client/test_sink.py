@@ -15,7 +15,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry_client import RecordSink, SinkSettings
 from inferplane.testing.clock import FakeClock
 

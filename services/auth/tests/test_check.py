@@ -18,7 +18,7 @@ from inferplane.auth.domain import SecretHasher
 from inferplane.auth.ext_authz import Authorization
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import UnavailableError
-from inferplane.runtime.clock import SystemClock
+from inferplane.runtime.time.clock import SystemClock
 
 UNAUTHENTICATED, PERMISSION_DENIED = 16, 7
 

@@ -12,8 +12,8 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
-from inferplane.runtime.identity import ADMIN, EDGE, ROUTER, PeerSecurity
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.identity import ADMIN, EDGE, ROUTER, PeerSecurity
+from inferplane.runtime.security.pki import LocalCA
 
 FORGED = (("x-inferplane-scopes", "admin"), ("x-inferplane-key-id", "k-forged"))
 

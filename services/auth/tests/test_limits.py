@@ -20,7 +20,7 @@ from inferplane.auth.counters import MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import Limits
 from inferplane.auth.limits import format_reset
 from inferplane.runtime import UnavailableError
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.clock import FakeClock
 
 RESOURCE_EXHAUSTED = 8

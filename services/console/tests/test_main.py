@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.runtime.pki import LocalCA
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.security.pki import LocalCA
 
 
 def _start(*args: str) -> tuple[subprocess.Popen[bytes], int]:

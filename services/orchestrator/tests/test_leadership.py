@@ -64,8 +64,8 @@ from inferplane.router.leases import CapLease
 from inferplane.router.policies import default_registry
 from inferplane.router.sources import OrchestratorRouteSource
 from inferplane.runtime import ConfigError
-from inferplane.runtime.clock import SystemClock
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.time.clock import SystemClock
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.databases import database_or_skip
 from inferplane.testing.loop import LoopThread

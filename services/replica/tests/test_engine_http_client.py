@@ -16,7 +16,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
 )
 from inferplane.replica.engines.http_client import HttpEngineClient, to_completion_body
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.fake_http_engine import FakeHttpEngine
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.parsers import ToolCallVerdict, VerdictReason
 from inferplane.replica.server import End, Ending, RequestOutcome, record_sender
-from inferplane.runtime.gaps import MAX_GAPS
+from inferplane.runtime.time.gaps import MAX_GAPS
 
 
 def _outcome(**extra: object) -> RequestOutcome:

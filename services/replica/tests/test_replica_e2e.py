@@ -25,8 +25,8 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.replica.testing.pipeline import kimi_tiny_spec
-from inferplane.runtime import procguard
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.processes.ports import free_port
 from inferplane.wire import ResponseSummary, chat_request_from_dict, completion_request_from_dict
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

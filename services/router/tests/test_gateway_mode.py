@@ -32,7 +32,7 @@ from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
 from inferplane.runtime import ErrorInterceptor, RunningServer
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.clock import FakeClock
 
 from .fakes import FakeScheduler, RecordingUsage, endpoints, header_map, lb_metadata

@@ -23,7 +23,7 @@ from inferplane.router.usage import (
     UsageRecord,
     UsageSinkSettings,
 )
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.clock import FakeClock
 from inferplane.wire import headers
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from typer.testing import CliRunner
 
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.cli import app
 from inferplane.testing.clock import FakeClock
 

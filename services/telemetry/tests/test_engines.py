@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from inferplane.runtime import ConfigError
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.engines import EngineScraper, EngineTarget, HttpFetch, parse_exposition
 from inferplane.testing.clock import FakeClock
 

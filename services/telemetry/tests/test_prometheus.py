@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.engines import EngineReading, EngineTarget
 from inferplane.telemetry_client import SinkMetrics
 from inferplane.testing.clock import FakeClock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from inferplane.runtime.gaps import thin
+from inferplane.runtime.time.gaps import thin
 from inferplane.telemetry.domain import Sources
 from inferplane.telemetry.ingest import Ingestor, sample_from_record
 from inferplane.telemetry.metrics import LabelCaps, RecordMetrics

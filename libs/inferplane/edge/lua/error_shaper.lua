@@ -4,7 +4,7 @@
 -- response. A gRPC error from a servicer arrives as a trailers-only response: the transcoder
 -- (convert_grpc_status: false) has set :status from grpc-status and leaves grpc-status,
 -- grpc-message and the servicer's trailing metadata (the error type / code / param keys
--- below, retry-after; see inferplane/runtime/_interceptor.py) as response headers. This script
+-- below, retry-after; see inferplane/runtime/service/_interceptor.py) as response headers. This script
 -- turns them into OpenAI's body {"error": {"message", "type", "param", "code"}}
 -- (https://platform.openai.com/docs/guides/error-codes) and strips the gRPC headers that the
 -- transcoder leaks on every response, success included (grpc-status: 0, grpc-message, ...).

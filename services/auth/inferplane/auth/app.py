@@ -32,8 +32,8 @@ from inferplane.auth.usage import (
 )
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import ADMIN, EDGE, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import ADMIN, EDGE, ROUTER, PeerPolicy
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.auth")
 

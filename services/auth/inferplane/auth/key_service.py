@@ -27,8 +27,8 @@ from inferplane.auth.ext_authz import parse_bearer
 from inferplane.auth.keys import ApiKeyManager
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import InvalidArgumentError, NotFoundError, PermissionDeniedError
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import EDGE, peer_identity
+from inferplane.runtime.security.identity import EDGE, peer_identity
+from inferplane.runtime.time.clock import Clock
 from inferplane.wire.headers import KEY_ID, SCOPES, TENANT
 
 if TYPE_CHECKING:

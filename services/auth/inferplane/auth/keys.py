@@ -40,9 +40,9 @@ from inferplane.runtime import (
     InvalidArgumentError,
     NotFoundError,
 )
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
-from inferplane.runtime.private_files import write_private_file
+from inferplane.runtime.pagination.page_tokens import decode_page_token, encode_page_token
+from inferplane.runtime.security.private_files import write_private_file
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.auth")
 

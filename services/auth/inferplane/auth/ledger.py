@@ -49,7 +49,7 @@ from sqlalchemy.exc import OperationalError
 
 from inferplane.auth.migrations import MIGRATIONS
 from inferplane.runtime import InvalidArgumentError
-from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
+from inferplane.runtime.pagination.page_tokens import decode_page_token, encode_page_token
 from inferplane.storage import SqlDatabase, UtcDateTime
 
 METADATA = MetaData()

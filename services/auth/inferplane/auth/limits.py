@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from inferplane.auth.counters import KIND_REQUESTS, KIND_TOKENS, AdmitOutcome, CounterStore
 from inferplane.auth.domain import Limits
 from inferplane.auth.ledger import month_end
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 T = TypeVar("T")
 

@@ -37,7 +37,7 @@ from inferplane.api.auth.v1 import usage_pb2, usage_pb2_grpc
 from inferplane.auth.ledger import STATUSES, LedgerRow, SqlUsageLedger, UsageQuery
 from inferplane.auth.limits import RateLimiter
 from inferplane.runtime import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.wire.headers import INTERNAL_TOKEN
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from inferplane.auth.domain import (
 )
 from inferplane.auth.store import ApiKeyStore
 from inferplane.runtime import UnauthenticatedError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 _INVALID_API_KEY = "invalid_api_key"
 

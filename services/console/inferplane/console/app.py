@@ -32,7 +32,7 @@ from inferplane.console.platform import Platform, SdkPlatform
 from inferplane.console.sessions import SessionStore
 from inferplane.console.settings import ConsoleSettings
 from inferplane.console.web import PREFIX, Console, templates
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 _CONSOLE = web.AppKey("console", object)
 

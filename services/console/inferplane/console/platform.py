@@ -24,7 +24,7 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.console.sessions import Identity
 from inferplane.runtime import InferplaneError, PermissionDeniedError
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.sdk import AsyncClient, KeyWithSecret
 
 # A tenant name no key can have (tenants start with a letter or digit): asking for it tells

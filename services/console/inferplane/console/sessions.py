@@ -21,7 +21,7 @@ import secrets
 from collections import OrderedDict
 from typing import Any
 
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 COOKIE_NAME = "inferplane_console"
 _ID_BYTES = 32  # 256-bit session ids and CSRF tokens (unguessable)

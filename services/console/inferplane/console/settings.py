@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from inferplane.runtime import ConfigError, ServiceSettings
-from inferplane.runtime.identity import ADMIN
+from inferplane.runtime.security.identity import ADMIN
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

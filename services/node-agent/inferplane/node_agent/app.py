@@ -8,7 +8,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2_grpc
 from inferplane.node_agent.agent.wiring import build_node_agent
 from inferplane.node_agent.settings import NodeAgentSettings
 from inferplane.runtime import App, ServicerBinding
-from inferplane.runtime.identity import ADMIN, ORCHESTRATOR, PeerPolicy
+from inferplane.runtime.security.identity import ADMIN, ORCHESTRATOR, PeerPolicy
 
 
 def build_app(settings: NodeAgentSettings) -> App:

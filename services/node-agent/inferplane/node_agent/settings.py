@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.replica_contract import DEFAULT_FLAGS, ReplicaFlags
 from inferplane.runtime import ConfigError, ServiceSettings
-from inferplane.runtime.identity import NODE_AGENT
+from inferplane.runtime.security.identity import NODE_AGENT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

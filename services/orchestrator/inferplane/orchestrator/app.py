@@ -51,8 +51,7 @@ from inferplane.orchestrator.xds.cache import SnapshotCache
 from inferplane.orchestrator.xds.edge import EdgeXds
 from inferplane.orchestrator.xds.server import AggregatedDiscoveryService
 from inferplane.runtime import App, ServicerBinding
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import (
+from inferplane.runtime.security.identity import (
     ADMIN,
     EDGE,
     NODE_AGENT,
@@ -60,6 +59,7 @@ from inferplane.runtime.identity import (
     TELEMETRY,
     PeerPolicy,
 )
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.orchestrator")
 

@@ -65,7 +65,7 @@ from inferplane.orchestrator.store.lease import (
     SqlRoutingTables,
 )
 from inferplane.runtime import ConfigError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.leadership")
 

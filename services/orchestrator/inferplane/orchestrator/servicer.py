@@ -28,7 +28,7 @@ from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import RoutingHub
 from inferplane.runtime import InvalidArgumentError, PermissionDeniedError
-from inferplane.runtime.identity import ROUTER, peer_identity
+from inferplane.runtime.security.identity import ROUTER, peer_identity
 
 pb = orchestrator_pb2
 Context = Any  # grpc.aio.ServicerContext

@@ -37,8 +37,8 @@ from inferplane.orchestrator.placement.model import PlacementPlan, PlacementPoli
 from inferplane.orchestrator.placement.planner import plan
 from inferplane.orchestrator.store.base import StateChange, StateStore
 from inferplane.runtime import InvalidArgumentError
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
+from inferplane.runtime.pagination.page_tokens import decode_page_token, encode_page_token
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator")
 

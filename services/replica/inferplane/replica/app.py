@@ -49,9 +49,16 @@ from inferplane.runtime import (
     freeze_heap,
     grpc_options,
 )
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, ORCHESTRATOR, ROUTER, PeerPolicy
-from inferplane.runtime.metrics_http import ScrapedMetrics, serve_text_metrics
+from inferplane.runtime.security.identity import (
+    ADMIN,
+    EDGE,
+    NODE_AGENT,
+    ORCHESTRATOR,
+    ROUTER,
+    PeerPolicy,
+)
+from inferplane.runtime.service.metrics_http import ScrapedMetrics, serve_text_metrics
+from inferplane.runtime.time.clock import Clock
 
 #: Who may call a replica's InferenceService: the edge's Envoy, the orchestrator's warm-up
 #: probe, operators, and the node-local Envoy of the gateway path (inferplane.edge
@@ -345,7 +352,8 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m inferplane.replica`: parses the command line, serves, exits."""
     from inferplane.replica.settings import parse_args
-    from inferplane.runtime import ConfigError, configure_logging, loop_factory, procguard
+    from inferplane.runtime import ConfigError, configure_logging, loop_factory
+    from inferplane.runtime.processes import procguard
 
     try:
         settings = parse_args(sys.argv[1:] if argv is None else argv)

@@ -18,7 +18,7 @@ import structlog
 from inferplane.replica.engines.base import EngineClient
 from inferplane.replica.engines.http_client import HttpEngineClient
 from inferplane.replica_contract import Transport
-from inferplane.runtime import procguard
+from inferplane.runtime.processes import procguard
 
 log = structlog.get_logger("inferplane.replica")
 

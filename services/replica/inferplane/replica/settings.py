@@ -33,7 +33,7 @@ from inferplane.replica_contract import (
     replica_task,
 )
 from inferplane.runtime import ConfigError, ServiceSettings
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 
 SERVER_GRACE_SECONDS = 5.0
 """The gRPC server's own stop grace: in-flight requests are drained before the server stops

@@ -44,7 +44,7 @@ from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.runtime import ResourceExhaustedError, UnavailableError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 
 class Cancellable(Protocol):

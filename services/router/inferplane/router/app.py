@@ -32,8 +32,8 @@ from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
 from inferplane.runtime import App, ErrorInterceptor, ServicerBinding, grpc_options
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy, PeerSecurity
+from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy, PeerSecurity
+from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 

@@ -31,8 +31,8 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.router.admission import Admission
 from inferplane.router.routes import RouteTable
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.runtime.time.clock import Clock
 
 # Renewals per lease: four may fail in a row before the lease runs out.
 RENEWALS_PER_LEASE = 5

@@ -16,7 +16,7 @@ import structlog
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.records import STATUS_CANCELLED, STATUS_OK, RequestTrace
 from inferplane.router.usage import UsageRecord, UsageSink
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 from inferplane.wire import headers
 
 log = structlog.get_logger("inferplane.router")

@@ -55,7 +55,7 @@ class RouterSettings(ServiceSettings):
             auth is unreachable, and sent per call.
         usage_spool_path: a local SQLite file where usage reports wait while auth (or its
             database) is away, and across a restart of this router
-            (`inferplane.runtime.spool`): nothing is dropped for an outage. Empty: memory
+            (`inferplane.runtime.delivery.spool`): nothing is dropped for an outage. Empty: memory
             only (beyond `usage_buffer_capacity` the newest are dropped and counted).
         telemetry_address: the telemetry service (host:port). Set: one request record per
             request (source "router"). Empty: no records.

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.routing_client import RoutingTableWatch, Sleep
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
 
 Listener = Callable[[RouteTable], None]
 

@@ -24,14 +24,14 @@ from google.protobuf import timestamp_pb2
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.auth.v1 import usage_pb2, usage_pb2_grpc
-from inferplane.runtime.batching import (
+from inferplane.runtime.delivery.batching import (
     RETRYABLE_CODES,
     BatchMetrics,
     GrpcSink,
     GrpcSinkSettings,
     Sleep,
 )
-from inferplane.runtime.spool import Spool
+from inferplane.runtime.delivery.spool import Spool
 from inferplane.wire import headers
 
 log = structlog.get_logger("inferplane.router.usage")
@@ -175,7 +175,8 @@ class AuthUsageSink(GrpcSink[usage_pb2.RequestUsage]):
     """Sends usage reports to auth in batches, in the background.
 
     `record()` (the request path) never blocks, raises or does I/O. The guarantees are
-    `inferplane.runtime.batching.Batcher`'s: bounded by `capacity` while auth is down (a failed
+    `inferplane.runtime.delivery.batching.Batcher`'s: bounded by `capacity` while auth is down
+    (a failed
     batch goes back to the front, the sender backs off with full jitter), a refused batch
     (e.g. PERMISSION_DENIED for a wrong internal token) dropped and counted, at-least-once
     delivery (auth's usage ledger skips a request_id it already has). With `spool_path`, the

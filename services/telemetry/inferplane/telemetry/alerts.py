@@ -22,7 +22,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 from inferplane.telemetry.domain import DriftPolicy, SloTargets, Sources, drift
 from inferplane.telemetry.engines import DeploymentEngineStats
 from inferplane.telemetry.store import SampleStore

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import ADMIN, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import ADMIN, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.telemetry.alerts import Evaluator
 from inferplane.telemetry.discovery import EngineDiscovery, TargetSource, targets_from_table
 from inferplane.telemetry.domain import SloTargets

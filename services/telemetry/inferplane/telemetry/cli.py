@@ -30,7 +30,7 @@ from rich.table import Table
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime import ConfigError
-from inferplane.runtime.identity import operator_security
+from inferplane.runtime.security.identity import operator_security
 
 app = typer.Typer(
     help="Telemetry views (live latency, engine and alert table).",

@@ -27,7 +27,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferplane.runtime import ConfigError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 from inferplane.telemetry.domain import counter_increase, counter_rate
 
 log = structlog.get_logger("inferplane.telemetry")

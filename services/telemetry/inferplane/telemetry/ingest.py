@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.gaps import thin
+from inferplane.runtime.time.clock import Clock
+from inferplane.runtime.time.gaps import thin
 from inferplane.telemetry.domain import Sources
 from inferplane.telemetry.metrics import RecordMetrics
 from inferplane.telemetry.store import Sample, SampleStore

@@ -10,7 +10,7 @@ from google.protobuf import timestamp_pb2
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime import InvalidArgumentError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 from inferplane.telemetry.alerts import Alert, AlertBook
 from inferplane.telemetry.domain import Sources
 from inferplane.telemetry.ingest import Ingestor

@@ -31,7 +31,7 @@ from tenacity import wait_exponential
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent.registration")
 

@@ -30,8 +30,8 @@ from inferplane.node_agent.supervisor.process import (
     REPLICA_COMMAND,
     Spawner,
 )
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import NODE_AGENT
+from inferplane.runtime.security.identity import NODE_AGENT
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent")
 

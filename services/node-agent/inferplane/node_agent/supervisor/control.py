@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
-from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
+from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
 
 INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 """The gRPC health service name a replica process reports SERVING once its engine is ready."""

@@ -62,8 +62,8 @@ from inferplane.replica_contract import (
     DEFAULT_FLAGS,
     ReplicaFlags,
 )
-from inferplane.runtime.clock import Clock
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.node_agent.supervisor")
 

@@ -35,7 +35,7 @@ from inferplane.runtime import (
     FailedPreconditionError,
     NotFoundError,
 )
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.node_agent.supervisor")
 

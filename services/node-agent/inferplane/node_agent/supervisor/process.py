@@ -43,9 +43,9 @@ from inferplane.replica_contract import (
     replica_task,
     resolve_transport,
 )
-from inferplane.runtime import procguard
-from inferplane.runtime.ports import free_port
-from inferplane.runtime.private_files import open_private_log
+from inferplane.runtime.processes import procguard
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.security.private_files import open_private_log
 
 LAUNCHER_COMMAND: tuple[str, ...] = (sys.executable, "-m", LAUNCHER_MODULE)
 """The default engine command: our launcher, in this interpreter (and so this venv)."""
@@ -196,7 +196,7 @@ def plan_launch(
     engine_autogroup_niceness: int = 0,
 ) -> LaunchPlan:
     """Builds the replica process's command line for `spec` (`command` then its flags), on
-    fresh ports (`inferplane.runtime.ports.free_port`).
+    fresh ports (`inferplane.runtime.processes.ports.free_port`).
 
     The flags are `options` (the node-wide ones: `ReplicaFlags`, the supervisor ⇄ replica
     contract) with this replica's filled in, written by `ReplicaFlags.to_argv`.

@@ -20,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
-from inferplane.runtime.identity import NODE_AGENT, PeerSecurity
+from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
 
 PROBE_PROMPT = "Say OK."
 #: The speech warm-up's audio: half a second of 16 kHz silence.

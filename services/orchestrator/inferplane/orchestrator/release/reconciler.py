@@ -40,7 +40,7 @@ from inferplane.orchestrator.release.observe import NodeBackoff, ReconcileSettin
 from inferplane.orchestrator.release.rollout import Rollout
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore
 from inferplane.orchestrator.routing import RoutingHub
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
 

@@ -21,7 +21,7 @@ from inferplane.orchestrator.release.observe import LIVE_STATES, Observation, S
 from inferplane.orchestrator.release.spec import agent_replica_id, build_spec
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore, Stage
 from inferplane.orchestrator.routing import make_table
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
 

@@ -30,7 +30,7 @@ from inferplane.orchestrator.routing.table import (
     router_view,
 )
 from inferplane.runtime import FailedPreconditionError
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.orchestrator.routing")
 

@@ -30,15 +30,16 @@ from pathlib import Path
 
 from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
 from inferplane.replica_contract import DEVICES, runs_on_cpu
-from inferplane.runtime import procguard
+from inferplane.runtime.processes import procguard
 
 
 def serve_metrics(port: int, host: str) -> None:
     """Serves vLLM's Prometheus registry of this process on `host:port` (a daemon thread), in
-    the classic text format (`inferplane.runtime.metrics_http`: its `vllm:*` names intact)."""
+    the classic text format (`inferplane.runtime.service.metrics_http`: its `vllm:*` names
+    intact)."""
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    from inferplane.runtime.metrics_http import serve_text_metrics
+    from inferplane.runtime.service.metrics_http import serve_text_metrics
 
     serve_text_metrics(port, host, get_prometheus_registry())
 

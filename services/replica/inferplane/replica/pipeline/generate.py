@@ -27,7 +27,7 @@ from inferplane.replica.engines.base import (
 )
 from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer, Piece
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 OutputSession = Session | PlainSession
 """A parser session (`Parser.start`), or `PlainSession` when output has no format."""

@@ -33,7 +33,7 @@ from inferplane.replica.pipeline.requests import plan_chat, plan_completion
 from inferplane.replica.pipeline.sse import sse_bodies
 from inferplane.replica.server.facts import RequestFacts
 from inferplane.runtime import InternalError
-from inferplane.runtime.clock import Clock
+from inferplane.runtime.time.clock import Clock
 
 Body = Callable[[LocalReplica, ModelAssets], AsyncIterator[Any]]
 """A body with its request and facts bound: `(replica, assets)` → the RPC's messages."""

@@ -17,7 +17,7 @@ from google.protobuf import timestamp_pb2
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.parsers import ToolCallVerdict
-from inferplane.runtime.gaps import thin
+from inferplane.runtime.time.gaps import thin
 
 SOURCE = "replica"
 """The deprecated `RequestRecord.source` string of the replica's records, for telemetry
@@ -130,7 +130,7 @@ class RequestOutcome:
 
         The replica is the source of tool-call validity and leaked-marker facts (it parsed the
         output); latencies are measured from the request's arrival at the replica; the
-        inter-token gaps are thinned to `inferplane.runtime.gaps.MAX_GAPS`.
+        inter-token gaps are thinned to `inferplane.runtime.time.gaps.MAX_GAPS`.
         """
         start = timestamp_pb2.Timestamp()
         start.FromNanoseconds(int((now - self.e2e_seconds) * 1e9))

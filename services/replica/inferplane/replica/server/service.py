@@ -51,7 +51,7 @@ from inferplane.replica.server.outcome import Ending, OutcomeSink, RequestOutcom
 from inferplane.replica.server.speech import speech_body
 from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import InvalidArgumentError, UnavailableError
-from inferplane.runtime.clock import Clock, SystemClock
+from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.wire import ResponseSummary, chunk_to_json, completion_chunk_to_json
 from inferplane.wire.headers import KEY_ID, PICKER, REQUEST_ID, SERVED_BY
 

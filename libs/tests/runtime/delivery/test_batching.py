@@ -13,8 +13,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from inferplane.runtime.batching import Batcher, BatchingSettings, BatchMetrics
-from inferplane.runtime.spool import Spool
+from inferplane.runtime.delivery.batching import Batcher, BatchingSettings, BatchMetrics
+from inferplane.runtime.delivery.spool import Spool
 from inferplane.testing.clock import FakeClock
 
 

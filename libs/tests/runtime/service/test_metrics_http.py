@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter
 
-from inferplane.runtime.metrics_http import serve_text_metrics
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
+from inferplane.runtime.service.metrics_http import serve_text_metrics
 
 OPENMETRICS_FIRST = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"

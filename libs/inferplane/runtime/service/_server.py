@@ -24,11 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from inferplane.runtime._errors import ConfigError
-from inferplane.runtime._gc import GcPauses, freeze_heap
-from inferplane.runtime._interceptor import ErrorInterceptor, ServerMetrics
-from inferplane.runtime._settings import ServiceSettings
-from inferplane.runtime.identity import ANY_IDENTITY, PeerPolicy
+from inferplane.runtime.security.identity import ANY_IDENTITY, PeerPolicy
+from inferplane.runtime.service._errors import ConfigError
+from inferplane.runtime.service._gc import GcPauses, freeze_heap
+from inferplane.runtime.service._interceptor import ErrorInterceptor, ServerMetrics
+from inferplane.runtime.service._settings import ServiceSettings
 
 # An app without a policy: any caller with a certificate from the CA.
 _ANY_IDENTITY = PeerPolicy({}, default=(ANY_IDENTITY,))
@@ -257,7 +257,7 @@ def run(build: Callable[[Any], App], settings: ServiceSettings) -> None:
     """Entry point of a service's `__main__`: logs, builds the app, serves on the loop
     `settings.event_loop` names, exits. Once serving, the start-up heap is frozen out of the
     garbage collector's scans (unless `settings.gc_freeze` is off) and collection pauses are
-    exported (`inferplane.runtime._gc`)."""
+    exported (`inferplane.runtime.service._gc`)."""
     configure_logging(settings.log_level, settings.json_logs)
     factory = loop_factory(settings.event_loop)
     try:

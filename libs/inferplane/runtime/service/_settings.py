@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from inferplane.runtime._errors import ConfigError
-from inferplane.runtime.identity import PeerSecurity
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.runtime.service._errors import ConfigError
 
 S = TypeVar("S")
 
@@ -40,7 +40,8 @@ class ServiceSettings:
     `reflection`: serve gRPC server reflection (what `grpcurl` lists); off by default, since it
     hands anyone who can reach the port a map of every method (issue 18).
     `tls_dir`: the service identity's folder (`ca.crt`, `<identity>.crt`, `<identity>.key`):
-    mutual TLS with every peer and the service's per-RPC policy (`inferplane.runtime.identity`).
+    mutual TLS with every peer and the service's per-RPC policy
+    (`inferplane.runtime.security.identity`).
     `identity`: the certificate's name ("": the service's own name, `node-agent` for the
     node-agent). `plaintext`: no TLS, no identities, no policy — development only. A service
     started from the command line (`load_settings`) needs one of `tls_dir` or `plaintext`.

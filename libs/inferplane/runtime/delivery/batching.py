@@ -14,7 +14,7 @@ should wait out a short outage of the receiver, and must not grow memory without
   any other error drops the batch, counted as `reason="rejected"`;
 - delivery is at-least-once (receivers drop copies by request id); `close()` makes one last
   bounded flush and counts what is left as dropped;
-- with a `Spool` (`inferplane.runtime.spool`), nothing is dropped for an outage: after each
+- with a `Spool` (`inferplane.runtime.delivery.spool`), nothing is dropped for an outage: after each
   failed send what is buffered moves to disk (and counts as settled), `close()` spools what
   is left, and the sender delivers the spool first, also after a restart;
 - items settle (delivered, refused or lost at close) in the order they were put: `put` returns
@@ -44,11 +44,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from inferplane.runtime.clock import Clock, SystemClock
-from inferplane.runtime.identity import PeerSecurity
-from inferplane.runtime.spool import Spool
+from inferplane.runtime.delivery.spool import Spool
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.runtime.time.clock import Clock, SystemClock
 
-log = structlog.get_logger("inferplane.runtime.batching")
+log = structlog.get_logger("inferplane.runtime.delivery.batching")
 
 T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[None]]

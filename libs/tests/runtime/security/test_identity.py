@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.runtime import App, ConfigError, RunningServer, ServicerBinding, ServiceSettings
-from inferplane.runtime.identity import PeerPolicy, PeerSecurity
-from inferplane.runtime.pki import LocalCA
+from inferplane.runtime.security.identity import PeerPolicy, PeerSecurity
+from inferplane.runtime.security.pki import LocalCA
 
 SERVICE = "/inferplane.telemetry.v1.TelemetryService/"
 

@@ -12,7 +12,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from inferplane.runtime._errors import (
+from inferplane.runtime.service._errors import (
     ERROR_DOMAIN,
     InferplaneError,
     ResourceExhaustedError,

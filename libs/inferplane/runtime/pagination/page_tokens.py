@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from inferplane.runtime._errors import InvalidArgumentError
+from inferplane.runtime.service._errors import InvalidArgumentError
 
 
 def encode_page_token(cursor: Mapping[str, Any], filters: Mapping[str, Any] | None = None) -> str:

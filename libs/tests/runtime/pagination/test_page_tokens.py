@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from inferplane.runtime import InvalidArgumentError
-from inferplane.runtime.page_tokens import decode_page_token, encode_page_token
+from inferplane.runtime.pagination.page_tokens import decode_page_token, encode_page_token
 
 
 def test_a_cursor_round_trips_with_its_filters() -> None:

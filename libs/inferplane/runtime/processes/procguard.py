@@ -202,7 +202,7 @@ def guarded_argv(argv: list[str]) -> list[str]:
     """
     if not sys.platform.startswith("linux"):
         return list(argv)
-    return [sys.executable, "-m", "inferplane.runtime.procguard", str(os.getpid()), *argv]
+    return [sys.executable, "-m", "inferplane.runtime.processes.procguard", str(os.getpid()), *argv]
 
 
 def start_reaper(grace_seconds: float = 5.0) -> subprocess.Popen[bytes] | None:

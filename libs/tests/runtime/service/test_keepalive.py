@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferplane.edge import REPLICAS_CLUSTER, EdgeConfig, Endpoint, build_clusters
 from inferplane.edge._clusters import REPLICA_KEEPALIVE, UPSTREAM_KEEPALIVE
-from inferplane.runtime import ServiceSettings, _server, grpc_options
+from inferplane.runtime import ServiceSettings, grpc_options
+from inferplane.runtime.service import _server
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,11 +1,11 @@
 """Service identity: mutual TLS between inferplane's processes and a per-RPC policy of who may
 call what (issue 18).
 
-Every process holds a certificate issued by the platform's CA (`inferplane.runtime.pki.LocalCA`
-for a local stack; any CA in production): `<tls_dir>/ca.crt` (what it trusts),
-`<tls_dir>/<name>.crt` and `<tls_dir>/<name>.key` (what it is). Its identity is the
-certificate's subject common name (`edge`, `auth`, `router`, `orchestrator`, `node-agent`,
-`telemetry`, `admin`).
+Every process holds a certificate issued by the platform's CA
+(`inferplane.runtime.security.pki.LocalCA` for a local stack; any CA in production):
+`<tls_dir>/ca.crt` (what it trusts), `<tls_dir>/<name>.crt` and `<tls_dir>/<name>.key` (what
+it is). Its identity is the certificate's subject common name (`edge`, `auth`, `router`,
+`orchestrator`, `node-agent`, `telemetry`, `admin`).
 
 - Servers require a client certificate signed by the CA at the handshake (a caller without one,
   or with one from another CA, never gets a connection: UNAVAILABLE on its side; gRPC Python
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from inferplane.runtime._errors import (
+from inferplane.runtime.service._errors import (
     ConfigError,
     PermissionDeniedError,
     UnauthenticatedError,

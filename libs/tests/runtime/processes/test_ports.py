@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import socket
 
-from inferplane.runtime.ports import LOWEST_PORT, ephemeral_range, free_port, free_port_run
+from inferplane.runtime.processes.ports import (
+    LOWEST_PORT,
+    ephemeral_range,
+    free_port,
+    free_port_run,
+)
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_are_free() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.runtime.private_files import open_private_log, write_private_file
+from inferplane.runtime.security.private_files import open_private_log, write_private_file
 
 
 @pytest.fixture

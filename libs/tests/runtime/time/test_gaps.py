@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferplane.runtime.gaps import MAX_GAPS, thin
+from inferplane.runtime.time.gaps import MAX_GAPS, thin
 
 
 def test_at_most_limit_values_are_kept_as_they_are() -> None:

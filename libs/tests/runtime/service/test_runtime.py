@@ -32,7 +32,7 @@ from inferplane.runtime import (
     load_settings,
     loop_factory,
 )
-from inferplane.runtime.ports import free_port
+from inferplane.runtime.processes.ports import free_port
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,7 +299,7 @@ def test_a_blocked_event_loop_dumps_every_threads_stack() -> None:
     script = textwrap.dedent(
         """
         import asyncio, sys, time
-        from inferplane.runtime._server import watch_loop_stalls
+        from inferplane.runtime.service._server import watch_loop_stalls
 
         def blocking_call():
             time.sleep(1.5)

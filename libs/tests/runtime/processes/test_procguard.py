@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.runtime import procguard
+from inferplane.runtime.processes import procguard
 
 LEADER = textwrap.dedent(
     """
     import subprocess, sys, time
-    from inferplane.runtime import procguard
+    from inferplane.runtime.processes import procguard
     procguard.start_reaper(grace_seconds=1.0)
     child = (
         "import signal, time; "
@@ -74,8 +74,8 @@ def test_spawned_children_are_awaited_on_either_loop_without_fork_handlers(
             import asyncio, os, signal, sys
             import grpc
             from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-            from inferplane.runtime import procguard
-            from inferplane.runtime._server import loop_factory
+            from inferplane.runtime.processes import procguard
+            from inferplane.runtime.service._server import loop_factory
 
             async def main():
                 server = grpc.aio.server()

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from inferplane.runtime.private_files import write_private_file
+from inferplane.runtime.security.private_files import write_private_file
 
 CA_NAME = "inferplane local CA"
 #: A clock skew allowance: certificates are valid from this long before they were made.

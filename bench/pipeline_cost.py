@@ -1,4 +1,4 @@
-"""CPU cost of the node-agent's inference pipeline per generated token.
+"""CPU cost of the replica process's inference pipeline per generated token.
 
 Replays a long Kimi K2.5-format output (reasoning, `</think>`, an answer with multi-byte text,
 then tool calls with large arguments), tokenized by the REAL fixture tokenizer

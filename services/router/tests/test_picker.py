@@ -472,6 +472,7 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
             assert record.finish_reason == "stop" and record.error_code == ""
             assert record.replica == "replica-a" and record.deployment == "d"
             assert record.stream and record.tenant == "t1" and record.model == "m"
+            assert record.record_source == telemetry_pb2.RECORD_SOURCE_ROUTER
 
     asyncio.run(scenario())
 

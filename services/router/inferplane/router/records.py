@@ -123,6 +123,7 @@ class RequestTrace:
         record = telemetry_pb2.RequestRecord(
             request_id=self.request_id,
             source=SOURCE,
+            record_source=telemetry_pb2.RECORD_SOURCE_ROUTER,
             tenant=self.tenant,
             key_id=self.key_id,
             model=self.model,

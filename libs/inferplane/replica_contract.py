@@ -57,36 +57,6 @@ TASKS: tuple[Task, ...] = tuple(Task)
 """Every task, in the order error messages list them."""
 
 
-def with_enum_fields(spec: nodeagent_pb2.ReplicaSpec) -> nodeagent_pb2.ReplicaSpec:
-    """`spec` with its deprecated string fields `task` / `transport` set from the enum fields
-    `replica_task` / `replica_transport` where those are set: the enum wins when a sender sets
-    both (proto/inferplane/nodeagent/v1/nodeagent.proto). The node-agent applies it to every
-    spec it is given, so the supervisor and the replica process (which read the strings) see
-    what an enum-only sender meant. A spec without enum fields comes back unchanged (a copy).
-
-    Raises:
-        ValueError: an enum number this contract does not know (a newer sender).
-    """
-    out = nodeagent_pb2.ReplicaSpec()
-    out.CopyFrom(spec)
-    if spec.replica_task:
-        out.task = _enum_member(Task, nodeagent_pb2.ReplicaTask, "REPLICA_TASK_", spec.replica_task)
-    if spec.replica_transport:
-        out.transport = _enum_member(
-            Transport, nodeagent_pb2.ReplicaTransport, "REPLICA_TRANSPORT_", spec.replica_transport
-        )
-    return out
-
-
-def _enum_member(kind: Any, proto_enum: Any, prefix: str, number: int) -> str:
-    """The contract's string for a proto enum number (members share their names)."""
-    try:
-        name = proto_enum.Name(number).removeprefix(prefix)
-        return str(kind[name].value)
-    except (ValueError, KeyError):
-        raise ValueError(f"unknown {proto_enum.DESCRIPTOR.name} value {number}") from None
-
-
 def replica_task(spec: nodeagent_pb2.ReplicaSpec) -> Task:
     """`spec.task`, with "" read as `Task.GENERATE` (specs written before the field existed).
 
@@ -133,6 +103,42 @@ SPEECH_TRANSPORTS: tuple[Transport, ...] = (Transport.INPROC,)
 """The transports that serve a `transcribe` spec: vLLM's own speech-to-text request building
 (`OpenAIServingTranscription` / `OpenAIServingTranslation`) hosted in-process over the
 `AsyncLLM`; the child server's routes would need the upload forwarded a second time."""
+
+
+TASK_ENUMS: dict[int, Task] = {
+    nodeagent_pb2.ReplicaTask.Value(f"REPLICA_TASK_{t.name}"): t for t in Task
+}
+"""`ReplicaTask` values and the tasks they mean: `REPLICA_TASK_<NAME>` is `Task.<NAME>` (a
+member without its proto value fails at import)."""
+
+TRANSPORT_ENUMS: dict[int, Transport] = {
+    nodeagent_pb2.ReplicaTransport.Value(f"REPLICA_TRANSPORT_{t.name}"): t for t in Transport
+}
+"""`ReplicaTransport` values and the transports they mean (`REPLICA_TRANSPORT_<NAME>` is
+`Transport.<NAME>`)."""
+
+
+def with_enum_fields(spec: nodeagent_pb2.ReplicaSpec) -> nodeagent_pb2.ReplicaSpec:
+    """`spec` with its deprecated string fields `task` / `transport` set from the enum fields
+    `replica_task` / `replica_transport` where those are set: the enum wins when a sender sets
+    both (proto/inferplane/nodeagent/v1/nodeagent.proto). The node-agent applies it to every
+    spec it is given, so the supervisor and the replica process (which read the strings) see
+    what an enum-only sender meant. A spec without enum fields comes back unchanged (a copy).
+
+    Raises:
+        ValueError: an enum number this contract does not know (a newer sender).
+    """
+    out = nodeagent_pb2.ReplicaSpec()
+    out.CopyFrom(spec)
+    if spec.replica_task:
+        if spec.replica_task not in TASK_ENUMS:
+            raise ValueError(f"unknown ReplicaTask value {spec.replica_task}")
+        out.task = TASK_ENUMS[spec.replica_task]
+    if spec.replica_transport:
+        if spec.replica_transport not in TRANSPORT_ENUMS:
+            raise ValueError(f"unknown ReplicaTransport value {spec.replica_transport}")
+        out.transport = TRANSPORT_ENUMS[spec.replica_transport]
+    return out
 
 
 def resolve_transport(spec: nodeagent_pb2.ReplicaSpec) -> Transport:

@@ -41,16 +41,8 @@ from inferplane.runtime import InvalidArgumentError
 pb = orchestrator_pb2
 na = nodeagent_pb2
 
-#: `ReplicaTask` values and the task strings they mean: `REPLICA_TASK_<NAME>` is the contract's
-#: `Task.<NAME>` (`inferplane.replica_contract`; a member without its proto value fails here).
-TASK_ENUMS: Mapping[int, str] = {
-    na.ReplicaTask.Value(f"REPLICA_TASK_{t.name}"): t.value for t in contract.Task
-}
-#: `ReplicaTransport` values and the transport strings they mean (`REPLICA_TRANSPORT_<NAME>` is
-#: `Transport.<NAME>`).
-TRANSPORT_ENUMS: Mapping[int, str] = {
-    na.ReplicaTransport.Value(f"REPLICA_TRANSPORT_{t.name}"): t.value for t in contract.Transport
-}
+TASK_ENUMS: Mapping[int, str] = contract.TASK_ENUMS
+TRANSPORT_ENUMS: Mapping[int, str] = contract.TRANSPORT_ENUMS
 _TASK_VALUES = {v: k for k, v in TASK_ENUMS.items()}
 _TRANSPORT_VALUES = {v: k for k, v in TRANSPORT_ENUMS.items()}
 

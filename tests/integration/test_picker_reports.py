@@ -50,7 +50,8 @@ from inferplane.telemetry.app import build_components as build_telemetry
 from inferplane.telemetry.settings import TelemetrySettings
 from inferplane.telemetry.store import Query, Sample
 from inferplane.testing.clock import FakeClock
-from inferplane.wire import PICKER_KEY, REPLICA_KEY, SSE_DONE, ResponseSummary, sse_error, sse_event
+from inferplane.wire import SSE_DONE, ResponseSummary, sse_error, sse_event
+from inferplane.wire.headers import PICKER, SERVED_BY
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "kimi-tiny"
@@ -76,8 +77,8 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
         """What a replica process does after a request it produced output for: report the
         summary to the picker named in the request (`x-inferplane-picker`)."""
         metadata = dict(context.invocation_metadata())
-        if metadata.get(PICKER_KEY) and metadata.get("x-request-id"):
-            self.outcomes.report(metadata[PICKER_KEY], metadata["x-request-id"], summary)
+        if metadata.get(PICKER) and metadata.get("x-request-id"):
+            self.outcomes.report(metadata[PICKER], metadata["x-request-id"], summary)
 
     async def StreamChatCompletionEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.calls += 1
@@ -85,7 +86,7 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[
         summary = ResponseSummary(
             replica_id=self.replica_id, prompt_tokens=PROMPT_TOKENS, ttft_seconds=0.004
         )
-        await context.send_initial_metadata(((REPLICA_KEY, self.replica_id),))
+        await context.send_initial_metadata(((SERVED_BY, self.replica_id),))
         await asyncio.sleep(0.004)  # "prefill"
         yield httpbody_pb2.HttpBody(content_type="text/event-stream", data=_chunk("", role=True))
         try:

@@ -4,7 +4,7 @@ endpoint picker (the router) that picked them, `inferplane.router.v1.OutcomeServ
 The picker reads a request's `ResponseSummary` from the response trailers Envoy shows it, but
 those are lost when the client closes its connection right after `data: [DONE]` (Envoy cancels
 the picker's side stream). The replica therefore also reports the summary to the picker named
-in the request's `x-inferplane-picker` header (`inferplane.wire.PICKER_KEY`), matched there by
+in the request's `x-inferplane-picker` header (`inferplane.wire.headers.PICKER`), matched there by
 `x-request-id`.
 """
 

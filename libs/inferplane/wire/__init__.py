@@ -31,12 +31,10 @@ from inferplane.wire._multipart import (
     FormFile,
     read_form,
 )
-from inferplane.wire._summary import PICKER_KEY, REPLICA_KEY, SUMMARY_KEYS, ResponseSummary
+from inferplane.wire._summary import SUMMARY_KEYS, ResponseSummary
 
 __all__ = [
     "MAX_AUDIO_FILE_BYTES",
-    "PICKER_KEY",
-    "REPLICA_KEY",
     "SSE_DONE",
     "SUMMARY_KEYS",
     "Form",

@@ -7,7 +7,7 @@ Envoy hands those trailers to the picker over ext_proc (`response_trailers`), wh
 the admission slot, feeds the replica's breaker, reports usage to auth and sends the request
 record to telemetry, then removes them so no client sees internal topology.
 
-A replica also sends `REPLICA_KEY` in its initial metadata (the response headers), so the
+A replica also sends `headers.SERVED_BY` in its initial metadata (the response headers), so the
 picker knows which endpoint of its list answered as soon as the response starts: Envoy's
 override_host cannot report it back.
 
@@ -23,8 +23,6 @@ from collections.abc import Iterable, Mapping
 
 from inferplane.wire import headers
 
-REPLICA_KEY = headers.SERVED_BY
-PICKER_KEY = headers.PICKER
 PROMPT_TOKENS_KEY = "x-inferplane-prompt-tokens"
 COMPLETION_TOKENS_KEY = "x-inferplane-completion-tokens"
 CACHED_TOKENS_KEY = "x-inferplane-cached-tokens"
@@ -37,7 +35,7 @@ KEY_ID_KEY = "x-inferplane-summary-key-id"
 MODEL_KEY = "x-inferplane-summary-model"
 
 SUMMARY_KEYS: tuple[str, ...] = (
-    REPLICA_KEY,
+    headers.SERVED_BY,
     PROMPT_TOKENS_KEY,
     COMPLETION_TOKENS_KEY,
     CACHED_TOKENS_KEY,
@@ -96,7 +94,7 @@ class ResponseSummary:
         """The trailing metadata pairs (empty strings and zeros are left out)."""
         out: list[tuple[str, str]] = []
         if self.replica_id:
-            out.append((REPLICA_KEY, self.replica_id))
+            out.append((headers.SERVED_BY, self.replica_id))
         for field, key in _INT_FIELDS:
             value = getattr(self, field)
             if value:
@@ -129,7 +127,7 @@ class ResponseSummary:
                 seen[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         ints = {field: _int(seen.get(key, "")) for field, key in _INT_FIELDS}
         return cls(
-            replica_id=seen.get(REPLICA_KEY, ""),
+            replica_id=seen.get(headers.SERVED_BY, ""),
             finish_reason=seen.get(FINISH_REASON_KEY, ""),
             ttft_seconds=_float(seen.get(TTFT_KEY, "")),
             gpu_seconds=_float(seen.get(GPU_SECONDS_KEY, "")),

@@ -32,7 +32,8 @@ from inferplane.replica.testing.pipeline import (
     run_scenario,
 )
 from inferplane.runtime import InvalidArgumentError
-from inferplane.wire import PICKER_KEY, ResponseSummary, chat_request_from_dict
+from inferplane.wire import ResponseSummary, chat_request_from_dict
+from inferplane.wire.headers import PICKER
 
 Stub = inference_pb2_grpc.InferenceServiceStub
 MODEL = et.SERVED_MODEL_NAME
@@ -293,7 +294,7 @@ async def _drain(call: Any) -> list[Any]:
 
 # -- trailers, records, reports, failures ---------------------------------------------------
 
-PICKED = (("x-request-id", "req-1"), (PICKER_KEY, "10.0.0.9:50070"))
+PICKED = (("x-request-id", "req-1"), (PICKER, "10.0.0.9:50070"))
 
 
 def test_summary_trailers_record_and_picker_report_of_an_embedding() -> None:

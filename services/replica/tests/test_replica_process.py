@@ -25,7 +25,8 @@ from inferplane.replica.settings import ReplicaSettings, parse_args
 from inferplane.replica.testing.pipeline import kimi_tiny_assets, kimi_tiny_ids, kimi_tiny_spec
 from inferplane.replica_contract import ReplicaFlags
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY
-from inferplane.wire import PICKER_KEY, ResponseSummary, completion_request_from_dict
+from inferplane.wire import ResponseSummary, completion_request_from_dict
+from inferplane.wire.headers import PICKER
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -310,7 +311,7 @@ def test_picked_requests_are_reported_to_their_picker_up_to_the_last_one_at_shut
 
     async def body(client: Client, host: FakeHost, stop: asyncio.Event) -> None:
         def picked(request_id: str) -> tuple[tuple[str, str], ...]:
-            return (("x-request-id", request_id), (PICKER_KEY, picker.address))
+            return (("x-request-id", request_id), (PICKER, picker.address))
 
         host.started.set()
         await until(lambda: _is(client.status(), SERVING))

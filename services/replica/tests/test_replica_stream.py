@@ -34,13 +34,12 @@ from inferplane.replica.testing.pipeline import (
 from inferplane.routing_client import OutcomeReporter
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
 from inferplane.wire import (
-    PICKER_KEY,
-    REPLICA_KEY,
     SUMMARY_KEYS,
     ResponseSummary,
     chat_request_from_dict,
     completion_request_from_dict,
 )
+from inferplane.wire.headers import PICKER, SERVED_BY
 
 Stub = inference_pb2_grpc.InferenceServiceStub
 WEATHER_IDS = kimi_tiny_ids(kt.WEATHER.output + "<|im_end|>")
@@ -213,7 +212,7 @@ def test_sse_stream_is_openai_event_bytes_ending_with_done_and_a_summary() -> No
         ]
         assert "get_weather" in names
         # The response headers name the replica (the picker learns who answered).
-        assert dict(await call.initial_metadata())[REPLICA_KEY] == "r1"
+        assert dict(await call.initial_metadata())[SERVED_BY] == "r1"
         s = summary(await call.trailing_metadata())
         assert s.replica_id == "r1"
         assert s.finish_reason == "tool_calls"
@@ -273,7 +272,7 @@ def test_sse_failure_before_first_byte_is_a_retryable_status_with_summary_traile
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # Trailers-only: no response headers before the status, or Envoy could not retry.
-        assert REPLICA_KEY not in dict(info.value.initial_metadata() or ())
+        assert SERVED_BY not in dict(info.value.initial_metadata() or ())
         trailers = dict(info.value.trailing_metadata() or ())
         assert trailers[OPENAI_ERROR_CODE_KEY] == "engine_failed"
         assert "grpc-status-details-bin" in trailers
@@ -364,7 +363,7 @@ def test_client_cancel_leaves_an_abort_summary_and_aborts_the_engine() -> None:
 
 # -- the summary reported to the picker ------------------------------------------------------
 
-PICKED = (("x-request-id", "req-1"), (PICKER_KEY, "10.0.0.9:50070"))
+PICKED = (("x-request-id", "req-1"), (PICKER, "10.0.0.9:50070"))
 """The request metadata Envoy forwards for a picked request (the picker's address, the id)."""
 
 
@@ -420,7 +419,7 @@ def test_a_picked_stream_is_reported_to_its_picker_with_the_trailers_summary() -
         try:
             metadata = (
                 ("x-request-id", "req-7"),
-                (PICKER_KEY, f"127.0.0.1:{port}"),
+                (PICKER, f"127.0.0.1:{port}"),
                 ("x-inferplane-key-id", "key-9"),
             )
             call = stub.StreamChatCompletionEvents(chat_events(), metadata=metadata)
@@ -499,7 +498,7 @@ def test_requests_without_picker_or_request_id_are_not_reported() -> None:
     reports = Reports()
 
     async def body(stub: Stub) -> None:
-        for metadata in ((), (("x-request-id", "req-1"),), ((PICKER_KEY, "10.0.0.9:50070"),)):
+        for metadata in ((), (("x-request-id", "req-1"),), ((PICKER, "10.0.0.9:50070"),)):
             call = stub.StreamChatCompletionEvents(chat_events(), metadata=metadata)
             assert events_of([b async for b in call])[-1] == b"data: [DONE]"
         await asyncio.sleep(0.05)

@@ -141,7 +141,8 @@ class SpeechResult:
 @runtime_checkable
 class SpeechEngine(Protocol):
     """An engine that serves speech-to-text (a `transcribe` replica's engine; the transports
-    in `process.SPEECH_TRANSPORTS`). `wav` is the decoded upload at 16 kHz as WAV bytes."""
+    in `inferplane.replica_contract.SPEECH_TRANSPORTS`). `wav` is the decoded upload at 16 kHz
+    as WAV bytes."""
 
     async def transcribe(
         self, wav: bytes, params: SpeechParams, usage: SpeechUsage

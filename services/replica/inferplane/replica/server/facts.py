@@ -45,7 +45,7 @@ class RequestFacts:
     """What the server learns about one request while serving it.
 
     Args:
-        api: "chat", "completion", "embedding", "transcription" or "translation".
+        api: the API's name (`inferplane.wire.apis`).
         stream: True for the streaming methods (and `stream=true` speech).
         model: the model the client asked for (replaced by the replica's served name).
         started: the request's arrival, on the server clock's `monotonic()` (seconds).

@@ -68,7 +68,7 @@ class RequestOutcome:
             the request failed before it got one.
         model: the served model name.
         replica_id: the replica that ran it.
-        api: "chat", "completion", "embedding", "transcription" or "translation".
+        api: the API's name (`inferplane.wire.apis`).
         stream: True for the streaming methods.
         ending: how it ended (`status`, `finish_reason` and `error_code` read it).
         prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens: token counts

@@ -52,7 +52,7 @@ from inferplane.replica.server.speech import speech_body
 from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.runtime.time.clock import Clock, SystemClock
-from inferplane.wire import ResponseSummary, chunk_to_json, completion_chunk_to_json
+from inferplane.wire import ResponseSummary, apis, chunk_to_json, completion_chunk_to_json
 from inferplane.wire.headers import KEY_ID, PICKER, REQUEST_ID, SERVED_BY
 
 log = structlog.get_logger("inferplane.replica.server")
@@ -143,7 +143,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self, request: pb.CreateChatCompletionRequest, context: Context
     ) -> pb.CreateChatCompletionResponse:
         """A chat completion, whole (usage always included)."""
-        facts = self._facts("chat", False, request.request.model)
+        facts = self._facts(apis.CHAT_COMPLETIONS, False, request.request.model)
         body = partial(self._bodies.chat_whole, request.request, facts)
         return await _only(self._serve(facts, context, body))
 
@@ -152,7 +152,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     ) -> AsyncIterator[pb.StreamChatCompletionResponse]:
         """A chat completion as typed chunks; a failure after the first chunk ends the stream
         with an error status (never a silent truncation)."""
-        facts = self._facts("chat", True, request.request.model)
+        facts = self._facts(apis.CHAT_COMPLETIONS, True, request.request.model)
         body = partial(self._bodies.chat_chunks, request.request, facts)
         async for chunk in self._serve(facts, context, body):
             yield chunk
@@ -162,7 +162,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     ) -> AsyncIterator[httpbody_pb2.HttpBody]:
         """A chat completion as OpenAI's SSE bytes (`pipeline/sse.py`): a failure after the
         first byte ends the stream with an error event and status OK."""
-        facts = self._facts("chat", True, request.request.model)
+        facts = self._facts(apis.CHAT_COMPLETIONS, True, request.request.model)
         typed = partial(self._bodies.chat_chunks, request.request, facts)
         body = partial(self._bodies.events, typed, chunk_to_json, facts)
         async for message in self._serve(facts, context, body):
@@ -172,7 +172,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self, request: pb.CreateCompletionRequest, context: Context
     ) -> pb.CreateCompletionResponse:
         """A text completion, whole (no chat template, no parsing)."""
-        facts = self._facts("completion", False, request.request.model)
+        facts = self._facts(apis.COMPLETIONS, False, request.request.model)
         body = partial(self._bodies.completion_whole, request.request, facts)
         return await _only(self._serve(facts, context, body))
 
@@ -180,7 +180,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self, request: pb.StreamCompletionRequest, context: Context
     ) -> AsyncIterator[pb.StreamCompletionResponse]:
         """A text completion as typed chunks."""
-        facts = self._facts("completion", True, request.request.model)
+        facts = self._facts(apis.COMPLETIONS, True, request.request.model)
         body = partial(self._bodies.completion_chunks, request.request, facts)
         async for chunk in self._serve(facts, context, body):
             yield chunk
@@ -189,7 +189,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self, request: pb.StreamCompletionEventsRequest, context: Context
     ) -> AsyncIterator[httpbody_pb2.HttpBody]:
         """A text completion as OpenAI's SSE bytes (see StreamChatCompletionEvents)."""
-        facts = self._facts("completion", True, request.request.model)
+        facts = self._facts(apis.COMPLETIONS, True, request.request.model)
         typed = partial(self._bodies.completion_chunks, request.request, facts)
         body = partial(self._bodies.events, typed, completion_chunk_to_json, facts)
         async for message in self._serve(facts, context, body):
@@ -202,7 +202,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         replica whose task is `embed`: the same template as the generation RPCs (admission,
         summary trailers with the inputs' tokens, finish_reason "stop" and the time to the
         result as TTFT, the picker report, one record)."""
-        facts = self._facts("embedding", False, request.request.model)
+        facts = self._facts(apis.EMBEDDINGS, False, request.request.model)
         body = partial(self._bodies.embedding, request.request, facts)
         return await _only(self._serve(facts, context, body, task=Task.EMBED))
 
@@ -250,7 +250,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             speech = await asyncio.to_thread(speech_request, http.content_type, http.data, endpoint)
         else:
             speech = speech_request(http.content_type, http.data, endpoint)
-        api = "transcription" if endpoint == TRANSCRIBE_ENDPOINT else "translation"
+        api = apis.TRANSCRIPTIONS if endpoint == TRANSCRIBE_ENDPOINT else apis.TRANSLATIONS
         facts = self._facts(api, speech.stream, speech.model)
         body = partial(speech_body, self._bodies, speech, facts)
         async for message in self._serve(facts, context, body, task=Task.TRANSCRIBE):

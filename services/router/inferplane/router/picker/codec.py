@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError, Message
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
-from inferplane.wire import SUMMARY_KEYS, FormError, error_body, headers, read_form
+from inferplane.wire import SUMMARY_KEYS, FormError, apis, error_body, headers, read_form
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: Where a gateway sends the pool's endpoints the pick must come from (the Gateway API
@@ -43,13 +43,24 @@ _GRPC_FRAME_HEADER = 5  # compressed flag (1 byte) + message length (4 bytes, bi
 class Method:
     """A generation method of InferenceService as the transcoder names it in `:path`: its
     request type, whether it streams, and which features it is decided on (chat, embedding,
-    speech; otherwise a completion)."""
+    speech; otherwise a completion).
+
+    `to_chat`, for an API whose request is a conversation in another wire format (Anthropic
+    Messages, OpenAI Responses), gives the `ChatCompletionRequest` the replica renders from
+    it (the same conversion the replica runs), so the picker decides on it as on chat:
+    prefix blocks, root, session, schema check. Raises `InvalidArgumentError` for a body the
+    API refuses (400 before it takes a slot).
+
+    `api` names the API in the usage ledger and request records (`inferplane.wire.apis`).
+    """
 
     request_type: type[Message]
     stream: bool
     chat: bool
     embedding: bool = False
     speech: bool = False
+    to_chat: Callable[[Any], pb.ChatCompletionRequest] | None = None
+    api: str = apis.CHAT_COMPLETIONS
 
 
 _PREFIX = "/inferplane.inference.v1.InferenceService/"
@@ -59,14 +70,24 @@ METHODS: Mapping[str, Method] = {
     _PREFIX + "StreamChatCompletionEvents": Method(
         pb.StreamChatCompletionEventsRequest, True, True
     ),
-    _PREFIX + "CreateCompletion": Method(pb.CreateCompletionRequest, False, False),
-    _PREFIX + "StreamCompletion": Method(pb.StreamCompletionRequest, True, False),
-    _PREFIX + "StreamCompletionEvents": Method(pb.StreamCompletionEventsRequest, True, False),
-    _PREFIX + "CreateEmbedding": Method(pb.CreateEmbeddingRequest, False, False, embedding=True),
-    _PREFIX + "CreateTranscription": Method(
-        pb.CreateTranscriptionRequest, False, False, speech=True
+    _PREFIX + "CreateCompletion": Method(
+        pb.CreateCompletionRequest, False, False, api=apis.COMPLETIONS
     ),
-    _PREFIX + "CreateTranslation": Method(pb.CreateTranslationRequest, False, False, speech=True),
+    _PREFIX + "StreamCompletion": Method(
+        pb.StreamCompletionRequest, True, False, api=apis.COMPLETIONS
+    ),
+    _PREFIX + "StreamCompletionEvents": Method(
+        pb.StreamCompletionEventsRequest, True, False, api=apis.COMPLETIONS
+    ),
+    _PREFIX + "CreateEmbedding": Method(
+        pb.CreateEmbeddingRequest, False, False, embedding=True, api=apis.EMBEDDINGS
+    ),
+    _PREFIX + "CreateTranscription": Method(
+        pb.CreateTranscriptionRequest, False, False, speech=True, api=apis.TRANSCRIPTIONS
+    ),
+    _PREFIX + "CreateTranslation": Method(
+        pb.CreateTranslationRequest, False, False, speech=True, api=apis.TRANSLATIONS
+    ),
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""
 

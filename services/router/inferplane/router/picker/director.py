@@ -33,7 +33,9 @@ class RequestFacts:
         method: the generation method (`codec.METHODS`).
         model: the model the client asked for (before aliases).
         request: the typed request inside the method's wrapper (`ChatCompletionRequest`,
-            `CompletionRequest`, `EmbeddingRequest`), or the `HttpBody` of an audio request.
+            `CompletionRequest`, `EmbeddingRequest`), the `ChatCompletionRequest` a Messages
+            or Responses request converts to (`Method.to_chat`), or the `HttpBody` of an
+            audio request.
         metadata: the request's headers, lower-case keys (auth's verdict, `x-session-id`).
     """
 
@@ -51,6 +53,9 @@ class RequestFacts:
         """
         if method.speech:
             return cls(method, form_model(decoded.body), decoded.body, metadata)
+        if method.to_chat is not None:
+            chat = method.to_chat(decoded.request)
+            return cls(method, chat.model, chat, metadata)
         return cls(method, decoded.request.model, decoded.request, metadata)
 
 

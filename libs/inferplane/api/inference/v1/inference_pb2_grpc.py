@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
+from inferplane.api.inference.v1 import anthropic_pb2 as inferplane_dot_inference_dot_v1_dot_anthropic__pb2
 from inferplane.api.inference.v1 import inference_pb2 as inferplane_dot_inference_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -84,6 +85,16 @@ class InferenceServiceStub:
                 '/inferplane.inference.v1.InferenceService/CreateTranslation',
                 request_serializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CreateMessage = channel.unary_stream(
+                '/inferplane.inference.v1.InferenceService/CreateMessage',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CreateMessageRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CountMessageTokens = channel.unary_unary(
+                '/inferplane.inference.v1.InferenceService/CountMessageTokens',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.SerializeToString,
+                response_deserializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/inferplane.inference.v1.InferenceService/ListModels',
@@ -178,6 +189,25 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateMessage(self, request, context):
+        """Anthropic's Messages API (`POST /v1/messages`, also with `?beta=true`): one RPC for both
+        forms: the whole Message as JSON bytes, or with `"stream": true` Anthropic's server-sent
+        events (`event: …\ndata: …\n\n`, an `error` event on a failure after the first byte).
+        The replica converts the request to the chat request it renders
+        (`inferplane.apis.anthropic`; docs/api-messages.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountMessageTokens(self, request, context):
+        """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
+        model's chat template renders from the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Lists the models this endpoint serves (`GET /v1/models`).
         """
@@ -240,6 +270,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.CreateTranslation,
                     request_deserializer=inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CreateMessage': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateMessage,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CreateMessageRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CountMessageTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountMessageTokens,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.FromString,
+                    response_serializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -500,6 +540,60 @@ class InferenceService:
             '/inferplane.inference.v1.InferenceService/CreateTranslation',
             inferplane_dot_inference_dot_v1_dot_inference__pb2.CreateTranslationRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CreateMessage',
+            inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CreateMessageRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountMessageTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CountMessageTokens',
+            inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.SerializeToString,
+            inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,7 @@ uses): snake_case names, uint32 for counts and timestamps (int64 would print as 
 from collections import abc as _abc
 from google.api import httpbody_pb2 as _httpbody_pb2
 from grpc import aio as _aio
+from inferplane.api.inference.v1 import anthropic_pb2 as _anthropic_pb2
 from inferplane.api.inference.v1 import inference_pb2 as _inference_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -80,6 +81,17 @@ class InferenceServiceStub:
     """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
     CreateTranscription, without `language` in the form.
     """
+    CreateMessage: _grpc.UnaryStreamMultiCallable[_anthropic_pb2.CreateMessageRequest, _httpbody_pb2.HttpBody]
+    """Anthropic's Messages API (`POST /v1/messages`, also with `?beta=true`): one RPC for both
+    forms: the whole Message as JSON bytes, or with `"stream": true` Anthropic's server-sent
+    events (`event: …\\ndata: …\\n\\n`, an `error` event on a failure after the first byte).
+    The replica converts the request to the chat request it renders
+    (`inferplane.apis.anthropic`; docs/api-messages.md).
+    """
+    CountMessageTokens: _grpc.UnaryUnaryMultiCallable[_anthropic_pb2.CountMessageTokensRequest, _anthropic_pb2.CountMessageTokensResponse]
+    """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
+    model's chat template renders from the request.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]
@@ -129,6 +141,17 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     CreateTranslation: _aio.UnaryStreamMultiCallable[_inference_pb2.CreateTranslationRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
     """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
     CreateTranscription, without `language` in the form.
+    """
+    CreateMessage: _aio.UnaryStreamMultiCallable[_anthropic_pb2.CreateMessageRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """Anthropic's Messages API (`POST /v1/messages`, also with `?beta=true`): one RPC for both
+    forms: the whole Message as JSON bytes, or with `"stream": true` Anthropic's server-sent
+    events (`event: …\\ndata: …\\n\\n`, an `error` event on a failure after the first byte).
+    The replica converts the request to the chat request it renders
+    (`inferplane.apis.anthropic`; docs/api-messages.md).
+    """
+    CountMessageTokens: _aio.UnaryUnaryMultiCallable[_anthropic_pb2.CountMessageTokensRequest, _anthropic_pb2.CountMessageTokensResponse]  # type: ignore[assignment]
+    """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
+    model's chat template renders from the request.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
@@ -230,6 +253,29 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
         """Translates audio into English text (`POST /v1/audio/translations`); the same contract as
         CreateTranscription, without `language` in the form.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateMessage(
+        self,
+        request: _anthropic_pb2.CreateMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
+        """Anthropic's Messages API (`POST /v1/messages`, also with `?beta=true`): one RPC for both
+        forms: the whole Message as JSON bytes, or with `"stream": true` Anthropic's server-sent
+        events (`event: …\\ndata: …\\n\\n`, an `error` event on a failure after the first byte).
+        The replica converts the request to the chat request it renders
+        (`inferplane.apis.anthropic`; docs/api-messages.md).
+        """
+
+    @_abc_1.abstractmethod
+    def CountMessageTokens(
+        self,
+        request: _anthropic_pb2.CountMessageTokensRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_anthropic_pb2.CountMessageTokensResponse, _abc.Awaitable[_anthropic_pb2.CountMessageTokensResponse]]:
+        """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
+        model's chat template renders from the request.
         """
 
     @_abc_1.abstractmethod

@@ -240,13 +240,14 @@ class AsyncUsage:
         key: str = "",
         tenant: str = "",
         model: str = "",
+        api: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
     ) -> AsyncPaged[usage_pb2.UsageRow]:
         async def fetch(token: str) -> Page[usage_pb2.UsageRow]:
             request = usage_query(
-                start=start, end=end, key=key, tenant=tenant, model=model, group_by="",
+                start=start, end=end, key=key, tenant=tenant, model=model, api=api, group_by="",
                 page_size=page_size, page_token=token,
             )  # fmt: skip
             response = await self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
@@ -263,13 +264,14 @@ class AsyncUsage:
         key: str = "",
         tenant: str = "",
         model: str = "",
+        api: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
     ) -> AsyncPaged[usage_pb2.UsageGroup]:
         async def fetch(token: str) -> Page[usage_pb2.UsageGroup]:
             request = usage_query(
-                start=start, end=end, key=key, tenant=tenant, model=model, group_by=by,
+                start=start, end=end, key=key, tenant=tenant, model=model, api=api, group_by=by,
                 page_size=page_size, page_token=token,
             )  # fmt: skip
             response = await self._t.unary(m.QUERY_USAGE, request, timeout=timeout)

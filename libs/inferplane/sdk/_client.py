@@ -268,7 +268,8 @@ class Usage:
     """The usage ledger (auth's `UsageLedgerService`; the client needs `auth` and
     `admin_key`): one row per finished request, or totals per hour, day, model, key or tenant.
     Filters: requests that ended in [`start`, `end`) (timezone-aware; None: unbounded), and
-    exact `key` (id or `api-keys/{id}`), `tenant`, `model` when set. `timeout` is per page."""
+    exact `key` (id or `api-keys/{id}`), `tenant`, `model`, `api` when set. `timeout` is per
+    page."""
 
     def __init__(self, transport: SyncTransport) -> None:
         self._t = transport
@@ -281,6 +282,7 @@ class Usage:
         key: str = "",
         tenant: str = "",
         model: str = "",
+        api: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
@@ -289,7 +291,7 @@ class Usage:
 
         def fetch(token: str) -> Page[usage_pb2.UsageRow]:
             request = usage_query(
-                start=start, end=end, key=key, tenant=tenant, model=model, group_by="",
+                start=start, end=end, key=key, tenant=tenant, model=model, api=api, group_by="",
                 page_size=page_size, page_token=token,
             )  # fmt: skip
             response = self._t.unary(m.QUERY_USAGE, request, timeout=timeout)
@@ -306,11 +308,13 @@ class Usage:
         key: str = "",
         tenant: str = "",
         model: str = "",
+        api: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
     ) -> Paged[usage_pb2.UsageGroup]:
-        """Totals per group (`by`: "hour", "day", "model", "key" or "tenant"), in group order.
+        """Totals per group (`by`: "hour", "day", "model", "key", "tenant" or "api"), in group
+        order.
 
         Raises:
             InvalidArgumentError: another `by` (from the server).
@@ -318,7 +322,7 @@ class Usage:
 
         def fetch(token: str) -> Page[usage_pb2.UsageGroup]:
             request = usage_query(
-                start=start, end=end, key=key, tenant=tenant, model=model, group_by=by,
+                start=start, end=end, key=key, tenant=tenant, model=model, api=api, group_by=by,
                 page_size=page_size, page_token=token,
             )  # fmt: skip
             response = self._t.unary(m.QUERY_USAGE, request, timeout=timeout)

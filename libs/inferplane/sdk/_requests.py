@@ -93,6 +93,7 @@ def usage_query(
     group_by: str,
     page_size: int,
     page_token: str,
+    api: str = "",
 ) -> usage_pb2.QueryUsageRequest:
     """A `QueryUsageRequest` (times timezone-aware; `key` an id or `api-keys/{id}`).
 
@@ -106,6 +107,7 @@ def usage_query(
         group_by=group_by,
         page_size=page_size,
         page_token=page_token,
+        api=api,
     )
     for field, value in (("start_time", start), ("end_time", end)):
         if value is None:

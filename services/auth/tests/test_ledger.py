@@ -197,6 +197,7 @@ def test_reports_land_in_the_ledger_once_with_what_the_router_knew(auth: Any) ->
         gpu_seconds=0.75,
         status="cancelled",
         end_time=end,
+        api="messages",
     )
     _report(auth, full, _usage(key_id, "req-2", 10, status="bogus"))
     _report(auth, full)  # re-sent: written and accounted once
@@ -214,6 +215,15 @@ def test_reports_land_in_the_ledger_once_with_what_the_router_knew(auth: Any) ->
     assert (one.prompt_tokens, one.completion_tokens, one.cached_tokens) == (15, 15, 4)
     assert (one.ttft_seconds, one.duration_seconds, one.gpu_seconds) == (0.25, 1.5, 0.75)
     assert rows["req-2"].status == "failed"  # an unknown status is not counted as completed
+    assert (one.api, rows["req-2"].api) == ("messages", "")  # "": an older router
+    by_api = ledger.QueryUsage(
+        usage_pb2.QueryUsageRequest(group_by="api"), metadata=auth.admin_md(), timeout=5
+    )
+    assert [(g.group, g.requests) for g in by_api.groups] == [("", 1), ("messages", 1)]
+    only = ledger.QueryUsage(
+        usage_pb2.QueryUsageRequest(api="messages"), metadata=auth.admin_md(), timeout=5
+    )
+    assert [r.request_id for r in only.rows] == ["req-1"]
     metrics = auth.components.registry
     sample = metrics.get_sample_value
     assert sample("inferplane_auth_usage_requests_total", {"outcome": "accounted"}) == 2.0

@@ -464,7 +464,9 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
             wire = to_proto(usage)
             assert (wire.replica, wire.gpu_seconds, wire.status) == ("replica-a", 0.5, "completed")
             assert wire.HasField("start_time") and wire.cached_tokens == 3
+            assert usage.api == wire.api == "chat"  # the method's API, in its own column
             (record,) = rig.records
+            assert record.api == "chat"
             assert (record.prompt_tokens, record.completion_tokens) == (11, 5)
             assert (record.cached_tokens, record.reasoning_tokens) == (3, 2)
             assert record.time_to_first_token_seconds == pytest.approx(0.25)

@@ -77,6 +77,8 @@ usage_ledger = Table(
     Column("gpu_seconds", Float, nullable=False),
     Column("start_time", UtcDateTime, nullable=True),
     Column("end_time", UtcDateTime, nullable=False),
+    # The public API (`inferplane.wire.apis`); "" for rows from before migration 0003.
+    Column("api", String(32), nullable=False),
     Index("ix_usage_ledger_end_time", "end_time", "request_id"),
     Index("ix_usage_ledger_key_id_end_time", "key_id", "end_time"),
     Index("ix_usage_ledger_tenant_end_time", "tenant", "end_time"),
@@ -92,7 +94,7 @@ usage_monthly = Table(
 )
 
 STATUSES = ("completed", "failed", "cancelled")
-GROUPINGS = ("", "hour", "day", "model", "key", "tenant")
+GROUPINGS = ("", "hour", "day", "model", "key", "tenant", "api")
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 
@@ -128,6 +130,7 @@ class LedgerRow:
     duration_seconds: float = 0.0
     gpu_seconds: float = 0.0
     start_time: datetime | None = None
+    api: str = ""
 
     @property
     def tokens(self) -> int:
@@ -147,6 +150,7 @@ class UsageQuery:
     model: str = ""
     group_by: str = ""
     page_size: int = DEFAULT_PAGE_SIZE
+    api: str = ""
     page_token: str = ""
 
 
@@ -182,6 +186,7 @@ def _filters(query: UsageQuery) -> dict[str, str]:
         "tenant": query.tenant,
         "model": query.model,
         "group_by": query.group_by,
+        "api": query.api,
     }
 
 
@@ -290,6 +295,8 @@ class SqlUsageLedger:
                 where.append(column == value)
         if query.model:
             where.append(c.model == query.model)
+        if query.api:
+            where.append(c.api == query.api)
         try:
             with self.engine.connect() as conn:
                 if query.group_by:
@@ -373,7 +380,7 @@ class SqlUsageLedger:
 
     def _group_key(self, group_by: str) -> Any:
         c = usage_ledger.c
-        if group_by in ("model", "tenant"):
+        if group_by in ("model", "tenant", "api"):
             return c[group_by]
         if group_by == "key":
             return c.key_id

@@ -140,6 +140,7 @@ def ledger_row(usage: usage_pb2.RequestUsage, tenant: str, now: datetime) -> Led
         duration_seconds=max(0.0, usage.duration_seconds),
         gpu_seconds=max(0.0, usage.gpu_seconds),
         start_time=usage.start_time.ToDatetime(UTC) if usage.HasField("start_time") else None,
+        api=usage.api,
     )
 
 
@@ -233,6 +234,7 @@ def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
         ttft_seconds=row.ttft_seconds,
         duration_seconds=row.duration_seconds,
         gpu_seconds=row.gpu_seconds,
+        api=row.api,
     )
     msg.end_time.FromDatetime(row.end_time)
     if row.start_time is not None:
@@ -275,6 +277,7 @@ class UsageLedgerService(usage_pb2_grpc.UsageLedgerServiceServicer):  # type: ig
             key_id=request.key_id,
             tenant=caller.tenant_filter(request.tenant),
             model=request.model,
+            api=request.api,
             group_by=request.group_by,
             page_size=request.page_size or 100,
             page_token=request.page_token,

@@ -34,7 +34,7 @@ app = typer.Typer(
 _DURATION = re.compile(r"^(\d+)([mhd])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
 ROW_COLUMNS = (
-    "end_time", "request_id", "key_id", "tenant", "model", "deployment", "replica", "status",
+    "end_time", "request_id", "key_id", "tenant", "api", "model", "deployment", "replica", "status",
     "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "ttft_seconds",
     "duration_seconds", "gpu_seconds",
 )  # fmt: skip
@@ -80,13 +80,18 @@ def usage(
     admin_key: AdminKey = "",
     group_by: Annotated[
         str,
-        typer.Option(help='Totals per "hour", "day", "model", "key" or "tenant"; empty: rows.'),
+        typer.Option(
+            help='Totals per "hour", "day", "model", "key", "tenant" or "api"; empty: rows.'
+        ),
     ] = "",
     since: Annotated[str, typer.Option(help="Ended at or after: ISO 8601 or 24h, 7d.")] = "",
     until: Annotated[str, typer.Option(help="Ended before: ISO 8601 or a duration.")] = "",
     key: Annotated[str, typer.Option(help="Only this key (id or api-keys/{id}).")] = "",
     tenant: Annotated[str, typer.Option(help="Only this tenant.")] = "",
     model: Annotated[str, typer.Option(help="Only this model.")] = "",
+    api: Annotated[
+        str, typer.Option(help='Only this API ("chat", "messages", "responses", ...).')
+    ] = "",
     output: Annotated[
         str, typer.Option("--format", help="table, csv or json (one object per line).")
     ] = "table",
@@ -102,6 +107,7 @@ def usage(
         "key": key,
         "tenant": tenant,
         "model": model,
+        "api": api,
         "page_size": 1000,
     }
     columns = GROUP_COLUMNS if group_by else ROW_COLUMNS

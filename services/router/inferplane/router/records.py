@@ -57,6 +57,7 @@ class RequestTrace:
     finish_reason: str = ""
     status: str = STATUS_OK
     error_code: str = ""
+    api: str = ""  # `inferplane.wire.apis`, once the path named the method
 
     @classmethod
     def begin(
@@ -137,6 +138,7 @@ class RequestTrace:
             finish_reason=finish,
             error_code=self.error_code,
             stream=self.stream,
+            api=self.api,
         )
         if usage is not None:
             record.prompt_tokens = usage.prompt_tokens

@@ -82,6 +82,7 @@ class Reporter:
                     gpu_seconds=trace.gpu_seconds,
                     status=status,
                     start_time=trace.start_wall,
+                    api=trace.api,
                 )
             )
         if self.records is not None:

@@ -65,6 +65,7 @@ class UsageRecord:
         gpu_seconds: attributed by the replica (`inferplane.wire.ResponseSummary`).
         status: "completed", "failed" or "cancelled" (the client went away).
         start_time: wall-clock seconds (Unix) when it arrived; 0 = unknown.
+        api: the public API it came through (`inferplane.wire.apis`); "" = unknown.
     """
 
     key_id: str
@@ -83,6 +84,7 @@ class UsageRecord:
     gpu_seconds: float = 0.0
     status: str = "completed"
     start_time: float = 0.0
+    api: str = ""
 
     @property
     def total_tokens(self) -> int:
@@ -161,6 +163,7 @@ def to_proto(usage: UsageRecord) -> usage_pb2.RequestUsage:
         duration_seconds=max(0.0, usage.duration_seconds),
         gpu_seconds=max(0.0, usage.gpu_seconds),
         status=usage.status,
+        api=usage.api,
     )
     if usage.start_time > 0:
         msg.start_time.FromNanoseconds(int(usage.start_time * 1e9))

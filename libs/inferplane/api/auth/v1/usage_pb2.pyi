@@ -67,6 +67,7 @@ class RequestUsage(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
+    API_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """The API key's id (the edge's `x-inferplane-key-id`)."""
     request_id: _builtins.str
@@ -98,6 +99,11 @@ class RequestUsage(_message.Message):
     """"completed", "failed" or "cancelled" (the client went away); "" from older routers
     (read as completed when `ok` was the only signal).
     """
+    api: _builtins.str
+    """The public API it came through (`inferplane.wire.apis`: "chat", "completion",
+    "embedding", "transcription", "translation", "messages", "responses"); "" from older
+    routers.
+    """
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the request ended."""
@@ -124,10 +130,11 @@ class RequestUsage(_message.Message):
         gpu_seconds: _builtins.float = ...,
         status: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
+        api: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -164,6 +171,7 @@ class QueryUsageRequest(_message.Message):
     GROUP_BY_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    API_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """Only this API key's requests (`key_id`), when set."""
     tenant: _builtins.str
@@ -171,13 +179,15 @@ class QueryUsageRequest(_message.Message):
     model: _builtins.str
     """Only requests for this model, when set."""
     group_by: _builtins.str
-    """"" (one row per request), "hour", "day" (UTC buckets of the end time), "model", "key" or
-    "tenant".
+    """"" (one row per request), "hour", "day" (UTC buckets of the end time), "model", "key",
+    "tenant" or "api".
     """
     page_size: _builtins.int
     """Maximum rows or groups per page (default 100, at most 1000)."""
     page_token: _builtins.str
     """The next_page_token of a previous page (same filters and grouping)."""
+    api: _builtins.str
+    """Only requests through this API ("chat", "messages", "responses", ...), when set."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """Only requests that ended at or after this time (inclusive); unset: no lower bound."""
@@ -197,10 +207,11 @@ class QueryUsageRequest(_message.Message):
         group_by: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        api: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "group_by", b"group_by", "key_id", b"key_id", "model", b"model", "page_size", b"page_size", "page_token", b"page_token", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "end_time", b"end_time", "group_by", b"group_by", "key_id", b"key_id", "model", b"model", "page_size", b"page_size", "page_token", b"page_token", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -228,6 +239,7 @@ class UsageRow(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
+    API_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The edge's request id (`x-request-id`): the row's identity."""
     key_id: _builtins.str
@@ -256,6 +268,8 @@ class UsageRow(_message.Message):
     """Time from arrival at the router to the end, seconds."""
     gpu_seconds: _builtins.float
     """GPU-seconds its replica charged it (see RequestUsage.gpu_seconds)."""
+    api: _builtins.str
+    """The public API it came through ("" for rows written before the ledger kept it)."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When it arrived at the router (unset when not reported)."""
@@ -283,10 +297,11 @@ class UsageRow(_message.Message):
         gpu_seconds: _builtins.float = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
+        api: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -92,6 +92,7 @@ class RequestRecord(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     INTER_TOKEN_LATENCIES_SECONDS_FIELD_NUMBER: _builtins.int
     RECORD_SOURCE_FIELD_NUMBER: _builtins.int
+    API_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id (x-request-id)."""
     @_builtins.property
@@ -158,6 +159,8 @@ class RequestRecord(_message.Message):
     """Whether the response was streamed."""
     record_source: Global___RecordSource.ValueType
     """Where the record comes from (wins over the deprecated `source` string when set)."""
+    api: _builtins.str
+    """The public API the request came through (`inferplane.wire.apis`); "" from older senders."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the request arrived."""
@@ -200,10 +203,11 @@ class RequestRecord(_message.Message):
         stream: _builtins.bool = ...,
         inter_token_latencies_seconds: _abc.Iterable[_builtins.float] | None = ...,
         record_source: Global___RecordSource.ValueType = ...,
+        api: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "e2e_latency_seconds", b"e2e_latency_seconds", "error_code", b"error_code", "finish_reason", b"finish_reason", "inter_token_latencies_seconds", b"inter_token_latencies_seconds", "inter_token_latency_mean_seconds", b"inter_token_latency_mean_seconds", "inter_token_latency_p99_seconds", b"inter_token_latency_p99_seconds", "key_id", b"key_id", "markers_leaked", b"markers_leaked", "model", b"model", "node", b"node", "prompt_tokens", b"prompt_tokens", "queue_time_seconds", b"queue_time_seconds", "reasoning_tokens", b"reasoning_tokens", "record_source", b"record_source", "replica", b"replica", "request_id", b"request_id", "source", b"source", "start_time", b"start_time", "stream", b"stream", "tenant", b"tenant", "time_to_first_token_seconds", b"time_to_first_token_seconds", "tool_call_invalid_reasons", b"tool_call_invalid_reasons", "tool_calls", b"tool_calls", "tool_calls_valid", b"tool_calls_valid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "e2e_latency_seconds", b"e2e_latency_seconds", "error_code", b"error_code", "finish_reason", b"finish_reason", "inter_token_latencies_seconds", b"inter_token_latencies_seconds", "inter_token_latency_mean_seconds", b"inter_token_latency_mean_seconds", "inter_token_latency_p99_seconds", b"inter_token_latency_p99_seconds", "key_id", b"key_id", "markers_leaked", b"markers_leaked", "model", b"model", "node", b"node", "prompt_tokens", b"prompt_tokens", "queue_time_seconds", b"queue_time_seconds", "reasoning_tokens", b"reasoning_tokens", "record_source", b"record_source", "replica", b"replica", "request_id", b"request_id", "source", b"source", "start_time", b"start_time", "stream", b"stream", "tenant", b"tenant", "time_to_first_token_seconds", b"time_to_first_token_seconds", "tool_call_invalid_reasons", b"tool_call_invalid_reasons", "tool_calls", b"tool_calls", "tool_calls_valid", b"tool_calls_valid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -158,6 +158,7 @@ class RequestOutcome:
             error_code=self.ending.error_code,
             stream=self.stream,
             inter_token_latencies_seconds=thin(self.itl_seconds),
+            api=self.api,
         )
         if self.itl_seconds:
             record.inter_token_latency_mean_seconds = statistics.fmean(self.itl_seconds)

@@ -182,6 +182,7 @@ async def gateway_request(
     # `stream`, or the string "true", asks for no stream).
     method = GATEWAY_METHODS[request.path][1 if parsed.get("stream") is True else 0]
     request.method, exchange.trace.stream = method, method.stream
+    exchange.trace.api = method.api
     decoded = typed_request(parsed, method)
     subset = request.subset
 

@@ -290,6 +290,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if method is None:
             raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
         request.trace.stream = method.stream
+        request.trace.api = method.api
         request.method = method
         if message.request_headers.end_of_stream:  # no body message would follow, so no pick
             raise InvalidArgumentError("the request has no body", code="invalid_body")
@@ -326,6 +327,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         trace = exchange.trace
         facts = RequestFacts.of(method, decoded, exchange.request.metadata)
         trace.model = facts.model
+        if method.to_chat is not None:  # one method serves both: the body says
+            trace.stream = facts.request.stream
         routed = self.director.route(facts, outside)
         trace.deployment = routed.route.deployment_key
         async for keepalive in self._admit(exchange, routed, reader):

@@ -23,6 +23,7 @@ from inferplane.replica.engines.base import (
     EngineError,
     EngineOutput,
     SamplingParams,
+    TokenLogprob,
     TracksRequests,
 )
 from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer, Piece
@@ -43,12 +44,17 @@ class Step:
         tool_calls: tool-call fragments (at most one per call index, in index order; a call's
             first fragment carries its id and name).
         finish_reason: set on the last step only: "stop", "length" or "tool_calls".
+        logprobs: with `SamplingParams.logprobs`, the log probabilities of the tokens this
+            step shows (a token whose text is not shown yet, e.g. held while it could begin a
+            stop string, goes with the step that shows it; a hidden end-of-sequence token has
+            none); None without.
     """
 
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def empty(self) -> bool:
@@ -98,8 +104,15 @@ class Generation:
         self._params = params
         self._stop_ids = stop_token_ids | frozenset(params.stop_token_ids)
         self._detokenizer = IncrementalDetokenizer(
-            backend, prompt_ids, params.stop, params.min_tokens or 0
+            backend,
+            prompt_ids,
+            params.stop,
+            params.min_tokens or 0,
+            include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
         )
+        self._held_logprob: TokenLogprob | None = None
+        self._logprobs_carry: list[TokenLogprob] = []
         self._clock = clock
         self._started = started
         self._last: float | None = None
@@ -111,6 +124,11 @@ class Generation:
         self.ttft_seconds: float | None = None
         self.itl_seconds: list[float] = []
         self.started_output = False
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the output, or None (Anthropic's `stop_sequence`)."""
+        return self._detokenizer.stopped
 
     async def steps(self) -> AsyncGenerator[Step, None]:
         """Streams the visible steps: the first engine output always yields a step (maybe
@@ -138,6 +156,8 @@ class Generation:
             async for out in stream:
                 ids, hide_last = self._observe(out)
                 step = self._parse(detokenizer.push(ids, hide_last=hide_last))
+                if out.logprobs is not None:
+                    self._attach_logprobs(step, out, len(ids), hide_last)
                 # Progress so far (a cancelled or failed request still reports what it cost).
                 self.completion_tokens = out.completion_tokens or detokenizer.tokens
                 if detokenizer.stopped is not None or out.finished:
@@ -214,6 +234,8 @@ class Generation:
             ids = (self._held_stop, *ids)
             self._held_stop = None
         if not out.finished and ids and ids[-1] in self._stop_ids:
+            if out.logprobs:
+                self._held_logprob = out.logprobs[-1]
             # vLLM's gRPC stream sends the eos id in its last chunk and the finish in a
             # separate, empty message: hold the id until we know whether it ended the output
             # (hidden) or generation went on past it (ignore_eos: shown).
@@ -227,6 +249,25 @@ class Generation:
             and not isinstance(out.matched_stop, str)
         )
         return ids, hide_last
+
+    def _attach_logprobs(self, step: Step, out: EngineOutput, shown: int, hide_last: bool) -> None:
+        """The log probabilities of the `shown` ids `_observe` passed on (a held stop id's
+        first, a hidden last id's dropped) go on `step`, or, when it shows nothing yet, wait
+        for the next step that does (the last step takes whatever is left)."""
+        entries = list(out.logprobs or ())
+        if self._held_logprob is not None and len(entries) < shown:
+            entries.insert(0, self._held_logprob)
+            self._held_logprob = None
+        elif self._held_logprob is not None and not out.finished:
+            pass  # the held id's entry is still waiting
+        entries = entries[:shown]
+        if hide_last and entries:
+            entries.pop()
+        carry = self._logprobs_carry
+        carry.extend(entries)
+        if carry and (not step.empty or out.finished or self._detokenizer.stopped is not None):
+            step.logprobs = carry
+            self._logprobs_carry = []
 
     def _parse(self, pieces: list[Piece]) -> Step:
         """Detokenized pieces → the parser session → one step. One feed per piece: the session
@@ -323,6 +364,10 @@ class StreamInterval:
 def _append(step: Step, more: Step | Delta) -> None:
     """Appends `more`'s output to `step`, joining a call's fragments to the previous one of
     the same call (one entry per call index per chunk, as OpenAI streams them)."""
+    if isinstance(more, Step) and more.logprobs:
+        if step.logprobs is None:
+            step.logprobs = []
+        step.logprobs.extend(more.logprobs)
     if more.reasoning:
         step.reasoning += more.reasoning
     if more.content:

@@ -29,8 +29,9 @@ from inferplane.replica.pipeline.embeddings import (
     plan_embedding,
 )
 from inferplane.replica.pipeline.generate import Generation, OutputSession, engine_error
-from inferplane.replica.pipeline.requests import plan_chat, plan_completion
+from inferplane.replica.pipeline.requests import plan_chat
 from inferplane.replica.pipeline.sse import sse_bodies
+from inferplane.replica.pipeline.text_requests import plan_completion
 from inferplane.replica.server.facts import RequestFacts
 from inferplane.runtime import InternalError
 from inferplane.runtime.time.clock import Clock
@@ -203,6 +204,23 @@ class Bodies:
         `facts` (the summary and the record say error) and becomes the stream's error event."""
         facts.framing = "sse"
         return sse_bodies(typed(replica, assets), to_json, on_error=facts.fail)
+
+    def chat_generation(
+        self,
+        replica: LocalReplica,
+        assets: ModelAssets,
+        plan: Any,
+        prefix: str,
+        facts: RequestFacts,
+    ) -> Generation:
+        """The `Generation` of a planned chat request (`plan_chat`), its id `prefix` + a fresh
+        id, recorded on `facts`: what another wire format of a conversation (Anthropic
+        Messages) runs, exactly as chat does."""
+        return self._generation(replica, assets, plan, prefix, facts, chat=True)
+
+    def validate(self, tools: Sequence[Any], calls: Any) -> tuple[ToolCallVerdict, ...]:
+        """Verdicts on a response's tool calls (`_validate`: strict mode raises)."""
+        return self._validate(tools, calls)
 
     def _generation(
         self,

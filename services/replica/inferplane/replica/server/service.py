@@ -38,6 +38,7 @@ import structlog
 from google.api import httpbody_pb2
 from prometheus_client import CollectorRegistry, Histogram
 
+from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.replica.engines.base import LocalReplica
@@ -47,6 +48,7 @@ from inferplane.replica.pipeline.speech import TRANSLATE as TRANSLATE_ENDPOINT
 from inferplane.replica.pipeline.speech import speech_request
 from inferplane.replica.server.bodies import Bodies, Body
 from inferplane.replica.server.facts import RequestFacts
+from inferplane.replica.server.messages import count_body, message_body
 from inferplane.replica.server.outcome import Ending, OutcomeSink, RequestOutcome, discard_outcome
 from inferplane.replica.server.speech import speech_body
 from inferplane.replica_contract import Task, replica_task
@@ -194,6 +196,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         body = partial(self._bodies.events, typed, completion_chunk_to_json, facts)
         async for message in self._serve(facts, context, body):
             yield message
+
+    async def CreateMessage(
+        self, request: apb.CreateMessageRequest, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """Anthropic's `POST /v1/messages` (`server/messages.py`): the whole Message as JSON,
+        or with `"stream": true` its events; a failure after the first byte ends the stream
+        with an `error` event and status OK."""
+        facts = self._facts(apis.MESSAGES, request.request.stream, request.request.model)
+        body = partial(message_body, self._bodies, request.request, facts)
+        async for message in self._serve(facts, context, body):
+            yield message
+
+    async def CountMessageTokens(
+        self, request: apb.CountMessageTokensRequest, context: Context
+    ) -> apb.CountMessageTokensResponse:
+        """Anthropic's `POST /v1/messages/count_tokens`: the rendered prompt's tokens."""
+        facts = self._facts(apis.MESSAGES, False, request.request.model)
+        body = partial(count_body, self._bodies, request.request, facts)
+        return await _only(self._serve(facts, context, body))
 
     async def CreateEmbedding(
         self, request: pb.CreateEmbeddingRequest, context: Context

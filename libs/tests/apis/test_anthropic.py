@@ -1,0 +1,378 @@
+"""`inferplane.apis.anthropic`: an Anthropic Messages request → the chat request the replica
+renders (every block type, tool_choice form, thinking form), its refusals (param paths), and
+the stop-reason and error-shape tables."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from inferplane.api.inference.v1 import anthropic_pb2 as apb
+from inferplane.apis import anthropic
+from inferplane.runtime import InvalidArgumentError
+from inferplane.wire import chat_request_to_dict
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"],
+    },
+}
+
+
+def request(**body: Any) -> apb.MessagesRequest:
+    full = {"model": "kimi-tiny", "max_tokens": 64, **body}
+    full.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return json_format.ParseDict(full, apb.MessagesRequest())
+
+
+def chat(**body: Any) -> dict[str, Any]:
+    return chat_request_to_dict(anthropic.to_chat(request(**body)))
+
+
+def refused(**body: Any) -> InvalidArgumentError:
+    with pytest.raises(InvalidArgumentError) as info:
+        anthropic.to_chat(request(**body))
+    return info.value
+
+
+def test_a_plain_request_maps_onto_chat() -> None:
+    out = chat(
+        system="Be brief.",
+        messages=[{"role": "user", "content": "hi"}],
+        stop_sequences=["END"],
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        metadata={"user_id": '{"device_id": "d", "session_id": "s"}'},
+        stream=True,
+    )
+    assert out == {
+        "model": "kimi-tiny",
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "hi"},
+        ],
+        "max_completion_tokens": 64,
+        "stop": ["END"],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "user": '{"device_id": "d", "session_id": "s"}',
+        "reasoning_effort": "none",
+        "stream": True,
+    }
+
+
+def test_system_blocks_with_cache_control_become_one_system_message() -> None:
+    out = chat(
+        system=[
+            {
+                "type": "text",
+                "text": "You are Claude Code.",
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "text", "text": " Be careful."},
+        ]
+    )
+    assert out["messages"][0] == {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "You are Claude Code."},
+            {"type": "text", "text": " Be careful."},
+        ],
+    }
+
+
+def test_a_tool_round_trip_keeps_the_toolu_id_and_the_thinking() -> None:
+    out = chat(
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Tokyo?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I need get_weather.", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_01",
+                        "name": "get_weather",
+                        "input": {"city": "Tokyo", "days": 2},
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "18 C"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_01",
+                        "content": [{"type": "text", "text": "timeout"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+    )
+    # A Struct keeps no key order: the arguments are the same object, in the order it gives.
+    arguments = out["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments) == {"city": "Tokyo", "days": 2}
+    assert out["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Tokyo?"}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "I need get_weather.",
+            "tool_calls": [
+                {
+                    "id": "toolu_01",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_01", "content": [{"type": "text", "text": "18 C"}]},
+        {
+            "role": "tool",
+            "tool_call_id": "toolu_01",
+            "content": [
+                {"type": "text", "text": anthropic.ERROR_PREFIX},
+                {"type": "text", "text": "timeout"},
+            ],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    ]
+    # Integers in the schema stay integers (Struct holds doubles).
+    assert out["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather for a city.",
+                "parameters": WEATHER_TOOL["input_schema"],
+            },
+        }
+    ]
+    minimum = out["tools"][0]["function"]["parameters"]["properties"]["days"]["minimum"]
+    assert type(minimum) is int
+
+
+@pytest.mark.parametrize(
+    ("choice", "tool_choice", "parallel"),
+    [
+        ({"type": "auto"}, "auto", None),
+        ({"type": "any"}, "required", None),
+        ({"type": "none"}, "none", None),
+        (
+            {"type": "tool", "name": "get_weather"},
+            {"type": "function", "function": {"name": "get_weather"}},
+            None,
+        ),
+        ({"type": "auto", "disable_parallel_tool_use": True}, "auto", False),
+        ({"type": "any", "disable_parallel_tool_use": False}, "required", None),
+    ],
+)
+def test_tool_choice_forms(choice: dict[str, Any], tool_choice: Any, parallel: bool | None) -> None:
+    out = chat(tools=[WEATHER_TOOL], tool_choice=choice)
+    assert out["tool_choice"] == tool_choice
+    assert out.get("parallel_tool_calls") == parallel
+
+
+@pytest.mark.parametrize(
+    ("thinking", "effort"),
+    [
+        (None, "none"),
+        ({"type": "disabled"}, "none"),
+        ({"type": "enabled", "budget_tokens": 1024}, "high"),
+        ({"type": "adaptive"}, "high"),
+        ({"type": "adaptive", "display": "omitted"}, "high"),
+    ],
+)
+def test_thinking_turns_the_models_thinking_on_or_off(
+    thinking: dict[str, Any] | None, effort: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 2048}
+    if thinking is not None:
+        body["thinking"] = thinking
+    assert chat(**body)["reasoning_effort"] == effort
+    req = request(**body)
+    assert anthropic.thinking_on(req) is (effort == "high")
+    assert anthropic.thinking_shown(req) is ((thinking or {}).get("display") != "omitted")
+
+
+def test_what_claude_code_sends_is_accepted() -> None:
+    out = chat(
+        tools=[{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}}],
+        thinking={"type": "adaptive", "display": "omitted"},
+        output_config={"effort": "high"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        metadata={"user_id": '{"session_id": "abc"}'},
+        service_tier="auto",
+    )
+    assert out["user"] == '{"session_id": "abc"}'
+    assert "response_format" not in out
+
+
+def test_output_format_becomes_a_strict_json_schema() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    out = chat(output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert out["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image", "source": {"type": "base64", "data": "AA=="}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[1].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
+        (
+            {"tools": [{"type": "text_editor_20250429", "name": "str_replace_based_edit_tool"}]},
+            "tools[0].type",
+        ),
+        (
+            {"tools": [{"type": "code_execution_20250825", "name": "code_execution"}]},
+            "tools[0].type",
+        ),
+        ({"tools": [{**WEATHER_TOOL, "examples": [1]}]}, "tools[0].examples"),
+        ({"tools": [{"name": "x"}]}, "tools[0].input_schema"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+            "messages[0].content[0].x",
+        ),
+        ({"system": [{"type": "image", "source": {}}]}, "system[0].type"),
+        ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "The answer is"},
+                ]
+            },
+            "messages[1].role",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+            "messages[0].content[0].tool_use_id",
+        ),
+        ({"messages": []}, "messages"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "maybe"}}, "thinking.type"),
+        ({"temperature": 1.5}, "temperature"),
+        ({"stop_sequences": [""]}, "stop_sequences[0]"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ({"output_config": {"format": {"type": "regex"}}}, "output_config.format.type"),
+        ({"service_tier": "priority"}, "service_tier"),
+    ],
+)
+def test_refusals_name_the_param(body: dict[str, Any], param: str) -> None:
+    error = refused(**body)
+    assert error.param == param
+    assert error.openai_type == "invalid_request_error"
+
+
+def test_an_unknown_block_key_is_refused_as_the_edge_refuses_keys() -> None:
+    error = refused(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a", "weight": 2}]}]
+    )
+    assert error.message == "Unrecognized request argument supplied: messages[0].content[0].weight"
+
+
+def test_a_null_unknown_key_asks_for_nothing() -> None:
+    out = chat(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a", "citations": None}]}]
+    )
+    assert out["messages"][0]["content"] == [{"type": "text", "text": "a"}]
+
+
+def test_max_tokens_is_required_except_for_count_tokens() -> None:
+    req = json_format.ParseDict(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, apb.MessagesRequest()
+    )
+    with pytest.raises(InvalidArgumentError) as info:
+        anthropic.to_chat(req)
+    assert info.value.param == "max_tokens"
+    counted = chat_request_to_dict(anthropic.count_to_chat(req))
+    assert "max_completion_tokens" not in counted
+    with pytest.raises(InvalidArgumentError) as info:
+        anthropic.count_to_chat(apb.MessagesRequest(messages=req.messages))
+    assert info.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop", "reason"),
+    [
+        ("stop", None, "end_turn"),
+        ("stop", "END", "stop_sequence"),
+        ("length", None, "max_tokens"),
+        ("tool_calls", None, "tool_use"),
+    ],
+)
+def test_stop_reasons(finish: str, stop: str | None, reason: str) -> None:
+    assert anthropic.stop_reason(finish, stop) == reason
+
+
+@pytest.mark.parametrize(
+    ("status", "anthropic_status", "kind"),
+    [
+        (400, 400, "invalid_request_error"),
+        (401, 401, "authentication_error"),
+        (403, 403, "permission_error"),
+        (404, 404, "not_found_error"),
+        (409, 409, "invalid_request_error"),
+        (413, 413, "request_too_large"),
+        (429, 429, "rate_limit_error"),
+        (500, 500, "api_error"),
+        (503, 529, "overloaded_error"),
+        (504, 504, "timeout_error"),
+    ],
+)
+def test_error_shape(status: int, anthropic_status: int, kind: str) -> None:
+    assert anthropic.error_status(status) == anthropic_status
+    assert anthropic.error_body(status, "m") == {
+        "type": "error",
+        "error": {"type": kind, "message": "m"},
+    }
+
+
+def test_ids() -> None:
+    assert anthropic.new_message_id().startswith("msg_")
+    first, second = anthropic.new_tool_use_id(), anthropic.new_tool_use_id()
+    assert first.startswith("toolu_") and first != second

@@ -16,6 +16,8 @@ DEFAULT_SERVICES: tuple[str, ...] = (
     "inferplane.inference.v1.InferenceService",
     "inferplane.auth.v1.ApiKeyService",
     "inferplane.auth.v1.UsageLedgerService",
+    # Stored responses (GET/DELETE /v1/responses/{id}, input_items), served by auth.
+    "inferplane.inference.v1.ResponsesService",
 )
 
 

@@ -140,8 +140,8 @@ def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
 
 def build_route_config(config: EdgeConfig) -> Resource:
     """The RouteConfiguration: `GET /health` → Envoy's own 200 (no key), admin API → auth,
-    `/v1/models` → the router, every other OpenAI path → the replica the endpoint picker
-    chose, anything else → 404.
+    `/v1/models` → the router, stored responses (`/v1/responses/…`) → auth, every other OpenAI
+    path → the replica the endpoint picker chose, anything else → 404.
 
     Matched on the REST path (`match_incoming_request_route`), after stream_router.lua may have
     moved a streaming request to `/internal/events/...` (clients cannot reach that prefix).
@@ -169,6 +169,11 @@ def build_route_config(config: EdgeConfig) -> Resource:
                     ),
                     without_picker(
                         route_to("/v1/models", ROUTER_CLUSTER, config.admin_api_timeout_s)
+                    ),
+                    # Stored responses (`GET`/`DELETE /v1/responses/{id}`, `.../input_items`):
+                    # auth owns the store. `POST /v1/responses` (no trailing slash) generates.
+                    without_picker(
+                        route_to("/v1/responses/", AUTH_CLUSTER, config.admin_api_timeout_s)
                     ),
                     _generation_route("/v1/", config),
                     _generation_route("/internal/events/", config),

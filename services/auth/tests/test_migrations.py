@@ -34,7 +34,7 @@ from sqlalchemy import (
     inspect,
 )
 
-from inferplane.auth import counters, ledger, sql_store
+from inferplane.auth import counters, ledger, responses_store, sql_store
 from inferplane.auth.counters import SqlCounterStore
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits, SecretHasher
 from inferplane.auth.migrations import MIGRATIONS
@@ -43,10 +43,10 @@ from inferplane.storage import schema_differences
 from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-HEAD = "0003"
+HEAD = "0004"
 PEPPER = "pepper-for-the-migration-tests"
 SECRET = "ip-" + "a" * 43
-METADATA = [sql_store.METADATA, counters.METADATA, ledger.METADATA]
+METADATA = [sql_store.METADATA, counters.METADATA, ledger.METADATA, responses_store.METADATA]
 
 
 def previous_schema(*, with_counters: bool) -> MetaData:
@@ -200,6 +200,7 @@ def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
             "concurrency_leases",
             "usage_ledger",
             "usage_monthly",
+            "stored_responses",
             MIGRATIONS.version_table,
         }
     finally:

@@ -13,6 +13,7 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.auth.v1 import auth_pb2_grpc, usage_pb2_grpc
+from inferplane.api.inference.v1 import responses_pb2_grpc
 from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import SecretHasher
 from inferplane.auth.ext_authz import Authorization
@@ -20,6 +21,8 @@ from inferplane.auth.key_service import ApiKeyService
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter
+from inferplane.auth.responses_service import ResponsesService, ResponseStoreService
+from inferplane.auth.responses_store import SqlResponseStore
 from inferplane.auth.settings import AuthSettings, resolve_pepper
 from inferplane.auth.slots import SlotReleaseService
 from inferplane.auth.sql_store import SqlApiKeyStore
@@ -32,7 +35,7 @@ from inferplane.auth.usage import (
 )
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
-from inferplane.runtime.security.identity import ADMIN, EDGE, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
 from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.auth")
@@ -52,9 +55,12 @@ class AuthComponents:
     counters: CounterStore | None = None
     limiter: RateLimiter | None = None
     registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
+    # Stored responses of the Responses API (None: not served, e.g. in unit tests).
+    responses: SqlResponseStore | None = None
     _usage: UsageService | None = None
     _slots: SlotReleaseService | None = None
     _flusher: asyncio.Task[None] | None = None
+    _purger: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Creates the schema, ensures an admin key exists, starts the last-used flusher."""
@@ -73,6 +79,9 @@ class AuthComponents:
                 note="readable by this user only; create named admin keys, then revoke it",
             )
         self._flusher = asyncio.create_task(self._flush_forever())
+        if self.responses is not None:
+            await asyncio.to_thread(self.responses.create_schema)
+            self._purger = asyncio.create_task(self._purge_forever())
 
     async def flush_last_used(self) -> None:
         """Writes pending last_used_time updates."""
@@ -90,12 +99,29 @@ class AuthComponents:
             except Exception:  # a database hiccup must not kill the flusher
                 log.exception("last_used_flush_failed")
 
+    async def purge_responses(self) -> int:
+        """Deletes the stored responses expired by now; returns how many."""
+        if self.responses is None:
+            return 0
+        return await asyncio.to_thread(self.responses.purge, self.clock.now())
+
+    async def _purge_forever(self) -> None:
+        while True:
+            try:
+                purged = await self.purge_responses()
+                if purged:
+                    log.info("stored_responses_purged", count=purged)
+            except Exception:  # a database hiccup must not kill the purge loop
+                log.exception("stored_responses_purge_failed")
+            await asyncio.sleep(self.settings.response_purge_seconds)
+
     async def stop(self) -> None:
         """Stops the flusher, writes what is pending, closes the database."""
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in (self._flusher, self._purger):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         try:
             await self.flush_last_used()
         finally:
@@ -103,6 +129,8 @@ class AuthComponents:
             if self.counters is not None:
                 await asyncio.to_thread(self.counters.close)
             await asyncio.to_thread(self.ledger.close)
+            if self.responses is not None:
+                await asyncio.to_thread(self.responses.close)
 
     def usage_service(self) -> UsageService | None:
         """The UsageService servicer (one per components; None without a rate limiter)."""
@@ -153,6 +181,10 @@ class AuthComponents:
                     "/inferplane.auth.v1.UsageService/": [ROUTER],
                     # The usage ledger: the edge's /v1/admin/usage, or an operator's CLI.
                     "/inferplane.auth.v1.UsageLedgerService/": [EDGE, ADMIN],
+                    # Stored responses: the edge's /v1/responses/{id} routes; the replica
+                    # processes (the node-agent's identity) save and load them.
+                    "/inferplane.inference.v1.ResponsesService/": [EDGE],
+                    "/inferplane.inference.v1.ResponseStoreService/": [NODE_AGENT],
                 }
             ),
             servicers=[
@@ -171,6 +203,7 @@ class AuthComponents:
                     UsageLedgerService(self.ledger, api_keys.caller),
                     usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
                 ),
+                *self._response_bindings(),
                 *(
                     [
                         ServicerBinding(
@@ -197,6 +230,28 @@ class AuthComponents:
             start=self.start,
             stop=self.stop,
         )
+
+    def _response_bindings(self) -> list[ServicerBinding]:
+        if self.responses is None:
+            return []
+        retention = timedelta(days=self.settings.response_retention_days)
+        return [
+            ServicerBinding(
+                "inferplane.inference.v1.ResponsesService",
+                ResponsesService(
+                    self.responses,
+                    self.verifier,
+                    self.clock,
+                    trust_edge_headers=self.settings.trust_edge_headers,
+                ),
+                responses_pb2_grpc.add_ResponsesServiceServicer_to_server,
+            ),
+            ServicerBinding(
+                "inferplane.inference.v1.ResponseStoreService",
+                ResponseStoreService(self.responses, self.clock, retention),
+                responses_pb2_grpc.add_ResponseStoreServiceServicer_to_server,
+            ),
+        ]
 
 
 def build_components(
@@ -233,7 +288,17 @@ def build_components(
         monthly_tokens=ledger.month_tokens,
     )
     return AuthComponents(
-        settings, clock, store, verifier, last_used, manager, ledger, counters, limiter
+        settings,
+        clock,
+        store,
+        verifier,
+        last_used,
+        manager,
+        ledger,
+        counters,
+        limiter,
+        # Stored responses live in the auth database too (the same migrations).
+        responses=SqlResponseStore(_database_url(settings)),
     )
 
 

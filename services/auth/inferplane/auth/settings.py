@@ -45,6 +45,10 @@ class AuthSettings(ServiceSettings):
         internal_token: shared secret internal callers (routers) present to UsageService in
             `x-inferplane-internal-token`. Empty: UsageService accepts loopback peers only
             (enough for a one-host stack; set it whenever routers run on other hosts).
+        response_retention_days: how long a stored response of the Responses API is kept
+            (`store`, `previous_response_id`; OpenAI keeps them 30 days).
+        response_purge_seconds: how often expired stored responses are deleted (they read as
+            absent from the moment they expire).
     """
 
     port: int = 50051
@@ -61,6 +65,8 @@ class AuthSettings(ServiceSettings):
     concurrency_lease_seconds: float = 600.0
     rate_window_seconds: int = 60
     internal_token: str = dataclasses.field(default="", repr=False)
+    response_retention_days: float = 30.0
+    response_purge_seconds: float = 3600.0
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -28,6 +28,8 @@ from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError, Message
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.api.inference.v1 import responses_pb2 as rpb
+from inferplane.apis import responses
 from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
 from inferplane.wire import SUMMARY_KEYS, FormError, apis, error_body, headers, read_form
 
@@ -87,6 +89,12 @@ METHODS: Mapping[str, Method] = {
     ),
     _PREFIX + "CreateTranslation": Method(
         pb.CreateTranslationRequest, False, False, speech=True, api=apis.TRANSLATIONS
+    ),
+    # One RPC for unary and streamed (the body's `stream` says); decided as the chat of its
+    # new turn: the stored conversation behind `previous_response_id` is the replica's to
+    # load (`inferplane.apis.responses.to_chat`).
+    _PREFIX + "CreateResponse": Method(
+        rpb.CreateResponseRequest, False, True, to_chat=responses.to_chat, api=apis.RESPONSES
     ),
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""

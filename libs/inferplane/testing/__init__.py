@@ -4,4 +4,8 @@ and picker fakes, tool-schema strategies). No production module imports this pac
 The node's fakes: `fake_replica` (a replica process's control side, in-process or as
 `python -m inferplane.testing.fake_replica` taking the replica's command line), `fake_engine`
 (vLLM's gRPC `VllmEngine`) and `fake_http_engine` (vLLM's HTTP server), run as its engine child
-or served in-process by the replica's engine-client tests."""
+or served in-process by the replica's engine-client tests.
+
+The coding agents: `agents` (the pinned Claude Code, Codex CLI and OpenCode configured for an
+endpoint in a throw-away directory), `capture_server` (records what a client sends, answering
+each chat API with a short reply) and `weather_mcp` (a stdio MCP server with `get_weather`)."""

@@ -305,7 +305,8 @@ def check(out: Path, tok: Any) -> dict[str, Any]:
         ids = loaded.encode(text, add_special_tokens=False)
         assert loaded.decode(ids) == text, f"{text!r} does not round-trip"
     prompt = render_chat(qt.tools_request(), loaded, family=QWEN3)
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    # The history call's arguments are the client's text, verbatim (inferplane.chat: QWEN3).
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"celsius"}}'
     assert call in prompt.text and "<tool_response>\n18 celsius\n</tool_response>" in prompt.text
     assert len(prompt.token_ids) < qt.MAX_MODEL_LEN // 2, len(prompt.token_ids)
     with torch.no_grad():

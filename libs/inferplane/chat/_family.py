@@ -5,7 +5,7 @@ the renderer must do before the template sees a request, and which keyword switc
 
     family (parser)   thinking kwarg, default   parse from reasoning  history ids  arguments
     kimi_k2           thinking, on              yes                   Kimi's       JSON text
-    qwen3             enable_thinking, on       yes                   verbatim     object
+    qwen3             enable_thinking, on       yes                   verbatim     JSON text
     deepseek_v31      thinking, off             yes                   verbatim     JSON text
     glm45             enable_thinking, on       no                    verbatim     object
     gpt_oss           none (reasoning_effort)   no                    verbatim     JSON text
@@ -23,7 +23,10 @@ Sources, per family:
   JSON text the model wrote.
 - Qwen3 (Qwen/Qwen3-8B ``tokenizer_config.json``): ``enable_thinking`` (default on; off adds an
   empty ``<think>`` block to the generation prompt); the template never shows an id; arguments
-  go through ``tojson`` unless they are a string. The parser starts inside reasoning when
+  go through ``tojson`` unless they are a string, which it prints verbatim: so they stay the
+  text the model wrote (``tojson`` of the parsed object would rewrite ``{"city":"Oslo"}`` as
+  ``{"city": "Oslo"}``, and the next turn's prompt would no longer begin with the previous
+  prompt and output, which the prefix cache needs). The parser starts inside reasoning when
   thinking is on (``inferplane.parsers._qwen3``: Qwen3 writes ``<think>`` itself, which is
   dropped there, and Qwen3-2507 templates open it in the prompt).
 - DeepSeek-V3.1 (deepseek-ai/DeepSeek-V3.1 ``tokenizer_config.json``): ``thinking`` (default
@@ -119,7 +122,7 @@ QWEN3 = ChatFamily(
     thinking_default=True,
     parse_from_reasoning=True,
     history_ids=HistoryIds.VERBATIM,
-    arguments=ArgumentsForm.OBJECT,
+    arguments=ArgumentsForm.JSON_TEXT,
 )
 DEEPSEEK_V31 = ChatFamily(
     name="deepseek_v31",

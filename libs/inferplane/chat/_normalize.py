@@ -302,10 +302,11 @@ def _mapping(value: Any, param: str) -> Mapping[str, Any]:
 def _arguments(raw: Any, param: str, form: ArgumentsForm) -> str | dict[str, Any]:
     """Tool-call arguments in `form`; missing or empty → ``{}`` (text or object).
 
-    ``JSON_TEXT``: a string verbatim (it is what the model wrote), an object as JSON the way
-    Kimi writes it (``", "`` and ``": "``, non-ASCII kept). ``OBJECT``: an object as is, a
-    string parsed when it holds a JSON object, else kept verbatim (Qwen3's template renders a
-    string as it is). Integral floats of an object become ints (protobuf ``Struct``).
+    ``JSON_TEXT``: a string verbatim (it is what the model wrote, so the history renders token
+    for token as generated), an object as JSON the way Kimi writes it and ``tojson`` prints it
+    (``", "`` and ``": "``, non-ASCII kept). ``OBJECT``: an object as is, a string parsed when
+    it holds a JSON object, else kept verbatim (for a template with a string branch). Integral
+    floats of an object become ints (protobuf ``Struct``).
     """
     if raw is None or raw == "":
         return "{}" if form is ArgumentsForm.JSON_TEXT else {}

@@ -1,5 +1,5 @@
 """Rendering per chat family (issue 19): Kimi's fixes apply to Kimi only; a Qwen3 model gets
-`enable_thinking`, its client's ids and object arguments, through qwen3-tiny's real tokenizer
+`enable_thinking`, its client's ids and argument text, through qwen3-tiny's real tokenizer
 and Qwen3 template; every parser a deployment may name has a family.
 
 Each test's docstring states the invariant it protects.
@@ -71,10 +71,11 @@ def loop_request(**extra: Any) -> dict[str, Any]:
 
 def test_qwen3_tools_conversation_renders_as_qwen3_writes_it(qwen_tok: Any) -> None:
     """A tool loop for a Qwen3 model: tools declared as JSON lines in the system turn (after
-    the client's system text), the history call as `<tool_call>` JSON with its compact string
-    arguments re-serialised as the model writes them, the result as a `<tool_response>` in a
-    user turn, then the bare generation prompt (thinking on by default: the model opens
-    `<think>` itself). No Kimi id or marker is introduced, and the client's id is not shown."""
+    the client's system text), the history call as `<tool_call>` JSON with its string
+    arguments verbatim (what the model wrote, token for token), the result as a
+    `<tool_response>` in a user turn, then the bare generation prompt (thinking on by
+    default: the model opens `<think>` itself). No Kimi id or marker is introduced, and the
+    client's id is not shown."""
     p = render_chat(qt.tools_request(), qwen_tok, family=QWEN3)
     system, rest = p.text.split("<|im_end|>\n", 1)
     assert system.startswith("<|im_start|>system\nYou are a weather assistant.\n\n# Tools\n")
@@ -83,7 +84,7 @@ def test_qwen3_tools_conversation_renders_as_qwen3_writes_it(qwen_tok: Any) -> N
     assert rest == (
         "<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n"
         "<|im_start|>assistant\n<tool_call>\n"
-        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+        '{"name": "get_weather", "arguments": {"city":"Paris","unit":"celsius"}}\n'
         "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n18 celsius\n</tool_response><|im_end|>\n" + GEN
     )
@@ -132,14 +133,14 @@ def test_qwen3_reasoning_of_the_current_tool_loop_is_kept(qwen_tok: Any) -> None
 
 def test_same_request_kimi_ids_for_kimi_only(qwen_tok: Any, kimi_tok: Any) -> None:
     """One request, two families: the Kimi template sees `functions.get_weather:0` for the
-    call and its result, the Qwen3 template the client's `call_w1`; Kimi keeps arguments as
-    the client's text, Qwen3 gets an object."""
+    call and its result, the Qwen3 template the client's `call_w1`; both keep arguments as the
+    client's text (both templates print a string verbatim)."""
     kimi = prepare_chat(qt.tools_request(), KIMI_K2).messages
     qwen = prepare_chat(qt.tools_request(), QWEN3).messages
     assert kimi[2]["tool_calls"][0]["id"] == kimi[3]["tool_call_id"] == "functions.get_weather:0"
     assert qwen[2]["tool_calls"][0]["id"] == qwen[3]["tool_call_id"] == "call_w1"
     assert kimi[2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris","unit":"celsius"}'
-    assert qwen[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    assert qwen[2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris","unit":"celsius"}'
     kimi_text = render_chat(qt.tools_request(), kimi_tok).text
     assert "## Return of functions.get_weather:0" in kimi_text
 
@@ -162,7 +163,7 @@ def fn_call(arguments: Any, cid: str | None = None, name: str = "f") -> dict[str
 
 
 def test_object_arguments_for_object_families() -> None:
-    """Qwen3 / GLM / no-parser templates get arguments as objects: a JSON-object string is
+    """GLM / no-parser templates get arguments as objects: a JSON-object string is
     parsed, an object keeps its values with integral floats as ints (protobuf Struct), empty
     is {}; a string that is not a JSON object stays verbatim (Qwen3's template prints it)."""
     calls = assistant_calls(
@@ -172,7 +173,7 @@ def test_object_arguments_for_object_families() -> None:
         fn_call("not json", "c4"),
         fn_call("[1, 2]", "c5"),
     )
-    for family in (QWEN3, GLM45, GENERIC):
+    for family in (GLM45, GENERIC):
         out = prepare_chat({"messages": calls}, family).messages[1]["tool_calls"]
         assert [c["function"]["arguments"] for c in out] == [
             {"a": 1.5, "b": [1]},
@@ -184,10 +185,11 @@ def test_object_arguments_for_object_families() -> None:
 
 
 def test_text_arguments_for_text_families() -> None:
-    """Kimi and DeepSeek-V3.1 templates print arguments as text: a string verbatim, an object
-    as JSON (integral floats as ints), empty as {}."""
+    """Kimi, DeepSeek-V3.1 and Qwen3 templates print arguments as text: a string verbatim (as
+    the model wrote it: the history renders as generated), an object as JSON (integral floats
+    as ints), empty as {}."""
     calls = assistant_calls(fn_call('{"a":1}', "f:0"), fn_call({"n": 3.0}, "f:1"), fn_call(""))
-    for family in (KIMI_K2, DEEPSEEK_V31):
+    for family in (KIMI_K2, DEEPSEEK_V31, QWEN3):
         out = prepare_chat({"messages": calls}, family).messages[1]["tool_calls"]
         assert [c["function"]["arguments"] for c in out] == ['{"a":1}', '{"n": 3}', "{}"]
 

@@ -5,12 +5,16 @@
 Runs each agent (`inferplane.testing.agents`, configured exactly as the scenario suite does)
 against `inferplane.testing.capture_server`, which answers every request with a short
 well-formed reply, twice: as configured by default (`default-NN-<api>.json`) and with the
-`get_weather` MCP tool (`weather-NN-<api>.json`), and writes the POST bodies of each turn to
-`tests/data/agents/<agent>/` as `{"method", "path", "body"}` (identical bodies, i.e. retries,
-once). Scrubbed: the throw-away directory's path (the agents put the working directory in
-their prompts, Claude Code also as a slug) becomes `/work/project`, and the ids the agents
-derive from the machine or the session (`metadata.user_id`, `prompt_cache_key`,
-`client_metadata`) become fixed strings. No key is written: the agents are given a placeholder.
+`get_weather` MCP tool (`weather-NN-<api>.json`). Each POST of the turn is written to
+`tests/data/agents/<agent>/` as `{"method", "path", "auth", "headers", "body"}`: identical
+bodies (retries) once; `auth` names the header the key went in; `headers` are the agent's own,
+without the key and the transport's.
+
+Scrubbed: the throw-away directory's path (the agents put the working directory in their
+prompts, Claude Code also as a slug) becomes `/work/project`; the ids the agents derive from
+the machine or the session (`metadata.user_id`, `prompt_cache_key`, `client_metadata`; UUIDs
+and OpenCode's `ses_` ids in headers) become fixed strings. No key is written: the agents are
+given a placeholder.
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ PROJECT = "/work/project"
 HOME = "/work/home"
 CHAT_ROUTES = ("/messages/count_tokens", "/messages", "/responses", "/chat/completions")
 SCRUBBED = "scrubbed"
+# The replaying client's own headers (and the key's), not the agent's.
+TRANSPORT_HEADERS = frozenset(
+    {"authorization", "x-api-key", "host", "content-length", "connection", "accept-encoding"}
+)
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+SESSION = re.compile(r"ses_[A-Za-z0-9]+")
+
+
+def scrub_headers(headers: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for name, value in sorted(headers.items()):
+        if name in TRANSPORT_HEADERS:
+            continue
+        value = UUID.sub("00000000-0000-0000-0000-000000000000", value)
+        out[name] = SESSION.sub("ses_scrubbed", value)
+    return out
 
 
 def api_of(path: str) -> str | None:
@@ -90,7 +110,17 @@ def capture(agent: str, timeout: float, weather: bool) -> list[dict[str, Any]]:
                     continue
                 seen.add(key)
                 path = re.sub(r"^.*?(/v1/)", r"\1", request.path)
-                records.append({"method": request.method, "path": path, "body": body})
+                auth = "x-api-key" if "x-api-key" in request.headers else "bearer"
+                headers = scrub_headers(scrub(request.headers, replacements))
+                records.append(
+                    {
+                        "method": request.method,
+                        "path": path,
+                        "auth": auth,
+                        "headers": headers,
+                        "body": body,
+                    }
+                )
             return records
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -27,9 +27,10 @@ from google.api import httpbody_pb2
 from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError, Message
 
+from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import responses_pb2 as rpb
-from inferplane.apis import responses
+from inferplane.apis import anthropic, responses
 from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
 from inferplane.wire import SUMMARY_KEYS, FormError, apis, error_body, headers, read_form
 
@@ -95,6 +96,17 @@ METHODS: Mapping[str, Method] = {
     # load (`inferplane.apis.responses.to_chat`).
     _PREFIX + "CreateResponse": Method(
         rpb.CreateResponseRequest, False, True, to_chat=responses.to_chat, api=apis.RESPONSES
+    ),
+    # Anthropic Messages: one method for both forms (the body's `stream` says which).
+    _PREFIX + "CreateMessage": Method(
+        apb.CreateMessageRequest, False, True, to_chat=anthropic.to_chat, api=apis.MESSAGES
+    ),
+    _PREFIX + "CountMessageTokens": Method(
+        apb.CountMessageTokensRequest,
+        False,
+        True,
+        to_chat=anthropic.count_to_chat,
+        api=apis.MESSAGES,
     ),
 }
 """`:path` → method, for every path the picker decides on (ListModels never comes here)."""

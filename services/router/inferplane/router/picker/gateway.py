@@ -46,6 +46,9 @@ GATEWAY_METHODS: Mapping[str, tuple[Method, Method]] = {
     ),
     "/v1/completions": (METHODS[_P + "CreateCompletion"], METHODS[_P + "StreamCompletionEvents"]),
     "/v1/embeddings": (METHODS[_P + "CreateEmbedding"],) * 2,
+    # Anthropic Messages: one method serves both forms.
+    "/v1/messages": (METHODS[_P + "CreateMessage"],) * 2,
+    "/v1/messages/count_tokens": (METHODS[_P + "CountMessageTokens"],) * 2,
 }
 # Envoy's ext_proc takes body chunks of any size; the GIE reference picker answers in chunks
 # under 64 KiB, which every gRPC default message size accepts.

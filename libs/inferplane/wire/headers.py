@@ -28,6 +28,14 @@ from typing import Final
 TRUSTED_PREFIX: Final = "x-inferplane-"
 """Headers only the edge (after auth's Check) may set; a client's own copies are removed."""
 
+# --- the client's API key (read by auth's ext_authz Check, removed before any upstream) ---------
+AUTHORIZATION: Final = "authorization"
+"""`Authorization: Bearer KEY`: OpenAI's convention for the API key."""
+API_KEY: Final = "x-api-key"
+"""`x-api-key: KEY`: Anthropic's convention for the API key (Claude Code, the anthropic SDK)."""
+CLIENT_KEY_HEADERS: Final[tuple[str, ...]] = (AUTHORIZATION, API_KEY)
+"""Every header that may carry the client's key: none reaches a service behind the edge."""
+
 # --- auth verdict (ext_authz Check → upstream request headers) ---------------------------------
 TENANT: Final = "x-inferplane-tenant"
 """The calling key's tenant."""

@@ -98,7 +98,24 @@ def test_valid_key_adds_identity_headers_and_strips_key_and_forgeries(auth: Any)
     # Overwrite (not append) replaces the client's forged copies of our five headers.
     overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     assert all(h.append_action == overwrite for h in ok.headers)
-    assert sorted(ok.headers_to_remove) == ["authorization", "x-inferplane-internal-bypass"]
+    assert sorted(ok.headers_to_remove) == [
+        "authorization",
+        "x-api-key",
+        "x-inferplane-internal-bypass",
+    ]
+
+
+def test_anthropics_x_api_key_is_a_key_too(auth: Any) -> None:
+    """`x-api-key: KEY` (Anthropic's convention) is accepted, and removed before any upstream;
+    a bad one is the same 401; with both headers Authorization wins."""
+    created = create(auth, scopes=["inference"])
+    ok = auth.check(None, path="/v1/messages", extra={"x-api-key": created.secret})
+    assert ok.WhichOneof("http_response") == "ok_response"
+    assert "x-api-key" in ok.ok_response.headers_to_remove
+    bad = auth.check(None, path="/v1/messages", extra={"x-api-key": "ip-" + "N" * 43})
+    assert_denied(bad, 401, "invalid_api_key", "Incorrect API key provided")
+    both = auth.check("ip-" + "N" * 43, path="/v1/messages", extra={"x-api-key": created.secret})
+    assert_denied(both, 401, "invalid_api_key", "Incorrect API key provided")
 
 
 def test_empty_allow_list_is_sent_as_an_empty_header(auth: Any) -> None:

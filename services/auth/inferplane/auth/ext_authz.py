@@ -2,9 +2,12 @@
 
 A request with a valid key holding the scope its path needs is allowed: auth's verdict
 (`inferplane.wire.headers.AUTH_VERDICT`: tenant, key id, scopes, allowed models, tier) is set on
-the upstream request, overwriting any client copy, and `authorization` and every other client
-header under `TRUSTED_PREFIX` are removed. Otherwise Envoy sends the client the denial as is:
-401 `invalid_api_key`, 403 `insufficient_scope`, 429 with OpenAI's body and `x-ratelimit-*`.
+the upstream request, overwriting any client copy, and the key's headers (`authorization`,
+`x-api-key`: `inferplane.wire.headers.CLIENT_KEY_HEADERS`) and every other client header under
+`TRUSTED_PREFIX` are removed. The key comes as `Authorization: Bearer KEY` (OpenAI's
+convention) or `x-api-key: KEY` (Anthropic's, `client_key`). Otherwise Envoy sends the client
+the denial as is: 401 `invalid_api_key`, 403 `insufficient_scope`, 429 with OpenAI's body and
+`x-ratelimit-*`.
 
 Envoy's side, as measured against Envoy (and re-checked by `tests/test_envoy.py`): Check reads
 `attributes.request.http.headers` (lower-case names; `header_map` instead when Envoy's
@@ -38,7 +41,10 @@ from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import UnauthenticatedError
 from inferplane.wire.headers import (
     ALLOWED_MODELS,
+    API_KEY,
     AUTH_VERDICT,
+    AUTHORIZATION,
+    CLIENT_KEY_HEADERS,
     KEY_ID,
     REQUEST_ID,
     SCOPES,
@@ -75,6 +81,21 @@ def parse_bearer(value: str | None) -> str:
             code="invalid_api_key",
         )
     return token
+
+
+def client_key(headers: Mapping[str, str]) -> str:
+    """The request's API key: `Authorization: Bearer KEY` (OpenAI's convention) or, without
+    an Authorization header, `x-api-key: KEY` (Anthropic's). With both, Authorization wins.
+
+    Raises:
+        UnauthenticatedError: neither header, or a malformed one (`parse_bearer`).
+    """
+    authorization = headers.get(AUTHORIZATION)
+    if authorization is None or not authorization.strip():
+        api_key = (headers.get(API_KEY) or "").strip()
+        if api_key:
+            return api_key
+    return parse_bearer(authorization)
 
 
 def required_scope(path: str) -> str:
@@ -176,7 +197,7 @@ def allowed(
                 _header(ALLOWED_MODELS, ",".join(principal.allowed_models)),
                 _header(TIER, principal.tier),
             ],
-            headers_to_remove=["authorization", *forged],
+            headers_to_remove=[*CLIENT_KEY_HEADERS, *forged],
             response_headers_to_add=[_header(k, v) for k, v in response_headers],
         ),
     )
@@ -209,7 +230,7 @@ class Authorization(external_auth_pb2_grpc.AuthorizationServicer):  # type: igno
                 for h in http.header_map.headers
             }
         try:
-            principal = await self._verifier.verify(parse_bearer(headers.get("authorization")))
+            principal = await self._verifier.verify(client_key(headers))
         except UnauthenticatedError as exc:
             # A denial is Check's normal answer, not an RPC failure.
             return denied(401, exc.message, exc.code)

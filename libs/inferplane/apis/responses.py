@@ -107,18 +107,20 @@ class Converted:
 
     Attributes:
         chat: the chat request to plan and render (`stream` as the Responses request's).
-        items: every input item of the turn, normalised (a string `input` as one user
-            `message` item; each item with its `type`): the stored conversation's first, then
-            the request's. What `input_items` lists and the next turn's history.
+        items: the request's input items, normalised (a string `input` as one user
+            `message` item; each item with its `type`).
         encrypted_reasoning: `include` asked for `reasoning.encrypted_content`.
         body: the Responses request as JSON (ints restored), for echoing its settings
             (`instructions`, `tools`, `metadata`, ...) in the Response object.
+        history_messages: how many of `chat`'s messages come before the new turn's
+            (the `instructions` system message and the stored conversation's).
     """
 
     chat: pb.ChatCompletionRequest
     items: tuple[dict[str, Any], ...]
     encrypted_reasoning: bool
     body: dict[str, Any]
+    history_messages: int = 0
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> InvalidArgumentError:
@@ -172,14 +174,18 @@ def convert(request: rpb.ResponseRequest, history: Sequence[Mapping[str, Any]] =
     """
     body = request_to_dict(request)
     _check_refused(body)
-    items = [dict(item) for item in history] + _input_items(body.get("input"))
-    if not items:
+    items = _input_items(body.get("input"))
+    if not items and not history:
         raise _bad("'input' must not be empty", "input")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    messages += _messages(items, len(history))
+    # History and the new turn convert apart: the new turn's first message starts where the
+    # stored conversation ends (the replica splices the stored token ids there).
+    messages += _messages(history, "previous_response_id:item")
+    history_messages = len(messages)
+    messages += _messages(items, "input")
     chat: dict[str, Any] = {"model": body.get("model", ""), "messages": messages}
     tools = _tools(body.get("tools") or [])
     if tools:
@@ -210,9 +216,10 @@ def convert(request: rpb.ResponseRequest, history: Sequence[Mapping[str, Any]] =
     include = _include(body.get("include") or [])
     return Converted(
         chat=chat_request_from_dict(chat),
-        items=tuple(items[len(history) :]),
+        items=tuple(items),
         encrypted_reasoning=INCLUDE_ENCRYPTED_REASONING in include,
         body=body,
+        history_messages=history_messages,
     )
 
 
@@ -312,9 +319,9 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _messages(items: Sequence[Mapping[str, Any]], offset: int) -> list[dict[str, Any]]:
+def _messages(items: Sequence[Mapping[str, Any]], path: str) -> list[dict[str, Any]]:
     """Items → chat messages; consecutive assistant-side items merge into one assistant turn.
-    Paths in errors count the request's own items (`offset` history items come first)."""
+    Errors name `path[n]` (`input[2]`)."""
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant turn being assembled
 
@@ -326,7 +333,7 @@ def _messages(items: Sequence[Mapping[str, Any]], offset: int) -> list[dict[str,
         return turn
 
     for n, item in enumerate(items):
-        where = f"input[{n - offset}]" if n >= offset else f"previous_response_id:item[{n}]"
+        where = f"{path}[{n}]"
         kind = item.get("type")
         if kind == "message":
             role = item.get("role")

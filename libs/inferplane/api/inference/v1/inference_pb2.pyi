@@ -64,6 +64,49 @@ class ChatCompletionRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     REASONING_EFFORT_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    EC_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    ECHO_FIELD_NUMBER: _builtins.int
+    INCLUDE_REASONING_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MEDIA_IO_KWARGS_FIELD_NUMBER: _builtins.int
+    MM_PAYLOAD_FIELD_NUMBER: _builtins.int
+    MM_PROCESSOR_KWARGS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    REPETITION_DETECTION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RETURN_MM_KWARGS_FIELD_NUMBER: _builtins.int
+    RETURN_PROMPT_TEXT_FIELD_NUMBER: _builtins.int
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RETURN_TOKEN_OFFSETS_FIELD_NUMBER: _builtins.int
+    RETURN_TOKENS_AS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_PROMPT_START_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_SIDE_FIELD_NUMBER: _builtins.int
+    USE_BEAM_SEARCH_FIELD_NUMBER: _builtins.int
+    VLLM_XARGS_FIELD_NUMBER: _builtins.int
+    WATERMARKING_FIELD_NUMBER: _builtins.int
+    GUIDED_JSON_FIELD_NUMBER: _builtins.int
+    GUIDED_REGEX_FIELD_NUMBER: _builtins.int
+    GUIDED_CHOICE_FIELD_NUMBER: _builtins.int
+    GUIDED_GRAMMAR_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias) to use."""
     temperature: _builtins.float
@@ -77,7 +120,7 @@ class ChatCompletionRequest(_message.Message):
     seed: _builtins.int
     """Seed for reproducible sampling."""
     n: _builtins.int
-    """Number of choices; inferplane serves 1."""
+    """Number of choices, 1 to 8 (each generated as its own engine request)."""
     presence_penalty: _builtins.float
     """Presence penalty, -2 to 2."""
     frequency_penalty: _builtins.float
@@ -109,6 +152,66 @@ class ChatCompletionRequest(_message.Message):
     and the last chunk are never held back); 1 sends every token. The replica's own
     `stream_interval` is the floor.
     """
+    add_generation_prompt: _builtins.bool
+    """The rest of vLLM 0.32's chat request fields (vllm/entrypoints/openai/chat_completion/
+    protocol.py ChatCompletionRequest), so that a body written for vLLM passes the edge; the
+    replica honours each or refuses a value it cannot serve with a 400 naming it
+    (docs/request-fields.md has the table).
+    """
+    add_special_tokens: _builtins.bool
+    """vLLM: add the tokenizer's special tokens (BOS) to the prompt."""
+    cache_salt: _builtins.str
+    """vLLM: salt of the prefix cache (refused: the platform isolates tenants)."""
+    chat_template: _builtins.str
+    """vLLM: a Jinja chat template from the client (refused: code from the client)."""
+    continue_final_message: _builtins.bool
+    """vLLM: continue the last assistant message (refused)."""
+    echo: _builtins.bool
+    """vLLM (chat) / OpenAI (text): prepend the prompt (chat: refused when true)."""
+    include_reasoning: _builtins.bool
+    """false leaves reasoning out of the response."""
+    include_stop_str_in_output: _builtins.bool
+    """Keep a matched stop string at the end of the output."""
+    length_penalty: _builtins.float
+    """vLLM: beam search length penalty (1 only)."""
+    mm_payload: _builtins.str
+    """vLLM: what render endpoints return for media (ignored by generation, as by vLLM)."""
+    priority: _builtins.int
+    """vLLM: scheduling priority (0 only: the platform's fair queuing orders requests)."""
+    prompt_logprobs: _builtins.int
+    """vLLM: log probabilities of prompt tokens (refused)."""
+    request_id: _builtins.str
+    """vLLM: the client's request id (ignored: the platform names its requests)."""
+    return_mm_kwargs: _builtins.bool
+    """vLLM: deprecated alias of mm_payload (ignored by generation, as by vLLM)."""
+    return_prompt_text: _builtins.bool
+    """vLLM: return the rendered prompt (refused when true)."""
+    return_token_ids: _builtins.bool
+    """vLLM: return token ids (refused when true)."""
+    return_token_offsets: _builtins.bool
+    """vLLM: render endpoints only (ignored by generation, as by vLLM)."""
+    return_tokens_as_token_ids: _builtins.bool
+    """With logprobs: tokens are written "token_id:{id}"."""
+    routed_experts_prompt_start: _builtins.int
+    """vLLM: routed-expert data offset (ignored: no routed-expert data returned)."""
+    session_id: _builtins.str
+    """vLLM: a stable session id (accepted; session affinity comes from `user`)."""
+    skip_special_tokens: _builtins.bool
+    """vLLM: leave special tokens out of the text (true only: content never shows them)."""
+    spaces_between_special_tokens: _builtins.bool
+    """vLLM: spaces between special tokens (true only)."""
+    truncate_prompt_tokens: _builtins.int
+    """vLLM: truncate the prompt (refused: the platform never cuts a prompt)."""
+    truncation_side: _builtins.str
+    """vLLM: which side truncate_prompt_tokens cuts (with it only)."""
+    use_beam_search: _builtins.bool
+    """vLLM: beam search (false only)."""
+    watermarking: _builtins.bool
+    """vLLM: watermark the output (refused when true)."""
+    guided_regex: _builtins.str
+    """vLLM < 0.12: structured_outputs.regex."""
+    guided_grammar: _builtins.str
+    """vLLM < 0.12: structured_outputs.grammar."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """The conversation so far."""
@@ -145,6 +248,68 @@ class ChatCompletionRequest(_message.Message):
     def logit_bias(self) -> _struct_pb2.Struct:
         """Token id (as a string key) to bias in -100..100."""
 
+    @_builtins.property
+    def allowed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM: restrict sampling to these token ids (refused)."""
+
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM: words never generated (refused)."""
+
+    @_builtins.property
+    def documents(self) -> _struct_pb2.Value:
+        """vLLM: RAG documents for the chat template (refused)."""
+
+    @_builtins.property
+    def ec_transfer_params(self) -> _struct_pb2.Struct:
+        """vLLM: encoder-cache transfer parameters (refused: internal)."""
+
+    @_builtins.property
+    def kv_transfer_params(self) -> _struct_pb2.Struct:
+        """vLLM: KV transfer parameters of disaggregated serving (refused: internal)."""
+
+    @_builtins.property
+    def logprob_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM: token ids whose log probabilities to return (refused)."""
+
+    @_builtins.property
+    def media_io_kwargs(self) -> _struct_pb2.Struct:
+        """vLLM: media loader options (refused: no multimodal input)."""
+
+    @_builtins.property
+    def mm_processor_kwargs(self) -> _struct_pb2.Struct:
+        """vLLM: multimodal processor options (refused: no multimodal input)."""
+
+    @_builtins.property
+    def repetition_detection(self) -> _struct_pb2.Struct:
+        """vLLM: stop on repeated n-grams (refused)."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end the output (added to the model's end-of-sequence ids)."""
+
+    @_builtins.property
+    def structured_outputs(self) -> _struct_pb2.Struct:
+        """vLLM's decoding constraint: exactly one of json, regex, choice, grammar, json_object,
+        structural_tag.
+        """
+
+    @_builtins.property
+    def thinking_token_budget(self) -> _struct_pb2.Value:
+        """vLLM: reasoning token budget (refused unless null or -1)."""
+
+    @_builtins.property
+    def vllm_xargs(self) -> _struct_pb2.Struct:
+        """vLLM: arguments of custom engine extensions (refused)."""
+
+    @_builtins.property
+    def guided_json(self) -> _struct_pb2.Value:
+        """vLLM < 0.12's spellings of structured_outputs.json / .regex / .choice / .grammar."""
+
+    @_builtins.property
+    def guided_choice(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM < 0.12: structured_outputs.choice."""
+
     def __init__(
         self,
         *,
@@ -178,15 +343,80 @@ class ChatCompletionRequest(_message.Message):
         logit_bias: _struct_pb2.Struct | None = ...,
         reasoning_effort: _builtins.str | None = ...,
         stream_interval: _builtins.int | None = ...,
+        add_generation_prompt: _builtins.bool | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        cache_salt: _builtins.str | None = ...,
+        chat_template: _builtins.str | None = ...,
+        continue_final_message: _builtins.bool | None = ...,
+        documents: _struct_pb2.Value | None = ...,
+        ec_transfer_params: _struct_pb2.Struct | None = ...,
+        echo: _builtins.bool | None = ...,
+        include_reasoning: _builtins.bool | None = ...,
+        include_stop_str_in_output: _builtins.bool | None = ...,
+        kv_transfer_params: _struct_pb2.Struct | None = ...,
+        length_penalty: _builtins.float | None = ...,
+        logprob_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        media_io_kwargs: _struct_pb2.Struct | None = ...,
+        mm_payload: _builtins.str | None = ...,
+        mm_processor_kwargs: _struct_pb2.Struct | None = ...,
+        priority: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        repetition_detection: _struct_pb2.Struct | None = ...,
+        request_id: _builtins.str | None = ...,
+        return_mm_kwargs: _builtins.bool | None = ...,
+        return_prompt_text: _builtins.bool | None = ...,
+        return_token_ids: _builtins.bool | None = ...,
+        return_token_offsets: _builtins.bool | None = ...,
+        return_tokens_as_token_ids: _builtins.bool | None = ...,
+        routed_experts_prompt_start: _builtins.int | None = ...,
+        session_id: _builtins.str | None = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        spaces_between_special_tokens: _builtins.bool | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        structured_outputs: _struct_pb2.Struct | None = ...,
+        thinking_token_budget: _struct_pb2.Value | None = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+        truncation_side: _builtins.str | None = ...,
+        use_beam_search: _builtins.bool | None = ...,
+        vllm_xargs: _struct_pb2.Struct | None = ...,
+        watermarking: _builtins.bool | None = ...,
+        guided_json: _struct_pb2.Value | None = ...,
+        guided_regex: _builtins.str | None = ...,
+        guided_choice: _abc.Iterable[_builtins.str] | None = ...,
+        guided_grammar: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_chat_template", b"_chat_template", "_continue_final_message", b"_continue_final_message", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_guided_grammar", b"_guided_grammar", "_guided_regex", b"_guided_regex", "_ignore_eos", b"_ignore_eos", "_include_reasoning", b"_include_reasoning", "_include_stop_str_in_output", b"_include_stop_str_in_output", "_length_penalty", b"_length_penalty", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_mm_payload", b"_mm_payload", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_prompt_logprobs", b"_prompt_logprobs", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_request_id", b"_request_id", "_return_mm_kwargs", b"_return_mm_kwargs", "_return_prompt_text", b"_return_prompt_text", "_return_token_ids", b"_return_token_ids", "_return_token_offsets", b"_return_token_offsets", "_return_tokens_as_token_ids", b"_return_tokens_as_token_ids", "_routed_experts_prompt_start", b"_routed_experts_prompt_start", "_seed", b"_seed", "_session_id", b"_session_id", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_beam_search", b"_use_beam_search", "_user", b"_user", "_watermarking", b"_watermarking", "add_generation_prompt", b"add_generation_prompt", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "continue_final_message", b"continue_final_message", "documents", b"documents", "ec_transfer_params", b"ec_transfer_params", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "guided_grammar", b"guided_grammar", "guided_json", b"guided_json", "guided_regex", b"guided_regex", "ignore_eos", b"ignore_eos", "include_reasoning", b"include_reasoning", "include_stop_str_in_output", b"include_stop_str_in_output", "kv_transfer_params", b"kv_transfer_params", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "media_io_kwargs", b"media_io_kwargs", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "mm_payload", b"mm_payload", "mm_processor_kwargs", b"mm_processor_kwargs", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt_logprobs", b"prompt_logprobs", "reasoning_effort", b"reasoning_effort", "repetition_detection", b"repetition_detection", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "response_format", b"response_format", "return_mm_kwargs", b"return_mm_kwargs", "return_prompt_text", b"return_prompt_text", "return_token_ids", b"return_token_ids", "return_token_offsets", b"return_token_offsets", "return_tokens_as_token_ids", b"return_tokens_as_token_ids", "routed_experts_prompt_start", b"routed_experts_prompt_start", "seed", b"seed", "session_id", b"session_id", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "thinking_token_budget", b"thinking_token_budget", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_beam_search", b"use_beam_search", "user", b"user", "vllm_xargs", b"vllm_xargs", "watermarking", b"watermarking"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_chat_template", b"_chat_template", "_continue_final_message", b"_continue_final_message", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_guided_grammar", b"_guided_grammar", "_guided_regex", b"_guided_regex", "_ignore_eos", b"_ignore_eos", "_include_reasoning", b"_include_reasoning", "_include_stop_str_in_output", b"_include_stop_str_in_output", "_length_penalty", b"_length_penalty", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_mm_payload", b"_mm_payload", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_prompt_logprobs", b"_prompt_logprobs", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_request_id", b"_request_id", "_return_mm_kwargs", b"_return_mm_kwargs", "_return_prompt_text", b"_return_prompt_text", "_return_token_ids", b"_return_token_ids", "_return_token_offsets", b"_return_token_offsets", "_return_tokens_as_token_ids", b"_return_tokens_as_token_ids", "_routed_experts_prompt_start", b"_routed_experts_prompt_start", "_seed", b"_seed", "_session_id", b"_session_id", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_beam_search", b"_use_beam_search", "_user", b"_user", "_watermarking", b"_watermarking", "add_generation_prompt", b"add_generation_prompt", "add_special_tokens", b"add_special_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "cache_salt", b"cache_salt", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "continue_final_message", b"continue_final_message", "documents", b"documents", "ec_transfer_params", b"ec_transfer_params", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "guided_choice", b"guided_choice", "guided_grammar", b"guided_grammar", "guided_json", b"guided_json", "guided_regex", b"guided_regex", "ignore_eos", b"ignore_eos", "include_reasoning", b"include_reasoning", "include_stop_str_in_output", b"include_stop_str_in_output", "kv_transfer_params", b"kv_transfer_params", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprob_token_ids", b"logprob_token_ids", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "media_io_kwargs", b"media_io_kwargs", "messages", b"messages", "metadata", b"metadata", "min_p", b"min_p", "min_tokens", b"min_tokens", "mm_payload", b"mm_payload", "mm_processor_kwargs", b"mm_processor_kwargs", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt_logprobs", b"prompt_logprobs", "reasoning_effort", b"reasoning_effort", "repetition_detection", b"repetition_detection", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "response_format", b"response_format", "return_mm_kwargs", b"return_mm_kwargs", "return_prompt_text", b"return_prompt_text", "return_token_ids", b"return_token_ids", "return_token_offsets", b"return_token_offsets", "return_tokens_as_token_ids", b"return_tokens_as_token_ids", "routed_experts_prompt_start", b"routed_experts_prompt_start", "seed", b"seed", "session_id", b"session_id", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "thinking_token_budget", b"thinking_token_budget", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_beam_search", b"use_beam_search", "user", b"user", "vllm_xargs", b"vllm_xargs", "watermarking", b"watermarking"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
+    _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
+    _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
+    _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
+    _WhichOneofReturnType__continue_final_message: _TypeAlias = _typing.Literal["continue_final_message"]  # noqa: Y015
+    _WhichOneofArgType__continue_final_message: _TypeAlias = _typing.Literal["_continue_final_message", b"_continue_final_message"]  # noqa: Y015
+    _WhichOneofReturnType__echo: _TypeAlias = _typing.Literal["echo"]  # noqa: Y015
+    _WhichOneofArgType__echo: _TypeAlias = _typing.Literal["_echo", b"_echo"]  # noqa: Y015
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__guided_grammar: _TypeAlias = _typing.Literal["guided_grammar"]  # noqa: Y015
+    _WhichOneofArgType__guided_grammar: _TypeAlias = _typing.Literal["_guided_grammar", b"_guided_grammar"]  # noqa: Y015
+    _WhichOneofReturnType__guided_regex: _TypeAlias = _typing.Literal["guided_regex"]  # noqa: Y015
+    _WhichOneofArgType__guided_regex: _TypeAlias = _typing.Literal["_guided_regex", b"_guided_regex"]  # noqa: Y015
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
+    _WhichOneofReturnType__include_reasoning: _TypeAlias = _typing.Literal["include_reasoning"]  # noqa: Y015
+    _WhichOneofArgType__include_reasoning: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning"]  # noqa: Y015
+    _WhichOneofReturnType__include_stop_str_in_output: _TypeAlias = _typing.Literal["include_stop_str_in_output"]  # noqa: Y015
+    _WhichOneofArgType__include_stop_str_in_output: _TypeAlias = _typing.Literal["_include_stop_str_in_output", b"_include_stop_str_in_output"]  # noqa: Y015
+    _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
+    _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_completion_tokens: _TypeAlias = _typing.Literal["max_completion_tokens"]  # noqa: Y015
@@ -197,18 +427,44 @@ class ChatCompletionRequest(_message.Message):
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__min_tokens: _TypeAlias = _typing.Literal["min_tokens"]  # noqa: Y015
     _WhichOneofArgType__min_tokens: _TypeAlias = _typing.Literal["_min_tokens", b"_min_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__mm_payload: _TypeAlias = _typing.Literal["mm_payload"]  # noqa: Y015
+    _WhichOneofArgType__mm_payload: _TypeAlias = _typing.Literal["_mm_payload", b"_mm_payload"]  # noqa: Y015
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__reasoning_effort: _TypeAlias = _typing.Literal["reasoning_effort"]  # noqa: Y015
     _WhichOneofArgType__reasoning_effort: _TypeAlias = _typing.Literal["_reasoning_effort", b"_reasoning_effort"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__request_id: _TypeAlias = _typing.Literal["request_id"]  # noqa: Y015
+    _WhichOneofArgType__request_id: _TypeAlias = _typing.Literal["_request_id", b"_request_id"]  # noqa: Y015
+    _WhichOneofReturnType__return_mm_kwargs: _TypeAlias = _typing.Literal["return_mm_kwargs"]  # noqa: Y015
+    _WhichOneofArgType__return_mm_kwargs: _TypeAlias = _typing.Literal["_return_mm_kwargs", b"_return_mm_kwargs"]  # noqa: Y015
+    _WhichOneofReturnType__return_prompt_text: _TypeAlias = _typing.Literal["return_prompt_text"]  # noqa: Y015
+    _WhichOneofArgType__return_prompt_text: _TypeAlias = _typing.Literal["_return_prompt_text", b"_return_prompt_text"]  # noqa: Y015
+    _WhichOneofReturnType__return_token_ids: _TypeAlias = _typing.Literal["return_token_ids"]  # noqa: Y015
+    _WhichOneofArgType__return_token_ids: _TypeAlias = _typing.Literal["_return_token_ids", b"_return_token_ids"]  # noqa: Y015
+    _WhichOneofReturnType__return_token_offsets: _TypeAlias = _typing.Literal["return_token_offsets"]  # noqa: Y015
+    _WhichOneofArgType__return_token_offsets: _TypeAlias = _typing.Literal["_return_token_offsets", b"_return_token_offsets"]  # noqa: Y015
+    _WhichOneofReturnType__return_tokens_as_token_ids: _TypeAlias = _typing.Literal["return_tokens_as_token_ids"]  # noqa: Y015
+    _WhichOneofArgType__return_tokens_as_token_ids: _TypeAlias = _typing.Literal["_return_tokens_as_token_ids", b"_return_tokens_as_token_ids"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_prompt_start: _TypeAlias = _typing.Literal["routed_experts_prompt_start"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_prompt_start: _TypeAlias = _typing.Literal["_routed_experts_prompt_start", b"_routed_experts_prompt_start"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__session_id: _TypeAlias = _typing.Literal["session_id"]  # noqa: Y015
+    _WhichOneofArgType__session_id: _TypeAlias = _typing.Literal["_session_id", b"_session_id"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["_spaces_between_special_tokens", b"_spaces_between_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
     _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
@@ -221,12 +477,42 @@ class ChatCompletionRequest(_message.Message):
     _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__truncation_side: _TypeAlias = _typing.Literal["truncation_side"]  # noqa: Y015
+    _WhichOneofArgType__truncation_side: _TypeAlias = _typing.Literal["_truncation_side", b"_truncation_side"]  # noqa: Y015
+    _WhichOneofReturnType__use_beam_search: _TypeAlias = _typing.Literal["use_beam_search"]  # noqa: Y015
+    _WhichOneofArgType__use_beam_search: _TypeAlias = _typing.Literal["_use_beam_search", b"_use_beam_search"]  # noqa: Y015
     _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
     _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
+    _WhichOneofReturnType__watermarking: _TypeAlias = _typing.Literal["watermarking"]  # noqa: Y015
+    _WhichOneofArgType__watermarking: _TypeAlias = _typing.Literal["_watermarking", b"_watermarking"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_generation_prompt) -> _WhichOneofReturnType__add_generation_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__continue_final_message) -> _WhichOneofReturnType__continue_final_message | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__echo) -> _WhichOneofReturnType__echo | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guided_grammar) -> _WhichOneofReturnType__guided_grammar | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guided_regex) -> _WhichOneofReturnType__guided_regex | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_reasoning) -> _WhichOneofReturnType__include_reasoning | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_stop_str_in_output) -> _WhichOneofReturnType__include_stop_str_in_output | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
@@ -238,17 +524,43 @@ class ChatCompletionRequest(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_tokens) -> _WhichOneofReturnType__min_tokens | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mm_payload) -> _WhichOneofReturnType__mm_payload | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_effort) -> _WhichOneofReturnType__reasoning_effort | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__request_id) -> _WhichOneofReturnType__request_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_mm_kwargs) -> _WhichOneofReturnType__return_mm_kwargs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_prompt_text) -> _WhichOneofReturnType__return_prompt_text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_token_ids) -> _WhichOneofReturnType__return_token_ids | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_token_offsets) -> _WhichOneofReturnType__return_token_offsets | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_tokens_as_token_ids) -> _WhichOneofReturnType__return_tokens_as_token_ids | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_prompt_start) -> _WhichOneofReturnType__routed_experts_prompt_start | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__session_id) -> _WhichOneofReturnType__session_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
     @_typing.overload
@@ -262,7 +574,15 @@ class ChatCompletionRequest(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncation_side) -> _WhichOneofReturnType__truncation_side | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_beam_search) -> _WhichOneofReturnType__use_beam_search | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__watermarking) -> _WhichOneofReturnType__watermarking | None: ...
 
 Global___ChatCompletionRequest: _TypeAlias = ChatCompletionRequest  # noqa: Y015
 
@@ -273,19 +593,28 @@ class StreamOptions(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_USAGE_FIELD_NUMBER: _builtins.int
+    CONTINUOUS_USAGE_STATS_FIELD_NUMBER: _builtins.int
     include_usage: _builtins.bool
     """Send a last chunk with `usage` (and empty `choices`) before `data: [DONE]`."""
+    continuous_usage_stats: _builtins.bool
+    """vLLM extension: also put the usage so far on every chunk (GuideLLM asks for it)."""
     def __init__(
         self,
         *,
         include_usage: _builtins.bool | None = ...,
+        continuous_usage_stats: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage", "include_usage", b"include_usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_continuous_usage_stats", b"_continuous_usage_stats", "_include_usage", b"_include_usage", "continuous_usage_stats", b"continuous_usage_stats", "include_usage", b"include_usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage", "include_usage", b"include_usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_continuous_usage_stats", b"_continuous_usage_stats", "_include_usage", b"_include_usage", "continuous_usage_stats", b"continuous_usage_stats", "include_usage", b"include_usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__continuous_usage_stats: _TypeAlias = _typing.Literal["continuous_usage_stats"]  # noqa: Y015
+    _WhichOneofArgType__continuous_usage_stats: _TypeAlias = _typing.Literal["_continuous_usage_stats", b"_continuous_usage_stats"]  # noqa: Y015
     _WhichOneofReturnType__include_usage: _TypeAlias = _typing.Literal["include_usage"]  # noqa: Y015
     _WhichOneofArgType__include_usage: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__continuous_usage_stats) -> _WhichOneofReturnType__continuous_usage_stats | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__include_usage) -> _WhichOneofReturnType__include_usage | None: ...
 
 Global___StreamOptions: _TypeAlias = StreamOptions  # noqa: Y015
@@ -302,6 +631,7 @@ class ChatMessage(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "developer", "user", "assistant" or "tool"."""
     name: _builtins.str
@@ -310,6 +640,8 @@ class ChatMessage(_message.Message):
     """For role "tool": the id of the call this message answers."""
     reasoning_content: _builtins.str
     """Reasoning of an earlier assistant turn (kept inside the current tool loop)."""
+    reasoning: _builtins.str
+    """vLLM >= 0.16's name for reasoning_content (vllm/renderers/chat_utils.py); the same text."""
     @_builtins.property
     def content(self) -> _struct_pb2.Value:
         """A string, a list of content parts ({"type": "text", "text": ...}, ...), or null."""
@@ -327,19 +659,24 @@ class ChatMessage(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str | None = ...,
         reasoning_content: _builtins.str | None = ...,
+        reasoning: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning_content", b"reasoning_content", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning: _TypeAlias = _typing.Literal["reasoning"]  # noqa: Y015
+    _WhichOneofArgType__reasoning: _TypeAlias = _typing.Literal["_reasoning", b"_reasoning"]  # noqa: Y015
     _WhichOneofReturnType__reasoning_content: _TypeAlias = _typing.Literal["reasoning_content"]  # noqa: Y015
     _WhichOneofArgType__reasoning_content: _TypeAlias = _typing.Literal["_reasoning_content", b"_reasoning_content"]  # noqa: Y015
     _WhichOneofReturnType__tool_call_id: _TypeAlias = _typing.Literal["tool_call_id"]  # noqa: Y015
     _WhichOneofArgType__tool_call_id: _TypeAlias = _typing.Literal["_tool_call_id", b"_tool_call_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning) -> _WhichOneofReturnType__reasoning | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_content) -> _WhichOneofReturnType__reasoning_content | None: ...
     @_typing.overload
@@ -1008,6 +1345,42 @@ class CompletionRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SUFFIX_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    EC_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MM_PAYLOAD_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    PROMPT_EMBEDS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    REPETITION_DETECTION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    RETURN_MM_KWARGS_FIELD_NUMBER: _builtins.int
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RETURN_TOKEN_OFFSETS_FIELD_NUMBER: _builtins.int
+    RETURN_TOKENS_AS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_PROMPT_START_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_SIDE_FIELD_NUMBER: _builtins.int
+    USE_BEAM_SEARCH_FIELD_NUMBER: _builtins.int
+    VLLM_XARGS_FIELD_NUMBER: _builtins.int
+    WATERMARKING_FIELD_NUMBER: _builtins.int
+    GUIDED_JSON_FIELD_NUMBER: _builtins.int
+    GUIDED_REGEX_FIELD_NUMBER: _builtins.int
+    GUIDED_CHOICE_FIELD_NUMBER: _builtins.int
+    GUIDED_GRAMMAR_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias)."""
     max_tokens: _builtins.int
@@ -1019,7 +1392,7 @@ class CompletionRequest(_message.Message):
     seed: _builtins.int
     """Seed for reproducible sampling."""
     n: _builtins.int
-    """Number of choices; inferplane serves 1."""
+    """Number of choices, 1 to 8 (each generated as its own engine request)."""
     presence_penalty: _builtins.float
     """Presence penalty."""
     frequency_penalty: _builtins.float
@@ -1048,6 +1421,52 @@ class CompletionRequest(_message.Message):
     """vLLM extension: stream at most one chunk per this many generated tokens (see
     ChatCompletionRequest.stream_interval).
     """
+    add_special_tokens: _builtins.bool
+    """The rest of vLLM 0.32's completion request fields (vllm/entrypoints/openai/completion/
+    protocol.py CompletionRequest); see ChatCompletionRequest's and docs/request-fields.md.
+    """
+    cache_salt: _builtins.str
+    """vLLM: salt of the prefix cache (refused: the platform isolates tenants)."""
+    include_stop_str_in_output: _builtins.bool
+    """vLLM: keep a matched stop string at the end of the output."""
+    length_penalty: _builtins.float
+    """vLLM: beam search length penalty (1 only)."""
+    mm_payload: _builtins.str
+    """vLLM: what render endpoints return for media (ignored by generation, as by vLLM)."""
+    priority: _builtins.int
+    """vLLM: scheduling priority (0 only: the platform's fair queuing orders requests)."""
+    prompt_logprobs: _builtins.int
+    """vLLM: log probabilities of prompt tokens (refused)."""
+    request_id: _builtins.str
+    """vLLM: the client's request id (ignored: the platform names its requests)."""
+    return_mm_kwargs: _builtins.bool
+    """vLLM: deprecated alias of mm_payload (ignored by generation, as by vLLM)."""
+    return_token_ids: _builtins.bool
+    """vLLM: return token ids (refused when true)."""
+    return_token_offsets: _builtins.bool
+    """vLLM: render endpoints only (ignored by generation, as by vLLM)."""
+    return_tokens_as_token_ids: _builtins.bool
+    """vLLM: with logprobs, tokens are written "token_id:{id}"."""
+    routed_experts_prompt_start: _builtins.int
+    """vLLM: routed-expert data offset (ignored: no routed-expert data returned)."""
+    session_id: _builtins.str
+    """vLLM: a stable session id (accepted; session affinity comes from `user`)."""
+    skip_special_tokens: _builtins.bool
+    """vLLM: leave special tokens out of the text (true only: content never shows them)."""
+    spaces_between_special_tokens: _builtins.bool
+    """vLLM: spaces between special tokens (true only)."""
+    truncate_prompt_tokens: _builtins.int
+    """vLLM: truncate the prompt (refused: the platform never cuts a prompt)."""
+    truncation_side: _builtins.str
+    """vLLM: which side truncate_prompt_tokens cuts (with it only)."""
+    use_beam_search: _builtins.bool
+    """vLLM: beam search (false only)."""
+    watermarking: _builtins.bool
+    """vLLM: watermark the output (refused when true)."""
+    guided_regex: _builtins.str
+    """vLLM < 0.12: structured_outputs.regex."""
+    guided_grammar: _builtins.str
+    """vLLM < 0.12: structured_outputs.grammar."""
     @_builtins.property
     def prompt(self) -> _struct_pb2.Value:
         """A string, a list of strings, a list of token ids, or a list of token-id lists."""
@@ -1063,6 +1482,62 @@ class CompletionRequest(_message.Message):
     @_builtins.property
     def logit_bias(self) -> _struct_pb2.Struct:
         """Token id (as a string key) to bias in -100..100."""
+
+    @_builtins.property
+    def allowed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM: restrict sampling to these token ids (refused)."""
+
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM: words never generated (refused)."""
+
+    @_builtins.property
+    def ec_transfer_params(self) -> _struct_pb2.Struct:
+        """vLLM: encoder-cache transfer parameters (refused: internal)."""
+
+    @_builtins.property
+    def kv_transfer_params(self) -> _struct_pb2.Struct:
+        """vLLM: KV transfer parameters of disaggregated serving (refused: internal)."""
+
+    @_builtins.property
+    def logprob_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM: token ids whose log probabilities to return (refused)."""
+
+    @_builtins.property
+    def prompt_embeds(self) -> _struct_pb2.Value:
+        """vLLM: prompt embeddings instead of text (refused)."""
+
+    @_builtins.property
+    def repetition_detection(self) -> _struct_pb2.Struct:
+        """vLLM: stop on repeated n-grams (refused)."""
+
+    @_builtins.property
+    def response_format(self) -> _struct_pb2.Struct:
+        """{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM: token ids that end the output (added to the model's end-of-sequence ids)."""
+
+    @_builtins.property
+    def structured_outputs(self) -> _struct_pb2.Struct:
+        """vLLM: one constraint of json, regex, choice, grammar, json_object, structural_tag."""
+
+    @_builtins.property
+    def thinking_token_budget(self) -> _struct_pb2.Value:
+        """vLLM: reasoning token budget (refused unless null or -1)."""
+
+    @_builtins.property
+    def vllm_xargs(self) -> _struct_pb2.Struct:
+        """vLLM: arguments of custom engine extensions (refused)."""
+
+    @_builtins.property
+    def guided_json(self) -> _struct_pb2.Value:
+        """vLLM < 0.12: structured_outputs.json."""
+
+    @_builtins.property
+    def guided_choice(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM < 0.12: structured_outputs.choice."""
 
     def __init__(
         self,
@@ -1090,17 +1565,65 @@ class CompletionRequest(_message.Message):
         logit_bias: _struct_pb2.Struct | None = ...,
         suffix: _builtins.str | None = ...,
         stream_interval: _builtins.int | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        cache_salt: _builtins.str | None = ...,
+        ec_transfer_params: _struct_pb2.Struct | None = ...,
+        include_stop_str_in_output: _builtins.bool | None = ...,
+        kv_transfer_params: _struct_pb2.Struct | None = ...,
+        length_penalty: _builtins.float | None = ...,
+        logprob_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        mm_payload: _builtins.str | None = ...,
+        priority: _builtins.int | None = ...,
+        prompt_embeds: _struct_pb2.Value | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        repetition_detection: _struct_pb2.Struct | None = ...,
+        request_id: _builtins.str | None = ...,
+        response_format: _struct_pb2.Struct | None = ...,
+        return_mm_kwargs: _builtins.bool | None = ...,
+        return_token_ids: _builtins.bool | None = ...,
+        return_token_offsets: _builtins.bool | None = ...,
+        return_tokens_as_token_ids: _builtins.bool | None = ...,
+        routed_experts_prompt_start: _builtins.int | None = ...,
+        session_id: _builtins.str | None = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        spaces_between_special_tokens: _builtins.bool | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        structured_outputs: _struct_pb2.Struct | None = ...,
+        thinking_token_budget: _struct_pb2.Value | None = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+        truncation_side: _builtins.str | None = ...,
+        use_beam_search: _builtins.bool | None = ...,
+        vllm_xargs: _struct_pb2.Struct | None = ...,
+        watermarking: _builtins.bool | None = ...,
+        guided_json: _struct_pb2.Value | None = ...,
+        guided_regex: _builtins.str | None = ...,
+        guided_choice: _abc.Iterable[_builtins.str] | None = ...,
+        guided_grammar: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_guided_grammar", b"_guided_grammar", "_guided_regex", b"_guided_regex", "_ignore_eos", b"_ignore_eos", "_include_stop_str_in_output", b"_include_stop_str_in_output", "_length_penalty", b"_length_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_mm_payload", b"_mm_payload", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_request_id", b"_request_id", "_return_mm_kwargs", b"_return_mm_kwargs", "_return_token_ids", b"_return_token_ids", "_return_token_offsets", b"_return_token_offsets", "_return_tokens_as_token_ids", b"_return_tokens_as_token_ids", "_routed_experts_prompt_start", b"_routed_experts_prompt_start", "_seed", b"_seed", "_session_id", b"_session_id", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_beam_search", b"_use_beam_search", "_user", b"_user", "_watermarking", b"_watermarking", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "ec_transfer_params", b"ec_transfer_params", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "guided_grammar", b"guided_grammar", "guided_json", b"guided_json", "guided_regex", b"guided_regex", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "kv_transfer_params", b"kv_transfer_params", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "mm_payload", b"mm_payload", "n", b"n", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_embeds", b"prompt_embeds", "prompt_logprobs", b"prompt_logprobs", "repetition_detection", b"repetition_detection", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "response_format", b"response_format", "return_mm_kwargs", b"return_mm_kwargs", "return_token_ids", b"return_token_ids", "return_token_offsets", b"return_token_offsets", "return_tokens_as_token_ids", b"return_tokens_as_token_ids", "routed_experts_prompt_start", b"routed_experts_prompt_start", "seed", b"seed", "session_id", b"session_id", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "structured_outputs", b"structured_outputs", "suffix", b"suffix", "temperature", b"temperature", "thinking_token_budget", b"thinking_token_budget", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_beam_search", b"use_beam_search", "user", b"user", "vllm_xargs", b"vllm_xargs", "watermarking", b"watermarking"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_guided_grammar", b"_guided_grammar", "_guided_regex", b"_guided_regex", "_ignore_eos", b"_ignore_eos", "_include_stop_str_in_output", b"_include_stop_str_in_output", "_length_penalty", b"_length_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_mm_payload", b"_mm_payload", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_request_id", b"_request_id", "_return_mm_kwargs", b"_return_mm_kwargs", "_return_token_ids", b"_return_token_ids", "_return_token_offsets", b"_return_token_offsets", "_return_tokens_as_token_ids", b"_return_tokens_as_token_ids", "_routed_experts_prompt_start", b"_routed_experts_prompt_start", "_seed", b"_seed", "_session_id", b"_session_id", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_stream", b"_stream", "_stream_interval", b"_stream_interval", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_beam_search", b"_use_beam_search", "_user", b"_user", "_watermarking", b"_watermarking", "add_special_tokens", b"add_special_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "cache_salt", b"cache_salt", "ec_transfer_params", b"ec_transfer_params", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "guided_choice", b"guided_choice", "guided_grammar", b"guided_grammar", "guided_json", b"guided_json", "guided_regex", b"guided_regex", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "kv_transfer_params", b"kv_transfer_params", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprob_token_ids", b"logprob_token_ids", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "mm_payload", b"mm_payload", "model", b"model", "n", b"n", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_embeds", b"prompt_embeds", "prompt_logprobs", b"prompt_logprobs", "repetition_detection", b"repetition_detection", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "response_format", b"response_format", "return_mm_kwargs", b"return_mm_kwargs", "return_token_ids", b"return_token_ids", "return_token_offsets", b"return_token_offsets", "return_tokens_as_token_ids", b"return_tokens_as_token_ids", "routed_experts_prompt_start", b"routed_experts_prompt_start", "seed", b"seed", "session_id", b"session_id", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_interval", b"stream_interval", "stream_options", b"stream_options", "structured_outputs", b"structured_outputs", "suffix", b"suffix", "temperature", b"temperature", "thinking_token_budget", b"thinking_token_budget", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_beam_search", b"use_beam_search", "user", b"user", "vllm_xargs", b"vllm_xargs", "watermarking", b"watermarking"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
     _WhichOneofReturnType__echo: _TypeAlias = _typing.Literal["echo"]  # noqa: Y015
     _WhichOneofArgType__echo: _TypeAlias = _typing.Literal["_echo", b"_echo"]  # noqa: Y015
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__guided_grammar: _TypeAlias = _typing.Literal["guided_grammar"]  # noqa: Y015
+    _WhichOneofArgType__guided_grammar: _TypeAlias = _typing.Literal["_guided_grammar", b"_guided_grammar"]  # noqa: Y015
+    _WhichOneofReturnType__guided_regex: _TypeAlias = _typing.Literal["guided_regex"]  # noqa: Y015
+    _WhichOneofArgType__guided_regex: _TypeAlias = _typing.Literal["_guided_regex", b"_guided_regex"]  # noqa: Y015
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
+    _WhichOneofReturnType__include_stop_str_in_output: _TypeAlias = _typing.Literal["include_stop_str_in_output"]  # noqa: Y015
+    _WhichOneofArgType__include_stop_str_in_output: _TypeAlias = _typing.Literal["_include_stop_str_in_output", b"_include_stop_str_in_output"]  # noqa: Y015
+    _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
+    _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
@@ -1109,14 +1632,38 @@ class CompletionRequest(_message.Message):
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__min_tokens: _TypeAlias = _typing.Literal["min_tokens"]  # noqa: Y015
     _WhichOneofArgType__min_tokens: _TypeAlias = _typing.Literal["_min_tokens", b"_min_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__mm_payload: _TypeAlias = _typing.Literal["mm_payload"]  # noqa: Y015
+    _WhichOneofArgType__mm_payload: _TypeAlias = _typing.Literal["_mm_payload", b"_mm_payload"]  # noqa: Y015
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__request_id: _TypeAlias = _typing.Literal["request_id"]  # noqa: Y015
+    _WhichOneofArgType__request_id: _TypeAlias = _typing.Literal["_request_id", b"_request_id"]  # noqa: Y015
+    _WhichOneofReturnType__return_mm_kwargs: _TypeAlias = _typing.Literal["return_mm_kwargs"]  # noqa: Y015
+    _WhichOneofArgType__return_mm_kwargs: _TypeAlias = _typing.Literal["_return_mm_kwargs", b"_return_mm_kwargs"]  # noqa: Y015
+    _WhichOneofReturnType__return_token_ids: _TypeAlias = _typing.Literal["return_token_ids"]  # noqa: Y015
+    _WhichOneofArgType__return_token_ids: _TypeAlias = _typing.Literal["_return_token_ids", b"_return_token_ids"]  # noqa: Y015
+    _WhichOneofReturnType__return_token_offsets: _TypeAlias = _typing.Literal["return_token_offsets"]  # noqa: Y015
+    _WhichOneofArgType__return_token_offsets: _TypeAlias = _typing.Literal["_return_token_offsets", b"_return_token_offsets"]  # noqa: Y015
+    _WhichOneofReturnType__return_tokens_as_token_ids: _TypeAlias = _typing.Literal["return_tokens_as_token_ids"]  # noqa: Y015
+    _WhichOneofArgType__return_tokens_as_token_ids: _TypeAlias = _typing.Literal["_return_tokens_as_token_ids", b"_return_tokens_as_token_ids"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_prompt_start: _TypeAlias = _typing.Literal["routed_experts_prompt_start"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_prompt_start: _TypeAlias = _typing.Literal["_routed_experts_prompt_start", b"_routed_experts_prompt_start"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__session_id: _TypeAlias = _typing.Literal["session_id"]  # noqa: Y015
+    _WhichOneofArgType__session_id: _TypeAlias = _typing.Literal["_session_id", b"_session_id"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["_spaces_between_special_tokens", b"_spaces_between_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
     _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
@@ -1129,14 +1676,34 @@ class CompletionRequest(_message.Message):
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__truncation_side: _TypeAlias = _typing.Literal["truncation_side"]  # noqa: Y015
+    _WhichOneofArgType__truncation_side: _TypeAlias = _typing.Literal["_truncation_side", b"_truncation_side"]  # noqa: Y015
+    _WhichOneofReturnType__use_beam_search: _TypeAlias = _typing.Literal["use_beam_search"]  # noqa: Y015
+    _WhichOneofArgType__use_beam_search: _TypeAlias = _typing.Literal["_use_beam_search", b"_use_beam_search"]  # noqa: Y015
     _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
     _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
+    _WhichOneofReturnType__watermarking: _TypeAlias = _typing.Literal["watermarking"]  # noqa: Y015
+    _WhichOneofArgType__watermarking: _TypeAlias = _typing.Literal["_watermarking", b"_watermarking"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__echo) -> _WhichOneofReturnType__echo | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guided_grammar) -> _WhichOneofReturnType__guided_grammar | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guided_regex) -> _WhichOneofReturnType__guided_regex | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_stop_str_in_output) -> _WhichOneofReturnType__include_stop_str_in_output | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
@@ -1146,13 +1713,37 @@ class CompletionRequest(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_tokens) -> _WhichOneofReturnType__min_tokens | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mm_payload) -> _WhichOneofReturnType__mm_payload | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__request_id) -> _WhichOneofReturnType__request_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_mm_kwargs) -> _WhichOneofReturnType__return_mm_kwargs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_token_ids) -> _WhichOneofReturnType__return_token_ids | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_token_offsets) -> _WhichOneofReturnType__return_token_offsets | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_tokens_as_token_ids) -> _WhichOneofReturnType__return_tokens_as_token_ids | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_prompt_start) -> _WhichOneofReturnType__routed_experts_prompt_start | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__session_id) -> _WhichOneofReturnType__session_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
     @_typing.overload
@@ -1166,7 +1757,15 @@ class CompletionRequest(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncation_side) -> _WhichOneofReturnType__truncation_side | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_beam_search) -> _WhichOneofReturnType__use_beam_search | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__watermarking) -> _WhichOneofReturnType__watermarking | None: ...
 
 Global___CompletionRequest: _TypeAlias = CompletionRequest  # noqa: Y015
 

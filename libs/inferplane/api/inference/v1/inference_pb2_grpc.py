@@ -6,6 +6,7 @@ import warnings
 from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from inferplane.api.inference.v1 import anthropic_pb2 as inferplane_dot_inference_dot_v1_dot_anthropic__pb2
 from inferplane.api.inference.v1 import inference_pb2 as inferplane_dot_inference_dot_v1_dot_inference__pb2
+from inferplane.api.inference.v1 import responses_pb2 as inferplane_dot_inference_dot_v1_dot_responses__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -95,6 +96,11 @@ class InferenceServiceStub:
                 '/inferplane.inference.v1.InferenceService/CountMessageTokens',
                 request_serializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.SerializeToString,
                 response_deserializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.FromString,
+                _registered_method=True)
+        self.CreateResponse = channel.unary_stream(
+                '/inferplane.inference.v1.InferenceService/CreateResponse',
+                request_serializer=inferplane_dot_inference_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/inferplane.inference.v1.InferenceService/ListModels',
@@ -208,6 +214,15 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateResponse(self, request, context):
+        """OpenAI's Responses API (`POST /v1/responses`), unary and `"stream": true` in one RPC: the
+        replica writes the exact Response JSON (content type application/json) or the SSE events
+        (text/event-stream). responses.proto has the request and the stored responses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Lists the models this endpoint serves (`GET /v1/models`).
         """
@@ -280,6 +295,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.CountMessageTokens,
                     request_deserializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.FromString,
                     response_serializer=inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.SerializeToString,
+            ),
+            'CreateResponse': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateResponse,
+                    request_deserializer=inferplane_dot_inference_dot_v1_dot_responses__pb2.CreateResponseRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -594,6 +614,33 @@ class InferenceService:
             '/inferplane.inference.v1.InferenceService/CountMessageTokens',
             inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensRequest.SerializeToString,
             inferplane_dot_inference_dot_v1_dot_anthropic__pb2.CountMessageTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.inference.v1.InferenceService/CreateResponse',
+            inferplane_dot_inference_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
             insecure,

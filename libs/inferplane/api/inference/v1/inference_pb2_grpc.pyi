@@ -16,6 +16,7 @@ from google.api import httpbody_pb2 as _httpbody_pb2
 from grpc import aio as _aio
 from inferplane.api.inference.v1 import anthropic_pb2 as _anthropic_pb2
 from inferplane.api.inference.v1 import inference_pb2 as _inference_pb2
+from inferplane.api.inference.v1 import responses_pb2 as _responses_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -92,6 +93,11 @@ class InferenceServiceStub:
     """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
     model's chat template renders from the request.
     """
+    CreateResponse: _grpc.UnaryStreamMultiCallable[_responses_pb2.CreateResponseRequest, _httpbody_pb2.HttpBody]
+    """OpenAI's Responses API (`POST /v1/responses`), unary and `"stream": true` in one RPC: the
+    replica writes the exact Response JSON (content type application/json) or the SSE events
+    (text/event-stream). responses.proto has the request and the stored responses.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.Model]
@@ -152,6 +158,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     CountMessageTokens: _aio.UnaryUnaryMultiCallable[_anthropic_pb2.CountMessageTokensRequest, _anthropic_pb2.CountMessageTokensResponse]  # type: ignore[assignment]
     """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
     model's chat template renders from the request.
+    """
+    CreateResponse: _aio.UnaryStreamMultiCallable[_responses_pb2.CreateResponseRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """OpenAI's Responses API (`POST /v1/responses`), unary and `"stream": true` in one RPC: the
+    replica writes the exact Response JSON (content type application/json) or the SSE events
+    (text/event-stream). responses.proto has the request and the stored responses.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this endpoint serves (`GET /v1/models`)."""
@@ -276,6 +287,17 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_anthropic_pb2.CountMessageTokensResponse, _abc.Awaitable[_anthropic_pb2.CountMessageTokensResponse]]:
         """Anthropic's token count (`POST /v1/messages/count_tokens`): the tokens of the prompt the
         model's chat template renders from the request.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateResponse(
+        self,
+        request: _responses_pb2.CreateResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_httpbody_pb2.HttpBody], _abc.AsyncIterator[_httpbody_pb2.HttpBody]]:
+        """OpenAI's Responses API (`POST /v1/responses`), unary and `"stream": true` in one RPC: the
+        replica writes the exact Response JSON (content type application/json) or the SSE events
+        (text/event-stream). responses.proto has the request and the stored responses.
         """
 
     @_abc_1.abstractmethod

@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
+from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.replica.engines.base import LocalReplica
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache
 from inferplane.replica.pipeline.speech import TRANSCRIBE as TRANSCRIBE_ENDPOINT
@@ -50,12 +51,14 @@ from inferplane.replica.server.bodies import Bodies, Body
 from inferplane.replica.server.facts import RequestFacts
 from inferplane.replica.server.messages import count_body, message_body
 from inferplane.replica.server.outcome import Ending, OutcomeSink, RequestOutcome, discard_outcome
+from inferplane.replica.server.response_store import ResponseStore
+from inferplane.replica.server.responses import ResponsesBody
 from inferplane.replica.server.speech import speech_body
 from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.wire import ResponseSummary, apis, chunk_to_json, completion_chunk_to_json
-from inferplane.wire.headers import KEY_ID, PICKER, REQUEST_ID, SERVED_BY
+from inferplane.wire.headers import KEY_ID, PICKER, REQUEST_ID, SERVED_BY, TENANT
 
 log = structlog.get_logger("inferplane.replica.server")
 
@@ -112,6 +115,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             and the model. The picker reads the trailers too, but loses them when the client
             closes right after `data: [DONE]`. Called on the event loop after the handler
             returned; None: no reports.
+        response_store: the stored responses of the Responses API (auth's
+            `ResponseStoreService`, `server/response_store.py`); None: responses are answered
+            with `"store": false` and `previous_response_id` is a 503.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         new_id: Callable[[], str] = _new_id,
         metrics: StreamMetrics | None = None,
         report_to_picker: ReportToPicker | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
         self._replica = replica
         self._assets = assets
@@ -133,6 +140,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self._on_outcome = on_outcome
         self._owned_by = owned_by
         self._bodies = Bodies(self._clock, new_id, strict_tool_calls)
+        self._responses = ResponsesBody(self._bodies, response_store)
         self._metrics = metrics
         self._report_to_picker = report_to_picker
         # The spec carries no creation time for a model; the process start is stable for its
@@ -205,6 +213,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         with an `error` event and status OK."""
         facts = self._facts(apis.MESSAGES, request.request.stream, request.request.model)
         body = partial(message_body, self._bodies, request.request, facts)
+        async for message in self._serve(facts, context, body):
+            yield message
+
+    async def CreateResponse(
+        self, request: rpb.CreateResponseRequest, context: Context
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """OpenAI's `POST /v1/responses` (`server/responses.py`): the Response object as JSON,
+        or with `"stream": true` its events; a failure after the first byte ends the stream
+        with `response.failed` and an `error` event, status OK. The tenant (the edge's
+        `x-inferplane-tenant`) scopes the stored responses it loads and saves."""
+        facts = self._facts(apis.RESPONSES, request.request.stream, request.request.model)
+        body = partial(self._responses.run, request.request, _metadata(context, TENANT), facts)
         async for message in self._serve(facts, context, body):
             yield message
 

@@ -15,7 +15,8 @@ so the supervisor runs it in place of `LAUNCHER_COMMAND`, and these options to m
     --token-delay S      seconds between streamed tokens (default 0.01)
     --pid-file PATH      write "pid child_pid" once serving
 
-Generation is deterministic: token k of a request is (last prompt id + k + 1) mod 1000.
+Generation is deterministic: token k of a request is (last prompt id + k + 1) mod 1000, with
+`fake_logprobs` when the request asks for logprobs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from inferplane.runtime.processes import procguard
+from inferplane.testing.fake_http_engine import fake_logprobs
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -78,11 +80,17 @@ class FakeEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                     break
                 token = (base + k + 1) % 1000
                 last = [token]
-                yield pb.GenerateResponse(
-                    chunk=pb.GenerateStreamChunk(
-                        token_ids=last, prompt_tokens=len(ids), completion_tokens=1
-                    )
+                chunk = pb.GenerateStreamChunk(
+                    token_ids=last, prompt_tokens=len(ids), completion_tokens=1
                 )
+                if params.HasField("logprobs"):
+                    value, top = fake_logprobs(token, params.logprobs)
+                    chunk.output_logprobs.token_ids.append(token)
+                    chunk.output_logprobs.token_logprobs.append(value)
+                    chunk.output_logprobs.top_logprobs.add(
+                        token_ids=[t for t, _ in top], values=[lp for _, lp in top]
+                    )
+                yield pb.GenerateResponse(chunk=chunk)
                 if token in stop_ids and not params.ignore_eos:
                     reason = "stop"
                     break

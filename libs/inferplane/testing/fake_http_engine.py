@@ -13,6 +13,8 @@ As a process it takes the launcher's command line (`[OPTIONS] -- serve MODEL --h
 Generation is deterministic: token k of a request is (last prompt id + k + 1) mod 1000, its
 text `" t{id}"`. Stop strings match on that text (the token ids still include the match, the
 text does not), stop_token_ids end with `stop_reason` = the id, max_tokens with "length".
+With `logprobs` k each token carries `fake_logprobs` (tokens written "token_id:{id}", as vLLM
+writes them with `return_tokens_as_token_ids`).
 Misbehaviours (attributes, or flags as a process): `die_after_tokens` (drop the connection
 without a word after N tokens), `error_after_tokens` (an error event after N tokens),
 `status` (answer every generation with that HTTP status), `unhealthy` (/health 503).
@@ -35,6 +37,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferplane.runtime.processes import procguard
+
+
+def fake_logprobs(token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The fake engines' log probabilities of generated `token` with `k` alternatives:
+    `(its logprob, [(id, logprob)] most likely first)`: the token itself at -0.25, then
+    token + j (mod 1000) at -0.25 - j."""
+    top = [((token + j) % 1000, -0.25 - j) for j in range(k)]
+    return -0.25, top
 
 
 def fake_embedding(
@@ -238,6 +248,14 @@ class FakeHttpEngine:
                     "token_ids": [token],
                     "finish_reason": None,
                 }
+                if req.get("logprobs") is not None:
+                    value, top = fake_logprobs(token, int(req["logprobs"]))
+                    choice["logprobs"] = {
+                        "tokens": [f"token_id:{token}"],
+                        "token_logprobs": [value],
+                        "top_logprobs": [{f"token_id:{t}": lp for t, lp in top}],
+                        "text_offset": [len(text) - len(piece)],
+                    }
                 if hit is not None:
                     reason, stop_reason = "stop", hit
                 elif token in stop_ids and not ignore_eos:

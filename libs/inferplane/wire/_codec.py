@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import descriptor, json_format, struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.runtime import InvalidArgumentError
@@ -13,7 +13,42 @@ from inferplane.runtime import InvalidArgumentError
 SSE_DONE = b"data: [DONE]\n\n"
 
 # Request fields whose JSON comes through google.protobuf.Struct/Value (numbers become floats).
-_CHAT_STRUCT_FIELDS = ("response_format", "metadata", "chat_template_kwargs", "logit_bias")
+_CHAT_STRUCT_FIELDS = (
+    "response_format",
+    "metadata",
+    "chat_template_kwargs",
+    "logit_bias",
+    "structured_outputs",
+    "guided_json",
+    "thinking_token_budget",
+)
+_COMPLETION_STRUCT_FIELDS = (
+    "prompt",
+    "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "thinking_token_budget",
+)
+
+
+def _int64_fields(message: Any) -> tuple[str, ...]:
+    """The (u)int64 fields of a message type: proto3 JSON writes them as strings."""
+    wide = (descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64)
+    return tuple(f.name for f in message.DESCRIPTOR.fields if f.type in wide)
+
+
+_CHAT_INT64_FIELDS = _int64_fields(pb.ChatCompletionRequest)
+_COMPLETION_INT64_FIELDS = _int64_fields(pb.CompletionRequest)
+
+
+def _restore_int64(out: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        value = out.get(name)
+        if isinstance(value, list):
+            out[name] = [int(v) for v in value]
+        elif value is not None:
+            out[name] = int(value)
 
 
 def restore_ints(value: Any) -> Any:
@@ -61,8 +96,7 @@ def _to_dict(message: Any) -> dict[str, Any]:
 def chat_request_to_dict(request: pb.ChatCompletionRequest) -> dict[str, Any]:
     """The request as OpenAI JSON: the fields that were set, with ints restored."""
     out = _to_dict(request)
-    if "seed" in out:
-        out["seed"] = int(out["seed"])
+    _restore_int64(out, _CHAT_INT64_FIELDS)
     for name in _CHAT_STRUCT_FIELDS:
         if name in out:
             out[name] = restore_ints(out[name])
@@ -76,9 +110,8 @@ def chat_request_to_dict(request: pb.ChatCompletionRequest) -> dict[str, Any]:
 def completion_request_to_dict(request: pb.CompletionRequest) -> dict[str, Any]:
     """The text completion request as OpenAI JSON (prompt token ids restored to ints)."""
     out = _to_dict(request)
-    if "seed" in out:
-        out["seed"] = int(out["seed"])
-    for name in ("prompt", "logit_bias"):
+    _restore_int64(out, _COMPLETION_INT64_FIELDS)
+    for name in _COMPLETION_STRUCT_FIELDS:
         if name in out:
             out[name] = restore_ints(out[name])
     return out
@@ -99,7 +132,8 @@ def completion_to_dict(response: pb.CreateCompletionResponse) -> dict[str, Any]:
 
 
 def _value(value: struct_pb2.Value) -> Any:
-    return json_format.MessageToDict(value)
+    # Struct numbers are doubles: integral ones print as ints (logprobs' `bytes` lists).
+    return restore_ints(json_format.MessageToDict(value))
 
 
 def _usage(usage: pb.Usage) -> dict[str, Any]:

@@ -47,9 +47,35 @@ def _trailers(error: grpc.aio.AioRpcError) -> dict[str, str]:
 WEATHER_TOOLS = kt.WEATHER.request()["tools"]
 
 INVALID = [
-    ({"n": 2}, "n", "invalid_value"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ({"n": 9}, "n", "invalid_value"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "unsupported_parameter"),
+    ({"priority": 5}, "priority", "unsupported_parameter"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "unsupported_parameter"),
+    ({"structured_outputs": {}}, "structured_outputs", "invalid_value"),
+    (
+        {"structured_outputs": {"json": {}, "regex": "a"}},
+        "structured_outputs.regex",
+        "invalid_value",
+    ),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "invalid_value"),
+    (
+        {"guided_choice": ["a"], "chat_template_kwargs": {"thinking": True}},
+        "guided_choice",
+        "invalid_value",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"},
+                {"role": "user", "content": "go"},
+            ]
+        },
+        "messages[1].reasoning",
+        "invalid_value",
+    ),
     ({"messages": []}, "messages", None),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", None),
     (

@@ -48,15 +48,37 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log probabilities per generated token with this many most likely alternatives (0: the
+    # sampled token's only); None: none (`EngineOutput.logprobs` stays None).
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Kimi's think/tool markers are not special tokens; the pipeline needs every other token
-    # too so that no marker is ever hidden from the parser.
+    # Token ids always come back whole (the pipeline decodes them itself: Kimi's think/tool
+    # markers are not special tokens, and no marker may be hidden from the parser); True only
+    # leaves special tokens out of the pipeline's text (text completions that ask for it).
     skip_special_tokens: bool = False
     constraint: EngineConstraint | None = None
     # Generated tokens per streamed increment at least (vLLM's `stream_interval`; None or 1:
     # every token). The first token and the finish are never held back.
     stream_interval: int | None = None
+    # A matched stop string stays at the end of the output (vLLM's option; stop strings are
+    # matched by the pipeline, so transports need not pass it).
+    include_stop_str_in_output: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probability of one generated token.
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its natural-log probability.
+        top: the most likely tokens at its position as `(token id, logprob)`, most likely
+            first: `SamplingParams.logprobs` of them (may include `token_id` itself).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,6 +97,8 @@ class EngineOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     matched_stop: str | int | None = None
+    # With `SamplingParams.logprobs` set: one entry per id of `token_ids`, in order.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class EngineError(Exception):

@@ -26,7 +26,12 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingParams
+from inferplane.replica.engines.base import (
+    EngineError,
+    EngineOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 # Codes that say the engine process is gone or not answering (vs. a bad request).
 _ENGINE_GONE = {
@@ -179,17 +184,25 @@ class GrpcEngineClient:
                             prompt_tokens=prompt_tokens,
                             cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens,
+                            logprobs=(
+                                _logprobs(chunk.output_logprobs, params.logprobs, chunk.token_ids)
+                                if params.logprobs is not None
+                                else None
+                            ),
                         )
                 elif kind == "complete":
                     done = response.complete
                     if done.finish_reason == "error":
                         raise EngineError("the engine failed the request", retryable=False)
                     tail: tuple[int, ...] = ()
+                    tail_logprobs: tuple[TokenLogprob, ...] | None = None
                     if not saw_chunk:
                         # No chunk came (e.g. aborted before the first token): the complete
                         # message is then the only carrier of output ids.
                         tail = tuple(done.output_ids)
                         completion_tokens += len(tail)
+                        if params.logprobs is not None:
+                            tail_logprobs = _logprobs(done.output_logprobs, params.logprobs, tail)
                     matched: str | int | None = None
                     which = done.WhichOneof("matched_stop")
                     if which == "matched_token_id":
@@ -205,6 +218,7 @@ class GrpcEngineClient:
                         cached_tokens=max(cached_tokens, done.cached_tokens),
                         completion_tokens=completion_tokens,
                         matched_stop=matched,
+                        logprobs=tail_logprobs if tail else None,
                     )
                     return
         except grpc.aio.AioRpcError as exc:
@@ -290,3 +304,25 @@ class GrpcEngineClient:
     async def close(self) -> None:
         """Closes the channel; streams still open end with EngineError."""
         await self._channel.close(grace=None)
+
+
+def _logprobs(out: pb.OutputLogProbs, k: int, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token `OutputLogProbs` of the output `ids` → `TokenLogprob`s (the `k` most
+    likely alternatives first).
+
+    Raises:
+        EngineError: the engine sent no entry per id (an engine that does not return logprobs
+            on this transport): not retryable, the request asked for what it cannot give.
+    """
+    if list(out.token_ids) != list(ids) or len(out.token_logprobs) != len(ids):
+        raise EngineError("the engine returned no log probabilities for its tokens")
+    entries = []
+    for i, (tid, lp) in enumerate(zip(out.token_ids, out.token_logprobs, strict=True)):
+        top: tuple[tuple[int, float], ...] = ()
+        if i < len(out.top_logprobs):
+            alt = out.top_logprobs[i]
+            top = tuple(
+                sorted(zip(alt.token_ids, alt.values, strict=False), key=lambda t: -t[1])[:k]
+            )
+        entries.append(TokenLogprob(tid, lp, top))
+    return tuple(entries)

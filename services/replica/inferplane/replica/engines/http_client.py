@@ -39,12 +39,12 @@ import dataclasses
 import json
 import sys
 from array import array
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import aiohttp
 
-from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingParams
+from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingParams, TokenLogprob
 
 _CONSTRAINT_FIELDS = {
     "json_schema": "json",
@@ -101,6 +101,9 @@ def to_completion_body(
         "stream_interval": params.stream_interval,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
+    if params.logprobs is not None:
+        # Tokens come back as "token_id:{id}": ids, whatever the vocabulary's text.
+        body["return_tokens_as_token_ids"] = True
     if params.logit_bias:
         body["logit_bias"] = {str(token_id): bias for token_id, bias in params.logit_bias}
     constraint = params.constraint
@@ -123,6 +126,49 @@ def to_completion_body(
                 raise EngineError("choice constraint must be a JSON list of strings")
         body["structured_outputs"] = {field: value}
     return body
+
+
+class _Final(NamedTuple):
+    """The finishing choice of a stream, held until its usage."""
+
+    ids: tuple[int, ...]
+    reason: str
+    matched: str | int | None
+    logprobs: tuple[TokenLogprob, ...] | None
+
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(_TOKEN_ID_PREFIX):
+        raise EngineError(f"the engine wrote a logprob token as {token!r}, not as its id")
+    return int(token[len(_TOKEN_ID_PREFIX) :])
+
+
+def choice_logprobs(
+    choice: Mapping[str, Any], ids: Sequence[int], k: int
+) -> tuple[TokenLogprob, ...]:
+    """A `/v1/completions` stream choice's `logprobs` (tokens written as "token_id:{id}",
+    `return_tokens_as_token_ids`) → one `TokenLogprob` per id of `ids`, the `k` most likely
+    alternatives first.
+
+    Raises:
+        EngineError: the choice has no entry per id, or a token not written as its id.
+    """
+    if not ids:
+        return ()
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    if len(values) != len(ids):
+        raise EngineError("the engine returned no log probabilities for its tokens")
+    out = []
+    for i, (tid, value) in enumerate(zip(ids, values, strict=True)):
+        alts = tops[i] if i < len(tops) and tops[i] else {}
+        ranked = sorted(((_token_id(t), float(lp)) for t, lp in alts.items()), key=lambda a: -a[1])
+        out.append(TokenLogprob(int(tid), float(value), tuple(ranked[:k])))
+    return tuple(out)
 
 
 def to_embedding_body(
@@ -270,7 +316,8 @@ class HttpEngineClient:
         completion_tokens = 0
         cached_tokens = 0
         # The finishing chunk comes before the usage chunk: hold it until usage (or [DONE]).
-        final: tuple[tuple[int, ...], str, str | int | None] | None = None
+        final: _Final | None = None
+        want_logprobs = params.logprobs is not None
         active = _Active()
         self._active[request_id] = active
         try:
@@ -282,6 +329,7 @@ class HttpEngineClient:
                 # increment: a fully read response returns its connection to the pool.
                 async for batch in _sse_batches(response.content.iter_any()):
                     ids: list[int] = []
+                    lps: list[TokenLogprob] = []
                     for chunk in batch:
                         if chunk is None:  # [DONE]
                             continue
@@ -298,14 +346,26 @@ class HttpEngineClient:
                             cached_tokens = details.get("cached_tokens") or cached_tokens
                         for choice in chunk.get("choices") or ():
                             reason = choice.get("finish_reason")
+                            new_ids = choice.get("token_ids") or ()
+                            new_lps = (
+                                choice_logprobs(choice, new_ids, params.logprobs or 0)
+                                if want_logprobs
+                                else ()
+                            )
                             if reason is not None:
                                 # The finish's own ids go out after the ids before it.
-                                final_ids = (*ids, *(choice.get("token_ids") or ()))
+                                final_ids = (*ids, *new_ids)
                                 completion_tokens += len(final_ids)
-                                ids = []
-                                final = (final_ids, reason, choice.get("stop_reason"))
+                                final = _Final(
+                                    final_ids,
+                                    reason,
+                                    choice.get("stop_reason"),
+                                    (*lps, *new_lps) if want_logprobs else None,
+                                )
+                                ids, lps = [], []
                             else:
-                                ids.extend(choice.get("token_ids") or ())
+                                ids.extend(new_ids)
+                                lps.extend(new_lps)
                     if ids:
                         completion_tokens += len(ids)
                         yield EngineOutput(
@@ -313,6 +373,7 @@ class HttpEngineClient:
                             prompt_tokens=prompt_tokens,
                             cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens,
+                            logprobs=tuple(lps) if want_logprobs else None,
                         )
                         if active.aborted:
                             yield self._aborted(prompt_tokens, completion_tokens)
@@ -374,20 +435,17 @@ class HttpEngineClient:
 
     @staticmethod
     def _final(
-        final: tuple[tuple[int, ...], str, str | int | None],
-        prompt_tokens: int,
-        cached_tokens: int,
-        completion_tokens: int,
+        final: _Final, prompt_tokens: int, cached_tokens: int, completion_tokens: int
     ) -> EngineOutput:
-        ids, reason, matched = final
         return EngineOutput(
-            token_ids=ids,
+            token_ids=final.ids,
             finished=True,
-            finish_reason=reason,
+            finish_reason=final.reason,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
-            matched_stop=matched,
+            matched_stop=final.matched,
+            logprobs=final.logprobs,
         )
 
     @staticmethod

@@ -30,7 +30,7 @@ import asyncio
 import json
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -44,6 +44,7 @@ from inferplane.replica.engines.base import (
     SpeechParams,
     SpeechResult,
     SpeechUsage,
+    TokenLogprob,
 )
 from inferplane.replica_contract import pooling_args
 
@@ -133,6 +134,8 @@ def to_vllm_sampling(params: SamplingParams) -> Any:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.logit_bias:
         kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.logprobs is not None:
+        kwargs["logprobs"] = params.logprobs
     if params.stream_interval and params.stream_interval > 1:
         kwargs["stream_interval"] = params.stream_interval
     constraint = params.constraint
@@ -153,6 +156,25 @@ def to_vllm_sampling(params: SamplingParams) -> Any:
             raise EngineError(f"unknown constraint kind {constraint.kind!r}")
         kwargs["structured_outputs"] = structured
     return VllmSamplingParams(**kwargs)
+
+
+def token_logprobs(
+    ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]] | None, k: int
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's sample logprobs (one `{token id: Logprob(logprob, rank, ...)}` per output token,
+    the sampled token and the top `k`) → `TokenLogprob`s, alternatives by rank.
+
+    Raises:
+        EngineError: the engine returned no entry per token.
+    """
+    if logprobs is None or len(logprobs) != len(ids):
+        raise EngineError("the engine returned no log probabilities for its tokens")
+    out = []
+    for tid, position in zip(ids, logprobs, strict=True):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        top = tuple((alt, lp.logprob) for alt, lp in ranked if (lp.rank or 0) <= k)[:k]
+        out.append(TokenLogprob(tid, position[tid].logprob, top))
+    return tuple(out)
 
 
 class InprocEngine:
@@ -231,6 +253,11 @@ class InprocEngine:
                         cached_tokens=cached_tokens,
                         completion_tokens=completion_tokens,
                         matched_stop=completion.stop_reason if out.finished else None,
+                        logprobs=(
+                            token_logprobs(ids, completion.logprobs, params.logprobs)
+                            if params.logprobs is not None
+                            else None
+                        ),
                     )
         except EngineDeadError as exc:
             raise EngineError(

@@ -5,10 +5,13 @@ a first chunk with `delta.role = "assistant"` and `content = ""`, reasoning in
 `reasoning_content`, tool calls as `ChatCompletionDeltaToolCall` (a call's first fragment
 carries index, id, type "function", name and its arguments so far; later ones index and
 argument fragments), `finish_reason` on the last choice chunk, and an optional final chunk with
-empty `choices` and `usage`.
+empty `choices` and `usage`. With `n` > 1 each chunk carries one choice, its `index` telling
+which; `logprobs` (`pipeline/logprobs.py`) go on the chunk whose tokens they describe.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from google.protobuf import struct_pb2
 
@@ -58,13 +61,16 @@ class ChatChunks:
             usage=value,
         )
 
-    def role(self) -> pb.StreamChatCompletionResponse:
-        """The first chunk: `{"role": "assistant", "content": ""}`."""
+    def role(self, index: int = 0) -> pb.StreamChatCompletionResponse:
+        """The first chunk of choice `index`: `{"role": "assistant", "content": ""}`."""
         delta = pb.ChatCompletionDelta(role="assistant", content="")
-        return self._chunk(pb.ChatCompletionChunkChoice(index=0, delta=delta))
+        return self._chunk(pb.ChatCompletionChunkChoice(index=index, delta=delta))
 
-    def step(self, step: Step) -> pb.StreamChatCompletionResponse:
-        """The chunk of one visible step (its finish_reason included)."""
+    def step(
+        self, step: Step, index: int = 0, logprobs: struct_pb2.Value | None = None
+    ) -> pb.StreamChatCompletionResponse:
+        """The chunk of one visible step of choice `index` (its finish_reason included), with
+        the `logprobs` of its tokens when asked for."""
         delta = pb.ChatCompletionDelta()
         if step.content:
             delta.content = step.content
@@ -77,7 +83,7 @@ class ChatChunks:
                 call.type = "function"
                 call.function.name = tc.name or ""
             call.function.arguments = tc.arguments
-        choice = pb.ChatCompletionChunkChoice(index=0, delta=delta)
+        choice = pb.ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs)
         if step.finish_reason is not None:
             choice.finish_reason = step.finish_reason
         return self._chunk(choice)
@@ -95,14 +101,43 @@ def chat_completion(
     result: ParseResult,
     finish_reason: str,
     value: pb.Usage,
+    *,
+    logprobs: struct_pb2.Value | None = None,
+    more: Sequence[pb.ChatCompletionChoice] = (),
+    reasoning: bool = True,
 ) -> pb.CreateChatCompletionResponse:
-    """OpenAI's ChatCompletion: content null when the model only called tools."""
+    """OpenAI's ChatCompletion: choice 0 from `result` (with its `logprobs`, else null;
+    `chat_choice`), then the `more` choices (`n` > 1)."""
+    response = pb.CreateChatCompletionResponse(
+        id=completion_id,
+        object=CHAT_COMPLETION,
+        created=created,
+        model=model,
+        choices=[chat_choice(0, result, finish_reason, logprobs, reasoning=reasoning), *more],
+        usage=value,
+    )
+    if fingerprint:
+        response.system_fingerprint = fingerprint
+    return response
+
+
+def chat_choice(
+    index: int,
+    result: ParseResult,
+    finish_reason: str,
+    logprobs: struct_pb2.Value | None = None,
+    *,
+    reasoning: bool = True,
+) -> pb.ChatCompletionChoice:
+    """One ChatCompletion choice: content null when the model only called tools; reasoning
+    left out when `reasoning` is False (`include_reasoning: false`); `logprobs` null unless
+    given."""
     message = pb.ChatCompletionMessage(role="assistant")
     if result.tool_calls and not result.content:
         message.content.null_value = struct_pb2.NULL_VALUE
     else:
         message.content.string_value = result.content
-    if result.reasoning:
+    if result.reasoning and reasoning:
         message.reasoning_content = result.reasoning
     for call in result.tool_calls:
         message.tool_calls.add(
@@ -110,19 +145,12 @@ def chat_completion(
             type="function",
             function=pb.FunctionCall(name=call.name, arguments=call.arguments),
         )
-    choice = pb.ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)
-    choice.logprobs.null_value = struct_pb2.NULL_VALUE
-    response = pb.CreateChatCompletionResponse(
-        id=completion_id,
-        object=CHAT_COMPLETION,
-        created=created,
-        model=model,
-        choices=[choice],
-        usage=value,
-    )
-    if fingerprint:
-        response.system_fingerprint = fingerprint
-    return response
+    choice = pb.ChatCompletionChoice(index=index, message=message, finish_reason=finish_reason)
+    if logprobs is None:
+        choice.logprobs.null_value = struct_pb2.NULL_VALUE
+    else:
+        choice.logprobs.CopyFrom(logprobs)
+    return choice
 
 
 class CompletionChunks:
@@ -149,9 +177,16 @@ class CompletionChunks:
             usage=value,
         )
 
-    def text(self, text: str, finish_reason: str | None = None) -> pb.StreamCompletionResponse:
-        """One chunk of text (and the finish reason on the last)."""
-        choice = pb.CompletionChoice(index=0, text=text)
+    def text(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: struct_pb2.Value | None = None,
+    ) -> pb.StreamCompletionResponse:
+        """One chunk of choice `index`'s text (and the finish reason on its last), with the
+        `logprobs` of its tokens when asked for."""
+        choice = pb.CompletionChoice(index=index, text=text, logprobs=logprobs)
         if finish_reason is not None:
             choice.finish_reason.string_value = finish_reason
         return self._chunk(choice)
@@ -169,19 +204,33 @@ def completion(
     text: str,
     finish_reason: str,
     value: pb.Usage,
+    *,
+    logprobs: struct_pb2.Value | None = None,
+    more: Sequence[pb.CompletionChoice] = (),
 ) -> pb.CreateCompletionResponse:
-    """OpenAI's Completion object."""
-    choice = pb.CompletionChoice(index=0, text=text)
-    choice.finish_reason.string_value = finish_reason
-    choice.logprobs.null_value = struct_pb2.NULL_VALUE
+    """OpenAI's Completion object: choice 0 (`logprobs` null unless given), then `more`
+    (`completion_choice`; `n` > 1)."""
     response = pb.CreateCompletionResponse(
         id=completion_id,
         object=TEXT_COMPLETION,
         created=created,
         model=model,
-        choices=[choice],
+        choices=[completion_choice(0, text, finish_reason, logprobs), *more],
         usage=value,
     )
     if fingerprint:
         response.system_fingerprint = fingerprint
     return response
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str, logprobs: struct_pb2.Value | None = None
+) -> pb.CompletionChoice:
+    """One Completion choice (`logprobs` null unless given)."""
+    choice = pb.CompletionChoice(index=index, text=text)
+    choice.finish_reason.string_value = finish_reason
+    if logprobs is None:
+        choice.logprobs.null_value = struct_pb2.NULL_VALUE
+    else:
+        choice.logprobs.CopyFrom(logprobs)
+    return choice

@@ -45,6 +45,10 @@ class IncrementalDetokenizer:
         stop: stop strings (empty strings are ignored); matched on the decoded output text.
         min_tokens: stop strings are not matched in text of the first `min_tokens` tokens
             (vLLM's rule, https://github.com/vllm-project/vllm/pull/22014).
+        include_stop: a matched stop string stays at the end of the text (vLLM's
+            `include_stop_str_in_output`); what follows it is still dropped.
+        skip_special_tokens: special tokens decode to no text (their ids still go out with
+            the next piece).
 
     Attributes:
         stopped: the stop string that ended the output, or None.
@@ -56,9 +60,11 @@ class IncrementalDetokenizer:
         "_check_from",
         "_held",
         "_held_text_len",
+        "_include_stop",
         "_max_stop",
         "_min_tokens",
         "_pending",
+        "_skip_special",
         "_stop",
         "_stream",
         "_text_len",
@@ -72,10 +78,15 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = False,
     ) -> None:
         self._backend = backend
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context or None, skip_special_tokens=False)
+        self._skip_special = skip_special_tokens
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+        self._include_stop = include_stop
         self._stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._min_tokens = min_tokens
@@ -147,7 +158,7 @@ class IncrementalDetokenizer:
                 raise
             # tokenizers can produce non-monotonic UTF-8 on odd byte sequences, which breaks
             # DecodeStream's state; vLLM resets it (vllm-project/vllm#17448).
-            self._stream = DecodeStream(skip_special_tokens=False)
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
             return self._stream.step(self._backend, tid)  # type: ignore[no-any-return]
 
     def _release(self, out: list[Piece], keep: int) -> None:
@@ -176,7 +187,9 @@ class IncrementalDetokenizer:
                 best = (start + len(s), start, s)
         if best is None:
             return False
-        _, start, stop = best
+        end, start, stop = best
+        if self._include_stop:
+            start = end
         # Release whole pieces before the stop string, then the cut piece's head (with its ids,
         # so a marker's id is never lost).
         for text, ids in self._held:

@@ -112,6 +112,7 @@ class Generation:
             skip_special_tokens=params.skip_special_tokens,
         )
         self._held_logprob: TokenLogprob | None = None
+        self._logprobs: Sequence[TokenLogprob] | None = None  # of the ids `_observe` passed
         self._logprobs_carry: list[TokenLogprob] = []
         self._clock = clock
         self._started = started
@@ -156,8 +157,8 @@ class Generation:
             async for out in stream:
                 ids, hide_last = self._observe(out)
                 step = self._parse(detokenizer.push(ids, hide_last=hide_last))
-                if out.logprobs is not None:
-                    self._attach_logprobs(step, out, len(ids), hide_last)
+                if self._logprobs is not None:
+                    self._attach_logprobs(step, out.finished, hide_last)
                 # Progress so far (a cancelled or failed request still reports what it cost).
                 self.completion_tokens = out.completion_tokens or detokenizer.tokens
                 if detokenizer.stopped is not None or out.finished:
@@ -230,12 +231,18 @@ class Generation:
                 retryable=first and not out.token_ids,
             )
         ids = out.token_ids
+        lps = out.logprobs
         if self._held_stop is not None:
             ids = (self._held_stop, *ids)
             self._held_stop = None
+            if lps is not None and self._held_logprob is not None:
+                lps = (self._held_logprob, *lps)
+            self._held_logprob = None
+        self._logprobs = lps
         if not out.finished and ids and ids[-1] in self._stop_ids:
-            if out.logprobs:
-                self._held_logprob = out.logprobs[-1]
+            if lps:
+                self._held_logprob = lps[-1]
+                self._logprobs = lps[:-1]
             # vLLM's gRPC stream sends the eos id in its last chunk and the finish in a
             # separate, empty message: hold the id until we know whether it ended the output
             # (hidden) or generation went on past it (ignore_eos: shown).
@@ -250,22 +257,14 @@ class Generation:
         )
         return ids, hide_last
 
-    def _attach_logprobs(self, step: Step, out: EngineOutput, shown: int, hide_last: bool) -> None:
-        """The log probabilities of the `shown` ids `_observe` passed on (a held stop id's
-        first, a hidden last id's dropped) go on `step`, or, when it shows nothing yet, wait
-        for the next step that does (the last step takes whatever is left)."""
-        entries = list(out.logprobs or ())
-        if self._held_logprob is not None and len(entries) < shown:
-            entries.insert(0, self._held_logprob)
-            self._held_logprob = None
-        elif self._held_logprob is not None and not out.finished:
-            pass  # the held id's entry is still waiting
-        entries = entries[:shown]
-        if hide_last and entries:
-            entries.pop()
+    def _attach_logprobs(self, step: Step, finished: bool, hide_last: bool) -> None:
+        """The log probabilities of the ids `_observe` passed on (aligned there: a held stop
+        id's entry first) go on `step`, a hidden last id's dropped; when `step` shows nothing
+        yet they wait for the next step that does (the last step takes whatever is left)."""
+        entries = self._logprobs or ()
         carry = self._logprobs_carry
-        carry.extend(entries)
-        if carry and (not step.empty or out.finished or self._detokenizer.stopped is not None):
+        carry.extend(entries[:-1] if hide_last and entries else entries)
+        if carry and (not step.empty or finished or self._detokenizer.stopped is not None):
             step.logprobs = carry
             self._logprobs_carry = []
 

@@ -4,8 +4,13 @@ sampling parameters and the decoding constraint.
 What inferplane supports, and what it rejects with a clear 400 (OpenAI's
 `invalid_request_error`; `code` "unsupported_parameter" for features it does not serve):
 
-- `n` must be 1 (one choice per request); `logprobs` / `top_logprobs` / `suffix` are rejected
-  (the engine interface returns no log probabilities yet);
+- `n` 1 to 8 (`MAX_CHOICES`; each choice is its own engine request); `logprobs` (chat: a
+  bool, with `top_logprobs` 0 to 20; text: 0 to 20 alternatives); `suffix` is rejected;
+- vLLM's extra fields follow `pipeline/fields.py` (honoured, ignored or refused, each with its
+  reason; docs/request-fields.md): `stop_token_ids`, `include_stop_str_in_output`,
+  `structured_outputs` / `guided_*` (`pipeline/structured.py`), `include_reasoning`,
+  `stream_options.continuous_usage_stats`, a message's `reasoning` (vLLM >= 0.16's name for
+  `reasoning_content`) are honoured;
 - ranges follow OpenAI's API reference: temperature 0..2, top_p in (0, 1], presence and
   frequency penalties -2..2, logit_bias values -100..100 on token ids of the vocabulary;
 - `max_completion_tokens` wins over the deprecated `max_tokens`; the default is the rest of the
@@ -41,14 +46,41 @@ from inferplane.parsers import (
     build_tool_constraint,
 )
 from inferplane.replica.engines.base import EngineConstraint, SamplingParams
+from inferplane.replica.pipeline import structured
 from inferplane.replica.pipeline.assets import ModelAssets
+from inferplane.replica.pipeline.fields import CHAT_FIELDS, refuse_unserved
 from inferplane.replica.pipeline.schemas import check_compiles
 from inferplane.runtime import InvalidArgumentError, UnavailableError
-from inferplane.wire import chat_request_to_dict, completion_request_to_dict
+from inferplane.wire import chat_request_to_dict
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk; more is a unary response in disguise
+MAX_CHOICES = 8  # `n`: each choice costs a whole generation
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's top_logprobs bound, vLLM's max_logprobs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reporting:
+    """How the response reports, shared by chat and text completions.
+
+    Attributes:
+        n: the number of choices (each its own engine request).
+        logprobs: the request asked for log probabilities (their count is
+            `SamplingParams.logprobs`).
+        include_usage: `stream_options.include_usage`: a last chunk with the usage.
+        continuous_usage: `stream_options.continuous_usage_stats`: every chunk carries the
+            usage so far (vLLM's extension).
+        tokens_as_ids: `return_tokens_as_token_ids`: logprob tokens are "token_id:{id}".
+        include_reasoning: False leaves reasoning out of a chat response.
+    """
+
+    n: int = 1
+    logprobs: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    tokens_as_ids: bool = False
+    include_reasoning: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +96,7 @@ class ChatPlan:
             dropped from the output).
         history_tool_calls: tool calls earlier in the conversation (the parser numbers ids).
         include_usage: `stream_options.include_usage`.
+        report: how the response reports (choices, logprobs, usage on chunks).
         max_tool_calls: 1 for `parallel_tool_calls: false` (later calls are dropped, also
             when no decoding constraint enforces it), else None.
         calls_constrained: the engine decodes tool calls under the tool structural tag (their
@@ -77,33 +110,13 @@ class ChatPlan:
     tool_calls_allowed: bool
     history_tool_calls: int
     include_usage: bool
+    report: Reporting = dataclasses.field(default_factory=Reporting)
     max_tool_calls: int | None = None
     calls_constrained: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CompletionPlan:
-    """A validated text completion request.
-
-    Attributes:
-        prompt_ids: the prompt's token ids.
-        echo_text: the prompt text to prepend to the output (`echo`), else "".
-        params: the engine's sampling parameters.
-        include_usage: `stream_options.include_usage`.
-    """
-
-    prompt_ids: list[int]
-    echo_text: str
-    params: SamplingParams
-    include_usage: bool
-
-
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> InvalidArgumentError:
     return InvalidArgumentError(message, param=param, code=code)
-
-
-def _unsupported(param: str, why: str) -> InvalidArgumentError:
-    return _bad(f"'{param}' is not supported: {why}", param, code="unsupported_parameter")
 
 
 def _number(
@@ -162,10 +175,43 @@ def _positive_int(body: Mapping[str, Any], name: str, *, minimum: int = 1) -> in
     return value
 
 
-def _common_checks(body: Mapping[str, Any]) -> None:
+def _common_checks(body: Mapping[str, Any], rules: Mapping[str, Any]) -> int:
+    """Refuses what the field policy refuses; returns `n`."""
+    refuse_unserved(body, rules)
     n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("'n' must be 1: inferplane returns one choice per request", "n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise _bad(f"'n' must be an integer from 1 to {MAX_CHOICES}", "n")
+    return n
+
+
+def _stop_token_ids(body: Mapping[str, Any], vocab_size: int) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids") or ()
+    for tid in ids:
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            raise _bad(f"stop_token_ids: {tid!r} is not a token id of the model", "stop_token_ids")
+    return tuple(int(t) for t in ids)
+
+
+def _logprobs_count(value: Any, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise _bad(f"'{param}' must be an integer from 0 to {MAX_LOGPROBS}", param)
+    return value
+
+
+def _reporting(body: Mapping[str, Any], n: int, logprobs: bool) -> Reporting:
+    options = body.get("stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    continuous = bool(options.get("continuous_usage_stats"))
+    return Reporting(
+        n=n,
+        logprobs=logprobs,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
+        include_reasoning=body.get("include_reasoning", True) is not False,
+    )
 
 
 def _context_error(
@@ -206,6 +252,8 @@ def _sampling(
     *,
     max_tokens: int,
     constraint: EngineConstraint | None,
+    logprobs: int | None = None,
+    skip_special_tokens: bool = False,
 ) -> SamplingParams:
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
@@ -254,13 +302,20 @@ def _sampling(
         seed=seed,
         stop=_stop(body),
         # vLLM's HTTP server adds generation_config's eos ids the same way; with ignore_eos the
-        # client asked to run past them.
-        stop_token_ids=() if ignore_eos else tuple(sorted(assets.eos_token_ids)),
+        # client asked to run past them (its own stop_token_ids still stop, as in vLLM).
+        stop_token_ids=tuple(
+            sorted(
+                (frozenset() if ignore_eos else assets.eos_token_ids)
+                | frozenset(_stop_token_ids(body, assets.vocab_size))
+            )
+        ),
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
         logit_bias=_logit_bias(body, assets.vocab_size),
-        skip_special_tokens=False,
+        skip_special_tokens=skip_special_tokens,
         constraint=constraint,
         stream_interval=stream_interval,
+        include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
     )
 
 
@@ -358,11 +413,14 @@ def plan_chat(
         UnavailableError: the model has no chat template (a deployment error).
     """
     body = chat_request_to_dict(request)
-    _common_checks(body)
-    if body.get("logprobs"):
-        raise _unsupported("logprobs", "inferplane does not return log probabilities yet")
-    if body.get("top_logprobs"):
-        raise _unsupported("top_logprobs", "inferplane does not return log probabilities yet")
+    n = _common_checks(body, CHAT_FIELDS)
+    logprobs: int | None = None
+    if body.get("top_logprobs") is not None:
+        logprobs = _logprobs_count(body["top_logprobs"], "top_logprobs")
+        if logprobs and not body.get("logprobs"):
+            raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    logprobs = (logprobs or 0) if body.get("logprobs") else None
+    _reasoning_alias(body)
     _thinking_from_effort(body, assets.chat_family)
     wants_json, schema = _response_format(body)
     tool_choice = body.get("tool_choice")
@@ -409,11 +467,25 @@ def plan_chat(
             check_compiles([("response_format.json_schema.schema", schema)])
         syntax = assets.parser.config.call_syntax if assets.parser is not None else None
         constraint = _json_constraint(schema, prompt.thinking, syntax)
+    wanted = structured.requested(body)
+    if wanted is not None:
+        if constraint is not None:
+            raise _bad(
+                f"'{wanted[0]}' cannot be combined with response_format json or a required or "
+                "named tool_choice",
+                wanted[0],
+            )
+        syntax = assets.parser.config.call_syntax if assets.parser is not None else None
+        if wanted[1] == "json" and isinstance(wanted[2], Mapping):
+            check_compiles([(wanted[0], wanted[2])])
+        constraint = structured.build(wanted, thinking=prompt.thinking, syntax=syntax)
     requested = _positive_int(body, "max_completion_tokens")
     if requested is None:
         requested = _positive_int(body, "max_tokens")
     max_tokens = _max_tokens(requested, len(prompt.token_ids), assets, None, "messages")
-    params = _sampling(body, assets, max_tokens=max_tokens, constraint=constraint)
+    params = _sampling(
+        body, assets, max_tokens=max_tokens, constraint=constraint, logprobs=logprobs
+    )
     history = sum(
         len(m.get("tool_calls") or ())
         for m in body.get("messages", ())
@@ -427,66 +499,23 @@ def plan_chat(
         tool_calls_allowed=allowed,
         history_tool_calls=history,
         include_usage=bool(options.get("include_usage")),
+        report=_reporting(body, n, logprobs is not None),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else None,
         calls_constrained=calls_constrained,
     )
 
 
-# -- text completions --------------------------------------------------------------------------
-
-
-def _prompt_ids(prompt: Any, assets: ModelAssets) -> tuple[list[int], str]:
-    """`(token ids, prompt text)` of a completion prompt: a string, a list of token ids, or a
-    one-element list of either (OpenAI's batch forms with several prompts are refused)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        ids = [int(i) for i in assets.tokenizer.encode(prompt, add_special_tokens=True)]
-        return ids, prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
-    ):
-        bad = next((i for i in prompt if not 0 <= i < assets.vocab_size), None)
-        if bad is not None:
-            raise _bad(f"prompt token id {bad} is outside the vocabulary", "prompt")
-        return list(prompt), ""
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad(
-            "'prompt' must be one prompt: inferplane serves one choice per request", "prompt"
-        )
-    raise _bad("'prompt' must be a string or an array of token ids", "prompt")
-
-
-def plan_completion(request: pb.CompletionRequest, assets: ModelAssets) -> CompletionPlan:
-    """Validates a text completion request for `assets`' model.
-
-    Raises:
-        InvalidArgumentError: the request is invalid or asks for something unsupported.
-    """
-    body = completion_request_to_dict(request)
-    _common_checks(body)
-    if body.get("logprobs") is not None:
-        raise _unsupported("logprobs", "inferplane does not return log probabilities yet")
-    if body.get("suffix"):
-        raise _unsupported("suffix", "the model has no fill-in-the-middle mode")
-    if "prompt" not in body:
-        raise _bad("'prompt' is required", "prompt")
-    ids, text = _prompt_ids(body["prompt"], assets)
-    echo = bool(body.get("echo"))
-    if echo and not text:
-        text = assets.tokenizer.decode(ids, skip_special_tokens=False)
-    max_tokens = _max_tokens(
-        _positive_int(body, "max_tokens"), len(ids), assets, DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
-    )
-    params = _sampling(body, assets, max_tokens=max_tokens, constraint=None)
-    options = body.get("stream_options") or {}
-    return CompletionPlan(
-        prompt_ids=ids,
-        echo_text=text if echo else "",
-        params=params,
-        include_usage=bool(options.get("include_usage")),
-    )
+def _reasoning_alias(body: dict[str, Any]) -> None:
+    """A message's `reasoning` (vLLM >= 0.16's name) → `reasoning_content`, which the
+    renderer reads; the same text under both names is one, different texts are a 400."""
+    for i, msg in enumerate(body.get("messages") or ()):
+        if not isinstance(msg, dict) or "reasoning" not in msg:
+            continue
+        text = msg.pop("reasoning")
+        other = msg.get("reasoning_content")
+        if other is not None and other != text:
+            raise _bad(
+                f"messages[{i}] has different 'reasoning' and 'reasoning_content'; send one",
+                f"messages[{i}].reasoning",
+            )
+        msg["reasoning_content"] = text

@@ -20,18 +20,25 @@ from google.api import httpbody_pb2
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.parsers import PlainSession, ToolCallVerdict, ToolValidator
-from inferplane.replica.engines.base import EngineError, LocalReplica, SamplingParams
+from inferplane.replica.engines.base import (
+    EngineError,
+    LocalReplica,
+    SamplingParams,
+    TokenLogprob,
+)
 from inferplane.replica.pipeline import chunks
 from inferplane.replica.pipeline.assets import ModelAssets
+from inferplane.replica.pipeline.choices import merged_steps, seed_of_choice
 from inferplane.replica.pipeline.embeddings import (
     embedding_response,
     needs_thread,
     plan_embedding,
 )
 from inferplane.replica.pipeline.generate import Generation, OutputSession, engine_error
-from inferplane.replica.pipeline.requests import plan_chat
+from inferplane.replica.pipeline.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from inferplane.replica.pipeline.requests import ChatPlan, plan_chat
 from inferplane.replica.pipeline.sse import sse_bodies
-from inferplane.replica.pipeline.text_requests import plan_completion
+from inferplane.replica.pipeline.text_requests import CompletionPlan, plan_completion
 from inferplane.replica.server.facts import RequestFacts
 from inferplane.runtime import InternalError
 from inferplane.runtime.time.clock import Clock
@@ -62,32 +69,48 @@ class Bodies:
         replica: LocalReplica,
         assets: ModelAssets,
     ) -> AsyncIterator[pb.StreamChatCompletionResponse]:
-        """A chat completion's typed chunks: the role, one per visible step, the usage."""
+        """A chat completion's typed chunks: per choice the role, one per visible step (with
+        its logprobs when asked for); the usage (on every chunk with
+        `continuous_usage_stats`, and last with `include_usage`)."""
         plan = plan_chat(
             req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
         )
-        gen = self._generation(replica, assets, plan, "chatcmpl-", facts, chat=True)
+        report = plan.report
+        gens = self._generations(replica, assets, plan, "chatcmpl-", facts, chat=True)
         out = chunks.ChatChunks(
-            gen.request_id,
+            gens[0].request_id,
             int(self.clock.time()),
             replica.spec.served_model_name,
             replica.spec.revision,
         )
-        first = True
+        texts = TokenText(assets.backend, report.tokens_as_ids) if report.logprobs else None
+        started = [False] * len(gens)
         strict = self.strict_tool_calls
-        async with aclosing(gen.steps()) as steps:
-            async for step in steps:
-                if first:
-                    first = False
-                    yield out.role()
+        verdicts: list[ToolCallVerdict] = []
+        async with aclosing(merged_steps(gens)) as steps:
+            async for index, step in steps:
+                if not started[index]:
+                    started[index] = True
+                    yield _with_usage(out.role(index), gens, report.continuous_usage)
                 if step.finish_reason is not None and strict:
-                    facts.verdicts = self._validate(plan.tools, gen.session.result().tool_calls)
+                    verdicts += self._validate(plan.tools, gens[index].session.result().tool_calls)
+                    facts.verdicts = tuple(verdicts)
+                if not report.include_reasoning:
+                    step.reasoning = ""
                 if not step.empty:
-                    yield out.step(step)
+                    logprobs = None
+                    if texts is not None and step.logprobs:
+                        logprobs = chat_logprobs(step.logprobs, texts)
+                    chunk = out.step(step, index, logprobs)
+                    yield _with_usage(chunk, gens, report.continuous_usage)
         if not strict:
-            facts.verdicts = self._validate(plan.tools, gen.session.result().tool_calls)
+            facts.verdicts = tuple(
+                v
+                for gen in gens
+                for v in self._validate(plan.tools, gen.session.result().tool_calls)
+            )
         if plan.include_usage:
-            yield out.usage(_usage(gen))
+            yield out.usage(_usage_of(gens))
 
     async def chat_whole(
         self,
@@ -96,22 +119,39 @@ class Bodies:
         replica: LocalReplica,
         assets: ModelAssets,
     ) -> AsyncIterator[pb.CreateChatCompletionResponse]:
-        """A whole chat completion (usage always included)."""
+        """A whole chat completion (usage always included, summed over choices)."""
         plan = plan_chat(
             req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
         )
-        gen = self._generation(replica, assets, plan, "chatcmpl-", facts, chat=True)
-        await _drain(gen)
-        result = gen.session.result()
-        facts.verdicts = self._validate(plan.tools, result.tool_calls)
+        report = plan.report
+        gens = self._generations(replica, assets, plan, "chatcmpl-", facts, chat=True)
+        entries = await _drain_all(gens, report.logprobs)
+        texts = TokenText(assets.backend, report.tokens_as_ids) if report.logprobs else None
+        results = [gen.session.result() for gen in gens]
+        facts.verdicts = tuple(
+            v for result in results for v in self._validate(plan.tools, result.tool_calls)
+        )
+        logprobs = [chat_logprobs(e, texts) if texts is not None else None for e in entries]
         yield chunks.chat_completion(
-            gen.request_id,
+            gens[0].request_id,
             int(self.clock.time()),
             replica.spec.served_model_name,
             replica.spec.revision,
-            result,
-            gen.finish_reason or "stop",
-            _usage(gen),
+            results[0],
+            gens[0].finish_reason or "stop",
+            _usage_of(gens),
+            logprobs=logprobs[0],
+            more=[
+                chunks.chat_choice(
+                    i,
+                    results[i],
+                    gens[i].finish_reason or "stop",
+                    logprobs[i],
+                    reasoning=report.include_reasoning,
+                )
+                for i in range(1, len(gens))
+            ],
+            reasoning=report.include_reasoning,
         )
 
     async def completion_chunks(
@@ -121,26 +161,36 @@ class Bodies:
         replica: LocalReplica,
         assets: ModelAssets,
     ) -> AsyncIterator[pb.StreamCompletionResponse]:
-        """A text completion's typed chunks (the echo before the first text), the usage."""
+        """A text completion's typed chunks (per choice the echo before its first text, its
+        logprobs when asked for), the usage (see `chat_chunks`)."""
         plan = plan_completion(req, assets)
-        gen = self._generation(replica, assets, plan, "cmpl-", facts, chat=False)
+        report = plan.report
+        gens = self._generations(replica, assets, plan, "cmpl-", facts, chat=False)
         out = chunks.CompletionChunks(
-            gen.request_id,
+            gens[0].request_id,
             int(self.clock.time()),
             replica.spec.served_model_name,
             replica.spec.revision,
         )
-        first = True
-        async with aclosing(gen.steps()) as steps:
-            async for step in steps:
+        logprobs = None
+        if report.logprobs:
+            texts = TokenText(assets.backend, report.tokens_as_ids)
+            logprobs = [CompletionLogprobs(texts, len(plan.echo_text)) for _ in gens]
+        started = [False] * len(gens)
+        async with aclosing(merged_steps(gens)) as steps:
+            async for index, step in steps:
                 text = step.content
-                if first:
-                    first = False
+                if not started[index]:
+                    started[index] = True
                     text = plan.echo_text + text
                 if text or step.finish_reason is not None:
-                    yield out.text(text, step.finish_reason)
+                    value = None
+                    if logprobs is not None and step.logprobs:
+                        value = logprobs[index].build(step.logprobs)
+                    chunk = out.text(text, step.finish_reason, index, value)
+                    yield _with_usage(chunk, gens, report.continuous_usage)
         if plan.include_usage:
-            yield out.usage(_usage(gen))
+            yield out.usage(_usage_of(gens))
 
     async def completion_whole(
         self,
@@ -151,16 +201,30 @@ class Bodies:
     ) -> AsyncIterator[pb.CreateCompletionResponse]:
         """A whole text completion (no chat template, no parsing)."""
         plan = plan_completion(req, assets)
-        gen = self._generation(replica, assets, plan, "cmpl-", facts, chat=False)
-        await _drain(gen)
+        report = plan.report
+        gens = self._generations(replica, assets, plan, "cmpl-", facts, chat=False)
+        entries = await _drain_all(gens, report.logprobs)
+        texts = TokenText(assets.backend, report.tokens_as_ids) if report.logprobs else None
+        logprobs = [
+            CompletionLogprobs(texts, len(plan.echo_text)).build(e) if texts is not None else None
+            for e in entries
+        ]
+        texts_out = [plan.echo_text + gen.session.result().content for gen in gens]
         yield chunks.completion(
-            gen.request_id,
+            gens[0].request_id,
             int(self.clock.time()),
             replica.spec.served_model_name,
             replica.spec.revision,
-            plan.echo_text + gen.session.result().content,
-            gen.finish_reason or "stop",
-            _usage(gen),
+            texts_out[0],
+            gens[0].finish_reason or "stop",
+            _usage_of(gens),
+            logprobs=logprobs[0],
+            more=[
+                chunks.completion_choice(
+                    i, texts_out[i], gens[i].finish_reason or "stop", logprobs[i]
+                )
+                for i in range(1, len(gens))
+            ],
         )
 
     async def embedding(
@@ -231,6 +295,8 @@ class Bodies:
         facts: RequestFacts,
         *,
         chat: bool,
+        choice: int = 0,
+        request_id: str | None = None,
     ) -> Generation:
         session: OutputSession = PlainSession()
         if chat and assets.parser is not None:
@@ -242,19 +308,55 @@ class Bodies:
                 max_tool_calls=plan.max_tool_calls,
                 constrained=plan.calls_constrained,
             )
+        params = with_stream_floor(plan.params, replica.spec.stream_interval)
+        if choice:
+            params = dataclasses.replace(params, seed=seed_of_choice(params.seed, choice))
         gen = Generation(
             engine=replica.engine,
-            request_id=prefix + self.new_id(),
+            request_id=request_id or prefix + self.new_id(),
             prompt_ids=plan.prompt.token_ids if chat else plan.prompt_ids,
-            params=with_stream_floor(plan.params, replica.spec.stream_interval),
+            params=params,
             backend=assets.backend,
             stop_token_ids=assets.eos_token_ids,
             session=session,
             clock=self.clock,
             started=facts.started,
         )
-        facts.gen = gen
+        if not choice:
+            facts.gen = gen
         return gen
+
+    def _generations(
+        self,
+        replica: LocalReplica,
+        assets: ModelAssets,
+        plan: ChatPlan | CompletionPlan,
+        prefix: str,
+        facts: RequestFacts,
+        *,
+        chat: bool,
+    ) -> list[Generation]:
+        """The request's `plan.report.n` generations: choice 0 as `_generation` makes it (the
+        response's id, `facts.gen`), choice i its own engine request `{id}-{i}` with the seed
+        + i; all are on `facts.choices` (the usage ledger and the trailers count them all)."""
+        first = self._generation(replica, assets, plan, prefix, facts, chat=chat)
+        gens = [first]
+        for i in range(1, plan.report.n):
+            gens.append(
+                self._generation(
+                    replica,
+                    assets,
+                    plan,
+                    prefix,
+                    facts,
+                    chat=chat,
+                    choice=i,
+                    request_id=f"{first.request_id}-{i}",
+                )
+            )
+        if len(gens) > 1:
+            facts.choices = tuple(gens)
+        return gens
 
     def _validate(self, tools: Sequence[Any], calls: Any) -> tuple[ToolCallVerdict, ...]:
         """Verdicts on the response's tool calls; in strict mode an invalid call is an error.
@@ -285,13 +387,30 @@ def with_stream_floor(params: SamplingParams, floor: int) -> SamplingParams:
     return params
 
 
-async def _drain(gen: Generation) -> None:
-    async with aclosing(gen.steps()) as steps:
-        async for _ in steps:
-            pass
+async def _drain_all(gens: Sequence[Generation], logprobs: bool) -> list[list[TokenLogprob]]:
+    """Runs the generations to their end; returns each one's logprobs (empty lists without)."""
+    entries: list[list[TokenLogprob]] = [[] for _ in gens]
+    async with aclosing(merged_steps(gens)) as steps:
+        async for index, step in steps:
+            if logprobs and step.logprobs:
+                entries[index].extend(step.logprobs)
+    return entries
 
 
-def _usage(gen: Generation) -> pb.Usage:
+def _usage_of(gens: Sequence[Generation]) -> pb.Usage:
+    """The request's usage: the prompt once (the engine's prefix cache serves it to the other
+    choices, and OpenAI counts it once), every choice's generated and reasoning tokens."""
+    first = gens[0]
     return chunks.usage(
-        gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.session.reasoning_tokens
+        first.prompt_tokens,
+        sum(gen.completion_tokens for gen in gens),
+        first.cached_tokens,
+        sum(gen.session.reasoning_tokens for gen in gens),
     )
+
+
+def _with_usage(chunk: Any, gens: Sequence[Generation], continuous: bool) -> Any:
+    """`chunk` with the usage so far when `continuous_usage_stats` asked for it."""
+    if continuous:
+        chunk.usage.CopyFrom(_usage_of(gens))
+    return chunk

@@ -50,7 +50,9 @@ class RequestFacts:
         model: the model the client asked for (replaced by the replica's served name).
         started: the request's arrival, on the server clock's `monotonic()` (seconds).
 
-    The bodies fill it in: `gen` for a generation; for embeddings and speech, which have no
+    The bodies fill it in: `gen` for a generation (choice 0), `choices` with every choice's
+    generation when the request asked for several (`n` > 1: generated tokens are their sum);
+    for embeddings and speech, which have no
     `Generation`, `request_id`, `prompt_tokens`, `completion_tokens` and `ttft_seconds` (the
     time to the engine's first result) directly. The template sets `replica`, `admitted`,
     `messages` and, on a failure, `fail`.
@@ -61,6 +63,7 @@ class RequestFacts:
         "_status",
         "admitted",
         "api",
+        "choices",
         "completion_tokens",
         "framing",
         "gen",
@@ -84,6 +87,7 @@ class RequestFacts:
         self.replica = ""
         self.messages = 0
         self.gen: Generation | None = None
+        self.choices: tuple[Generation, ...] = ()
         self.request_id = ""
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -132,6 +136,13 @@ class RequestFacts:
         gen = self.gen
         if gen is None:
             return self.prompt_tokens, self.completion_tokens, 0, 0
+        if self.choices:  # n > 1: the prompt once, every choice's output
+            return (
+                gen.prompt_tokens,
+                sum(g.completion_tokens for g in self.choices),
+                gen.cached_tokens,
+                sum(g.session.reasoning_tokens for g in self.choices),
+            )
         return (
             gen.prompt_tokens,
             gen.completion_tokens,

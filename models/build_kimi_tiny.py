@@ -662,7 +662,7 @@ def build_tokenizer(corpus: list[str], *, space_merges: bool = True) -> Any:
         eos_token=EOS,
         pad_token=PAD,
         additional_special_tokens=ROLE_TOKENS,
-        model_max_length=2048,
+        model_max_length=kt.MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -744,7 +744,7 @@ def build_config(tokenizer: Any, shape: dict[str, int]) -> Any:
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
         head_dim=shape["hidden"] // shape["heads"],
-        max_position_embeddings=2048,
+        max_position_embeddings=kt.MAX_POSITIONS,
         tie_word_embeddings=True,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
@@ -982,7 +982,9 @@ def write_folder_base(out: Path, trained: Any, config: Any) -> None:
     fix_tokenizer_config(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
+    """The build's command line (also read back from a MANIFEST's `build_command` by
+    models/refresh_kimi_tiny.py)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "models" / "kimi-tiny")
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
@@ -1028,7 +1030,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="train nothing: re-measure the folder at --out and update its MANIFEST.json",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = arg_parser().parse_args(argv)
     if args.evaluate_only:
         return evaluate_only(args)
     shape = {key: getattr(args, key) for key in SHAPE}

@@ -50,7 +50,7 @@ def main() -> int:
         model=folder,
         dtype="float32",
         enforce_eager=True,
-        max_model_len=2048,
+        max_model_len=kt.MAX_MODEL_LEN,  # as deployed
         max_num_seqs=16,
         seed=0,
     )

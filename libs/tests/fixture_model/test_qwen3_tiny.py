@@ -51,16 +51,20 @@ def test_rebuild_gives_the_same_bytes(tmp_path: Path) -> None:
 
 def test_config_is_qwen3_and_fits_the_cpu_engine() -> None:
     """What vLLM reads: the Qwen3 architecture, a head size its CPU attention has a kernel for
-    (32 or more), positions for the deployment's context, eos ids in generation_config."""
+    (32 or more), 128k positions (plain RoPE) for the deployment's context, in config.json and
+    the tokenizer, eos ids in generation_config."""
     folder = qt.model_path()
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
     assert config["head_dim"] >= 32 and config["tie_word_embeddings"] is True
-    assert config["max_position_embeddings"] >= qt.MAX_MODEL_LEN
+    assert config["max_position_embeddings"] == qt.MAX_POSITIONS == 131_072
+    assert qt.MAX_MODEL_LEN <= qt.MAX_POSITIONS
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     generation = json.loads((folder / "generation_config.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert config["eos_token_id"] == tok.eos_token_id
+    assert tok.model_max_length == qt.MAX_POSITIONS
 
 
 def test_markers_are_single_tokens_special_as_in_qwen3(tokenizer) -> None:

@@ -282,6 +282,13 @@ class ReplicaFlags:
     telemetry_address: str = dataclasses.field(
         default="", metadata=_flag("host:port of telemetry for request records (none)")
     )
+    response_store_address: str = dataclasses.field(
+        default="",
+        metadata=_flag(
+            "host:port of auth's ResponseStoreService: the Responses API's stored responses "
+            "(none: responses are not stored, previous_response_id is a 503)"
+        ),
+    )
     node_name: str = dataclasses.field(
         default="", metadata=_flag("the node in request records (empty: the host name)")
     )

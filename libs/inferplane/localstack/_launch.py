@@ -162,6 +162,9 @@ class Launcher:
                 cfg.address("orchestrator"),
                 "--telemetry-address",
                 cfg.address("telemetry"),
+                # The replicas store the Responses API's stored responses in auth.
+                "--response-store-address",
+                cfg.address("auth"),
                 "--engine-startup-timeout-seconds",
                 str(cfg.startup_timeout_seconds),
                 env=dict(cfg.engine_env),

@@ -122,6 +122,7 @@ def test_transcoder_settings_the_openai_client_needs() -> None:
         "inferplane.inference.v1.InferenceService",
         "inferplane.auth.v1.ApiKeyService",
         "inferplane.auth.v1.UsageLedgerService",
+        "inferplane.inference.v1.ResponsesService",
     ]
     fds = descriptor_pb2.FileDescriptorSet.FromString(
         base64.b64decode(transcoder["proto_descriptor_bin"])

@@ -58,6 +58,11 @@ def test_nested_messages_are_checked_and_free_form_values_are_not() -> None:
     function = KNOWN.messages[f"{INFERENCE}.Tool"]["function"]
     assert function == Nested(f"{INFERENCE}.FunctionDefinition")
     assert KNOWN.messages[function.message]["parameters"] is None
+    # Responses: typed at the top level; the polymorphic values (input, tools, text, ...) free.
+    responses = KNOWN.messages[f"{INFERENCE}.ResponseRequest"]
+    assert set(responses) >= {"input", "instructions", "previous_response_id", "prompt_cache_key"}
+    for free in ("input", "tools", "tool_choice", "text", "reasoning", "client_metadata"):
+        assert responses[free] is None, free
     api_key = KNOWN.messages["inferplane.auth.v1.ApiKey"]
     assert set(api_key) == _names(auth_pb2.ApiKey.DESCRIPTOR)
     assert api_key["limits"] == Nested("inferplane.auth.v1.Limits")
@@ -76,6 +81,7 @@ def test_every_route_with_a_body_is_covered() -> None:
         BodyRoute("POST", "/v1/completions", completion),
         BodyRoute("POST", "/internal/events/v1/completions", completion),
         BodyRoute("POST", "/v1/embeddings", f"{INFERENCE}.EmbeddingRequest"),
+        BodyRoute("POST", "/v1/responses", f"{INFERENCE}.ResponseRequest"),
         BodyRoute("POST", "/v1/admin/api-keys", "inferplane.auth.v1.ApiKey"),
         BodyRoute("PATCH", "/v1/admin/{api_key.name=api-keys/*}", "inferplane.auth.v1.ApiKey"),
         BodyRoute(

@@ -115,6 +115,9 @@ class NodeAgentSettings(ServiceSettings):
     # The telemetry service (host:port) each replica process sends one record per request
     # to; empty: none.
     telemetry_address: str = DEFAULT_FLAGS.telemetry_address
+    # Auth (host:port), where each replica process stores and loads the Responses API's stored
+    # responses (auth owns the tenant-scoped database); empty: none are stored.
+    response_store_address: str = DEFAULT_FLAGS.response_store_address
     owned_by: str = DEFAULT_FLAGS.owned_by
     replicas: tuple[ReplicaConfig, ...] = ()
 
@@ -126,6 +129,7 @@ class NodeAgentSettings(ServiceSettings):
         setting above and one line here (docs/replica-flags.md)."""
         return ReplicaFlags(
             telemetry_address=self.telemetry_address,
+            response_store_address=self.response_store_address,
             node_name=self.node_name or socket.gethostname(),
             strict_tool_calls=self.strict_tool_calls,
             owned_by=self.owned_by,

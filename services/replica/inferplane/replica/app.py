@@ -36,6 +36,7 @@ from inferplane.replica.hosts import EngineHost
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
+from inferplane.replica.server.response_store import ResponseStoreClient
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
@@ -51,6 +52,7 @@ from inferplane.runtime import (
 )
 from inferplane.runtime.security.identity import (
     ADMIN,
+    AUTH,
     EDGE,
     NODE_AGENT,
     ORCHESTRATOR,
@@ -143,6 +145,14 @@ class ReplicaProcess:
             # certificate is checked against the router identity.
             channel_options=[*grpc_options(settings), *self.security.server_options(ROUTER)],
         )
+        self.response_store: ResponseStoreClient | None = None
+        if settings.flags.response_store_address:
+            # Auth owns the stored responses; its certificate is checked as auth's.
+            address = settings.flags.response_store_address
+            options = [*grpc_options(settings), *self.security.server_options(AUTH)]
+            self.response_store = ResponseStoreClient(
+                lambda: self.security.aio_channel(address, options)
+            )
         self.inference = InferenceServicer(
             self.state,
             self._assets,
@@ -152,6 +162,7 @@ class ReplicaProcess:
             owned_by=settings.flags.owned_by,
             metrics=StreamMetrics(self.registry),
             report_to_picker=self.outcomes.report,
+            response_store=self.response_store,
         )
         app = App(
             component="replica",
@@ -303,6 +314,9 @@ class ReplicaProcess:
             log.exception("engine_shutdown_failed")
         with contextlib.suppress(Exception):
             await self.outcomes.close()
+        if self.response_store is not None:
+            with contextlib.suppress(Exception):
+                await self.response_store.close()
         if self._sink is not None:
             with contextlib.suppress(Exception):
                 await self._sink.close()

@@ -14,7 +14,7 @@ reported stored that was not).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -43,14 +43,25 @@ class ResponseStoreClient:
     """`ResponseStore` over gRPC.
 
     Args:
-        channel: a grpc.aio channel to auth (`PeerSecurity.aio_channel`).
+        connect: makes the grpc.aio channel to auth (`PeerSecurity.aio_channel` with auth's
+            identity checked), called on the first call, inside the event loop.
         timeout_seconds: per call.
     """
 
-    def __init__(self, channel: Any, *, timeout_seconds: float = CALL_TIMEOUT_SECONDS) -> None:
-        self._channel = channel
-        self._stub = responses_pb2_grpc.ResponseStoreServiceStub(channel)
+    def __init__(
+        self, connect: Callable[[], Any], *, timeout_seconds: float = CALL_TIMEOUT_SECONDS
+    ) -> None:
+        self._connect = connect
+        self._channel: Any = None
+        self._stub_: Any = None
         self._timeout = timeout_seconds
+
+    @property
+    def _stub(self) -> Any:
+        if self._stub_ is None:
+            self._channel = self._connect()
+            self._stub_ = responses_pb2_grpc.ResponseStoreServiceStub(self._channel)
+        return self._stub_
 
     async def load(self, tenant: str, response_id: str) -> rpb.LoadResponseResponse:
         """Raises: NotFoundError (unknown to the tenant), UnavailableError (store away)."""
@@ -68,7 +79,8 @@ class ResponseStoreClient:
             raise _error(exc, "store the response") from exc
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
 
 def _error(exc: grpc.aio.AioRpcError, what: str) -> InferplaneError:

@@ -161,3 +161,19 @@ async def test_unreachable_engine() -> None:
             pass
     assert info.value.retryable
     await client.close()
+
+
+async def test_logprobs_come_back_per_token_with_alternatives(served) -> None:  # type: ignore[no-untyped-def]
+    """`output_logprobs` of each chunk become one TokenLogprob per id, k alternatives each;
+    without logprobs asked for, none."""
+    from inferplane.testing.fake_http_engine import fake_logprobs
+
+    _engine, _server, client = served
+    params = SamplingParams(max_tokens=3, logprobs=2)
+    outs = [o async for o in client.generate("lp", [1, 2, 3], params)]
+    entries = [e for o in outs for e in (o.logprobs or ())]
+    assert [e.token_id for e in entries] == [t for o in outs for t in o.token_ids] == [4, 5, 6]
+    value, top = fake_logprobs(5, 2)
+    assert entries[1].logprob == value and list(entries[1].top) == top
+    plain = [o async for o in client.generate("np", [1], SamplingParams(max_tokens=2))]
+    assert all(o.logprobs is None for o in plain)

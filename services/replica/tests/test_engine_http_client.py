@@ -327,3 +327,22 @@ async def test_events_that_arrive_together_are_one_increment() -> None:
     assert [o.finished for o in outs] == [False, False, True]
     assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == 6
     assert [o.completion_tokens for o in outs[:2]] == [3, 4]
+
+
+async def test_logprobs_come_back_per_token_with_alternatives(served) -> None:  # type: ignore[no-untyped-def]
+    """With logprobs k the body asks for tokens as ids, and every output id carries its
+    logprob and its k alternatives (most likely first), the finish's ids included."""
+    from inferplane.testing.fake_http_engine import fake_logprobs
+
+    engine, client = served
+    outs = await collect(client, "r-lp", [10, 20], SamplingParams(max_tokens=4, logprobs=3))
+    assert engine.requests[-1]["return_tokens_as_token_ids"] is True
+    ids = [t for o in outs for t in o.token_ids]
+    entries = [e for o in outs for e in (o.logprobs or ())]
+    assert all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) for o in outs)
+    assert [e.token_id for e in entries] == ids == [21, 22, 23, 24]
+    value, top = fake_logprobs(21, 3)
+    assert entries[0].logprob == value and list(entries[0].top) == top
+    without = await collect(client, "r-no", [10, 20], SamplingParams(max_tokens=2))
+    assert all(o.logprobs is None for o in without)
+    assert "return_tokens_as_token_ids" not in engine.requests[-1]

@@ -113,7 +113,9 @@ def test_a_typo_at_the_top_level_is_a_400_naming_it(edge: Edge, http: httpx.Clie
             chat(stream=True, stream_options={"include_usage": True, "continuous_usage": True}),
             "stream_options.continuous_usage",
         ),
-        (chat(stream=True, guided_json={"type": "object"}), "guided_json"),
+        # Removed from vLLM before 0.32: nobody defines it any more.
+        (chat(stream=True, guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
+        (chat(messages=[{"role": "developer", "content": "x", "task": "t"}]), "messages[0].task"),
     ],
 )
 def test_an_unknown_key_in_a_nested_message_is_a_400_with_its_path(
@@ -203,6 +205,31 @@ def test_vllm_extensions_and_well_formed_requests_pass_unchanged(
         logit_bias={"42": -100},
         stop=["\n"],
         seed=7,
+    )
+    response = post(http, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    _received(edge, body, pb.ChatCompletionRequest)
+    # vLLM 0.32's own fields (docs/request-fields.md): a body written for vLLM passes the edge
+    # (GuideLLM's continuous_usage_stats, vLLM >= 0.16's `reasoning` in history, ...).
+    body = chat(
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning": "greet"},
+            {"role": "user", "content": "again"},
+        ],
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+        stop_token_ids=[7, 8],
+        include_stop_str_in_output=True,
+        structured_outputs={"json": {"type": "object"}},
+        guided_regex="a+",
+        priority=0,
+        request_id="mine",
+        use_beam_search=False,
+        skip_special_tokens=True,
+        return_tokens_as_token_ids=False,
     )
     response = post(http, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text

@@ -47,7 +47,7 @@ from google.protobuf import json_format, struct_pb2
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.runtime import InvalidArgumentError
-from inferplane.wire import restore_ints
+from inferplane.wire import apis, restore_ints
 
 MESSAGE_ID_PREFIX: Final = "msg_"
 TOOL_USE_ID_PREFIX: Final = "toolu_"
@@ -147,6 +147,14 @@ ERROR_TYPES: Final[Mapping[int, str]] = {
 other 4xx is `invalid_request_error`, any other 5xx `api_error`."""
 OVERLOADED_STATUS: Final = 529
 """Anthropic's status for `overloaded_error`, where OpenAI's shape says 503."""
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a REST path (query string allowed) is Anthropic's: `apis.ANTHROPIC_PATH_PREFIX`
+    itself or below it (`/v1/messages`, `/v1/messages/count_tokens`, not `/v1/messagesx`)."""
+    base = path.split("?", 1)[0].split("#", 1)[0]
+    prefix = apis.ANTHROPIC_PATH_PREFIX
+    return base == prefix or base.startswith(prefix + "/")
 
 
 def error_status(http_status: int) -> int:

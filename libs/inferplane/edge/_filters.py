@@ -11,9 +11,12 @@ is there, with its public source: `docs/envoy.md`.
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Mapping
 
 from google.protobuf import descriptor_pb2
 
+from inferplane.apis import anthropic
 from inferplane.edge._base import (
     AUDIO_PREFIX,
     TYPE_URL_PREFIX,
@@ -26,6 +29,7 @@ from inferplane.edge._clusters import AUTH_CLUSTER, ROUTER_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._fields import known_request_fields, render_lua_tables
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, OPENAI_ERROR_PARAM_KEY, OPENAI_ERROR_TYPE_KEY
+from inferplane.wire import apis
 from inferplane.wire.headers import (
     DESTINATION_ENDPOINT,
     ENVOY_MAX_RETRIES,
@@ -125,7 +129,15 @@ def prune_descriptor_set(descriptor_set: bytes, services: tuple[str, ...]) -> by
     return b"".join(entry for (entry, _), f in zip(raw, files, strict=True) if f.name in keep)
 
 
+def _lua_table(values: Mapping[int, object]) -> str:
+    """`{[k] = v, ...}` as Lua source (string values quoted as JSON strings, which Lua reads
+    alike for the plain ASCII names used here)."""
+    items = ", ".join(f"[{k}] = {json.dumps(v)}" for k, v in sorted(values.items()))
+    return "{" + items + "}"
+
+
 def _error_shaper(config: EdgeConfig) -> str:
+    statuses = {s: anthropic.error_status(s) for s in anthropic.ERROR_TYPES}
     return render_lua(
         "error_shaper",
         MAX_REQUEST_BYTES=config.max_request_bytes,
@@ -134,6 +146,10 @@ def _error_shaper(config: EdgeConfig) -> str:
         ERROR_TYPE_KEY=OPENAI_ERROR_TYPE_KEY,
         ERROR_CODE_KEY=OPENAI_ERROR_CODE_KEY,
         ERROR_PARAM_KEY=OPENAI_ERROR_PARAM_KEY,
+        ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
+        METADATA_NAMESPACE=METADATA_NAMESPACE,
+        ANTHROPIC_TYPES=_lua_table(anthropic.ERROR_TYPES),
+        ANTHROPIC_STATUS=_lua_table({s: t for s, t in statuses.items() if s != t}),
     )
 
 
@@ -224,6 +240,7 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     field_guard = render_lua(
         "field_guard",
         FIELD_TABLES=render_lua_tables(known_request_fields(descriptor, config.services)),
+        ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
     )
     return [
         lua_filter("inferplane.error_shaper", _error_shaper(config)),
@@ -255,7 +272,11 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
         lua_filter(
             "inferplane.picker_guard",
             render_lua(
-                "picker_guard", PICK_NAMESPACE=PICK_NAMESPACE, PICK_KEY=DESTINATION_ENDPOINT
+                "picker_guard",
+                PICK_NAMESPACE=PICK_NAMESPACE,
+                PICK_KEY=DESTINATION_ENDPOINT,
+                ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
+                ANTHROPIC_OVERLOADED=anthropic.OVERLOADED_STATUS,
             ),
         ),
         {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},

@@ -1,4 +1,5 @@
-"""Envoy's own replies in OpenAI's error shape: the HCM's `local_reply_config`.
+"""Envoy's own replies in OpenAI's error shape (Anthropic's on `/v1/messages*`): the HCM's
+`local_reply_config`.
 
 Envoy's local replies (the transcoder's 400/404, 413 body too large, 503 no upstream or auth
 down, 504, the stream router's 404 for `/internal/...`) are plain text by default; OpenAI's
@@ -11,10 +12,14 @@ the first match wins; a mapper without a body override passes the reply through 
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
+from inferplane.apis import anthropic
 from inferplane.edge._base import AUDIO_PREFIX, CEL_FILTER_TYPE, Resource
 from inferplane.edge._config import EdgeConfig
+from inferplane.wire import apis
 
 
 def _error_json(message: str, error_type: str, code: str) -> dict[str, Any]:
@@ -62,103 +67,153 @@ def _audio_path() -> dict[str, Any]:
     }
 
 
-def build_local_reply_config(config: EdgeConfig) -> Resource:
-    """OpenAI-shaped bodies for Envoy's own replies (first matching mapper wins).
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """One of Envoy's own replies: which replies (`filter_`), and the error they become:
+    `message` (Envoy formatters allowed), OpenAI's `type` and `code`, and `status`, the HTTP
+    status they have (None: several; Anthropic's type then follows `anthropic_status`)."""
 
-    The ext_authz denial (flag UAEX, status < 500) already carries the auth service's OpenAI
-    body and passes untouched; without that first mapper it would be wrapped twice, its JSON
-    escaped into the new body's message (measured on Envoy 1.40). Envoy's access-log filters
-    have no `not_filter` (a config using one is rejected: `no such field`), hence ordered
-    mappers rather than one negated filter.
+    filter_: dict[str, Any]
+    message: str
+    openai_type: str
+    code: str
+    status: int
+
+
+def _anthropic_path() -> dict[str, Any]:
+    """Access-log filter: the request's path is Anthropic's (`/v1/messages` or below), as the
+    client sent it: `:path`, or `x-envoy-original-path` once the transcoder has rewritten
+    `:path` to the gRPC method (its body parse errors come after that)."""
+    prefix = re.escape(apis.ANTHROPIC_PATH_PREFIX)
+    match = {"safe_regex": {"regex": f"^{prefix}(/[^?#]*)?([?#].*)?$"}}
+    return {
+        "or_filter": {
+            "filters": [
+                {"header_filter": {"header": {"name": name, "string_match": match}}}
+                for name in (":path", "x-envoy-original-path")
+            ]
+        }
+    }
+
+
+def _and(*filters: dict[str, Any]) -> dict[str, Any]:
+    return {"and_filter": {"filters": list(filters)}}
+
+
+def _anthropic_mapper(reply: _Reply) -> dict[str, Any]:
+    """`reply` on an Anthropic path: Anthropic's body, and 529 where OpenAI's status is 503."""
+    result = mapper(
+        _and(_anthropic_path(), reply.filter_),
+        anthropic.error_body(reply.status, reply.message),
+    )
+    status = anthropic.error_status(reply.status)
+    if status != reply.status:
+        result["status_code"] = status
+    return result
+
+
+def build_local_reply_config(config: EdgeConfig) -> Resource:
+    """OpenAI-shaped bodies for Envoy's own replies (first matching mapper wins), Anthropic's
+    on Anthropic's paths (`/v1/messages*`).
+
+    The ext_authz denial (flag UAEX, status < 500) already carries the auth service's body
+    (OpenAI's, or Anthropic's on its paths) and passes untouched; without that first mapper
+    it would be wrapped twice, its JSON escaped into the new body's message (measured on
+    Envoy 1.40). The picker's refusals and the Lua filters' replies carry their body in the
+    path's shape too and pass. Envoy's access-log filters have no `not_filter` (a config
+    using one is rejected: `no such field`), hence ordered mappers rather than one negated
+    filter.
     """
     invalid = "invalid_request_error"
-    mappers = [
-        mapper({"and_filter": {"filters": [_UAEX, _status_filter("LE", 499)]}}, None),
+    passed = [
+        _and(_UAEX, _status_filter("LE", 499)),
         # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`),
-        # the picker guard's 503 and the field guard's 400 already carry OpenAI's body: pass
-        # them through.
-        mapper(
-            cel(
-                "response.code_details.startsWith('picker_') || "
-                "(response.code_details == 'lua_response' && "
-                "(response.code == 503 || response.code == 400))"
-            ),
-            None,
+        # the picker guard's 503 and the field guard's 400 already carry their body.
+        cel(
+            "response.code_details.startsWith('picker_') || "
+            "(response.code_details == 'lua_response' && "
+            "(response.code == 503 || response.code == 400))"
         ),
+    ]
+    replies = [
         # The picker failed on a request (ext_proc error, e.g. its message timeout: details
         # `ext_proc_error_per-message_timeout_exceeded`; picker unreachable:
         # `ext_proc_error_gRPC_error_14{…}`): fail closed with a shaped 503.
-        mapper(
+        _Reply(
             cel("response.code_details.startsWith('ext_proc_error')"),
-            _error_json(
-                "The endpoint picker is unavailable; please retry.",
-                "server_error",
-                "picker_unavailable",
-            ),
+            "The endpoint picker is unavailable; please retry.",
+            "server_error",
+            "picker_unavailable",
+            503,
         ),
-        mapper(
-            {"and_filter": {"filters": [_UAEX, _status_filter("GE", 500)]}},
-            _error_json(
-                "The authentication service is unavailable; please retry.",
-                "server_error",
-                "service_unavailable",
-            ),
+        _Reply(
+            _and(_UAEX, _status_filter("GE", 500)),
+            "The authentication service is unavailable; please retry.",
+            "server_error",
+            "service_unavailable",
+            503,
         ),
         # The transcoder's parse errors, e.g. "Unexpected end of string. Expected an object
         # key or }." or "messages: invalid value "oops" for type ...".
-        mapper(
+        _Reply(
             _status_is(400),
-            _error_json(
-                "Could not parse the request body: %LOCAL_REPLY_BODY%",
-                invalid,
-                "invalid_request_body",
-            ),
+            "Could not parse the request body: %LOCAL_REPLY_BODY%",
+            invalid,
+            "invalid_request_body",
+            400,
         ),
-        mapper(
+        _Reply(
             _status_is(404),
-            _error_json("Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)", invalid, "unknown_url"),
+            "Invalid URL (%REQ(:METHOD)% %REQ(:PATH)%)",
+            invalid,
+            "unknown_url",
+            404,
         ),
         # Audio uploads have their own limit (error_shaper.lua's request guard, by path).
-        mapper(
-            {"and_filter": {"filters": [_status_is(413), _audio_path()]}},
-            _error_json(
-                "The request body is too large; audio requests are limited to "
-                f"{config.max_audio_request_bytes} bytes (files up to 25 MB).",
-                invalid,
-                "request_too_large",
-            ),
+        _Reply(
+            _and(_status_is(413), _audio_path()),
+            "The request body is too large; audio requests are limited to "
+            f"{config.max_audio_request_bytes} bytes (files up to 25 MB).",
+            invalid,
+            "request_too_large",
+            413,
         ),
-        mapper(
+        _Reply(
             _status_is(413),
-            _error_json(
-                f"The request body is too large; the limit is {config.max_request_bytes} bytes.",
-                invalid,
-                "request_too_large",
-            ),
+            f"The request body is too large; the limit is {config.max_request_bytes} bytes.",
+            invalid,
+            "request_too_large",
+            413,
         ),
-        mapper(
+        _Reply(
             _status_is(503),
-            _error_json(
-                "The service is temporarily unavailable; please retry.",
-                "server_error",
-                "service_unavailable",
-            ),
+            "The service is temporarily unavailable; please retry.",
+            "server_error",
+            "service_unavailable",
+            503,
         ),
-        mapper(
-            _status_is(504),
-            _error_json("The request timed out; please retry.", "server_error", "timeout"),
+        _Reply(
+            _status_is(504), "The request timed out; please retry.", "server_error", "timeout", 504
         ),
-        mapper(
+        _Reply(
             _status_filter("GE", 500),
-            _error_json(
-                "The server had an error while processing your request.",
-                "server_error",
-                "internal_error",
-            ),
+            "The server had an error while processing your request.",
+            "server_error",
+            "internal_error",
+            500,
         ),
-        mapper(
-            _status_filter("GE", 400),
-            _error_json("%LOCAL_REPLY_BODY%", invalid, "invalid_request"),
-        ),
+        _Reply(_status_filter("GE", 400), "%LOCAL_REPLY_BODY%", invalid, "invalid_request", 400),
+    ]
+    # Anthropic's paths first: their Lua replies (the field guard's 400, the picker guard's
+    # 529, the 413 of error_shaper.lua) carry Anthropic's body already and pass.
+    anthropic_passed = [
+        mapper(_and(_anthropic_path(), f), None)
+        for f in (*passed, cel("response.code_details == 'lua_response'"))
+    ]
+    mappers = [
+        *anthropic_passed,
+        *(_anthropic_mapper(r) for r in replies),
+        *(mapper(f, None) for f in passed),
+        *(mapper(r.filter_, _error_json(r.message, r.openai_type, r.code)) for r in replies),
     ]
     return {"mappers": mappers}

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2 as status_codes
 from google.protobuf import struct_pb2
 
+from inferplane.apis import anthropic
 from inferplane.runtime import InferplaneError, ResourceExhaustedError
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
 from inferplane.wire.headers import DESTINATION_ENDPOINT as PICK_KEY
@@ -75,7 +76,8 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     time.sleep(self.hang_s)
                     return
                 if self.refuse is not None:
-                    yield refusal(self.refuse)
+                    method = pick.path.rsplit("/", 1)[-1]
+                    yield refusal(self.refuse, anthropic_shape=method in ANTHROPIC_METHODS)
                     continue
                 metadata = struct_pb2.Struct()
                 metadata.update({PICK_NAMESPACE: {PICK_KEY: ",".join(self.targets)}})
@@ -132,26 +134,37 @@ HTTP_STATUS = {
 }
 
 
-def refusal(error: InferplaneError) -> ep.ProcessingResponse:
+#: The gRPC methods of Anthropic's Messages API (the real picker knows them by `Method.api`).
+ANTHROPIC_METHODS = frozenset({"CreateMessage", "CountMessageTokens"})
+
+
+def refusal(error: InferplaneError, *, anthropic_shape: bool = False) -> ep.ProcessingResponse:
     """An immediate response the way the picker refuses: OpenAI's JSON body with the HTTP
-    status, Retry-After for a 429, details `picker_<code>` (the edge passes it through)."""
-    body = {
-        "error": {
-            "message": error.message,
-            "type": "rate_limit_error"
-            if error.status == grpc.StatusCode.RESOURCE_EXHAUSTED
-            else error.openai_type,
-            "param": error.param,
-            "code": error.code,
+    status (Anthropic's body and 529 for 503 with `anthropic_shape`), Retry-After for a 429,
+    details `picker_<code>` (the edge passes it through)."""
+    status = HTTP_STATUS.get(error.status, 500)
+    body: dict[str, Any]
+    if anthropic_shape:
+        body = anthropic.error_body(status, error.message)
+        status = anthropic.error_status(status)
+    else:
+        body = {
+            "error": {
+                "message": error.message,
+                "type": "rate_limit_error"
+                if error.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+                else error.openai_type,
+                "param": error.param,
+                "code": error.code,
+            }
         }
-    }
     headers = [_raw_header("content-type", "application/json")]
     retry_after = error.retry_after_seconds if isinstance(error, ResourceExhaustedError) else None
     if retry_after is not None:
         headers.append(_raw_header("retry-after", str(max(1, round(retry_after)))))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=status_codes.HttpStatus(code=HTTP_STATUS.get(error.status, 500)),
+            status=status_codes.HttpStatus(code=status),  # type: ignore[arg-type]
             headers=ep.HeaderMutation(set_headers=headers),
             body=json.dumps(body).encode(),
             details=f"picker_{error.code}",

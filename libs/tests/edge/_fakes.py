@@ -27,8 +27,10 @@ from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
+from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc as pb_grpc
+from inferplane.apis import anthropic
 from inferplane.edge import MiB
 from inferplane.runtime import (
     InferplaneError,
@@ -36,6 +38,7 @@ from inferplane.runtime import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    UnavailableError,
     error_trailers,
 )
 from inferplane.wire import ResponseSummary, read_form
@@ -63,6 +66,7 @@ ERRORS: dict[str, InferplaneError] = {
         "Rate limit reached for requests", retry_after_seconds=7, code="rate_limit_exceeded"
     ),
     "internal": InternalError("internal error; the request was not completed"),
+    "down": UnavailableError("no replica is ready", code="no_ready_replica"),
 }
 #: Raised as a bare Python exception: grpc turns it into UNKNOWN with this text in the message.
 CRASH_SECRET = "KeyError('tenant') in /srv/inferplane/router/servicer.py line 42"
@@ -251,6 +255,38 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
 
     CreateTranslation = CreateTranscription
 
+    def CreateMessage(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[httpbody_pb2.HttpBody]:
+        """Anthropic Messages: a canned Message (JSON), or with `stream` its events."""
+        model = self._enter("CreateMessage", request, context)
+        context.set_trailing_metadata(SUMMARY.to_metadata())
+        message = {
+            "id": "msg_fake",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": "fake"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 3, "output_tokens": 1},
+        }
+        if not request.request.stream:
+            yield httpbody_pb2.HttpBody(
+                content_type="application/json", data=json.dumps(message).encode()
+            )
+            return
+        yield httpbody_pb2.HttpBody(
+            content_type="text/event-stream",
+            data=b"event: message_start\ndata: "
+            + json.dumps({"type": "message_start", "message": message}).encode()
+            + b'\n\nevent: message_stop\ndata: {"type":"message_stop"}\n\n',
+        )
+
+    def CountMessageTokens(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._enter("CountMessageTokens", request, context)
+        return apb.CountMessageTokensResponse(input_tokens=42)
+
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.calls.append(Call("ListModels", "", {}, 0))
         return pb.ListModelsResponse(
@@ -294,12 +330,18 @@ class FakeAuthz(external_auth_pb2_grpc.AuthorizationServicer, auth_pb2_grpc.ApiK
             context.abort(grpc.StatusCode.UNAVAILABLE, "database is down")
         headers = request.attributes.request.http.headers
         if headers.get("authorization") != "Bearer good":
+            # As auth: Anthropic's shape on Anthropic's paths.
+            body = OPENAI_401
+            if anthropic.is_anthropic_path(request.attributes.request.http.path):
+                body = json.dumps(
+                    anthropic.error_body(401, json.loads(OPENAI_401)["error"]["message"])
+                )
             return external_auth_pb2.CheckResponse(
                 status=status_pb2.Status(code=code_pb2.UNAUTHENTICATED),
                 denied_response=external_auth_pb2.DeniedHttpResponse(
                     status=http_status_pb2.HttpStatus(code=http_status_pb2.Unauthorized),
                     headers=[_header("content-type", "application/json")],
-                    body=OPENAI_401,
+                    body=body,
                 ),
             )
         return external_auth_pb2.CheckResponse(

@@ -63,6 +63,14 @@ def test_nested_messages_are_checked_and_free_form_values_are_not() -> None:
     assert set(responses) >= {"input", "instructions", "previous_response_id", "prompt_cache_key"}
     for free in ("input", "tools", "tool_choice", "text", "reasoning", "client_metadata"):
         assert responses[free] is None, free
+    # Anthropic Messages: typed where the shape is fixed; system, content, tools free.
+    messages = KNOWN.messages[f"{INFERENCE}.MessagesRequest"]
+    assert messages["thinking"] == Nested(f"{INFERENCE}.AnthropicThinking")
+    assert messages["tool_choice"] == Nested(f"{INFERENCE}.AnthropicToolChoice")
+    assert messages["messages"] == Nested(f"{INFERENCE}.AnthropicMessage")
+    for free in ("system", "tools", "context_management"):
+        assert messages[free] is None, free
+    assert KNOWN.messages[f"{INFERENCE}.AnthropicMessage"]["content"] is None
     api_key = KNOWN.messages["inferplane.auth.v1.ApiKey"]
     assert set(api_key) == _names(auth_pb2.ApiKey.DESCRIPTOR)
     assert api_key["limits"] == Nested("inferplane.auth.v1.Limits")
@@ -82,6 +90,8 @@ def test_every_route_with_a_body_is_covered() -> None:
         BodyRoute("POST", "/internal/events/v1/completions", completion),
         BodyRoute("POST", "/v1/embeddings", f"{INFERENCE}.EmbeddingRequest"),
         BodyRoute("POST", "/v1/responses", f"{INFERENCE}.ResponseRequest"),
+        BodyRoute("POST", "/v1/messages", f"{INFERENCE}.MessagesRequest"),
+        BodyRoute("POST", "/v1/messages/count_tokens", f"{INFERENCE}.MessagesRequest"),
         BodyRoute("POST", "/v1/admin/api-keys", "inferplane.auth.v1.ApiKey"),
         BodyRoute("PATCH", "/v1/admin/{api_key.name=api-keys/*}", "inferplane.auth.v1.ApiKey"),
         BodyRoute(

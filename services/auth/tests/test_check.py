@@ -112,10 +112,22 @@ def test_anthropics_x_api_key_is_a_key_too(auth: Any) -> None:
     ok = auth.check(None, path="/v1/messages", extra={"x-api-key": created.secret})
     assert ok.WhichOneof("http_response") == "ok_response"
     assert "x-api-key" in ok.ok_response.headers_to_remove
-    bad = auth.check(None, path="/v1/messages", extra={"x-api-key": "ip-" + "N" * 43})
-    assert_denied(bad, 401, "invalid_api_key", "Incorrect API key provided")
-    both = auth.check("ip-" + "N" * 43, path="/v1/messages", extra={"x-api-key": created.secret})
-    assert_denied(both, 401, "invalid_api_key", "Incorrect API key provided")
+    for bad in (
+        auth.check(None, path="/v1/messages", extra={"x-api-key": "ip-" + "N" * 43}),
+        auth.check("ip-" + "N" * 43, path="/v1/messages", extra={"x-api-key": created.secret}),
+        auth.check(None, path="/v1/messages/count_tokens?beta=true"),
+    ):
+        # Anthropic's paths get Anthropic's error shape.
+        assert bad.denied_response.status.code == 401
+        body = json.loads(bad.denied_response.body)
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        assert "API key" in body["error"]["message"]
+    assert_denied(
+        auth.check(None, path="/v1/messagesx", extra={"x-api-key": "ip-" + "N" * 43}),
+        401,
+        "invalid_api_key",
+        "Incorrect API key provided",
+    )
 
 
 def test_empty_allow_list_is_sent_as_an_empty_header(auth: Any) -> None:

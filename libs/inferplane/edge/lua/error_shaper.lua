@@ -17,6 +17,18 @@
 -- internals leak. The body is only touched for error responses, so SSE success streams are
 -- never buffered.
 --
+-- Anthropic's Messages API (paths under ANTHROPIC_PREFIX): a servicer's error on those paths
+-- leaves in Anthropic's shape {"type": "error", "error": {"type", "message"}}
+-- (https://docs.anthropic.com/en/api/errors): the type follows the HTTP status
+-- (ANTHROPIC_TYPES, from inferplane.apis.anthropic.ERROR_TYPES) and 503 becomes Anthropic's 529
+-- overloaded_error (ANTHROPIC_STATUS). The request hook marks the stream (dynamic metadata):
+-- the response hook cannot read the request's path. Local replies of the filters after this
+-- one (auth's denial, the field guard, the transcoder, the picker, Envoy's own) are not
+-- reshaped here: a Lua response hook cannot buffer a local reply's body (measured on Envoy
+-- 1.40: the script stops at handle:body() and the reply leaves unchanged), so each of those
+-- answers in Anthropic's shape itself on these paths (auth, field_guard.lua, picker_guard.lua,
+-- the picker, and local_reply_config's mappers for Anthropic paths, edge/_replies.py).
+--
 -- On the request path it rejects bodies over the edge's limit with a 413 before anything
 -- buffers them. Envoy 1.40 can otherwise deadlock on such a body: ext_authz holds body data
 -- with watermark flow control while its Check is in flight; if the whole body arrives in that
@@ -33,6 +45,13 @@ local AUDIO_PREFIX = "__AUDIO_PREFIX__"
 local ERROR_TYPE = "__ERROR_TYPE_KEY__"
 local ERROR_CODE = "__ERROR_CODE_KEY__"
 local ERROR_PARAM = "__ERROR_PARAM_KEY__"
+
+-- Anthropic's paths and error types (inferplane.wire.apis, inferplane.apis.anthropic).
+local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
+local NAMESPACE = "__METADATA_NAMESPACE__"
+local ANTHROPIC_KEY = "anthropic"
+local ANTHROPIC_TYPES = __ANTHROPIC_TYPES__
+local ANTHROPIC_STATUS = __ANTHROPIC_STATUS__
 
 local GENERIC_5XX = "The server had an error while processing your request. Sorry about that!"
 local GENERIC_503 = "The service is temporarily unavailable; please retry."
@@ -90,7 +109,16 @@ local function message_for(code, http_status, headers, shaped_upstream)
   return percent_decode(raw)
 end
 
-local function shape(handle, headers, code)
+-- Anthropic's error body and status for an HTTP status and a message.
+local function anthropic_error(http_status, message)
+  local error_type = ANTHROPIC_TYPES[http_status]
+    or (http_status >= 500 and "api_error" or "invalid_request_error")
+  return ANTHROPIC_STATUS[http_status] or http_status,
+    '{"type":"error","error":{"type":' .. json_string(error_type)
+    .. ',"message":' .. json_string(message) .. '}}'
+end
+
+local function shape(handle, headers, code, anthropic)
   local http_status = HTTP_STATUS[code] or 500
   -- gRPC has no "payload too large": a replica refusing an oversized upload says so by code
   -- (INVALID_ARGUMENT, code request_too_large), and the client gets OpenAI's 413.
@@ -99,28 +127,56 @@ local function shape(handle, headers, code)
   end
   local error_type = headers:get(ERROR_TYPE)
   local shaped = error_type ~= nil
-  local body = '{"error":{"message":' .. json_string(message_for(code, http_status, headers, shaped))
-    .. ',"type":' .. json_string(error_type or default_type(http_status))
-    .. ',"param":' .. json_string(headers:get(ERROR_PARAM))
-    .. ',"code":' .. json_string(headers:get(ERROR_CODE) or DEFAULT_CODE[code])
-    .. '}}'
+  local message = message_for(code, http_status, headers, shaped)
+  local body
+  if anthropic then
+    http_status, body = anthropic_error(http_status, message)
+  else
+    body = '{"error":{"message":' .. json_string(message)
+      .. ',"type":' .. json_string(error_type or default_type(http_status))
+      .. ',"param":' .. json_string(headers:get(ERROR_PARAM))
+      .. ',"code":' .. json_string(headers:get(ERROR_CODE) or DEFAULT_CODE[code])
+      .. '}}'
+  end
   headers:replace(":status", tostring(http_status))
   headers:replace("content-type", "application/json")
   -- always_wrap_body: a trailers-only reply has no body buffer yet.
   handle:body(true):setBytes(body)
 end
 
+local function is_anthropic(path)
+  local base = path:match("^[^?#]*")
+  return base == ANTHROPIC_PREFIX or base:sub(1, #ANTHROPIC_PREFIX + 1) == ANTHROPIC_PREFIX .. "/"
+end
+
+-- 413 before anything buffers the body: an empty body local_reply_config fills in OpenAI's
+-- shape, or Anthropic's body itself on its paths (the reply mappers pass an Anthropic path's
+-- Lua replies through).
+local function too_large(handle, anthropic)
+  if not anthropic then
+    handle:respond({ [":status"] = "413" }, "")
+    return
+  end
+  local status, body = anthropic_error(413, "The request body is too large; the limit is "
+    .. MAX_REQUEST_BYTES .. " bytes.")
+  handle:respond({ [":status"] = tostring(status), ["content-type"] = "application/json" }, body)
+end
+
 function envoy_on_request(handle)
   local headers = handle:headers()
   local limit = MAX_REQUEST_BYTES
   local path = headers:get(":path") or ""
+  local anthropic = is_anthropic(path)
+  if anthropic then
+    handle:streamInfo():dynamicMetadata():set(NAMESPACE, ANTHROPIC_KEY, true)
+  end
   if path:sub(1, #AUDIO_PREFIX) == AUDIO_PREFIX then
     limit = MAX_AUDIO_REQUEST_BYTES
   end
   local length = headers:get("content-length")
   if length ~= nil then
     if (tonumber(length) or 0) > limit then
-      handle:respond({ [":status"] = "413" }, "")
+      too_large(handle, anthropic)
     end
     return
   end
@@ -128,7 +184,7 @@ function envoy_on_request(handle)
   for chunk in handle:bodyChunks() do
     seen = seen + chunk:length()
     if seen > limit then
-      handle:respond({ [":status"] = "413" }, "")
+      too_large(handle, anthropic)
       return
     end
   end
@@ -138,7 +194,8 @@ function envoy_on_response(handle)
   local headers = handle:headers()
   local status = headers:get("grpc-status")
   if status ~= nil and status ~= "0" then
-    shape(handle, headers, tonumber(status) or 2)
+    local marks = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
+    shape(handle, headers, tonumber(status) or 2, marks ~= nil and marks[ANTHROPIC_KEY] == true)
   end
   for _, key in ipairs(STRIP) do
     headers:remove(key)

@@ -273,11 +273,21 @@ local function bounded(param)
   return sub(param, 1, cut) .. "..."
 end
 
-local function rejection(param)
-  local quoted = json_string(bounded(param))
-  return '{"error":{"message":' .. json_string("Unrecognized request argument supplied: "
-    .. bounded(param)) .. ',"type":"invalid_request_error","param":' .. quoted
-    .. ',"code":null}}'
+-- Anthropic's paths (inferplane.wire.apis.ANTHROPIC_PATH_PREFIX) answer in Anthropic's error
+-- shape, {"type": "error", "error": {"type", "message"}} (no param field: the message names it).
+local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
+
+local function is_anthropic(path)
+  return path == ANTHROPIC_PREFIX or path:sub(1, #ANTHROPIC_PREFIX + 1) == ANTHROPIC_PREFIX .. "/"
+end
+
+local function rejection(param, anthropic)
+  local message = json_string("Unrecognized request argument supplied: " .. bounded(param))
+  if anthropic then
+    return '{"type":"error","error":{"type":"invalid_request_error","message":' .. message .. '}}'
+  end
+  return '{"error":{"message":' .. message .. ',"type":"invalid_request_error","param":'
+    .. json_string(bounded(param)) .. ',"code":null}}'
 end
 
 local function check(s, kind)
@@ -290,14 +300,14 @@ end
 
 function envoy_on_request(handle)
   local headers = handle:headers()
-  local path = headers:get(":path") or ""
-  local kind = route_type(headers:get(":method"), path:match("^[^?#]*"))
+  local path = (headers:get(":path") or ""):match("^[^?#]*")
+  local kind = route_type(headers:get(":method"), path)
   if kind == nil then return end
   local body = handle:body()
   if body == nil then return end
   local ok, err = pcall(check, body:getBytes(0, body:length()), kind)
   if not ok and type(err) == "table" then
     handle:respond({ [":status"] = "400", ["content-type"] = "application/json" },
-      rejection(err.param))
+      rejection(err.param, is_anthropic(path)))
   end
 end

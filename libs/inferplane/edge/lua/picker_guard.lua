@@ -14,12 +14,24 @@
 
 local NAMESPACE = "__PICK_NAMESPACE__"
 local KEY = "__PICK_KEY__"
-local BODY = '{"error":{"message":"The endpoint picker is unavailable; please retry.",'
+local MESSAGE = "The endpoint picker is unavailable; please retry."
+local BODY = '{"error":{"message":"' .. MESSAGE .. '",'
   .. '"type":"server_error","param":null,"code":"picker_unavailable"}}'
+-- Anthropic's paths (inferplane.wire.apis.ANTHROPIC_PATH_PREFIX): Anthropic's 529
+-- overloaded_error instead of OpenAI's 503.
+local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
+local ANTHROPIC_BODY = '{"type":"error","error":{"type":"overloaded_error","message":"'
+  .. MESSAGE .. '"}}'
 
 function envoy_on_request(handle)
   local lb = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
   if lb == nil or lb[KEY] == nil or lb[KEY] == "" then
+    local path = (handle:headers():get(":path") or ""):match("^[^?#]*")
+    if path == ANTHROPIC_PREFIX or path:sub(1, #ANTHROPIC_PREFIX + 1) == ANTHROPIC_PREFIX .. "/" then
+      handle:respond({ [":status"] = "__ANTHROPIC_OVERLOADED__",
+        ["content-type"] = "application/json", ["retry-after"] = "1" }, ANTHROPIC_BODY)
+      return
+    end
     handle:respond({ [":status"] = "503", ["content-type"] = "application/json",
       ["retry-after"] = "1" }, BODY)
   end

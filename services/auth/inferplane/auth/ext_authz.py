@@ -31,10 +31,11 @@ from urllib.parse import unquote
 
 import grpc
 from envoy.config.core.v3 import base_pb2
-from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
+from inferplane.apis import anthropic
 from inferplane.auth.domain import SCOPE_ADMIN, SCOPE_INFERENCE, Principal
 from inferplane.auth.limits import ALLOWED_UNLIMITED, RateLimitDecision, RateLimiter
 from inferplane.auth.verifier import KeyVerifier
@@ -154,6 +155,15 @@ def denied(http_status: int, message: str, code: str) -> external_auth_pb2.Check
     )
 
 
+def in_anthropic_shape(response: external_auth_pb2.CheckResponse) -> None:
+    """Rewrites a denial's body into Anthropic's error shape (a request under
+    `/v1/messages`: `{"type": "error", "error": {"type", "message"}}`, e.g.
+    `authentication_error`), keeping its status, message and headers."""
+    denial = response.denied_response
+    body = anthropic.error_body(denial.status.code, response.status.message)
+    denial.body = json.dumps(body)
+
+
 def rate_limited(decision: RateLimitDecision) -> external_auth_pb2.CheckResponse:
     """A 429 Envoy sends as is: OpenAI's body, `retry-after` and the x-ratelimit-* headers.
     A spent monthly budget is OpenAI's `insufficient_quota` (type and code), any other limit
@@ -221,7 +231,16 @@ class Authorization(external_auth_pb2_grpc.AuthorizationServicer):  # type: igno
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: Context | None
     ) -> external_auth_pb2.CheckResponse:
-        http = request.attributes.request.http
+        response = await self._check(request.attributes.request.http)
+        if response.HasField("denied_response") and anthropic.is_anthropic_path(
+            request.attributes.request.http.path
+        ):
+            in_anthropic_shape(response)
+        return response
+
+    async def _check(
+        self, http: attribute_context_pb2.AttributeContext.HttpRequest
+    ) -> external_auth_pb2.CheckResponse:
         headers: Mapping[str, str] = http.headers
         if not headers and http.header_map.headers:
             # Envoy sends `header_map` instead when `encode_raw_headers` is on.

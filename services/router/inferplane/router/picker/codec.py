@@ -207,7 +207,9 @@ def set_header(mutation: ext_pb.HeaderMutation, key: str, value: str) -> None:
     )
 
 
-def immediate_response(error: InferplaneError) -> ext_pb.ProcessingResponse:
+def immediate_response(
+    error: InferplaneError, api: str = apis.CHAT_COMPLETIONS
+) -> ext_pb.ProcessingResponse:
     """The refusal Envoy answers the client with instead of forwarding the request.
 
     HTTP status from the error's gRPC code (Envoy's mapping, `inferplane.runtime.HTTP_STATUS`:
@@ -216,16 +218,24 @@ def immediate_response(error: InferplaneError) -> ext_pb.ProcessingResponse:
     `content-type: application/json`, the `x-openai-error-*` headers and `retry-after`
     exactly as the gRPC servicers' trailers (`inferplane.runtime.error_trailers`), and
     `details = "picker_<code>"`, which the edge's local-reply mappers pass through unchanged.
+    For `api` Anthropic Messages the body is Anthropic's
+    (`{"type": "error", "error": {"type", "message"}}`) and a 503 is Anthropic's 529
+    `overloaded_error` (`inferplane.apis.anthropic`).
     """
     mutation = ext_pb.HeaderMutation()
     set_header(mutation, "content-type", "application/json")
     for key, value in error_trailers(error):
         if isinstance(value, str):  # grpc-status-details-bin is for gRPC servers only
             set_header(mutation, key, value)
-    body = error_body(error.message, error.openai_type, error.code, error.param)
+    status = HTTP_STATUS.get(error.status, 500)
+    if api == apis.MESSAGES:
+        body = anthropic.error_body(status, error.message)
+        status = anthropic.error_status(status)
+    else:
+        body = error_body(error.message, error.openai_type, error.code, error.param)
     return ext_pb.ProcessingResponse(
         immediate_response=ext_pb.ImmediateResponse(
-            status={"code": HTTP_STATUS.get(error.status, 500)},
+            status={"code": status},
             headers=mutation,
             body=json.dumps(body).encode(),
             grpc_status=ext_pb.GrpcStatus(status=error.status.value[0]),

@@ -261,7 +261,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if exchange.phase not in (Phase.ENDED, Phase.CONCLUDED):
             exchange.phase = Phase.REFUSED
         exchange.trace.fail(error.code)
-        return codec.immediate_response(error)
+        method = exchange.request.method
+        return codec.immediate_response(error, method.api if method is not None else "")
 
     # -- request ------------------------------------------------------------------------------
 

@@ -290,7 +290,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(content: Any, where: str) -> dict[str, Any]:
+def _assistant(content: Any, where: str, orders: _KeyOrders) -> dict[str, Any]:
     """An assistant message → one chat message: its text, `tool_use` blocks as tool calls,
     `thinking` as reasoning."""
     if isinstance(content, str):
@@ -309,7 +309,7 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
                 raise _bad(f"{at}.thinking must be a string", f"{at}.thinking")
             reasoning.append(thinking)
         elif kind == "tool_use":
-            calls.append(_tool_call(block, at))
+            calls.append(_tool_call(block, at, orders))
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if reasoning and any(reasoning):
         message["reasoning_content"] = "".join(reasoning)
@@ -318,7 +318,35 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+_KeyOrders = Mapping[str, Sequence[str]]
+"""Tool name → the order its `input` keys are written in (`_key_orders`)."""
+
+
+def _key_orders(tools: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """For each declared tool, the order of its arguments: the `required` list first (a JSON
+    array: its order survives the proto), then the other declared properties.
+
+    Why: the transcoder parses a `tool_use.input` object into a `google.protobuf.Struct`, which
+    keeps no key order (a map), so the history's arguments would render in protobuf's hash
+    order, unlike what the model wrote. Models write arguments in the schema's declared order,
+    which `required` lists in the common case, so the rendered history matches the model's own
+    output there (and is deterministic everywhere)."""
+    orders: dict[str, list[str]] = {}
+    for tool in tools:
+        function = tool["function"]
+        schema = function.get("parameters") or {}
+        required = [k for k in schema.get("required") or () if isinstance(k, str)]
+        rest = [k for k in schema.get("properties") or {} if k not in required]
+        orders[function["name"]] = required + rest
+    return orders
+
+
+def _ordered(arguments: Mapping[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    known = {k: arguments[k] for k in order if k in arguments}
+    return {**known, **{k: v for k, v in arguments.items() if k not in known}}
+
+
+def _tool_call(block: Mapping[str, Any], where: str, orders: _KeyOrders) -> dict[str, Any]:
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(call_id, str) or not call_id:
         raise _bad(f"{where}.id must be a non-empty string", f"{where}.id")
@@ -329,11 +357,14 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {
         "id": call_id,
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+        "function": {
+            "name": name,
+            "arguments": json.dumps(_ordered(arguments, orders.get(name, ())), ensure_ascii=False),
+        },
     }
 
 
-def _messages(request: apb.MessagesRequest) -> list[dict[str, Any]]:
+def _messages(request: apb.MessagesRequest, orders: _KeyOrders) -> list[dict[str, Any]]:
     if not request.messages:
         raise _bad("messages: at least one message is required", "messages")
     out: list[dict[str, Any]] = []
@@ -345,7 +376,7 @@ def _messages(request: apb.MessagesRequest) -> list[dict[str, Any]]:
         if message.role == "user":
             out.extend(_user(content, f"{where}.content"))
         elif message.role == "assistant":
-            out.append(_assistant(content, f"{where}.content"))
+            out.append(_assistant(content, f"{where}.content", orders))
         else:
             raise _bad(
                 f"{where}.role must be 'user' or 'assistant'; got {message.role!r}",
@@ -506,14 +537,14 @@ def to_chat(request: apb.MessagesRequest, *, count_only: bool = False) -> pb.Cha
         raise _bad("max_tokens: field required", "max_tokens", code="missing_required_parameter")
     if max_tokens is not None and max_tokens < 1:
         raise _bad("max_tokens must be at least 1", "max_tokens")
+    tools = _tools(request)
     body: dict[str, Any] = {
         "model": request.model,
-        "messages": _system(request) + _messages(request),
+        "messages": _system(request) + _messages(request, _key_orders(tools)),
         "reasoning_effort": _thinking(request, max_tokens),
     }
     if max_tokens is not None and not count_only:
         body["max_completion_tokens"] = max_tokens
-    tools = _tools(request)
     if tools:
         body["tools"] = tools
     if request.HasField("tool_choice"):

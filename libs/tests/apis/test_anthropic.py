@@ -125,9 +125,8 @@ def test_a_tool_round_trip_keeps_the_toolu_id_and_the_thinking() -> None:
             },
         ],
     )
-    # A Struct keeps no key order: the arguments are the same object, in the order it gives.
-    arguments = out["messages"][1]["tool_calls"][0]["function"]["arguments"]
-    assert json.loads(arguments) == {"city": "Tokyo", "days": 2}
+    # A Struct keeps no key order: the arguments follow the tool's `required`, then the rest.
+    arguments = json.dumps({"city": "Tokyo", "days": 2})
     assert out["messages"] == [
         {"role": "user", "content": [{"type": "text", "text": "Weather in Tokyo?"}]},
         {
@@ -166,6 +165,31 @@ def test_a_tool_round_trip_keeps_the_toolu_id_and_the_thinking() -> None:
     ]
     minimum = out["tools"][0]["function"]["parameters"]["properties"]["days"]["minimum"]
     assert type(minimum) is int
+
+
+def test_history_arguments_follow_the_schemas_order_whatever_the_struct_did() -> None:
+    tool = {
+        "name": "convert",
+        "input_schema": {
+            "type": "object",
+            "properties": {"to": {}, "amount": {}, "from": {}, "note": {}},
+            "required": ["amount", "from", "to"],
+        },
+    }
+    use = {"amount": 12.5, "note": "x", "to": "EUR", "from": "USD"}
+    out = chat(
+        tools=[tool],
+        messages=[
+            {"role": "user", "content": "convert"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_9", "name": "convert", "input": use}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]},
+        ],
+    )
+    arguments = out["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert arguments == '{"amount": 12.5, "from": "USD", "to": "EUR", "note": "x"}'
 
 
 @pytest.mark.parametrize(

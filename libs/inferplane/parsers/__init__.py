@@ -17,6 +17,7 @@ by their header). ``PlainSession()`` has the same surface for
 output with no format (all content, verbatim).
 """
 
+from inferplane.parsers._answer import answer_excludes
 from inferplane.parsers._arguments import ToolSet
 from inferplane.parsers._config import (
     Action,
@@ -89,6 +90,7 @@ __all__ = [
     "Transition",
     "UnknownParserError",
     "VerdictReason",
+    "answer_excludes",
     "build_json_constraint",
     "build_parser",
     "build_tool_constraint",

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from inferplane.parsers._answer import answer_excludes, bounded_strings_as_patterns
 from inferplane.parsers._errors import ConstraintError
 from inferplane.parsers._syntax import CallSyntax
 
@@ -317,6 +318,7 @@ def build_json_constraint(
     *,
     syntax: CallSyntax | None = None,
     thinking: bool = True,
+    markers: Sequence[str] = (),
 ) -> Constraint:
     """The constraint for ``response_format`` ``json_object`` (`schema` None) or
     ``json_schema``, in the output format's own shape, so that reasoning is not forced into
@@ -328,17 +330,24 @@ def build_json_constraint(
     ``build_tool_constraint``), then the answer header when the format has one (harmony's
     ``<|channel|>final<|message|>``, vLLM's variants), then the JSON value.
 
+    With `markers` (the tokenizer's marker and special-token texts), the answer's strings
+    may not hold them (``_answer.py``: why, and what it costs), whitespace between JSON tokens
+    is capped at ``MAX_WHITESPACE``, and the constraint is always a structural tag (vLLM's
+    ``json_schema`` has no exclusions).
+
     Args:
         schema: the JSON schema, or None for any JSON object.
         syntax: the format's call syntax (``parser.config.call_syntax``); None: Kimi K2's.
         thinking: the prompt opened reasoning.
+        markers: texts the answer must never show (``ModelAssets.marker_texts``); empty: no
+            exclusion (vLLM's plain json_schema / json_object without reasoning).
     """
     if syntax is None:
         from inferplane.parsers._kimi_k2 import KIMI_K2_CALLS
 
         syntax = KIMI_K2_CALLS
     prefix = _reasoning_prefix(syntax, thinking)
-    if prefix is None and not syntax.answer_begins:
+    if prefix is None and not syntax.answer_begins and not markers:
         if schema is None:
             return Constraint("json_object", "true")
         return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
@@ -346,6 +355,10 @@ def build_json_constraint(
         "type": "json_schema",
         "json_schema": schema if schema is not None else {"type": "object"},
     }
+    if markers:
+        answer["json_schema"] = bounded_strings_as_patterns(answer["json_schema"], markers)
+        answer["excludes"] = list(answer_excludes(markers))
+        answer["max_whitespace_cnt"] = MAX_WHITESPACE
     if syntax.answer_begins:
         heads = [{"type": "const_string", "value": b} for b in syntax.answer_begins]
         head = heads[0] if len(heads) == 1 else {"type": "or", "elements": heads}

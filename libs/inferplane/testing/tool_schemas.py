@@ -115,6 +115,13 @@ def property_schemas(
     return st.one_of(leaves, leaves, nested, arrays)
 
 
+def object_schemas(max_length: int = 40, bounded: bool = False) -> st.SearchStrategy[JSON]:
+    """An object schema with 1 to 5 properties of `property_schemas` (nested objects and
+    arrays included) and a random `required` list: a `response_format` json_schema, or a
+    tool's `parameters`."""
+    return _object(property_schemas(2, max_length, bounded), 5, 1)
+
+
 @st.composite
 def tool_sets(
     draw: st.DrawFn, max_tools: int = 4, max_length: int = 40, bounded: bool = False
@@ -135,7 +142,7 @@ def tool_sets(
         # At least one property: a tool without parameters (`{}`) leaves nothing to constrain.
         function: JSON = {
             "name": name,
-            "parameters": draw(_object(property_schemas(2, max_length, bounded), 5, 1)),
+            "parameters": draw(object_schemas(max_length, bounded)),
         }
         if draw(st.booleans()):
             function["description"] = " ".join(draw(st.lists(_words, min_size=1, max_size=6)))

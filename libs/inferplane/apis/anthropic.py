@@ -22,9 +22,10 @@ the `ChatCompletionRequest` the chat pipeline validates, renders and generates f
   `metadata.user_id` → `user` (session affinity; an opaque string: Claude Code sends JSON);
   `output_config.format` (`json_schema`) → `response_format`.
 
-Accepted and ignored (docs/api-messages.md says why): `cache_control` on any block or tool,
-`output_config.effort`, `context_management`, `service_tier`, `thinking.budget_tokens` (checked
-as Anthropic checks it), a block's `citations: null`. Refused with a 400 naming the key's path
+Accepted and ignored (docs/api-messages.md says why): `cache_control` (top level, or on any
+block or tool), `output_config.effort`, `context_management`, `service_tier`, `speed`,
+`diagnostics`, `thinking.budget_tokens` (checked as Anthropic checks it), a block's
+`citations: null`. Refused with a 400 naming the key's path
 (`InvalidArgumentError`, which the edge answers as Anthropic's `invalid_request_error`):
 `image`, `document` and other non-text blocks, server tools, a block key Anthropic does not
 define ("Unrecognized request argument supplied: messages[0].content[1].foo", the edge's own
@@ -71,6 +72,8 @@ THINKING_TYPES: Final = ("enabled", "disabled", "adaptive")
 THINKING_DISPLAYS: Final = ("summarized", "omitted")
 EFFORTS: Final = ("low", "medium", "high", "max")
 SERVICE_TIERS: Final = ("auto", "standard_only")
+SPEEDS: Final = ("standard", "fast")
+CACHE_CONTROL_TYPES: Final = ("ephemeral",)
 MIN_THINKING_BUDGET: Final = 1024  # Anthropic refuses a smaller budget_tokens
 
 _UNRECOGNIZED = "Unrecognized request argument supplied: "
@@ -568,6 +571,13 @@ def to_chat(request: apb.MessagesRequest, *, count_only: bool = False) -> pb.Cha
         _output_config(request.output_config, body)
     if request.HasField("service_tier") and request.service_tier not in SERVICE_TIERS:
         raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
+    if request.HasField("speed") and request.speed not in SPEEDS:
+        raise _bad(f"speed must be one of {', '.join(SPEEDS)}", "speed")
+    if request.HasField("cache_control"):
+        cache = json_format.MessageToDict(request.cache_control)
+        _check_keys(cache, frozenset({"type", "ttl"}), "cache_control")
+        if cache.get("type") not in CACHE_CONTROL_TYPES:
+            raise _bad("cache_control.type must be 'ephemeral'", "cache_control.type")
     if request.stream:
         body["stream"] = True
     chat = pb.ChatCompletionRequest()

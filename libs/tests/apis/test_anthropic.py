@@ -243,6 +243,9 @@ def test_what_claude_code_sends_is_accepted() -> None:
         context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         metadata={"user_id": '{"session_id": "abc"}'},
         service_tier="auto",
+        cache_control={"type": "ephemeral"},
+        diagnostics={"previous_message_id": None},
+        speed="standard",
     )
     assert out["user"] == '{"session_id": "abc"}'
     assert "response_format" not in out
@@ -324,6 +327,8 @@ def test_output_format_becomes_a_strict_json_schema() -> None:
         ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
         ({"output_config": {"format": {"type": "regex"}}}, "output_config.format.type"),
         ({"service_tier": "priority"}, "service_tier"),
+        ({"speed": "ludicrous"}, "speed"),
+        ({"cache_control": {"type": "permanent"}}, "cache_control.type"),
     ],
 )
 def test_refusals_name_the_param(body: dict[str, Any], param: str) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/inference/v1/anthropic.proto\x12\x17inferplane.inference.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xda\x05\n\x0fMessagesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12;\n\x08messages\x18\x02 \x03(\x0b\x32).inferplane.inference.v1.AnthropicMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12&\n\x06system\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12&\n\x05tools\x18\x05 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x41\n\x0btool_choice\x18\x06 \x01(\x0b\x32,.inferplane.inference.v1.AnthropicToolChoice\x12<\n\x08thinking\x18\x07 \x01(\x0b\x32*.inferplane.inference.v1.AnthropicThinking\x12\x16\n\x0estop_sequences\x18\x08 \x03(\t\x12\x18\n\x0btemperature\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x06stream\x18\x0c \x01(\x08H\x04\x88\x01\x01\x12<\n\x08metadata\x18\r \x01(\x0b\x32*.inferplane.inference.v1.AnthropicMetadata\x12\x45\n\routput_config\x18\x0e \x01(\x0b\x32..inferplane.inference.v1.AnthropicOutputConfig\x12\x33\n\x12\x63ontext_management\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x19\n\x0cservice_tier\x18\x10 \x01(\tH\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\t\n\x07_streamB\x0f\n\r_service_tier\"I\n\x10\x41nthropicMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\"\x85\x01\n\x13\x41nthropicToolChoice\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x11\n\x04name\x18\x02 \x01(\tH\x00\x88\x01\x01\x12&\n\x19\x64isable_parallel_tool_use\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_nameB\x1c\n\x1a_disable_parallel_tool_use\"q\n\x11\x41nthropicThinking\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x1a\n\rbudget_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x64isplay\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_budget_tokensB\n\n\x08_display\"5\n\x11\x41nthropicMetadata\x12\x14\n\x07user_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_user_id\"`\n\x15\x41nthropicOutputConfig\x12\x13\n\x06\x65\x66\x66ort\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\'\n\x06\x66ormat\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\t\n\x07_effort\"m\n\x14\x43reateMessageRequest\x12\x39\n\x07request\x18\x01 \x01(\x0b\x32(.inferplane.inference.v1.MessagesRequest\x12\x11\n\x04\x62\x65ta\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x07\n\x05_beta\"r\n\x19\x43ountMessageTokensRequest\x12\x39\n\x07request\x18\x01 \x01(\x0b\x32(.inferplane.inference.v1.MessagesRequest\x12\x11\n\x04\x62\x65ta\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x07\n\x05_beta\"2\n\x1a\x43ountMessageTokensResponse\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/inference/v1/anthropic.proto\x12\x17inferplane.inference.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xec\x06\n\x0fMessagesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12;\n\x08messages\x18\x02 \x03(\x0b\x32).inferplane.inference.v1.AnthropicMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12&\n\x06system\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12&\n\x05tools\x18\x05 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x41\n\x0btool_choice\x18\x06 \x01(\x0b\x32,.inferplane.inference.v1.AnthropicToolChoice\x12<\n\x08thinking\x18\x07 \x01(\x0b\x32*.inferplane.inference.v1.AnthropicThinking\x12\x16\n\x0estop_sequences\x18\x08 \x03(\t\x12\x18\n\x0btemperature\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x06stream\x18\x0c \x01(\x08H\x04\x88\x01\x01\x12<\n\x08metadata\x18\r \x01(\x0b\x32*.inferplane.inference.v1.AnthropicMetadata\x12\x45\n\routput_config\x18\x0e \x01(\x0b\x32..inferplane.inference.v1.AnthropicOutputConfig\x12\x33\n\x12\x63ontext_management\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x19\n\x0cservice_tier\x18\x10 \x01(\tH\x05\x88\x01\x01\x12.\n\rcache_control\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x42\n\x0b\x64iagnostics\x18\x12 \x01(\x0b\x32-.inferplane.inference.v1.AnthropicDiagnostics\x12\x12\n\x05speed\x18\x13 \x01(\tH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\t\n\x07_streamB\x0f\n\r_service_tierB\x08\n\x06_speed\"P\n\x14\x41nthropicDiagnostics\x12 \n\x13previous_message_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x16\n\x14_previous_message_id\"I\n\x10\x41nthropicMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\"\x85\x01\n\x13\x41nthropicToolChoice\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x11\n\x04name\x18\x02 \x01(\tH\x00\x88\x01\x01\x12&\n\x19\x64isable_parallel_tool_use\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_nameB\x1c\n\x1a_disable_parallel_tool_use\"q\n\x11\x41nthropicThinking\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x1a\n\rbudget_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x64isplay\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_budget_tokensB\n\n\x08_display\"5\n\x11\x41nthropicMetadata\x12\x14\n\x07user_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_user_id\"`\n\x15\x41nthropicOutputConfig\x12\x13\n\x06\x65\x66\x66ort\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\'\n\x06\x66ormat\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\t\n\x07_effort\"m\n\x14\x43reateMessageRequest\x12\x39\n\x07request\x18\x01 \x01(\x0b\x32(.inferplane.inference.v1.MessagesRequest\x12\x11\n\x04\x62\x65ta\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x07\n\x05_beta\"r\n\x19\x43ountMessageTokensRequest\x12\x39\n\x07request\x18\x01 \x01(\x0b\x32(.inferplane.inference.v1.MessagesRequest\x12\x11\n\x04\x62\x65ta\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x07\n\x05_beta\"2\n\x1a\x43ountMessageTokensResponse\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferplane.inference.v1.ant
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MESSAGESREQUEST']._serialized_start=99
-  _globals['_MESSAGESREQUEST']._serialized_end=829
-  _globals['_ANTHROPICMESSAGE']._serialized_start=831
-  _globals['_ANTHROPICMESSAGE']._serialized_end=904
-  _globals['_ANTHROPICTOOLCHOICE']._serialized_start=907
-  _globals['_ANTHROPICTOOLCHOICE']._serialized_end=1040
-  _globals['_ANTHROPICTHINKING']._serialized_start=1042
-  _globals['_ANTHROPICTHINKING']._serialized_end=1155
-  _globals['_ANTHROPICMETADATA']._serialized_start=1157
-  _globals['_ANTHROPICMETADATA']._serialized_end=1210
-  _globals['_ANTHROPICOUTPUTCONFIG']._serialized_start=1212
-  _globals['_ANTHROPICOUTPUTCONFIG']._serialized_end=1308
-  _globals['_CREATEMESSAGEREQUEST']._serialized_start=1310
-  _globals['_CREATEMESSAGEREQUEST']._serialized_end=1419
-  _globals['_COUNTMESSAGETOKENSREQUEST']._serialized_start=1421
-  _globals['_COUNTMESSAGETOKENSREQUEST']._serialized_end=1535
-  _globals['_COUNTMESSAGETOKENSRESPONSE']._serialized_start=1537
-  _globals['_COUNTMESSAGETOKENSRESPONSE']._serialized_end=1587
+  _globals['_MESSAGESREQUEST']._serialized_end=975
+  _globals['_ANTHROPICDIAGNOSTICS']._serialized_start=977
+  _globals['_ANTHROPICDIAGNOSTICS']._serialized_end=1057
+  _globals['_ANTHROPICMESSAGE']._serialized_start=1059
+  _globals['_ANTHROPICMESSAGE']._serialized_end=1132
+  _globals['_ANTHROPICTOOLCHOICE']._serialized_start=1135
+  _globals['_ANTHROPICTOOLCHOICE']._serialized_end=1268
+  _globals['_ANTHROPICTHINKING']._serialized_start=1270
+  _globals['_ANTHROPICTHINKING']._serialized_end=1383
+  _globals['_ANTHROPICMETADATA']._serialized_start=1385
+  _globals['_ANTHROPICMETADATA']._serialized_end=1438
+  _globals['_ANTHROPICOUTPUTCONFIG']._serialized_start=1440
+  _globals['_ANTHROPICOUTPUTCONFIG']._serialized_end=1536
+  _globals['_CREATEMESSAGEREQUEST']._serialized_start=1538
+  _globals['_CREATEMESSAGEREQUEST']._serialized_end=1647
+  _globals['_COUNTMESSAGETOKENSREQUEST']._serialized_start=1649
+  _globals['_COUNTMESSAGETOKENSREQUEST']._serialized_end=1763
+  _globals['_COUNTMESSAGETOKENSRESPONSE']._serialized_start=1765
+  _globals['_COUNTMESSAGETOKENSRESPONSE']._serialized_end=1815
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,9 @@ class MessagesRequest(_message.Message):
     OUTPUT_CONFIG_FIELD_NUMBER: _builtins.int
     CONTEXT_MANAGEMENT_FIELD_NUMBER: _builtins.int
     SERVICE_TIER_FIELD_NUMBER: _builtins.int
+    CACHE_CONTROL_FIELD_NUMBER: _builtins.int
+    DIAGNOSTICS_FIELD_NUMBER: _builtins.int
+    SPEED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias)."""
     max_tokens: _builtins.int
@@ -64,6 +67,8 @@ class MessagesRequest(_message.Message):
     """Stream the response as Anthropic's server-sent events."""
     service_tier: _builtins.str
     """Anthropic's capacity tier ("auto", "standard_only"); accepted and ignored."""
+    speed: _builtins.str
+    """"standard" or "fast"; accepted and ignored (one speed)."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___AnthropicMessage]:
         """The conversation: alternating "user" and "assistant" messages."""
@@ -102,6 +107,16 @@ class MessagesRequest(_message.Message):
     def context_management(self) -> _struct_pb2.Struct:
         """Server-side context editing (`{"edits": [...]}`); accepted and ignored (docs/api-messages.md)."""
 
+    @_builtins.property
+    def cache_control(self) -> _struct_pb2.Struct:
+        """Automatic prompt caching (`{"type": "ephemeral"}`); accepted and ignored: the prefix cache
+        is automatic.
+        """
+
+    @_builtins.property
+    def diagnostics(self) -> Global___AnthropicDiagnostics:
+        """Prompt-cache diagnostics asked for; accepted and ignored (the response carries none)."""
+
     def __init__(
         self,
         *,
@@ -121,15 +136,20 @@ class MessagesRequest(_message.Message):
         output_config: Global___AnthropicOutputConfig | None = ...,
         context_management: _struct_pb2.Struct | None = ...,
         service_tier: _builtins.str | None = ...,
+        cache_control: _struct_pb2.Struct | None = ...,
+        diagnostics: Global___AnthropicDiagnostics | None = ...,
+        speed: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_service_tier", b"_service_tier", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "context_management", b"context_management", "max_tokens", b"max_tokens", "metadata", b"metadata", "output_config", b"output_config", "service_tier", b"service_tier", "stream", b"stream", "system", b"system", "temperature", b"temperature", "thinking", b"thinking", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_service_tier", b"_service_tier", "_speed", b"_speed", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "cache_control", b"cache_control", "context_management", b"context_management", "diagnostics", b"diagnostics", "max_tokens", b"max_tokens", "metadata", b"metadata", "output_config", b"output_config", "service_tier", b"service_tier", "speed", b"speed", "stream", b"stream", "system", b"system", "temperature", b"temperature", "thinking", b"thinking", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_service_tier", b"_service_tier", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "context_management", b"context_management", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "model", b"model", "output_config", b"output_config", "service_tier", b"service_tier", "stop_sequences", b"stop_sequences", "stream", b"stream", "system", b"system", "temperature", b"temperature", "thinking", b"thinking", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_service_tier", b"_service_tier", "_speed", b"_speed", "_stream", b"_stream", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "cache_control", b"cache_control", "context_management", b"context_management", "diagnostics", b"diagnostics", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "model", b"model", "output_config", b"output_config", "service_tier", b"service_tier", "speed", b"speed", "stop_sequences", b"stop_sequences", "stream", b"stream", "system", b"system", "temperature", b"temperature", "thinking", b"thinking", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__service_tier: _TypeAlias = _typing.Literal["service_tier"]  # noqa: Y015
     _WhichOneofArgType__service_tier: _TypeAlias = _typing.Literal["_service_tier", b"_service_tier"]  # noqa: Y015
+    _WhichOneofReturnType__speed: _TypeAlias = _typing.Literal["speed"]  # noqa: Y015
+    _WhichOneofArgType__speed: _TypeAlias = _typing.Literal["_speed", b"_speed"]  # noqa: Y015
     _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -143,6 +163,8 @@ class MessagesRequest(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__service_tier) -> _WhichOneofReturnType__service_tier | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speed) -> _WhichOneofReturnType__speed | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
@@ -152,6 +174,30 @@ class MessagesRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___MessagesRequest: _TypeAlias = MessagesRequest  # noqa: Y015
+
+@_typing.final
+class AnthropicDiagnostics(_message.Message):
+    """Prompt-cache diagnostics a client asks for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    previous_message_id: _builtins.str
+    """The `msg_…` id of the client's previous response, or null on a first turn."""
+    def __init__(
+        self,
+        *,
+        previous_message_id: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_message_id", b"_previous_message_id", "previous_message_id", b"previous_message_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_message_id", b"_previous_message_id", "previous_message_id", b"previous_message_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__previous_message_id: _TypeAlias = _typing.Literal["previous_message_id"]  # noqa: Y015
+    _WhichOneofArgType__previous_message_id: _TypeAlias = _typing.Literal["_previous_message_id", b"_previous_message_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__previous_message_id) -> _WhichOneofReturnType__previous_message_id | None: ...
+
+Global___AnthropicDiagnostics: _TypeAlias = AnthropicDiagnostics  # noqa: Y015
 
 @_typing.final
 class AnthropicMessage(_message.Message):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inferplane.testing import weather_mcp
 
@@ -103,12 +104,90 @@ class Completed:
     stderr: str
     seconds: float
 
+    def turn(self) -> Turn:
+        """What the agent's machine-readable output (each is run with its JSON output mode)
+        says of the turn."""
+        return {CLAUDE_CODE: _claude_turn, CODEX: _codex_turn, OPENCODE: _opencode_turn}[
+            self.invocation.agent
+        ](self.stdout)
+
     def summary(self) -> str:
         return (
             f"{self.invocation.agent} exited {self.returncode} after {self.seconds:.1f} s: "
             f"{self.invocation.describe()}\n--- stdout\n{self.stdout[-3000:]}\n"
             f"--- stderr\n{self.stderr[-3000:]}"
         )
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn as the agent reports it: `completed` when it says the turn ended without an
+    error (`error` holds what it said otherwise); `text` is the model's answer, else its
+    reasoning; `output_tokens` what the agent counted (reasoning included)."""
+
+    completed: bool
+    error: str
+    text: str
+    output_tokens: int
+
+
+def _json_lines(stdout: str) -> list[dict[str, Any]]:
+    out = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _claude_turn(stdout: str) -> Turn:
+    # `--output-format json`: one result object (`is_error`, `result`, `usage`).
+    results = [event for event in _json_lines(stdout) if event.get("type") == "result"]
+    if not results:
+        return Turn(False, "no result object", "", 0)
+    result = results[-1]
+    usage = result.get("usage") or {}
+    error = str(result.get("result", "")) if result.get("is_error") else ""
+    text = str(result.get("result") or "")
+    return Turn(not result.get("is_error"), error, text, int(usage.get("output_tokens") or 0))
+
+
+def _codex_turn(stdout: str) -> Turn:
+    # `exec --json`: JSON lines; `turn.completed` (with usage) or `turn.failed` / `error`.
+    events = _json_lines(stdout)
+    errors = [
+        str(event.get("message") or event.get("error"))
+        for event in events
+        if event.get("type") in ("turn.failed", "error")
+    ]
+    items = [event["item"] for event in events if event.get("type") == "item.completed"]
+    answers = [str(i.get("text", "")) for i in items if i.get("type") == "agent_message"]
+    reasoning = [str(i.get("text", "")) for i in items if i.get("type") == "reasoning"]
+    done = [event for event in events if event.get("type") == "turn.completed"]
+    tokens = sum(int((event.get("usage") or {}).get("output_tokens") or 0) for event in done)
+    completed = bool(done) and not errors
+    return Turn(completed, "; ".join(errors), "".join(answers or reasoning), tokens)
+
+
+def _opencode_turn(stdout: str) -> Turn:
+    # `run --format json`: JSON lines of parts; each model step ends with `step_finish`.
+    events = _json_lines(stdout)
+    errors = [str(event.get("error")) for event in events if event.get("type") == "error"]
+    texts = [
+        str((event.get("part") or {}).get("text", ""))
+        for event in events
+        if event.get("type") in ("text", "reasoning")
+    ]
+    steps = [event.get("part") or {} for event in events if event.get("type") == "step_finish"]
+    tokens = sum(
+        int((step.get("tokens") or {}).get("output") or 0)
+        + int((step.get("tokens") or {}).get("reasoning") or 0)
+        for step in steps
+    )
+    return Turn(bool(steps) and not errors, "; ".join(errors), "".join(texts), tokens)
 
 
 class AgentsNotInstalled(RuntimeError):
@@ -195,7 +274,7 @@ def _claude_code(
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         }
     )
-    argv = [str(binary(CLAUDE_CODE)), "-p", prompt, "--output-format", "text"]
+    argv = [str(binary(CLAUDE_CODE)), "-p", prompt, "--output-format", "json"]
     if weather:
         config = home / "mcp.json"
         server = {"command": _mcp_command()[0], "args": _mcp_command()[1:]}
@@ -236,12 +315,19 @@ def _codex(
             f"command = {json.dumps(_mcp_command()[0])}",
             f"args = {json.dumps(_mcp_command()[1:])}",
             f"env = {{ {weather_mcp.CALLS_ENV} = {json.dumps(env[weather_mcp.CALLS_ENV])} }}",
+            # An optional server still starting is left out of the first request; a required
+            # one is waited for (up to startup_timeout_sec: Python's start on a loaded box).
+            "required = true",
+            "startup_timeout_sec = 120",
+            # `exec` never asks: a tool that needs approval fails unless approved here.
+            'default_tools_approval_mode = "approve"',
         ]
     (codex_home / "config.toml").write_text("\n".join(lines) + "\n")
     env.update({"CODEX_HOME": str(codex_home), KEY_ENV: endpoint.api_key})
     return [
         str(binary(CODEX)),
         "exec",
+        "--json",
         "--skip-git-repo-check",
         "--ephemeral",
         "--sandbox",
@@ -296,4 +382,5 @@ def _opencode(
             "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
         }
     )
-    return [str(binary(OPENCODE)), "run", "--model", f"{PROVIDER}/{endpoint.model}", prompt]
+    model = f"{PROVIDER}/{endpoint.model}"
+    return [str(binary(OPENCODE)), "run", "--format", "json", "--model", model, prompt]

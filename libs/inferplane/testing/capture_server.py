@@ -4,6 +4,12 @@ well-formed reply ("ok"), streamed or not as asked, so a coding agent completes 
 sends every request a turn holds (a capture server that only answered errors would see the
 agent's retries instead of its later requests).
 
+Scripted tool round trip: when a request declares a tool whose name ends with `get_weather`
+(the agent's name for `inferplane.testing.weather_mcp`'s tool: Claude Code's
+`mcp__weather__get_weather`, OpenCode's `weather_get_weather`, Codex's `get_weather` inside the
+`mcp__weather` namespace) and its conversation holds no tool result yet, the answer is a call of
+it (`WEATHER_ARGUMENTS`); the agent then runs the tool and sends the result in its next request.
+
 Used by `tests/agents/capture.py` to record what each pinned agent sends
 (`tests/data/agents/`). Not a model: the answer never depends on the request.
 """
@@ -20,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 ANSWER = "ok"
+WEATHER_TOOL = "get_weather"
+WEATHER_ARGUMENTS = '{"city": "Tokyo", "unit": "celsius"}'
 
 
 @dataclass(frozen=True)
@@ -147,17 +155,65 @@ def _model(request: dict[str, Any]) -> str:
     return str(request.get("model") or "captured-model")
 
 
+def weather_tool(request: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(name, namespace) of the declared weather tool, if the conversation has no tool result
+    yet (a second request of the round trip is answered with text)."""
+    if _has_tool_result(request):
+        return None
+    for tool in request.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        nested = tool.get("function") if isinstance(tool.get("function"), dict) else None
+        name = str((nested or tool).get("name") or "")
+        if name.endswith(WEATHER_TOOL):
+            return name, None
+        if tool.get("type") == "namespace":
+            for inner in tool.get("tools") or []:
+                if str(inner.get("name") or "").endswith(WEATHER_TOOL):
+                    return str(inner["name"]), name
+    return None
+
+
+def _has_tool_result(request: dict[str, Any]) -> bool:
+    for message in request.get("messages") or []:  # chat and Anthropic Messages
+        if message.get("role") == "tool":
+            return True
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(block, dict) and block.get("type") == "tool_result" for block in content
+        ):
+            return True
+    items = request.get("input")  # Responses
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and item.get("type") == "function_call_output" for item in items
+    )
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 # -- Anthropic Messages ----------------------------------------------------------------------
 
 
 def messages_reply(request: dict[str, Any]) -> dict[str, Any]:
+    tool = weather_tool(request)
+    block: dict[str, Any] = {"type": "text", "text": ANSWER}
+    if tool:
+        tool_id = f"toolu_{uuid.uuid4().hex[:24]}"
+        block = {
+            "type": "tool_use",
+            "id": tool_id,
+            "name": tool[0],
+            "input": json.loads(WEATHER_ARGUMENTS),
+        }
     return {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
         "role": "assistant",
         "model": _model(request),
-        "content": [{"type": "text", "text": ANSWER}],
-        "stop_reason": "end_turn",
+        "content": [block],
+        "stop_reason": "tool_use" if tool else "end_turn",
         "stop_sequence": None,
         "usage": {"input_tokens": 1, "output_tokens": 1},
     }
@@ -167,16 +223,21 @@ def messages_events(request: dict[str, Any]) -> Iterator[tuple[str | None, Any]]
     reply = messages_reply(request)
     start = {**reply, "content": [], "stop_reason": None}
     yield "message_start", {"type": "message_start", "message": start}
-    block = {"type": "text", "text": ""}
+    block = dict(reply["content"][0])
+    if block["type"] == "tool_use":
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block.pop("input"))}
+        block["input"] = {}
+    else:
+        delta = {"type": "text_delta", "text": block.pop("text")}
+        block["text"] = ""
     yield "content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}
-    delta = {"type": "text_delta", "text": ANSWER}
     yield "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
     yield "content_block_stop", {"type": "content_block_stop", "index": 0}
     yield (
         "message_delta",
         {
             "type": "message_delta",
-            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "delta": {"stop_reason": reply["stop_reason"], "stop_sequence": None},
             "usage": {"output_tokens": 1},
         },
     )
@@ -187,13 +248,25 @@ def messages_events(request: dict[str, Any]) -> Iterator[tuple[str | None, Any]]
 
 
 def responses_reply(request: dict[str, Any]) -> dict[str, Any]:
-    item = {
+    tool = weather_tool(request)
+    item: dict[str, Any] = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
         "role": "assistant",
         "status": "completed",
         "content": [{"type": "output_text", "text": ANSWER, "annotations": []}],
     }
+    if tool:
+        item = {
+            "id": f"fc_{uuid.uuid4().hex[:24]}",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": _call_id(),
+            "name": tool[0],
+            "arguments": WEATHER_ARGUMENTS,
+        }
+        if tool[1]:
+            item["namespace"] = tool[1]
     return {
         "id": f"resp_{uuid.uuid4().hex[:24]}",
         "object": "response",
@@ -215,10 +288,38 @@ def responses_events(request: dict[str, Any]) -> Iterator[tuple[str | None, Any]
     done = responses_reply(request)
     item = done["output"][0]
     created = {**done, "status": "in_progress", "output": [], "usage": None}
-    part = {"type": "output_text", "text": "", "annotations": []}
-    events: list[dict[str, Any]] = [
+    head: list[dict[str, Any]] = [
         {"type": "response.created", "response": created},
         {"type": "response.in_progress", "response": created},
+    ]
+    if item["type"] == "function_call":
+        call_events = [
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {**item, "status": "in_progress", "arguments": ""},
+            },
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": item["id"],
+                "output_index": 0,
+                "delta": item["arguments"],
+            },
+            {
+                "type": "response.function_call_arguments.done",
+                "item_id": item["id"],
+                "output_index": 0,
+                "arguments": item["arguments"],
+            },
+            {"type": "response.output_item.done", "output_index": 0, "item": item},
+            {"type": "response.completed", "response": done},
+        ]
+        for number, event in enumerate(head + call_events):
+            yield event["type"], {**event, "sequence_number": number}
+        return
+    part = {"type": "output_text", "text": "", "annotations": []}
+    events: list[dict[str, Any]] = [
+        *head,
         {
             "type": "response.output_item.added",
             "output_index": 0,
@@ -262,7 +363,19 @@ def responses_events(request: dict[str, Any]) -> Iterator[tuple[str | None, Any]
 # -- OpenAI chat completions -----------------------------------------------------------------
 
 
+def _chat_call(request: dict[str, Any]) -> dict[str, Any] | None:
+    tool = weather_tool(request)
+    if not tool:
+        return None
+    function = {"name": tool[0], "arguments": WEATHER_ARGUMENTS}
+    return {"id": _call_id(), "type": "function", "function": function}
+
+
 def chat_reply(request: dict[str, Any]) -> dict[str, Any]:
+    call = _chat_call(request)
+    message: dict[str, Any] = {"role": "assistant", "content": ANSWER}
+    if call:
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion",
@@ -271,8 +384,8 @@ def chat_reply(request: dict[str, Any]) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": ANSWER},
-                "finish_reason": "stop",
+                "message": message,
+                "finish_reason": "tool_calls" if call else "stop",
             }
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
@@ -286,11 +399,18 @@ def chat_events(request: dict[str, Any]) -> Iterator[tuple[str | None, Any]]:
         "created": int(time.time()),
         "model": _model(request),
     }
+    call = _chat_call(request)
     deltas: list[tuple[dict[str, Any], str | None]] = [
         ({"role": "assistant", "content": ""}, None),
         ({"content": ANSWER}, None),
         ({}, "stop"),
     ]
+    if call:
+        deltas = [
+            ({"role": "assistant", "content": None}, None),
+            ({"tool_calls": [{"index": 0, **call}]}, None),
+            ({}, "tool_calls"),
+        ]
     for delta, finish in deltas:
         yield None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}

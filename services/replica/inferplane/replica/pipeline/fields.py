@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,11 +66,13 @@ class FieldRule:
             honouring means where it is not obvious.
         asks_nothing: for REFUSED fields, the test of a value that asks for nothing and passes
             (default: an empty value: null, "", [], {}).
+        passes: for REFUSED fields, that value in words (docs/request-fields.md).
     """
 
     treatment: Treatment
     why: str = ""
     asks_nothing: Callable[[Any], bool] = _empty
+    passes: str = ""
 
 
 H = Treatment.HONOURED
@@ -84,7 +87,9 @@ def _ignored(why: str) -> FieldRule:
 
 
 def _refused(why: str, default: Any = None) -> FieldRule:
-    return FieldRule(Treatment.REFUSED, why, _empty if default is None else _is_default(default))
+    if default is None:
+        return FieldRule(Treatment.REFUSED, why, _empty, "null or empty")
+    return FieldRule(Treatment.REFUSED, why, _is_default(default), json.dumps(default))
 
 
 _NO_MEDIA = "inferplane serves text models: no multimodal input"
@@ -135,6 +140,7 @@ _COMMON: dict[str, FieldRule] = {
         "a reasoning token budget needs the engine's reasoning parser, which the platform's "
         "engines run without; -1 (unlimited) passes",
         lambda v: v is None or v == -1,
+        "null or -1",
     ),
     "truncate_prompt_tokens": _refused(
         "the platform never cuts a prompt (a prompt that does not fit is a clear "

@@ -74,7 +74,7 @@ class ResponsesService(responses_pb2_grpc.ResponsesServiceServicer):  # type: ig
             return str(metadata[TENANT])
         raw = metadata.get("authorization")
         principal = await self._verifier.verify(parse_bearer(str(raw) if raw else None))
-        return principal.tenant
+        return str(principal.tenant)
 
     async def _get(self, context: Context, response_id: str) -> StoredResponse:
         tenant = await self._tenant(context)
@@ -168,7 +168,7 @@ class ResponseStoreService(responses_pb2_grpc.ResponseStoreServiceServicer):  # 
         except ValueError as exc:
             raise InvalidArgumentError(f"not JSON: {exc}", param="response_json") from exc
         if not isinstance(items, list):
-            raise InvalidArgumentError("input items must be a JSON array", "input_items_json")
+            raise InvalidArgumentError("input items must be a JSON array", param="input_items_json")
         created = (
             datetime.fromtimestamp(request.created_at, UTC)
             if request.created_at

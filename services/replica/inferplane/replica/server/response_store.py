@@ -14,7 +14,7 @@ reported stored that was not).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -84,8 +84,8 @@ class ResponseStoreClient:
 
 
 def _error(exc: grpc.aio.AioRpcError, what: str) -> InferplaneError:
-    trailers: Sequence[tuple[str, Any]] = exc.trailing_metadata() or ()
-    error = error_from_call(exc.code(), exc.details() or "", dict(trailers))
+    trailers: dict[str, Any] = dict(exc.trailing_metadata() or ())  # type: ignore[arg-type]
+    error = error_from_call(exc.code(), exc.details() or "", trailers)
     if isinstance(error, NotFoundError):
         return error
     return UnavailableError(

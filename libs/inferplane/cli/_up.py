@@ -22,6 +22,7 @@ from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
+    QWEN3_MODEL_NAME,
     SPEECH_MODEL_NAME,
     Stack,
     StackConfig,
@@ -67,6 +68,17 @@ def up(
         bool,
         typer.Option(help="Also serve the whisper-tiny speech model (/v1/audio/transcriptions)."),
     ] = True,
+    qwen3: Annotated[
+        bool,
+        typer.Option(help="Also serve qwen3-tiny, the Qwen3 chat family beside kimi-tiny's Kimi."),
+    ] = True,
+    max_model_len: Annotated[
+        int,
+        typer.Option(
+            help="The chat models' context length in tokens (prompt + completion), at most "
+            "their position limit; the default holds a coding agent's prompt."
+        ),
+    ] = kimi_tiny.MAX_MODEL_LEN,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -80,6 +92,8 @@ def up(
         plaintext=plaintext,
         embeddings=embeddings,
         speech=speech,
+        qwen3=qwen3,
+        max_model_len=max_model_len,
     )
     stack = Stack(config)
     stop = threading.Event()
@@ -134,8 +148,18 @@ def _banner(config: StackConfig, key: str) -> tuple[str, str]:
     url = config.base_url
     # The fixture model only answers the phrasings it was trained on (kimi_tiny.CASES).
     body = json.dumps(kimi_tiny.WEATHER.request(), separators=(",", ":"))
+    models = [MODEL_NAME] + [
+        name
+        for name, on in (
+            (QWEN3_MODEL_NAME, config.qwen3),
+            (EMBED_MODEL_NAME, config.embeddings),
+            (SPEECH_MODEL_NAME, config.speech),
+        )
+        if on
+    ]
     header = f"""
-[bold green]inferplane is up[/bold green]  endpoint: [bold]{url}[/bold]   model: {MODEL_NAME}
+[bold green]inferplane is up[/bold green]  endpoint: [bold]{url}[/bold]
+models: {", ".join(models)} (chat context {config.max_model_len:,} tokens)
 API key (shown once): [bold]{key}[/bold]
 web console: [bold]{config.console_url}[/bold] (the admin key, or a key with the console scope)
 logs: {config.data_dir / "logs"}   status: inferplane status --data-dir {config.data_dir}"""
@@ -168,6 +192,8 @@ curl{curl_ca} {url}/audio/transcriptions -H "Authorization: Bearer {key}" \\
     return (
         header,
         f"""
+curl{curl_ca} {url}/models -H "Authorization: Bearer {key}"
+
 curl{curl_ca} {url}/chat/completions -H "Authorization: Bearer {key}" \\
   -H "Content-Type: application/json" -d '{body}'
 

@@ -6,7 +6,7 @@ directory.
 Modules (private; import from here):
 
 - `_config`: process names, `StackHost`, `StackConfig`;
-- `_deployments`: the fixture deployments (kimi-tiny, embed-tiny, whisper-tiny);
+- `_deployments`: the fixture deployments (kimi-tiny, qwen3-tiny, embed-tiny, whisper-tiny);
 - `_process`: `ManagedProcess` (one child process, stopped with its group), Envoy in a host;
 - `_launch`: each process's command line, certificates, and the waits between starts;
 - `_stack`: `Stack` (start-up order, stop, the deployments, queries) and `running_stack`;
@@ -18,6 +18,7 @@ from inferplane.localstack._config import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
     NODE_NAME,
+    QWEN3_MODEL_NAME,
     SPEECH_MODEL_NAME,
     StackConfig,
     StackError,
@@ -27,6 +28,7 @@ from inferplane.localstack._config import (
 from inferplane.localstack._deployments import (
     embed_tiny_deployment,
     kimi_tiny_deployment,
+    qwen3_tiny_deployment,
     whisper_tiny_deployment,
 )
 from inferplane.localstack._prometheus import engine_sd_file, render_prometheus_config
@@ -37,6 +39,7 @@ __all__ = [
     "EMBED_MODEL_NAME",
     "MODEL_NAME",
     "NODE_NAME",
+    "QWEN3_MODEL_NAME",
     "SPEECH_MODEL_NAME",
     "Stack",
     "StackConfig",
@@ -45,6 +48,7 @@ __all__ = [
     "embed_tiny_deployment",
     "engine_sd_file",
     "kimi_tiny_deployment",
+    "qwen3_tiny_deployment",
     "render_prometheus_config",
     "running_stack",
     "service_of",

@@ -14,13 +14,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from inferplane.fixtures import embed_tiny, kimi_tiny, whisper_tiny
+from inferplane.fixtures import embed_tiny, kimi_tiny, qwen3_tiny, whisper_tiny
 from inferplane.runtime.security.identity import ADMIN, PeerSecurity
 from inferplane.runtime.security.pki import LocalCA
 
 Progress = Callable[[str], None]
 
-MODEL_NAME = "kimi-tiny"
+MODEL_NAME = kimi_tiny.SERVED_MODEL_NAME
+QWEN3_MODEL_NAME = qwen3_tiny.SERVED_MODEL_NAME
 EMBED_MODEL_NAME = embed_tiny.SERVED_MODEL_NAME
 SPEECH_MODEL_NAME = whisper_tiny.SERVED_MODEL_NAME
 NODE_NAME = "local"
@@ -93,6 +94,14 @@ class StackConfig:
         speech: also serve the whisper-tiny speech-to-text model (`SPEECH_MODEL_NAME`, one
             replica, `inproc`: vLLM's speech serving in the replica process).
         chat: serve kimi-tiny (off only for benchmarks of the other models alone).
+        qwen3: also serve qwen3-tiny (`QWEN3_MODEL_NAME`, one `inproc` replica), the Qwen3 chat
+            family beside kimi-tiny's Kimi K2 (`inferplane up` turns it on).
+        max_model_len: the chat deployments' context length in tokens (prompt + completion),
+            kimi-tiny's and qwen3-tiny's alike; at most the models' position limit
+            (`kimi_tiny.MAX_POSITIONS`, 131,072). The default, the whole limit, holds a coding
+            agent's prompt; it costs an engine neither start-up time nor memory (vLLM's CPU
+            engine sizes its KV cache from `VLLM_CPU_KVCACHE_SPACE`, 1 GiB here either way,
+            and prefills in chunks; docs/long-context.md).
         plaintext: the services talk plaintext gRPC without identities (development only);
             by default every service, Envoy toward them, and the stack's own admin calls use
             mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
@@ -133,6 +142,8 @@ class StackConfig:
     embeddings: bool = False
     speech: bool = False
     chat: bool = True
+    qwen3: bool = False
+    max_model_len: int = kimi_tiny.MAX_MODEL_LEN
     nodes: tuple[str, ...] = (NODE_NAME,)
     routers: int = 1
     hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)

@@ -1,7 +1,8 @@
 """The fixture deployments a local stack creates in the orchestrator's catalogue: kimi-tiny
-(chat, Kimi K2 parsers), embed-tiny (`StackConfig.embeddings`) and whisper-tiny
-(`StackConfig.speech`), each on CPU replicas (`engine: vllm-cpu`, fp32). Placement's sizing
-numbers come from each model folder's `config.json` and `MANIFEST.json`.
+(chat, Kimi K2 parsers), qwen3-tiny (`StackConfig.qwen3`: chat, Qwen3 parsers), embed-tiny
+(`StackConfig.embeddings`) and whisper-tiny (`StackConfig.speech`), each on CPU replicas
+(`engine: vllm-cpu`, fp32). Placement's sizing numbers come from each model folder's
+`config.json` and `MANIFEST.json`.
 """
 
 from __future__ import annotations
@@ -11,27 +12,33 @@ import json
 from typing import Any
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
-from inferplane.fixtures import embed_tiny, whisper_tiny
+from inferplane.fixtures import embed_tiny, qwen3_tiny, whisper_tiny
 from inferplane.localstack._config import StackConfig, StackError
 
 
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
     vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
-    `config.max_num_seqs`, `config.stream_interval`, `config.constrain_tool_choice_auto`, one
-    surge replica per rollout.
+    `config.max_model_len`, `config.max_num_seqs`, `config.stream_interval`,
+    `config.constrain_tool_choice_auto`, one surge replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
+    Placement's KV budget is `max_num_seqs` × `max_model_len` × 512 bytes (2 layers × 2 KV
+    heads × 32 × K and V × 2 bytes): 1 GiB at 16 sequences of 131,072 tokens, so the engine
+    gets `VLLM_CPU_KVCACHE_SPACE=1`, enough for 8 such sequences at vLLM's fp32 KV (1 KiB per
+    token).
 
     Raises:
-        StackError: the model folder has no readable `config.json`.
+        StackError: the model folder has no readable `config.json`, or `config.max_model_len`
+            exceeds its `max_position_embeddings`.
     """
     model = config.model_path
     try:
         arch = json.loads((model / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise StackError(f"cannot read the fixture model's config.json in {model}: {exc}") from exc
+    _check_context(config, arch, model)
     heads = int(arch["num_attention_heads"])
     parameters = 0
     with contextlib.suppress(OSError, ValueError, KeyError):
@@ -50,7 +57,7 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             num_layers=int(arch["num_hidden_layers"]),
             num_kv_heads=int(arch.get("num_key_value_heads") or heads),
             head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // heads),
-            max_model_len=2048,
+            max_model_len=config.max_model_len,
             # The router caps in-flight requests per replica at this; the default 16 lets the
             # edge benchmark's concurrency-16 level run unqueued.
             max_num_seqs=config.max_num_seqs,
@@ -62,6 +69,30 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
         ),
         rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
     )
+
+
+def _check_context(config: StackConfig, arch: dict[str, Any], model: object) -> None:
+    limit = int(arch.get("max_position_embeddings") or 0)
+    if not 0 < config.max_model_len <= limit:
+        raise StackError(
+            f"max_model_len {config.max_model_len} is not within 1..{limit}, the position "
+            f"limit of {model} (config.json max_position_embeddings)"
+        )
+
+
+def qwen3_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
+    """The qwen3-tiny deployment (`config.qwen3`): `qwen3_tiny.deployment()` (one `inproc` CPU
+    replica, fp32, the `qwen3` parsers, 4 sequences) with `config.max_model_len`.
+
+    Raises:
+        StackError: `config.max_model_len` exceeds the model's position limit.
+        FileNotFoundError: the model folder is missing (`qwen3_tiny.model_path`).
+    """
+    deployment = qwen3_tiny.deployment()
+    model = qwen3_tiny.model_path()
+    _check_context(config, json.loads((model / "config.json").read_text()), model)
+    deployment.profile.max_model_len = config.max_model_len
+    return deployment
 
 
 def embed_tiny_deployment() -> orchestrator_pb2.Deployment:

@@ -52,6 +52,7 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_gr
 from inferplane.localstack._config import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
+    QWEN3_MODEL_NAME,
     SPEECH_MODEL_NAME,
     Progress,
     StackConfig,
@@ -61,6 +62,7 @@ from inferplane.localstack._config import (
 from inferplane.localstack._deployments import (
     embed_tiny_deployment,
     kimi_tiny_deployment,
+    qwen3_tiny_deployment,
     whisper_tiny_deployment,
 )
 from inferplane.localstack._launch import Launcher
@@ -192,6 +194,8 @@ class Stack(Launcher):
         wanted = {}
         if cfg.chat:
             wanted[MODEL_NAME] = (kimi_tiny_deployment(cfg), cfg.replicas)
+        if cfg.qwen3:
+            wanted[QWEN3_MODEL_NAME] = (qwen3_tiny_deployment(cfg), 1)
         if cfg.embeddings:
             wanted[EMBED_MODEL_NAME] = (embed_tiny_deployment(), 1)
         if cfg.speech:

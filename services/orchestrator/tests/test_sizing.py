@@ -123,3 +123,20 @@ def test_human_units() -> None:
     assert human_count(70_000_000_000) == "70B"
     assert human_count(1_040_000_000_000) == "1.04T"
     assert human_count(750_000) == "750K"
+
+
+def test_the_local_stacks_chat_fixtures_get_1_gib_of_kv_at_131072_tokens(tmp_path) -> None:
+    """kimi-tiny (16 sequences) and qwen3-tiny (4) as the local stack deploys them, at their
+    128k context: a KV budget of 1 GiB each (VLLM_CPU_KVCACHE_SPACE=1, as at 2,048 tokens);
+    kimi-tiny's 512 bytes per token × 16 × 131,072 is exactly 1 GiB."""
+    from inferplane.localstack import StackConfig, kimi_tiny_deployment, qwen3_tiny_deployment
+    from inferplane.orchestrator.convert import profile_from_proto
+
+    config = StackConfig(data_dir=tmp_path)
+    assert config.max_model_len == 131_072
+    for deployment in (kimi_tiny_deployment(config), qwen3_tiny_deployment(config)):
+        profile = profile_from_proto(deployment.profile)
+        assert profile.max_model_len == 131_072
+        assert estimate(profile).kv_cache_bytes_per_device == GIB
+    kimi = profile_from_proto(kimi_tiny_deployment(config).profile)
+    assert kimi.max_num_seqs * kimi.max_model_len * 512 == GIB

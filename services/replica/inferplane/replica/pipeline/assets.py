@@ -46,6 +46,10 @@ class ModelAssets:
             `generation_config.json`'s `eos_token_id` (int or list), as vLLM merges them.
         max_model_len: context length in tokens (prompt + completion).
         vocab_size: number of token ids (valid ids are `0 .. vocab_size - 1`).
+        marker_texts: the texts a response must never show: every added token of the
+            tokenizer (special tokens and the chat template's markers, special or not) and
+            the parser's markers. A constrained JSON answer's strings exclude them
+            (`inferplane.parsers.build_json_constraint(markers=...)`).
         matryoshka_dimensions: the embedding sizes the model may be cut to (OpenAI's
             `dimensions`), from config.json as vLLM reads it (`ModelConfig.is_matryoshka`):
             its `matryoshka_dimensions`, or every size from 1 to `hidden_size` when it only
@@ -61,6 +65,7 @@ class ModelAssets:
     max_model_len: int
     vocab_size: int
     matryoshka_dimensions: tuple[int, ...] = ()
+    marker_texts: tuple[str, ...] = ()
 
 
 def parser_name(spec: nodeagent_pb2.ReplicaSpec) -> str | None:
@@ -151,7 +156,18 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         max_model_len=max_len,
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
         matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
+        marker_texts=marker_texts(tokenizer, parser),
     )
+
+
+def marker_texts(tokenizer: Any, parser: Parser | None) -> tuple[str, ...]:
+    """The texts no response may show (`ModelAssets.marker_texts`), sorted: the tokenizer's
+    added tokens (`added_tokens_decoder`) and the parser's markers (variants such as Kimi's
+    `◁think▷` are plain text to a tokenizer without them, and are left out)."""
+    texts = {str(t.content) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    if parser is not None:
+        texts.update(parser.config.terminals.values())
+    return tuple(sorted(t for t in texts if t and not t.isspace()))
 
 
 def _matryoshka_dimensions(config: dict[str, Any]) -> tuple[int, ...]:

@@ -340,7 +340,10 @@ def _thinking_from_effort(body: dict[str, Any], family: ChatFamily) -> None:
 
 
 def _json_constraint(
-    schema: Mapping[str, Any] | None, thinking: bool, syntax: CallSyntax | None
+    schema: Mapping[str, Any] | None,
+    thinking: bool,
+    syntax: CallSyntax | None,
+    markers: tuple[str, ...] = (),
 ) -> EngineConstraint:
     """The constraint for `response_format` json_object / json_schema, in the model's own
     output format (`inferplane.parsers.build_json_constraint`; `syntax` is the replica's
@@ -350,10 +353,28 @@ def _json_constraint(
     With thinking on, the K2.5 prompt opened `<think>`, so the output is reasoning, `</think>`,
     then the JSON: an xgrammar structural tag of that sequence (the same shape
     `build_tool_constraint` uses), so reasoning is not forced into JSON; gpt-oss answers in its
-    `final` channel after an optional `analysis` message.
+    `final` channel after an optional `analysis` message. The JSON value's strings cannot hold
+    `markers` (the model's marker and special-token texts, `ModelAssets.marker_texts`): the
+    grammar would otherwise let the model write `<|tool_calls_section_begin|>` inside a value,
+    where the parser ends the content (`inferplane.parsers._answer`).
     """
-    built = build_json_constraint(schema, syntax=syntax, thinking=thinking)
+    built = build_json_constraint(schema, syntax=syntax, thinking=thinking, markers=markers)
     return EngineConstraint(built.kind, built.value)
+
+
+def _refuse_cuts(body: Mapping[str, Any], param: str) -> None:
+    """A JSON answer either validates or ends with `length`: refuses what would end it
+    elsewhere or run past it. A `stop` string the model writes inside a value would cut the
+    value; `ignore_eos` runs on past the finished value (the grammar then lets anything
+    follow); `min_tokens` longer than the value masks every token the finished grammar allows
+    (vLLM's min-tokens processor bans the stop ids, the grammar everything else)."""
+    for name, why in (
+        ("stop", "a stop sequence inside the JSON value would cut it"),
+        ("ignore_eos", "the JSON value ends the answer"),
+        ("min_tokens", "the JSON value ends the answer when it is complete"),
+    ):
+        if body.get(name):
+            raise _bad(f"'{name}' cannot be combined with '{param}': {why}", name)
 
 
 def _response_format(body: Mapping[str, Any]) -> tuple[bool, Mapping[str, Any] | None]:
@@ -465,8 +486,9 @@ def plan_chat(
             )
         if schema is not None:
             check_compiles([("response_format.json_schema.schema", schema)])
+        _refuse_cuts(body, "response_format")
         syntax = assets.parser.config.call_syntax if assets.parser is not None else None
-        constraint = _json_constraint(schema, prompt.thinking, syntax)
+        constraint = _json_constraint(schema, prompt.thinking, syntax, assets.marker_texts)
     wanted = structured.requested(body)
     if wanted is not None:
         if constraint is not None:
@@ -478,7 +500,11 @@ def plan_chat(
         syntax = assets.parser.config.call_syntax if assets.parser is not None else None
         if wanted[1] == "json" and isinstance(wanted[2], Mapping):
             check_compiles([(wanted[0], wanted[2])])
-        constraint = structured.build(wanted, thinking=prompt.thinking, syntax=syntax)
+        if wanted[1] in ("json", "json_object"):
+            _refuse_cuts(body, wanted[0])
+        constraint = structured.build(
+            wanted, thinking=prompt.thinking, syntax=syntax, markers=assets.marker_texts
+        )
     requested = _positive_int(body, "max_completion_tokens")
     if requested is None:
         requested = _positive_int(body, "max_tokens")

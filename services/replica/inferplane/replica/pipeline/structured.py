@@ -17,7 +17,7 @@ so) and a format without an answer header (harmony's `final` channel).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from inferplane.parsers import CallSyntax, build_json_constraint
@@ -90,11 +90,16 @@ def requested(body: Mapping[str, Any]) -> tuple[str, str, Any] | None:
 
 
 def build(
-    wanted: tuple[str, str, Any], *, thinking: bool, syntax: CallSyntax | None
+    wanted: tuple[str, str, Any],
+    *,
+    thinking: bool,
+    syntax: CallSyntax | None,
+    markers: Sequence[str] = (),
 ) -> EngineConstraint:
     """The engine constraint for `requested`'s answer, in the model's output format (`syntax`:
     the replica parser's call syntax; None: Kimi's or no parser; `thinking`: the prompt opened
-    reasoning; always False for text completions).
+    reasoning; always False for text completions; `markers`: texts a JSON answer's strings may
+    not hold, `ModelAssets.marker_texts`, as `build_json_constraint` takes them).
 
     Raises:
         InvalidArgumentError: a value of the wrong type (a schema that is neither an object
@@ -115,7 +120,7 @@ def build(
             schema = value
         elif value is not True:
             raise _bad(f"'{param}' must be true", param)
-        built = build_json_constraint(schema, syntax=syntax, thinking=thinking)
+        built = build_json_constraint(schema, syntax=syntax, thinking=thinking, markers=markers)
         return EngineConstraint(built.kind, built.value)
     if thinking or (syntax is not None and syntax.answer_begins):
         raise _bad(

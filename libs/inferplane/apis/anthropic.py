@@ -222,18 +222,18 @@ def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
 
 def _block_type(block: Mapping[str, Any], where: str, allowed: Sequence[str]) -> str:
     kind = block.get("type")
-    if kind in _UNSERVED_BLOCKS:
+    if isinstance(kind, str) and kind in _UNSERVED_BLOCKS:
         raise _bad(
             f"{where}: '{kind}' blocks are not supported: this model takes text only",
             f"{where}.type",
             code="unsupported_content",
         )
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         raise _bad(
             f"{where}.type must be one of {', '.join(allowed)}; got {kind!r}", f"{where}.type"
         )
     _check_keys(block, _BLOCK_KEYS[kind], where)
-    return str(kind)
+    return kind
 
 
 def _text_only(content: Any, where: str) -> list[dict[str, str]]:

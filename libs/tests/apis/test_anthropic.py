@@ -4,11 +4,14 @@ the stop-reason and error-shape tables."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import pytest
 from google.protobuf import json_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.apis import anthropic
@@ -317,6 +320,22 @@ def test_output_format_becomes_a_strict_json_schema() -> None:
             "messages[0].content[0].tool_use_id",
         ),
         ({"messages": []}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": {"x": 1}}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": ["text"]}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"text": "no type"}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [[]]}]}, "messages[0].content[0]"),
+        ({"tools": [{"name": "x", "input_schema": {}, "type": ["custom"]}]}, "tools[0].type"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
@@ -405,3 +424,51 @@ def test_ids() -> None:
     assert anthropic.new_message_id().startswith("msg_")
     first, second = anthropic.new_tool_use_id(), anthropic.new_tool_use_id()
     assert first.startswith("toolu_") and first != second
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_BLOCK = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x"])
+        | _JSON
+    },
+    optional={
+        "text": _JSON,
+        "id": _JSON,
+        "name": _JSON,
+        "input": _JSON,
+        "tool_use_id": _JSON,
+        "content": _JSON,
+        "is_error": _JSON,
+        "thinking": _JSON,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    role=st.sampled_from(["user", "assistant", "system", ""]),
+    content=_JSON | st.lists(_BLOCK, max_size=3),
+    system=_JSON,
+    tool=st.dictionaries(st.sampled_from(["name", "type", "input_schema", "x"]), _JSON, max_size=3),
+)
+def test_any_json_is_served_or_refused_with_a_400(
+    role: str, content: Any, system: Any, tool: dict[str, Any]
+) -> None:
+    """Whatever JSON sits in the free-form values, the conversion returns a chat request or
+    raises InvalidArgumentError (a 400), never anything else (a 500, a crashed picker)."""
+    body: dict[str, Any] = {"messages": [{"role": role, "content": content}], "tools": [tool]}
+    if system is not None:
+        body["system"] = system
+    try:
+        req = request(**body)
+    except json_format.ParseError:
+        return  # the transcoder's own 400: the body never gets here
+    with contextlib.suppress(InvalidArgumentError):
+        anthropic.to_chat(req)

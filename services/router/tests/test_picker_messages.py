@@ -17,6 +17,7 @@ from inferplane.runtime import UnavailableError
 from inferplane.wire import apis
 
 from .fakes import grpc_frame
+from .test_gateway_mode import GatewayStream, gateway_rig
 from .test_picker import GRPC_OK, KEYED, _endpoint_list, picker_rig
 
 pytestmark = pytest.mark.timeout(30)
@@ -123,3 +124,38 @@ def test_unavailable_is_anthropics_529_overloaded_error() -> None:
     openai = codec.immediate_response(UnavailableError("no replica is ready"))
     assert openai.immediate_response.status.code == 503
     assert json.loads(openai.immediate_response.body)["error"]["message"] == "no replica is ready"
+
+
+def test_a_gateway_picks_a_message_and_refuses_in_anthropics_shape() -> None:
+    """Gateway mode (the client's JSON through a conformant gateway): /v1/messages is picked
+    onto a node Envoy, streamed or not, and an unknown model is Anthropic's 404."""
+
+    async def scenario() -> None:
+        async with gateway_rig(2) as rig:
+            for stream_flag in (False, True):
+                stream = GatewayStream(rig.stub)
+                await stream.headers("/v1/messages")
+                assert (await stream.read()).HasField("request_headers")
+                body = {**json.loads(_json_message()), "stream": stream_flag}
+                await stream.body(json.dumps(body).encode())
+                answer = await stream.read()
+                assert answer.HasField("request_body"), answer
+                await stream.close()
+                assert rig.records[-1].model == "m"
+                assert rig.records[-1].stream is stream_flag  # the body says, one method
+            stream = GatewayStream(rig.stub)
+            await stream.headers("/v1/messages/count_tokens")
+            await stream.read()
+            await stream.body(_json_message("nope"))
+            answer = await stream.read()
+            assert answer.immediate_response.status.code == 404
+            assert _anthropic_error(answer)["type"] == "not_found_error"
+            assert rig.in_flight() == 0
+
+    asyncio.run(scenario())
+
+
+def _json_message(model: str = "m") -> bytes:
+    return json.dumps(
+        {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()

@@ -37,7 +37,7 @@ KUBERNETES_VERSION = "1.33"
 IDENTITY = "inferplane.dev/identity"
 # Which identities may reach each service's gRPC port (docs/architecture.md, identity table).
 CALLERS = {
-    "auth": {"edge", "router", "admin"},
+    "auth": {"edge", "router", "admin", "node-agent"},  # node-agent: stored responses
     "router": {"edge", "admin", "node-agent"},
     "orchestrator": {"admin", "node-agent", "router", "telemetry", "edge"},
     "node-agent": {"orchestrator", "admin", "edge", "telemetry"},

@@ -31,6 +31,11 @@ class Tables:
         config: the format.
         vocab: ``tokenizer.get_vocab()`` or None. Token-id matching (``id_to_term``) is on only
             when it holds every terminal's marker (a missing one would leak as text).
+        drop: texts of tokens that are never output (the tokenizer's special tokens and chat
+            markers: ``<|im_assistant|>``): each is one more terminal with no transition, so
+            it is dropped from reasoning, content and headers and is data in arguments. As
+            for every marker, with token-id matching it counts only when its token was seen
+            (spelled in other tokens it is text). Texts that are already markers are skipped.
 
     Raises:
         ValueError: the config is inconsistent (``EngineConfig.check``).
@@ -70,13 +75,22 @@ class Tables:
         "verbatim",
     )
 
-    def __init__(self, config: EngineConfig, vocab: Mapping[str, int] | None) -> None:
+    def __init__(
+        self, config: EngineConfig, vocab: Mapping[str, int] | None, drop: Sequence[str] = ()
+    ) -> None:
         config.check()
         self.config = config
         self.key_value = config.arguments_format is ArgumentsFormat.KEY_VALUE
         self.envelope = config.arguments_format is ArgumentsFormat.ENVELOPE
         self.literal_to_term = {lit: term for term, lit in config.terminals.items()}
         self.literal_to_term.update(config.aliases)
+        # Never-output tokens: terminals of their own ("drop:<text>"), with no transition.
+        known = set(self.literal_to_term)
+        dropped = sorted({t for t in drop if t and not t.isspace() and t not in known})
+        terminals = dict(config.terminals)
+        for text in dropped:
+            terminals["drop:" + text] = text
+            self.literal_to_term[text] = "drop:" + text
         literals = sorted(self.literal_to_term, key=len, reverse=True)
         self.marker_re = re.compile("|".join(re.escape(lit) for lit in literals))
         self.first_chars = "".join(sorted({lit[0] for lit in literals}))
@@ -86,7 +100,7 @@ class Tables:
         self.first_re = re.compile("[" + re.escape(self.first_chars) + "]")
         self.prefixes = frozenset(lit[:i] for lit in literals for i in range(1, len(lit)))
         self.max_len = max(len(lit) for lit in literals)
-        terms = list(config.terminals)
+        terms = list(terminals)
         self.term_index = {term: i for i, term in enumerate(terms)}
         # Token-id matching only when every marker resolves: a marker missing from the vocab
         # would otherwise never be matched and would leak as text.
@@ -99,7 +113,7 @@ class Tables:
                     break
                 ids[tid] = self.term_index[term]
         if ids and vocab:
-            for lit, term in config.aliases.items():
+            for lit, term in [*config.aliases.items(), *((t, "drop:" + t) for t in dropped)]:
                 tid = vocab.get(lit)
                 if tid is not None:
                     ids[tid] = self.term_index[term]

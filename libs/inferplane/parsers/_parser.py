@@ -24,6 +24,9 @@ class Parser:
         vocab: the tokenizer's vocab (``tokenizer.get_vocab()``) or None. When it holds every
             marker, ``feed(..., token_ids=...)`` matches markers by id (ids are looked up
             here, never hard-coded).
+        drop: texts of tokens the response never shows besides the format's markers (the
+            tokenizer's special tokens and chat markers, e.g. ``<|im_assistant|>``): dropped
+            from reasoning and content, data inside arguments (``Tables``).
 
     Raises:
         ValueError: the config is inconsistent (a programming error, not model output).
@@ -31,8 +34,13 @@ class Parser:
 
     __slots__ = ("_t",)
 
-    def __init__(self, config: EngineConfig, vocab: Mapping[str, int] | None = None) -> None:
-        self._t = Tables(config, vocab)
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab: Mapping[str, int] | None = None,
+        drop: Sequence[str] = (),
+    ) -> None:
+        self._t = Tables(config, vocab, drop)
 
     @property
     def name(self) -> str:
@@ -48,7 +56,7 @@ class Parser:
     def marker_token_ids(self) -> Mapping[str, int]:
         """Marker string -> token id, resolved from the vocab (empty without one)."""
         terms = list(self._t.config.terminals.items())
-        return {terms[i][1]: tid for tid, i in self._t.id_to_term.items()}
+        return {terms[i][1]: tid for tid, i in self._t.id_to_term.items() if i < len(terms)}
 
     def start(
         self,

@@ -7,7 +7,7 @@ name is an error listing the known ones).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -40,12 +40,16 @@ class ParserRegistry:
         """Known parser names, sorted."""
         return tuple(sorted(self.factories))
 
-    def build(self, name: str, vocab: Mapping[str, int] | None = None) -> Parser:
+    def build(
+        self, name: str, vocab: Mapping[str, int] | None = None, drop: Sequence[str] = ()
+    ) -> Parser:
         """Compile the named parser.
 
         Args:
             name: a known parser name (``"kimi_k2"``, ``"qwen3"``, ...; ``names``).
             vocab: ``tokenizer.get_vocab()`` to match markers by token id, or None.
+            drop: texts of tokens the response never shows besides the format's markers
+                (``Parser``).
 
         Raises:
             UnknownParserError: ``name`` is not registered (the message lists known names).
@@ -53,7 +57,7 @@ class ParserRegistry:
         factory = self.factories.get(name)
         if factory is None:
             raise UnknownParserError(name, self.names)
-        return Parser(factory(), vocab)
+        return Parser(factory(), vocab, drop)
 
     def with_parser(self, name: str, factory: ConfigFactory) -> ParserRegistry:
         """A new registry that also holds ``name`` (this one is unchanged)."""
@@ -84,10 +88,12 @@ def build_parser(
     vocab: Mapping[str, int] | None = None,
     *,
     registry: ParserRegistry | None = None,
+    drop: Sequence[str] = (),
 ) -> Parser:
-    """Compile the named parser from ``registry`` (default: the shipped formats).
+    """Compile the named parser from ``registry`` (default: the shipped formats); ``drop``:
+    texts of tokens the response never shows besides the format's markers (``Parser``).
 
     Raises:
         UnknownParserError: ``name`` is not registered.
     """
-    return (registry or _DEFAULT).build(name, vocab)
+    return (registry or _DEFAULT).build(name, vocab, drop)

@@ -117,8 +117,10 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
             code="model_unavailable",
         )
     name = parser_name(spec)
+    added = _added_texts(tokenizer)
     try:
-        parser = build_parser(name, vocab=tokenizer.get_vocab()) if name else None
+        # The tokenizer's other added tokens (chat markers: <|im_assistant|>) are never shown.
+        parser = build_parser(name, vocab=tokenizer.get_vocab(), drop=added) if name else None
         family = chat_family(name)
     except (ParserError, UnknownChatFamilyError) as exc:
         raise UnavailableError(str(exc), code="bad_replica_config") from exc
@@ -156,18 +158,25 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         max_model_len=max_len,
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
         matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
-        marker_texts=marker_texts(tokenizer, parser),
+        marker_texts=marker_texts(added, parser),
     )
 
 
-def marker_texts(tokenizer: Any, parser: Parser | None) -> tuple[str, ...]:
-    """The texts no response may show (`ModelAssets.marker_texts`), sorted: the tokenizer's
-    added tokens (`added_tokens_decoder`) and the parser's markers (variants such as Kimi's
-    `◁think▷` are plain text to a tokenizer without them, and are left out)."""
+def _added_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's added tokens (`added_tokens_decoder`: special tokens and
+    chat markers), whitespace-only ones left out (they are not markers)."""
     texts = {str(t.content) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return tuple(sorted(t for t in texts if t and not t.isspace()))
+
+
+def marker_texts(added: tuple[str, ...], parser: Parser | None) -> tuple[str, ...]:
+    """The texts no response may show (`ModelAssets.marker_texts`), sorted: the tokenizer's
+    added tokens and the parser's markers (variants such as Kimi's `◁think▷` are plain text
+    to a tokenizer without them, and are left out)."""
+    texts = set(added)
     if parser is not None:
         texts.update(parser.config.terminals.values())
-    return tuple(sorted(t for t in texts if t and not t.isspace()))
+    return tuple(sorted(texts))
 
 
 def _matryoshka_dimensions(config: dict[str, Any]) -> tuple[int, ...]:

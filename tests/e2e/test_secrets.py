@@ -45,6 +45,21 @@ def chat(stack: Stack, key: str, *, stream: bool = False) -> None:
         assert response.choices  # type: ignore[union-attr]
 
 
+def message(stack: Stack, key: str) -> None:
+    """An Anthropic Messages request with the key in `x-api-key` (Anthropic's convention)."""
+    response = httpx.post(
+        stack.config.base_url + "/messages",
+        json={
+            "model": kimi_tiny.SERVED_MODEL_NAME,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        headers={"x-api-key": key},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+
+
 def refused(stack: Stack, key: str) -> openai.AuthenticationError:
     client = openai.OpenAI(base_url=stack.config.base_url, api_key=key, max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as info:
@@ -79,6 +94,7 @@ def test_no_secret_reaches_any_file_and_every_log_is_private(stack: Stack, api_k
     chat(stack, key_a)
     chat(stack, key_b, stream=True)
     chat(stack, api_key)
+    message(stack, key_b)
 
     rotated = http.post(f"/{name_b}:rotate", json={})
     assert rotated.status_code == 200, rotated.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from inferplane.apis import anthropic
 from inferplane.runtime import InvalidArgumentError
 from inferplane.wire import chat_request_to_dict
 
+AGENTS = Path(__file__).resolve().parents[3] / "tests" / "data" / "agents"
 WEATHER_TOOL = {
     "name": "get_weather",
     "description": "Current weather for a city.",
@@ -254,6 +256,76 @@ def test_what_claude_code_sends_is_accepted() -> None:
     assert "response_format" not in out
 
 
+def test_a_system_message_in_the_conversation_stays_in_place() -> None:
+    """Claude Code sends its environment as a `system` message after the first user turn."""
+    out = chat(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+            {"role": "user", "content": "go"},
+        ]
+    )
+    assert [m["role"] for m in out["messages"]] == ["user", "system", "user"]
+    assert out["messages"][1]["content"] == [{"type": "text", "text": "# Environment"}]
+
+
+def test_deferred_tools_are_declared_once_a_tool_reference_names_them() -> None:
+    deferred = {**WEATHER_TOOL, "name": "deferred", "defer_loading": True}
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    first = chat(tools=[search, deferred])
+    assert [t["function"]["name"] for t in first["tools"]] == ["ToolSearch"]
+    history = [
+        {"role": "user", "content": "find a tool"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [{"type": "tool_reference", "tool_name": "deferred"}],
+                }
+            ],
+        },
+    ]
+    later = chat(tools=[search, deferred], messages=history)
+    assert [t["function"]["name"] for t in later["tools"]] == ["ToolSearch", "deferred"]
+    assert later["messages"][-1]["content"] == [
+        {"type": "text", "text": anthropic.TOOL_LOADED + "deferred"}
+    ]
+
+
+def test_input_examples_are_shown_in_the_description_and_direct_callers_pass() -> None:
+    tool = {
+        **WEATHER_TOOL,
+        "input_examples": [{"city": "Oslo"}],
+        "allowed_callers": ["direct", "code_execution_20250825"],
+        "eager_input_streaming": True,
+    }
+    function = chat(tools=[tool])["tools"][0]["function"]
+    assert function["description"] == (
+        "Current weather for a city." + anthropic.EXAMPLES_HEADING + '{"city": "Oslo"}'
+    )
+
+
+def test_the_recorded_claude_code_requests_convert() -> None:
+    """The bodies Claude Code sent in the scenario suite's captures (tests/data/agents): each
+    converts (a later change that refused one fails here, not for a user)."""
+    recorded = sorted(AGENTS.glob("claude-code/*-messages.json"))
+    assert recorded
+    for path in recorded:
+        body = json.loads(path.read_text())["body"]
+        req = json_format.ParseDict(body, apb.MessagesRequest())
+        out = chat_request_to_dict(anthropic.to_chat(req))
+        assert out["messages"][0]["role"] == "system"
+        assert out["tools"] and out["reasoning_effort"] == "high", path.name
+        deferred = {t["name"] for t in body["tools"] if t.get("defer_loading")}
+        assert not deferred & {t["function"]["name"] for t in out["tools"]}
+
+
 def test_output_format_becomes_a_strict_json_schema() -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     out = chat(output_config={"format": {"type": "json_schema", "schema": schema}})
@@ -301,7 +373,42 @@ def test_output_format_becomes_a_strict_json_schema() -> None:
             "messages[0].content[0].x",
         ),
         ({"system": [{"type": "image", "source": {}}]}, "system[0].type"),
-        ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "developer", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "tool_result"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"tools": [{**WEATHER_TOOL, "allowed_callers": ["code_execution_20250825"]}]},
+            "tools[0].allowed_callers",
+        ),
+        ({"tools": [{**WEATHER_TOOL, "defer_loading": "yes"}]}, "tools[0].defer_loading"),
+        ({"tools": [{**WEATHER_TOOL, "input_examples": ["x"]}]}, "tools[0].input_examples"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t1",
+                                "content": [{"type": "tool_reference", "tool_name": "nope"}],
+                            }
+                        ],
+                    },
+                ],
+            },
+            "messages[2].content[0].content[0].tool_name",
+        ),
         (
             {
                 "messages": [

@@ -15,6 +15,7 @@ from inferplane.replica.pipeline import structured
 from inferplane.replica.pipeline.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    EMBEDDING_FIELDS,
     MESSAGE_FIELDS,
     STREAM_OPTIONS_FIELDS,
     FieldRule,
@@ -33,11 +34,13 @@ def _vllm_models() -> dict[str, set[str]]:
     from vllm.entrypoints.generate.base.protocol import StreamOptions
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
     from vllm.renderers.chat_utils import CustomChatCompletionMessageParam
 
     return {
         "chat": set(ChatCompletionRequest.model_fields),
         "completion": set(CompletionRequest.model_fields),
+        "embedding": set(EmbeddingCompletionRequest.model_fields),
         "stream_options": set(StreamOptions.model_fields),
         "message": set(typing.get_type_hints(CustomChatCompletionMessageParam)),
     }
@@ -46,6 +49,7 @@ def _vllm_models() -> dict[str, set[str]]:
 TABLES: dict[str, tuple[Mapping[str, FieldRule], Any]] = {
     "chat": (CHAT_FIELDS, pb.ChatCompletionRequest),
     "completion": (COMPLETION_FIELDS, pb.CompletionRequest),
+    "embedding": (EMBEDDING_FIELDS, pb.EmbeddingRequest),
     "stream_options": (STREAM_OPTIONS_FIELDS, pb.StreamOptions),
     "message": (MESSAGE_FIELDS, pb.ChatMessage),
 }
@@ -168,3 +172,21 @@ def test_structured_outputs_and_guided_fields() -> None:
     )
     with pytest.raises(InvalidArgumentError):
         structured.build(("guided_regex", "regex", "a"), thinking=True, syntax=None)
+
+
+def test_set_fields_reads_what_the_request_set() -> None:
+    from inferplane.replica.pipeline.fields import set_fields
+
+    request = pb.EmbeddingRequest(model="e", priority=0, endianness="big")
+    request.input.string_value = "x" * 10
+    request.mm_processor_kwargs.update({"a": 1})
+    assert set_fields(request, skip=("input",)) == {
+        "model": "e",
+        "priority": 0,
+        "endianness": "big",
+        "mm_processor_kwargs": {"a": 1.0},
+    }
+    with pytest.raises(InvalidArgumentError) as info:
+        refuse_unserved(set_fields(request), EMBEDDING_FIELDS)
+    assert info.value.param == "endianness"
+    refuse_unserved({"endianness": "little", "use_activation": True}, EMBEDDING_FIELDS)

@@ -2101,6 +2101,17 @@ class EmbeddingRequest(_message.Message):
     ENCODING_FORMAT_FIELD_NUMBER: _builtins.int
     DIMENSIONS_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    EMBED_DTYPE_FIELD_NUMBER: _builtins.int
+    ENDIANNESS_FIELD_NUMBER: _builtins.int
+    MM_PROCESSOR_KWARGS_FIELD_NUMBER: _builtins.int
+    PADDING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_SIDE_FIELD_NUMBER: _builtins.int
+    USE_ACTIVATION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model (deployment name or alias)."""
     encoding_format: _builtins.str
@@ -2111,11 +2122,38 @@ class EmbeddingRequest(_message.Message):
     """
     user: _builtins.str
     """An end-user id."""
+    add_special_tokens: _builtins.bool
+    """The rest of vLLM 0.32's embedding request fields (vllm/entrypoints/pooling/embed/
+    protocol.py EmbeddingCompletionRequest); docs/request-fields.md says what each does.
+    vLLM: add BOS/EOS to string inputs (true only: strings are always tokenized with them).
+    """
+    cache_salt: _builtins.str
+    """vLLM: salt of the prefix cache (refused: the platform's cache and routing)."""
+    embed_dtype: _builtins.str
+    """vLLM: the dtype of the returned values ("float32" only)."""
+    endianness: _builtins.str
+    """vLLM: byte order of base64 values ("native" or "little": what inferplane writes)."""
+    padding: _builtins.str
+    """vLLM: tokenizer padding (null only)."""
+    priority: _builtins.int
+    """vLLM: scheduling priority (0 only: the router's fair queuing orders requests)."""
+    request_id: _builtins.str
+    """vLLM: the client's request id (ignored: the platform names its requests)."""
+    truncate_prompt_tokens: _builtins.int
+    """vLLM: truncate each input (refused: an input that does not fit is context_length_exceeded)."""
+    truncation_side: _builtins.str
+    """vLLM: which side truncate_prompt_tokens cuts (with it only)."""
+    use_activation: _builtins.bool
+    """vLLM: apply the pooler's activation / normalisation (null or true: the model's own)."""
     @_builtins.property
     def input(self) -> _struct_pb2.Value:
         """A string, a list of strings, a list of token ids, or a list of token-id lists; each is one
         input (at most 2,048 per request, none empty).
         """
+
+    @_builtins.property
+    def mm_processor_kwargs(self) -> _struct_pb2.Struct:
+        """vLLM: multimodal processor options (refused: no multimodal input)."""
 
     def __init__(
         self,
@@ -2125,17 +2163,68 @@ class EmbeddingRequest(_message.Message):
         encoding_format: _builtins.str = ...,
         dimensions: _builtins.int | None = ...,
         user: _builtins.str | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        cache_salt: _builtins.str | None = ...,
+        embed_dtype: _builtins.str | None = ...,
+        endianness: _builtins.str | None = ...,
+        mm_processor_kwargs: _struct_pb2.Struct | None = ...,
+        padding: _builtins.str | None = ...,
+        priority: _builtins.int | None = ...,
+        request_id: _builtins.str | None = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+        truncation_side: _builtins.str | None = ...,
+        use_activation: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_user", b"_user", "dimensions", b"dimensions", "input", b"input", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_dimensions", b"_dimensions", "_embed_dtype", b"_embed_dtype", "_endianness", b"_endianness", "_padding", b"_padding", "_priority", b"_priority", "_request_id", b"_request_id", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_activation", b"_use_activation", "_user", b"_user", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "dimensions", b"dimensions", "embed_dtype", b"embed_dtype", "endianness", b"endianness", "input", b"input", "mm_processor_kwargs", b"mm_processor_kwargs", "padding", b"padding", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_activation", b"use_activation", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_user", b"_user", "dimensions", b"dimensions", "encoding_format", b"encoding_format", "input", b"input", "model", b"model", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_cache_salt", b"_cache_salt", "_dimensions", b"_dimensions", "_embed_dtype", b"_embed_dtype", "_endianness", b"_endianness", "_padding", b"_padding", "_priority", b"_priority", "_request_id", b"_request_id", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "_truncation_side", b"_truncation_side", "_use_activation", b"_use_activation", "_user", b"_user", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "dimensions", b"dimensions", "embed_dtype", b"embed_dtype", "encoding_format", b"encoding_format", "endianness", b"endianness", "input", b"input", "mm_processor_kwargs", b"mm_processor_kwargs", "model", b"model", "padding", b"padding", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side", "use_activation", b"use_activation", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
     _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
     _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    _WhichOneofReturnType__embed_dtype: _TypeAlias = _typing.Literal["embed_dtype"]  # noqa: Y015
+    _WhichOneofArgType__embed_dtype: _TypeAlias = _typing.Literal["_embed_dtype", b"_embed_dtype"]  # noqa: Y015
+    _WhichOneofReturnType__endianness: _TypeAlias = _typing.Literal["endianness"]  # noqa: Y015
+    _WhichOneofArgType__endianness: _TypeAlias = _typing.Literal["_endianness", b"_endianness"]  # noqa: Y015
+    _WhichOneofReturnType__padding: _TypeAlias = _typing.Literal["padding"]  # noqa: Y015
+    _WhichOneofArgType__padding: _TypeAlias = _typing.Literal["_padding", b"_padding"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__request_id: _TypeAlias = _typing.Literal["request_id"]  # noqa: Y015
+    _WhichOneofArgType__request_id: _TypeAlias = _typing.Literal["_request_id", b"_request_id"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__truncation_side: _TypeAlias = _typing.Literal["truncation_side"]  # noqa: Y015
+    _WhichOneofArgType__truncation_side: _TypeAlias = _typing.Literal["_truncation_side", b"_truncation_side"]  # noqa: Y015
+    _WhichOneofReturnType__use_activation: _TypeAlias = _typing.Literal["use_activation"]  # noqa: Y015
+    _WhichOneofArgType__use_activation: _TypeAlias = _typing.Literal["_use_activation", b"_use_activation"]  # noqa: Y015
     _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
     _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__embed_dtype) -> _WhichOneofReturnType__embed_dtype | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__endianness) -> _WhichOneofReturnType__endianness | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__padding) -> _WhichOneofReturnType__padding | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__request_id) -> _WhichOneofReturnType__request_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncation_side) -> _WhichOneofReturnType__truncation_side | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_activation) -> _WhichOneofReturnType__use_activation | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
 

@@ -31,6 +31,7 @@ from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.replica.pipeline.assets import ModelAssets
+from inferplane.replica.pipeline.fields import EMBEDDING_FIELDS, refuse_unserved, set_fields
 from inferplane.runtime import InvalidArgumentError
 
 MAX_INPUTS = 2048
@@ -83,6 +84,7 @@ def plan_embedding(request: pb.EmbeddingRequest, assets: ModelAssets) -> Embeddi
             `unsupported_parameter` for `dimensions` on a model without Matryoshka sizes,
             else `invalid_value`).
     """
+    refuse_unserved(set_fields(request, skip=("input",)), EMBEDDING_FIELDS)
     encoding = request.encoding_format or FLOAT
     if encoding not in ENCODING_FORMATS:
         raise _bad(

@@ -4,7 +4,8 @@ The policy follows vLLM 0.32's OpenAI-compatible server (the ecosystem's referen
 written for vLLM send its fields), field by field, and is written out for users in
 docs/request-fields.md. Every field of vLLM's request models (`ChatCompletionRequest` in
 vllm/entrypoints/openai/chat_completion/protocol.py, `CompletionRequest` in
-vllm/entrypoints/openai/completion/protocol.py, `StreamOptions`, and the message keys of
+vllm/entrypoints/openai/completion/protocol.py, `EmbeddingCompletionRequest` in
+vllm/entrypoints/pooling/embed/protocol.py, `StreamOptions`, and the message keys of
 vllm/renderers/chat_utils.py `CustomChatCompletionMessageParam`) is in exactly one category:
 
 - `HONOURED`: served as vLLM serves it (sampling, constraints, stopping, rendering, reporting);
@@ -30,6 +31,9 @@ import enum
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from inferplane.runtime import InvalidArgumentError
 
@@ -219,6 +223,36 @@ COMPLETION_FIELDS: Mapping[str, FieldRule] = {
     "prompt_embeds": _refused("prompts are text or token ids"),
 }
 
+#: EmbeddingRequest's fields (vLLM 0.32's EmbeddingCompletionRequest and OpenAI's).
+EMBEDDING_FIELDS: Mapping[str, FieldRule] = {
+    "model": _h(),
+    "input": _h(),
+    "encoding_format": _h("float or base64 (little-endian float32)"),
+    "dimensions": _h("a Matryoshka size of the model"),
+    "user": _h(),
+    "add_special_tokens": _refused("strings are always tokenized with the model's BOS/EOS", True),
+    "embed_dtype": _refused("values are float32", "float32"),
+    "endianness": FieldRule(
+        Treatment.REFUSED,
+        "base64 values are little-endian float32 (the platform's hosts are little-endian)",
+        lambda v: v in (None, "native", "little"),
+        '"native" or "little"',
+    ),
+    "padding": _refused("inputs are embedded as given, without padding"),
+    "use_activation": FieldRule(
+        Treatment.REFUSED,
+        "the model's pooler normalises as it was trained to",
+        lambda v: v is None or v is True,
+        "null or true",
+    ),
+    "truncate_prompt_tokens": _COMMON["truncate_prompt_tokens"],
+    "truncation_side": _COMMON["truncation_side"],
+    "priority": _COMMON["priority"],
+    "cache_salt": _COMMON["cache_salt"],
+    "request_id": _COMMON["request_id"],
+    "mm_processor_kwargs": _refused(_NO_MEDIA),
+}
+
 #: StreamOptions' fields.
 STREAM_OPTIONS_FIELDS: Mapping[str, FieldRule] = {
     "include_usage": _h("a last chunk with usage and empty choices"),
@@ -244,6 +278,22 @@ def unsupported(param: str, why: str) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter"
     )
+
+
+def set_fields(message: Message, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields set on a request `message` (those in `skip` left out: a large `input` is
+    not copied) as `refuse_unserved` reads them: scalars as they are, repeated fields as
+    lists, Struct / Value fields as their JSON value."""
+    out: dict[str, Any] = {}
+    for field, value in message.ListFields():
+        if field.name in skip:
+            continue
+        if isinstance(value, Message):
+            value = json_format.MessageToDict(value)
+        elif not isinstance(value, str | bytes) and hasattr(value, "__iter__"):
+            value = list(value)  # a repeated field
+        out[field.name] = value
+    return out
 
 
 def refuse_unserved(body: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> None:

@@ -327,3 +327,68 @@ def _cache() -> ModelAssetsCache:
     cache = ModelAssetsCache()
     cache.put(kimi_tiny_assets(), "kimi")
     return cache
+
+
+def _servicer_with(engine: ScriptedEngine) -> InferenceServicer:
+    return InferenceServicer(
+        FakeReplica("r1", kimi_tiny_spec(), engine), _cache(), clock=TickingClock()
+    )
+
+
+def test_streamed_function_call_events() -> None:
+    session = Session([WEATHER_CALL])
+    events = session.call(
+        {
+            "model": MODEL,
+            "input": "Weather?",
+            "tools": [WEATHER_TOOL],
+            "stream": True,
+            "store": False,
+        }
+    )
+    for e in events:
+        EVENTS.validate_python(e)
+    types = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" in types
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    deltas = "".join(
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+    )
+    assert done["arguments"] == deltas and json.loads(deltas) == {"city": "Paris"}
+    assert done["name"] == "get_weather"
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.status == "completed" and final.output[-1].type == "function_call"
+
+
+def test_an_engine_failure_after_output_ends_with_failed_and_error_events() -> None:
+    ids = [*kimi_tiny_ids(ANSWER)]
+    engine = ScriptedEngine(script(ids, per_increment=2), fail_at=3)
+    session = Session([])
+    session.servicer = _servicer_with(engine)
+    events = session.call({"model": MODEL, "input": "Hi", "stream": True})
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e["type"] for e in events[-2:]] == ["response.failed", "error"]
+    assert events[-2]["response"]["status"] == "failed"
+    assert events[-1]["code"] == "engine_failed" and events[-1]["error"]["code"] == "engine_failed"
+    assert "response.completed" not in [e["type"] for e in events]
+
+
+def test_an_engine_failure_before_output_is_a_plain_error() -> None:
+    session = Session([])
+    session.servicer = _servicer_with(ScriptedEngine(script([1, 2]), fail_at=0))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        session.call({"model": MODEL, "input": "Hi", "stream": True})
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_streamed_length_finish_is_response_incomplete() -> None:
+    session = Session([])
+    session.servicer = _servicer_with(
+        ScriptedEngine(lambda params: script(kimi_tiny_ids("abc def"), finish_reason="length"))
+    )
+    events = session.call({"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 3})
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    EVENTS.validate_python(events[-1])

@@ -276,11 +276,15 @@ class Bodies:
         plan: Any,
         prefix: str,
         facts: RequestFacts,
+        *,
+        engine: Any = None,
     ) -> Generation:
         """The `Generation` of a planned chat request (`plan_chat`), its id `prefix` + a fresh
         id, recorded on `facts`: what another wire format of a conversation (Anthropic
-        Messages) runs, exactly as chat does."""
-        return self._generation(replica, assets, plan, prefix, facts, chat=True)
+        Messages, OpenAI Responses) runs, exactly as chat does. `engine`: a wrapper of the
+        replica's engine to run it on (the Responses body keeps the generated ids), else the
+        replica's own."""
+        return self._generation(replica, assets, plan, prefix, facts, chat=True, engine=engine)
 
     def validate(self, tools: Sequence[Any], calls: Any) -> tuple[ToolCallVerdict, ...]:
         """Verdicts on a response's tool calls (`_validate`: strict mode raises)."""
@@ -297,6 +301,7 @@ class Bodies:
         chat: bool,
         choice: int = 0,
         request_id: str | None = None,
+        engine: Any = None,
     ) -> Generation:
         session: OutputSession = PlainSession()
         if chat and assets.parser is not None:
@@ -312,7 +317,7 @@ class Bodies:
         if choice:
             params = dataclasses.replace(params, seed=seed_of_choice(params.seed, choice))
         gen = Generation(
-            engine=replica.engine,
+            engine=engine if engine is not None else replica.engine,
             request_id=request_id or prefix + self.new_id(),
             prompt_ids=plan.prompt.token_ids if chat else plan.prompt_ids,
             params=params,

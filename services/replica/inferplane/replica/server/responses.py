@@ -29,14 +29,13 @@ from google.api import httpbody_pb2
 
 from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.apis import responses as api
-from inferplane.parsers import PlainSession
 from inferplane.replica.engines.base import LocalReplica
 from inferplane.replica.pipeline.assets import ModelAssets
-from inferplane.replica.pipeline.generate import Generation, OutputSession
+from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.pipeline.requests import ChatPlan, plan_chat
 from inferplane.replica.pipeline.responses_events import ResponseWriter, sse, usage
 from inferplane.replica.pipeline.responses_replay import probe_messages, splice
-from inferplane.replica.server.bodies import Bodies, with_stream_floor
+from inferplane.replica.server.bodies import Bodies
 from inferplane.replica.server.facts import RequestFacts
 from inferplane.replica.server.response_store import ResponseStore
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
@@ -91,7 +90,7 @@ class ResponsesBody:
             cap = min(request.max_tool_calls, plan.max_tool_calls or request.max_tool_calls)
             plan = dataclasses.replace(plan, max_tool_calls=cap)
         recorder = _Recording(replica.engine)
-        gen = self._generation(recorder, replica, assets, plan, facts)
+        gen = self.bodies.chat_generation(replica, assets, plan, "resp_", facts, engine=recorder)
         store_it = request.store if request.HasField("store") else True
         store_it = store_it and self.store is not None and bool(tenant)
         writer = ResponseWriter(
@@ -118,7 +117,7 @@ class ResponsesBody:
                     events += writer.step(step)
                     if stream and events:
                         yield _events(events)
-            facts.verdicts = self.bodies._validate(plan.tools, gen.session.result().tool_calls)
+            facts.verdicts = self.bodies.validate(plan.tools, gen.session.result().tool_calls)
             used = usage(
                 gen.prompt_tokens,
                 gen.cached_tokens,
@@ -214,40 +213,6 @@ class ResponsesBody:
         if not out.get("id"):
             out["id"] = _ITEM_PREFIX.get(str(out.get("type")), "item_") + self.bodies.new_id()
         return out
-
-    # -- the generation ------------------------------------------------------------------------
-
-    def _generation(
-        self,
-        engine: Any,
-        replica: LocalReplica,
-        assets: ModelAssets,
-        plan: ChatPlan,
-        facts: RequestFacts,
-    ) -> Generation:
-        session: OutputSession = PlainSession()
-        if assets.parser is not None:
-            session = assets.parser.start(
-                plan.prompt.thinking,
-                history_tool_calls=plan.history_tool_calls,
-                tool_calls=plan.tool_calls_allowed,
-                tools=plan.tools,
-                max_tool_calls=plan.max_tool_calls,
-                constrained=plan.calls_constrained,
-            )
-        gen = Generation(
-            engine=engine,
-            request_id="resp_" + self.bodies.new_id(),
-            prompt_ids=plan.prompt.token_ids,
-            params=with_stream_floor(plan.params, replica.spec.stream_interval),
-            backend=assets.backend,
-            stop_token_ids=assets.eos_token_ids,
-            session=session,
-            clock=self.bodies.clock,
-            started=facts.started,
-        )
-        facts.gen = gen
-        return gen
 
 
 class _Recording:

@@ -137,6 +137,8 @@ def run_api(
         turns=args.turns,
         max_tokens=args.max_tokens,
         context_tokens=args.context_tokens or None,
+        # Each API starts at another task: their sessions on one engine share no prefix.
+        first_task=3 * APIS.index(api),
         on_turn=lambda t: print_turn(api, t, args.block_size),
     )
     summary = summarize(api, turns, block=args.block_size)

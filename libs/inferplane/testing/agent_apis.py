@@ -173,8 +173,10 @@ class MessagesSession:
             messages=self._history.items(),
             tools=self._tools,
             max_tokens=max_tokens,
-            temperature=0,
             thinking={"type": "adaptive"},
+            # Greedy, as the other two APIs: the anthropic SDK 2.12 has no `temperature`
+            # argument any more, the API still defines the field.
+            extra_body={"temperature": 0},
         ) as stream:
             for event in stream:
                 if math.isnan(ttft) and event.type in (

@@ -17,9 +17,10 @@ Checks per turn (`TurnResult.problems`; a turn is ok when there is none): the re
 succeeded; no chat-template or parser marker in the content or reasoning (`MARKERS`); every
 tool call names a declared tool and its arguments are a JSON object valid against its schema
 (`inferplane.parsers.validate_tool_calls`). What the model chose to write is noted, not failed
-(`TurnResult.notes`): an answer cut by the token limit (a call it cut is invalid, and fails), an
-answer of reasoning only (the fixture model, trained on short chats, often ends a long history
-inside its reasoning).
+(`TurnResult.notes`): an answer cut by the token limit (its last call, which the cut may have
+left incomplete, is counted apart as bench/tool_call_validity.py does), an answer of reasoning
+only (the fixture model, trained on short chats, often ends a long history inside its
+reasoning).
 
 The prefix cache: `TurnResult.cached_share` is the share of the turn's prompt tokens the API
 reported as served from the cache (`prompt_tokens_details.cached_tokens`,
@@ -200,6 +201,10 @@ class TurnResult:
         return self.answer.cached_tokens >= self.template_reusable // block * block
 
 
+CUT = frozenset({"length", "max_tokens", "incomplete"})
+"""Finish reasons (chat, Messages, Responses) of an answer cut by the token limit."""
+
+
 def check_answer(answer: Answer, tools: Sequence[Mapping[str, Any]]) -> list[str]:
     """The problems of one answer: leaked markers, invalid tool calls."""
     problems = []
@@ -207,8 +212,11 @@ def check_answer(answer: Answer, tools: Sequence[Mapping[str, Any]]) -> list[str
         leaked = [m for m in MARKERS if m in text]
         if leaked:
             problems.append(f"marker in {where}: {', '.join(leaked)}")
+    cut = answer.finish in CUT
     for verdict in validate_tool_calls(answer.calls, tools):
-        if not verdict.valid:
+        # The last call of an answer cut by the token limit cannot be complete: counted apart
+        # (answer_notes), as bench/tool_call_validity.py counts it.
+        if not verdict.valid and not (cut and verdict.index == len(answer.calls) - 1):
             problems.append(f"call {verdict.index} ({verdict.name}): {verdict.reason}")
     return problems
 
@@ -216,8 +224,10 @@ def check_answer(answer: Answer, tools: Sequence[Mapping[str, Any]]) -> list[str
 def answer_notes(answer: Answer) -> list[str]:
     """What is worth knowing about an answer but is the model's choice, not a failure."""
     notes = []
-    if answer.finish in ("length", "max_tokens", "incomplete"):
-        notes.append(f"cut by the token limit ({answer.finish})")
+    if answer.finish in CUT:
+        notes.append("cut by the token limit")
+        if answer.calls and not validate_tool_calls(answer.calls[-1:], session_tools())[0].valid:
+            notes.append("its last call cut")
     if not answer.calls and not answer.content:
         notes.append("reasoning only")
     return notes
@@ -229,9 +239,12 @@ def run_session(
     turns: int,
     max_tokens: int = 256,
     context_tokens: int | None = None,
+    first_task: int = 0,
     on_turn: Callable[[TurnResult], None] | None = None,
 ) -> list[TurnResult]:
-    """Runs `turns` API requests of the scripted session on `session`.
+    """Runs `turns` API requests of the scripted session on `session`, from `TASKS[first_task]`
+    on (sessions on one engine that start at different tasks share no cached prefix beyond the
+    tools, so each measures its own).
 
     Before a turn whose prompt might not fit `context_tokens` (the last prompt + its output +
     the next message + `max_tokens`, estimated from the previous turn's usage plus a margin),
@@ -240,8 +253,8 @@ def run_session(
     """
     tools = session_tools()
     results: list[TurnResult] = []
-    task_index = 0
-    session.add_user(TASKS[0].question)
+    task_index = first_task
+    session.add_user(TASKS[task_index % len(TASKS)].question)
     held = 1  # tasks in the history
     new_user = False
     previous: Answer | None = None

@@ -193,23 +193,17 @@ KeyOrders = Mapping[str, Sequence[str]]
 """Tool name → the order its `input` keys are written in (`key_orders`)."""
 
 
-def key_orders(tools: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
-    """For each declared tool (chat's form), the order of its arguments: the `required` list
-    first (a JSON array: its order survives the proto), then the other declared properties.
+def key_orders(tools: Sequence[Any]) -> dict[str, list[str]]:
+    """For each declared tool (`_anthropic_tools.Tool`), the order of its arguments: the
+    `required` list first (a JSON array: its order survives the proto), then the other
+    declared properties.
 
     Why: the transcoder parses a `tool_use.input` object into a `google.protobuf.Struct`, which
     keeps no key order (a map), so the history's arguments would render in protobuf's hash
     order, unlike what the model wrote. Models write arguments in the schema's declared order,
     which `required` lists in the common case, so the rendered history matches the model's own
     output there (and is deterministic everywhere)."""
-    orders: dict[str, list[str]] = {}
-    for tool in tools:
-        function = tool["function"]
-        schema = function.get("parameters") or {}
-        required = [k for k in schema.get("required") or () if isinstance(k, str)]
-        rest = [k for k in schema.get("properties") or {} if k not in required]
-        orders[function["name"]] = required + rest
-    return orders
+    return {tool.name: tool.argument_order() for tool in tools}
 
 
 def _ordered(arguments: Mapping[str, Any], order: Sequence[str]) -> dict[str, Any]:

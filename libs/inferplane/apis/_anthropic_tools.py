@@ -25,11 +25,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
+from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.apis._anthropic_content import References, bad, check_keys, value
 
 CUSTOM_TOOL: Final = "custom"
 """The one tool `type` the platform serves (absent means the same); every other is a server
 tool Anthropic runs itself (web search, code execution, computer use, ...)."""
+_SCHEMA = "input_schema"
 DIRECT_CALLER: Final = "direct"
 """The `allowed_callers` value for calls the model makes itself."""
 EXAMPLES_HEADING: Final = "\n\nInput examples:\n"
@@ -54,15 +56,25 @@ _TOOL_KEYS: Final = frozenset(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tool:
-    """A declared custom tool: its chat form, and whether it waits for a `tool_reference`."""
+    """A declared custom tool: its chat form (the schema copied as the proto Struct it came
+    in: a Claude Code turn declares ~25 tools, and a round trip through dicts cost the picker
+    milliseconds per request), and whether it waits for a `tool_reference`."""
 
-    chat: dict[str, Any]
+    chat: pb.Tool
     deferred: bool
-    where: str
 
     @property
     def name(self) -> str:
-        return str(self.chat["function"]["name"])
+        return str(self.chat.function.name)
+
+    def argument_order(self) -> list[str]:
+        """The schema's `required` names, then its other `properties` (`key_orders`)."""
+        fields = self.chat.function.parameters.fields
+        required = []
+        if "required" in fields:
+            required = [v.string_value for v in fields["required"].list_value.values]
+        names = list(fields["properties"].struct_value.fields) if "properties" in fields else []
+        return required + [k for k in names if k not in required]
 
 
 def _bool(tool: Mapping[str, Any], key: str, where: str) -> bool | None:
@@ -114,7 +126,9 @@ def tools(request: apb.MessagesRequest) -> list[Tool]:
     out: list[Tool] = []
     for i, struct in enumerate(request.tools):
         where = f"tools[{i}]"
-        tool = value(struct)
+        # Everything but the schema as JSON; the schema stays a Struct (checked, then copied).
+        tool: dict[str, Any] = {k: value(v) for k, v in struct.fields.items() if k != _SCHEMA}
+        schema = struct.fields.get(_SCHEMA)
         kind = tool.get("type")
         if kind is not None and kind != CUSTOM_TOOL:
             raise bad(
@@ -124,28 +138,29 @@ def tools(request: apb.MessagesRequest) -> list[Tool]:
                 f"{where}.type",
                 code="unsupported_tool",
             )
-        check_keys(tool, _TOOL_KEYS, where)
+        check_keys({**tool, _SCHEMA: schema}, _TOOL_KEYS, where)
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, Mapping):
+        if schema is None or schema.WhichOneof("kind") != "struct_value":
             raise bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema")
         _check_callers(tool, where)
-        function: dict[str, Any] = {"name": name, "parameters": schema}
+        chat = pb.Tool(type="function")
+        chat.function.name = name
+        chat.function.parameters.CopyFrom(schema.struct_value)
         description = _description(tool, where)
         if description is not None:
-            function["description"] = description
+            chat.function.description = description
         strict = _bool(tool, "strict", where)
         if strict is not None:
-            function["strict"] = strict
+            chat.function.strict = strict
         _bool(tool, "eager_input_streaming", where)
         deferred = bool(_bool(tool, "defer_loading", where))
-        out.append(Tool({"type": "function", "function": function}, deferred, where))
+        out.append(Tool(chat, deferred))
     return out
 
 
-def declared(all_tools: Sequence[Tool], references: References) -> list[dict[str, Any]]:
+def declared(all_tools: Sequence[Tool], references: References) -> list[pb.Tool]:
     """The tools the model is shown: every tool not deferred, and each deferred one a
     `tool_reference` names, in the request's order.
 

@@ -264,7 +264,7 @@ def to_chat(request: apb.MessagesRequest, *, count_only: bool = False) -> pb.Cha
         raise bad("max_tokens must be at least 1", "max_tokens")
     all_tools = _tools.tools(request)
     references = _content.References()
-    orders = _content.key_orders([t.chat for t in all_tools])
+    orders = _content.key_orders(all_tools)
     body: dict[str, Any] = {
         "model": request.model,
         "messages": _content.system(request) + _content.messages(request, orders, references),
@@ -272,9 +272,6 @@ def to_chat(request: apb.MessagesRequest, *, count_only: bool = False) -> pb.Cha
     }
     if max_tokens is not None and not count_only:
         body["max_completion_tokens"] = max_tokens
-    tools = _tools.declared(all_tools, references)
-    if tools:
-        body["tools"] = tools
     if request.HasField("tool_choice"):
         _tools.tool_choice(request.tool_choice, body)
     if request.stop_sequences:
@@ -308,6 +305,7 @@ def to_chat(request: apb.MessagesRequest, *, count_only: bool = False) -> pb.Cha
     chat = pb.ChatCompletionRequest()
     try:
         json_format.ParseDict(body, chat)
+        chat.tools.extend(_tools.declared(all_tools, references))
     except json_format.ParseError as exc:  # a value of the wrong type inside a block
         raise bad(f"invalid request: {exc}", "messages") from exc
     return chat

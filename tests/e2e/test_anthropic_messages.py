@@ -12,6 +12,7 @@ import json
 import re
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -379,7 +380,7 @@ def _hi(**extra: Any) -> dict[str, Any]:
         (_hi(max_tokens="lots"), "max_tokens"),
         (_hi(messages="hi"), "messages"),
         (_hi(messages=[]), "messages"),
-        (_hi(messages=[{"role": "system", "content": "hi"}]), "messages[0].role"),
+        (_hi(messages=[{"role": "developer", "content": "hi"}]), "messages[0].role"),
         (
             _hi(
                 messages=[
@@ -414,3 +415,32 @@ def test_hostile_bodies_are_400s_in_anthropics_shape(
 
 def test_the_replica_still_serves_after_the_hostile_bodies(client: anthropic.Anthropic) -> None:
     assert _blocks(client.messages.create(**_request(kt.NO_TOOL))) == _expected(kt.NO_TOOL)
+
+
+AGENTS = Path(__file__).resolve().parents[1] / "data" / "agents"
+
+
+@pytest.mark.parametrize(
+    "record", sorted(AGENTS.glob("claude-code/*-messages.json")), ids=lambda p: p.stem
+)
+def test_claude_codes_recorded_requests_pass_the_whole_path(
+    stack: Stack, api_key: str, record: Path
+) -> None:
+    """The bodies and headers Claude Code sent (tests/data/agents, captured in the scenario
+    suite) pass the edge, auth, the picker and the replica's rendering: counted, not generated
+    (a real turn's prompt takes the CPU fixture minutes to prefill; the scenario suite runs
+    the agent itself)."""
+    recorded = json.loads(record.read_text())
+    headers = {
+        k: v
+        for k, v in recorded["headers"].items()
+        if k.lower() not in ("content-length", "host", "x-api-key", "authorization")
+    }
+    response = httpx.post(
+        _base_url(stack) + "/v1/messages/count_tokens?beta=true",
+        json={**recorded["body"], "model": MODEL_NAME},
+        headers={**headers, "x-api-key": api_key},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["input_tokens"] > 1000

@@ -263,9 +263,13 @@ class _KimiIds:
     Kimi writes ids as ``functions.{name}:{n}`` with n counting calls across the conversation
     (``docs/kimi.md``); its template renders history ids verbatim, so a client id such as
     ``call_abc`` or ``search:2`` would show the model a format it never produced. A client id
-    that already carries a number (``search:2``, ``functions.search:2``) keeps it when it does
-    not go backwards; every other id takes the next number. Tool results are mapped through the
-    same table, the most recent call with that client id winning.
+    that already carries a number (``search:2``, ``functions.search:2``) keeps it, as written,
+    unless the conversation already holds that id (a client that restarted numbering each
+    turn): the history then renders as the model generated it, even where the model's own
+    numbering went backwards (``functions.search:1`` after ``functions.get_time:2``), so the
+    next turn's prompt extends this one token for token. Every other id, and a repeated one,
+    takes the next number (above every number seen). Tool results are mapped through the same
+    table, the most recent call with that client id winning.
     """
 
     def __init__(self) -> None:
@@ -274,12 +278,13 @@ class _KimiIds:
         self.issued: set[str] = set()
 
     def assign(self, client_id: str | None, name: str) -> str | None:
-        n = self.next_n
         m = _KIMI_ID.match(client_id) if isinstance(client_id, str) else None
-        if m is not None and m["name"] == name and int(m["n"]) >= self.next_n:
-            n = int(m["n"])
-        self.next_n = n + 1
-        kimi_id = f"functions.{name}:{n}"
+        if m is not None and m["name"] == name and f"functions.{name}:{m['n']}" not in self.issued:
+            kimi_id = f"functions.{name}:{m['n']}"
+            self.next_n = max(self.next_n, int(m["n"]) + 1)
+        else:
+            kimi_id = f"functions.{name}:{self.next_n}"
+            self.next_n += 1
         self.issued.add(kimi_id)
         if isinstance(client_id, str):
             self.by_client_id[client_id] = kimi_id

@@ -187,6 +187,29 @@ def test_per_turn_restarted_ids_are_made_unique(tok: Any) -> None:
     assert "## Return of functions.get_time:1\nsecond" in text
 
 
+def test_model_ids_render_as_written_when_unique(tok: Any) -> None:
+    """The model's own ids render as it wrote them, also where its numbering went backwards
+    (`functions.f:1` after `functions.get_time:2`: the history then renders as generated, so
+    the next prompt extends this one); a later client id takes a number above every one seen."""
+    msgs = [
+        user("a"),
+        {"role": "assistant", "tool_calls": [call("functions.get_time:2", "get_time")]},
+        tool_result("functions.get_time:2", "A"),
+        {"role": "assistant", "tool_calls": [call("functions.f:1", "f")]},
+        tool_result("functions.f:1", "B"),
+        {"role": "assistant", "tool_calls": [call("call_x", "f")]},
+        tool_result("call_x", "C"),
+    ]
+    text = render(tok, msgs).text
+    for cid, result in (
+        ("functions.get_time:2", "A"),
+        ("functions.f:1", "B"),
+        ("functions.f:3", "C"),
+    ):
+        assert f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>" in text
+        assert f"## Return of {cid}\n{result}" in text
+
+
 def test_client_ids_render_like_kimi_ids(tok: Any) -> None:
     """The canonical tool loop with OpenAI-style ids renders byte-identical to the Kimi-id one,
     so the model sees its own format whatever ids the client keeps."""

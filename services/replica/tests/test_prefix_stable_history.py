@@ -90,8 +90,9 @@ KIMI = Family(
         "The user needs get_weather. I will call it."
         + kt.THINK_END
         + _kimi_section("functions.get_weather:0", '{"city": "Paris", "unit": "celsius"}'),
-        # Compact arguments: the renderer must not re-serialise them.
-        "Now the time." + kt.THINK_END + _kimi_section("functions.get_time:1", '{"city":"Oslo"}'),
+        # Compact arguments (the renderer must not re-serialise them), and an id whose number
+        # went backwards (the model's own, unique: rendered as written, not renumbered).
+        "Now the time." + kt.THINK_END + _kimi_section("functions.get_time:0", '{"city":"Oslo"}'),
         "I have the results. I will answer." + kt.THINK_END + "It is 18 degrees in Paris.",
     ),
     next_task="The user needs get_time. I will call it."
@@ -193,8 +194,8 @@ def divergence(before: Turn, after: Turn) -> int | None:
 def test_tool_loop_prompts_extend_the_previous_prompt_and_output(family: Family) -> None:
     """A 3-turn tool loop (call, tool result, call with compact arguments, tool result,
     answer): every turn's prompt ids begin with the previous prompt's ids and the ids the model
-    generated, end-of-message marker included; the loop's reasoning, the call ids and the
-    argument text come back as the model wrote them."""
+    generated, end-of-message marker included; the loop's reasoning, the call ids (Kimi: one
+    numbered out of order) and the argument text come back as the model wrote them."""
     turns = run_session(family, family.loop, ["What is the weather in Paris?"])
     assert [bool(t.message.get("tool_calls")) for t in turns] == [True, True, False]
     assert turns[1].message["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'

@@ -39,6 +39,10 @@ from inferplane.wire.headers import (
 
 #: Dynamic-metadata namespace json_to_metadata writes `stream` into (read by stream_router.lua).
 METADATA_NAMESPACE = "inferplane.edge"
+#: The key under `METADATA_NAMESPACE` that error_shaper.lua sets (true) on a request to an
+#: Anthropic path (`inferplane.wire.apis.ANTHROPIC_PATH_PREFIX`); the filters after the
+#: transcoder, which see the gRPC method's path, answer in Anthropic's shape by it.
+ANTHROPIC_MARK = "anthropic"
 
 _EXT_AUTHZ = TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
 _JSON_TO_METADATA = (
@@ -148,6 +152,7 @@ def _error_shaper(config: EdgeConfig) -> str:
         ERROR_PARAM_KEY=OPENAI_ERROR_PARAM_KEY,
         ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
         METADATA_NAMESPACE=METADATA_NAMESPACE,
+        ANTHROPIC_MARK=ANTHROPIC_MARK,
         ANTHROPIC_TYPES=_lua_table(anthropic.ERROR_TYPES),
         ANTHROPIC_STATUS=_lua_table({s: t for s, t in statuses.items() if s != t}),
     )
@@ -240,7 +245,8 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     field_guard = render_lua(
         "field_guard",
         FIELD_TABLES=render_lua_tables(known_request_fields(descriptor, config.services)),
-        ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
+        METADATA_NAMESPACE=METADATA_NAMESPACE,
+        ANTHROPIC_MARK=ANTHROPIC_MARK,
     )
     return [
         lua_filter("inferplane.error_shaper", _error_shaper(config)),
@@ -275,7 +281,8 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "picker_guard",
                 PICK_NAMESPACE=PICK_NAMESPACE,
                 PICK_KEY=DESTINATION_ENDPOINT,
-                ANTHROPIC_PREFIX=apis.ANTHROPIC_PATH_PREFIX,
+                METADATA_NAMESPACE=METADATA_NAMESPACE,
+                ANTHROPIC_MARK=ANTHROPIC_MARK,
                 ANTHROPIC_OVERLOADED=anthropic.OVERLOADED_STATUS,
             ),
         ),

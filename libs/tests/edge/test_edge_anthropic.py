@@ -164,3 +164,21 @@ def test_openai_paths_keep_openais_shape(http: httpx.Client) -> None:
     # A path that only starts with the same letters is not Anthropic's.
     other = http.post("/v1/messagesx", json=messages())
     assert other.status_code == 404 and other.json()["error"]["code"] == "unknown_url"
+
+
+def test_no_pick_is_anthropics_529(edge: Edge, http: httpx.Client) -> None:
+    """The picker guard (a request the picker gave no endpoint) and a picker too slow to
+    answer (ext_proc's message timeout, a local-reply mapper) are 529 overloaded_error."""
+    calls = len(edge.inference.calls)
+    edge.picker.targets = []
+    guarded = http.post("/v1/messages", json=messages())
+    assert "picker" in anthropic_error(guarded, 529, "overloaded_error")
+    assert guarded.headers["retry-after"] == "1"
+    edge.picker.targets = [f"127.0.0.1:{edge.backend_port}"]
+    edge.picker.hang_s = edge.config.picker_timeout_s + 0.5
+    try:
+        slow = http.post("/v1/messages", json=messages())
+    finally:
+        edge.picker.hang_s = 0.0
+    assert "picker" in anthropic_error(slow, 529, "overloaded_error")
+    assert len(edge.inference.calls) == calls

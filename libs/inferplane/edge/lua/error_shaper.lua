@@ -21,8 +21,10 @@
 -- leaves in Anthropic's shape {"type": "error", "error": {"type", "message"}}
 -- (https://docs.anthropic.com/en/api/errors): the type follows the HTTP status
 -- (ANTHROPIC_TYPES, from inferplane.apis.anthropic.ERROR_TYPES) and 503 becomes Anthropic's 529
--- overloaded_error (ANTHROPIC_STATUS). The request hook marks the stream (dynamic metadata):
--- the response hook cannot read the request's path. Local replies of the filters after this
+-- overloaded_error (ANTHROPIC_STATUS). The request hook marks the stream (dynamic metadata
+-- NAMESPACE / ANTHROPIC_KEY): the response hook cannot read the request's path, and the filters
+-- after the transcoder see the gRPC method's path, so they read the mark too (the field guard,
+-- the picker guard). Local replies of the filters after this
 -- one (auth's denial, the field guard, the transcoder, the picker, Envoy's own) are not
 -- reshaped here: a Lua response hook cannot buffer a local reply's body (measured on Envoy
 -- 1.40: the script stops at handle:body() and the reply leaves unchanged), so each of those
@@ -49,7 +51,7 @@ local ERROR_PARAM = "__ERROR_PARAM_KEY__"
 -- Anthropic's paths and error types (inferplane.wire.apis, inferplane.apis.anthropic).
 local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
 local NAMESPACE = "__METADATA_NAMESPACE__"
-local ANTHROPIC_KEY = "anthropic"
+local ANTHROPIC_KEY = "__ANTHROPIC_MARK__"
 local ANTHROPIC_TYPES = __ANTHROPIC_TYPES__
 local ANTHROPIC_STATUS = __ANTHROPIC_STATUS__
 

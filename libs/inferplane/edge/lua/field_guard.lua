@@ -273,12 +273,15 @@ local function bounded(param)
   return sub(param, 1, cut) .. "..."
 end
 
--- Anthropic's paths (inferplane.wire.apis.ANTHROPIC_PATH_PREFIX) answer in Anthropic's error
--- shape, {"type": "error", "error": {"type", "message"}} (no param field: the message names it).
-local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
+-- Anthropic's paths answer in Anthropic's error shape, {"type": "error", "error": {"type",
+-- "message"}} (no param field: the message names it): error_shaper.lua, the first filter, marks
+-- such a request in the edge's dynamic metadata (NAMESPACE / ANTHROPIC_KEY).
+local NAMESPACE = "__METADATA_NAMESPACE__"
+local ANTHROPIC_KEY = "__ANTHROPIC_MARK__"
 
-local function is_anthropic(path)
-  return path == ANTHROPIC_PREFIX or path:sub(1, #ANTHROPIC_PREFIX + 1) == ANTHROPIC_PREFIX .. "/"
+local function is_anthropic(handle)
+  local marks = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
+  return marks ~= nil and marks[ANTHROPIC_KEY] == true
 end
 
 local function rejection(param, anthropic)
@@ -308,6 +311,6 @@ function envoy_on_request(handle)
   local ok, err = pcall(check, body:getBytes(0, body:length()), kind)
   if not ok and type(err) == "table" then
     handle:respond({ [":status"] = "400", ["content-type"] = "application/json" },
-      rejection(err.param, is_anthropic(path)))
+      rejection(err.param, is_anthropic(handle)))
   end
 end

@@ -17,17 +17,19 @@ local KEY = "__PICK_KEY__"
 local MESSAGE = "The endpoint picker is unavailable; please retry."
 local BODY = '{"error":{"message":"' .. MESSAGE .. '",'
   .. '"type":"server_error","param":null,"code":"picker_unavailable"}}'
--- Anthropic's paths (inferplane.wire.apis.ANTHROPIC_PATH_PREFIX): Anthropic's 529
--- overloaded_error instead of OpenAI's 503.
-local ANTHROPIC_PREFIX = "__ANTHROPIC_PREFIX__"
+-- Anthropic's paths: Anthropic's 529 overloaded_error instead of OpenAI's 503. The request's
+-- `:path` is the gRPC method's by now (the transcoder ran); error_shaper.lua, the first filter,
+-- marked an Anthropic request in the edge's dynamic metadata (EDGE_NAMESPACE / ANTHROPIC_KEY).
+local EDGE_NAMESPACE = "__METADATA_NAMESPACE__"
+local ANTHROPIC_KEY = "__ANTHROPIC_MARK__"
 local ANTHROPIC_BODY = '{"type":"error","error":{"type":"overloaded_error","message":"'
   .. MESSAGE .. '"}}'
 
 function envoy_on_request(handle)
   local lb = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
   if lb == nil or lb[KEY] == nil or lb[KEY] == "" then
-    local path = (handle:headers():get(":path") or ""):match("^[^?#]*")
-    if path == ANTHROPIC_PREFIX or path:sub(1, #ANTHROPIC_PREFIX + 1) == ANTHROPIC_PREFIX .. "/" then
+    local marks = handle:streamInfo():dynamicMetadata():get(EDGE_NAMESPACE)
+    if marks ~= nil and marks[ANTHROPIC_KEY] == true then
       handle:respond({ [":status"] = "__ANTHROPIC_OVERLOADED__",
         ["content-type"] = "application/json", ["retry-after"] = "1" }, ANTHROPIC_BODY)
       return

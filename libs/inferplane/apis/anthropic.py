@@ -78,7 +78,6 @@ __all__ = [
     "error_status",
     "error_type",
     "is_anthropic_path",
-    "new_message_id",
     "new_tool_use_id",
     "stop_reason",
     "thinking_on",
@@ -87,6 +86,7 @@ __all__ = [
 ]
 
 MESSAGE_ID_PREFIX: Final = "msg_"
+"""A message's id is this and the replica's request id (hex)."""
 TOOL_USE_ID_PREFIX: Final = "toolu_"
 
 STOP_REASONS: Final[Mapping[str, str]] = {
@@ -105,11 +105,6 @@ SERVICE_TIERS: Final = ("auto", "standard_only")
 SPEEDS: Final = ("standard", "fast")
 CACHE_CONTROL_TYPES: Final = ("ephemeral",)
 MIN_THINKING_BUDGET: Final = 1024  # Anthropic refuses a smaller budget_tokens
-
-
-def new_message_id() -> str:
-    """A fresh `msg_…` id (24 random hex digits)."""
-    return MESSAGE_ID_PREFIX + secrets.token_hex(12)
 
 
 def new_tool_use_id() -> str:

@@ -220,3 +220,43 @@ def test_honoured_vllm_fields_reach_the_engine() -> None:
         assert engine.requests[-1][1] == engine.requests[-2][1]
 
     run_scenario(engine, body)
+
+
+def test_include_reasoning_false_leaves_reasoning_out() -> None:
+    """With thinking on the model reasons; include_reasoning false answers without it (unary
+    and streamed) while the usage still counts the reasoning tokens."""
+    engine = ScriptedEngine(script(kimi_tiny_ids("Let me think.</think>Paris.<|im_end|>")))
+
+    async def body(stub: Stub) -> None:
+        plain = chat_request_from_dict(
+            {
+                "model": kt.SERVED_MODEL_NAME,
+                "messages": [{"role": "user", "content": "Capital of France?"}],
+                "chat_template_kwargs": {"thinking": True},
+            }
+        )
+        shown = await stub.CreateChatCompletion(pb.CreateChatCompletionRequest(request=plain))
+        assert shown.choices[0].message.reasoning_content == "Let me think."
+        hidden_request = chat_request_from_dict(
+            {
+                **json_format.MessageToDict(plain, preserving_proto_field_name=True),
+                "include_reasoning": False,
+            }
+        )
+        hidden = await stub.CreateChatCompletion(
+            pb.CreateChatCompletionRequest(request=hidden_request)
+        )
+        message = hidden.choices[0].message
+        assert not message.HasField("reasoning_content")
+        assert message.content.string_value == "Paris."
+        assert hidden.usage.completion_tokens_details.reasoning_tokens > 0
+        chunks = [
+            c
+            async for c in stub.StreamChatCompletion(
+                pb.StreamChatCompletionRequest(request=hidden_request)
+            )
+        ]
+        assert not any(ch.delta.HasField("reasoning_content") for c in chunks for ch in c.choices)
+        assert "".join(ch.delta.content for c in chunks for ch in c.choices) == "Paris."
+
+    run_scenario(engine, body)

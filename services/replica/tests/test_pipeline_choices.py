@@ -260,3 +260,27 @@ def test_include_reasoning_false_leaves_reasoning_out() -> None:
         assert "".join(ch.delta.content for c in chunks for ch in c.choices) == "Paris."
 
     run_scenario(engine, body)
+
+
+def test_logprobs_survive_a_separate_finish_and_held_text() -> None:
+    """vLLM's gRPC stream: the end-of-turn id in the last chunk (held until the finish says it
+    ended the output), then a finish without ids or entries; a stop string holds text back.
+    Every shown token still gets its entry, the hidden end of turn none."""
+    ids = kimi_tiny_ids(TEXT + "<|im_end|>")
+
+    def outputs(params: SamplingParams) -> list[EngineOutput]:
+        scripted = _with_logprobs(script(ids, separate_finish=True), params)
+        return [o if o.token_ids else dataclasses.replace(o, logprobs=None) for o in scripted]
+
+    engine = ScriptedEngine(outputs)
+
+    async def body(stub: Stub) -> None:
+        request = completion_request_from_dict(
+            {"model": kt.SERVED_MODEL_NAME, "prompt": "Q:", "logprobs": 1, "stop": ["zzz"]}
+        )
+        unary = await stub.CreateCompletion(pb.CreateCompletionRequest(request=request))
+        tokens = _value(unary.choices[0].logprobs)["tokens"]
+        assert "".join(tokens) == unary.choices[0].text == TEXT
+        assert len(tokens) == len(ids) - 1
+
+    run_scenario(engine, body)

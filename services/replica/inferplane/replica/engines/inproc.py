@@ -167,6 +167,8 @@ def token_logprobs(
     Raises:
         EngineError: the engine returned no entry per token.
     """
+    if not ids:
+        return ()
     if logprobs is None or len(logprobs) != len(ids):
         raise EngineError("the engine returned no log probabilities for its tokens")
     out = []

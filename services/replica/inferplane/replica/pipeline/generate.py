@@ -232,6 +232,8 @@ class Generation:
             )
         ids = out.token_ids
         lps = out.logprobs
+        if lps is None and self._params.logprobs is not None:
+            lps = ()  # an increment without ids may come without entries
         if self._held_stop is not None:
             ids = (self._held_stop, *ids)
             self._held_stop = None

@@ -16,6 +16,7 @@ from typing import Any, Final
 from google.protobuf import json_format, struct_pb2
 
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
+from inferplane.apis._anthropic_ids import call_id_of
 from inferplane.runtime import InvalidArgumentError
 from inferplane.wire import restore_ints
 
@@ -164,7 +165,7 @@ def _tool_result(block: Mapping[str, Any], where: str, references: References) -
         raise bad(f"{where}.is_error must be a boolean", f"{where}.is_error")
     if is_error:
         parts = [{"type": "text", "text": ERROR_PREFIX}, *parts]
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": parts}
+    return {"role": "tool", "tool_call_id": call_id_of(tool_use_id), "content": parts}
 
 
 def _user(content: Any, where: str, references: References) -> list[dict[str, Any]]:
@@ -220,7 +221,7 @@ def _tool_call(block: Mapping[str, Any], where: str, orders: KeyOrders) -> dict[
     if not isinstance(arguments, Mapping):
         raise bad(f"{where}.input must be an object", f"{where}.input")
     return {
-        "id": call_id,
+        "id": call_id_of(call_id),
         "type": "function",
         "function": {
             "name": name,

@@ -6,8 +6,9 @@ the `ChatCompletionRequest` the chat pipeline validates, renders and generates f
 
 - `system` (a string or text blocks) → one system message (blocks joined as text parts); a
   `system` message in `messages` → a system message in place;
-- `text` blocks → text; `tool_use` → the assistant's `tool_calls` (its `toolu_…` id kept: the
-  renderer maps history ids onto the family's own form, Kimi's `functions.NAME:IDX`);
+- `text` blocks → text; `tool_use` → the assistant's `tool_calls` (the model's own call id,
+  Kimi's `functions.NAME:IDX`, read back out of the `toolu_…` id this platform gave the call,
+  `_anthropic_ids`; another id is kept and the renderer numbers it in the family's form);
   `tool_result` (a string or text blocks; `is_error` prefixes the text with `ERROR_PREFIX`)
   → a `tool` message; `thinking` in history → the assistant's `reasoning_content`;
   `redacted_thinking` → dropped (its data is Anthropic's encryption, no text);
@@ -41,7 +42,6 @@ the request and response shapes: Anthropic's Messages API reference
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -52,16 +52,25 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.apis import _anthropic_content as _content
 from inferplane.apis import _anthropic_tools as _tools
 from inferplane.apis._anthropic_content import ERROR_PREFIX, TOOL_LOADED, bad, check_keys, value
+from inferplane.apis._anthropic_ids import (
+    CARRIED,
+    MAX_CARRIED_ID,
+    TOOL_USE_ID_PREFIX,
+    call_id_of,
+    tool_use_id,
+)
 from inferplane.apis._anthropic_tools import CUSTOM_TOOL, EXAMPLES_HEADING
 from inferplane.wire import apis
 
 __all__ = [
     "CACHE_CONTROL_TYPES",
+    "CARRIED",
     "CUSTOM_TOOL",
     "EFFORTS",
     "ERROR_PREFIX",
     "ERROR_TYPES",
     "EXAMPLES_HEADING",
+    "MAX_CARRIED_ID",
     "MESSAGE_ID_PREFIX",
     "MIN_THINKING_BUDGET",
     "OVERLOADED_STATUS",
@@ -73,21 +82,21 @@ __all__ = [
     "THINKING_TYPES",
     "TOOL_LOADED",
     "TOOL_USE_ID_PREFIX",
+    "call_id_of",
     "count_to_chat",
     "error_body",
     "error_status",
     "error_type",
     "is_anthropic_path",
-    "new_tool_use_id",
     "stop_reason",
     "thinking_on",
     "thinking_shown",
     "to_chat",
+    "tool_use_id",
 ]
 
 MESSAGE_ID_PREFIX: Final = "msg_"
 """A message's id is this and the replica's request id (hex)."""
-TOOL_USE_ID_PREFIX: Final = "toolu_"
 
 STOP_REASONS: Final[Mapping[str, str]] = {
     "stop": "end_turn",
@@ -105,14 +114,6 @@ SERVICE_TIERS: Final = ("auto", "standard_only")
 SPEEDS: Final = ("standard", "fast")
 CACHE_CONTROL_TYPES: Final = ("ephemeral",)
 MIN_THINKING_BUDGET: Final = 1024  # Anthropic refuses a smaller budget_tokens
-
-
-def new_tool_use_id() -> str:
-    """A fresh `toolu_…` id (24 random hex digits), for one tool call the model made. The
-    client sends it back in `tool_use.id` and `tool_result.tool_use_id`; the renderer maps it
-    onto the call's place in the history (Kimi: `functions.NAME:IDX`, counted over the
-    conversation as the model numbered it), so the id needs to carry nothing."""
-    return TOOL_USE_ID_PREFIX + secrets.token_hex(12)
 
 
 def stop_reason(finish_reason: str, stop_sequence: str | None) -> str:

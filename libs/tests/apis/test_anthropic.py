@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -527,9 +528,35 @@ def test_error_shape(status: int, anthropic_status: int, kind: str) -> None:
     }
 
 
-def test_ids() -> None:
-    first, second = anthropic.new_tool_use_id(), anthropic.new_tool_use_id()
+def test_tool_use_ids_carry_the_models_call_id() -> None:
+    first = anthropic.tool_use_id("functions.get_weather:0")
+    second = anthropic.tool_use_id("functions.get_weather:0")
     assert first.startswith("toolu_") and first != second
+    assert re.fullmatch(r"[a-zA-Z0-9_-]+", first)
+    assert anthropic.call_id_of(first) == anthropic.call_id_of(second)
+    assert anthropic.call_id_of(first) == "functions.get_weather:0"
+    # Anthropic's own ids, a client's, and anything that only looks like ours stay as they are.
+    for other in ("toolu_01A09q90qw90lq917835lq9", "call_1", "toolu_ip12345678!!", "toolu_ip"):
+        assert anthropic.call_id_of(other) == other
+
+
+def test_the_models_call_id_is_what_the_history_renders() -> None:
+    carried = anthropic.tool_use_id("functions.get_weather:3")
+    out = chat(
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": carried, "name": "get_weather", "input": {}}
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": carried}]},
+        ],
+    )
+    assert out["messages"][1]["tool_calls"][0]["id"] == "functions.get_weather:3"
+    assert out["messages"][2]["tool_call_id"] == "functions.get_weather:3"
 
 
 _JSON = st.recursive(

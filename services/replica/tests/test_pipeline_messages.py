@@ -20,6 +20,7 @@ from inferplane.replica.engines.base import EngineOutput
 from inferplane.replica.server import RequestOutcome
 from inferplane.replica.testing.pipeline import (
     ScriptedEngine,
+    kimi_tiny_assets,
     kimi_tiny_ids,
     run_scenario,
     script,
@@ -305,3 +306,31 @@ def test_count_tokens_is_the_rendered_prompt() -> None:
     run(outputs, body, outcomes)
     count = outcomes[0]
     assert count.api == "messages" and count.prompt_tokens == 0
+
+
+def test_the_next_turn_renders_the_call_id_the_model_wrote() -> None:
+    """The tool_use id the client got carries the model's own `functions.get_weather:7`: sending
+    the call and its result back renders that id, so the next prompt begins with this turn's
+    prompt and output as generated (the prefix cache can serve it)."""
+    case = kt.WEATHER
+    # A number the renderer would not give a client's id (that would be :0): the model's own.
+    output = case.output.replace("functions.get_weather:0", "functions.get_weather:7")
+    outputs = script(kimi_tiny_ids(output + EOS))
+
+    async def body(stub: Stub, engine: ScriptedEngine) -> None:
+        first = await whole_message(stub, body_of(case))
+        (call,) = [b for b in first["content"] if b["type"] == "tool_use"]
+        history = [
+            {"role": "user", "content": case.messages[0]["content"]},
+            {"role": "assistant", "content": first["content"]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "18"}],
+            },
+        ]
+        await whole_message(stub, body_of(case, messages=history))
+        backend = kimi_tiny_assets().backend
+        rendered = backend.decode(prompts(engine)[-1], skip_special_tokens=False)
+        assert "functions.get_weather:7" in rendered and call["id"] not in rendered
+
+    run(outputs, body)

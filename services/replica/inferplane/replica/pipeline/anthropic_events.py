@@ -96,7 +96,6 @@ def message(
     stop_reason: str,
     stop_sequence: str | None,
     usage_: dict[str, int],
-    tool_use_id: Callable[[], str] = anthropic.new_tool_use_id,
 ) -> dict[str, Any]:
     """The whole `Message`: a thinking block (when thinking was on and the model reasoned),
     the text, one `tool_use` block per call, in that order.
@@ -114,7 +113,7 @@ def message(
         content.append(
             {
                 "type": "tool_use",
-                "id": tool_use_id(),
+                "id": anthropic.tool_use_id(call.id),
                 "name": call.name,
                 "input": tool_input(call.arguments, index),
             }
@@ -140,7 +139,6 @@ class MessageEvents:
         show_thinking: thinking text goes out as `thinking_delta`s (False: display "omitted").
         thinking: the request asked for thinking (without, reasoning the model writes anyway
             is not shown: Anthropic returns no thinking block then).
-        tool_use_id: a fresh `toolu_…` id per call.
     """
 
     __slots__ = (
@@ -152,7 +150,6 @@ class MessageEvents:
         "_model",
         "_show",
         "_thinking",
-        "_tool_use_id",
     )
 
     def __init__(
@@ -162,13 +159,11 @@ class MessageEvents:
         *,
         show_thinking: bool,
         thinking: bool,
-        tool_use_id: Callable[[], str] = anthropic.new_tool_use_id,
     ) -> None:
         self._id = message_id
         self._model = model
         self._show = show_thinking
         self._thinking = thinking
-        self._tool_use_id = tool_use_id
         self._blocks = 0  # blocks opened so far
         self._current: int | None = None  # the open block's index
         self._kind = ""  # the open block's type
@@ -211,7 +206,7 @@ class MessageEvents:
                     "tool_use",
                     {
                         "type": "tool_use",
-                        "id": self._tool_use_id(),
+                        "id": anthropic.tool_use_id(call.id or ""),
                         "name": call.name or "",
                         "input": {},
                     },

@@ -17,8 +17,9 @@ sinks. The assembler writes the arguments in the config's ``ArgumentsFormat``:
 With the request's tools, a header naming a function (``functions.{name}:{n}``, or a declared
 name) streams at once, its arguments coerced to the declared schema; any other header (a bare
 counter, a client-style id) is held until its arguments end and resolved from the tools
-(``ToolSet.resolve``), or dropped, never invented. Ids are the model's own, verbatim; a format
-without ids gets ``call_{n}`` (``split_name_header``).
+(``ToolSet.resolve``), or dropped, never invented. Ids are the model's own, verbatim, unless a
+call of the same response already carries that id (then the format's generated id, see
+``_unique_id``); a format without ids gets ``call_{n}`` (``split_name_header``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class CallAssembler:
         "_envelope",
         "_held_call",
         "_history",
+        "_ids",
         "_in_header",
         "_in_value",
         "_json_valued",
@@ -106,6 +108,7 @@ class CallAssembler:
         self._allow = allow
         self._tools = tools
         self._max_calls = max_tool_calls
+        self._ids: set[str] = set()  # the ids this response's calls carry so far
         self._args = Trim()
         self.header: list[str] = []
         self._in_header = False
@@ -295,7 +298,7 @@ class CallAssembler:
                 return
         self._arguments = ArgumentsStream(coercions)
         self._json_valued = json_valued
-        out = _CallOut(index, split[0], split[1])
+        out = _CallOut(index, self._unique_id(split[0], split[1], index), split[1])
         self.out.append(out)
         self._cur = out
 
@@ -415,12 +418,31 @@ class CallAssembler:
             self.dropped += 1
             return
         schema, arguments, repairs = resolved
-        out = _CallOut(self._next_index, id_, schema.name)
+        out = _CallOut(
+            self._next_index, self._unique_id(id_, schema.name, self._next_index), schema.name
+        )
         out.parts.append(arguments)
         if repairs:
             self._all_repairs[self._next_index] = repairs
         self.out.append(out)
         self._next_index += 1
+
+    def _unique_id(self, id_: str, name: str, index: int) -> str:
+        """`id_`, or, when a call of this response already carries it, the id the format
+        generates for a call without one (``functions.{name}:{n}``, ``call_{n}``), numbered
+        from this call's place in the conversation up to the first free one. A model may write
+        one id twice in a turn (kimi-tiny does, deep into a session); a client answers each
+        call by its id and sends the calls back, so two calls with one id could be neither
+        answered apart nor rendered again (the renderer refuses an id used twice in a
+        message)."""
+        number, written = self._history + index, id_
+        while id_ in self._ids:
+            split = self._t.config.split_header(name, number)
+            generated = split[0] if split is not None else None
+            id_ = generated if generated not in (None, id_) else f"{written}-{number}"
+            number += 1
+        self._ids.add(id_)
+        return id_
 
     def _call_parts(self) -> list[str]:
         out = self._cur

@@ -85,11 +85,15 @@ def kimi_outputs(draw: st.DrawFn) -> Generated:
     calls: list[tuple[str, str, str]] = []
     if has_section:
         parts += [SB, draw(ws)]
-        for _ in range(n_calls):
+        written: set[str] = set()
+        for i in range(n_calls):
             fn = draw(name)
             n = draw(st.integers(0, 99))
             prefixed = draw(st.booleans())
             header = f"{'functions.' if prefixed else ''}{fn}:{n}"
+            if header in written:  # an id written twice in one response is made unique
+                header = f"{header}{100 + i}"  # (test_kimi_k2_vectors): keep them apart here
+            written.add(header)
             if draw(st.booleans()):
                 args = json.dumps(
                     draw(st.dictionaries(text, json_value, max_size=3)),

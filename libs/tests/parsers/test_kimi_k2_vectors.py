@@ -313,6 +313,21 @@ def test_history_tool_calls_number_ids_without_counter(parser: Parser) -> None:
     assert [c.id for c in res.tool_calls] == ["functions.a:3", "functions.b:4"]
 
 
+def test_an_id_written_twice_in_one_response_is_made_unique(parser: Parser) -> None:
+    """A model that writes one id twice in a turn (kimi-tiny does deep into a session): a call
+    whose id an earlier call of the response carries gets the id the format generates for its
+    place in the conversation, or the next free one (the third call's `:4` was taken by the
+    second's), streamed as in the whole result; the first keeps the model's."""
+    out = TE + section(
+        call("functions.a:3", "{}"), call("functions.a:3", "{}"), call("functions.a:4", "{}")
+    )
+    whole = [c.id for c in parser.parse(out, history_tool_calls=3).tool_calls]
+    assert whole == ["functions.a:3", "functions.a:4", "functions.a:5"]
+    s = parser.start(thinking=True, history_tool_calls=3)
+    streamed = [d for c in chunks(out, 1) for d in s.feed(c).tool_calls if d.id is not None]
+    assert [d.id for d in streamed] == whole
+
+
 def test_result_types(parser: Parser) -> None:
     res = parser.parse(f"r{TE}{section(WEATHER)}")
     assert res.tool_calls == [ToolCall(*WEATHER_CALL)]

@@ -17,7 +17,7 @@ by their header). ``PlainSession()`` has the same surface for
 output with no format (all content, verbatim).
 """
 
-from inferplane.parsers._answer import answer_excludes
+from inferplane.parsers._answer import answer_excludes, unenforced_keyword
 from inferplane.parsers._arguments import ToolSet
 from inferplane.parsers._config import (
     Action,
@@ -101,5 +101,6 @@ __all__ = [
     "kimi_k2_config",
     "qwen3_config",
     "split_kimi_header",
+    "unenforced_keyword",
     "validate_tool_calls",
 ]

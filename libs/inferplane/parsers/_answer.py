@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["answer_excludes", "bounded_strings_as_patterns"]
+__all__ = ["answer_excludes", "bounded_strings_as_patterns", "unenforced_keyword"]
 
 # (opener, closer) of special-token texts whose opener alone stands for all of them.
 _BRACKETS = (("<|", "|>"), ("<\uff5c", "\uff5c>"))  # ASCII, and DeepSeek's full-width bar
@@ -120,3 +120,79 @@ def _rewrite(schema: Any, shortest: int, firsts: str) -> Any:
 def _class_escape(chars: str) -> str:
     """`chars` safe inside a regex character class."""
     return "".join("\\" + c if c in "\\]^-[" else c for c in chars)
+
+
+# String formats xgrammar 0.2.8 enforces (vLLM 0.32's STRING_SUPPORTED_FORMATS).
+_FORMATS = frozenset(
+    {
+        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    }
+)  # fmt: skip
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """Where `schema` uses a keyword xgrammar 0.2.8 compiles but does not enforce (it warns
+    and ignores it), as ``"path: keyword"``, or None.
+
+    An answer grammar (a structural tag) is always xgrammar's, so such a schema could be
+    answered with JSON that does not validate. The list is the one vLLM 0.32 keeps to send
+    plain ``json_schema`` requests to another backend instead
+    (``vllm/v1/structured_output/backend_xgrammar.py``,
+    ``has_xgrammar_unsupported_json_features``): ``multipleOf`` on numbers; ``uniqueItems``,
+    ``contains``, ``minContains``, ``maxContains`` on arrays; a string ``format`` xgrammar does
+    not know; ``pattern`` or ``format`` with a length bound; ``propertyNames`` with
+    ``properties``, ``patternProperties`` or ``unevaluatedProperties``; ``patternProperties``
+    with ``properties`` or with more than one pattern; ``allOf`` with several branches.
+    """
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = unenforced_keyword(item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    here = path or "schema"
+    bounded = "minLength" in schema or "maxLength" in schema
+    checks = (
+        (bool(types & {"integer", "number"}) and "multipleOf" in schema, "multipleOf"),
+        (
+            "array" in types
+            and any(k in schema for k in ("uniqueItems", "contains", "minContains", "maxContains")),
+            "uniqueItems / contains",
+        ),
+        (
+            "string" in types and "format" in schema and schema["format"] not in _FORMATS,
+            f"format {schema.get('format')!r}",
+        ),
+        (
+            "string" in types and ("pattern" in schema or "format" in schema) and bounded,
+            "pattern or format with minLength / maxLength",
+        ),
+        (
+            "propertyNames" in schema
+            and (
+                any(k in schema for k in ("properties", "patternProperties"))
+                or schema.get("unevaluatedProperties", True) is not True
+            ),
+            "propertyNames",
+        ),
+        (
+            isinstance(schema.get("patternProperties"), Mapping)
+            and ("properties" in schema or len(schema["patternProperties"]) > 1),
+            "patternProperties",
+        ),
+        (isinstance(schema.get("allOf"), list) and len(schema["allOf"]) >= 2, "allOf"),
+    )
+    for hit, keyword in checks:
+        if hit:
+            return f"{here}: {keyword}"
+    for key, value in schema.items():
+        if isinstance(value, Mapping | list):
+            found = unenforced_keyword(value, f"{path}.{key}" if path else key)
+            if found:
+                return found
+    return None

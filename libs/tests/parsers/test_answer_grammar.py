@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from inferplane.fixtures import kimi_tiny
-from inferplane.parsers import answer_excludes, build_json_constraint
+from inferplane.parsers import answer_excludes, build_json_constraint, unenforced_keyword
 from inferplane.parsers._answer import bounded_strings_as_patterns
 from inferplane.testing.kimi_vocab import KIMI_MARKER_IDS, kimi_sized_vocab, special_texts
 from inferplane.testing.tool_schemas import draw, object_schemas
@@ -31,7 +31,11 @@ THINK_END = "</think>"
 class Vocab:
     """A vocabulary as xgrammar sees it, with what the walk needs."""
 
-    def __init__(self, texts: list[str], info: Any, markers: list[str], stop: int) -> None:
+    def __init__(self, raw: list[bytes], info: Any, markers: list[str], stop: int) -> None:
+        # Token texts for checks; answers are decoded from the bytes (a token may hold part of
+        # a UTF-8 character).
+        texts = [t.decode("utf-8", "replace") for t in raw]
+        self.raw = raw
         self.texts = texts
         self.info = info
         self.markers = markers
@@ -55,9 +59,8 @@ def fixture_vocab() -> Vocab:
 
     tok = AutoTokenizer.from_pretrained(str(kimi_tiny.model_path()), local_files_only=True)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
-    texts = [t.decode("utf-8", "replace") for t in info.decoded_vocab]
     markers = [t.content for t in tok.added_tokens_decoder.values()]
-    return Vocab(texts, info, markers, int(tok.eos_token_id))
+    return Vocab(list(info.decoded_vocab), info, markers, int(tok.eos_token_id))
 
 
 @cache
@@ -67,7 +70,7 @@ def kimi_sized() -> Vocab:
     info = xgr.TokenizerInfo(
         texts, vocab_type=xgr.VocabType.RAW, vocab_size=len(texts), stop_token_ids=[stop]
     )
-    return Vocab(texts, info, special_texts(), stop)
+    return Vocab([t.encode() for t in texts], info, special_texts(), stop)
 
 
 def allowed(matcher: Any, vocab: Vocab) -> np.ndarray:
@@ -81,7 +84,7 @@ def walk(vocab: Vocab, value: str, thinking: bool, rng: random.Random) -> tuple[
     """A random model under the constraint: `(answer text or None when it ran out of steps,
     marker-holding tokens the grammar allowed inside the answer)`."""
     matcher = xgr.GrammarMatcher(vocab.compiler.compile_structural_tag(value))
-    text: list[str] = []
+    text: list[bytes] = []
     in_answer = not thinking
     leaks = 0
     for _ in range(400):
@@ -89,14 +92,16 @@ def walk(vocab: Vocab, value: str, thinking: bool, rng: random.Random) -> tuple[
         if in_answer:
             leaks += int((mask & vocab.holds_marker).sum())
         if mask[vocab.stop]:
-            answer = "".join(text)
-            return (answer.split(THINK_END, 1)[1] if thinking else answer), leaks
+            answer = b"".join(text)
+            if thinking:
+                answer = answer.split(THINK_END.encode(), 1)[1]
+            return answer.decode("utf-8"), leaks
         ids = np.flatnonzero(mask & vocab.short) if rng.random() < 0.7 else []
         if len(ids) == 0:
             ids = np.flatnonzero(mask)
         token = int(ids[rng.randrange(len(ids))])
         assert matcher.accept_token(token)
-        text.append(vocab.texts[token])
+        text.append(vocab.raw[token])
         if not in_answer and vocab.texts[token] == THINK_END:
             in_answer = True
     return None, leaks
@@ -210,3 +215,25 @@ def test_the_answer_grammar_keeps_string_bounds_and_refuses_only_marker_text() -
     assert not accepts('{"code": "a", "note": "a <')  # a bounded string that fits a marker
     assert not accepts('{"code": "a", "note": "b", "free": "x <|im_end|>')
     assert not accepts('{"code": "a", "note": "b", "free": "</think>')
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "integer", "multipleOf": 3}, "schema: multipleOf"),
+        ({"type": "array", "uniqueItems": True}, "schema: uniqueItems / contains"),
+        ({"type": "string", "format": "ipv5"}, "schema: format 'ipv5'"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string", "pattern": "^a", "maxLength": 3}},
+            },
+            "properties.a: pattern or format with minLength / maxLength",
+        ),
+        ({"allOf": [{"type": "string"}, {"enum": ["y"]}]}, "schema: allOf"),
+        ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}, None),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, None),
+    ],
+)
+def test_unenforced_keywords_are_found_where_they_are(schema: Any, where: str | None) -> None:
+    assert unenforced_keyword(schema) == where

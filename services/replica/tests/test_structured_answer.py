@@ -83,6 +83,29 @@ def test_what_would_cut_a_json_answer_or_run_past_it_is_refused(
     plan_chat(chat_request_from_dict(body(**{field: value})), kimi_tiny_assets())
 
 
+def test_a_strict_schema_the_grammar_cannot_enforce_is_a_400_and_served_loose_otherwise() -> None:
+    """`multipleOf` is compiled but not enforced by xgrammar (its answer grammar): strict, a
+    400; not strict, served as before the marker exclusion (thinking off: vLLM's plain
+    json_schema, which vLLM hands to a backend that enforces it)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
+    thinking_off = {"chat_template_kwargs": {"thinking": False}}
+    with pytest.raises(InvalidArgumentError) as err:
+        plan_chat(
+            chat_request_from_dict(body(response_format=fmt, **thinking_off)), kimi_tiny_assets()
+        )
+    assert err.value.param == "response_format.json_schema.schema"
+    assert "properties.n: multipleOf" in str(err.value)
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for request in (
+        body(response_format=loose, **thinking_off),
+        body(structured_outputs={"json": schema}, **thinking_off),
+    ):
+        plan = plan_chat(chat_request_from_dict(request), kimi_tiny_assets())
+        assert plan.params.constraint is not None
+        assert plan.params.constraint.kind == "json_schema"
+
+
 SNIPPET = '{"snippet": "a <|tool_call_end|> b"}'
 SAVE = {
     "type": "function",

@@ -44,6 +44,7 @@ from inferplane.parsers import (
     ConstraintError,
     build_json_constraint,
     build_tool_constraint,
+    unenforced_keyword,
 )
 from inferplane.replica.engines.base import EngineConstraint, SamplingParams
 from inferplane.replica.pipeline import structured
@@ -362,6 +363,30 @@ def _json_constraint(
     return EngineConstraint(built.kind, built.value)
 
 
+def _answer_markers(
+    body: Mapping[str, Any], schema: Mapping[str, Any] | None, markers: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The marker texts a `response_format` answer excludes: all of them, unless the schema
+    uses a keyword xgrammar does not enforce (`inferplane.parsers.unenforced_keyword`). Such
+    a schema under `strict: true` is a 400 (the answer could not be guaranteed to validate;
+    OpenAI's strict mode refuses keywords it does not support too); otherwise it is served as
+    before the exclusion (thinking off: vLLM's plain json_schema, which vLLM hands to a
+    backend that enforces the keyword)."""
+    if schema is None:
+        return markers
+    where = unenforced_keyword(schema)
+    if where is None:
+        return markers
+    spec = (body.get("response_format") or {}).get("json_schema") or {}
+    if spec.get("strict") is True:
+        raise InvalidArgumentError(
+            f"Invalid schema for response_format: strict mode cannot enforce {where}",
+            param="response_format.json_schema.schema",
+            code="invalid_json_schema",
+        )
+    return ()
+
+
 def _refuse_cuts(body: Mapping[str, Any], param: str) -> None:
     """A JSON answer either validates or ends with `length`: refuses what would end it
     elsewhere or run past it. A `stop` string the model writes inside a value would cut the
@@ -488,7 +513,8 @@ def plan_chat(
             check_compiles([("response_format.json_schema.schema", schema)])
         _refuse_cuts(body, "response_format")
         syntax = assets.parser.config.call_syntax if assets.parser is not None else None
-        constraint = _json_constraint(schema, prompt.thinking, syntax, assets.marker_texts)
+        markers = _answer_markers(body, schema, assets.marker_texts)
+        constraint = _json_constraint(schema, prompt.thinking, syntax, markers)
     wanted = structured.requested(body)
     if wanted is not None:
         if constraint is not None:

@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inferplane.parsers import CallSyntax, build_json_constraint
+from inferplane.parsers import CallSyntax, build_json_constraint, unenforced_keyword
 from inferplane.replica.engines.base import EngineConstraint
 from inferplane.runtime import InvalidArgumentError
 
@@ -120,6 +120,8 @@ def build(
             schema = value
         elif value is not True:
             raise _bad(f"'{param}' must be true", param)
+        if schema is not None and unenforced_keyword(schema) is not None:
+            markers = ()  # as response_format without strict (requests._answer_markers)
         built = build_json_constraint(schema, syntax=syntax, thinking=thinking, markers=markers)
         return EngineConstraint(built.kind, built.value)
     if thinking or (syntax is not None and syntax.answer_begins):

@@ -391,6 +391,172 @@ def test_text_completions(client: openai.OpenAI) -> None:
     assert "".join(p.choices[0].text for p in pieces if p.choices) == response.choices[0].text
 
 
+def test_n_choices_unary_and_streamed(client: openai.OpenAI) -> None:
+    """n=2 at temperature 0: two choices (index 0 and 1) with the same greedy answer, usage
+    counting both; streamed, each index gets its role, its text and its finish."""
+    case = kimi_tiny.NO_TOOL
+    one = _chat(client, case)
+    two = _chat(client, case, n=2)
+    assert [c.index for c in two.choices] == [0, 1]  # type: ignore[attr-defined]
+    for choice in two.choices:  # type: ignore[attr-defined]
+        assert choice.message.content == case.content and choice.finish_reason == "stop"
+    completion = one.usage.completion_tokens  # type: ignore[attr-defined]
+    assert two.usage.completion_tokens == 2 * completion  # type: ignore[attr-defined]
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[attr-defined]
+    request = case.request()
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=request["messages"],
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"chat_template_kwargs": request["chat_template_kwargs"]},
+        )
+    )
+    texts = {0: "", 1: ""}
+    finishes = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes.append(choice.index)
+    assert texts == {0: case.content, 1: case.content} and sorted(finishes) == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 * completion
+
+
+def test_logprobs_and_top_logprobs_unary_and_streamed(client: openai.OpenAI) -> None:
+    """logprobs with top_logprobs 3: one entry per generated token shown (the hidden end of
+    turn has none), each with 3 alternatives; greedy picks the most likely one; streamed
+    chunks carry the same tokens."""
+    case = kimi_tiny.NO_TOOL
+    # An engine's first request with logprobs compiles vLLM's logprob-rank kernel
+    # (torch.compile, once per engine): ~10 s on an idle CPU, minutes on a loaded one.
+    client = client.with_options(timeout=600)
+    response = _chat(client, case, logprobs=True, top_logprobs=3, max_tokens=16)
+    choice = response.choices[0]  # type: ignore[attr-defined]
+    content = choice.logprobs.content
+    generated = response.usage.completion_tokens  # type: ignore[attr-defined]
+    assert generated - 1 <= len(content) <= generated
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob >= entry.top_logprobs[0].logprob - 1e-3
+    request = case.request()
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=request["messages"],
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            max_tokens=16,
+            stream=True,
+            extra_body={"chat_template_kwargs": request["chat_template_kwargs"]},
+        )
+    )
+    streamed = [
+        e.token for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content
+    ]
+    assert streamed == [e.token for e in content]
+    text = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = text.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+
+
+def test_continuous_usage_stats_puts_usage_on_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it): every chunk carries
+    the usage so far, never decreasing, the last one the request's."""
+    request = kimi_tiny.NO_TOOL.request()
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=request["messages"],
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            extra_body={
+                "chat_template_kwargs": request["chat_template_kwargs"],
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] > 0
+    assert chunks[-1].choices == []
+
+
+def test_reasoning_in_history_is_reasoning_content(client: openai.OpenAI) -> None:
+    """vLLM >= 0.16 names an assistant message's reasoning `reasoning`: the history renders
+    exactly as with `reasoning_content` (same prompt, same greedy answer)."""
+
+    def ask(key: str) -> Any:
+        return client.chat.completions.create(
+            model=MODEL_NAME,
+            temperature=0,
+            max_tokens=8,
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!", key: "The user greets me."},  # type: ignore[misc]
+                {"role": "user", "content": "What is the capital of France?"},
+            ],
+        )
+
+    a, b = ask("reasoning"), ask("reasoning_content")
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_guided_json_and_stop_token_ids_are_honoured(client: openai.OpenAI) -> None:
+    """vLLM's guided_json constrains the answer (it parses and validates unless cut by
+    length); stop_token_ids end the output at the first such token (its id learnt from a
+    first run's logprobs written as token ids)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        temperature=0,
+        max_tokens=48,
+        messages=[{"role": "user", "content": "Name a city as JSON."}],
+        reasoning_effort="none",
+        extra_body={"guided_json": schema},
+    )
+    choice = response.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    else:
+        assert choice.finish_reason == "length"
+    first = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    tokens = first.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    stop_at = ids.index(ids[2])
+    cut = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[2]]},
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage is not None and cut.usage.completion_tokens == stop_at + 1
+
+
 def test_bad_key_is_authentication_error(stack: Stack) -> None:
     bad = openai.OpenAI(base_url=stack.config.base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -69,21 +70,28 @@ class Invocation:
     tool_calls_path: Path
 
     def run(self, timeout: float) -> Completed:
-        """Runs the agent to its end (stdin closed). Raises subprocess.TimeoutExpired."""
+        """Runs the agent to its end (stdin closed). After `timeout` seconds its process group
+        is killed and the result says so (`timed_out`), with what it had written."""
         started = time.monotonic()
-        done = subprocess.run(
+        with subprocess.Popen(
             self.argv,
             cwd=self.cwd,
             env=dict(self.env),
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
-            check=False,
-        )
-        return Completed(
-            self, done.returncode, done.stdout, done.stderr, time.monotonic() - started
-        )
+            start_new_session=True,
+        ) as process:
+            timed_out = False
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, stderr = process.communicate()
+        seconds = time.monotonic() - started
+        return Completed(self, process.returncode, stdout, stderr, seconds, timed_out)
 
     def tool_calls(self) -> list[dict[str, object]]:
         """The `get_weather` calls the tool received, in order."""
@@ -103,6 +111,7 @@ class Completed:
     stdout: str
     stderr: str
     seconds: float
+    timed_out: bool = False
 
     def turn(self) -> Turn:
         """What the agent's machine-readable output (each is run with its JSON output mode)
@@ -112,8 +121,9 @@ class Completed:
         ](self.stdout)
 
     def summary(self) -> str:
+        ended = "was killed (time out)" if self.timed_out else f"exited {self.returncode}"
         return (
-            f"{self.invocation.agent} exited {self.returncode} after {self.seconds:.1f} s: "
+            f"{self.invocation.agent} {ended} after {self.seconds:.1f} s: "
             f"{self.invocation.describe()}\n--- stdout\n{self.stdout[-3000:]}\n"
             f"--- stderr\n{self.stderr[-3000:]}"
         )
@@ -268,6 +278,8 @@ def _claude_code(
             "ANTHROPIC_DEFAULT_SONNET_MODEL": endpoint.model,
             "ANTHROPIC_DEFAULT_OPUS_MODEL": endpoint.model,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            # Its own max_tokens (32,000 by default), as OpenCode's `limit.output` below.
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(endpoint.output_tokens),
             "DISABLE_AUTOUPDATER": "1",
             "DISABLE_TELEMETRY": "1",
             "DISABLE_ERROR_REPORTING": "1",
@@ -383,4 +395,7 @@ def _opencode(
         }
     )
     model = f"{PROVIDER}/{endpoint.model}"
-    return [str(binary(OPENCODE)), "run", "--format", "json", "--model", model, prompt]
+    # --thinking: the reasoning parts are in the JSON output too (the turn's text when the
+    # model only reasons, as the fixture model does).
+    argv = [str(binary(OPENCODE)), "run", "--format", "json", "--thinking", "--model", model]
+    return [*argv, prompt]

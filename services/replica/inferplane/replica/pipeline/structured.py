@@ -76,6 +76,8 @@ def requested(body: Mapping[str, Any]) -> tuple[str, str, Any] | None:
                 "'structured_outputs' must hold one of " + ", ".join(CONSTRAINT_KEYS),
                 "structured_outputs",
             )
+        # The object's key order does not survive its proto Struct: vLLM's order decides.
+        found.sort(key=lambda item: CONSTRAINT_KEYS.index(item[1]))
     for field, key in GUIDED_FIELDS.items():
         value = body.get(field)
         if value not in (None, "", []):

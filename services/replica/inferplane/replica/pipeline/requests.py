@@ -69,7 +69,6 @@ class Reporting:
         n: the number of choices (each its own engine request).
         logprobs: the request asked for log probabilities (their count is
             `SamplingParams.logprobs`).
-        include_usage: `stream_options.include_usage`: a last chunk with the usage.
         continuous_usage: `stream_options.continuous_usage_stats`: every chunk carries the
             usage so far (vLLM's extension).
         tokens_as_ids: `return_tokens_as_token_ids`: logprob tokens are "token_id:{id}".
@@ -78,7 +77,6 @@ class Reporting:
 
     n: int = 1
     logprobs: bool = False
-    include_usage: bool = False
     continuous_usage: bool = False
     tokens_as_ids: bool = False
     include_reasoning: bool = True
@@ -203,12 +201,10 @@ def _logprobs_count(value: Any, param: str) -> int:
 
 def _reporting(body: Mapping[str, Any], n: int, logprobs: bool) -> Reporting:
     options = body.get("stream_options") or {}
-    include_usage = bool(options.get("include_usage"))
     continuous = bool(options.get("continuous_usage_stats"))
     return Reporting(
         n=n,
         logprobs=logprobs,
-        include_usage=include_usage,
         continuous_usage=continuous,
         tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
         include_reasoning=body.get("include_reasoning", True) is not False,

@@ -25,7 +25,8 @@ def test_exports_are_pinned() -> None:
     assert sorted(parsers.__all__) == sorted([
         "DEEPSEEK_V31_MARKERS", "GLM45_MARKERS", "QWEN3_MARKERS", "ArgumentsFormat",
         "deepseek_v31_config", "glm45_config", "qwen3_config", "GPT_OSS_MARKERS",
-        "gpt_oss_config", "CallSyntax", "build_json_constraint", "answer_excludes", "unenforced_keyword",
+        "gpt_oss_config", "CallSyntax", "build_json_constraint", "answer_excludes",
+        "unenforced_keyword",
         "KIMI_K2_MARKERS", "KIMI_K2_MARKER_VARIANTS", "ToolSet", "Action", "Constraint",
         "ConstraintError", "Delta", "EngineConfig",
         "InvalidToolCallError", "ParseResult", "Parser", "ParserError", "ParserRegistry",

@@ -278,8 +278,6 @@ def _claude_code(
             "ANTHROPIC_DEFAULT_SONNET_MODEL": endpoint.model,
             "ANTHROPIC_DEFAULT_OPUS_MODEL": endpoint.model,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            # Its own max_tokens (32,000 by default), as OpenCode's `limit.output` below.
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(endpoint.output_tokens),
             "DISABLE_AUTOUPDATER": "1",
             "DISABLE_TELEMETRY": "1",
             "DISABLE_ERROR_REPORTING": "1",

@@ -24,6 +24,7 @@ OWN_STACK_MODULES = frozenset(
         "test_embeddings.py",
         "test_catalogue.py",
         "test_audio.py",
+        "test_agents.py",
     }
 )
 

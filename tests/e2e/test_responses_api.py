@@ -296,3 +296,66 @@ def test_agents_sdk_run_with_a_function_tool(stack: Stack, api_key: str) -> None
     assert called == ["Tokyo"]
     assert isinstance(result.final_output, str) and result.final_output
     assert not MARKERS.search(result.final_output)
+
+
+_NEST = [[[[[[[[[[[]]]]]]]]]]]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"model": MODEL_NAME, "input": 5}, 400, "input"),
+        ({"model": MODEL_NAME, "input": []}, 400, "input"),
+        ({"model": MODEL_NAME, "input": [_NEST]}, 400, "input[0]"),
+        ({"model": MODEL_NAME, "input": [{"type": "message", "role": "user"}]}, 400, "input[0]"),
+        ({"model": MODEL_NAME, "input": "Hi", "max_output_tokens": "lots"}, 400, ""),
+        ({"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 10_000_000}, 400, "context"),
+        ({"model": MODEL_NAME, "input": "Hi", "tools": "get_weather"}, 400, ""),
+        ({"model": MODEL_NAME, "input": "Hi", "tool_choice": {"type": "nope"}}, 400, "tool_choice"),
+        (
+            {
+                "model": MODEL_NAME,
+                "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}],
+            },
+            400,
+            "call_x",
+        ),
+        ({"model": MODEL_NAME, "input": "Hi", "previous_response_id": "resp_nope"}, 404, ""),
+        ({"model": "no-such-model", "input": "Hi"}, 404, "no-such-model"),
+        ({"input": "Hi"}, 400, "model"),
+    ],
+)
+def test_hostile_bodies_are_4xx_in_openai_shape(
+    stack: Stack, api_key: str, body: dict[str, Any], status: int, words: str
+) -> None:
+    """Every refusal is a 4xx in OpenAI's error shape saying what is wrong; nothing reaches a
+    replica that would hurt it (the next test's request is served)."""
+    answer = httpx.post(
+        f"{stack.config.base_url}/responses",
+        json=body,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=60,
+    )
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["type"] in ("invalid_request_error", "not_found_error"), error
+    assert words in error["message"] + str(error.get("param")), error
+
+
+def test_a_bad_key_is_a_401_in_openai_shape(stack: Stack) -> None:
+    answer = httpx.post(
+        f"{stack.config.base_url}/responses",
+        json={"model": MODEL_NAME, "input": "Hi"},
+        headers={"Authorization": "Bearer ip-not-a-key"},
+        timeout=30,
+    )
+    assert answer.status_code == 401, answer.text
+    assert answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_replica_still_serves_after_the_hostile_bodies(client: openai.OpenAI) -> None:
+    case = kimi_tiny.NO_TOOL
+    response = client.responses.create(
+        model=MODEL_NAME, input=case.request()["messages"][0]["content"], store=False, temperature=0
+    )
+    assert response.status == "completed" and response.output_text == case.content

@@ -19,6 +19,7 @@ from inferplane.router.picker.codec import Method, form_model
 from inferplane.router.replicas import ReplicaKey
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
 from inferplane.router.schemas import SchemaCheck
+from inferplane.runtime import InvalidArgumentError
 
 #: A gateway's restriction: the replicas of a route outside its endpoint subset.
 Outside = Callable[[ModelRoute], Sequence[ReplicaKey]]
@@ -133,12 +134,18 @@ class Director:
         subset) the replicas to leave out, and no fallbacks.
 
         Raises:
-            InvalidArgumentError: a chat request's schema is invalid (400; before it takes a
-                slot).
+            InvalidArgumentError: no model, or a chat request's schema is invalid (400; before
+                it takes a slot).
             PermissionDeniedError: the key may not use the model (403 model_not_allowed).
             NotFoundError: no route serves the model (404 model_not_found).
         """
         method, metadata = facts.method, facts.metadata
+        if not facts.model:  # as OpenAI and Anthropic answer a body without one
+            raise InvalidArgumentError(
+                "you must provide a model parameter",
+                param="model",
+                code="missing_required_parameter",
+            )
         if method.speech:
             route = self._resolve(facts.model, metadata)
             features = self._features.speech(len(facts.request.data), metadata)

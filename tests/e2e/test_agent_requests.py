@@ -8,7 +8,9 @@ stack's context may instead be refused for its length only (`context_length_exce
 API's own error shape), never for a field, a header or a value. So a change that would refuse
 an agent fails here, not in a user's terminal. The stream is closed after its first event (the
 request is then cancelled): acceptance is decided before the first token, and the full turns
-run in the scenario suite (`test_agents.py`).
+run in the scenario suite (`test_agents.py`). Chat and Responses streams start before the
+prefill; a Messages stream's first event comes after it (~35 s for Claude Code's body with
+every tool declared): ~45 s in all for the 11 bodies at low load, plus the session stack.
 """
 
 from __future__ import annotations

@@ -28,12 +28,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from inferplane.localstack import MODEL_NAME
 from inferplane.testing import agents
 from inferplane.testing.capture_server import CaptureServer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "agents"
 PROMPT = "What is the weather in Tokyo?"
-MODEL = "kimi-tiny"
+MODEL = MODEL_NAME  # what the stack serves: the bodies replay unchanged
 PLACEHOLDER_KEY = "sk-capture-placeholder"
 PROJECT = "/work/project"
 HOME = "/work/home"

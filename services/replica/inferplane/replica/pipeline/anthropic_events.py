@@ -36,10 +36,8 @@ from google.api import httpbody_pb2
 from inferplane.apis import anthropic
 from inferplane.parsers import ParseResult
 from inferplane.replica.pipeline.generate import Step
+from inferplane.replica.pipeline.sse import framed_bodies
 from inferplane.runtime import InferplaneError, InternalError
-
-SSE_CONTENT_TYPE = "text/event-stream"
-JSON_CONTENT_TYPE = "application/json"
 
 Event = dict[str, Any]
 
@@ -270,30 +268,21 @@ def error_event(exc: InferplaneError) -> Event:
     return anthropic.error_body(exc.http_status, exc.message)
 
 
-async def sse_bodies(
+def sse_bodies(
     events: AsyncIterator[list[Event]],
     on_error: Callable[[InferplaneError], Any] = lambda _exc: None,
 ) -> AsyncIterator[httpbody_pb2.HttpBody]:
-    """Frames batches of events as `HttpBody` messages (one per batch; the first carries
-    `content_type: text/event-stream`).
+    """Frames batches of events as `HttpBody` messages (one per non-empty batch; the first
+    carries `content_type: text/event-stream`), ending with Anthropic's `error` event on a
+    failure after the first byte (`sse.framed_bodies`).
 
     Raises:
         InferplaneError: raised by `events` before any byte was written.
     """
-    started = False
-    try:
+
+    async def frames() -> AsyncIterator[bytes]:
         async with aclosing(events):  # type: ignore[type-var]
             async for batch in events:
-                if not batch:
-                    continue
-                data = b"".join(frame(event) for event in batch)
-                if started:
-                    yield httpbody_pb2.HttpBody(data=data)
-                else:
-                    started = True
-                    yield httpbody_pb2.HttpBody(content_type=SSE_CONTENT_TYPE, data=data)
-    except InferplaneError as exc:
-        if not started:
-            raise
-        on_error(exc)
-        yield httpbody_pb2.HttpBody(data=frame(error_event(exc)))
+                yield b"".join(frame(event) for event in batch)
+
+    return framed_bodies(frames(), lambda exc: frame(error_event(exc)), on_error)

@@ -58,7 +58,6 @@ CONTENT_TYPES: Mapping[str, str] = {
     "srt": "application/x-subrip; charset=utf-8",
     "vtt": "text/vtt; charset=utf-8",
 }
-SSE_CONTENT_TYPE = "text/event-stream"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,8 +20,52 @@ from inferplane.runtime import InferplaneError
 from inferplane.wire import SSE_DONE, sse_error, sse_event
 
 SSE_CONTENT_TYPE = "text/event-stream"
+#: The media type of a unary JSON body written as an `HttpBody` (Messages, Responses).
+JSON_CONTENT_TYPE = "application/json"
 
 Chunk = TypeVar("Chunk")
+
+
+async def framed_bodies(
+    frames: AsyncIterator[bytes],
+    error_frame: Callable[[InferplaneError], bytes],
+    on_error: Callable[[InferplaneError], Any] = lambda _exc: None,
+) -> AsyncIterator[httpbody_pb2.HttpBody]:
+    """Already-framed SSE bytes as `HttpBody` messages: the first non-empty one carries
+    `content_type: text/event-stream`; empty frames are skipped. The one place that decides
+    what a failure becomes (every API's writer frames through it: OpenAI's here, Anthropic's
+    in `anthropic_events`).
+
+    Args:
+        frames: SSE bytes (one or more events each); closed when this iterator is.
+        error_frame: the API's error event for a failure after the first byte.
+        on_error: told about an `InferplaneError` that became an error event, before the
+            event is written.
+
+    Raises:
+        InferplaneError: raised by `frames` before any byte was written (the caller's gRPC
+            status, which Envoy may retry on another replica).
+    """
+    started = False
+    try:
+        async with aclosing(frames):  # type: ignore[type-var]
+            async for data in frames:
+                if not data:
+                    continue
+                if started:
+                    yield httpbody_pb2.HttpBody(data=data)
+                else:
+                    started = True
+                    yield httpbody_pb2.HttpBody(content_type=SSE_CONTENT_TYPE, data=data)
+    except InferplaneError as exc:
+        if not started:
+            raise
+        on_error(exc)
+        yield httpbody_pb2.HttpBody(data=error_frame(exc))
+
+
+def _openai_error(exc: InferplaneError) -> bytes:
+    return sse_error(exc.message, exc.openai_type, exc.code, exc.param)
 
 
 async def sse_bodies(
@@ -29,7 +73,7 @@ async def sse_bodies(
     to_json: Callable[[Chunk], bytes],
     on_error: Callable[[InferplaneError], Any] = lambda _exc: None,
 ) -> AsyncIterator[httpbody_pb2.HttpBody]:
-    """Frames `chunks` as SSE `HttpBody` messages (see the module docstring).
+    """Frames `chunks` as OpenAI's SSE `HttpBody` messages (see the module docstring).
 
     Args:
         chunks: typed stream messages; closed when this iterator is.
@@ -41,23 +85,24 @@ async def sse_bodies(
     Raises:
         InferplaneError: raised by `chunks` before any byte was written.
     """
-    started = False
-    try:
+    failed = False
+
+    def note(exc: InferplaneError) -> None:
+        nonlocal failed
+        failed = True
+        on_error(exc)
+
+    async def frames() -> AsyncIterator[bytes]:
         async with aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:
-                data = sse_event(to_json(chunk))
-                if started:
-                    yield httpbody_pb2.HttpBody(data=data)
-                else:
-                    started = True
-                    yield httpbody_pb2.HttpBody(content_type=SSE_CONTENT_TYPE, data=data)
-    except InferplaneError as exc:
-        if not started:
-            raise
-        on_error(exc)
-        yield httpbody_pb2.HttpBody(
-            data=sse_error(exc.message, exc.openai_type, exc.code, exc.param)
-        )
+                yield sse_event(to_json(chunk))
+
+    started = False
+    async with aclosing(framed_bodies(frames(), _openai_error, note)) as bodies:
+        async for body in bodies:
+            started = True
+            yield body
+    if failed:
         return
     if started:
         yield httpbody_pb2.HttpBody(data=SSE_DONE)

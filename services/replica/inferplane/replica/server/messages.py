@@ -21,6 +21,7 @@ from inferplane.replica.pipeline import anthropic_events as events
 from inferplane.replica.pipeline.assets import ModelAssets
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.pipeline.requests import ChatPlan, plan_chat
+from inferplane.replica.pipeline.sse import JSON_CONTENT_TYPE
 from inferplane.replica.server.bodies import Bodies
 from inferplane.replica.server.facts import RequestFacts
 
@@ -75,7 +76,7 @@ async def message_body(
             stop_sequence=gen.stop_sequence,
             usage_=_usage(gen),
         )
-        yield httpbody_pb2.HttpBody(content_type=events.JSON_CONTENT_TYPE, data=events.dumps(body))
+        yield httpbody_pb2.HttpBody(content_type=JSON_CONTENT_TYPE, data=events.dumps(body))
         return
     facts.framing = "sse"
     writer = events.MessageEvents(gen.request_id, model, show_thinking=show, thinking=thinking)

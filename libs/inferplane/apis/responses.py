@@ -15,22 +15,30 @@ Input items (OpenAI's `ResponseInputItem`s; a string `input` is one user message
   `encrypted_content` this platform wrote (`REASONING_PREFIX` + base64 of the text: readable,
   NOT encrypted; an open model has no secret reasoning to hide). Another provider's encrypted
   reasoning cannot be read: a 400 naming it, never a silently shorter history;
-- `function_call` (`call_id`, `name`, `arguments`) → the assistant message's `tool_calls`
-  (the call id is the chat tool call's id, so it round-trips); consecutive reasoning, assistant
-  message and function call items form ONE assistant turn, as the model produced them;
+- `function_call` (`call_id`, `name`, `arguments`, optional `namespace`) → the assistant
+  message's `tool_calls` (the call id is the chat tool call's id, so it round-trips; a call
+  with a `namespace` is named `flat_name(namespace, name)`, as the model wrote it);
+  consecutive reasoning, assistant message and function call items form ONE assistant turn,
+  as the model produced them;
 - `function_call_output` (`call_id`, `output`: a string or `input_text` parts) → a `tool`
   message.
 
 Tools: function tools are flat (`{type, name, description, parameters, strict}`) → chat's
-nested form. Accepted and ignored, because Codex CLI sends them by default and refusing them
-would refuse Codex: `web_search` / `web_search_preview` (the platform runs no search, so the
-model is not offered one and never calls it) and `namespace` tools (Codex's sub-agent
-namespace: its functions would come back as calls Codex routes by namespace, which an open
-model's call format cannot name; Codex works without them). Every other built-in tool is a 400
-naming `tools[i].type`.
+nested form. A `namespace` tool (`{type: namespace, name, description, tools: [...]}`: Codex
+CLI puts each MCP server's tools in one, `mcp__weather` holding `get_weather`, and its
+sub-agent tools in `multi_agent_v1`) offers each of its function tools flattened, named
+`flat_name(namespace, name)` = `mcp__weather__get_weather`, with its own description and
+parameters; `Converted.namespaced` maps the flat name back, and the replica answers the
+model's call of it as a `function_call` item with `name` = the inner name and `namespace` =
+the namespace (as OpenAI does; Codex routes the call by it). Non-function entries of a
+namespace (`custom` tools) are left out, as the whole namespace was before. Accepted and
+ignored, because Codex CLI sends it by default and refusing it would refuse Codex:
+`web_search` / `web_search_preview` (the platform runs no search, so the model is not offered
+one and never calls it). Every other built-in tool is a 400 naming `tools[i].type`.
 
 Other fields: `instructions` → a first `system` message; `tool_choice` (`none`, `auto`,
-`required`, `{type: function, name}`); `parallel_tool_calls`; `max_output_tokens` →
+`required`, `{type: function, name}`, `{type: function, name, namespace}` for a namespaced
+tool, which its flat name also names); `parallel_tool_calls`; `max_output_tokens` →
 `max_completion_tokens`; `temperature`; `top_p`; `reasoning.effort` → `reasoning_effort`
 (thinking on or off, `pipeline/requests.py`); `text.format` `json_schema` / `json_object` →
 `response_format`; `prompt_cache_key`, else `user`, else `safety_identifier` → chat's `user`
@@ -54,8 +62,23 @@ from google.protobuf import json_format
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import responses_pb2 as rpb
-from inferplane.runtime import InvalidArgumentError
+from inferplane.apis import _responses_tools as _tools
+from inferplane.apis._responses_tools import NAMESPACE_SEPARATOR, flat_name
 from inferplane.wire import chat_request_from_dict, restore_ints
+
+__all__ = [
+    "INCLUDE_ENCRYPTED_REASONING",
+    "NAMESPACE_SEPARATOR",
+    "REASONING_PREFIX",
+    "Converted",
+    "convert",
+    "decode_reasoning",
+    "encode_reasoning",
+    "flat_name",
+    "request_to_dict",
+    "settings_json",
+    "to_chat",
+]
 
 REASONING_PREFIX: Final = "inferplane.reasoning.v1:"
 """How this platform's `encrypted_content` of a reasoning item starts: then base64 of the
@@ -65,17 +88,6 @@ INCLUDE_ENCRYPTED_REASONING: Final = "reasoning.encrypted_content"
 
 _ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
-_IGNORED_TOOLS: Final = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_2025_08_26",
-        "web_search_preview_2025_03_11",
-        "namespace",
-    }
-)
-_FUNCTION_TOOL_KEYS: Final = frozenset({"type", "name", "description", "parameters", "strict"})
-_CHOICES: Final = frozenset({"none", "auto", "required"})
 _EFFORTS: Final = {
     "none": "none",
     "minimal": "minimal",
@@ -101,6 +113,10 @@ _SERVICE_TIERS: Final = frozenset({"auto", "default", "flex", "scale", "priority
 _CACHE_RETENTION: Final = frozenset({"in_memory", "24h"})
 
 
+_bad = _tools.bad
+_unsupported = _tools.unsupported
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Converted:
     """A Responses request as the chat pipeline sees it.
@@ -114,6 +130,9 @@ class Converted:
             (`instructions`, `tools`, `metadata`, ...) in the Response object.
         history_messages: how many of `chat`'s messages come before the new turn's
             (the `instructions` system message and the stored conversation's).
+        namespaced: each namespaced function's flat name (the name `chat` offers and the
+            model calls) → `(namespace, name)`, for writing the model's calls back as
+            OpenAI's namespaced `function_call` items.
     """
 
     chat: pb.ChatCompletionRequest
@@ -121,14 +140,7 @@ class Converted:
     encrypted_reasoning: bool
     body: dict[str, Any]
     history_messages: int = 0
-
-
-def _bad(message: str, param: str, code: str = "invalid_value") -> InvalidArgumentError:
-    return InvalidArgumentError(message, param=param, code=code)
-
-
-def _unsupported(message: str, param: str) -> InvalidArgumentError:
-    return InvalidArgumentError(message, param=param, code="unsupported_parameter")
+    namespaced: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def request_to_dict(request: rpb.ResponseRequest) -> dict[str, Any]:
@@ -187,11 +199,11 @@ def convert(request: rpb.ResponseRequest, history: Sequence[Mapping[str, Any]] =
     history_messages = len(messages)
     messages += _messages(items, "input")
     chat: dict[str, Any] = {"model": body.get("model", ""), "messages": messages}
-    tools = _tools(body.get("tools") or [])
+    tools, namespaced = _tools.tools(body.get("tools") or [])
     if tools:
         chat["tools"] = tools
     if "tool_choice" in body:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"] = _tools.tool_choice(body["tool_choice"])
     for src, dst in (
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("max_output_tokens", "max_completion_tokens"),
@@ -220,6 +232,7 @@ def convert(request: rpb.ResponseRequest, history: Sequence[Mapping[str, Any]] =
         encrypted_reasoning=INCLUDE_ENCRYPTED_REASONING in include,
         body=body,
         history_messages=history_messages,
+        namespaced=namespaced,
     )
 
 
@@ -366,6 +379,14 @@ def _messages(items: Sequence[Mapping[str, Any]], path: str) -> list[dict[str, A
                 raise _bad("a function_call needs its 'name'", f"{where}.name")
             if not isinstance(arguments, str):
                 raise _bad("'arguments' must be a JSON string", f"{where}.arguments")
+            namespace = item.get("namespace")
+            if namespace is not None:
+                if not isinstance(namespace, str) or not namespace:
+                    raise _bad(
+                        "a function_call's 'namespace' must be a non-empty string",
+                        f"{where}.namespace",
+                    )
+                name = flat_name(namespace, name)  # as the model wrote it
             assistant().setdefault("tool_calls", []).append(
                 {
                     "id": call_id,
@@ -432,50 +453,7 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
     return ""
 
 
-# -- tools and options -------------------------------------------------------------------------
-
-
-def _tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind in _IGNORED_TOOLS:
-            continue
-        if kind != "function":
-            raise _unsupported(
-                f"tools of type {kind!r} are not supported: the platform runs no built-in "
-                "tools; declare a function tool instead",
-                f"tools[{i}].type",
-            )
-        for key in tool:
-            if key not in _FUNCTION_TOOL_KEYS:
-                raise _bad(f"Unrecognized request argument supplied: {key}", f"tools[{i}].{key}")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad("a function tool needs its 'name'", f"tools[{i}].name")
-        function: dict[str, Any] = {"name": name}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, str):
-        if choice not in _CHOICES:
-            raise _bad("'tool_choice' must be none, auto, required or a function", "tool_choice")
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad("a function tool_choice needs its 'name'", "tool_choice.name")
-        return {"type": "function", "function": {"name": name}}
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    raise _unsupported(
-        f"tool_choice of type {kind!r} is not supported (none, auto, required, function are)",
-        "tool_choice.type" if kind else "tool_choice",
-    )
+# -- options -------------------------------------------------------------------------------
 
 
 def _reasoning(reasoning: Mapping[str, Any] | None) -> str | None:

@@ -3,6 +3,8 @@ replica renders; the accepted-and-ignored fields Codex sends; every refusal name
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -278,3 +280,181 @@ def test_the_picker_decides_on_the_new_turn() -> None:
     chat = chat_request_to_dict(responses.to_chat(request))
     assert chat["messages"] == [{"role": "user", "content": "Hi"}]
     assert chat["user"] == "u"
+
+
+# -- namespace tools (Codex CLI's MCP servers and sub-agents) ----------------------------------
+
+CODEX_RECORDS = Path(__file__).resolve().parents[3] / "tests" / "data" / "agents" / "codex"
+MCP_WEATHER = {
+    "type": "namespace",
+    "name": "mcp__weather",
+    "description": "Tools in the mcp__weather namespace.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+            "defer_loading": False,  # the SDK's NamespaceTool fields: accepted, ignored
+        },
+        {"type": "custom", "name": "apply_patch"},  # not a function: left out
+    ],
+}
+
+
+def test_namespaced_functions_are_offered_flattened() -> None:
+    converted = _convert({"model": "m", "input": "Hi", "tools": [WEATHER, MCP_WEATHER]})
+    chat = chat_request_to_dict(converted.chat)
+    assert [t["function"] for t in chat["tools"]] == [
+        {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": WEATHER["parameters"],
+            "strict": True,
+        },
+        {
+            "name": "mcp__weather" + responses.NAMESPACE_SEPARATOR + "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": MCP_WEATHER["tools"][0]["parameters"],  # type: ignore[index]
+            "strict": False,
+        },
+    ]
+    assert converted.namespaced == {"mcp__weather__get_weather": ("mcp__weather", "get_weather")}
+    assert responses.flat_name("mcp__weather", "get_weather") == "mcp__weather__get_weather"
+    # The picker converts with the same function: it sees the same tools.
+    request = json_format.ParseDict(
+        {"model": "m", "input": "Hi", "tools": [MCP_WEATHER]}, rpb.ResponseRequest()
+    )
+    picked = chat_request_to_dict(responses.to_chat(request))
+    assert [t["function"]["name"] for t in picked["tools"]] == ["mcp__weather__get_weather"]
+
+
+def test_a_namespaced_call_in_the_history_is_the_flat_name_the_model_wrote() -> None:
+    chat = _chat(
+        {
+            "model": "m",
+            "tools": [MCP_WEATHER],
+            "input": [
+                {"role": "user", "content": "Weather in Tokyo?"},
+                {
+                    "type": "function_call",
+                    "id": "fc_1",
+                    "status": "completed",
+                    "name": "get_weather",
+                    "namespace": "mcp__weather",
+                    "arguments": '{"city": "Tokyo"}',
+                    "call_id": "functions.mcp__weather__get_weather:0",
+                },
+                {
+                    "type": "function_call_output",
+                    "call_id": "functions.mcp__weather__get_weather:0",
+                    "output": "18 C",
+                },
+            ],
+        }
+    )
+    assert chat["messages"][1]["tool_calls"] == [
+        {
+            "id": "functions.mcp__weather__get_weather:0",
+            "type": "function",
+            "function": {"name": "mcp__weather__get_weather", "arguments": '{"city": "Tokyo"}'},
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "function", "name": "get_weather", "namespace": "mcp__weather"},
+        {"type": "function", "name": "mcp__weather__get_weather"},
+    ],
+)
+def test_tool_choice_names_a_namespaced_function(choice: dict[str, Any]) -> None:
+    chat = _chat({"model": "m", "input": "Hi", "tools": [MCP_WEATHER], "tool_choice": choice})
+    assert chat["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "mcp__weather__get_weather"},
+    }
+
+
+def _namespace(**fields: Any) -> dict[str, Any]:
+    return {"type": "namespace", "name": "ns", "description": "d", **fields}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [_namespace(name="a.b", tools=[])]}, "tools[0].name"),
+        ({"tools": [_namespace(tools={"x": 1})]}, "tools[0].tools"),
+        ({"tools": [_namespace(tools=[], bogus=1)]}, "tools[0].bogus"),
+        (
+            {"tools": [_namespace(tools=[{"type": "function", "name": "a b"}])]},
+            "tools[0].tools[0].name",
+        ),
+        (
+            {"tools": [_namespace(tools=[{"type": "function", "name": "f", "bogus": 1}])]},
+            "tools[0].tools[0].bogus",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "name": "ns__f"},
+                    _namespace(tools=[{"type": "function", "name": "f"}]),
+                ]
+            },
+            "tools[1].tools[0].name",
+        ),
+        (
+            {
+                "tools": [
+                    _namespace(tools=[{"type": "function", "name": "f"}]),
+                    {"type": "function", "name": "ns__f"},
+                ]
+            },
+            "tools[1].name",
+        ),
+        (
+            {"tool_choice": {"type": "function", "name": "f", "namespace": ""}},
+            "tool_choice.namespace",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c",
+                        "name": "f",
+                        "namespace": 3,
+                        "arguments": "{}",
+                    }
+                ]
+            },
+            "input[0].namespace",
+        ),
+    ],
+)
+def test_namespace_refusals_name_their_path(body: dict[str, Any], param: str) -> None:
+    error = _refused({"model": "m", "input": "x", **body})
+    assert error.param == param
+
+
+@pytest.mark.parametrize("record", sorted(CODEX_RECORDS.glob("*.json")), ids=lambda p: p.stem)
+def test_recorded_codex_bodies_convert_with_their_mcp_tools(record: Path) -> None:
+    body = json.loads(record.read_text())["body"]
+    converted = _convert(body)
+    chat = chat_request_to_dict(converted.chat)
+    names = {t["function"]["name"] for t in chat["tools"]}
+    assert "multi_agent_v1__spawn_agent" in names  # Codex's sub-agent namespace
+    if record.stem.startswith("weather"):
+        assert converted.namespaced["mcp__weather__get_weather"] == (
+            "mcp__weather",
+            "get_weather",
+        )
+    calls = [c for m in chat["messages"] for c in m.get("tool_calls", [])]
+    if record.stem == "weather-01-responses":  # Codex sends the namespaced call back
+        assert [c["function"]["name"] for c in calls] == ["mcp__weather__get_weather"]

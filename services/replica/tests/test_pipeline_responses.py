@@ -392,3 +392,58 @@ def test_a_streamed_length_finish_is_response_incomplete() -> None:
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     EVENTS.validate_python(events[-1])
+
+
+MCP_WEATHER = {
+    "type": "namespace",
+    "name": "mcp__weather",
+    "description": "Tools in the mcp__weather namespace.",
+    "tools": [{**WEATHER_TOOL, "strict": False}],
+}
+NAMESPACED_CALL = WEATHER_CALL.replace(
+    "functions.get_weather:0", "functions.mcp__weather__get_weather:0"
+)
+
+
+def test_a_namespaced_call_is_written_with_its_namespace_and_replays_prefix_stable() -> None:
+    """Codex CLI's MCP tools come in a namespace tool: the model is offered
+    `mcp__weather__get_weather`, its call is answered as OpenAI's namespaced `function_call`
+    (`name` get_weather, `namespace` mcp__weather), and the call sent back renders as the
+    model wrote it."""
+    session = Session([NAMESPACED_CALL, ANSWER])
+    body = {"model": MODEL, "tools": [MCP_WEATHER], "store": False, "stream": True}
+    events = _events_of(session, {**body, "input": "Weather in Paris?"})
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for e in events:
+        EVENTS.validate_python(e)
+    rendered = kimi_tiny_assets().tokenizer.decode(session.prompt(0))
+    assert "mcp__weather__get_weather" in rendered
+    final = Response.model_validate(events[-1]["response"])
+    call = final.output[-1]
+    assert call.type == "function_call"
+    assert (call.name, call.namespace) == ("get_weather", "mcp__weather")
+    assert call.call_id == "functions.mcp__weather__get_weather:0"
+    added = next(
+        e["item"]
+        for e in events
+        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
+    )
+    assert (added["name"], added["namespace"]) == ("get_weather", "mcp__weather")
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert done["name"] == "get_weather"
+    output = events[-1]["response"]["output"]
+    second = _events_of(
+        session,
+        {
+            **body,
+            "input": [
+                {"role": "user", "content": "Weather in Paris?"},
+                *output,
+                {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+            ],
+        },
+    )
+    assert Response.model_validate(second[-1]["response"]).output_text == "It is sunny in Paris."
+    assert session.prompt(1)[: len(session.prompt(0)) + len(session.output_ids[0])] == (
+        session.prompt(0) + session.output_ids[0]
+    )

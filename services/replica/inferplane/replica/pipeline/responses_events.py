@@ -19,7 +19,11 @@ carry the same Response object:
 A step's reasoning, content and tool-call fragments open items as they come: a kind that differs
 from the open item's closes it first (the model reasons, then answers or calls). Ids: `rs_`,
 `msg_`, `fc_` + hex; a function call's `call_id` is the parser's tool-call id (Kimi's
-`functions.NAME:IDX`), which the next turn's `function_call_output.call_id` names.
+`functions.NAME:IDX`), which the next turn's `function_call_output.call_id` names. A call of a
+namespaced function (offered flattened, `mcp__weather__get_weather`:
+`inferplane.apis.responses.flat_name`) is written as OpenAI writes it: `name` the function's
+own name (`get_weather`), `namespace` its namespace (`mcp__weather`); the arguments' `done`
+event's `name` is the same inner name.
 
 Reasoning items carry their text in `content` (`reasoning_text` parts); `summary` holds the same
 text as one `summary_text` part when the request asked for a summary (`reasoning.summary`: the
@@ -79,6 +83,9 @@ class ResponseWriter:
         new_id: a fresh hex id for output items.
         summary: reasoning items get a `summary_text` part (`reasoning.summary` was asked).
         encrypted_reasoning: reasoning items get `encrypted_content`.
+        namespaced: the flat name of each namespaced function the model was offered →
+            `(namespace, name)` (`inferplane.apis.responses.Converted.namespaced`); a call of
+            another name is written as the model named it.
     """
 
     def __init__(
@@ -89,12 +96,14 @@ class ResponseWriter:
         *,
         summary: bool,
         encrypted_reasoning: bool,
+        namespaced: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         self._head = dict(head)
         self.response_id = response_id
         self._new_id = new_id
         self._summary = summary
         self._encrypted = encrypted_reasoning
+        self._namespaced = dict(namespaced or {})
         self._sequence = 0
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written
@@ -233,27 +242,28 @@ class ResponseWriter:
         events: list[Event] = []
         if self._open_kind != "function_call" or call.index != self._call_index:
             events += self._close()
-            item = {
+            new: dict[str, Any] = {
                 "id": "fc_" + self._new_id(),
                 "type": "function_call",
                 "call_id": call.id or "call_" + self._new_id(),
-                "name": call.name or "",
+                "name": "",
                 "arguments": "",
                 "status": "in_progress",
             }
-            self.output.append(item)
-            self._open, self._open_kind, self._call_index = item, "function_call", call.index
+            self._name(new, call.name)
+            self.output.append(new)
+            self._open, self._open_kind, self._call_index = new, "function_call", call.index
             events.append(
                 self._event(
                     "response.output_item.added",
                     output_index=len(self.output) - 1,
-                    item=dict(item),
+                    item=dict(new),
                 )
             )
         item = self._open
         assert item is not None
-        if call.name and not item["name"]:
-            item["name"] = call.name
+        if not item["name"]:
+            self._name(item, call.name)
         if call.arguments:
             item["arguments"] += call.arguments
             events.append(
@@ -265,6 +275,17 @@ class ResponseWriter:
                 )
             )
         return events
+
+    def _name(self, item: dict[str, Any], name: str | None) -> None:
+        """Names a function-call item: a namespaced function's flat name as `name` +
+        `namespace`, any other as it is."""
+        if not name:
+            return
+        pair = self._namespaced.get(name)
+        if pair is None:
+            item["name"] = name
+        else:
+            item["namespace"], item["name"] = pair
 
     def _close(self) -> list[Event]:
         item, kind = self._open, self._open_kind

@@ -104,6 +104,7 @@ class ResponsesBody:
             self.bodies.new_id,
             summary=bool((converted.body.get("reasoning") or {}).get("summary")),
             encrypted_reasoning=converted.encrypted_reasoning,
+            namespaced=converted.namespaced,
         )
         stream = bool(request.stream)
         if stream:

@@ -396,13 +396,12 @@ def test_last_used_is_written_at_most_once_a_minute(auth: Any) -> None:
     reason="set INFERPLANE_TEST_POSTGRES_URL to run the service on PostgreSQL",
 )
 def test_service_runs_on_postgresql(tmp_path: Any, make_settings: Any, start_auth: Any) -> None:
-    from inferplane.auth import counters, ledger
+    from inferplane.auth import schema
     from inferplane.auth.migrations import MIGRATIONS
-    from inferplane.auth.sql_store import METADATA
     from inferplane.testing.databases import drop_schema
 
     url = os.environ["INFERPLANE_TEST_POSTGRES_URL"]
-    drop_schema(url, MIGRATIONS, [METADATA, counters.METADATA, ledger.METADATA])
+    drop_schema(url, MIGRATIONS, schema.METADATA)
     with start_auth(make_settings(tmp_path, database_url=url)) as auth:
         created = create(auth)
         assert auth.check(created.secret).status.code == 0

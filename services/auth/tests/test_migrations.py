@@ -34,7 +34,7 @@ from sqlalchemy import (
     inspect,
 )
 
-from inferplane.auth import counters, ledger, responses_store, sql_store
+from inferplane.auth import schema
 from inferplane.auth.counters import SqlCounterStore
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits, SecretHasher
 from inferplane.auth.migrations import MIGRATIONS
@@ -46,7 +46,7 @@ T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 HEAD = "0004"
 PEPPER = "pepper-for-the-migration-tests"
 SECRET = "ip-" + "a" * 43
-METADATA = [sql_store.METADATA, counters.METADATA, ledger.METADATA, responses_store.METADATA]
+METADATA = list(schema.METADATA)
 
 
 def previous_schema(*, with_counters: bool) -> MetaData:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.auth import counters, ledger
+from inferplane.auth import schema
 from inferplane.auth.domain import ApiKey, AuditAction, AuditEvent, Limits
 from inferplane.auth.migrations import MIGRATIONS
-from inferplane.auth.sql_store import SqlApiKeyStore, _Base
+from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ListQuery
 from inferplane.runtime import AlreadyExistsError, NotFoundError
 from inferplane.testing.databases import drop_schema
@@ -33,7 +33,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlApiKeyS
         if not POSTGRES_URL:
             pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the store tests on PostgreSQL")
         # Every auth table (other tests share the server's database), so it migrates afresh.
-        drop_schema(POSTGRES_URL, MIGRATIONS, [_Base.metadata, counters.METADATA, ledger.METADATA])
+        drop_schema(POSTGRES_URL, MIGRATIONS, schema.METADATA)
         s = SqlApiKeyStore(POSTGRES_URL)
     s.create_schema()
     s.create_schema()  # idempotent

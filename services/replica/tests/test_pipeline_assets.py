@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.replica.pipeline import ModelAssets, ModelAssetsCache
+from inferplane.replica.pipeline.assets import sampling_defaults
+from inferplane.replica.pipeline.requests import _sampling
 from inferplane.replica.testing.pipeline import kimi_tiny_assets, kimi_tiny_spec
 from inferplane.runtime import UnavailableError
 
@@ -187,3 +190,33 @@ def test_tool_constraints_are_written_in_the_models_own_format() -> None:
         assert '<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": ' in constraint.value
         assert "<|tool_call" not in constraint.value
         assert plan.calls_constrained
+
+
+def test_generation_config_sampling_defaults_fill_what_a_request_omits() -> None:
+    """generation_config.json's sampling parameters are the defaults of a request that omits
+    them, as vLLM's `--generation-config auto` (`get_diff_sampling_param`): a value the request
+    sets wins; values outside a request's range, and keys that are not sampling, are left out.
+    The fixtures hold none, so their requests keep the engine's neutral defaults."""
+    config = {
+        "eos_token_id": 1,
+        "do_sample": True,
+        "max_new_tokens": 64,
+        "temperature": 0.6,
+        "top_k": 20,
+        "repetition_penalty": 1.3,
+        "top_p": 0.0,  # out of range (a request's top_p is above 0): left out
+        "min_p": "0.1",  # not a number: left out
+    }
+    defaults = sampling_defaults(config)
+    assert defaults == (("repetition_penalty", 1.3), ("temperature", 0.6), ("top_k", 20))
+    assert kimi_tiny_assets().sampling_defaults == ()
+    assets = dataclasses.replace(kimi_tiny_assets(), sampling_defaults=defaults)
+    omitted = _sampling({}, assets, max_tokens=8, constraint=None)
+    assert (omitted.temperature, omitted.top_k, omitted.repetition_penalty) == (0.6, 20, 1.3)
+    assert omitted.top_p is None and omitted.min_p is None and omitted.max_tokens == 8
+    given = _sampling(
+        {"temperature": 0, "repetition_penalty": 1.0}, assets, max_tokens=8, constraint=None
+    )
+    assert (given.temperature, given.top_k, given.repetition_penalty) == (0.0, 20, 1.0)
+    plain = _sampling({}, kimi_tiny_assets(), max_tokens=8, constraint=None)
+    assert plain.temperature is None and plain.repetition_penalty is None

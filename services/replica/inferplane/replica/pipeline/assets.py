@@ -14,6 +14,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,11 @@ class ModelAssets:
             `dimensions`), from config.json as vLLM reads it (`ModelConfig.is_matryoshka`):
             its `matryoshka_dimensions`, or every size from 1 to `hidden_size` when it only
             says `is_matryoshka: true`; empty for other models (and for generate replicas).
+        sampling_defaults: `generation_config.json`'s sampling parameters (`temperature`,
+            `top_p`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`,
+            `frequency_penalty`), which a request that omits one gets instead of the engine's
+            neutral value: vLLM's `--generation-config auto` (`get_diff_sampling_param`), the
+            same on every transport. A value outside the request's own range is left out.
     """
 
     model_source: str
@@ -66,6 +72,7 @@ class ModelAssets:
     vocab_size: int
     matryoshka_dimensions: tuple[int, ...] = ()
     marker_texts: tuple[str, ...] = ()
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 def parser_name(spec: nodeagent_pb2.ReplicaSpec) -> str | None:
@@ -159,7 +166,47 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
         matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
         marker_texts=marker_texts(added, parser),
+        sampling_defaults=() if embed else sampling_defaults(generation),
     )
+
+
+# generation_config.json's sampling keys vLLM applies to a request that omits them
+# (`ModelConfig.get_diff_sampling_param`; its `max_new_tokens` is not taken: a request's
+# default maximum is the context left), with the ranges a request may set (`requests._sampling`).
+_SAMPLING_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, 2.0),
+}
+
+
+def sampling_defaults(generation: dict[str, Any]) -> tuple[tuple[str, float | int], ...]:
+    """The sampling defaults of a `generation_config.json` (`ModelAssets.sampling_defaults`):
+    numbers within a request's range only (`top_p` and `repetition_penalty` above 0, `top_k`
+    an integer of at least -1); anything else is logged and left out."""
+    found: list[tuple[str, float | int]] = []
+    for name, value in generation.items():
+        if name == "top_k":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= -1
+        elif name in _SAMPLING_RANGES:
+            lo, hi = _SAMPLING_RANGES[name]
+            ok = (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and lo <= value <= hi
+                and not (value == lo and name in ("top_p", "repetition_penalty"))
+            )
+        else:
+            continue
+        if ok:
+            found.append((name, value))
+        else:
+            log.warning("generation_config_sampling_ignored", parameter=name, value=value)
+    return tuple(sorted(found))
 
 
 def _added_texts(tokenizer: Any) -> tuple[str, ...]:

@@ -252,6 +252,11 @@ def _sampling(
     logprobs: int | None = None,
     skip_special_tokens: bool = False,
 ) -> SamplingParams:
+    # The model's generation_config defaults fill what the request omits (vLLM's
+    # `--generation-config auto`), before the engine: every transport alike.
+    missing = [(k, v) for k, v in assets.sampling_defaults if body.get(k) is None]
+    if missing:
+        body = {**body, **dict(missing)}
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     min_p = _number(body, "min_p", 0.0, 1.0)

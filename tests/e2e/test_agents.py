@@ -10,14 +10,13 @@ completions) and Claude Code (`claude -p`, Anthropic Messages). Each is given th
 `get_weather` tool (the MCP server `inferplane.testing.weather_mcp`) and asked kimi-tiny's
 trained weather question.
 
-The stack serves kimi-tiny from a folder of links to the fixture whose `generation_config.json`
-adds `repetition_penalty` 1.3 (`SAMPLING_DEFAULTS`): the replica gives a request that omits a
-sampling parameter the model's generation_config default (vLLM's `--generation-config auto`).
-The agents send no penalty (Claude Code no temperature either), and at the neutral defaults
-the fixture, far outside its trained prompts, loops ("chess chess ...") until Claude Code's
-32,000-token maximum; with the penalty its reply ends after some hundreds to a few thousand
-tokens (docs/agents.md). The shared fixture keeps no sampling defaults, so every other test
-and benchmark samples as before.
+The stack is configured as `inferplane up` configures its kimi-tiny: the deployment profile's
+sampling defaults `UP_SAMPLING_DEFAULTS` (`repetition_penalty` 1.3; vLLM's
+`--override-generation-config`), which a request that omits a parameter gets. The agents send
+no penalty (Claude Code no temperature either), and at the neutral defaults the fixture, far
+outside its trained prompts, loops ("chess chess ...") until Claude Code's 32,000-token
+maximum; with the penalty its reply ends after some hundreds to a few thousand tokens
+(docs/agents.md). The e2e session stack sets none, so every other test samples as before.
 
 A turn must end within `TURN_SECONDS` (the first request prefills the whole agent prompt:
 docs/agents.md has the times measured) with exit status 0 and the agent's own report (its JSON
@@ -32,15 +31,13 @@ in the default suite (`test_agent_requests.py`).
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from inferplane.fixtures import kimi_tiny
-from inferplane.localstack import MODEL_NAME, Stack, running_stack
+from inferplane.localstack import MODEL_NAME, UP_SAMPLING_DEFAULTS, Stack, running_stack
 from inferplane.testing import agents
 
 from .conftest import local_config
@@ -50,29 +47,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(1200)]
 PROMPT = "What is the weather in Tokyo?"
 # one turn: up to 76 s for Codex, 168 s for OpenCode, 103 s for Claude Code (docs/agents.md)
 TURN_SECONDS = 300
-# generation_config.json defaults of the served copy of kimi-tiny (module doc).
-SAMPLING_DEFAULTS = {"repetition_penalty": 1.3}
 
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[agents.Endpoint]:
     for agent in agents.AGENTS:
         agents.binary(agent)  # fails at once, saying how to install, when they are missing
-    model = _model_with_sampling_defaults(tmp_path_factory.mktemp("kimi-tiny"))
-    config = local_config(tmp_path_factory.mktemp("agents-stack"), model_path=model)
+    # kimi-tiny's sampling defaults as `inferplane up` sets them (module doc).
+    config = local_config(
+        tmp_path_factory.mktemp("agents-stack"), sampling_defaults=UP_SAMPLING_DEFAULTS
+    )
     with running_stack(config, print) as stack:
         yield _endpoint(stack)
-
-
-def _model_with_sampling_defaults(folder: Path) -> Path:
-    # Links to the fixture's files; its generation_config.json with SAMPLING_DEFAULTS added.
-    source = kimi_tiny.model_path()
-    for path in source.iterdir():
-        if path.name != "generation_config.json":
-            (folder / path.name).symlink_to(path.resolve())
-    generation = json.loads((source / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING_DEFAULTS}))
-    return folder
 
 
 def _endpoint(stack: Stack) -> agents.Endpoint:

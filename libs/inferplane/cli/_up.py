@@ -24,6 +24,7 @@ from inferplane.localstack import (
     MODEL_NAME,
     QWEN3_MODEL_NAME,
     SPEECH_MODEL_NAME,
+    UP_SAMPLING_DEFAULTS,
     Stack,
     StackConfig,
     StackError,
@@ -94,6 +95,7 @@ def up(
         speech=speech,
         qwen3=qwen3,
         max_model_len=max_model_len,
+        sampling_defaults=UP_SAMPLING_DEFAULTS,
     )
     stack = Stack(config)
     stop = threading.Event()

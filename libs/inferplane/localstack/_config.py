@@ -32,6 +32,13 @@ SERVICES = ("auth", "router", "orchestrator", "node_agent", "telemetry")
 EDGE_PROCESS = "edge"
 
 
+#: The kimi-tiny deployment's sampling defaults under `inferplane up` (`StackConfig.
+#: sampling_defaults`): coding agents send no sampling fields (Claude Code none at all), and at
+#: the neutral defaults the fixture, far outside its trained prompts, loops until the agent's
+#: token cap; with this penalty its answers end (docs/agents.md). A request's own value wins.
+UP_SAMPLING_DEFAULTS: Mapping[str, float | int] = {"repetition_penalty": 1.3}
+
+
 class StackError(Exception):
     """The stack could not start; the message names the component and shows its log tail."""
 
@@ -83,6 +90,11 @@ class StackConfig:
             `--stream-interval`; 0 or 1: every token).
         constrain_tool_choice_auto: the profile's option of that name (`tool_choice: "auto"`
             decoded under the tool-call structural tag), on as in the catalogue's default.
+        sampling_defaults: the kimi-tiny profile's sampling defaults (parameter → value, names
+            of `inferplane.nodeagent.v1.SamplingDefaults`: vLLM's
+            `--override-generation-config`), which a request that omits a parameter gets;
+            empty (the default): none, the model's generation_config and the engine's neutral
+            values decide. `inferplane up` sets `UP_SAMPLING_DEFAULTS`.
         service_args: extra command-line flags per service name (a key of `ports`), e.g.
             `{"router": ("--queue-timeout-seconds", "1")}`.
         tls: the edge serves HTTPS with a certificate for localhost / 127.0.0.1 issued from
@@ -135,6 +147,7 @@ class StackConfig:
     max_num_seqs: int = 16
     stream_interval: int = 0
     constrain_tool_choice_auto: bool = True
+    sampling_defaults: Mapping[str, float | int] = dataclasses.field(default_factory=dict)
     service_args: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     tls: bool = False
     tls_cert_days: int = 30

@@ -11,6 +11,9 @@ import contextlib
 import json
 from typing import Any
 
+from google.protobuf import json_format
+
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.fixtures import embed_tiny, qwen3_tiny, whisper_tiny
 from inferplane.localstack._config import StackConfig, StackError
@@ -20,7 +23,8 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
     vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
     `config.max_model_len`, `config.max_num_seqs`, `config.stream_interval`,
-    `config.constrain_tool_choice_auto`, one surge replica per rollout.
+    `config.constrain_tool_choice_auto`, `config.sampling_defaults` (when set), one surge
+    replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
@@ -66,6 +70,13 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             transport=config.transport,
             stream_interval=config.stream_interval,
             constrain_tool_choice_auto=config.constrain_tool_choice_auto,
+            sampling_defaults=(
+                json_format.ParseDict(
+                    dict(config.sampling_defaults), nodeagent_pb2.SamplingDefaults()
+                )
+                if config.sampling_defaults
+                else None
+            ),
         ),
         rollout=orchestrator_pb2.RolloutStrategy(max_surge=1, drain_grace_period_seconds=30),
     )

@@ -43,6 +43,7 @@ FULL = pb.DeploymentProfile(
     constrain_tool_choice_auto=False,
     task="embed",
     replica_task=na.REPLICA_TASK_EMBED,
+    sampling_defaults=na.SamplingDefaults(repetition_penalty=1.3, top_k=20, temperature=0.0),
 )
 
 

@@ -149,6 +149,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         constrain_tool_choice_auto=True,
         extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
         task="embed",
+        sampling_defaults=(("repetition_penalty", 1.3), ("top_k", 20)),
     )
     return dataclasses.replace(p, **changes)
 

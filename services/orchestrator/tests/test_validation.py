@@ -181,19 +181,64 @@ def test_stream_interval_is_bounded_and_carried_to_the_replica_spec() -> None:
 
 
 def test_a_field_added_later_changes_no_existing_revision() -> None:
-    """Adding `stream_interval`, `constrain_tool_choice_auto` or `task` to the profile must
-    not change the revision of a deployment that does not set it (else an upgrade would roll
-    every replica); setting it does."""
+    """Adding `stream_interval`, `constrain_tool_choice_auto`, `task` or `sampling_defaults`
+    to the profile must not change the revision of a deployment that does not set it (else an
+    upgrade would roll every replica); setting it does."""
     payload = dataclasses.asdict(PROFILE.with_defaults())
     payload["extra_engine_args"] = list(payload["extra_engine_args"])
     del payload["stream_interval"]  # the profile as the first release hashed it
     del payload["constrain_tool_choice_auto"]
     del payload["task"]
+    del payload["sampling_defaults"]
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()
     on = dataclasses.replace(PROFILE, constrain_tool_choice_auto=True)
     assert on.revision() != PROFILE.revision()
+
+
+def test_sampling_defaults_are_checked_carried_to_the_spec_and_a_new_revision() -> None:
+    """A profile's sampling defaults (vLLM's `--override-generation-config`) take a request's
+    ranges (INVALID_ARGUMENT names the field), survive the API conversion, reach every
+    replica's spec, and changing them is a new revision; none set is the revision without the
+    field (no rollout on upgrade) and an unset field in the spec."""
+    assert invalid(sampling_defaults={"temperature": 2.5}).param == (
+        "deployment.profile.sampling_defaults.temperature"
+    )
+    assert invalid(sampling_defaults={"top_p": 0.0}).param.endswith(".top_p")
+    assert invalid(sampling_defaults={"repetition_penalty": 0.0}).param.endswith(
+        ".repetition_penalty"
+    )
+    assert invalid(sampling_defaults={"presence_penalty": -2.5}).param.endswith(".presence_penalty")
+    assert invalid(sampling_defaults={"top_k": -2}).param.endswith(".top_k")
+    assert invalid(sampling_defaults={"min_p": float("nan")}).param.endswith(".min_p")
+    assert invalid(sampling_defaults={"seed": 1}).param.endswith(".seed")
+    values = {"repetition_penalty": 1.3, "top_k": -1, "temperature": 0.0, "min_p": 1.0}
+    profile = dataclasses.replace(PROFILE, sampling_defaults=values)  # type: ignore[arg-type]
+    assert profile.sampling_defaults == tuple(sorted(values.items()))
+    validate_deployment(Deployment("llama", profile).normalised())
+    assert profile_from_proto(profile_to_proto(profile)) == profile
+    assert not profile_to_proto(PROFILE).HasField("sampling_defaults")
+    assert profile.revision() != PROFILE.revision()
+    assert dataclasses.replace(profile, sampling_defaults=()).revision() == PROFILE.revision()
+    placement = Placement(
+        replica_id="llama-0",
+        deployment_id="llama",
+        revision="rev-1",
+        node="n1",
+        accelerator=Accelerator.GPU,
+        gpu_indices=(0,),
+        memory_bytes_per_device=80 * GB,
+        memory_fraction=0.9,
+        kv_cache_bytes=10 * GB,
+    )
+    spec = build_spec(Deployment("llama", profile), profile, "rev-1", placement, None)
+    assert spec.sampling_defaults.repetition_penalty == 1.3
+    assert spec.sampling_defaults.top_k == -1
+    assert spec.sampling_defaults.HasField("temperature") and spec.sampling_defaults.min_p == 1
+    assert not spec.sampling_defaults.HasField("top_p")
+    plain = build_spec(Deployment("llama", PROFILE), PROFILE, "rev-1", placement, None)
+    assert not plain.HasField("sampling_defaults")
 
 
 def test_constrain_tool_choice_auto_is_on_unless_the_api_says_off() -> None:

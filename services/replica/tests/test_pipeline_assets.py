@@ -220,3 +220,43 @@ def test_generation_config_sampling_defaults_fill_what_a_request_omits() -> None
     assert (given.temperature, given.top_k, given.repetition_penalty) == (0.0, 20, 1.0)
     plain = _sampling({}, kimi_tiny_assets(), max_tokens=8, constraint=None)
     assert plain.temperature is None and plain.repetition_penalty is None
+
+
+def test_spec_sampling_defaults_win_over_generation_config_and_lose_to_the_request() -> None:
+    """A spec's `sampling_defaults` (its deployment profile's, vLLM's
+    `--override-generation-config`) override the model's generation_config defaults field by
+    field (spec > generation_config > the engine's neutral value); a request's own value wins
+    over both. A spec that sets none gets the model's assets themselves; one replica process
+    serving two specs of one model gives each its own defaults from one load."""
+    model = dataclasses.replace(
+        kimi_tiny_assets(), sampling_defaults=(("repetition_penalty", 1.1), ("temperature", 0.6))
+    )
+
+    async def main() -> None:
+        cache = ModelAssetsCache(lambda spec: model)
+        plain = kimi_tiny_spec()
+        assert await cache.get(plain) is model
+        spec = kimi_tiny_spec()
+        spec.sampling_defaults.repetition_penalty = 1.3
+        spec.sampling_defaults.top_k = 5
+        spec.sampling_defaults.top_p = 0.0  # out of a request's range: left out
+        assets = await cache.get(spec)
+        assert assets.sampling_defaults == (
+            ("repetition_penalty", 1.3),
+            ("temperature", 0.6),
+            ("top_k", 5),
+        )
+        assert await cache.get(spec) is assets  # derived once
+        assert await cache.get(plain) is model
+        omitted = _sampling({}, assets, max_tokens=8, constraint=None)
+        assert (omitted.repetition_penalty, omitted.temperature, omitted.top_k) == (1.3, 0.6, 5)
+        assert omitted.top_p is None
+        given = _sampling(
+            {"repetition_penalty": 1.0, "top_k": -1}, assets, max_tokens=8, constraint=None
+        )
+        assert (given.repetition_penalty, given.temperature, given.top_k) == (1.0, 0.6, 0)
+        empty = kimi_tiny_spec()
+        empty.sampling_defaults.SetInParent()  # present, nothing set: nothing changes
+        assert await cache.get(empty) is model
+
+    asyncio.run(main())

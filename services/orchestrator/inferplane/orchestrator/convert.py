@@ -28,6 +28,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.orchestrator.catalog.model import (
     DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO,
+    SAMPLING_FIELDS,
     TASK_GENERATE,
     Deployment,
     DeploymentProfile,
@@ -162,6 +163,29 @@ def _write_transport(transport: str) -> dict[str, Any]:
     return {"transport": transport, "replica_transport": transport_enum(transport)}
 
 
+def sampling_from_proto(m: na.SamplingDefaults) -> tuple[tuple[str, float | int], ...]:
+    """The (parameter, value) pairs a `SamplingDefaults` message sets, by name (unset fields,
+    `optional` in the proto, are left out)."""
+    return tuple(sorted((n, getattr(m, n)) for n in SAMPLING_FIELDS if m.HasField(n)))
+
+
+def sampling_to_proto(pairs: tuple[tuple[str, float | int], ...]) -> na.SamplingDefaults:
+    """The `SamplingDefaults` message of (parameter, value) pairs (`DeploymentProfile`'s)."""
+    message = na.SamplingDefaults()
+    for name, value in pairs:
+        setattr(message, name, value)
+    return message
+
+
+def _read_sampling(p: pb.DeploymentProfile) -> tuple[tuple[str, float | int], ...]:
+    return sampling_from_proto(p.sampling_defaults) if p.HasField("sampling_defaults") else ()
+
+
+def _write_sampling(pairs: tuple[tuple[str, float | int], ...]) -> dict[str, Any]:
+    # None set: the field stays unset (responses show no empty message).
+    return {"sampling_defaults": sampling_to_proto(pairs)} if pairs else {}
+
+
 #: `DeploymentProfile` (domain) ⇄ `inferplane.orchestrator.v1.DeploymentProfile`, in proto
 #: field-number order.
 PROFILE_FIELDS: tuple[WireField, ...] = (
@@ -190,6 +214,7 @@ PROFILE_FIELDS: tuple[WireField, ...] = (
     WireField("stream_interval"),
     WireField("constrain_tool_choice_auto", read=_read_tool_choice),
     WireField("task", read=_read_task, write=_write_task, also=("replica_task",)),
+    WireField("sampling_defaults", read=_read_sampling, write=_write_sampling),
 )
 #: Proto profile fields with no domain attribute, and why: a request that sets one is refused
 #: (INVALID_ARGUMENT, `param` `deployment.profile.<field>`), never silently dropped.

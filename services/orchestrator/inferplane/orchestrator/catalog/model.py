@@ -13,7 +13,9 @@ import dataclasses
 import enum
 import hashlib
 import json
+from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from inferplane import replica_contract as contract
 
@@ -40,7 +42,19 @@ class Accelerator(enum.Enum):
 
 
 #: Profile fields added after the first release, hashed into `revision()` only when set.
-ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task")
+ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task", "sampling_defaults")
+#: The sampling parameters a profile may default (`DeploymentProfile.sampling_defaults`, vLLM's
+#: `--override-generation-config`), as `inferplane.nodeagent.v1.SamplingDefaults` names them;
+#: `top_k` is an integer, the others numbers.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 #: What a deployment serves: chat and text completions (the default, stored as ""),
 #: embeddings (vLLM's pooling runner), or speech-to-text (`/v1/audio/transcriptions` and
 #: `/translations` with an encoder-decoder speech model such as Whisper).
@@ -65,6 +79,10 @@ class DeploymentProfile:
     `constrain_tool_choice_auto` is False here, which is what a profile stored before the
     option existed reads as (its revision and replicas stay as they were); the API's default
     for an unset value is `DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO` (convert.py).
+
+    `sampling_defaults` holds the (parameter, value) pairs the operator set (names from
+    `SAMPLING_FIELDS`), sorted by name; a mapping or a list of pairs (a stored profile's JSON)
+    is normalised to that. Empty: none (the model's generation_config and the engine decide).
     """
 
     model_source: str = ""
@@ -90,6 +108,14 @@ class DeploymentProfile:
     constrain_tool_choice_auto: bool = False
     extra_engine_args: tuple[str, ...] = ()
     task: str = ""
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+
+    def __post_init__(self) -> None:
+        value: Any = self.sampling_defaults  # a mapping or pairs from a stored profile's JSON
+        items = value.items() if isinstance(value, Mapping) else value
+        pairs = tuple(sorted((str(k), v) for k, v in items))
+        if pairs != value:
+            object.__setattr__(self, "sampling_defaults", pairs)
 
     @property
     def embeds(self) -> bool:

@@ -8,6 +8,7 @@ Fleet-dependent checks (does one replica fit any node?) live in `placement.plann
 
 from __future__ import annotations
 
+import math
 import re
 
 from inferplane import replica_contract as contract
@@ -18,6 +19,7 @@ from inferplane.orchestrator.catalog.model import (
     DEFAULT_TRANSPORT,
     MAX_OWNED_BY,
     ROUTING_POLICIES,
+    SAMPLING_FIELDS,
     SPECULATIVE_METHODS,
     TASKS,
     TRANSPORTS,
@@ -40,6 +42,44 @@ PARSERS = default_registry()
 EMBED_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.EMBED_TRANSPORTS)
 SPEECH_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.SPEECH_TRANSPORTS)
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
+
+
+#: A sampling default's range: a request's own (the replica's `requests._sampling`); `top_p`
+#: and `repetition_penalty` exclude their lower bound. `top_k` is checked apart (an integer, -1
+#: or more).
+SAMPLING_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
+_LOWER_OPEN = ("top_p", "repetition_penalty")
+
+
+def _validate_sampling(p: DeploymentProfile) -> None:
+    for name, value in p.sampling_defaults:
+        field = f"profile.sampling_defaults.{name}"
+        if name == "top_k":
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise _fail(f"{field} must be -1 or 0 (disabled) or a positive integer", field)
+            continue
+        if name not in SAMPLING_RANGES:
+            raise _fail(
+                f"{field} is not a sampling parameter; known: {', '.join(SAMPLING_FIELDS)}", field
+            )
+        lo, hi = SAMPLING_RANGES[name]
+        ok = (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and lo <= value <= hi
+            and not (value == lo and name in _LOWER_OPEN)
+        )
+        if not ok:
+            low = f"above {lo:g}" if name in _LOWER_OPEN else f"{lo:g}"
+            raise _fail(f"{field} must be {low} to {hi:g}, got {value!r}", field)
 
 
 def _listed(transports: tuple[str, ...]) -> list[str]:
@@ -214,6 +254,7 @@ def _validate_profile(deployment: Deployment) -> None:
             f"profile.stream_interval must be 0 (every token) to {MAX_STREAM_INTERVAL}",
             "profile.stream_interval",
         )
+    _validate_sampling(p)
     if p.expected_context_tokens > p.max_model_len:
         raise _fail(
             f"profile.expected_context_tokens ({p.expected_context_tokens}) cannot exceed "

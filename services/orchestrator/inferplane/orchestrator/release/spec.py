@@ -13,7 +13,7 @@ import re
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
-from inferplane.orchestrator.convert import task_enum, transport_enum
+from inferplane.orchestrator.convert import sampling_to_proto, task_enum, transport_enum
 from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
 
@@ -87,4 +87,7 @@ def build_spec(
         gpu_uuids=[uuids.get(i, "") for i in placement.gpu_indices] if uuids else [],
         created=int(created.timestamp()) if created is not None else 0,
         owned_by=deployment.owned_by,
+        sampling_defaults=sampling_to_proto(profile.sampling_defaults)
+        if profile.sampling_defaults
+        else None,
     )

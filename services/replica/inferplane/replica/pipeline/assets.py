@@ -60,6 +60,8 @@ class ModelAssets:
             `frequency_penalty`), which a request that omits one gets instead of the engine's
             neutral value: vLLM's `--generation-config auto` (`get_diff_sampling_param`), the
             same on every transport. A value outside the request's own range is left out.
+            A spec's `sampling_defaults` (its deployment profile's) win over these field by
+            field (`ModelAssetsCache.get`).
     """
 
     model_source: str
@@ -183,10 +185,13 @@ _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
 }
 
 
-def sampling_defaults(generation: dict[str, Any]) -> tuple[tuple[str, float | int], ...]:
-    """The sampling defaults of a `generation_config.json` (`ModelAssets.sampling_defaults`):
-    numbers within a request's range only (`top_p` and `repetition_penalty` above 0, `top_k`
-    an integer of at least -1); anything else is logged and left out."""
+def sampling_defaults(
+    generation: dict[str, Any], source: str = "generation_config"
+) -> tuple[tuple[str, float | int], ...]:
+    """The sampling defaults of a `generation_config.json` (`ModelAssets.sampling_defaults`),
+    or of a spec's `sampling_defaults` (`source` "spec", `spec_sampling_defaults`): numbers
+    within a request's range only (`top_p` and `repetition_penalty` above 0, `top_k` an
+    integer of at least -1); anything else is logged and left out."""
     found: list[tuple[str, float | int]] = []
     for name, value in generation.items():
         if name == "top_k":
@@ -205,8 +210,32 @@ def sampling_defaults(generation: dict[str, Any]) -> tuple[tuple[str, float | in
         if ok:
             found.append((name, value))
         else:
-            log.warning("generation_config_sampling_ignored", parameter=name, value=value)
+            log.warning(f"{source}_sampling_ignored", parameter=name, value=value)
     return tuple(sorted(found))
+
+
+def spec_sampling_defaults(spec: nodeagent_pb2.ReplicaSpec) -> tuple[tuple[str, float | int], ...]:
+    """The sampling defaults the spec sets (its deployment profile's, vLLM's
+    `--override-generation-config`): the set fields of `spec.sampling_defaults`, checked as
+    `sampling_defaults` checks generation_config's. Empty when the spec sets none."""
+    if not spec.HasField("sampling_defaults"):
+        return ()
+    message = spec.sampling_defaults
+    values = {f.name: v for f, v in message.ListFields()}
+    return sampling_defaults(values, source="spec")
+
+
+def with_spec_sampling(
+    assets: ModelAssets, overrides: tuple[tuple[str, float | int], ...]
+) -> ModelAssets:
+    """`assets` whose `sampling_defaults` are the model's with `overrides` (the spec's) winning
+    field by field: spec > generation_config > the engine's neutral value (a request's own
+    value wins over all: `requests._sampling`). Empty `overrides`: `assets` as they are."""
+    if not overrides:
+        return assets
+    merged = dict(assets.sampling_defaults)
+    merged.update(overrides)
+    return dataclasses.replace(assets, sampling_defaults=tuple(sorted(merged.items())))
 
 
 def _added_texts(tokenizer: Any) -> tuple[str, ...]:
@@ -269,13 +298,30 @@ class ModelAssetsCache:
         self._on_loaded = on_loaded
         self._assets: dict[tuple[str, str | None], ModelAssets] = {}
         self._loading: dict[tuple[str, str | None], asyncio.Future[ModelAssets]] = {}
+        self._derived: dict[
+            tuple[int, tuple[tuple[str, float | int], ...]], tuple[ModelAssets, ModelAssets]
+        ] = {}
 
     async def get(self, spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
-        """The assets of `spec`'s model (loads them once).
+        """The assets of `spec`'s model (loads them once), with the spec's sampling defaults
+        over the model's generation_config ones when it sets any (`with_spec_sampling`).
 
         Raises:
             UnavailableError: loading failed.
         """
+        assets = await self._model(spec)
+        overrides = spec_sampling_defaults(spec)
+        if not overrides:
+            return assets
+        # The spec's sampling defaults over the model's (one replica process may serve specs
+        # of one model with different profiles): derived once per model assets and overrides.
+        derived = self._derived.get((id(assets), overrides))
+        if derived is None or derived[0] is not assets:
+            derived = (assets, with_spec_sampling(assets, overrides))
+            self._derived[(id(assets), overrides)] = derived
+        return derived[1]
+
+    async def _model(self, spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         key = (spec.model_source, parser_name(spec))
         assets = self._assets.get(key)
         if assets is not None:

@@ -11,10 +11,10 @@ bodies (retries) once; `auth` names the header the key went in; `headers` are th
 without the key and the transport's.
 
 Scrubbed: the throw-away directory's path (the agents put the working directory in their
-prompts, Claude Code also as a slug) becomes `/work/project`; the ids the agents derive from
-the machine or the session (`metadata.user_id`, `prompt_cache_key`, `client_metadata`; UUIDs
-and OpenCode's `ses_` ids in headers) become fixed strings. No key is written: the agents are
-given a placeholder.
+prompts, Claude Code also as a slug) becomes `PROJECT_DIR` (its home `HOME_DIR`); the ids the
+agents derive from the machine or the session (`metadata.user_id`, `prompt_cache_key`,
+`client_metadata`; UUIDs and OpenCode's `ses_` ids in headers) become fixed strings. No key is
+written: the agents are given a placeholder.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "agents"
 PROMPT = "What is the weather in Tokyo?"
 MODEL = MODEL_NAME  # what the stack serves: the bodies replay unchanged
 PLACEHOLDER_KEY = "sk-capture-placeholder"
-PROJECT = "/work/project"
-HOME = "/work/home"
+# Stand-ins for the throw-away directories the capture ran in (no machine's paths in the data).
+PROJECT = "PROJECT_DIR"
+HOME = "HOME_DIR"
+WORK = "WORK_DIR"
 CHAT_ROUTES = ("/messages/count_tokens", "/messages", "/responses", "/chat/completions")
 SCRUBBED = "scrubbed"
 # The replaying client's own headers (and the key's), not the agent's.
@@ -94,9 +96,9 @@ def capture(agent: str, timeout: float, weather: bool) -> list[dict[str, Any]]:
             print(done.summary() if done.returncode else f"{agent}: exit 0, {done.seconds:.1f} s")
             replacements = {
                 str(workdir / "project"): PROJECT,
-                re.sub("[^A-Za-z0-9]", "-", str(workdir / "project")): "-work-project",
+                re.sub("[^A-Za-z0-9]", "-", str(workdir / "project")): "-project",
                 str(workdir / "home"): HOME,
-                str(workdir): "/work",
+                str(workdir): WORK,
                 sys.executable: "python",
                 server.root_url: "http://127.0.0.1:8080",
             }

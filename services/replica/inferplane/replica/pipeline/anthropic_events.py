@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from typing import Any
 
 from google.api import httpbody_pb2
@@ -279,10 +278,9 @@ def sse_bodies(
     Raises:
         InferplaneError: raised by `events` before any byte was written.
     """
-
-    async def frames() -> AsyncIterator[bytes]:
-        async with aclosing(events):  # type: ignore[type-var]
-            async for batch in events:
-                yield b"".join(frame(event) for event in batch)
-
-    return framed_bodies(frames(), lambda exc: frame(error_event(exc)), on_error)
+    return framed_bodies(
+        events,
+        lambda batch: b"".join(frame(event) for event in batch),
+        lambda exc: frame(error_event(exc)),
+        on_error,
+    )

@@ -24,32 +24,40 @@ SSE_CONTENT_TYPE = "text/event-stream"
 JSON_CONTENT_TYPE = "application/json"
 
 Chunk = TypeVar("Chunk")
+Item = TypeVar("Item")
 
 
 async def framed_bodies(
-    frames: AsyncIterator[bytes],
+    items: AsyncIterator[Item],
+    encode: Callable[[Item], bytes],
     error_frame: Callable[[InferplaneError], bytes],
     on_error: Callable[[InferplaneError], Any] = lambda _exc: None,
+    done: bytes = b"",
 ) -> AsyncIterator[httpbody_pb2.HttpBody]:
-    """Already-framed SSE bytes as `HttpBody` messages: the first non-empty one carries
-    `content_type: text/event-stream`; empty frames are skipped. The one place that decides
-    what a failure becomes (every API's writer frames through it: OpenAI's here, Anthropic's
-    in `anthropic_events`).
+    """`items` as SSE `HttpBody` messages, one per item (`encode`: its SSE bytes; an item that
+    encodes to nothing is skipped); the first carries `content_type: text/event-stream`. The one
+    place that decides what a failure becomes, for every API's writer (OpenAI's `sse_bodies`
+    here, Anthropic's in `anthropic_events`); one generator per stream, the token path's only
+    hop between the writer and grpc.
 
     Args:
-        frames: SSE bytes (one or more events each); closed when this iterator is.
+        items: typed stream messages or event batches; closed when this iterator is.
+        encode: an item's SSE bytes.
         error_frame: the API's error event for a failure after the first byte.
         on_error: told about an `InferplaneError` that became an error event, before the
             event is written.
+        done: written after the last item when the stream ended cleanly (OpenAI's
+            `data: [DONE]`); b"": nothing.
 
     Raises:
-        InferplaneError: raised by `frames` before any byte was written (the caller's gRPC
+        InferplaneError: raised by `items` before any byte was written (the caller's gRPC
             status, which Envoy may retry on another replica).
     """
     started = False
     try:
-        async with aclosing(frames):  # type: ignore[type-var]
-            async for data in frames:
+        async with aclosing(items):  # type: ignore[type-var]
+            async for item in items:
+                data = encode(item)
                 if not data:
                     continue
                 if started:
@@ -62,13 +70,19 @@ async def framed_bodies(
             raise
         on_error(exc)
         yield httpbody_pb2.HttpBody(data=error_frame(exc))
+        return
+    if done:
+        if started:
+            yield httpbody_pb2.HttpBody(data=done)
+        else:
+            yield httpbody_pb2.HttpBody(content_type=SSE_CONTENT_TYPE, data=done)
 
 
 def _openai_error(exc: InferplaneError) -> bytes:
     return sse_error(exc.message, exc.openai_type, exc.code, exc.param)
 
 
-async def sse_bodies(
+def sse_bodies(
     chunks: AsyncIterator[Chunk],
     to_json: Callable[[Chunk], bytes],
     on_error: Callable[[InferplaneError], Any] = lambda _exc: None,
@@ -85,26 +99,6 @@ async def sse_bodies(
     Raises:
         InferplaneError: raised by `chunks` before any byte was written.
     """
-    failed = False
-
-    def note(exc: InferplaneError) -> None:
-        nonlocal failed
-        failed = True
-        on_error(exc)
-
-    async def frames() -> AsyncIterator[bytes]:
-        async with aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in chunks:
-                yield sse_event(to_json(chunk))
-
-    started = False
-    async with aclosing(framed_bodies(frames(), _openai_error, note)) as bodies:
-        async for body in bodies:
-            started = True
-            yield body
-    if failed:
-        return
-    if started:
-        yield httpbody_pb2.HttpBody(data=SSE_DONE)
-    else:
-        yield httpbody_pb2.HttpBody(content_type=SSE_CONTENT_TYPE, data=SSE_DONE)
+    return framed_bodies(
+        chunks, lambda chunk: sse_event(to_json(chunk)), _openai_error, on_error, done=SSE_DONE
+    )

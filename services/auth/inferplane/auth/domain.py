@@ -10,20 +10,30 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
-import hashlib
-import hmac
 import re
 import secrets
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from inferplane.runtime import InvalidArgumentError
+from inferplane.runtime.security.api_keys import (
+    SCOPE_ADMIN,
+    SCOPE_CONSOLE,
+    SCOPE_INFERENCE,
+    SecretHasher,
+    is_well_formed_secret,
+    redact,
+)
 
-SCOPE_INFERENCE = "inference"
-SCOPE_ADMIN = "admin"
-# Signs in to the web console (services/console) and manages its own tenant's keys and reads
-# its own tenant's usage there; never another tenant's, never a key with the admin scope.
-SCOPE_CONSOLE = "console"
+__all__ = [  # re-exported: auth's modules and tests import them from here
+    "SCOPE_ADMIN",
+    "SCOPE_CONSOLE",
+    "SCOPE_INFERENCE",
+    "SecretHasher",
+    "is_well_formed_secret",
+    "redact",
+]
+
 KNOWN_SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_CONSOLE)
 KNOWN_TIERS = ("standard", "priority")
 DEFAULT_TIER = "standard"
@@ -34,9 +44,6 @@ SECRET_BYTES = 32  # 256 bits: brute force is out of reach, hence a fast hash (s
 KEY_PREFIX_CHARS = 8  # what `key_prefix` shows: "ip-" + 5 characters of the random part
 MAX_GRACE_PERIOD = timedelta(days=30)
 
-# Bearer tokens we accept: RFC 6750 token68 characters, bounded length. Our own secrets are
-# `ip-` + base64url; operator-chosen bootstrap keys may use any of these characters.
-_TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
 # Values that end up in edge headers and comma lists: no commas, spaces or control characters.
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
@@ -161,30 +168,6 @@ UPDATABLE_FIELDS = frozenset(
 )
 
 
-class SecretHasher:
-    """Hashes secrets with HMAC-SHA256 under a server-side pepper.
-
-    Keys are 256-bit random values, so a slow KDF (bcrypt, argon2) buys nothing: brute-forcing
-    2^256 is infeasible at any hash speed, and a fast hash keeps Check under a millisecond. The
-    pepper (kept out of the database) makes a stolen database useless for offline guessing of
-    operator-chosen bootstrap keys. Changing the pepper invalidates every stored key.
-    """
-
-    def __init__(self, pepper: bytes) -> None:
-        if len(pepper) < 16:
-            raise ValueError("the pepper must be at least 16 bytes")
-        self._pepper = pepper
-
-    def hash(self, secret: str) -> str:
-        """Hex HMAC-SHA256 of `secret` (64 characters)."""
-        return hmac.new(self._pepper, secret.encode(), hashlib.sha256).hexdigest()
-
-    @staticmethod
-    def matches(stored_hash: str | None, candidate_hash: str) -> bool:
-        """Constant-time comparison of two hex hashes."""
-        return stored_hash is not None and hmac.compare_digest(stored_hash, candidate_hash)
-
-
 def new_secret() -> str:
     """A fresh secret: `ip-` + base64url of 32 random bytes (46 characters)."""
     raw = base64.urlsafe_b64encode(secrets.token_bytes(SECRET_BYTES)).rstrip(b"=").decode()
@@ -199,18 +182,6 @@ def new_key_id() -> str:
 def key_prefix(secret: str) -> str:
     """The first characters of a secret, shown in listings so people can recognise it."""
     return secret[:KEY_PREFIX_CHARS]
-
-
-def is_well_formed_secret(token: str) -> bool:
-    """Whether `token` could be a key at all (charset and length), before any lookup."""
-    return _TOKEN_RE.fullmatch(token) is not None
-
-
-def redact(token: str) -> str:
-    """A token as OpenAI shows it in errors: `ip-abc***wxyz` (never the whole secret)."""
-    if len(token) <= 12:
-        return "***"
-    return f"{token[:6]}***{token[-4:]}"
 
 
 def validate_spec(spec: KeySpec, fields: frozenset[str], now: datetime) -> KeySpec:

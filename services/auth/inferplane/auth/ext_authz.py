@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -40,11 +38,13 @@ from inferplane.auth.domain import SCOPE_ADMIN, SCOPE_INFERENCE, Principal
 from inferplane.auth.limits import ALLOWED_UNLIMITED, RateLimitDecision, RateLimiter
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import UnauthenticatedError
+from inferplane.runtime.security.api_keys import (
+    client_key,
+    required_scope,
+)
 from inferplane.wire.headers import (
     ALLOWED_MODELS,
-    API_KEY,
     AUTH_VERDICT,
-    AUTHORIZATION,
     CLIENT_KEY_HEADERS,
     KEY_ID,
     REQUEST_ID,
@@ -58,58 +58,6 @@ if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
 else:
     Context = Any
-
-ADMIN_PATH_PREFIX = "/v1/admin/"
-MISSING_KEY_MESSAGE = (
-    "You didn't provide an API key. You need to provide your API key in an Authorization "
-    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-)
-
-
-def parse_bearer(value: str | None) -> str:
-    """The token of an `Authorization: Bearer <token>` value (scheme case-insensitive).
-
-    Raises:
-        UnauthenticatedError: missing value, another scheme, or no token.
-    """
-    if not value or not value.strip():
-        raise UnauthenticatedError(MISSING_KEY_MESSAGE, code="invalid_api_key")
-    scheme, _, token = value.strip().partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise UnauthenticatedError(
-            "Malformed Authorization header: expected 'Authorization: Bearer YOUR_KEY'.",
-            code="invalid_api_key",
-        )
-    return token
-
-
-def client_key(headers: Mapping[str, str]) -> str:
-    """The request's API key: `Authorization: Bearer KEY` (OpenAI's convention) or, without
-    an Authorization header, `x-api-key: KEY` (Anthropic's). With both, Authorization wins.
-
-    Raises:
-        UnauthenticatedError: neither header, or a malformed one (`parse_bearer`).
-    """
-    authorization = headers.get(AUTHORIZATION)
-    if authorization is None or not authorization.strip():
-        api_key = (headers.get(API_KEY) or "").strip()
-        if api_key:
-            return api_key
-    return parse_bearer(authorization)
-
-
-def required_scope(path: str) -> str:
-    """The scope a request path needs: admin under `/v1/admin/`, inference anywhere else.
-
-    The path is percent-decoded and dot segments and repeated slashes are collapsed first, so
-    `/v1//admin/...` or `/v1/x/../admin/...` cannot dodge the admin rule.
-    """
-    clean = unquote(path.split("?", 1)[0])
-    clean = posixpath.normpath("/" + clean.lstrip("/"))
-    if clean == ADMIN_PATH_PREFIX.rstrip("/") or clean.startswith(ADMIN_PATH_PREFIX):
-        return SCOPE_ADMIN
-    return SCOPE_INFERENCE
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:

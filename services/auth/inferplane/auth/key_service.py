@@ -23,10 +23,10 @@ from inferplane.auth.convert import (
     spec_from_proto,
 )
 from inferplane.auth.domain import SCOPE_ADMIN, SCOPE_CONSOLE, ApiKey
-from inferplane.auth.ext_authz import parse_bearer
 from inferplane.auth.keys import ApiKeyManager
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import InvalidArgumentError, NotFoundError, PermissionDeniedError
+from inferplane.runtime.security.api_keys import parse_bearer
 from inferplane.runtime.security.identity import EDGE, peer_identity
 from inferplane.runtime.time.clock import Clock
 from inferplane.wire.headers import KEY_ID, SCOPES, TENANT

@@ -24,10 +24,10 @@ from google.api import httpbody_pb2
 
 from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.api.inference.v1 import responses_pb2_grpc
-from inferplane.auth.ext_authz import parse_bearer
 from inferplane.auth.responses_store import StoredResponse
 from inferplane.auth.verifier import KeyVerifier
 from inferplane.runtime import InvalidArgumentError, NotFoundError
+from inferplane.runtime.security.api_keys import parse_bearer
 from inferplane.runtime.security.identity import EDGE, peer_identity
 from inferplane.runtime.time.clock import Clock
 from inferplane.wire.headers import TENANT

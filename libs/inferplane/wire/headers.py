@@ -75,6 +75,18 @@ REPLICA_ADDRESS: Final = "x-inferplane-replica-address"
 the node-local Envoy dials (and refuses when it is not on its node)."""
 ENVOY_MAX_RETRIES: Final = "x-envoy-max-retries"
 """Envoy's own header: the picker sets it to the number of fallback endpoints it listed."""
+PICKER_NAMESPACE: Final = "inferplane.picker"
+"""Dynamic-metadata namespace the picker writes for the edge's later filters and access log:
+`PICKER_AUTHENTICATED` (the picker authenticated the request's key; the picker guard refuses a
+request without it) and `PICKER_MODEL` (the model the request was routed as, or
+`UNKNOWN_MODEL`: bounded label cardinality)."""
+PICKER_AUTHENTICATED: Final = "authenticated"
+"""Key under `PICKER_NAMESPACE`: true once the picker authenticated the request."""
+PICKER_MODEL: Final = "model"
+"""Key under `PICKER_NAMESPACE`: the routed model name (a served model), else `UNKNOWN_MODEL`."""
+UNKNOWN_MODEL: Final = "(unknown model)"
+"""What metrics, usage reports and the console show for a model name that names no served
+model: the client's text stays data (request records), never a label or a group."""
 
 # --- served-by (response) ----------------------------------------------------------------------
 SERVED_BY: Final = "x-inferplane-replica"

@@ -18,10 +18,10 @@ import pytest
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.auth.counters import MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import Limits
-from inferplane.auth.limits import format_reset
 from inferplane.runtime import UnavailableError
 from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.clock import FakeClock
+from inferplane.wire.ratelimit import format_reset
 
 RESOURCE_EXHAUSTED = 8
 

@@ -25,17 +25,9 @@ from inferplane.auth.counters import KIND_REQUESTS, KIND_TOKENS, AdmitOutcome, C
 from inferplane.auth.domain import Limits
 from inferplane.auth.ledger import month_end
 from inferplane.runtime.time.clock import Clock
+from inferplane.wire.ratelimit import format_reset, limit_headers
 
 T = TypeVar("T")
-
-
-def format_reset(seconds: float) -> str:
-    """OpenAI's reset duration: `1s`, `6m0s`, `250ms`."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    whole = math.ceil(seconds)
-    minutes, secs = divmod(whole, 60)
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,22 +158,14 @@ class RateLimiter:
     def _headers(
         limits: Limits, outcome: AdmitOutcome, reset: float
     ) -> tuple[tuple[str, str], ...]:
-        out: list[tuple[str, str]] = []
+        out: tuple[tuple[str, str], ...] = ()
         if limits.requests_per_minute:
             rpm = limits.requests_per_minute
-            out += [
-                ("x-ratelimit-limit-requests", str(rpm)),
-                ("x-ratelimit-remaining-requests", str(max(0, rpm - outcome.requests))),
-                ("x-ratelimit-reset-requests", format_reset(reset)),
-            ]
+            out += limit_headers(KIND_REQUESTS, rpm, rpm - outcome.requests, reset)
         if limits.tokens_per_minute:
             tpm = limits.tokens_per_minute
-            out += [
-                ("x-ratelimit-limit-tokens", str(tpm)),
-                ("x-ratelimit-remaining-tokens", str(max(0, tpm - outcome.tokens))),
-                ("x-ratelimit-reset-tokens", format_reset(reset)),
-            ]
-        return tuple(out)
+            out += limit_headers(KIND_TOKENS, tpm, tpm - outcome.tokens, reset)
+        return out
 
     @staticmethod
     def _message(limits: Limits, outcome: AdmitOutcome, reset: float) -> str:

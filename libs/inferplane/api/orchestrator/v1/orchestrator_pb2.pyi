@@ -1192,6 +1192,8 @@ class WatchRoutingTableResponse(_message.Message):
     ROUTES_FIELD_NUMBER: _builtins.int
     LEASE_EPOCH_FIELD_NUMBER: _builtins.int
     STANDBY_FIELD_NUMBER: _builtins.int
+    ROUTER_COUNT_FIELD_NUMBER: _builtins.int
+    ROUTER_RANK_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """A content hash of the table."""
     lease_epoch: _builtins.str
@@ -1204,6 +1206,15 @@ class WatchRoutingTableResponse(_message.Message):
     one database, one leading): every share is 0 and renewals are refused there, so a router
     that knows other orchestrators moves its watch and lease on until it finds the leader.
     """
+    router_count: _builtins.int
+    """Set only on a router's stream: how many routers hold a lease on this orchestrator's
+    table (this one counted, even before its first lease), and this router's rank among them
+    (0-based, in router id order). A router enforces its share of each API key's limits:
+    floor(limit / router_count), plus 1 for ranks below limit % router_count, at least 1
+    (services/router/README.md, "Per-key limits"). 0: not shared (the whole limit).
+    """
+    router_rank: _builtins.int
+    """This router's rank among the router_count routers (0 .. router_count - 1)."""
     @_builtins.property
     def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRoute]:
         """Routes by model."""
@@ -1215,10 +1226,12 @@ class WatchRoutingTableResponse(_message.Message):
         routes: _abc.Iterable[Global___ModelRoute] | None = ...,
         lease_epoch: _builtins.str = ...,
         standby: _builtins.bool = ...,
+        router_count: _builtins.int = ...,
+        router_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "routes", b"routes", "standby", b"standby", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "router_count", b"router_count", "router_rank", b"router_rank", "routes", b"routes", "standby", b"standby", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -202,6 +202,47 @@ def test_a_silent_router_returns_its_share_after_lease_plus_margin_not_before() 
     asyncio.run(scenario())
 
 
+def test_each_router_view_carries_the_router_count_and_its_rank() -> None:
+    """The per-key limits' split: every router's view says how many routers hold a lease
+    (a newcomer counts itself before its first lease) and its rank in router id order; a
+    router joining or going silent changes every other router's view."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        hub = _hub(clock)
+        await hub.publish(_table({"r0": 4}))
+        clock.advance(LEASE + MARGIN)
+        (b,) = await _join(hub, clock, "b")
+        assert (b.view.router_count, b.view.router_rank) == (1, 0)
+        c = Router(hub, "c")
+        await c.catch_up()
+        assert (c.view.router_count, c.view.router_rank) == (2, 1), "counted before its lease"
+        a = Router(hub, "a")
+        await a.catch_up()
+        assert (a.view.router_count, a.view.router_rank) == (2, 0)
+        for r in (a, c):
+            r.renew()
+        for r in (a, b, c):
+            await r.catch_up()
+        assert [(r.view.router_count, r.view.router_rank) for r in (a, b, c)] == [
+            (3, 0),
+            (3, 1),
+            (3, 2),
+        ]
+        await a.close()  # silent: the others' views change once its lease ended
+        clock.advance(LEASE + MARGIN + 0.01)
+        for r in (b, c):
+            r.renew()
+        hub.expire_leases()
+        for r in (b, c):
+            await r.catch_up()
+        assert [(r.view.router_count, r.view.router_rank) for r in (b, c)] == [(2, 0), (2, 1)]
+        for r in (b, c):
+            await r.close()
+
+    asyncio.run(scenario())
+
+
 def test_only_the_leaders_hub_grants_and_a_new_leader_waits_out_the_old_leases() -> None:
     """Invariant: with several orchestrators only the leader's hub grants shares (a standby's
     refuses renewals and shows shares of 0), and a hub that starts leading grants nothing for

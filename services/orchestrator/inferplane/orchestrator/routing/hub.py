@@ -78,6 +78,7 @@ class RoutingHub:
         self._saved_seq = 0
         self._dirty = False  # a `held` shrank or a router went: write it (nothing waits)
         self._saver: asyncio.Task[None] | None = None
+        self._peers: tuple[str, ...] = ()  # members' ids in order: the per-key limit split
 
     @property
     def table(self) -> pb.WatchRoutingTableResponse:
@@ -230,8 +231,17 @@ class RoutingHub:
     def _view(
         self, router: RouterLease
     ) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
+        peers = self._peers
+        if router.router_id not in peers:  # before its first lease: counted already
+            peers = tuple(sorted((*peers, router.router_id)))
         return router_view(
-            self._table, router.models, router.sent, router.epoch, standby=not self._granting
+            self._table,
+            router.models,
+            router.sent,
+            router.epoch,
+            standby=not self._granting,
+            router_count=len(peers),
+            router_rank=peers.index(router.router_id),
         )
 
     # -- leases ------------------------------------------------------------------------------
@@ -367,6 +377,9 @@ class RoutingHub:
         now = self._clock.monotonic()
         routers = sorted(self._routers.values(), key=lambda r: r.router_id)
         members = [r for r in routers if r.member(now)]
+        peers = tuple(r.router_id for r in members)
+        peers_changed = peers != self._peers
+        self._peers = peers
         caps: dict[ReplicaKey, int] = {}
         seen_by: dict[ReplicaKey, set[str]] = {}
         for route in self._table.routes:
@@ -386,7 +399,7 @@ class RoutingHub:
         for router, sent in zip(routers, before, strict=True):
             for key in [k for k in router.sent if k not in caps]:
                 del router.sent[key]  # replicas that left the table: nothing new to them
-            if router.sent != sent:
+            if router.sent != sent or peers_changed:  # count and rank are in every view
                 router.generation += 1
                 changed = True
         return changed

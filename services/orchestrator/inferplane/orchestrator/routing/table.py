@@ -63,11 +63,15 @@ def router_view(
     epoch: str,
     *,
     standby: bool,
+    router_count: int = 0,
+    router_rank: int = 0,
 ) -> tuple[pb.WatchRoutingTableResponse, dict[ReplicaKey, int]]:
     """One router's view of `table`: the routes of `models` (empty: all), each endpoint's
-    `max_concurrency_share` from `shares` (0 when absent), the lease `epoch` and whether the
-    hub stands by. The version covers the shares, the epoch and the standby flag, so a router
-    whose lease was lost sees a new table. Returns the view and the shares it shows."""
+    `max_concurrency_share` from `shares` (0 when absent), the lease `epoch`, whether the
+    hub stands by, and how many routers share the per-key limits and this one's rank among
+    them. The version covers the shares, the epoch, the standby flag and the count and rank,
+    so a router whose lease was lost, or whose peers changed, sees a new table. Returns the
+    view and the shares it shows."""
     base = filter_table(table, models)
     routes = []
     shown: dict[ReplicaKey, int] = {}
@@ -81,8 +85,12 @@ def router_view(
         routes.append(copy)
     version = table_version(routes)
     content = f"{version}/{epoch}/{'standby' if standby else 'leader'}"
+    if router_count:
+        content += f"/{router_rank}of{router_count}"
     version = hashlib.sha256(content.encode()).hexdigest()[:16]
     view = pb.WatchRoutingTableResponse(version=version, routes=routes)
     view.lease_epoch = epoch
     view.standby = standby
+    view.router_count = router_count
+    view.router_rank = router_rank
     return view, shown

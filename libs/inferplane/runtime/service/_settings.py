@@ -20,6 +20,7 @@ import yaml
 
 from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.runtime.service._errors import ConfigError
+from inferplane.runtime.tracing import DEFAULT_SAMPLING_RATIO
 
 S = TypeVar("S")
 
@@ -45,6 +46,10 @@ class ServiceSettings:
     `identity`: the certificate's name ("": the service's own name, `node-agent` for the
     node-agent). `plaintext`: no TLS, no identities, no policy — development only. A service
     started from the command line (`load_settings`) needs one of `tls_dir` or `plaintext`.
+    `otlp_traces_endpoint`: the platform's OpenTelemetry collector (OTLP/gRPC `host:port`; ""
+    = no tracing, no cost) and `trace_sampling_ratio` the share (0..1) of the traces this
+    process starts itself that it records; a request's own `traceparent` decides for it
+    (`inferplane.runtime.tracing`, docs/tracing.md).
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +65,8 @@ class ServiceSettings:
     tls_dir: Path | None = None
     identity: str = ""
     plaintext: bool = False
+    otlp_traces_endpoint: str = ""
+    trace_sampling_ratio: float = DEFAULT_SAMPLING_RATIO
 
     def security(self, component: str) -> PeerSecurity:
         """This process's `PeerSecurity` (plaintext without `tls_dir`); `component` names it

@@ -40,3 +40,36 @@ def limit_headers(kind: str, limit: int, remaining: int, reset_seconds: float) -
         (f"{PREFIX}remaining-{kind}", str(max(0, remaining))),
         (f"{PREFIX}reset-{kind}", format_reset(reset_seconds)),
     )
+
+
+def requests_message(limit: int, used: int, reset_seconds: float) -> str:
+    """OpenAI's sentence for a key over its requests per minute."""
+    return (
+        f"Rate limit reached for requests per min (RPM): Limit {limit}, Used {used}, "
+        f"Requested 1. Please try again in {format_reset(reset_seconds)}."
+    )
+
+
+def tokens_message(limit: int, used: int, reset_seconds: float) -> str:
+    """OpenAI's sentence for a key over its tokens per minute."""
+    return (
+        f"Rate limit reached for tokens per min (TPM): Limit {limit}, Used {used}. "
+        f"Please try again in {format_reset(reset_seconds)}."
+    )
+
+
+def concurrency_message(limit: int) -> str:
+    """The sentence for a key at its concurrent requests."""
+    return (
+        f"Too many concurrent requests for this API key: Limit {limit}. Please retry when a "
+        "request finishes."
+    )
+
+
+def quota_message(budget: int, used: int, resets: str) -> str:
+    """OpenAI's `insufficient_quota` sentence for a key whose monthly token budget is spent
+    (`resets`: when, ISO 8601 UTC)."""
+    return (
+        f"You exceeded your current quota: this API key's monthly token budget is {budget} "
+        f"tokens and {used} were used this month; it resets at {resets}."
+    )

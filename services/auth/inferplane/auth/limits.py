@@ -25,7 +25,13 @@ from inferplane.auth.counters import KIND_REQUESTS, KIND_TOKENS, AdmitOutcome, C
 from inferplane.auth.domain import Limits
 from inferplane.auth.ledger import month_end
 from inferplane.runtime.time.clock import Clock
-from inferplane.wire.ratelimit import format_reset, limit_headers
+from inferplane.wire.ratelimit import (
+    concurrency_message,
+    limit_headers,
+    quota_message,
+    requests_message,
+    tokens_message,
+)
 
 T = TypeVar("T")
 
@@ -128,9 +134,7 @@ class RateLimiter:
             "quota",
             (),
             max(1, math.ceil((reset - now).total_seconds())),
-            f"You exceeded your current quota: this API key's monthly token budget is "
-            f"{budget} tokens and {used} were used this month; it resets at "
-            f"{reset.strftime('%Y-%m-%dT%H:%M:%SZ')}.",
+            quota_message(budget, used, reset.strftime("%Y-%m-%dT%H:%M:%SZ")),
         )
 
     async def record_usage(self, key_id: str, request_id: str, total_tokens: int) -> None:
@@ -169,19 +173,8 @@ class RateLimiter:
 
     @staticmethod
     def _message(limits: Limits, outcome: AdmitOutcome, reset: float) -> str:
-        wait = format_reset(reset)
         if outcome.refused == KIND_REQUESTS:
-            return (
-                f"Rate limit reached for requests per min (RPM): Limit "
-                f"{limits.requests_per_minute}, Used {outcome.requests}, Requested 1. "
-                f"Please try again in {wait}."
-            )
+            return requests_message(limits.requests_per_minute, outcome.requests, reset)
         if outcome.refused == KIND_TOKENS:
-            return (
-                f"Rate limit reached for tokens per min (TPM): Limit {limits.tokens_per_minute}, "
-                f"Used {outcome.tokens}. Please try again in {wait}."
-            )
-        return (
-            f"Too many concurrent requests for this API key: Limit "
-            f"{limits.max_concurrent_requests}. Please retry when a request finishes."
-        )
+            return tokens_message(limits.tokens_per_minute, outcome.tokens, reset)
+        return concurrency_message(limits.max_concurrent_requests)

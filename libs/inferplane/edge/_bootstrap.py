@@ -96,6 +96,7 @@ def _message_types() -> dict[str, type[Message]]:
     from envoy.config.endpoint.v3 import endpoint_pb2
     from envoy.config.listener.v3 import listener_pb2
     from envoy.config.route.v3 import route_pb2
+    from envoy.config.trace.v3 import opentelemetry_pb2  # noqa: F401
     from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
     from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
     from envoy.extensions.access_loggers.stream.v3 import stream_pb2  # noqa: F401

@@ -1,6 +1,7 @@
-"""The edge's upstream Clusters (router, auth, replicas, console) and their endpoints, and the
-cluster pieces the node-local Envoy and the ADS bootstrap share with them: HTTP/2 keepalives,
-circuit breakers and buffer limits (`cluster_limits`), and the upstream mutual TLS socket.
+"""The edge's upstream Clusters (router, auth, replicas, console, the trace collector) and
+their endpoints, and the cluster pieces the node-local Envoy and the ADS bootstrap share with
+them: HTTP/2 keepalives, circuit breakers and buffer limits (`cluster_limits`), and the
+upstream mutual TLS socket.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ AUTH_CLUSTER = "inferplane_auth"
 REPLICAS_CLUSTER = "inferplane_replicas"
 #: The web console (`EdgeConfig.console_endpoint`): HTTP/1.1, its own sign-in.
 CONSOLE_CLUSTER = "inferplane_console"
+#: The OpenTelemetry collector (`EdgeConfig.otlp_traces_endpoint`): OTLP/gRPC over h2c.
+OTLP_CLUSTER = "inferplane_otlp"
 
 _OVERRIDE_HOST = (
     TYPE_URL_PREFIX + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
@@ -228,4 +231,26 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
                 "endpoints": [{"lb_endpoints": lb_endpoints(endpoints)}],
             }
         clusters.append(cluster)
+    otlp = build_otlp_cluster(config)
+    if otlp is not None:
+        clusters.append(otlp)
     return clusters
+
+
+def build_otlp_cluster(config: EdgeConfig) -> Resource | None:
+    """The collector's Cluster (None without `config.otlp_traces_endpoint`): HTTP/2 h2c,
+    inline endpoints (STATIC for an IP, STRICT_DNS for a name) even when the others come by
+    EDS, and never the services' mutual TLS (a collector is not an inferplane service)."""
+    endpoint = config.otlp_traces_endpoint
+    if endpoint is None:
+        return None
+    cluster = cluster_limits(OTLP_CLUSTER, config)
+    cluster["lb_policy"] = "LEAST_REQUEST"
+    cluster["type"] = "STATIC" if endpoint.is_ip else "STRICT_DNS"
+    if not endpoint.is_ip:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    cluster["load_assignment"] = {
+        "cluster_name": OTLP_CLUSTER,
+        "endpoints": [{"lb_endpoints": lb_endpoints((endpoint,))}],
+    }
+    return cluster

@@ -142,6 +142,12 @@ class EdgeConfig:
             (`x-inferplane-internal-token`); "" when auth accepts loopback callers.
         descriptor_set: the `FileDescriptorSet` the transcoder uses (defaults to the committed one).
         services: the gRPC services the transcoder exposes.
+        otlp_traces_endpoint: the platform's OpenTelemetry collector (OTLP/gRPC, h2c; a
+            `host:port` string or `Endpoint`): Envoy's OpenTelemetry tracer continues a
+            client's `traceparent` or starts a trace, and passes it to the picker and the
+            replica (`_tracing.py`, docs/tracing.md); None: no tracing.
+        trace_sampling_percent: the share (0..100 %) of requests without a `traceparent` that
+            start a recorded trace (a client's keeps its own sampled flag).
     """
 
     router_endpoints: tuple[Endpoint, ...]
@@ -178,6 +184,8 @@ class EdgeConfig:
     auth_internal_token: str = dataclasses.field(default="", repr=False)
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
     services: tuple[str, ...] = DEFAULT_SERVICES
+    otlp_traces_endpoint: Endpoint | None = None
+    trace_sampling_percent: float = 1.0
 
     @property
     def buffer_limit_bytes(self) -> int:
@@ -195,6 +203,16 @@ class EdgeConfig:
         object.__setattr__(self, "replica_endpoints", _endpoints(self.replica_endpoints))
         if isinstance(self.auth_endpoint, str):
             object.__setattr__(self, "auth_endpoint", Endpoint.parse(self.auth_endpoint))
+        if isinstance(self.otlp_traces_endpoint, str):
+            object.__setattr__(
+                self,
+                "otlp_traces_endpoint",
+                Endpoint.parse(self.otlp_traces_endpoint) if self.otlp_traces_endpoint else None,
+            )
+        if not 0 <= self.trace_sampling_percent <= 100:
+            raise EdgeConfigError(
+                f"trace_sampling_percent must be in [0, 100], got {self.trace_sampling_percent}"
+            )
         if isinstance(self.console_endpoint, str):
             object.__setattr__(
                 self,

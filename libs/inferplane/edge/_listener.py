@@ -12,6 +12,7 @@ from inferplane.edge._config import EdgeConfig
 from inferplane.edge._filters import build_http_filters
 from inferplane.edge._replies import build_local_reply_config
 from inferplane.edge._routes import ROUTE_CONFIG_NAME, build_route_config
+from inferplane.edge._tracing import build_tracing
 from inferplane.wire.headers import (
     CLIENT_REQUEST_ID,
     DESTINATION_ENDPOINT,
@@ -179,6 +180,9 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
         logs.append(_slot_log(config))
     if logs:
         hcm["access_log"] = logs
+    tracing = build_tracing(config)
+    if tracing is not None:
+        hcm["tracing"] = tracing
     return hcm
 
 

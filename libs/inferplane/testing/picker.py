@@ -34,9 +34,10 @@ def _header_value(header: core_pb2.HeaderValue) -> str:
 @dataclasses.dataclass
 class Pick:
     """One request as the fake picker saw it: gRPC path, body bytes, request headers, response
-    status and the summary trailers it read."""
+    status and the summary trailers it read, and the side stream's own gRPC metadata."""
 
     path: str = ""
+    stream_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     body_bytes: int = 0
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
     grpc_status: str = ""
@@ -60,6 +61,9 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def Process(self, requests: Iterable[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         pick = Pick()
+        pick.stream_metadata = {
+            k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)
+        }
         with self._lock:
             self.picks.append(pick)
         for message in requests:

@@ -41,7 +41,7 @@ CALLERS = {
     "router": {"edge", "admin", "node-agent"},
     "orchestrator": {"admin", "node-agent", "router", "telemetry", "edge"},
     "node-agent": {"orchestrator", "admin", "edge", "telemetry"},
-    "telemetry": {"router", "node-agent", "admin"},
+    "telemetry": {"edge", "router", "node-agent", "admin"},  # edge: its overhead log
 }
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 REASON = "inferplane.dev/external-ingress-reason"

@@ -90,13 +90,15 @@ def stack(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
                 str(MISSED_HEARTBEATS),
                 "--sweep-interval-seconds",
                 "0.5",
-                # Auth accepts the edge's slot releases and the routers' usage reports from
-                # other hosts by this token only (loopback callers need none).
-                "--edge-auth-internal-token",
+                # Telemetry accepts the edge's overhead log from other hosts by this token
+                # (or the edge's certificate; loopback callers need neither).
+                "--edge-telemetry-internal-token",
                 INTERNAL_TOKEN,
             ),
+            # Auth accepts the routers' usage reports from other hosts by this token only.
             "auth": ("--internal-token", INTERNAL_TOKEN),
             "router": ("--auth-internal-token", INTERNAL_TOKEN),
+            "telemetry": ("--internal-token", INTERNAL_TOKEN),
             # Both "hosts" share this machine's cores: a niced engine (19 once ready, the CPU
             # nodes' default) would starve behind the other worker's engine starting at 0 (the
             # re-placed replica) and behind anything else the machine runs, and its streams

@@ -2,8 +2,8 @@
 `render-node`: the node-local Envoy's (the Gateway API path, `NodeEnvoyConfig`).
 
     python -m inferplane.edge render --router 127.0.0.1:50052 --auth 127.0.0.1:50051 \
-        --replica 127.0.0.1:50061 --listen-port 8080 --admin-port 9901 --validate \
-        -o deploy/envoy/edge.example.yaml
+        --telemetry 127.0.0.1:50055 --replica 127.0.0.1:50061 --listen-port 8080 \
+        --admin-port 9901 --validate -o deploy/envoy/edge.example.yaml
     python -m inferplane.edge render-node --listen-port 8000 --tls-dir /etc/inferplane/tls
 """
 
@@ -23,6 +23,7 @@ from inferplane.edge._process import validate_bootstrap
 EXAMPLE_ARGS = (
     "--router", "127.0.0.1:50052",
     "--auth", "127.0.0.1:50051",
+    "--telemetry", "127.0.0.1:50055",
     "--replica", "127.0.0.1:50061",
     "--listen-port", "8080",
     "--admin-port", "9901",
@@ -33,6 +34,7 @@ def config_from_args(args: argparse.Namespace) -> EdgeConfig:
     return EdgeConfig(
         router_endpoints=tuple(Endpoint.parse(r) for r in args.router),
         auth_endpoint=Endpoint.parse(args.auth),
+        telemetry_endpoint=Endpoint.parse(args.telemetry) if args.telemetry else None,
         replica_endpoints=tuple(Endpoint.parse(r) for r in args.replica),
         listen_host=args.listen_host,
         listen_port=args.listen_port,
@@ -48,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render", help="write a static Envoy bootstrap for the edge")
     render.add_argument("--router", action="append", required=True, help="HOST:PORT, repeatable")
     render.add_argument("--auth", required=True, help="HOST:PORT of the auth service")
+    render.add_argument(
+        "--telemetry", default="", help="HOST:PORT of telemetry (the edge overhead log)"
+    )
     render.add_argument(
         "--replica",
         action="append",

@@ -26,6 +26,8 @@ REPLICAS_CLUSTER = "inferplane_replicas"
 CONSOLE_CLUSTER = "inferplane_console"
 #: The OpenTelemetry collector (`EdgeConfig.otlp_traces_endpoint`): OTLP/gRPC over h2c.
 OTLP_CLUSTER = "inferplane_otlp"
+#: The telemetry service (`EdgeConfig.telemetry_endpoint`): the access log of routed requests.
+TELEMETRY_CLUSTER = "inferplane_telemetry"
 
 _OVERRIDE_HOST = (
     TYPE_URL_PREFIX + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
@@ -136,6 +138,8 @@ def _cluster_endpoints(config: EdgeConfig) -> dict[str, tuple[Endpoint, ...]]:
     }
     if config.console_endpoint is not None:
         clusters[CONSOLE_CLUSTER] = (config.console_endpoint,)
+    if config.telemetry_endpoint is not None:
+        clusters[TELEMETRY_CLUSTER] = (config.telemetry_endpoint,)
     return clusters
 
 
@@ -189,7 +193,8 @@ def build_endpoints(config: EdgeConfig) -> list[Resource]:
 
 def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
     """The router, auth and replicas Clusters (`CLUSTER_TYPE`), HTTP/2 (h2c) to gRPC services,
-    and the console's (HTTP/1.1) when `config.console_endpoint` is set.
+    the console's (HTTP/1.1) when `config.console_endpoint` is set and telemetry's when
+    `config.telemetry_endpoint` is.
 
     With `eds` the endpoints come from `build_endpoints` over ADS; otherwise they are inline
     (STATIC for IP literals, STRICT_DNS for names).

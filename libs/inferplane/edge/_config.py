@@ -134,12 +134,14 @@ class EdgeConfig:
             default, 1024, would cap concurrent streams per edge far below what LLM serving needs).
         max_connections: global cap on downstream connections (overload manager).
         access_log: write one JSON access-log line per request to stdout.
-        slot_log: stream an access-log entry for every finished request that carried a key to
-            auth (`envoy.service.accesslog.v3.AccessLogService`), which releases the key's
-            concurrent-request slot however the request ended (before the router saw it
-            too: a 400 from the transcoder, the picker unreachable, a client gone).
-        auth_internal_token: auth's internal token, sent with that stream
-            (`x-inferplane-internal-token`); "" when auth accepts loopback callers.
+        telemetry_endpoint: the telemetry service (HTTP/2 h2c, or mutual TLS under
+            `upstream_tls_dir`): the edge streams it an access-log entry for every request the
+            picker routed as a model (`envoy.service.accesslog.v3.AccessLogService`), from
+            which it observes the edge's own overhead per model
+            (`inferplane_edge_overhead_seconds`); None: no such log.
+        telemetry_internal_token: telemetry's `internal_token`, sent with that stream
+            (`x-inferplane-internal-token`); "" when telemetry admits the edge by its
+            certificate (mutual TLS) or as a loopback caller.
         descriptor_set: the `FileDescriptorSet` the transcoder uses (defaults to the committed one).
         services: the gRPC services the transcoder exposes.
         otlp_traces_endpoint: the platform's OpenTelemetry collector (OTLP/gRPC, h2c; a
@@ -180,8 +182,8 @@ class EdgeConfig:
     max_concurrent_requests: int = 100_000
     max_connections: int = 50_000
     access_log: bool = True
-    slot_log: bool = True
-    auth_internal_token: str = dataclasses.field(default="", repr=False)
+    telemetry_endpoint: Endpoint | None = None
+    telemetry_internal_token: str = dataclasses.field(default="", repr=False)
     descriptor_set: bytes = dataclasses.field(default_factory=load_descriptor_set, repr=False)
     services: tuple[str, ...] = DEFAULT_SERVICES
     otlp_traces_endpoint: Endpoint | None = None
@@ -203,6 +205,12 @@ class EdgeConfig:
         object.__setattr__(self, "replica_endpoints", _endpoints(self.replica_endpoints))
         if isinstance(self.auth_endpoint, str):
             object.__setattr__(self, "auth_endpoint", Endpoint.parse(self.auth_endpoint))
+        if isinstance(self.telemetry_endpoint, str):
+            object.__setattr__(
+                self,
+                "telemetry_endpoint",
+                Endpoint.parse(self.telemetry_endpoint) if self.telemetry_endpoint else None,
+            )
         if isinstance(self.otlp_traces_endpoint, str):
             object.__setattr__(
                 self,

@@ -7,7 +7,7 @@ itself with its buffer limit (`listener`).
 from __future__ import annotations
 
 from inferplane.edge._base import HCM_TYPE, TYPE_URL_PREFIX, Resource, duration
-from inferplane.edge._clusters import AUTH_CLUSTER
+from inferplane.edge._clusters import TELEMETRY_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._filters import build_http_filters
 from inferplane.edge._replies import build_local_reply_config
@@ -17,7 +17,8 @@ from inferplane.wire.headers import (
     CLIENT_REQUEST_ID,
     DESTINATION_ENDPOINT,
     INTERNAL_TOKEN,
-    KEY_ID,
+    PICKER_MODEL,
+    PICKER_NAMESPACE,
     REQUEST_ID,
     TRUSTED_PREFIX,
 )
@@ -75,27 +76,37 @@ def listener(
     }
 
 
-def _slot_log(config: EdgeConfig) -> Resource:
-    """One entry per finished request that carried a key, to auth's AccessLogService (see
-    `EdgeConfig.slot_log`): its request id and key id name the slot to release. Unbuffered:
-    the slot is free as soon as Envoy finished the request."""
-    grpc_service: Resource = {"envoy_grpc": {"cluster_name": AUTH_CLUSTER}}
-    if config.auth_internal_token:
+def _overhead_log(config: EdgeConfig) -> Resource:
+    """One entry per request the picker routed as a model (its dynamic metadata names it:
+    `PICKER_NAMESPACE` / `PICKER_MODEL`), to telemetry's AccessLogService (see
+    `EdgeConfig.telemetry_endpoint`), which observes the edge's overhead from the entry's
+    timings. Buffered (up to 16 KiB or 1 s): a metric, not a decision, waits on it."""
+    grpc_service: Resource = {"envoy_grpc": {"cluster_name": TELEMETRY_CLUSTER}}
+    if config.telemetry_internal_token:
         grpc_service["initial_metadata"] = [
-            {"key": INTERNAL_TOKEN, "value": config.auth_internal_token}
+            {"key": INTERNAL_TOKEN, "value": config.telemetry_internal_token}
         ]
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"header_filter": {"header": {"name": KEY_ID, "present_match": True}}},
+        "filter": {
+            "metadata_filter": {
+                "matcher": {
+                    "filter": PICKER_NAMESPACE,
+                    "path": [{"key": PICKER_MODEL}],
+                    "value": {"present_match": True},
+                },
+                "match_if_key_not_found": False,
+            }
+        },
         "typed_config": {
             "@type": _GRPC_LOG,
             "common_config": {
-                "log_name": "inferplane-slots",
+                "log_name": "inferplane-edge-overhead",
                 "grpc_service": grpc_service,
                 "transport_api_version": "V3",
-                "buffer_size_bytes": 0,
+                "buffer_size_bytes": 16 * 1024,
+                "buffer_flush_interval": duration(1.0),
             },
-            "additional_request_headers_to_log": [KEY_ID],
         },
     }
 
@@ -176,8 +187,8 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
     else:
         hcm["route_config"] = build_route_config(config)
     logs = access_log() if config.access_log else []
-    if config.slot_log:
-        logs.append(_slot_log(config))
+    if config.telemetry_endpoint is not None:
+        logs.append(_overhead_log(config))
     if logs:
         hcm["access_log"] = logs
     tracing = build_tracing(config)

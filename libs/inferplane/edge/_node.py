@@ -137,7 +137,6 @@ class NodeEnvoyConfig:
             max_concurrent_requests=self.max_concurrent_requests,
             max_connections=self.max_connections,
             access_log=self.access_log,
-            slot_log=False,
             descriptor_set=self.descriptor_set,
             services=_NODE_SERVICES,
         )

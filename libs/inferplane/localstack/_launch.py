@@ -135,6 +135,9 @@ class Launcher:
             cfg.address("auth"),
             "--edge-console-address",
             f"127.0.0.1:{self.console_port}",
+            # The edge's access log of routed requests: the edge overhead metric.
+            "--edge-telemetry-address",
+            cfg.address("telemetry"),
             "--edge-listen-host",
             cfg.host_address(EDGE_PROCESS),
             "--edge-listen-port",

@@ -21,7 +21,8 @@ CONFIG = EdgeConfig(
     auth_endpoint=Endpoint.parse("127.0.0.1:7002"),
     listen_port=18080,
     admin_port=19901,
-    auth_internal_token="secret",
+    telemetry_endpoint=Endpoint.parse("127.0.0.1:7003"),
+    telemetry_internal_token="secret",
 )
 #: What only `inferplane.wire.headers` (or the runtime) may spell.
 CONTRACT_SPELLINGS = (
@@ -88,9 +89,11 @@ def test_the_builders_use_the_contracts_names() -> None:
     assert mutations[0]["append"]["header"]["key"] == headers.CLIENT_REQUEST_ID
     matchers = [m["remove_on_match"]["key_matcher"] for m in mutations if "remove_on_match" in m]
     assert matchers == [{"prefix": headers.TRUSTED_PREFIX}, {"exact": headers.DESTINATION_ENDPOINT}]
-    (slot_log,) = [log for log in hcm["access_log"] if log["name"].endswith("http_grpc")]
-    assert slot_log["typed_config"]["additional_request_headers_to_log"] == [headers.KEY_ID]
-    metadata = slot_log["typed_config"]["common_config"]["grpc_service"]["initial_metadata"]
+    (overhead_log,) = [log for log in hcm["access_log"] if log["name"].endswith("http_grpc")]
+    matcher = overhead_log["filter"]["metadata_filter"]["matcher"]
+    assert matcher["filter"] == headers.PICKER_NAMESPACE
+    assert matcher["path"] == [{"key": headers.PICKER_MODEL}]
+    metadata = overhead_log["typed_config"]["common_config"]["grpc_service"]["initial_metadata"]
     assert metadata == [{"key": headers.INTERNAL_TOKEN, "value": "secret"}]
     # The edge's exported names are the contract's, not copies.
     assert edge.PICK_NAMESPACE == headers.PICK_NAMESPACE

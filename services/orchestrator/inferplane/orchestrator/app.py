@@ -316,7 +316,8 @@ def build_components(
                 tls_key_path=settings.edge_tls_key_path,
                 upstream_tls_dir=settings.edge_upstream_tls_dir,
                 node_id=settings.edge_node_id,
-                auth_internal_token=settings.edge_auth_internal_token,
+                telemetry_endpoint=settings.edge_telemetry_address or None,
+                telemetry_internal_token=settings.edge_telemetry_internal_token,
             ),
         )
     relay = RoutingTableRelay(

@@ -46,8 +46,11 @@ class OrchestratorSettings(ServiceSettings):
         edge_upstream_tls_dir: the edge's identity folder as Envoy's host sees it (`ca.crt`,
             `edge.crt`, `edge.key`): the clusters it pushes speak mutual TLS to the services;
             empty: plaintext (development only).
-        edge_auth_internal_token: auth's `internal_token`, which the edge presents when it
-            streams finished requests to auth (slot release); "" = auth accepts loopback.
+        edge_telemetry_address: the telemetry service (`host:port`) the edge streams the
+            access log of routed requests to (the edge overhead metric); empty: no such log.
+        edge_telemetry_internal_token: telemetry's `internal_token`, which the edge presents
+            on that stream; "" = telemetry admits the edge by its certificate (mutual TLS)
+            or as a loopback caller.
         leader_id: this orchestrator's id in the leader lease ("" = `hostname:pid`); unique
             among the orchestrators sharing the database.
         leader_lease_seconds: the lease duration d: a standby takes over from a leader whose
@@ -82,7 +85,8 @@ class OrchestratorSettings(ServiceSettings):
     edge_tls_cert_path: str = ""
     edge_tls_key_path: str = ""
     edge_upstream_tls_dir: str = ""
-    edge_auth_internal_token: str = dataclasses.field(default="", repr=False)
+    edge_telemetry_address: str = ""
+    edge_telemetry_internal_token: str = dataclasses.field(default="", repr=False)
     leader_id: str = ""
     leader_lease_seconds: float = 10.0
     leader_renew_seconds: float = 3.0

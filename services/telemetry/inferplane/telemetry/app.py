@@ -9,16 +9,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
-from inferplane.runtime.security.identity import ADMIN, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.telemetry.alerts import Evaluator
 from inferplane.telemetry.discovery import EngineDiscovery, TargetSource, targets_from_table
 from inferplane.telemetry.domain import SloTargets
+from inferplane.telemetry.edge_overhead import EdgeOverheadMetrics, EdgeOverheadService
 from inferplane.telemetry.engines import EngineScraper, Fetch, HttpFetch
 from inferplane.telemetry.ingest import Ingestor
 from inferplane.telemetry.metrics import RecordMetrics
@@ -45,6 +48,7 @@ class TelemetryComponents:
     evaluator: Evaluator
     servicer: TelemetryService
     discovery: EngineDiscovery
+    edge_overhead: EdgeOverheadService
     target_source: TargetSource | None = None
     sleep: Sleep = asyncio.sleep
     run_loops: bool = True
@@ -98,6 +102,8 @@ class TelemetryComponents:
                     service + "RecordRequests": [ROUTER, NODE_AGENT],
                     # Queries: operators (`inferplane top`).
                     service: [ADMIN],
+                    # The edge's access log of routed requests (the edge overhead metric).
+                    "/envoy.service.accesslog.v3.AccessLogService/": [EDGE],
                 }
             ),
             servicers=[
@@ -105,6 +111,11 @@ class TelemetryComponents:
                     "inferplane.telemetry.v1.TelemetryService",
                     self.servicer,
                     telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server,
+                ),
+                ServicerBinding(
+                    "envoy.service.accesslog.v3.AccessLogService",
+                    self.edge_overhead,
+                    als_pb2_grpc.add_AccessLogServiceServicer_to_server,
                 ),
             ],
             start=self.start,
@@ -178,6 +189,10 @@ def build_components(
         slo_window_seconds=settings.slo_window_seconds,
     )
     servicer = TelemetryService(ingestor, store, evaluator.book, clock, sources)
+    edge_overhead = EdgeOverheadService(
+        EdgeOverheadMetrics(registry, settings.max_models),
+        InternalCallerGuard(settings.internal_token),
+    )
     return TelemetryComponents(
         settings=settings,
         clock=clock,
@@ -189,6 +204,7 @@ def build_components(
         evaluator=evaluator,
         servicer=servicer,
         discovery=discovery,
+        edge_overhead=edge_overhead,
         target_source=target_source,
         sleep=sleep,
         run_loops=run_loops,

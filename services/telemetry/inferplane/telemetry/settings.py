@@ -47,6 +47,9 @@ class TelemetrySettings(ServiceSettings):
             default SLO targets for every deployment (see `domain.SloTargets`).
         slo_overrides: per-deployment targets (config file only), e.g.
             `{kimi-k2: {ttft_p99_seconds: 1.5, max_error_rate: 0.005}}`.
+        internal_token: when set, the edge's access log (the edge overhead metric) is
+            accepted only with this token (`x-inferplane-internal-token`); "" accepts the
+            edge's certificate (mutual TLS) or a loopback caller.
     """
 
     port: int = 50055
@@ -77,6 +80,7 @@ class TelemetrySettings(ServiceSettings):
     slo_normal_load_requests_per_second: float = 0.0
     slo_min_requests: int = 20
     slo_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    internal_token: str = dataclasses.field(default="", repr=False)
 
     @property
     def sources(self) -> Sources:

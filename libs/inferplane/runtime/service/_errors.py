@@ -162,17 +162,25 @@ class PermissionDeniedError(InferplaneError):
 
 
 class ResourceExhaustedError(InferplaneError):
-    """A rate, token or queue limit was hit (HTTP 429); `retry_after_seconds` says when to retry."""
+    """A rate, token or queue limit was hit (HTTP 429); `retry_after_seconds` says when to retry;
+    `headers` are response headers an HTTP refusal carries besides `retry-after` (OpenAI's
+    `x-ratelimit-*`: `inferplane.wire.ratelimit`)."""
 
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
     openai_type = "rate_limit_error"
     default_reason = "RATE_LIMIT_EXCEEDED"
 
     def __init__(
-        self, message: str, *, retry_after_seconds: float | None = None, **kwargs: object
+        self,
+        message: str,
+        *,
+        retry_after_seconds: float | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+        **kwargs: object,
     ) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.retry_after_seconds = retry_after_seconds
+        self.headers = headers
 
 
 class UnavailableError(InferplaneError):

@@ -71,17 +71,27 @@ class RouteTable:
 
     `lease_epoch` is set when the endpoints carry this router's shares of the caps: the router
     admits on them only while it holds a lease of that epoch (`leases.CapLease`).
+    `router_count` / `router_rank`: how many routers split each API key's limits and this
+    one's rank (`keylimits.KeyLimiter.set_routers`); 0 / 0 when not shared (the whole limit).
     """
 
     routes: Mapping[str, ModelRoute]
     version: str = ""
     lease_epoch: str = ""
+    router_count: int = 0
+    router_rank: int = 0
 
     @classmethod
     def of(
-        cls, routes: Iterable[ModelRoute], version: str = "", lease_epoch: str = ""
+        cls,
+        routes: Iterable[ModelRoute],
+        version: str = "",
+        lease_epoch: str = "",
+        *,
+        router_count: int = 0,
+        router_rank: int = 0,
     ) -> RouteTable:
-        return cls({r.model: r for r in routes}, version, lease_epoch)
+        return cls({r.model: r for r in routes}, version, lease_epoch, router_count, router_rank)
 
     def shares(self) -> dict[tuple[str, str], int] | None:
         """This router's share per replica key (a replica without a cap has none), None when

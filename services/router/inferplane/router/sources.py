@@ -85,6 +85,8 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
         ),
         version=message.version,
         lease_epoch=message.lease_epoch,
+        router_count=message.router_count,
+        router_rank=message.router_rank,
     )
 
 

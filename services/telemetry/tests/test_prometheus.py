@@ -28,6 +28,7 @@ from inferplane.telemetry_client import SinkMetrics
 from inferplane.testing.clock import FakeClock
 
 from .conftest import record, start_harness, stop_harness
+from .test_edge_overhead import entry as edge_entry
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -81,6 +82,7 @@ def _exposed_names(clock: FakeClock) -> set[str]:
                     prefix_hits=5 + t,
                 ),
             )
+        h.loop.call(h.components.edge_overhead_metrics.observe, edge_entry())
         text = generate_latest(h.components.registry).decode()
     finally:
         stop_harness(h)
@@ -96,7 +98,9 @@ def _exposed_names(clock: FakeClock) -> set[str]:
 
 def _names_in(expr: str) -> set[str]:
     return set(
-        re.findall(r"\b(?:inferplane_[a-z0-9_]+|vllm:[a-z0-9_]+|deployment:[a-z0-9_:]+)", expr)
+        re.findall(
+            r"\b(?:inferplane_[a-z0-9_]+|vllm:[a-z0-9_]+|(?:deployment|model):[a-z0-9_:]+)", expr
+        )
     )
 
 
@@ -122,6 +126,7 @@ def test_dashboard_and_rules_only_use_series_that_exist(clock: FakeClock) -> Non
         "Prefix-cache hit rate",
         "Tool-call validity",
         "Alerts",
+        "Edge overhead",
     ):
         assert panel in titles
 

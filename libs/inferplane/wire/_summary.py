@@ -33,6 +33,7 @@ GPU_SECONDS_KEY = "x-inferplane-gpu-seconds"
 ERROR_CODE_KEY = "x-inferplane-error-code"
 KEY_ID_KEY = "x-inferplane-summary-key-id"
 MODEL_KEY = "x-inferplane-summary-model"
+API_KEY = "x-inferplane-summary-api"
 
 SUMMARY_KEYS: tuple[str, ...] = (
     headers.SERVED_BY,
@@ -46,6 +47,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     ERROR_CODE_KEY,
     KEY_ID_KEY,
     MODEL_KEY,
+    API_KEY,
 )
 """Every trailer key a summary may write (the picker removes them all before the client)."""
 
@@ -73,9 +75,10 @@ class ResponseSummary:
             `gpu_memory_fraction`, or the count alone when the fraction is unset) divided by
             `n` per second of its life at the replica; 0 when not measured.
         error_code: the OpenAI error `code` of a failure ("" when none).
-        key_id / model: the API key and the model the client asked for; set only in the
-            replica's out-of-band report to its picker (a restarted router that never saw the
-            request accounts its usage from them), never in the response's trailers.
+        key_id / model / api: the API key, the model the client asked for and the public API
+            it came through (`inferplane.wire.apis`); set only in the replica's out-of-band
+            report to its picker (a restarted router that never saw the request accounts its
+            usage from them), never in the response's trailers.
     """
 
     replica_id: str = ""
@@ -89,6 +92,7 @@ class ResponseSummary:
     error_code: str = ""
     key_id: str = ""
     model: str = ""
+    api: str = ""
 
     def to_metadata(self) -> tuple[tuple[str, str], ...]:
         """The trailing metadata pairs (empty strings and zeros are left out)."""
@@ -111,6 +115,8 @@ class ResponseSummary:
             out.append((KEY_ID_KEY, self.key_id))
         if self.model:
             out.append((MODEL_KEY, self.model))
+        if self.api:
+            out.append((API_KEY, self.api))
         return tuple(out)
 
     @classmethod
@@ -134,6 +140,7 @@ class ResponseSummary:
             error_code=seen.get(ERROR_CODE_KEY, ""),
             key_id=seen.get(KEY_ID_KEY, ""),
             model=seen.get(MODEL_KEY, ""),
+            api=seen.get(API_KEY, ""),
             **ints,
         )
 

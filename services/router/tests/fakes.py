@@ -17,9 +17,9 @@ from google.protobuf.message import Message
 from inferplane.router.admission import Admission, AdmissionSettings
 from inferplane.router.breaker import CircuitBreaker
 from inferplane.router.policies import default_registry
+from inferplane.router.records import ConcludedRequest
 from inferplane.router.replicas import ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
-from inferplane.router.usage import UsageRecord
 from inferplane.testing.clock import FakeClock
 
 
@@ -182,27 +182,27 @@ class ExtProcStream:
 
 
 class RecordingUsage:
-    """A `UsageSink` keeping every report."""
+    """A `UsageSink` keeping every concluded request."""
 
     def __init__(self) -> None:
-        self.reports: list[UsageRecord] = []
-        self.delivered = 0  # reports auth "has": all of them unless `held`
-        self.held = False  # hold reports back (auth unreachable) until `release()`
+        self.reports: list[ConcludedRequest] = []
+        self.durable_count = 0  # reports in the "outbox file": all of them unless `held`
+        self.held = False  # hold reports back (the outbox's disk stalls) until `release()`
         self._progress: asyncio.Event | None = None
 
-    def record(self, usage: UsageRecord) -> int:
-        self.reports.append(usage)
+    def record(self, request: ConcludedRequest) -> int:
+        self.reports.append(request)
         if not self.held:
-            self.delivered = len(self.reports)
+            self.durable_count = len(self.reports)
         return len(self.reports)
 
-    async def settled(self, position: int) -> None:
-        while self.delivered < position:
+    async def durable(self, position: int) -> None:
+        while self.durable_count < position:
             self._progress = self._progress or asyncio.Event()
             await self._progress.wait()
 
     def release(self) -> None:
-        self.held, self.delivered = False, len(self.reports)
+        self.held, self.durable_count = False, len(self.reports)
         if self._progress is not None:
             self._progress.set()
             self._progress = None

@@ -33,10 +33,10 @@ from inferplane.router.reporting import Reporter
 from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
-from inferplane.router.usage import to_proto
 from inferplane.runtime import ErrorInterceptor, RunningServer
 from inferplane.testing.clock import FakeClock
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
+from inferplane.wire.headers import UNKNOWN_MODEL
 
 from .fakes import (
     ExtProcStream,
@@ -461,7 +461,7 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
             assert usage.ttft_seconds == pytest.approx(0.25)
             assert usage.duration_seconds == pytest.approx(1.0)
             assert usage.gpu_seconds == pytest.approx(0.5) and usage.start_time > 0
-            wire = to_proto(usage)
+            wire = usage.usage()
             assert (wire.replica, wire.gpu_seconds, wire.status) == ("replica-a", 0.5, "completed")
             assert wire.HasField("start_time") and wire.cached_tokens == 3
             assert usage.api == wire.api == "chat"  # the method's API, in its own column
@@ -479,39 +479,57 @@ def test_trailers_give_one_usage_report_and_one_record_and_are_stripped() -> Non
     asyncio.run(scenario())
 
 
-def test_the_response_ends_only_once_auth_has_the_usage_report() -> None:
-    """The answer to the trailers waits for the usage report's delivery (a client reading to
-    the end can send its next request with its slot already free), at most
-    `usage_wait_seconds` when auth is unreachable."""
+def test_requests_for_models_no_route_serves_are_grouped_under_one_unknown_model() -> None:
+    """Usage groups a request by the name its model is served under; a name no route serves
+    is `UNKNOWN_MODEL` in the usage report, and stays the client's text only in the record
+    (data, never a group)."""
 
     async def scenario() -> None:
-        settings = PickerSettings(keepalive_seconds=0.01, usage_wait_seconds=5.0)
-        async with picker_rig(1, picker=settings) as rig:
+        async with picker_rig() as rig:
+            for name in ("../../etc/passwd", "no-such-model-xyz", "m-alias"):
+                stream = await _pick(rig, {**KEYED, "x-request-id": name})
+                answer = await stream.body(_chat_body(model=name))
+                if answer.HasField("immediate_response"):
+                    assert answer.immediate_response.status.code == 404
+                else:
+                    await stream.response_headers(GRPC_OK)
+                    await stream.response_trailers({"grpc-status": "0"})
+                    await stream.close()
+            await _until(lambda: len(rig.usage.reports) == 3, "three usage reports")
+            models = sorted(r.usage().model for r in rig.usage.reports)
+            assert models == sorted([UNKNOWN_MODEL, UNKNOWN_MODEL, "m-alias"])
+            assert sorted(r.model for r in rig.records) == sorted(
+                ["../../etc/passwd", "no-such-model-xyz", "m-alias"]
+            )
+
+    asyncio.run(scenario())
+
+
+def test_the_response_end_waits_for_nothing_the_replica_report_for_the_outbox() -> None:
+    """The answer to the trailers comes at once even when the usage outbox cannot write (its
+    disk stalled, `held`): nothing on the response path waits. A replica's report of that
+    request is acknowledged only once the conclusion is in the outbox."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=PickerSettings(keepalive_seconds=0.01)) as rig:
             rig.usage.held = True
             stream = await _pick(rig, KEYED)
             primary = _endpoint_list(await stream.body(_chat_body()))[0]
             await stream.response_headers(GRPC_OK, served=primary)
-            answer = asyncio.ensure_future(
-                stream.response_trailers({"grpc-status": "0"}, served=primary)
-            )
-            await _until(lambda: len(rig.usage.reports) == 1, "the usage report")
-            await asyncio.sleep(0.05)
-            assert not answer.done()  # held until auth has the report
-            rig.usage.release()
-            assert (await answer).HasField("response_trailers")
-            await stream.close()
-
-        settings = PickerSettings(keepalive_seconds=0.01, usage_wait_seconds=0.05)
-        async with picker_rig(1, picker=settings) as rig:
-            rig.usage.held = True  # auth never answers: the end is late by the wait only
-            stream = await _pick(rig, KEYED)
-            primary = _endpoint_list(await stream.body(_chat_body()))[0]
-            await stream.response_headers(GRPC_OK, served=primary)
             ended = await asyncio.wait_for(
-                stream.response_trailers({"grpc-status": "0"}, served=primary), 2.0
+                stream.response_trailers({"grpc-status": "0"}, served=primary), 0.5
             )
             assert ended.HasField("response_trailers")
             await stream.close()
+            assert len(rig.usage.reports) == 1 and rig.usage.durable_count == 0
+            acked = asyncio.ensure_future(
+                rig.picker.report_outcomes_settled([("req-1", ResponseSummary(prompt_tokens=1))])
+            )
+            await asyncio.sleep(0.05)
+            assert not acked.done()  # the conclusion is not on disk yet
+            rig.usage.release()
+            assert await asyncio.wait_for(acked, 1.0) == 0  # concluded already: no match
+            assert len(rig.usage.reports) == 1  # the copy concluded nothing twice
 
     asyncio.run(scenario())
 
@@ -920,12 +938,13 @@ def test_a_report_of_a_request_picked_before_a_restart_is_accounted_once() -> No
 
     async def scenario() -> None:
         async with picker_rig(1, picker=REPORTING) as rig:
-            orphan = dataclasses.replace(DONE, key_id="k9", model="m")
+            orphan = dataclasses.replace(DONE, key_id="k9", model="m", api="chat")
             assert rig.picker.report_outcomes([("lost-1", orphan)]) == 0
             assert rig.picker.report_outcomes([("lost-1", orphan)]) == 0
             assert rig.picker.report_outcomes([("lost-2", DONE)]) == 0  # no key: nothing to do
             (usage,) = rig.usage.reports
             assert (usage.key_id, usage.request_id, usage.model) == ("k9", "lost-1", "m")
+            assert usage.api == usage.usage().api == "chat"  # no row without its API
             assert (usage.prompt_tokens, usage.completion_tokens, usage.ok) == (
                 DONE.prompt_tokens,
                 DONE.completion_tokens,

@@ -1,14 +1,12 @@
-"""`Spool`: a `Batcher`'s durable overflow, a local SQLite file of items waiting to be sent.
-
-While its receiver is away, a `Batcher` with a spool moves what it holds to disk after each
-failed send (so memory stays bounded however long the outage) and at `close()` (so a restart
-loses nothing); the sender delivers the spool first, oldest first, when the receiver is back,
-also after a restart. An item leaves the spool only once its batch was delivered, in the same
-order it went in: delivery stays at-least-once (the receivers drop copies by id, e.g. the
-usage ledger by request id).
+"""`Spool`: a local SQLite file of items waiting to be sent, oldest first: the storage of an
+`Outbox` (`inferplane.runtime.delivery.outbox`), which writes every item here before anyone
+acknowledges it and removes it only once its receiver acknowledged its batch. Delivery is
+at-least-once (the receivers drop copies by id, e.g. the usage ledger by request id).
 
 One file per process (`path`); SQLite in WAL mode with `synchronous=FULL`, so an appended
-batch survives a crash of the process or of the machine once `append` returned.
+batch survives a crash of the process or of the machine once `append` returned (one fsync
+per `append`: callers batch). `path=None` keeps the items in memory (SQLite's `:memory:`):
+the same order and bookkeeping, no durability.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ class Spool(Generic[T]):
     """Items on disk in arrival order. Blocking I/O: call it off the event loop.
 
     Args:
-        path: the SQLite file (created with its directory, mode 0600: items may hold key ids).
+        path: the SQLite file (created with its directory, mode 0600: items may hold key ids);
+            None: in memory only.
         encode / decode: an item to bytes and back (e.g. a proto's `SerializeToString` and
             `FromString`).
 
@@ -34,17 +33,21 @@ class Spool(Generic[T]):
     """
 
     def __init__(
-        self, path: Path, encode: Callable[[T], bytes], decode: Callable[[bytes], T]
+        self, path: Path | None, encode: Callable[[T], bytes], decode: Callable[[bytes], T]
     ) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.touch(mode=0o600, exist_ok=True)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path.touch(mode=0o600, exist_ok=True)
         self.path = path
         self._encode = encode
         self._decode = decode
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db = sqlite3.connect(
+            path if path is not None else ":memory:", check_same_thread=False, isolation_level=None
+        )
+        if path is not None:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, item BLOB)"
         )

@@ -188,10 +188,10 @@ def build_app(
                 internal_token=settings.auth_internal_token,
                 capacity=settings.usage_buffer_capacity,
                 batch_size=settings.usage_batch_size,
+                flush_interval_seconds=settings.usage_flush_interval_seconds,
                 security=security,
             ),
             registry,
-            wall_clock=wall_clock,
             channel_options=grpc_options(settings),
             spool_path=Path(settings.usage_spool_path) if settings.usage_spool_path else None,
         )

@@ -20,8 +20,9 @@ SERVICE_NAME = "inferplane.router.v1.OutcomeService"
 
 
 class OutcomeService(outcome_pb2_grpc.OutcomeServiceServicer):  # type: ignore[misc]
-    """Hands each reported outcome to the picker and answers once auth has the usage they
-    concluded (`EndpointPicker.report_outcomes_settled`, bounded by `usage_wait_seconds`)."""
+    """Hands each reported outcome to the picker and answers once the conclusions they name
+    are in the durable usage outbox (`EndpointPicker.report_outcomes_settled`): an
+    acknowledged report is never only in this process's memory."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self._picker = picker

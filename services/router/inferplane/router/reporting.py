@@ -1,12 +1,13 @@
-"""The end of every request the router handled: one usage report and one telemetry record.
+"""The end of every request the router handled: one `ConcludedRequest`, from which its usage
+report and its telemetry record are derived.
 
-The endpoint picker (`picker/`) opens a `RequestTrace` when a request arrives and hands it
-here exactly once when it ends.
+The endpoint picker (`picker/`) opens a `RequestTrace` when a request arrives and concludes it
+here exactly once when it ends (`finish`); a replica's report of a request this process never
+saw (an orphan) is concluded by `finish_reported`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -14,10 +15,10 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
-from inferplane.router.records import STATUS_CANCELLED, STATUS_OK, RequestTrace
-from inferplane.router.usage import UsageRecord, UsageSink
+from inferplane.router.records import ConcludedRequest, RequestTrace
+from inferplane.router.usage import UsageSink
 from inferplane.runtime.time.clock import Clock
-from inferplane.wire import headers
+from inferplane.wire import ResponseSummary
 
 log = structlog.get_logger("inferplane.router")
 
@@ -26,13 +27,14 @@ RecordSend = Callable[[telemetry_pb2.RequestRecord], None]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reporter:
-    """Opens traces and reports finished ones.
+    """Opens traces and concludes finished ones.
 
     Attributes:
-        usage: where keyed requests' usage goes (auth, or a log line); never blocks.
+        usage: where keyed requests' usage goes (the durable outbox to auth, or a log line);
+            never blocks.
         records: telemetry's record sink (`RecordSink.record`), or None for no records.
         clock: monotonic seconds; times the trace (arrival, end).
-        wall_clock: Unix seconds; stamps the record's start and the usage report's end.
+        wall_clock: Unix seconds; stamps the request's start and end.
     """
 
     usage: UsageSink
@@ -46,59 +48,35 @@ class Reporter:
             model, stream, metadata, self.clock.monotonic(), self.wall_clock()
         )
 
-    def finish(self, trace: RequestTrace, metadata: Mapping[str, str]) -> int:
-        """The request ended: one usage report when it carried a key (tokens may be 0: the
-        report also frees the key's concurrency slot in auth) and one telemetry record.
-        Returns the usage report's position for `delivered` (0: none to wait for). Never
-        raises: reporting must not fail a request."""
-        key_id = metadata.get(headers.KEY_ID)
-        usage = trace.usage
-        position = 0
-        if key_id:
-            ttft, duration = trace.timings(self.clock.monotonic())
-            if trace.status == STATUS_OK:
-                status = "completed"
-            else:
-                status = "cancelled" if trace.status == STATUS_CANCELLED else "failed"
-            position = self.usage.record(
-                UsageRecord(
-                    key_id=key_id,
-                    request_id=metadata.get(headers.REQUEST_ID, ""),
-                    model=trace.model,
-                    prompt_tokens=usage.prompt_tokens if usage is not None else 0,
-                    completion_tokens=usage.completion_tokens if usage is not None else 0,
-                    ok=trace.status == STATUS_OK,
-                    end_time=self.wall_clock(),
-                    deployment=trace.deployment,
-                    replica=trace.replica,
-                    cached_tokens=(
-                        usage.prompt_tokens_details.cached_tokens if usage is not None else 0
-                    ),
-                    reasoning_tokens=(
-                        usage.completion_tokens_details.reasoning_tokens if usage is not None else 0
-                    ),
-                    ttft_seconds=ttft,
-                    duration_seconds=duration,
-                    gpu_seconds=trace.gpu_seconds,
-                    status=status,
-                    start_time=trace.start_wall,
-                    api=trace.api,
-                )
-            )
+    def finish(self, trace: RequestTrace, *, model: str) -> int:
+        """The request ended now: its `ConcludedRequest` (`model`: what usage groups it by,
+        `headers.UNKNOWN_MODEL` for a name no route serves) goes to the usage outbox when it
+        carried a key (tokens may be 0) and to telemetry as one record. Returns the usage
+        report's position for `durable` (0: none). Never raises: reporting must not fail a
+        request."""
+        try:
+            concluded = trace.conclude(self.clock.monotonic(), self.wall_clock(), model=model)
+        except Exception:
+            log.exception("request_conclusion_failed", request_id=trace.request_id)
+            return 0
+        position = self.usage.record(concluded) if concluded.key_id else 0
         if self.records is not None:
             try:
-                self.records(trace.to_record(self.clock.monotonic()))
+                self.records(concluded.record())
             except Exception:  # telemetry must never fail a request
                 log.exception("request_record_failed", request_id=trace.request_id)
         return position
 
-    async def delivered(self, position: int, timeout_seconds: float) -> bool:
-        """Waits (at most `timeout_seconds`) until the usage report at `position` (from
-        `finish`) reached auth; True when it did or there was none. Never raises."""
-        if not position:
-            return True
-        try:
-            await asyncio.wait_for(self.usage.settled(position), timeout_seconds)
-        except TimeoutError:
-            return False
-        return True
+    def finish_reported(self, request_id: str, summary: ResponseSummary) -> int:
+        """A replica's report of a request this process never saw (its key, model and API are
+        in the summary): its usage goes to the outbox (no record: the process that saw the
+        request may have sent one). Returns the position for `durable` (0: no key)."""
+        if not summary.key_id:
+            return 0
+        return self.usage.record(ConcludedRequest.reported(request_id, summary, self.wall_clock()))
+
+    async def durable(self, position: int) -> None:
+        """Returns once the usage report at `position` (from `finish`) is in the durable
+        outbox (at once for 0)."""
+        if position:
+            await self.usage.durable(position)

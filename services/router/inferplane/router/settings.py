@@ -48,15 +48,20 @@ class RouterSettings(ServiceSettings):
         router_id: this router's id towards the orchestrator ("" = `host name:port`, kept
             across restarts in place; two live routers must never share one).
         auth_address: auth's `UsageService` (host:port). Set: every keyed request's usage is
-            reported there in batches (token limits, concurrency release). Empty: logged only.
+            written to the usage outbox when the request is concluded and delivered there in
+            batches, off the request path (the usage ledger, token limits). Empty: logged only.
         auth_internal_token: sent as `x-inferplane-internal-token` (auth's `internal_token`;
             leave empty when auth accepts loopback callers).
-        usage_buffer_capacity / usage_batch_size: usage reports held in memory at most while
-            auth is unreachable, and sent per call.
-        usage_spool_path: a local SQLite file where usage reports wait while auth (or its
-            database) is away, and across a restart of this router
-            (`inferplane.runtime.delivery.spool`): nothing is dropped for an outage. Empty: memory
-            only (beyond `usage_buffer_capacity` the newest are dropped and counted).
+        usage_buffer_capacity / usage_batch_size: usage reports waiting to be written to the
+            outbox at most (without `usage_spool_path`: held in all), and sent per call.
+        usage_flush_interval_seconds: the outbox appends (one fsync) at most this often, and
+            a report waits at most this long before it is appended (seconds).
+        usage_spool_path: the usage outbox's SQLite file (`inferplane.runtime.delivery.outbox`):
+            every concluded request's report is written there before it is acknowledged and
+            waits there while auth (or its database) is away, and across a restart of this
+            router: nothing is dropped for an outage or a crash. Empty: memory only (a crash
+            loses what auth does not have yet; beyond `usage_buffer_capacity` the newest are
+            dropped and counted).
         telemetry_address: the telemetry service (host:port). Set: one request record per
             request (source "router"). Empty: no records.
         picker_fallbacks: endpoints the endpoint picker (`envoy.service.ext_proc.v3`
@@ -104,6 +109,7 @@ class RouterSettings(ServiceSettings):
     auth_internal_token: str = dataclasses.field(default="", repr=False)
     usage_buffer_capacity: int = 10_000
     usage_batch_size: int = 256
+    usage_flush_interval_seconds: float = 0.005
     usage_spool_path: str = ""
     telemetry_address: str = ""
     picker_fallbacks: int = 2

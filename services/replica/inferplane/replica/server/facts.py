@@ -7,8 +7,8 @@ every view of the request is derived from that one classification:
 
 - the summary trailers (`summary()`, `inferplane.wire.ResponseSummary`), which the endpoint
   picker reads from Envoy;
-- the report to the picker (`reported(key_id)`: the same summary plus the key and the model, the
-  usage the router hands to auth's ledger);
+- the report to the picker (`reported(key_id)`: the same summary plus the key, the model and
+  the API, the usage the router hands to auth's ledger);
 - the telemetry outcome (`outcome(...)`, a `RequestOutcome`, whose `to_record` is the
   `RequestRecord`).
 
@@ -175,9 +175,9 @@ class RequestFacts:
         )
 
     def reported(self, summary: ResponseSummary, key_id: str) -> ResponseSummary:
-        """The picker report's summary: the trailers' `summary` plus the calling key's id and
-        the model (a restarted router accounts with them a request it never saw)."""
-        return dataclasses.replace(summary, key_id=key_id, model=self.model)
+        """The picker report's summary: the trailers' `summary` plus the calling key's id, the
+        model and the API (a restarted router accounts with them a request it never saw)."""
+        return dataclasses.replace(summary, key_id=key_id, model=self.model, api=self.api)
 
     def outcome(
         self, ending: Ending, *, e2e_seconds: float, request_header_id: str

@@ -1,15 +1,16 @@
 """The end of every request the picker decided on, exactly once: the breakers' verdict, the
-slot released, and one usage report and one record (`Reporter`), from the response's
-trailers, the replica's out-of-band report (`OutcomeService`), or neither (an abort); and the
-accounting of a report for a request this process never saw (an orphan: picked before a
-restart).
+slot released, and its conclusion (`Reporter.finish`: one `ConcludedRequest`, its usage into
+the durable outbox, its record to telemetry), from the response's trailers, the replica's
+out-of-band report (`OutcomeService`), or neither (an abort); and the accounting of a report
+for a request this process never saw (an orphan: picked before a restart). Nothing here waits
+for auth: the response's end is answered at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -18,8 +19,7 @@ from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker.codec import UNAVAILABLE, status_code
 from inferplane.router.picker.state import Exchange, Phase
 from inferplane.router.reporting import Reporter
-from inferplane.router.usage import UsageRecord
-from inferplane.wire import ResponseSummary
+from inferplane.wire import ResponseSummary, headers
 
 log = structlog.get_logger("inferplane.router.picker")
 
@@ -31,8 +31,10 @@ _CONCLUDED_MEMORY = 200_000
 class Concluder:
     """Ends requests exactly once and matches replicas' reports to them.
 
-    `outcome_address` (the `OutcomeService` replicas report to; "" = none asked for),
-    `outcome_wait_seconds` and `usage_wait_seconds` are `PickerSettings`'.
+    `outcome_address` (the `OutcomeService` replicas report to; "" = none asked for) and
+    `outcome_wait_seconds` are `PickerSettings`'. `served_name(model)` is the name a model is
+    served under, or `headers.UNKNOWN_MODEL` (`Director.served_name`): what usage groups a
+    request by (None: the client's name as sent).
     """
 
     def __init__(
@@ -43,19 +45,21 @@ class Concluder:
         metrics: RouterMetrics | None = None,
         outcome_address: str = "",
         outcome_wait_seconds: float = 5.0,
-        usage_wait_seconds: float = 0.5,
+        served_name: Callable[[str], str] | None = None,
     ) -> None:
         self._admission = admission
         self._reporter = reporter
         self._metrics = metrics
         self._outcome_address = outcome_address
         self._outcome_wait_seconds = outcome_wait_seconds
-        self._usage_wait_seconds = usage_wait_seconds
+        self._served_name = served_name
         # Picked requests by request id, until concluded: what replicas' reports match.
         self._active: dict[str, Exchange] = {}
-        # Request ids concluded lately (oldest forgotten first): a replica's report of one of
-        # them is a copy of what the trailers said; an id in neither map is an orphan.
-        self._concluded: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Request ids concluded lately (oldest forgotten first) → their usage report's
+        # position in the outbox: a replica's report of one of them is a copy of what the
+        # trailers said, acknowledged once that position is durable; an id in neither map is
+        # an orphan.
+        self._concluded: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def picked(self, exchange: Exchange) -> None:
         """The request was picked: a replica's report of it matches it from now on."""
@@ -124,32 +128,35 @@ class Concluder:
         (request id, summary) concludes the request it names if its stream already ended
         without trailers, or is kept for when it ends. Ids this router concluded lately are
         ignored. Any other id is a request picked by this address before it restarted (its
-        state died with the process): its usage is reported from the summary's key and model,
-        so a router crash loses no tokens (auth drops a copy by request id if the previous
+        state died with the process): its usage is reported from the summary's key, model and
+        API, so a router crash loses no tokens (auth drops a copy by request id if the previous
         process had reported it). Returns how many matched a request in flight."""
         return self._report_outcomes(outcomes)[0]
 
     async def report_outcomes_settled(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
-        """`report_outcomes`, then waits (at most `usage_wait_seconds`) until auth has the
-        usage reports they concluded, so that the replica's report is acknowledged only once
-        nothing of it lives in this process's memory alone: a router killed in between is
-        not acknowledged, the replica sends the report again, and the restarted router
-        accounts it (auth keeps one row per request id)."""
-        matched, positions = self._report_outcomes(outcomes)
-        if positions and not await self._reporter.delivered(
-            max(positions), self._usage_wait_seconds
-        ):
-            log.warning("outcome_usage_late", reports=len(positions))
+        """`report_outcomes`, then waits until the conclusion of every request they name is
+        in the durable outbox (`flush_interval_seconds` at most while the disk keeps up; a
+        request still streaming is waited for until its stream ends), so that the replica's
+        report is acknowledged only once nothing of it lives in this process's memory alone:
+        a router killed in between does not acknowledge, the replica sends the report again,
+        and the restarted router accounts it (auth keeps one row per request id)."""
+        matched, positions, streaming = self._report_outcomes(outcomes)
+        for exchange in streaming:
+            positions.append(await _concluded(exchange))
+        if positions:
+            await self._reporter.durable(max(positions))
         return matched
 
     def _report_outcomes(
         self, outcomes: Sequence[tuple[str, ResponseSummary]]
-    ) -> tuple[int, list[int]]:
-        matched, positions = 0, []
+    ) -> tuple[int, list[int], list[Exchange]]:
+        matched, positions, streaming = 0, [], []
         for request_id, summary in outcomes:
             exchange = self._active.get(request_id)
             if exchange is None:
-                if request_id not in self._concluded and summary.key_id:
+                if request_id in self._concluded:
+                    positions.append(self._concluded[request_id])
+                elif summary.key_id:
                     positions.append(self._account_orphan(request_id, summary))
                 continue
             matched += 1
@@ -159,20 +166,13 @@ class Concluder:
                 conclusion.waiting.cancel()
                 self._report(exchange)
                 positions.append(conclusion.usage_position)
-        return matched, [p for p in positions if p]
+            elif exchange.phase is not Phase.CONCLUDED:
+                streaming.append(exchange)
+        return matched, [p for p in positions if p], streaming
 
     def _account_orphan(self, request_id: str, summary: ResponseSummary) -> int:
-        self._concluded[request_id] = None
-        position = self._reporter.usage.record(
-            UsageRecord(
-                key_id=summary.key_id,
-                request_id=request_id,
-                model=summary.model,
-                prompt_tokens=summary.prompt_tokens,
-                completion_tokens=summary.completion_tokens,
-                ok=not summary.error_code and summary.finish_reason not in ("error", "abort"),
-            )
-        )
+        position = self._reporter.finish_reported(request_id, summary)
+        self._remember(request_id, position)
         if self._metrics is not None:
             self._metrics.orphan_outcomes.inc()
         log.info("orphan_outcome_accounted", request_id=request_id, key_id=summary.key_id)
@@ -184,10 +184,6 @@ class Concluder:
         trace, conclusion = exchange.trace, exchange.conclusion
         if self._active.get(trace.request_id) is exchange:
             del self._active[trace.request_id]
-        if trace.request_id:
-            self._concluded[trace.request_id] = None
-            if len(self._concluded) > _CONCLUDED_MEMORY:
-                self._concluded.popitem(last=False)
         conclusion.waiting = None
         exchange.phase = Phase.CONCLUDED
         try:
@@ -203,15 +199,38 @@ class Concluder:
                 reported=conclusion.reported is not None,
                 finish_reason=trace.finish_reason,
             )
-            conclusion.usage_position = self._reporter.finish(trace, exchange.request.metadata)
+            position = self._reporter.finish(trace, model=self._usage_model(exchange))
+            conclusion.usage_position = position
+            if trace.request_id:
+                self._remember(trace.request_id, position)
+            if conclusion.concluded is not None and not conclusion.concluded.done():
+                conclusion.concluded.set_result(position)
 
-    async def usage_delivered(self, exchange: Exchange) -> None:
-        """Holds the response's end until auth has the request's usage report (bounded by
-        `usage_wait_seconds`; see `PickerSettings`)."""
-        conclusion = exchange.conclusion
-        position, conclusion.usage_position = conclusion.usage_position, 0
-        if position and not await self._reporter.delivered(position, self._usage_wait_seconds):
-            log.warning("usage_report_late", request_id=exchange.trace.request_id)
+    def _usage_model(self, exchange: Exchange) -> str:
+        """What usage groups the request by: the name its model is served under, else
+        `headers.UNKNOWN_MODEL` (a routed request keeps its name if the table lost it since)."""
+        model = exchange.trace.model
+        if self._served_name is None:
+            return model or headers.UNKNOWN_MODEL
+        name = self._served_name(model) if model else headers.UNKNOWN_MODEL
+        if name == headers.UNKNOWN_MODEL and exchange.trace.deployment:
+            return model
+        return name
+
+    def _remember(self, request_id: str, position: int) -> None:
+        self._concluded[request_id] = position
+        if len(self._concluded) > _CONCLUDED_MEMORY:
+            self._concluded.popitem(last=False)
+
+
+async def _concluded(exchange: Exchange) -> int:
+    """Waits until `exchange` is concluded; its usage report's position (0: none)."""
+    conclusion = exchange.conclusion
+    if exchange.phase is Phase.CONCLUDED:
+        return conclusion.usage_position
+    if conclusion.concluded is None:
+        conclusion.concluded = asyncio.get_running_loop().create_future()
+    return await asyncio.shield(conclusion.concluded)
 
 
 def _release(exchange: Exchange) -> None:

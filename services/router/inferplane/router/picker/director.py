@@ -20,6 +20,7 @@ from inferplane.router.replicas import ReplicaKey
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
 from inferplane.router.schemas import SchemaCheck
 from inferplane.runtime import InvalidArgumentError
+from inferplane.wire import headers
 
 #: A gateway's restriction: the replicas of a route outside its endpoint subset.
 Outside = Callable[[ModelRoute], Sequence[ReplicaKey]]
@@ -184,6 +185,13 @@ class Director:
             slot.release()
             raise
         return Decision(routed.route, slot, (slot.endpoint, *fallbacks))
+
+    def served_name(self, model: str) -> str:
+        """The name `model` is served under in the current table, or
+        `inferplane.wire.headers.UNKNOWN_MODEL` when no route serves it (a label with
+        bounded cardinality: a client's made-up name stays data)."""
+        route = self._table().get(model)
+        return route.model if route is not None else headers.UNKNOWN_MODEL
 
     def _resolve(self, model: str, metadata: Mapping[str, str]) -> ModelRoute:
         table = self._table()

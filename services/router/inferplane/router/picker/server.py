@@ -71,11 +71,6 @@ class PickerSettings:
         outcome_wait_seconds: how long a request whose response started but whose trailers
             never reached the picker (its client closed the connection right after
             `data: [DONE]`) waits for the replica's report before it is recorded as aborted.
-        usage_wait_seconds: how long the picker holds the response's end (its answer to the
-            trailers) until auth has the request's usage report, so that a client reading to
-            the end of a response can send its next request at once without finding its
-            concurrency slot still taken or its tokens not yet counted; must stay below the
-            edge's `message_timeout` (1 s). Auth unreachable costs each response this much.
     """
 
     fallbacks: int = 2
@@ -83,7 +78,6 @@ class PickerSettings:
     timeout_margin_seconds: float = 1.0
     outcome_address: str = ""
     outcome_wait_seconds: float = 5.0
-    usage_wait_seconds: float = 0.5
 
 
 class _Reader:
@@ -152,7 +146,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             metrics=metrics,
             outcome_address=settings.outcome_address,
             outcome_wait_seconds=settings.outcome_wait_seconds,
-            usage_wait_seconds=settings.usage_wait_seconds,
+            served_name=self.director.served_name,
         )
 
     async def Process(
@@ -169,7 +163,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self.concluder.report_outcomes(outcomes)
 
     async def report_outcomes_settled(self, outcomes: Sequence[tuple[str, ResponseSummary]]) -> int:
-        """`Concluder.report_outcomes_settled`: the reports, acknowledged once auth has them."""
+        """`Concluder.report_outcomes_settled`: the reports, acknowledged once their
+        conclusions are in the durable outbox."""
         return await self.concluder.report_outcomes_settled(outcomes)
 
     async def process(
@@ -233,13 +228,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 async for response in self._on_request_body(exchange, message.request_body, reader):
                     yield response
             elif kind == "response_headers":
-                response = self._on_response_headers(exchange, message.response_headers)
-                await self.concluder.usage_delivered(exchange)  # a trailers-only response ended
-                yield response
+                yield self._on_response_headers(exchange, message.response_headers)
             elif kind == "response_trailers":
-                response = self._on_response_trailers(exchange, message.response_trailers)
-                await self.concluder.usage_delivered(exchange)
-                yield response
+                yield self._on_response_trailers(exchange, message.response_trailers)
             elif kind == "request_trailers":  # not in the edge's mode; pass through
                 yield ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
             elif kind == "response_body":

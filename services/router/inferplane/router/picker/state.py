@@ -51,11 +51,12 @@ class Phase(enum.Enum):
     REFUSED = "refused"
     """The picker answered with an immediate response (a refusal): Envoy ends the request."""
     ENDED = "ended"
-    """The stream ended: the slot is released; the usage report and record are handed over
-    at once or, when the response started without trailers, once the replica's report
-    comes or its wait ran out."""
+    """The stream ended: the slot is released; the request is concluded at once or, when
+    the response started without trailers, once the replica's report comes or its wait ran
+    out."""
     CONCLUDED = "concluded"
-    """The usage report and record were handed over (exactly once)."""
+    """The request was concluded (exactly once): its usage is in the outbox, its record
+    handed to telemetry."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,13 +130,17 @@ class ConclusionPart:
         ended_in: the phase the stream was in when it ended (None until then).
         reported: the replica's out-of-band report of the summary (`OutcomeService`).
         waiting: the timer that concludes without a report, once the stream ended.
-        usage_position: the usage report's position in the sink (`Reporter.delivered`).
+        usage_position: the usage report's position in the outbox (`Reporter.durable`; 0:
+            none).
+        concluded: resolved with `usage_position` once concluded, for a replica's report that
+            came while the stream still ran (created by whoever waits).
     """
 
     ended_in: Phase | None = None
     reported: ResponseSummary | None = None
     waiting: asyncio.TimerHandle | None = None
     usage_position: int = 0
+    concluded: asyncio.Future[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,6 +1,7 @@
-"""The edge's HTTP filter chain (`FILTER_ORDER`): the Lua filters, ext_authz, json_to_metadata,
-the gRPC-JSON transcoder with its pruned descriptor set, ext_proc (the endpoint picker) and
-the router.
+"""The edge's HTTP filter chain (`FILTER_ORDER`): the Lua filters, ext_authz (routes the
+picker does not run on), ext_proc (the endpoint picker, which authenticates generation
+requests), json_to_metadata, the gRPC-JSON transcoder with its pruned descriptor set and the
+router.
 
 Lua sources are templates (`lua/*.lua`): every header, metadata namespace and limit they use
 is filled in here from its one definition (`inferplane.wire.headers`, the runtime's error
@@ -31,9 +32,12 @@ from inferplane.edge._fields import known_request_fields, render_lua_tables
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, OPENAI_ERROR_PARAM_KEY, OPENAI_ERROR_TYPE_KEY
 from inferplane.wire import apis
 from inferplane.wire.headers import (
+    CLIENT_KEY_HEADERS,
     DESTINATION_ENDPOINT,
     ENVOY_MAX_RETRIES,
     PICK_NAMESPACE,
+    PICKER_AUTHENTICATED,
+    PICKER_NAMESPACE,
     TRUSTED_PREFIX,
 )
 
@@ -59,17 +63,20 @@ FILTER_ORDER: tuple[str, ...] = (
     "inferplane.error_shaper",
     "inferplane.auth_failure_guard",
     "envoy.filters.http.ext_authz",
+    "envoy.filters.http.ext_proc",
+    "inferplane.picker_guard",
     "envoy.filters.http.json_to_metadata",
     "inferplane.stream_router",
     "inferplane.field_guard",
     "envoy.filters.http.grpc_json_transcoder",
-    "envoy.filters.http.ext_proc",
-    "inferplane.picker_guard",
     "envoy.filters.http.router",
 )
 
 #: Filters that run only on generation routes (off for admin, models and the 404 route).
 PICKER_FILTERS: tuple[str, ...] = ("envoy.filters.http.ext_proc", "inferplane.picker_guard")
+#: The one authenticator of the routes the picker does not run on; off where it runs (the
+#: picker authenticates there, in its first exchange).
+AUTHZ_FILTER = "envoy.filters.http.ext_authz"
 
 
 def _split_files(descriptor_set: bytes) -> list[tuple[bytes, bytes]]:
@@ -227,13 +234,18 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     Order matters: the error shaper is first so its response hook sees the transcoded response
     last (its request hook also turns away bodies over `max_request_bytes` before anything
     buffers them, see error_shaper.lua); the auth failure guard turns away an address that
-    keeps failing authentication before auth is asked again; ext_authz rejects bad keys before
-    json_to_metadata buffers the body; the stream router reads the metadata json_to_metadata
-    wrote and rewrites `:path` before the transcoder picks the gRPC method (the transcoder
-    picks it from verb and path when the headers arrive, before the body; a route's
-    `prefix_rewrite` would come after that choice); the field guard then turns away bodies
-    with keys the transcoder would drop (400 naming the key, as OpenAI does; tables from
-    `known_request_fields` over the same descriptor set), on the body json_to_metadata
+    keeps failing authentication before a key is checked again (its response hook sees both
+    authenticators' 401s); ext_authz (routes without the picker) and ext_proc (the picker,
+    generation routes: it authenticates on the request headers, before the body is buffered,
+    then reads the client's body as it came and picks) refuse bad keys before anything reads
+    the body; the picker guard right after fails closed when the picker did not answer or
+    did not authenticate; json_to_metadata then reads `stream`; the stream router reads the
+    metadata json_to_metadata wrote and rewrites `:path` before the transcoder picks the gRPC
+    method (the transcoder picks it from verb and path when the headers arrive, before the
+    body; a route's `prefix_rewrite` would come after that choice); the field guard then turns
+    away bodies with keys the transcoder would drop (400 naming the key, as OpenAI does;
+    tables from `known_request_fields` over the same descriptor set), on the body
+    json_to_metadata
     already buffered.
     """
     descriptor = prune_descriptor_set(config.descriptor_set, config.services)
@@ -267,13 +279,6 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "include_peer_certificate": False,
             },
         },
-        _json_to_metadata(),
-        lua_filter(
-            "inferplane.stream_router",
-            render_lua("stream_router", METADATA_NAMESPACE=METADATA_NAMESPACE),
-        ),
-        lua_filter("inferplane.field_guard", field_guard),
-        _transcoder(config, descriptor),
         build_ext_proc_filter(config),
         lua_filter(
             "inferplane.picker_guard",
@@ -281,11 +286,20 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "picker_guard",
                 PICK_NAMESPACE=PICK_NAMESPACE,
                 PICK_KEY=DESTINATION_ENDPOINT,
+                PICKER_NAMESPACE=PICKER_NAMESPACE,
+                PICKER_AUTHENTICATED=PICKER_AUTHENTICATED,
                 METADATA_NAMESPACE=METADATA_NAMESPACE,
                 ANTHROPIC_MARK=ANTHROPIC_MARK,
                 ANTHROPIC_OVERLOADED=anthropic.OVERLOADED_STATUS,
             ),
         ),
+        _json_to_metadata(),
+        lua_filter(
+            "inferplane.stream_router",
+            render_lua("stream_router", METADATA_NAMESPACE=METADATA_NAMESPACE),
+        ),
+        lua_filter("inferplane.field_guard", field_guard),
+        _transcoder(config, descriptor),
         {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
     ]
 
@@ -293,18 +307,22 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
 def build_ext_proc_filter(config: EdgeConfig) -> Resource:
     """The ext_proc filter that asks the endpoint picker (the router) once per request.
 
-    The picker sees the request headers and the whole body after the transcoder (the typed
-    gRPC request: model, messages for prefix affinity), answers `envoy.lb` metadata with its
+    The picker sees the client's request as it came: the headers (REST `:path`, the key),
+    which it authenticates before any body is read (auth's verdict headers set, the key
+    removed, `PICKER_NAMESPACE`/`PICKER_AUTHENTICATED` set), then the whole body (JSON, or an
+    audio upload's multipart bytes) it decides on; it answers `envoy.lb` metadata with its
     ordered list (`receiving_namespaces` must name it, or Envoy drops the answer silently and
-    balances round robin), and sees the response headers and trailers only (usage, finish
-    reason, served host), never the body. `failure_mode_allow` is true because with false a
-    picker that dies resets every stream in flight (measured on Envoy 1.40: streams reset
-    mid-way with gRPC INTERNAL); the picker guard right after fails new requests closed
-    instead. Only `x-envoy-max-retries` (the picker's list length - 1) and the trusted
-    `x-inferplane-` summary trailers (which the picker removes before the client) may be
-    mutated.
+    balances round robin) and the routed model under `PICKER_NAMESPACE`, and sees the
+    response headers and trailers only (usage, finish reason, served host), never the body.
+    `failure_mode_allow` is true because with false a picker that dies resets every stream in
+    flight (measured on Envoy 1.40: streams reset mid-way with gRPC INTERNAL); the picker
+    guard right after fails new requests closed instead (no pick, or no authenticated mark).
+    Only `x-envoy-max-retries` (the picker's list length - 1), the trusted `x-inferplane-`
+    headers (auth's verdict on the request; the summary trailers, which the picker removes
+    before the client) and the client's key headers (removed) may be mutated.
     """
-    namespaces = {"untyped": [PICK_NAMESPACE]}
+    namespaces = {"untyped": [PICK_NAMESPACE, PICKER_NAMESPACE]}
+    mutable = "|".join((ENVOY_MAX_RETRIES, f"{TRUSTED_PREFIX}.*", *CLIENT_KEY_HEADERS))
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -325,8 +343,6 @@ def build_ext_proc_filter(config: EdgeConfig) -> Resource:
                 "forwarding_namespaces": namespaces,
                 "receiving_namespaces": namespaces,
             },
-            "mutation_rules": {
-                "allow_expression": {"regex": f"^({ENVOY_MAX_RETRIES}|{TRUSTED_PREFIX}.*)$"}
-            },
+            "mutation_rules": {"allow_expression": {"regex": f"^({mutable})$"}},
         },
     }

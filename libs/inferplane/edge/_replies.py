@@ -128,11 +128,12 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
     passed = [
         _and(_UAEX, _status_filter("LE", 499)),
         # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`),
-        # the picker guard's 503 and the field guard's 400 already carry their body.
+        # the picker guard's 503, the field guard's 400 and the auth failure guard's 429
+        # already carry their body.
         cel(
             "response.code_details.startsWith('picker_') || "
             "(response.code_details == 'lua_response' && "
-            "(response.code == 503 || response.code == 400))"
+            "(response.code == 503 || response.code == 400 || response.code == 429))"
         ),
     ]
     replies = [

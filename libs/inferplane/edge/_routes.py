@@ -22,6 +22,7 @@ from inferplane.edge._clusters import (
     ROUTER_CLUSTER,
 )
 from inferplane.edge._config import EdgeConfig
+from inferplane.edge._filters import AUTHZ_FILTER
 from inferplane.wire.headers import CLIENT_REQUEST_ID
 
 ROUTE_CONFIG_NAME = "inferplane_edge_routes"
@@ -129,8 +130,11 @@ def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
     """A route to the replica the picker chose, retried down its list before the first
     response byte only (Envoy never retries once it forwarded response headers): a refused
     or reset connection, or an UNAVAILABLE answer (a draining replica, an engine that failed
-    before its first token)."""
+    before its first token). ext_authz is off: the picker authenticates these requests in its
+    first exchange (and the picker guard refuses one it did not), so each keeps exactly one
+    authenticator."""
     route = route_to(prefix, REPLICAS_CLUSTER)
+    route["typed_per_filter_config"] = {AUTHZ_FILTER: disabled(AUTHZ_FILTER)}
     route["route"]["retry_policy"] = {
         "retry_on": "connect-failure,refused-stream,reset,unavailable",
         "num_retries": config.max_retries,
@@ -140,8 +144,9 @@ def _generation_route(prefix: str, config: EdgeConfig) -> Resource:
 
 def build_route_config(config: EdgeConfig) -> Resource:
     """The RouteConfiguration: `GET /health` → Envoy's own 200 (no key), admin API → auth,
-    `/v1/models` → the router, stored responses (`/v1/responses/…`) → auth, every other OpenAI
-    path → the replica the endpoint picker chose, anything else → 404.
+    `/v1/models` → the router, stored responses (`/v1/responses/…`) → auth (these three, and
+    the 404, with ext_authz and without the picker), every other OpenAI path → the replica the
+    endpoint picker chose (the picker authenticates; ext_authz off), anything else → 404.
 
     Matched on the REST path (`match_incoming_request_route`), after stream_router.lua may have
     moved a streaming request to `/internal/events/...` (clients cannot reach that prefix).

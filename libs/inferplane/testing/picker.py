@@ -1,7 +1,9 @@
 """`FakePicker`: Envoy's ext_proc `Process` answered the way the router's endpoint picker
 answers (notes in inferplane.edge: the picker protocol), for tests that put a real Envoy in
-front of fake replicas. It picks a fixed `host:port` list, refuses with an error, or hangs
-past the edge's picker timeout, and records what it saw of each request.
+front of fake replicas. It authenticates the request headers as the picker does (one good
+key, `GOOD_KEY`: its verdict headers set, the key removed, the authenticated mark; any other
+key: an immediate 401 in the API's shape), picks a fixed `host:port` list, refuses with an
+error, or hangs past the edge's picker timeout, and records what it saw of each request.
 """
 
 from __future__ import annotations
@@ -18,13 +20,42 @@ from envoy.config.core.v3 import base_pb2 as core_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2 as status_codes
+from google.api import annotations_pb2
 from google.protobuf import struct_pb2
 
+from inferplane.api.inference.v1 import inference_pb2
 from inferplane.apis import anthropic
-from inferplane.runtime import InferplaneError, ResourceExhaustedError
+from inferplane.runtime import (
+    InferplaneError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from inferplane.runtime.security.api_keys import client_key
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary
+from inferplane.wire.headers import (
+    CLIENT_KEY_HEADERS,
+    ENVOY_MAX_RETRIES,
+    KEY_ID,
+    PICK_NAMESPACE,
+    PICKER_AUTHENTICATED,
+    PICKER_NAMESPACE,
+    TENANT,
+    TRUSTED_PREFIX,
+)
 from inferplane.wire.headers import DESTINATION_ENDPOINT as PICK_KEY
-from inferplane.wire.headers import ENVOY_MAX_RETRIES, PICK_NAMESPACE
+
+#: The one key the fake picker accepts (`Authorization: Bearer good` or `x-api-key: good`).
+GOOD_KEY = "good"
+#: The verdict it sets for `GOOD_KEY`.
+VERDICT = {TENANT: "tenant-a", KEY_ID: "k1"}
+#: The public REST paths InferenceService binds (`google.api.http` POST): any other path or
+#: verb is a 404, as the picker answers.
+REST_PATHS = frozenset(
+    rule.post
+    for method in inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].methods
+    if (rule := method.GetOptions().Extensions[annotations_pb2.http]).post.startswith("/v1/")
+)
 
 
 def _header_value(header: core_pb2.HeaderValue) -> str:
@@ -33,8 +64,9 @@ def _header_value(header: core_pb2.HeaderValue) -> str:
 
 @dataclasses.dataclass
 class Pick:
-    """One request as the fake picker saw it: gRPC path, body bytes, request headers, response
-    status and the summary trailers it read, and the side stream's own gRPC metadata."""
+    """One request as the fake picker saw it: the client's REST path, body bytes, request
+    headers, response status and the summary trailers it read, and the side stream's own gRPC
+    metadata."""
 
     path: str = ""
     stream_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -49,13 +81,16 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """ext_proc `Process` answering like the router's endpoint picker.
 
     `targets` is the host:port list it picks (primary first); `refuse` set to an
-    `InferplaneError` answers every request with that error as an immediate response.
+    `InferplaneError` answers every request with that error as an immediate response;
+    `authenticate` False answers the headers without the authenticated mark (a picker that
+    did not authenticate: the edge's guard must refuse).
     """
 
     def __init__(self) -> None:
         self.targets: list[str] = []
         self.refuse: InferplaneError | None = None
         self.hang_s = 0.0  # > the edge's picker timeout: the picker never answers in time
+        self.authenticate = True
         self.picks: list[Pick] = []
         self._lock = threading.Lock()
 
@@ -73,15 +108,27 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     h.key: _header_value(h) for h in message.request_headers.headers.headers
                 }
                 pick.path = pick.headers.get(":path", "")
-                yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                shape = anthropic.is_anthropic_path(pick.path)
+                if client_key(pick.headers) != GOOD_KEY:
+                    error: InferplaneError = UnauthenticatedError(
+                        "Incorrect API key provided.", code="invalid_api_key"
+                    )
+                    yield refusal(error, anthropic_shape=shape)
+                    return
+                base = pick.path.partition("?")[0]
+                if pick.headers.get(":method") != "POST" or base not in REST_PATHS:
+                    error = NotFoundError(f"Invalid URL ({base})", code="unknown_url")
+                    yield refusal(error, anthropic_shape=shape)
+                    return
+                yield self._authenticated(pick)
             elif kind == "request_body":
                 pick.body_bytes = len(message.request_body.body)
                 if self.hang_s:
                     time.sleep(self.hang_s)
                     return
                 if self.refuse is not None:
-                    method = pick.path.rsplit("/", 1)[-1]
-                    yield refusal(self.refuse, anthropic_shape=method in ANTHROPIC_METHODS)
+                    shape = anthropic.is_anthropic_path(pick.path)
+                    yield refusal(self.refuse, anthropic_shape=shape)
                     continue
                 metadata = struct_pb2.Struct()
                 metadata.update({PICK_NAMESPACE: {PICK_KEY: ",".join(self.targets)}})
@@ -109,6 +156,23 @@ class FakePicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     )
                 )
 
+    def _authenticated(self, pick: Pick) -> ep.ProcessingResponse:
+        """The verdict set, the key removed and (unless `authenticate` is off) the mark."""
+        removed = [
+            h
+            for h in pick.headers
+            if h in CLIENT_KEY_HEADERS or (h.startswith(TRUSTED_PREFIX) and h not in VERDICT)
+        ]
+        mutation = ep.HeaderMutation(
+            set_headers=[_raw_header(k, v) for k, v in VERDICT.items()], remove_headers=removed
+        )
+        response = ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
+        )
+        if self.authenticate:
+            response.dynamic_metadata.update({PICKER_NAMESPACE: {PICKER_AUTHENTICATED: True}})
+        return response
+
     @staticmethod
     def _read(pick: Pick, headers: Any) -> ep.CommonResponse:
         seen = {h.key: _header_value(h) for h in headers}
@@ -131,15 +195,12 @@ def _raw_header(key: str, value: str) -> core_pb2.HeaderValueOption:
 #: gRPC code → HTTP status, as Envoy maps them (Grpc::Utility::grpcToHttpStatus).
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-
-
-#: The gRPC methods of Anthropic's Messages API (the real picker knows them by `Method.api`).
-ANTHROPIC_METHODS = frozenset({"CreateMessage", "CountMessageTokens"})
 
 
 def refusal(error: InferplaneError, *, anthropic_shape: bool = False) -> ep.ProcessingResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,22 @@ def test_public_api_is_pinned() -> None:
 
 
 def test_filters_are_in_the_recipe_order() -> None:
-    """Error shaper first (sees the transcoded response last), router last."""
+    """Error shaper first (sees the transcoded response last), then the auth failure guard
+    (sees both authenticators' 401s), the authenticators (ext_authz where the picker does not
+    run; the picker, authenticating on the headers before anything buffers or reads the body),
+    the picker guard right after the picker, then what reads the body, router last."""
+    assert FILTER_ORDER == (
+        "inferplane.error_shaper",
+        "inferplane.auth_failure_guard",
+        "envoy.filters.http.ext_authz",
+        "envoy.filters.http.ext_proc",
+        "inferplane.picker_guard",
+        "envoy.filters.http.json_to_metadata",
+        "inferplane.stream_router",
+        "inferplane.field_guard",
+        "envoy.filters.http.grpc_json_transcoder",
+        "envoy.filters.http.router",
+    )
     assert tuple(f["name"] for f in _hcm()["http_filters"]) == FILTER_ORDER
 
 
@@ -150,8 +166,10 @@ def test_routes_disable_timeouts_for_generations() -> None:
 
 def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() -> None:
     """Generation routes go to the replicas cluster (override_host reads the picker's list)
-    and retry only on failures that happen before any response byte; the routes the picker
-    does not decide (admin API, /v1/models, the 404) have ext_proc and the guard off."""
+    and retry only on failures that happen before any response byte, with ext_authz off (the
+    picker authenticates them); the routes the picker does not decide (admin API,
+    /v1/models, stored responses, the 404) have ext_proc and the guard off and ext_authz on:
+    every route that needs a key has exactly one authenticator."""
     routes = {
         r["match"].get("prefix") or r["match"]["path"]: r
         for r in edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
@@ -163,9 +181,11 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
             "retry_on": "connect-failure,refused-stream,reset,unavailable",
             "num_retries": 2,
         }
-        assert "typed_per_filter_config" not in route
+        per_filter = route["typed_per_filter_config"]
+        assert set(per_filter) == {"envoy.filters.http.ext_authz"}
+        assert per_filter["envoy.filters.http.ext_authz"]["disabled"] is True
     assert routes["/v1/models"]["route"]["cluster"] == edge.ROUTER_CLUSTER
-    for prefix in ("/v1/admin/", "/v1/models", "/"):
+    for prefix in ("/v1/admin/", "/v1/models", "/v1/responses/", "/"):
         per_filter = routes[prefix]["typed_per_filter_config"]
         assert set(per_filter) == set(edge.PICKER_FILTERS)
         assert all(c["disabled"] is True for c in per_filter.values())
@@ -187,10 +207,12 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
 
 
 def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
-    """The picker gets headers + the whole (transcoded) body and the response headers and
-    trailers, never the response body; a picker crash must not reset running streams
-    (failure_mode_allow with the guard after it); only the retry count and the summary
-    trailers may be mutated; the client cannot pick."""
+    """The picker gets headers + the whole body (the client's, before anything else reads it)
+    and the response headers and trailers, never the response body; a picker crash must not
+    reset running streams (failure_mode_allow with the guard after it); only the retry count,
+    the trusted headers (auth's verdict, the summary trailers) and the client's key headers
+    (removed) may be mutated; the picker's answers land in its own and the pick's namespaces;
+    the client cannot pick."""
     ext_proc = _filter("envoy.filters.http.ext_proc")
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == edge.ROUTER_CLUSTER
     assert ext_proc["failure_mode_allow"] is True
@@ -202,7 +224,14 @@ def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
         "response_body_mode": "NONE",
         "response_trailer_mode": "SEND",
     }
-    assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": ["envoy.lb"]}
+    assert ext_proc["metadata_options"]["receiving_namespaces"] == {
+        "untyped": ["envoy.lb", "inferplane.picker"]
+    }
+    rule = re.compile(ext_proc["mutation_rules"]["allow_expression"]["regex"])
+    for header in ("x-envoy-max-retries", "x-inferplane-key-id", "authorization", "x-api-key"):
+        assert rule.match(header), header
+    for header in (":path", "host", "x-gateway-destination-endpoint", "content-type"):
+        assert not rule.match(header), header
     assert ext_proc["message_timeout"] == "1s"
     assert ext_proc["max_message_timeout"] == "60s"
     names = [f["name"] for f in _hcm()["http_filters"]]

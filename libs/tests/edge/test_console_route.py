@@ -28,7 +28,7 @@ def _disabled(route: dict[str, Any]) -> set[str]:
     return {name for name, value in per_filter.items() if value.get("disabled")}
 
 
-def test_console_route_skips_ext_authz_and_every_other_route_keeps_it() -> None:
+def test_console_route_skips_ext_authz_and_every_other_route_keeps_one_authenticator() -> None:
     config = EdgeConfig(console_endpoint="127.0.0.1:7009", **BASE)
     routes = _routes(config)
     console = [r for r in routes if r["match"].get("prefix") == "/console/"]
@@ -46,7 +46,10 @@ def test_console_route_skips_ext_authz_and_every_other_route_keeps_it() -> None:
     for route in routes:
         if route in console or route in redirect or route["match"].get("path") == "/health":
             continue
-        assert "envoy.filters.http.ext_authz" not in _disabled(route), route["match"]
+        # Every other route keeps exactly one authenticator: ext_authz, or the picker.
+        off = _disabled(route)
+        authenticators = {"envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"} - off
+        assert len(authenticators) == 1, route["match"]
     # The console route comes before the catch-all OpenAI and 404 routes.
     assert routes.index(console[0]) < [r["match"].get("prefix") for r in routes].index("/v1/")
 

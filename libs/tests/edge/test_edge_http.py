@@ -21,6 +21,8 @@ from google.protobuf import json_format
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc as pb_grpc
 from inferplane.edge import MiB
+from inferplane.testing.picker import VERDICT
+from inferplane.wire.headers import TENANT
 
 from ._fakes import SLOW_STREAM_GAP_S, STREAM_PIECES
 from .conftest import Edge
@@ -208,12 +210,13 @@ def test_body_over_limit_is_openai_413(edge: Edge, http: httpx.Client) -> None:
 
 
 def test_client_cannot_forge_trusted_headers(edge: Edge, http: httpx.Client) -> None:
-    """`x-inferplane-*` headers come from ext_authz only; the API key never reaches services."""
-    spoofed = {"x-inferplane-tenant-id": "evil", "x-inferplane-scopes": "admin"}
+    """`x-inferplane-*` headers come from the authenticator only (the picker on generation
+    routes); the API key never reaches services."""
+    spoofed = {TENANT: "evil", "x-inferplane-scopes": "admin"}
     response = http.post("/v1/chat/completions", json=chat(), headers=spoofed)
     assert response.status_code == 200
     metadata = edge.inference.calls[-1].metadata
-    assert metadata["x-inferplane-tenant-id"] == "tenant-a"
+    assert metadata[TENANT] == VERDICT[TENANT]
     assert "x-inferplane-scopes" not in metadata
     assert "authorization" not in metadata
 
@@ -232,15 +235,17 @@ def test_missing_key_is_401(edge: Edge) -> None:
 
 @pytest.mark.parametrize("mode", ["slow", "error"])
 def test_authz_failure_is_openai_503_never_open(edge: Edge, http: httpx.Client, mode: str) -> None:
+    """On the routes ext_authz guards (here `/v1/models`; generation routes are the
+    picker's), an auth outage is a shaped 503, never an open door."""
     before = len(edge.inference.calls)
     edge.authz.mode = mode
     try:
-        response = http.post("/v1/chat/completions", json=chat())
+        response = http.get("/v1/models")
     finally:
         edge.authz.mode = "ok"
     assert_openai_error(response, 503, "service_unavailable")
     assert len(edge.inference.calls) == before
-    assert http.post("/v1/chat/completions", json=chat()).status_code == 200
+    assert http.get("/v1/models").status_code == 200
 
 
 def test_native_grpc_through_the_edge_is_not_routed(edge: Edge) -> None:

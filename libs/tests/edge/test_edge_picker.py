@@ -8,7 +8,11 @@ picker is tested in services/router/tests and end to end in tests/e2e.
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,10 +22,12 @@ import pytest
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc as pb_grpc
 from inferplane.runtime import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from inferplane.testing.picker import VERDICT
 from inferplane.wire import SUMMARY_KEYS
+from inferplane.wire.headers import TENANT
 
 from ._fakes import SUMMARY, FakeInference, free_port, start_grpc_server
-from .conftest import Edge
+from .conftest import Edge, running_edge
 
 AUTH = {"authorization": "Bearer good"}
 
@@ -36,21 +42,122 @@ def http(edge: Edge) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=edge.url, headers=AUTH, timeout=30) as client:
         yield client
     edge.picker.targets, edge.picker.refuse, edge.picker.hang_s = targets, refuse, 0.0
+    edge.picker.authenticate = True
 
 
-def test_picker_sees_the_grpc_request_and_the_summary_never_reaches_the_client(
+def _h2c(url: str, body: dict[str, Any], key: str = "good") -> tuple[str, bytes]:
+    """An HTTP/2 (prior knowledge) POST with curl, which writes the response's headers and
+    trailers alike to its header dump: (headers and trailers as text, body)."""
+    done = subprocess.run(
+        [
+            "curl", "-sS", "--http2-prior-knowledge", "-D", "-", "-o", "/dev/stderr",
+            "-H", f"authorization: Bearer {key}", "-H", "content-type: application/json",
+            "--data-binary", json.dumps(body), url,
+        ],
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )  # fmt: skip
+    return done.stdout.decode().lower(), done.stderr
+
+
+def test_an_h2_client_never_sees_the_summary_trailers(edge: Edge, http: httpx.Client) -> None:
+    """On HTTP/2, where trailers reach a client, the replica's summary trailers still reach
+    the picker (after the transcoder now) and are removed there, streamed and unary."""
+    url = edge.url + "/v1/chat/completions"
+    for body in (chat(stream=True), chat()):
+        before = len(edge.picker.picks)
+        dump, content = _h2c(url, body)
+        assert dump.startswith("http/2 200"), dump
+        assert content.endswith(b"data: [DONE]\n\n") if body.get("stream") else content
+        assert edge.picker.picks[before].summary == SUMMARY
+        assert not any(f"{k}:" in dump for k in SUMMARY_KEYS), dump
+
+
+def test_a_request_the_picker_did_not_authenticate_never_passes(
     edge: Edge, http: httpx.Client
 ) -> None:
-    """The picker sees the transcoded gRPC path and the whole body, and reads the replica's
-    summary trailers; the client sees none of them (internal topology, usage plumbing)."""
+    """A pick without the picker's authenticated mark (a picker that did not check the key)
+    is refused by the guard: 503 picker_unavailable, no replica called."""
+    edge.picker.authenticate = False
+    calls = len(edge.inference.calls)
+    response = http.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "picker_unavailable"
+    assert len(edge.inference.calls) == calls
+
+
+def test_a_bad_key_is_refused_before_the_body_is_read(edge: Edge) -> None:
+    """The picker refuses a bad key on the request headers: 401 in OpenAI's shape before any
+    filter reads the body, so an unknown field is not a 400 and a large chunked body is not
+    waited for; the picker never got a body and no replica was called."""
+    calls, picks = len(edge.inference.calls), len(edge.picker.picks)
+    bad = {"authorization": "Bearer nope"}
+    with httpx.Client(base_url=edge.url, headers=bad, timeout=30) as client:
+        response = client.post("/v1/chat/completions", json=chat(temprature=2))
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+        def chunks() -> Iterator[bytes]:
+            yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+            for _ in range(64):
+                yield b"x" * 65536
+                time.sleep(0.05)  # 3.2 s in all, were it read
+            yield b'"}]}'
+
+        started = time.monotonic()
+        response = client.post("/v1/chat/completions", content=chunks())
+        assert response.status_code == 401, response.text
+        assert time.monotonic() - started < 2.0
+    assert all(p.body_bytes == 0 for p in edge.picker.picks[picks:])
+    assert len(edge.inference.calls) == calls
+
+
+def test_the_auth_failure_guard_counts_the_pickers_401s(tmp_path: Path) -> None:
+    """The picker's 401s pass the auth failure guard's response hook: an address past the
+    limit gets its 429 without the picker being asked again."""
+    with running_edge(tmp_path, auth_failure_limit=2) as small:
+        bad = {"authorization": "Bearer nope"}
+        statuses = []
+        with httpx.Client(base_url=small.url, headers=bad, timeout=30) as client:
+            # The count is per Envoy worker (2 here): at most limit x workers 401s.
+            for _ in range(5):
+                asked = len(small.picker.picks)
+                response = client.post("/v1/chat/completions", json=chat())
+                statuses.append(response.status_code)
+                if response.status_code == 429:
+                    break
+        assert statuses[:2] == [401, 401] and statuses[-1] == 429, statuses
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        # Turned away without asking the picker: no request headers reached it (Envoy shows
+        # it the local reply's response headers only).
+        assert not any(p.headers for p in small.picker.picks[asked:])
+
+
+def test_picker_sees_the_clients_request_and_the_summary_never_reaches_the_client(
+    edge: Edge, http: httpx.Client
+) -> None:
+    """The picker sees the client's request as it came (REST path with its query, the key,
+    the JSON body byte for byte) and reads the replica's summary trailers after the
+    transcoder; the client sees none of them (internal topology, usage plumbing)."""
     before = len(edge.picker.picks)
-    with http.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+    body = json.dumps(chat(stream=True)).encode()
+    with http.stream(
+        "POST",
+        "/v1/chat/completions?beta=true",
+        content=body,
+        headers={"content-type": "application/json"},
+    ) as response:
         raw = b"".join(response.iter_raw())
         headers = dict(response.headers)
     assert response.status_code == 200 and raw.endswith(b"data: [DONE]\n\n")
     pick = edge.picker.picks[before]
-    assert pick.path == "/inferplane.inference.v1.InferenceService/StreamChatCompletionEvents"
-    assert pick.body_bytes > 5  # gRPC frame: 5-byte prefix + the request proto
+    assert pick.path == "/v1/chat/completions?beta=true"
+    assert pick.headers["authorization"] == "Bearer good"
+    assert pick.body_bytes == len(body)
+    # The replica got auth's verdict from the picker, never the key.
+    metadata = edge.inference.calls[-1].metadata
+    assert metadata[TENANT] == VERDICT[TENANT] and "authorization" not in metadata
     assert pick.summary == SUMMARY
     assert pick.grpc_status == "0"
     assert not any(k in headers for k in SUMMARY_KEYS)

@@ -6,7 +6,8 @@ Invariant (issue 7, "Real Prometheus"): requests sent through the edge with the 
 client come back through Prometheus's HTTP API as a TTFT histogram quantile no larger than
 the TTFTs the client saw, and as engine metrics of the serving replica (job `engines`, found
 through the file_sd file telemetry writes from the routing table); every service, Envoy and
-the engine are scraped (`up` = 1). Prometheus is stopped and its data directory removed
+the engine are scraped (`up` = 1); the edge's overhead (from its access log, through
+telemetry) has a sample per request, each below what the client saw. Prometheus is stopped and its data directory removed
 afterwards.
 """
 
@@ -203,6 +204,17 @@ def test_prometheus_reads_ttft_and_engine_metrics_of_the_stack(
         "the engine's prefix-cache queries to grow",
         lambda: _value(prometheus.query(queries)) > before_queries,
     )
+    # The edge's own overhead (its access log to telemetry): one sample per request, each
+    # request having been sent before the edge could add anything.
+    overhead = f'inferplane_edge_overhead_seconds_{{}}{{{{model="{MODEL_NAME}"}}}}'
+    _poll(
+        f"{REQUESTS + 1} edge overhead observations",
+        lambda: _value(prometheus.query(overhead.format("count"))) >= REQUESTS + 1,
+    )
+    edge_mean = _value(prometheus.query(overhead.format("sum"))) / _value(
+        prometheus.query(overhead.format("count"))
+    )
+    assert 0 < edge_mean < max(client_ttfts), (edge_mean, client_ttfts)
     kv = prometheus.query(f"vllm:kv_cache_usage_perc{{{engine}}}")
     assert kv and all(0 <= float(r["value"][1]) <= 1 for r in kv)
     # The deploy/ rules load and evaluate against these series.
@@ -211,6 +223,7 @@ def test_prometheus_reads_ttft_and_engine_metrics_of_the_stack(
     assert [r["name"] for g in groups for r in g["rules"] if r.get("health") == "err"] == []
     print(
         f"\nprometheus e2e: TTFT p99 {p99 * 1000:.0f} ms (client max "
-        f"{max(client_ttfts) * 1000:.0f} ms) over {REQUESTS} requests; "
+        f"{max(client_ttfts) * 1000:.0f} ms) over {REQUESTS} requests; edge overhead mean "
+        f"{edge_mean * 1000:.2f} ms; "
         f"{time.monotonic() - started:.1f} s"
     )

@@ -7,8 +7,8 @@ client come back through Prometheus's HTTP API as a TTFT histogram quantile no l
 the TTFTs the client saw, and as engine metrics of the serving replica (job `engines`, found
 through the file_sd file telemetry writes from the routing table); every service, Envoy and
 the engine are scraped (`up` = 1); the edge's overhead (from its access log, through
-telemetry) has a sample per request, each below what the client saw. Prometheus is stopped and its data directory removed
-afterwards.
+telemetry) has a sample per request, each below what the client saw. Prometheus is stopped
+and its data directory removed afterwards.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from inferplane.edge._clusters import AUTH_CLUSTER, ROUTER_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._fields import known_request_fields, render_lua_tables
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, OPENAI_ERROR_PARAM_KEY, OPENAI_ERROR_TYPE_KEY
-from inferplane.wire import apis
+from inferplane.wire import apis, ratelimit
 from inferplane.wire.headers import (
     CLIENT_KEY_HEADERS,
     DESTINATION_ENDPOINT,
@@ -319,10 +319,20 @@ def build_ext_proc_filter(config: EdgeConfig) -> Resource:
     guard right after fails new requests closed instead (no pick, or no authenticated mark).
     Only `x-envoy-max-retries` (the picker's list length - 1), the trusted `x-inferplane-`
     headers (auth's verdict on the request; the summary trailers, which the picker removes
-    before the client) and the client's key headers (removed) may be mutated.
+    before the client), the client's key headers (removed) and the per-key limits' response
+    headers (`x-ratelimit-*` on an allowed response, `retry-after`: `inferplane.wire.ratelimit`)
+    may be mutated.
     """
     namespaces = {"untyped": [PICK_NAMESPACE, PICKER_NAMESPACE]}
-    mutable = "|".join((ENVOY_MAX_RETRIES, f"{TRUSTED_PREFIX}.*", *CLIENT_KEY_HEADERS))
+    mutable = "|".join(
+        (
+            ENVOY_MAX_RETRIES,
+            f"{TRUSTED_PREFIX}.*",
+            *CLIENT_KEY_HEADERS,
+            f"{ratelimit.PREFIX}.*",
+            ratelimit.RETRY_AFTER,
+        )
+    )
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {

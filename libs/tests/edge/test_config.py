@@ -228,7 +228,14 @@ def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
         "untyped": ["envoy.lb", "inferplane.picker"]
     }
     rule = re.compile(ext_proc["mutation_rules"]["allow_expression"]["regex"])
-    for header in ("x-envoy-max-retries", "x-inferplane-key-id", "authorization", "x-api-key"):
+    for header in (
+        "x-envoy-max-retries",
+        "x-inferplane-key-id",
+        "authorization",
+        "x-api-key",
+        "x-ratelimit-remaining-tokens",
+        "retry-after",
+    ):
         assert rule.match(header), header
     for header in (":path", "host", "x-gateway-destination-endpoint", "content-type"):
         assert not rule.match(header), header

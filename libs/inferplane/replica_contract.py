@@ -32,6 +32,7 @@ from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
+from inferplane.runtime.tracing import DEFAULT_SAMPLING_RATIO
 
 REPLICA_MODULE = "inferplane.replica"
 """What the supervisor runs as `python -m REPLICA_MODULE ...`: the replica process."""
@@ -291,6 +292,17 @@ class ReplicaFlags:
     )
     node_name: str = dataclasses.field(
         default="", metadata=_flag("the node in request records (empty: the host name)")
+    )
+    otlp_traces_endpoint: str = dataclasses.field(
+        default="",
+        metadata=_flag(
+            "the platform's OpenTelemetry collector, OTLP/gRPC host:port: the replica and its "
+            "inproc vLLM engine continue each request's trace (none: no tracing)"
+        ),
+    )
+    trace_sampling_ratio: float = dataclasses.field(
+        default=DEFAULT_SAMPLING_RATIO,
+        metadata=_flag("share (0..1) of traces it starts itself (a request's traceparent decides)"),
     )
     strict_tool_calls: bool = dataclasses.field(
         default=False, metadata=_flag("a tool call that does not validate is an error")

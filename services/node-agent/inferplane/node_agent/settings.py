@@ -124,8 +124,10 @@ class NodeAgentSettings(ServiceSettings):
     def replica_flags(self) -> ReplicaFlags:
         """The flags every replica process of this node gets (`plan_launch` fills in the
         per-replica ones): the settings above that name a replica flag (their defaults are
-        the contract's, `DEFAULT_FLAGS`), this node's name (else the host name) and the
-        node-agent's own identity (`security`). A new replica flag that operators set gets a
+        the contract's, `DEFAULT_FLAGS`), this node's name (else the host name), the
+        platform's tracing settings (`otlp_traces_endpoint`, `trace_sampling_ratio`: the
+        node-agent's own, never a deployment's) and the node-agent's own identity
+        (`security`). A new replica flag that operators set gets a
         setting above and one line here (docs/replica-flags.md)."""
         return ReplicaFlags(
             telemetry_address=self.telemetry_address,
@@ -136,6 +138,8 @@ class NodeAgentSettings(ServiceSettings):
             gc_freeze=self.gc_freeze,
             startup_timeout_seconds=self.engine_startup_timeout_seconds,
             drain_grace_seconds=self.replica_drain_grace_seconds,
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
+            trace_sampling_ratio=self.trace_sampling_ratio,
         ).with_security(self.security(NODE_AGENT))
 
     def __post_init__(self) -> None:

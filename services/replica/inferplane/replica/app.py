@@ -40,6 +40,7 @@ from inferplane.replica.server.response_store import ResponseStoreClient
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
+from inferplane.replica.tracing import ReplicaTracing
 from inferplane.replica_contract import Transport
 from inferplane.routing_client import OutcomeReporter, OutcomeReporterSettings
 from inferplane.runtime import (
@@ -61,6 +62,7 @@ from inferplane.runtime.security.identity import (
 )
 from inferplane.runtime.service.metrics_http import ScrapedMetrics, serve_text_metrics
 from inferplane.runtime.time.clock import Clock
+from inferplane.runtime.tracing import Tracing, TracingSettings
 
 #: Who may call a replica's InferenceService: the edge's Envoy, the orchestrator's warm-up
 #: probe, operators, and the node-local Envoy of the gateway path (inferplane.edge
@@ -164,6 +166,9 @@ class ReplicaProcess:
             report_to_picker=self.outcomes.report,
             response_store=self.response_store,
         )
+        # The platform's tracing (the node-agent's flags): each request's spans.
+        self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
+        self.inference.tracing = ReplicaTracing(self.tracing, clock)
         app = App(
             component="replica",
             registry=self.registry,
@@ -322,8 +327,14 @@ class ReplicaProcess:
                 await self._sink.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans leave
         log.info("replica_stopped", replica=self.settings.flags.replica_id, exit_code=code)
         return code
+
+
+REPLICA_SERVICE_NAME = "inferplane-replica"
+"""The replica process's `service.name` in its spans."""
 
 
 def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any] | None]:
@@ -360,7 +371,11 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 
         return get_prometheus_registry()
 
-    return InprocHost(engine_argv(settings.spec, cpu=cpu)), vllm_registry
+    argv = engine_argv(settings.spec, cpu=cpu)
+    tracing = TracingSettings.of(settings, REPLICA_SERVICE_NAME)
+    if tracing.enabled:  # vLLM's own span per request, under the replica's (trace_headers)
+        argv += ["--otlp-traces-endpoint", tracing.url]
+    return InprocHost(argv), vllm_registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:

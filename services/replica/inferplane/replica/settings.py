@@ -67,7 +67,7 @@ class ReplicaSettings(ServiceSettings):
         engine_argv: Sequence[str] = (),
     ) -> ReplicaSettings:
         """Settings for `flags` and `spec`: the service's host, port, metrics port, GC
-        freeze, log level and identity are the flags'."""
+        freeze, log level, identity and tracing are the flags'."""
         return cls(
             flags=flags,
             spec=spec,
@@ -82,6 +82,8 @@ class ReplicaSettings(ServiceSettings):
             identity=flags.identity,
             plaintext=flags.tls_dir is None,
             grace_period_seconds=SERVER_GRACE_SECONDS,
+            otlp_traces_endpoint=flags.otlp_traces_endpoint,
+            trace_sampling_ratio=flags.trace_sampling_ratio,
         )
 
 

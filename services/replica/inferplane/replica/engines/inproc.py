@@ -46,6 +46,7 @@ from inferplane.replica.engines.base import (
     SpeechUsage,
     TokenLogprob,
 )
+from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
 from inferplane.replica_contract import pooling_args
 
 log = structlog.get_logger("inferplane.replica.engines.inproc")
@@ -235,7 +236,10 @@ class InprocEngine:
             engine_input = llm.renderer.process_for_engine(
                 {"prompt_token_ids": list(prompt_token_ids)}, arrival_time=time.time()
             )
-            async with aclosing(llm.generate(engine_input, sampling, request_id)) as stream:
+            trace = CURRENT_TRACE.get()  # the request's span, for vLLM's own (tracing on)
+            headers = trace.headers if trace is not None else None
+            generation = llm.generate(engine_input, sampling, request_id, trace_headers=headers)
+            async with aclosing(generation) as stream:
                 async for out in stream:
                     completion = out.outputs[0]
                     ids = tuple(completion.token_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, Sequence
 
 from inferplane.parsers import Delta, PlainSession, Session, ToolCallDelta
@@ -27,6 +28,7 @@ from inferplane.replica.engines.base import (
     TracksRequests,
 )
 from inferplane.replica.pipeline.detokenize import IncrementalDetokenizer, Piece
+from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
 from inferplane.runtime.time.clock import Clock
 
@@ -79,7 +81,10 @@ class Generation:
         clock: time source; `started` is the request's arrival on its `monotonic()`.
 
     After `steps` is exhausted, the attributes hold the request's facts (token counts,
-    `finish_reason`, `ttft_seconds`, `itl_seconds`) and `session` the response itself.
+    `finish_reason`, `ttft_seconds`, `itl_seconds`) and `session` the response itself; for the
+    request's trace (`inferplane.replica.tracing`), `submitted` and `last_output` (the engine
+    call and its last output, on the clock's `monotonic()`) and, when its trace is sampled,
+    `parse_seconds` (the time spent detokenizing and parsing, all steps together).
     """
 
     def __init__(
@@ -125,6 +130,15 @@ class Generation:
         self.ttft_seconds: float | None = None
         self.itl_seconds: list[float] = []
         self.started_output = False
+        self.submitted: float | None = None
+        self.parse_seconds = 0.0
+        trace = CURRENT_TRACE.get()
+        self._timed = trace is not None and trace.recording
+
+    @property
+    def last_output(self) -> float | None:
+        """When the engine's last output came (monotonic seconds), None before the first."""
+        return self._last
 
     @property
     def stop_sequence(self) -> str | None:
@@ -148,7 +162,9 @@ class Generation:
         matched stop string, an error), the engine request is aborted.
         """
         engine = self._engine
+        self.submitted = self._clock.monotonic()
         stream = engine.generate(self.request_id, self._prompt_ids, self._params)
+        timed = self._timed
         interval = StreamInterval(self._params.stream_interval or 1)
         detokenizer = self._detokenizer
         finished = False
@@ -156,7 +172,12 @@ class Generation:
         try:
             async for out in stream:
                 ids, hide_last = self._observe(out)
-                step = self._parse(detokenizer.push(ids, hide_last=hide_last))
+                if timed:
+                    parsing = time.perf_counter()
+                    step = self._parse(detokenizer.push(ids, hide_last=hide_last))
+                    self.parse_seconds += time.perf_counter() - parsing
+                else:
+                    step = self._parse(detokenizer.push(ids, hide_last=hide_last))
                 if self._logprobs is not None:
                     self._attach_logprobs(step, out.finished, hide_last)
                 # Progress so far (a cancelled or failed request still reports what it cost).

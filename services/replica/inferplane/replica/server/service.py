@@ -54,6 +54,7 @@ from inferplane.replica.server.outcome import Ending, OutcomeSink, RequestOutcom
 from inferplane.replica.server.response_store import ResponseStore
 from inferplane.replica.server.responses import ResponsesBody
 from inferplane.replica.server.speech import speech_body
+from inferplane.replica.tracing import REPLICA_TRACING_OFF, ReplicaTracing
 from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.runtime.time.clock import Clock, SystemClock
@@ -118,7 +119,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         response_store: the stored responses of the Responses API (auth's
             `ResponseStoreService`, `server/response_store.py`); None: responses are answered
             with `"store": false` and `previous_response_id` is a 503.
+
+    `tracing`: each request's spans (`inferplane.replica.tracing`; off unless the process sets
+    it).
     """
+
+    tracing: ReplicaTracing = REPLICA_TRACING_OFF
 
     def __init__(
         self,
@@ -307,6 +313,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         its picker (`_report`), with the same summary.
         """
         replica = self._replica
+        traced = self.tracing.begin(context, facts)
         try:
             assets = await self._start(facts, task)
             async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
@@ -336,6 +343,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             if facts.messages:
                 self._report(context, facts, summary)
             self._emit(facts, ending, context)
+            self.tracing.end(traced, facts, ending)
 
     async def _start(self, facts: RequestFacts, task: str) -> ModelAssets:
         """Names the replica on `facts` (and the model by the replica's served name), checks

@@ -21,6 +21,7 @@ from inferplane.router.keylimits import (
     share,
 )
 from inferplane.router.keys import KeyLimits, Principal
+from inferplane.router.routes import RouteTable
 from inferplane.runtime import ResourceExhaustedError
 from inferplane.testing.clock import FakeClock
 
@@ -62,7 +63,9 @@ def test_shares_sum_to_the_limit_or_give_every_router_at_least_one(limit: int, c
 def test_one_router_or_none_enforces_the_whole_limit() -> None:
     assert share(7, 1, 0) == 7 and share(7, 0, 0) == 7
     limiter = KeyLimiter(FakeClock(START))
-    limiter.set_routers(0, 0)  # a table without a count (static routes, no shared caps)
+    limiter.on_table(RouteTable.of([], router_count=3, router_rank=2))
+    assert limiter.routers == (3, 2)
+    limiter.on_table(RouteTable.of([]))  # a table without a count (static, no shared caps)
     assert limiter.routers == (1, 0)
     assert limiter.shares(KeyLimits(10, 100, 3, 5000)) == KeyLimits(10, 100, 3, 5000)
 

@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from typing import Final
 
 from inferplane.router.keys import KeyLimits, Principal
+from inferplane.router.routes import RouteTable
 from inferplane.runtime import ResourceExhaustedError
 from inferplane.runtime.time.clock import Clock
 from inferplane.wire.ratelimit import (
@@ -181,6 +182,10 @@ class KeyLimiter:
         stay."""
         self._count = max(1, count)
         self._rank = rank if 0 <= rank < self._count else 0
+
+    def on_table(self, table: RouteTable) -> None:
+        """Takes the split from each new routing table (a route source's listener)."""
+        self.set_routers(table.router_count, table.router_rank)
 
     @property
     def routers(self) -> tuple[int, int]:

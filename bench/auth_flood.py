@@ -10,7 +10,10 @@ auth's key table; Envoy spreads requests over all of them), then:
 
 1. **Flood.** `--flood-seconds` of streaming chat requests through the edge, each with a fresh
    random key of our own format (`ip-` + 43 base64url characters: well formed, so it is looked
-   up, and unknown), `--concurrency` at a time over keep-alive connections. Printed: the
+   up, and unknown), `--concurrency` at a time over keep-alive connections, each opened from
+   its own loopback address and replaced after 20 requests (the edge's `auth_failure_guard`
+   turns an address away with 429 after 30 refusals in 10 s, without asking the picker: a
+   real attacker's single address costs the picker 30 refusals per window). Printed: the
    status codes (all must be 401 `invalid_api_key`), refusals per second, and CPU µs per
    refusal of the routers (all their threads, /proc schedstat), Envoy and auth, each less its
    idle rate measured for 3 s before over the same wall time; then whether auth was touched:

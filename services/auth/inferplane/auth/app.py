@@ -8,7 +8,6 @@ import dataclasses
 from datetime import timedelta
 
 import structlog
-from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -24,7 +23,6 @@ from inferplane.auth.limits import RateLimiter
 from inferplane.auth.responses_service import ResponsesService, ResponseStoreService
 from inferplane.auth.responses_store import SqlResponseStore
 from inferplane.auth.settings import AuthSettings, resolve_pepper
-from inferplane.auth.slots import SlotReleaseService
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ApiKeyStore
 from inferplane.auth.usage import (
@@ -58,7 +56,6 @@ class AuthComponents:
     # Stored responses of the Responses API (None: not served, e.g. in unit tests).
     responses: SqlResponseStore | None = None
     _usage: UsageService | None = None
-    _slots: SlotReleaseService | None = None
     _flusher: asyncio.Task[None] | None = None
     _purger: asyncio.Task[None] | None = None
 
@@ -149,18 +146,9 @@ class AuthComponents:
         key = self.store.get(key_id)
         return key.tenant if key is not None else ""
 
-    def slot_service(self) -> SlotReleaseService | None:
-        """The edge's access-log receiver releasing slots (None without a rate limiter)."""
-        if self._slots is None and self.limiter is not None:
-            self._slots = SlotReleaseService(
-                self.limiter, InternalCallerGuard(self.settings.internal_token), self.registry
-            )
-        return self._slots
-
     def app(self) -> App:
         """The runtime `App` serving ApiKeyService, Authorization and UsageService."""
         usage = self.usage_service()
-        slots = self.slot_service()
         api_keys = ApiKeyService(
             self.manager,
             self.verifier,
@@ -172,9 +160,8 @@ class AuthComponents:
             registry=self.registry,
             peer_policy=PeerPolicy(
                 {
-                    # Envoy: the per-request Check and the access log that releases slots.
+                    # Envoy: Check, on the routes the endpoint picker does not serve.
                     "/envoy.service.auth.v3.Authorization/": [EDGE],
-                    "/envoy.service.accesslog.v3.AccessLogService/": [EDGE],
                     # Key admin: the edge's /v1/admin routes, or an operator's CLI.
                     "/inferplane.auth.v1.ApiKeyService/": [EDGE, ADMIN],
                     # Token usage from the routers.
@@ -213,17 +200,6 @@ class AuthComponents:
                         )
                     ]
                     if usage is not None
-                    else []
-                ),
-                *(
-                    [
-                        ServicerBinding(
-                            "envoy.service.accesslog.v3.AccessLogService",
-                            slots,
-                            als_pb2_grpc.add_AccessLogServiceServicer_to_server,
-                        )
-                    ]
-                    if slots is not None
                     else []
                 ),
             ],

@@ -211,14 +211,11 @@ class Authorization(external_auth_pb2_grpc.AuthorizationServicer):  # type: igno
             )
         decision = ALLOWED_UNLIMITED
         if self._limiter is not None and scope == SCOPE_INFERENCE:
-            # Envoy generates x-request-id for every request (the edge drops a client's own,
-            # echoing it as x-client-request-id); it names the concurrency lease, which the
-            # edge's access log (`slots.py`) and the router's usage report release. Only
-            # generation requests (POST) take a slot: nothing releases one for a GET.
+            # Check runs only where the endpoint picker does not (models, stored responses):
+            # it counts requests and tokens there, and takes no concurrency slot (a key's
+            # concurrency is the picker's, released once at the stream's end).
             request_id = headers.get(REQUEST_ID) or uuid.uuid4().hex
-            limits = principal.limits
-            if http.method != "POST" and limits.max_concurrent_requests:
-                limits = dataclasses.replace(limits, max_concurrent_requests=0)
+            limits = dataclasses.replace(principal.limits, max_concurrent_requests=0)
             decision = await self._limiter.admit(principal.key_id, request_id, limits)
             if decision.refused is not None:
                 return rate_limited(decision)

@@ -1,8 +1,10 @@
-"""Per-key limits enforced in ext_authz Check: requests/minute, tokens/minute, concurrency.
+"""Per-key limits enforced in ext_authz Check: requests/minute, tokens/minute (and, for a
+caller that asks, concurrency leases; Check asks for none: a key's concurrency is the
+endpoint picker's).
 
 Check calls `RateLimiter.admit` after the key is verified; the router reports each finished
-request's usage (`record_usage`), which accounts its tokens to the key's current window and
-releases its concurrency lease. Token limits are therefore enforced on the NEXT request: a
+request's usage (`record_usage`), which accounts its tokens to the key's current window.
+Token limits are therefore enforced on the NEXT request: a
 key is refused once the tokens accounted in the current window reach its limit, until the
 window resets (OpenAI estimates up front from max_tokens; we count what was really used).
 
@@ -137,21 +139,16 @@ class RateLimiter:
             quota_message(budget, used, reset.strftime("%Y-%m-%dT%H:%M:%SZ")),
         )
 
-    async def record_usage(self, key_id: str, request_id: str, total_tokens: int) -> None:
+    async def record_usage(self, key_id: str, total_tokens: int) -> None:
         """A request of `key_id` ended having used `total_tokens`: account them to the current
-        window and release its concurrency lease."""
-        _, window, _ = self._now()
-        if total_tokens > 0:
-            await self._call(self._store.add_tokens, key_id, window, total_tokens)
-        await self._call(self._store.release, key_id, request_id)
-
-    async def release(self, key_id: str, request_id: str) -> None:
-        """A request of `key_id` ended: its concurrency lease (if any) is released. Idempotent.
+        window (nothing for 0).
 
         Raises:
             UnavailableError: the counter store is unreachable.
         """
-        await self._call(self._store.release, key_id, request_id)
+        if total_tokens > 0:
+            _, window, _ = self._now()
+            await self._call(self._store.add_tokens, key_id, window, total_tokens)
 
     async def purge(self) -> None:
         """Drops windows older than the previous one and expired leases."""

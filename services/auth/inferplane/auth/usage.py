@@ -1,7 +1,7 @@
 """`inferplane.auth.v1.UsageService`: routers report finished requests (internal callers only).
 
-Each reported request adds its tokens to its key's current token window and releases its
-concurrent-request slot (`RateLimiter.record_usage`). Who may call:
+Each reported request adds its tokens to its key's current token window
+(`RateLimiter.record_usage`). Who may call:
 
 - with `internal_token` set (production: routers on other hosts), a caller must present it in
   `x-inferplane-internal-token` (constant-time compare); the token is the trust boundary, so it
@@ -10,13 +10,13 @@ concurrent-request slot (`RateLimiter.record_usage`). Who may call:
   proxy: it routes only REST paths (`match_incoming_request_route`), so a native gRPC call to
   `/inferplane.auth.v1.UsageService/ReportUsage` through it matches no route.
 
-A forged report could erase a tenant's token usage or free its concurrency slots, hence the
-guard. Delivery is at-least-once (the router re-sends a batch whose call failed). Each batch
-is first written to the usage ledger (`inferplane.auth.ledger`) in one transaction,
-idempotently by request id, and only the requests written now have their tokens accounted to
-the rate windows: a re-sent batch counts nothing twice, whichever auth instance it reaches,
-and the response (which makes the router forget the batch) comes only after the rows are
-committed.
+A forged report could erase or inflate a tenant's token usage, hence the guard. Delivery is
+at-least-once (the router's outbox re-sends a batch whose call failed, also after a crash).
+Each batch is first written to the usage ledger (`inferplane.auth.ledger`) in one
+transaction, idempotently by request id, and only the requests written now have their tokens
+accounted to the rate windows: a re-sent batch counts nothing twice, whichever auth instance
+it reaches, and the response (which makes the router trim the batch from its outbox) comes
+only after the rows are committed.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class UsageMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "inferplane_auth_usage_requests",
-            "Finished requests reported by routers: accounted (tokens added, slot released), "
+            "Finished requests reported by routers: accounted (written and tokens added), "
             "duplicate (already accounted: a re-sent batch), invalid (no key_id).",
             ["outcome"],
             registry=registry,
@@ -199,12 +199,10 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         written = set(await asyncio.to_thread(self._ledger.record, rows))
         for usage, row in zip(entries, rows, strict=True):
             if row.request_id in written:
-                await self._limiter.record_usage(usage.key_id, row.request_id, row.tokens)
+                await self._limiter.record_usage(usage.key_id, row.tokens)
                 self._accounted(usage, row.tokens)
             else:
-                # Already in the ledger (a re-sent batch): its tokens were accounted then;
-                # releasing the slot again is harmless (idempotent).
-                await self._limiter.release(usage.key_id, usage.request_id)
+                # Already in the ledger (a re-sent batch): its tokens were accounted then.
                 self._metrics.requests.labels("duplicate").inc()
                 log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
 

@@ -6,12 +6,14 @@ import asyncio
 import dataclasses
 import heapq
 import itertools
+import json
 from collections.abc import Callable, Mapping
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from inferplane.router.admission import Admission, AdmissionSettings
@@ -94,10 +96,17 @@ def admission(
 # -- the endpoint picker's side of Envoy (ext_proc) -----------------------------------------
 
 
-def grpc_frame(message: Message) -> bytes:
-    """A unary gRPC body as the transcoder hands it on: flag 0, 4-byte length, the message."""
-    data = message.SerializeToString()
-    return b"\x00" + len(data).to_bytes(4, "big") + data
+def client_body(message: Message) -> bytes:
+    """A request's body as a client sends it to the edge (which passes it to the picker as it
+    came): the JSON (proto field names) of the wrapper's `request`, with `"stream": true` for
+    a streamed (`Stream*EventsRequest`) wrapper; an audio wrapper's form bytes (`body.data`,
+    whose content type goes in the request headers)."""
+    if "request" not in message.DESCRIPTOR.fields_by_name:
+        return bytes(message.body.data)  # type: ignore[attr-defined]
+    body = json_format.MessageToDict(message.request, preserving_proto_field_name=True)  # type: ignore[attr-defined]
+    if type(message).__name__.endswith("EventsRequest"):
+        body["stream"] = True
+    return json.dumps(body).encode()
 
 
 def header_map(headers: Mapping[str, str]) -> base_pb2.HeaderMap:
@@ -114,8 +123,9 @@ def lb_metadata(request: ext_pb.ProcessingRequest, served: str) -> None:
 
 
 class ExtProcStream:
-    """One ext_proc `Process` stream driven the way Envoy does for one HTTP request (request
-    headers, buffered body, response headers, response trailers, half-close), over real gRPC.
+    """One ext_proc `Process` stream driven the way Envoy does for one HTTP request (the
+    client's request headers with its REST path, its buffered body, response headers,
+    response trailers, half-close), over real gRPC.
 
     `overrides` collects the `override_message_timeout` messages that came before the answer
     to the body (the answer itself is what `body` returns).
@@ -137,7 +147,7 @@ class ExtProcStream:
     async def headers(
         self, path: str, metadata: Mapping[str, str] | None = None, *, end_of_stream: bool = False
     ) -> ext_pb.ProcessingResponse:
-        headers = {":method": "POST", ":path": path, "content-type": "application/grpc"}
+        headers = {":method": "POST", ":path": path, "content-type": "application/json"}
         return await self._exchange(
             ext_pb.ProcessingRequest(
                 request_headers=ext_pb.HttpHeaders(

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.router.admission import Admission, AdmissionSettings
 from inferplane.router.app import build_app
+from inferplane.router.keys import KeyTable
 from inferplane.router.picker.codec import SERVICE_NAME as PICKER_SERVICE
 from inferplane.router.picker.gateway import GatewayMode, GatewayProcessor
 from inferplane.router.picker.server import EndpointPicker, PickerSettings
@@ -36,6 +37,7 @@ from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.clock import FakeClock
 
 from .fakes import FakeScheduler, RecordingUsage, endpoints, header_map, lb_metadata
+from .test_picker_auth import GOOD, _table
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,7 +69,7 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def gateway_rig(n: int = 3) -> AsyncIterator[Rig]:
+async def gateway_rig(n: int = 3, keys: KeyTable | None = None) -> AsyncIterator[Rig]:
     route = ModelRoute("m", endpoints(n), deployment="d", routing_policy="least_load")
     table = RouteTable.of([route])
     clock = FakeClock()
@@ -79,6 +81,7 @@ async def gateway_rig(n: int = 3) -> AsyncIterator[Rig]:
         control,
         Reporter(RecordingUsage(), records.append, clock, wall_clock=lambda: 1.7e9),
         settings=PickerSettings(keepalive_seconds=0.01, outcome_address="10.9.9.9:50052"),
+        keys=keys,
     )
     server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
     ext_grpc.add_ExternalProcessorServicer_to_server(
@@ -231,6 +234,39 @@ def test_full_duplex_holds_the_headers_until_the_body_ends_then_echoes_the_body(
             await stream.close()
             assert rig.in_flight() == 0
             assert rig.records[-1].stream and rig.records[-1].replica in ("r0", "r1")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", [BUFFERED, DUPLEX], ids=["buffered", "duplex"])
+def test_with_a_key_table_the_picker_authenticates_a_gateways_request(mode: int) -> None:
+    """A gateway without ext_authz: the picker authenticates the client's key itself (a bad
+    key: 401 at the headers), and auth's verdict replaces the key on the request it forwards
+    (with the headers' answer: at once when buffered, with the pick in duplex mode)."""
+
+    async def scenario() -> None:
+        async with gateway_rig(2, keys=_table()) as rig:
+            stream = GatewayStream(rig.stub, mode)
+            await stream.headers(metadata={"authorization": "Bearer ip-unknown-0123456789"})
+            refused = await stream.read()
+            assert refused.immediate_response.status.code == 401
+            stream = GatewayStream(rig.stub, mode)
+            await stream.headers(metadata={"authorization": f"Bearer {GOOD}"})
+            if mode == BUFFERED:
+                first = await stream.read()
+                await stream.body(_chat())
+                await stream.read()
+            else:
+                await stream.body(_chat())
+                first = await stream.read()
+                await stream.read()  # the body echoed
+            mutation = first.request_headers.response.header_mutation
+            assert _set_headers(mutation)["x-inferplane-key-id"] == "k-good"
+            assert "authorization" in mutation.remove_headers
+            mark = first.dynamic_metadata.fields["inferplane.picker"].struct_value
+            assert mark.fields["authenticated"].bool_value is True
+            await stream.close()
+            assert rig.in_flight() == 0
 
     asyncio.run(scenario())
 

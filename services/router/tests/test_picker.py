@@ -15,7 +15,6 @@ import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
-from google.api import httpbody_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
@@ -26,6 +25,7 @@ from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
 from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.keys import KeyTable
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.policies import default_registry
@@ -42,23 +42,23 @@ from .fakes import (
     ExtProcStream,
     FakeScheduler,
     RecordingUsage,
+    client_body,
     endpoints,
-    grpc_frame,
 )
 
 pytestmark = pytest.mark.timeout(30)
 
-STREAM_EVENTS = "/inferplane.inference.v1.InferenceService/StreamChatCompletionEvents"
-CREATE_CHAT = "/inferplane.inference.v1.InferenceService/CreateChatCompletion"
+CHAT = "/v1/chat/completions"
+STREAM_EVENTS = CHAT  # a streamed chat has the same path; its body says `"stream": true`
 KEYED = {"x-inferplane-key-id": "k1", "x-request-id": "req-1", "x-inferplane-tenant": "t1"}
 GRPC_OK = {":status": "200", "content-type": "application/grpc"}
 
 
-def _chat_body(model: str = "m", path: str = STREAM_EVENTS) -> bytes:
+def _chat_body(model: str = "m", stream: bool = True) -> bytes:
     request = pb.ChatCompletionRequest(model=model, messages=[pb.ChatMessage(role="user")])
-    if path == CREATE_CHAT:
-        return grpc_frame(pb.CreateChatCompletionRequest(request=request))
-    return grpc_frame(pb.StreamChatCompletionEventsRequest(request=request))
+    if not stream:
+        return client_body(pb.CreateChatCompletionRequest(request=request))
+    return client_body(pb.StreamChatCompletionEventsRequest(request=request))
 
 
 def _endpoint_list(response: ext_pb.ProcessingResponse) -> list[str]:
@@ -111,6 +111,7 @@ async def picker_rig(
     cap: int = 0,
     admission: AdmissionSettings | None = None,
     picker: PickerSettings | None = None,
+    keys: KeyTable | None = None,
 ) -> AsyncIterator[Rig]:
     route = ModelRoute("m", endpoints(n, cap), deployment="d", routing_policy=policy)
     table = RouteTable.of([route, dataclasses.replace(route, model="m-alias")])
@@ -127,6 +128,7 @@ async def picker_rig(
         Reporter(usage, records.append, clock, wall_clock=lambda: 1.7e9),
         settings=picker or PickerSettings(keepalive_seconds=0.01),
         metrics=metrics,
+        keys=keys,
     )
     server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
     ext_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
@@ -150,7 +152,7 @@ async def _until(condition: object, what: str) -> None:
 
 async def _pick(rig: Rig, metadata: Mapping[str, str] | None = None) -> ExtProcStream:
     stream = rig.stream()
-    assert (await stream.headers(STREAM_EVENTS, metadata)).HasField("request_headers")
+    assert (await stream.headers(CHAT, metadata)).HasField("request_headers")
     return stream
 
 
@@ -184,12 +186,12 @@ def test_an_embeddings_request_is_picked_by_load_alone() -> None:
         async with picker_rig(2) as rig:
             busy = await rig.hold(0)
             stream = rig.stream()
-            path = "/inferplane.inference.v1.InferenceService/CreateEmbedding"
+            path = "/v1/embeddings"
             assert (await stream.headers(path, KEYED)).HasField("request_headers")
             inputs = struct_pb2.Value()
             inputs.list_value.values.add().string_value = "x" * 4096
             request = pb.EmbeddingRequest(model="m-alias", input=inputs)
-            answer = await stream.body(grpc_frame(pb.CreateEmbeddingRequest(request=request)))
+            answer = await stream.body(client_body(pb.CreateEmbeddingRequest(request=request)))
             assert _endpoint_list(answer) == ["10.0.0.1:50054", "10.0.0.0:50054"]
             features = FeatureExtractor().embedding(request, KEYED)
             assert features.prefix_blocks == () and features.root is None
@@ -200,15 +202,20 @@ def test_an_embeddings_request_is_picked_by_load_alone() -> None:
     asyncio.run(scenario())
 
 
-def _audio_body(model: str | None = "m-alias", audio: bytes = b"RIFF" * 1000) -> bytes:
-    """A CreateTranscription body as the edge's transcoder frames it: the client's multipart
-    form (written by httpx, as the openai client does) inside an HttpBody."""
+AUDIO = {
+    "CreateTranscription": "/v1/audio/transcriptions",
+    "CreateTranslation": "/v1/audio/translations",
+}
+
+
+def _audio_body(model: str | None = "m-alias", audio: bytes = b"RIFF" * 1000) -> tuple[str, bytes]:
+    """A transcription request as the client sends it: (its content type, its multipart form,
+    written by httpx as the openai client does)."""
     data = {"model": model} if model is not None else {"language": "en"}
     form = httpx.Request(
         "POST", "http://x", data=data, files={"file": ("a.wav", audio, "audio/wav")}
     )
-    body = httpbody_pb2.HttpBody(content_type=form.headers["content-type"], data=form.read())
-    return grpc_frame(pb.CreateTranscriptionRequest(body=body))
+    return form.headers["content-type"], form.read()
 
 
 @pytest.mark.parametrize("method", ["CreateTranscription", "CreateTranslation"])
@@ -221,9 +228,10 @@ def test_an_audio_request_is_routed_by_its_forms_model_and_picked_by_load(method
         async with picker_rig(2) as rig:
             busy = await rig.hold(0)
             stream = rig.stream()
-            path = f"/inferplane.inference.v1.InferenceService/{method}"
-            assert (await stream.headers(path, KEYED)).HasField("request_headers")
-            answer = await stream.body(_audio_body())
+            content_type, body = _audio_body()
+            headers = {**KEYED, "content-type": content_type}
+            assert (await stream.headers(AUDIO[method], headers)).HasField("request_headers")
+            answer = await stream.body(body)
             assert _endpoint_list(answer) == ["10.0.0.1:50054", "10.0.0.0:50054"]
             features = FeatureExtractor().speech(4000, KEYED)
             assert features.prefix_blocks == () and features.root is None
@@ -239,24 +247,9 @@ def test_an_audio_request_is_routed_by_its_forms_model_and_picked_by_load(method
     [
         (_audio_body(model=None), 400, "missing_required_parameter", "model"),
         (_audio_body(model="nope"), 404, "model_not_found", "model"),
+        (("application/json", b"{}"), 400, "invalid_body", None),
         (
-            grpc_frame(
-                pb.CreateTranscriptionRequest(
-                    body=httpbody_pb2.HttpBody(content_type="application/json", data=b"{}")
-                )
-            ),
-            400,
-            "invalid_body",
-            None,
-        ),
-        (
-            grpc_frame(
-                pb.CreateTranscriptionRequest(
-                    body=httpbody_pb2.HttpBody(
-                        content_type="multipart/form-data; boundary=b", data=b"--b\r\ngarbage"
-                    )
-                )
-            ),
+            ("multipart/form-data; boundary=b", b"--b\r\ngarbage"),
             400,
             "invalid_body",
             None,
@@ -265,7 +258,7 @@ def test_an_audio_request_is_routed_by_its_forms_model_and_picked_by_load(method
     ids=["no-model", "unknown-model", "not-multipart", "truncated"],
 )
 def test_an_audio_request_without_a_readable_model_is_refused_in_openais_shape(
-    body: bytes, status: int, code: str, param: str | None
+    body: tuple[str, bytes], status: int, code: str, param: str | None
 ) -> None:
     """A form without `model`, a model no route serves, a body that is not multipart or is
     cut short: OpenAI's error body and status, no slot taken."""
@@ -273,9 +266,12 @@ def test_an_audio_request_without_a_readable_model_is_refused_in_openais_shape(
     async def scenario() -> None:
         async with picker_rig() as rig:
             stream = rig.stream()
-            path = "/inferplane.inference.v1.InferenceService/CreateTranscription"
-            assert (await stream.headers(path, KEYED)).HasField("request_headers")
-            answer = await stream.body(body)
+            content_type, data = body
+            headers = {**KEYED, "content-type": content_type}
+            assert (await stream.headers(AUDIO["CreateTranscription"], headers)).HasField(
+                "request_headers"
+            )
+            answer = await stream.body(data)
             assert answer.immediate_response.status.code == status
             error = _error_json(answer)
             assert (error["code"], error["param"]) == (code, param)
@@ -675,16 +671,18 @@ def test_client_errors_never_open_a_breaker() -> None:
     "body",
     [
         b"",
-        b"\x00\x00\x00",
-        b"\x00\x00\x00\x00\x09abc",
-        b"\x01\x00\x00\x00\x00",
-        b"\x00\x00\x00\x00\x02\xff\xff",
+        b'{"model": "m", "messages": [',
+        b'["not", "an", "object"]',
+        b"\xff\xfe",
+        b'{"model": "m", "messages": "oops"}',
+        b'{"model": "m", "max_tokens": "many", "messages": []}',
     ],
-    ids=["empty", "truncated", "short", "compressed", "garbage"],
+    ids=["empty", "truncated", "not-an-object", "not-utf8", "wrong-type", "wrong-scalar"],
 )
 def test_a_malformed_body_gets_a_shaped_400(body: bytes) -> None:
-    """A body that is not one uncompressed request message is HTTP 400 / INVALID_ARGUMENT in
-    OpenAI's shape, never an exception out of the picker, and takes no slot."""
+    """A body that is not a JSON object, or holds a field of the wrong type, is HTTP 400 /
+    INVALID_ARGUMENT in OpenAI's shape (`invalid_request_body`, as the edge's transcoder
+    answers), never an exception out of the picker, and takes no slot."""
 
     async def scenario() -> None:
         async with picker_rig() as rig:
@@ -692,7 +690,7 @@ def test_a_malformed_body_gets_a_shaped_400(body: bytes) -> None:
             answer = await stream.body(body)
             assert answer.immediate_response.status.code == 400
             assert answer.immediate_response.grpc_status.status == 3
-            assert _error_json(answer)["code"] == "invalid_body"
+            assert _error_json(answer)["code"] == "invalid_request_body"
             assert rig.in_flight() == 0
 
     asyncio.run(scenario())
@@ -732,7 +730,7 @@ def test_a_request_with_a_bad_schema_is_a_400_before_admission(
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
                     )
                 stream = await _pick(rig)
-                body = grpc_frame(pb.StreamChatCompletionEventsRequest(request=request))
+                body = client_body(pb.StreamChatCompletionEventsRequest(request=request))
                 answer = await stream.body(body)
                 if bad:
                     assert answer.immediate_response.status.code == 400
@@ -748,15 +746,20 @@ def test_a_request_with_a_bad_schema_is_a_400_before_admission(
 
 
 def test_an_unknown_path_or_a_request_without_body_is_refused_at_the_headers() -> None:
-    """A path that is no generation method is a shaped 404 at once; a request without a body
-    (nothing to pick on) a shaped 400, instead of the edge's generic 503."""
+    """A path or verb that is no generation method is a shaped 404 at once (`/internal/...`
+    included: only the edge's stream router, after the picker, moves a request there); a
+    request without a body (nothing to pick on) a shaped 400, instead of the edge's generic
+    503."""
 
     async def scenario() -> None:
         async with picker_rig() as rig:
-            answer = await rig.stream().headers("/inferplane.inference.v1.InferenceService/Nope")
+            for path in ("/v1/nope", "/internal/events/v1/chat/completions", "/"):
+                answer = await rig.stream().headers(path)
+                assert answer.immediate_response.status.code == 404
+                assert _error_json(answer)["code"] == "unknown_url"
+            answer = await rig.stream().headers(CHAT, {":method": "GET"})
             assert answer.immediate_response.status.code == 404
-            assert _error_json(answer)["code"] == "unknown_url"
-            answer = await rig.stream().headers(CREATE_CHAT, end_of_stream=True)
+            answer = await rig.stream().headers(CHAT, end_of_stream=True)
             assert answer.immediate_response.status.code == 400
 
     asyncio.run(scenario())
@@ -780,8 +783,8 @@ def test_the_router_app_serves_the_picker_beside_list_models() -> None:
                 )
                 assert [m.id for m in models.data] == ["m"]
                 stream = ExtProcStream(ext_grpc.ExternalProcessorStub(channel))
-                await stream.headers(CREATE_CHAT, KEYED)
-                answer = await stream.body(_chat_body(path=CREATE_CHAT))
+                await stream.headers(CHAT, KEYED)
+                answer = await stream.body(_chat_body(stream=False))
                 assert len(_endpoint_list(answer)) == 2
                 await stream.response_headers(GRPC_OK)
                 await stream.response_trailers({"grpc-status": "0"})

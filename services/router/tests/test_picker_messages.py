@@ -16,14 +16,14 @@ from inferplane.router.picker import codec
 from inferplane.runtime import UnavailableError
 from inferplane.wire import apis
 
-from .fakes import grpc_frame
+from .fakes import client_body
 from .test_gateway_mode import GatewayStream, gateway_rig
 from .test_picker import GRPC_OK, KEYED, _endpoint_list, picker_rig
 
 pytestmark = pytest.mark.timeout(30)
 
-CREATE_MESSAGE = "/inferplane.inference.v1.InferenceService/CreateMessage"
-COUNT_TOKENS = "/inferplane.inference.v1.InferenceService/CountMessageTokens"
+CREATE_MESSAGE = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
 
 
 def _message_body(model: str = "m", **extra: object) -> bytes:
@@ -34,7 +34,7 @@ def _message_body(model: str = "m", **extra: object) -> bytes:
         **extra,
     }
     request = json_format.ParseDict(body, apb.MessagesRequest())
-    return grpc_frame(apb.CreateMessageRequest(request=request))
+    return client_body(apb.CreateMessageRequest(request=request))
 
 
 def _anthropic_error(answer: object) -> dict[str, str]:
@@ -72,7 +72,7 @@ def test_count_tokens_is_routed_to_a_replica_of_the_model() -> None:
                 {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                 apb.MessagesRequest(),
             )
-            answer = await stream.body(grpc_frame(apb.CountMessageTokensRequest(request=request)))
+            answer = await stream.body(client_body(apb.CountMessageTokensRequest(request=request)))
             assert len(_endpoint_list(answer)) == 2
             await stream.close()
 

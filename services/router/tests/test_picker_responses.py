@@ -15,21 +15,22 @@ from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.router.picker import codec
 from inferplane.wire import apis
 
-from .fakes import grpc_frame
+from .fakes import client_body
 from .test_picker import GRPC_OK, KEYED, _endpoint_list, picker_rig
 
 pytestmark = pytest.mark.timeout(30)
 
-CREATE_RESPONSE = "/inferplane.inference.v1.InferenceService/CreateResponse"
+CREATE_RESPONSE = "/v1/responses"
 
 
 def _body(model: str = "m", **extra: Any) -> bytes:
     request = json_format.ParseDict({"model": model, "input": "hi", **extra}, rpb.ResponseRequest())
-    return grpc_frame(rpb.CreateResponseRequest(request=request))
+    return client_body(rpb.CreateResponseRequest(request=request))
 
 
 def test_the_method_is_the_responses_api() -> None:
-    method = codec.METHODS[CREATE_RESPONSE]
+    method, streamed = codec.ROUTES[CREATE_RESPONSE]
+    assert streamed is method  # one RPC for both: the body's `stream` says
     assert method.api == apis.RESPONSES and method.chat and method.to_chat is not None
 
 

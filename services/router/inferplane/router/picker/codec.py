@@ -1,30 +1,34 @@
 """The ext_proc protocol codec: what the picker reads from Envoy's `ProcessingRequest`s and
 the `ProcessingResponse`s it writes back (no decision, no state).
 
-Reading: the generation methods by `:path` (`METHODS`), header maps (`headers`), the gRPC
-frame of a transcoded request body (`decode_body`), the `model` of an audio request's form
-(`form_model`), the endpoint that served (`served`) and a gateway's endpoint subset (`subset`)
-from the stream's filter metadata.
+Reading: the generation methods by gRPC path (`METHODS`) and by the client's REST path
+(`ROUTES`, derived from the methods' `google.api.http` bindings, the same the edge's
+transcoder and stream router serve), header maps (`header_map`), the client's body as the
+typed request (`decode_request`: JSON by the proto3 JSON mapping, or an audio upload's
+multipart bytes as its `HttpBody`), the gRPC frame of a transcoded body (`decode_body`), the
+`model` of an audio request's form (`form_model`), the endpoint that served (`served`) and a
+gateway's endpoint subset (`subset`) from the stream's filter metadata.
 
-Writing: a refusal in OpenAI's error shape (`immediate_response`), the pick for the edge
-(`pick_response`) and for a gateway (`gateway_pick_response`), the summary trailers removed
-from the response (`summary_removal`), a body chunk passed on (`body_answer`), the message
-timer extended while a request queues (`extend`). Header names come from
-`inferplane.wire.headers`.
+Writing: a refusal in the API's error shape (`immediate_response`), the authenticated
+request's headers answer (`authenticated_response`: auth's verdict headers, the key removed,
+the picker's mark), the pick for the edge (`pick_response`) and for a gateway
+(`gateway_pick_response`), the summary trailers removed from the response
+(`summary_removal`), a body chunk passed on (`body_answer`), the message timer extended while
+a request queues (`extend`). Header names come from `inferplane.wire.headers`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
-from google.api import httpbody_pb2
-from google.protobuf import duration_pb2
+from google.api import annotations_pb2, httpbody_pb2
+from google.protobuf import duration_pb2, json_format
 from google.protobuf.message import DecodeError, Message
 
 from inferplane.api.inference.v1 import anthropic_pb2 as apb
@@ -33,6 +37,9 @@ from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.apis import anthropic, responses
 from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
 from inferplane.wire import SUMMARY_KEYS, FormError, apis, error_body, headers, read_form
+
+if TYPE_CHECKING:
+    from inferplane.router.keys import Principal
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: Where a gateway sends the pool's endpoints the pick must come from (the Gateway API
@@ -109,7 +116,35 @@ METHODS: Mapping[str, Method] = {
         api=apis.MESSAGES,
     ),
 }
-"""`:path` → method, for every path the picker decides on (ListModels never comes here)."""
+"""gRPC `:path` → method, for every method the picker decides on (ListModels never comes
+here)."""
+
+
+def _rest_routes() -> Mapping[str, tuple[Method, Method]]:
+    """The client's REST path → (the method without streaming, the method for a top-level
+    `"stream": true`), read from InferenceService's `google.api.http` POST bindings: a path
+    bound under an internal prefix (`/internal/events/v1/chat/completions`) is the streamed
+    variant of the public path it ends with, as the edge's stream router moves it."""
+    service = pb.DESCRIPTOR.services_by_name["InferenceService"]
+    bound: dict[str, Method] = {}
+    for descriptor in service.methods:
+        method = METHODS.get(_PREFIX + descriptor.name)
+        rule = descriptor.GetOptions().Extensions[annotations_pb2.http]
+        if method is not None and rule.post:
+            bound[rule.post] = method
+    public = [p for p in bound if p.startswith("/v1/")]
+    routes: dict[str, tuple[Method, Method]] = {}
+    for path in public:
+        streamed = [m for p, m in bound.items() if p != path and p.endswith(path)]
+        routes[path] = (bound[path], streamed[0] if streamed else bound[path])
+    return routes
+
+
+ROUTES: Mapping[str, tuple[Method, Method]] = _rest_routes()
+"""REST path (no query string) → (unary method, streamed method), for every path the picker
+decides on: the client's request as the edge and a gateway send it. The two are one method
+where the body's `stream` is read by the replica (Messages, Responses) or where nothing
+streams (embeddings, audio)."""
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -144,6 +179,67 @@ def decode_body(body: bytes, request_type: type[Message]) -> Any:
         raise InvalidArgumentError(
             "the request body cannot be parsed", code="invalid_body"
         ) from None
+
+
+def parse_json_request(body: bytes) -> dict[str, Any]:
+    """A client's JSON request body as a dict.
+
+    Raises:
+        InvalidArgumentError: not UTF-8 JSON holding an object (HTTP 400
+            `invalid_request_body`, the edge's answer to a body its transcoder cannot parse).
+    """
+    try:
+        value = json.loads(body)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise InvalidArgumentError(
+            f"Could not parse the request body: {exc}", code="invalid_request_body"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            "The request body must be a JSON object.", code="invalid_request_body"
+        )
+    return value
+
+
+def typed_request(body: Mapping[str, Any], method: Method) -> Any:
+    """The typed request of a parsed JSON body, by the proto3 JSON mapping the edge's
+    transcoder applies (`body: "request"`): `method.request_type` with the body as `request`.
+    Unknown keys are skipped here; the edge's field guard (after the picker) answers them
+    (400 naming the key).
+
+    Raises:
+        InvalidArgumentError: a field of the wrong type or value (HTTP 400).
+    """
+    wrapper: Any = method.request_type()
+    try:
+        json_format.ParseDict(dict(body), wrapper.request, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise InvalidArgumentError(
+            f"Could not parse the request body: {exc}", code="invalid_request_body"
+        ) from None
+    return wrapper
+
+
+def decode_request(
+    methods: tuple[Method, Method], body: bytes, content_type: str
+) -> tuple[Method, Any]:
+    """The method and typed request of a client's body for a REST path's `methods`
+    (`ROUTES`): an audio upload (`Method.speech`) as its `HttpBody` (the bytes and
+    `content_type`, as the transcoder passes it on); a JSON body parsed, its top-level
+    `"stream": true` (a JSON true only, as the edge's json_to_metadata rule reads it)
+    choosing the streamed method.
+
+    Raises:
+        InvalidArgumentError: not a JSON object, or a field of the wrong type (400).
+    """
+    unary, streamed = methods
+    if unary.speech:
+        wrapper: Any = unary.request_type()
+        wrapper.body.CopyFrom(httpbody_pb2.HttpBody(content_type=content_type, data=body))
+        return unary, wrapper
+    parsed = parse_json_request(body)
+    method = streamed if parsed.get("stream") is True else unary
+    return method, typed_request(parsed, method)
 
 
 _MODEL_ONLY = frozenset({"model"})
@@ -200,11 +296,64 @@ def subset(message: ext_pb.ProcessingRequest) -> frozenset[str] | None:
 
 
 def set_header(mutation: ext_pb.HeaderMutation, key: str, value: str) -> None:
-    """Adds `key: value` to `mutation` (as `raw_value`, overwriting any earlier value)."""
+    """Adds `key: value` to `mutation` (as `raw_value`, overwriting any earlier value; an
+    empty value is kept, not dropped)."""
     mutation.set_headers.add(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=True,
     )
+
+
+def verdict(principal: Principal) -> dict[str, str]:
+    """Auth's verdict on a key as the request headers the services behind the edge read
+    (`headers.AUTH_VERDICT`, the values ext_authz's Check sets): tenant, key id, scopes and
+    allowed models comma-separated (no models = every model), tier."""
+    return {
+        headers.TENANT: principal.tenant,
+        headers.KEY_ID: principal.key_id,
+        headers.SCOPES: ",".join(principal.scopes),
+        headers.ALLOWED_MODELS: ",".join(principal.allowed_models),
+        headers.TIER: principal.tier,
+    }
+
+
+def verdict_mutation(
+    mutation: ext_pb.HeaderMutation, granted: Mapping[str, str], request_headers: Iterable[str]
+) -> None:
+    """Writes `granted` (`verdict`) into `mutation`, overwriting any copy, and removes the
+    client's key (`headers.CLIENT_KEY_HEADERS`) and any other `x-inferplane-*` header among
+    `request_headers` (forged: only the edge's services set them)."""
+    for key, value in granted.items():
+        set_header(mutation, key, value)
+    mutation.remove_headers.extend(
+        h
+        for h in request_headers
+        if h in headers.CLIENT_KEY_HEADERS
+        or (h.startswith(headers.TRUSTED_PREFIX) and h not in granted)
+    )
+
+
+def picker_metadata(response: ext_pb.ProcessingResponse, values: Mapping[str, bool | str]) -> None:
+    """Sets `values` under the picker's dynamic-metadata namespace (`headers.PICKER_NAMESPACE`:
+    `authenticated`, `model`) on `response`; Envoy merges them into what it already holds."""
+    namespace = response.dynamic_metadata.fields[headers.PICKER_NAMESPACE].struct_value
+    for key, value in values.items():
+        if isinstance(value, bool):
+            namespace.fields[key].bool_value = value
+        else:
+            namespace.fields[key].string_value = value
+
+
+def authenticated_response(granted: ext_pb.HeaderMutation | None) -> ext_pb.ProcessingResponse:
+    """The answer to a request's headers: the verdict's mutation (`verdict_mutation`) and the
+    picker's mark (`headers.PICKER_AUTHENTICATED`: true, without which the edge's picker
+    guard refuses the request) when `granted`; an empty answer when None."""
+    response = ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+    if granted is not None:
+        response.request_headers.response.header_mutation.CopyFrom(granted)
+        picker_metadata(response, {headers.PICKER_AUTHENTICATED: True})
+    return response
 
 
 def immediate_response(

@@ -2,25 +2,25 @@
 instead of inferplane's edge.
 
 The gateway's proxy sends the client's request as it came (`/v1/...` and OpenAI's JSON,
-buffered or FULL_DUPLEX_STREAMED) after its own ext_authz call to auth; the body is parsed
-into the same request protos the edge's transcoder makes, decided by the same `Director`
-restricted to the gateway's endpoint subset, and the pick names the node-local Envoy of the
-chosen replica's node (`GatewayMode.destination`) and the replica process behind it.
+buffered or FULL_DUPLEX_STREAMED), as the edge does: the picker authenticates its headers
+(`EndpointPicker`, with its key table; without one, auth's verdict from the gateway's own
+ext_authz call is required), the body is parsed by the same decoder (`codec.decode_request`,
+`codec.ROUTES`), decided by the same `Director` restricted to the gateway's endpoint subset,
+and the pick names the node-local Envoy of the chosen replica's node
+(`GatewayMode.destination`) and the replica process behind it, with auth's verdict headers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
-from google.protobuf import json_format
 
 from inferplane.router.picker import codec
-from inferplane.router.picker.codec import METHODS, Method
+from inferplane.router.picker.codec import ROUTES, Method
 from inferplane.router.picker.director import Outside
 from inferplane.router.picker.state import Exchange
 from inferplane.router.replicas import ReplicaKey
@@ -36,20 +36,6 @@ Context = Any  # grpc.aio.ServicerContext
 #: message-timer extension while the request queues, sets the exchange's pick.
 Decide = Callable[[Exchange, Method, Any, Outside], AsyncIterator[ext_pb.ProcessingResponse]]
 
-_P = "/inferplane.inference.v1.InferenceService/"
-#: The OpenAI path → (the method without streaming, the method with `"stream": true`), the
-#: same pair the edge's stream router and transcoder choose between (`inferplane.edge`).
-GATEWAY_METHODS: Mapping[str, tuple[Method, Method]] = {
-    "/v1/chat/completions": (
-        METHODS[_P + "CreateChatCompletion"],
-        METHODS[_P + "StreamChatCompletionEvents"],
-    ),
-    "/v1/completions": (METHODS[_P + "CreateCompletion"], METHODS[_P + "StreamCompletionEvents"]),
-    "/v1/embeddings": (METHODS[_P + "CreateEmbedding"],) * 2,
-    # Anthropic Messages: one method serves both forms.
-    "/v1/messages": (METHODS[_P + "CreateMessage"],) * 2,
-    "/v1/messages/count_tokens": (METHODS[_P + "CountMessageTokens"],) * 2,
-}
 # Envoy's ext_proc takes body chunks of any size; the GIE reference picker answers in chunks
 # under 64 KiB, which every gRPC default message size accepts.
 _BODY_CHUNK = 62_000
@@ -61,7 +47,7 @@ class GatewayMode:
     of inferplane's edge.
 
     The gateway's proxy sends the client's request as it came (`/v1/...` and OpenAI's JSON,
-    buffered or FULL_DUPLEX_STREAMED) after its own ext_authz call to auth; the pick names
+    buffered or FULL_DUPLEX_STREAMED); the picker authenticates it; the pick names
     the node-local Envoy of the chosen replica's node (`<replica host>:node_port`, an endpoint
     of the InferencePool) in `x-gateway-destination-endpoint` and `envoy.lb` metadata, and the
     replica process in `x-inferplane-replica-address` for that Envoy's ORIGINAL_DST cluster.
@@ -78,44 +64,6 @@ class GatewayMode:
         return f"{host}:{self.node_port}"
 
 
-def parse_json_request(body: bytes) -> dict[str, Any]:
-    """An OpenAI JSON request body as a dict (the gateway sends the client's bytes).
-
-    Raises:
-        InvalidArgumentError: not UTF-8 JSON holding an object (HTTP 400).
-    """
-    try:
-        value = json.loads(body)
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise InvalidArgumentError(
-            f"Could not parse the request body: {exc}", code="invalid_request_body"
-        ) from None
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(
-            "The request body must be a JSON object.", code="invalid_request_body"
-        )
-    return value
-
-
-def typed_request(body: Mapping[str, Any], method: Method) -> Any:
-    """The typed request of a parsed OpenAI body, by the proto3 JSON mapping the edge's
-    transcoder applies (`body: "request"`): `method.request_type` with the body as `request`.
-    Unknown keys are skipped here; the node-local Envoy's field guard answers them (400 naming
-    the key, as on the edge).
-
-    Raises:
-        InvalidArgumentError: a field of the wrong type or value (HTTP 400).
-    """
-    wrapper: Any = method.request_type()
-    try:
-        json_format.ParseDict(dict(body), wrapper.request, ignore_unknown_fields=True)
-    except json_format.ParseError as exc:
-        raise InvalidArgumentError(
-            f"Could not parse the request body: {exc}", code="invalid_request_body"
-        ) from None
-    return wrapper
-
-
 def gateway_served(exchange: Exchange, gateway: GatewayMode, served: str) -> str:
     """A gateway's `-served` names the node Envoy (`<host>:node_port`), not the replica: the
     picked replica when it is that Envoy's, else "" (unknown; never a verdict on another)."""
@@ -125,23 +73,26 @@ def gateway_served(exchange: Exchange, gateway: GatewayMode, served: str) -> str
     return ""
 
 
-def gateway_headers(exchange: Exchange, message: ext_pb.ProcessingRequest) -> None:
-    """Checks a gateway's request headers (the trace is opened by the caller): a path the
-    picker decides on, a body to come, and auth's verdict (the gateway's ext_authz towards
-    auth; without it no key was checked, so the request is refused rather than served).
+def gateway_headers(
+    exchange: Exchange, message: ext_pb.ProcessingRequest, *, authenticated: bool
+) -> None:
+    """Checks a gateway's request headers (the trace is opened and the key authenticated by
+    the caller): a path the picker decides on, a body to come, and, when the picker has no
+    key table (`authenticated` false), auth's verdict from the gateway's own ext_authz call
+    (without it no key was checked, so the request is refused rather than served).
 
     Raises:
         NotFoundError: another path (404 unknown_url).
-        UnauthenticatedError: no `x-inferplane-key-id` from auth's Check (401).
+        UnauthenticatedError: not `authenticated` and no `x-inferplane-key-id` (401).
         InvalidArgumentError: no body (400).
     """
     request = exchange.request
-    path = request.metadata.get(":path", "").partition("?")[0]
+    path = request.path
     request.subset = codec.subset(message)
-    if path not in GATEWAY_METHODS:
+    if path not in ROUTES:
         raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
-    request.path, request.method = path, GATEWAY_METHODS[path][0]
-    if not request.metadata.get(headers.KEY_ID):
+    request.method = ROUTES[path][0]
+    if not authenticated and not request.metadata.get(headers.KEY_ID):
         raise UnauthenticatedError(
             "The request carries no verified API key: the gateway must ask inferplane's "
             "auth service (ext_authz Check) before the endpoint picker.",
@@ -180,13 +131,10 @@ async def gateway_request(
         if request.duplex and not message.request_body.end_of_stream:
             return  # more chunks (or the trailers) follow; BUFFERED sends it whole
     body = b"".join(request.chunks)
-    parsed = parse_json_request(body)
-    # Top-level `"stream": true` only, as the edge's json_to_metadata rule (a nested
-    # `stream`, or the string "true", asks for no stream).
-    method = GATEWAY_METHODS[request.path][1 if parsed.get("stream") is True else 0]
+    content_type = request.metadata.get("content-type", "")
+    method, decoded = codec.decode_request(ROUTES[request.path], body, content_type)
     request.method, exchange.trace.stream = method, method.stream
     exchange.trace.api = method.api
-    decoded = typed_request(parsed, method)
     subset = request.subset
 
     def outside(route: ModelRoute) -> list[ReplicaKey]:
@@ -199,13 +147,21 @@ async def gateway_request(
     replica = exchange.pick.endpoints[0].address
     destination = gateway.destination(replica)
     if not request.duplex:
-        yield codec.gateway_pick_response(
+        picked = codec.gateway_pick_response(
             destination, replica, outcome_address, phase="request_body"
         )
+        codec.picker_metadata(picked, exchange.pick.labels)
+        yield picked
         return
-    yield codec.gateway_pick_response(
+    picked = codec.gateway_pick_response(
         destination, replica, outcome_address, phase="request_headers"
     )
+    # In duplex mode the headers were not answered yet: auth's verdict goes with the pick.
+    if request.granted is not None:
+        picked.request_headers.response.header_mutation.MergeFrom(request.granted)
+        exchange.pick.labels[headers.PICKER_AUTHENTICATED] = True
+    codec.picker_metadata(picked, exchange.pick.labels)
+    yield picked
     chunks = [body[i : i + _BODY_CHUNK] for i in range(0, len(body), _BODY_CHUNK)] or [b""]
     ends_here = kind == "request_body"
     for i, chunk in enumerate(chunks):

@@ -1,8 +1,9 @@
 """`EndpointPicker`: the `envoy.service.ext_proc.v3.ExternalProcessor` servicer that runs one
 request's ext_proc stream: it reads each message (`codec`), moves the request's `Exchange`
-through its `Phase`s, asks the `Director` for the decision (keeping Envoy's message timer
-alive while the request queues, and noticing the client going away), and hands the request's
-end to the `Concluder`. Gateway mode's request phase is `gateway.py`'s.
+through its `Phase`s, authenticates the request's key in its first exchange (the router's
+`KeyTable`, before any body is read), asks the `Director` for the decision (keeping Envoy's
+message timer alive while the request queues, and noticing the client going away), and hands
+the request's end to the `Concluder`. Gateway mode's request phase is `gateway.py`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
+from inferplane.apis import anthropic
 from inferplane.router.admission import Admission
 from inferplane.router.features import FeatureExtractor
+from inferplane.router.keys import KeyTable, Principal
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker import codec
 from inferplane.router.picker.conclusion import Concluder
@@ -42,7 +45,7 @@ from inferplane.runtime import (
     InvalidArgumentError,
     NotFoundError,
 )
-from inferplane.wire import SUMMARY_KEYS, ResponseSummary, headers
+from inferplane.wire import SUMMARY_KEYS, ResponseSummary, apis, headers
 
 log = structlog.get_logger("inferplane.router.picker")
 
@@ -122,6 +125,13 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     breakers; `reporter` hands over one usage report and one record per request; `metrics`
     (optional) counts requests a fallback served and orphan reports. `tracing`: the spans of
     its requests (`picker/tracing.py`; off unless the app sets it).
+
+    `keys`, the key table auth streams to this router, authenticates every request on its
+    headers (401 / 403 / 503 `auth_unavailable` in the API's error shape before the body is
+    read; on success auth's verdict headers replace the key and the picker marks the request
+    authenticated, `headers.PICKER_AUTHENTICATED`). Without it the verdict must come from
+    ext_authz before the picker (`x-inferplane-key-id` present: the request is marked;
+    absent: unmarked, which the edge's picker guard refuses).
     """
 
     tracing: PickerTracing = PICKER_TRACING_OFF
@@ -135,8 +145,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         features: FeatureExtractor | None = None,
         settings: PickerSettings | None = None,
         metrics: RouterMetrics | None = None,
+        keys: KeyTable | None = None,
     ) -> None:
         self._settings = settings = settings or PickerSettings()
+        self._keys = keys
         self._reporter = reporter
         self._clock = reporter.clock
         self.director = Director(table, admission, features=features, fallbacks=settings.fallbacks)
@@ -258,54 +270,109 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if exchange.phase not in (Phase.ENDED, Phase.CONCLUDED):
             exchange.phase = Phase.REFUSED
         exchange.trace.fail(error.code)
-        method = exchange.request.method
-        return codec.immediate_response(error, method.api if method is not None else "")
+        request = exchange.request
+        if request.method is not None:
+            api = request.method.api
+        else:  # a path the picker does not serve: Anthropic's shape under its prefix
+            api = apis.MESSAGES if anthropic.is_anthropic_path(request.path) else ""
+        response = codec.immediate_response(error, api)
+        if exchange.pick.labels:
+            codec.picker_metadata(response, exchange.pick.labels)
+        return response
 
     # -- request ------------------------------------------------------------------------------
 
     def _on_request_headers(
         self, exchange: Exchange, message: ext_pb.ProcessingRequest
     ) -> ext_pb.ProcessingResponse | None:
-        """Opens the request's trace and checks its path (a gateway's: `gateway_headers`).
-        Returns the answer (None: a duplex gateway's headers wait for the body's end).
+        """Opens the request's trace, authenticates its key (`_authenticate`) and checks its
+        REST path (a gateway's: `gateway_headers`). Returns the answer (auth's verdict and the
+        picker's mark, `codec.authenticated_response`; None: a duplex gateway's headers wait
+        for the body's end).
 
         Raises:
-            NotFoundError: a path that is no generation method (404 unknown_url).
+            UnauthenticatedError / PermissionDeniedError / UnavailableError: the key
+                (`KeyTable.authenticate`: 401, 403, 503), before anything else.
+            NotFoundError: a path or verb that is no generation method (404 unknown_url).
             InvalidArgumentError: no body will follow (400).
         """
         request = exchange.request
         request.metadata = codec.header_map(message.request_headers.headers)
+        request.path = request.metadata.get(":path", "").partition("?")[0]
+        methods = codec.ROUTES.get(request.path)
+        request.method = methods[0] if methods is not None else None  # shapes a refusal
         request.trace = self._reporter.begin("", False, request.metadata)
         if exchange.phase is Phase.RECEIVED:
             exchange.phase = Phase.REQUEST_HEADERS_DONE
+        self._authenticate(exchange)
         if exchange.gateway is not None:
-            gateway_headers(exchange, message)
+            gateway_headers(exchange, message, authenticated=self._keys is not None)
             if request.duplex:
                 return None
-            return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
-        path = request.metadata.get(":path", "").partition("?")[0]
-        method = codec.METHODS.get(path)
-        if method is None:
-            raise NotFoundError(f"Invalid URL ({path or '/'})", code="unknown_url")
-        request.trace.stream = method.stream
-        request.trace.api = method.api
-        request.method = method
+            return codec.authenticated_response(request.granted)
+        verb = request.metadata.get(":method", "")
+        if request.method is None or verb != "POST":
+            shown = request.path or "/"
+            raise NotFoundError(f"Invalid URL ({verb} {shown})", code="unknown_url")
+        request.trace.api = request.method.api
         if message.request_headers.end_of_stream:  # no body message would follow, so no pick
             raise InvalidArgumentError("the request has no body", code="invalid_body")
-        return ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+        return codec.authenticated_response(request.granted)
+
+    def _authenticate(self, exchange: Exchange) -> None:
+        """Authenticates the request's key with the key table: the request's metadata then
+        holds auth's verdict (`headers.AUTH_VERDICT`, what the `Director` and the reports read)
+        instead of the key, and `request.granted` the headers answer. Without a table, a
+        verdict ext_authz already set (`x-inferplane-key-id`) marks the request.
+
+        Raises:
+            UnauthenticatedError, PermissionDeniedError, UnavailableError:
+                `KeyTable.authenticate`'s refusals.
+        """
+        request = exchange.request
+        if self._keys is None:
+            if request.metadata.get(headers.KEY_ID):
+                request.granted = ext_pb.HeaderMutation()
+            return
+        principal = self._keys.authenticate(request.metadata, request.path or "/")
+        granted = codec.verdict(principal)
+        mutation = ext_pb.HeaderMutation()
+        codec.verdict_mutation(mutation, granted, request.metadata)
+        request.metadata = {
+            k: v
+            for k, v in request.metadata.items()
+            if k not in headers.CLIENT_KEY_HEADERS and not k.startswith(headers.TRUSTED_PREFIX)
+        }
+        request.metadata.update(granted)
+        request.granted = mutation
+        exchange.trace.tenant, exchange.trace.key_id = principal.tenant, principal.key_id
+        self._admit_key(exchange, principal)
+
+    def _admit_key(self, exchange: Exchange, principal: Principal) -> None:
+        """The key's own limits (requests, tokens, concurrency, budget), checked right after
+        it authenticated; nothing is enforced here yet.
+
+        Raises:
+            InferplaneError: the key's refusal (429), answered before the body is read.
+        """
 
     async def _on_request_body(
         self, exchange: Exchange, message: ext_pb.HttpBody, reader: _Reader
     ) -> AsyncIterator[ext_pb.ProcessingResponse]:
-        method = exchange.request.method
-        if method is None or exchange.pick.endpoints:
+        request = exchange.request
+        methods = codec.ROUTES.get(request.path)
+        if methods is None or exchange.pick.endpoints:
             raise InvalidArgumentError("a request body without request headers")
-        decoded = codec.decode_body(message.body, method.request_type)
+        content_type = request.metadata.get("content-type", "")
+        method, decoded = codec.decode_request(methods, message.body, content_type)
+        request.method, exchange.trace.stream = method, method.stream
         with self.tracing.pick(exchange):
             async for keepalive in self._decide(exchange, method, decoded, reader):
                 yield keepalive
         addresses = [e.address for e in exchange.pick.endpoints]
-        yield codec.pick_response(addresses, self._settings.outcome_address)
+        response = codec.pick_response(addresses, self._settings.outcome_address)
+        codec.picker_metadata(response, exchange.pick.labels)
+        yield response
 
     async def _decide(
         self,
@@ -328,6 +395,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         trace.model = facts.model
         if method.to_chat is not None:  # one method serves both: the body says
             trace.stream = facts.request.stream
+        exchange.pick.labels[headers.PICKER_MODEL] = self.director.served_name(facts.model)
         routed = self.director.route(facts, outside)
         trace.deployment = routed.route.deployment_key
         with self.tracing.queue(exchange):

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+
 from inferplane.router.admission import Slot
 from inferplane.router.picker.codec import Method
 from inferplane.router.picker.director import Decision
@@ -68,7 +70,10 @@ class RequestPart:
         metadata: the request headers, lower-case keys (auth's verdict, ids).
         method: the generation method, once known (gateway mode: once the body says whether
             it streams).
-        path: the gateway's OpenAI path (gateway mode only).
+        path: the client's REST path, without its query string.
+        granted: the answer to the headers once the picker authenticated the key: auth's
+            verdict headers set, the key and forged trusted headers removed (None: not
+            authenticated here, e.g. no key table).
         duplex: a gateway streams the request body FULL_DUPLEX_STREAMED (the headers' answer
             waits for the body's end).
         duplex_response: a gateway streams the response body FULL_DUPLEX_STREAMED.
@@ -80,6 +85,7 @@ class RequestPart:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     method: Method | None = None
     path: str = ""
+    granted: ext_pb.HeaderMutation | None = None
     duplex: bool = False
     duplex_response: bool = False
     chunks: list[bytes] = dataclasses.field(default_factory=list)
@@ -95,12 +101,15 @@ class PickPart:
         slot: the slot held on the primary (released exactly once, at the end).
         endpoints: primary first, then the fallbacks Envoy may try, in order.
         picked: monotonic seconds when the pick was answered (TTFT counts from here).
+        labels: what the picker tells the edge's later filters and access log about the
+            decision (`headers.PICKER_NAMESPACE`: the routed model, or `UNKNOWN_MODEL`).
     """
 
     admitting: asyncio.Future[Decision] | None = None
     slot: Slot | None = None
     endpoints: tuple[Endpoint, ...] = ()
     picked: float = 0.0
+    labels: dict[str, bool | str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)

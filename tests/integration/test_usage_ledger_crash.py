@@ -1,8 +1,10 @@
-"""The usage ledger survives its writer being killed mid-batch: a real auth process (SQLite)
-receives the router's real usage sink (`AuthUsageSink`, batches of 256, a spool file) and is
-SIGKILLed twice while it writes; after each restart the sink re-sends what was not
-acknowledged. At the end every reported request is in the ledger exactly once and the monthly
-token total counts each once: no row lost, none doubled, no half-written batch."""
+"""The usage ledger survives its writer and its reporter being killed: a real auth process
+(SQLite) receives the router's real usage outbox (`AuthUsageSink`, batches of 256, a spool
+file) and is SIGKILLed twice while it writes; after each restart the outbox re-sends what was
+not acknowledged. A process holding the outbox is SIGKILLed once its reports are durable and
+before it delivered them; the next one on the same file delivers them. Every reported request
+is in the ledger exactly once and the monthly token total counts each once: no row lost, none
+doubled, no half-written batch."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.auth.v1 import auth_pb2, auth_pb2_grpc
-from inferplane.router.usage import AuthUsageSink, UsageRecord, UsageSinkSettings
+from inferplane.router.records import ConcludedRequest
+from inferplane.router.usage import AuthUsageSink, UsageSinkSettings
 from inferplane.runtime.processes.ports import free_port
 
 ADMIN_KEY = "ledger-crash-test-admin-key-0123456789"
@@ -90,6 +93,28 @@ def auth(tmp_path: Path) -> Iterator[AuthProcess]:
         process.stop()
 
 
+def _concluded(key_id: str, request_id: str, i: int) -> ConcludedRequest:
+    return ConcludedRequest(
+        request_id=request_id,
+        key_id=key_id,
+        model="kimi-tiny",
+        api="chat",
+        prompt_tokens=7,
+        completion_tokens=i % 11,
+        end_time=1.8e9,
+    )
+
+
+def _create_key(auth: AuthProcess) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{auth.port}") as channel:
+        created = auth_pb2_grpc.ApiKeyServiceStub(channel).CreateApiKey(
+            auth_pb2.CreateApiKeyRequest(api_key=auth_pb2.ApiKey(tenant="acme")),
+            metadata=(("authorization", f"Bearer {ADMIN_KEY}"),),
+            timeout=10,
+        )
+    return str(created.api_key.name.removeprefix("api-keys/"))
+
+
 def _ledger(auth: AuthProcess, sql: str) -> int:
     with sqlite3.connect(auth.data_dir / "auth.db", timeout=5) as db:
         return int(db.execute(sql).fetchone()[0] or 0)
@@ -98,13 +123,7 @@ def _ledger(auth: AuthProcess, sql: str) -> int:
 def test_killing_the_writer_mid_batch_loses_and_doubles_nothing(
     auth: AuthProcess, tmp_path: Path
 ) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{auth.port}") as channel:
-        created = auth_pb2_grpc.ApiKeyServiceStub(channel).CreateApiKey(
-            auth_pb2.CreateApiKeyRequest(api_key=auth_pb2.ApiKey(tenant="acme")),
-            metadata=(("authorization", f"Bearer {ADMIN_KEY}"),),
-            timeout=10,
-        )
-    key_id = created.api_key.name.removeprefix("api-keys/")
+    key_id = _create_key(auth)
     assert (auth.data_dir / "auth.db").exists()
 
     async def scenario() -> tuple[int, int]:
@@ -123,9 +142,7 @@ def test_killing_the_writer_mid_batch_loses_and_doubles_nothing(
         kills = 0
         try:
             for i in range(REQUESTS):
-                assert sink.record(
-                    UsageRecord(key_id, f"req-{i:05d}", "kimi-tiny", 7, i % 11, end_time=1.8e9)
-                )
+                assert sink.record(_concluded(key_id, f"req-{i:05d}", i))
             deadline = time.monotonic() + 120
             while sink.pending or sink.spooled:
                 assert time.monotonic() < deadline, "the reports were not all delivered"
@@ -156,3 +173,70 @@ def test_killing_the_writer_mid_batch_loses_and_doubles_nothing(
         expected
     )
     assert _ledger(auth, "SELECT sum(tokens) FROM usage_monthly") == expected
+
+
+# A router-side process: its outbox makes N reports durable while auth is unreachable (a port
+# nobody listens on), prints "durable", then waits to be killed.
+_REPORTER = """
+import asyncio, sys
+from pathlib import Path
+from prometheus_client import CollectorRegistry
+from inferplane.router.records import ConcludedRequest
+from inferplane.router.usage import AuthUsageSink, UsageSinkSettings
+
+async def main() -> None:
+    key_id, path, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    sink = AuthUsageSink(
+        UsageSinkSettings(target="127.0.0.1:9", backoff_max_seconds=0.5),
+        CollectorRegistry(),
+        spool_path=path,
+    )
+    await sink.start()
+    last = 0
+    for i in range(n):
+        last = sink.record(
+            ConcludedRequest(request_id=f"killed-{i:04d}", key_id=key_id, model="kimi-tiny",
+                             api="chat", prompt_tokens=5, completion_tokens=1, end_time=1.8e9)
+        )
+    await sink.durable(last)
+    print("durable", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_reporter_killed_after_concluding_delivers_from_its_outbox_after_restart(
+    auth: AuthProcess, tmp_path: Path
+) -> None:
+    key_id = _create_key(auth)
+    path = tmp_path / "router" / "usage-outbox.db"
+    n = 500
+    child = subprocess.Popen(
+        [sys.executable, "-c", _REPORTER, key_id, str(path), str(n)], stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == b"durable"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+    async def restarted() -> int:
+        sink = AuthUsageSink(
+            UsageSinkSettings(target=f"127.0.0.1:{auth.port}", backoff_max_seconds=0.2),
+            CollectorRegistry(),
+            spool_path=path,
+        )
+        left = sink.spooled
+        await sink.start()
+        deadline = time.monotonic() + 30
+        while sink.spooled:
+            assert time.monotonic() < deadline, "the outbox was not delivered"
+            await asyncio.sleep(0.02)
+        await sink.close()
+        return left
+
+    assert asyncio.run(restarted()) == n  # everything the killed process concluded
+    assert _ledger(auth, "SELECT count(*) FROM usage_ledger WHERE request_id LIKE 'killed-%'") == n
+    assert _ledger(auth, "SELECT count(DISTINCT api) FROM usage_ledger") == 1

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from inferplane.api.auth.v1 import usage_pb2
 from inferplane.console.sessions import COOKIE_NAME
+from inferplane.wire.headers import UNKNOWN_MODEL
 
 ADMIN_KEY = "ip-admin-key-0000000000000000000000000000000"
 ACME_KEY = "ip-acme-console-00000000000000000000000000000"
@@ -212,9 +213,11 @@ def test_usage_page_charts_and_csv_export(run_console: Any, sign_in: Any) -> Non
             usage_pb2.UsageGroup(group="2026-11-26", requests=1, prompt_tokens=5,
                                  completion_tokens=3),
         ]  # fmt: skip
+        # Requests for names no route serves arrive as one model, UNKNOWN_MODEL (the picker's).
         platform.groups["model"] = [
             usage_pb2.UsageGroup(group="kimi-tiny", requests=3, prompt_tokens=35,
-                                 completion_tokens=15)
+                                 completion_tokens=15),
+            usage_pb2.UsageGroup(group=UNKNOWN_MODEL, requests=2, failed_requests=2),
         ]  # fmt: skip
         for i, (tenant, model) in enumerate((("acme", "=cmd|' /C calc'!A0"), ("globex", "m"))):
             row = usage_pb2.UsageRow(
@@ -228,6 +231,7 @@ def test_usage_page_charts_and_csv_export(run_console: Any, sign_in: Any) -> Non
         assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="chart"') == 3
         assert "<title>2026-11-25: 42 tokens</title>" in page
         assert '<td class="total">50</td>' in page  # kimi-tiny: 35 + 15
+        assert page.count(f'<th scope="row">{UNKNOWN_MODEL}</th>') == 1
         bad = await client.get("/console/usage?days=5")
         assert bad.status == 400
 

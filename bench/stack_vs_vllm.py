@@ -1,6 +1,6 @@
 """inferplane against plain vLLM on the same engine: what does the whole platform cost?
 
-    .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--paths vllm,stack-inproc,...]
+    .venv/bin/python bench/stack_vs_vllm.py [--repeats 3] [--rounds 1] [--paths vllm,...]
                                             [--stream-interval N] [--no-smg]
                                             [--profile-dir DIR] [--plot bench/stack_vs_vllm.png]
 
@@ -25,7 +25,8 @@ line for the plain engines), one after another and never two engines at once:
 - `smg-grpc`: SMG in front of `vllm serve --grpc` (SMG tokenizes, renders and parses in Rust).
 
 Each is driven by `vllm bench serve` (streaming chat, random 128-token prompts, 64 output tokens
-with `--ignore-eos`, concurrency 1 and 8, warm-ups first, `--repeats` runs per cell; the stack
+with `--ignore-eos`, concurrency 1 and 8, warm-ups first, `--repeats` runs per cell, and all of
+that `--rounds` times on fresh engines, the paths' order alternating between rounds; the stack
 is called through its edge with an API key as `OPENAI_API_KEY`). Per cell the MEDIAN over the
 runs of output tokens/s, TTFT p50/p99 and ITL p50/p99 is printed (with the tokens/s range),
 then CPU ms per request of each process during the c=8 runs, split into the platform (every
@@ -312,6 +313,7 @@ class PathResult:
     cpu_per_request_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     profiles: dict[str, list[tuple[float, str]]] = dataclasses.field(default_factory=dict)
     messages_per_request: float | None = None
+    rounds: int = 1  # rounds merged into this result (`merge`)
 
     def platform_ms(self) -> float:
         """CPU ms per request of every process but vLLM's engine core and workers (for plain
@@ -324,6 +326,27 @@ class PathResult:
 
     def engine_ms(self) -> float:
         return sum(ms for name, ms in self.cpu_per_request_ms.items() if is_engine(name))
+
+
+def merge(results: dict[str, PathResult], path: str, result: PathResult) -> None:
+    """Adds one round's `result` of `path`: its runs join the cells (medians over every
+    round's runs); CPU per request, messages per request and ready time are averaged."""
+    into = results.get(path)
+    if into is None:
+        results[path] = result
+        return
+    n = into.rounds
+    for level, cell in result.cells.items():
+        into.cells.setdefault(level, Cell()).runs.extend(cell.runs)
+    for name in into.cpu_per_request_ms.keys() | result.cpu_per_request_ms.keys():
+        total = into.cpu_per_request_ms.get(name, 0.0) * n
+        into.cpu_per_request_ms[name] = (total + result.cpu_per_request_ms.get(name, 0.0)) / (n + 1)
+    if into.messages_per_request is not None and result.messages_per_request is not None:
+        total = into.messages_per_request * n
+        into.messages_per_request = (total + result.messages_per_request) / (n + 1)
+    into.ready_seconds = (into.ready_seconds * n + result.ready_seconds) / (n + 1)
+    into.profiles = into.profiles or result.profiles
+    into.rounds = n + 1
 
 
 def is_engine(label: str) -> bool:
@@ -802,6 +825,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset")
     parser.add_argument("--repeats", type=int, default=3, help="runs per path and concurrency")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every path runs, each time on a fresh engine, in alternating order "
+        "(medians over all rounds' runs; CPU per request averaged over the rounds)",
+    )
     parser.add_argument("--prompts-c1", type=int, default=48)
     parser.add_argument("--prompts-c8", type=int, default=240)
     parser.add_argument("--warmups", type=int, default=8)
@@ -858,21 +888,26 @@ def main() -> None:
         )
         results: dict[str, PathResult] = {}
         # The stack paths first: their node-agent reports the exact engine spec the plain
-        # engines then reuse (same settings everywhere).
+        # engines then reuse (same settings everywhere). Later rounds alternate the order.
         spec = profile_spec(stack_config(work / "cfg", stream_interval=args.stream_interval))
-        for path in sorted(paths, key=lambda p: not p.startswith("stack")):
-            log(f"--- {path}")
-            if path == "vllm":
-                results |= run_vllm(work, opts, spec, with_smg=with_smg)
-            elif path == "vllm-nice":
-                niceness = NodeAgentSettings().engine_cpu_core_niceness
-                results |= run_vllm(work, opts, spec, core_niceness=niceness)
-            elif path == "smg-grpc":
-                grpc_result = run_smg_grpc(work, opts, spec)
-                if grpc_result is not None:
-                    results[path] = grpc_result
-            else:
-                results[path], spec = run_stack(work, opts, path)
+        order = sorted(paths, key=lambda p: not p.startswith("stack"))
+        for round_ in range(args.rounds):
+            for path in order if round_ % 2 == 0 else order[::-1]:
+                log(f"--- {path} (round {round_ + 1} of {args.rounds})")
+                got: dict[str, PathResult] = {}
+                if path == "vllm":
+                    got = run_vllm(work, opts, spec, with_smg=with_smg)
+                elif path == "vllm-nice":
+                    niceness = NodeAgentSettings().engine_cpu_core_niceness
+                    got = run_vllm(work, opts, spec, core_niceness=niceness)
+                elif path == "smg-grpc":
+                    grpc_result = run_smg_grpc(work, opts, spec)
+                    if grpc_result is not None:
+                        got[path] = grpc_result
+                else:
+                    got[path], spec = run_stack(work, opts, path)
+                for name, result in got.items():
+                    merge(results, name, result)
         log(f"engine spec: {json_format.MessageToDict(spec)}")
         results = {p: results[p] for p in PATHS if p in results}
     if args.json is not None:

@@ -13,12 +13,15 @@ for the receiver:
   returns once the item at `position` is on disk (for a caller that acknowledges something
   to a third party only then);
 - a sender task delivers the spool, oldest first, in batches of up to `batch_size` (as soon
-  as the previous call returned: batches grow with load only), and removes a batch from the
-  spool only once the receiver acknowledged it. A retryable failure (`retryable`; by default
-  the gRPC codes in `RETRYABLE_CODES`) keeps the batch and backs off (exponential, full
-  jitter); any other error drops the batch, counted as `reason="rejected"` (re-sending would
-  wedge the sender). The outbox grows on disk for as long as the receiver is away, and the
-  next process on the same file delivers what a previous one left (a crash included).
+  as the previous call returned: batches grow with load only), from memory (the newest
+  `capacity` items appended are also kept there) or, for older ones (a previous process's,
+  or a long outage's), read back from the file; a batch is removed from the spool only once
+  the receiver acknowledged it (in the next append's transaction: one fsync for both). A
+  retryable failure (`retryable`; by default the gRPC codes in `RETRYABLE_CODES`) keeps the
+  batch and backs off (exponential, full jitter); any other error drops the batch, counted
+  as `reason="rejected"` (re-sending would wedge the sender). The outbox grows on disk for
+  as long as the receiver is away, and the next process on the same file delivers what a
+  previous one left (a crash included).
 
 Delivery is at-least-once: a batch acknowledged by the receiver but not yet removed when the
 process died is sent again, so the receiver must drop copies by id (the usage ledger keeps one
@@ -32,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import random
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -44,6 +48,9 @@ from inferplane.runtime.delivery.spool import Spool
 log = structlog.get_logger("inferplane.runtime.delivery.outbox")
 
 T = TypeVar("T")
+
+# While nothing is written, acknowledged rows are removed from the file after this long.
+_IDLE_TRIM_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +110,13 @@ class Outbox(Generic[T]):
         self._waiting: collections.deque[T] = collections.deque()  # not yet appended
         self._accepted = 0  # positions handed out
         self._written = 0  # items appended, oldest first (their positions are <= this)
+        # Appended items still kept in memory, by sequence number (the newest `capacity`).
+        self._memory: collections.deque[tuple[int, T]] = collections.deque()
+        # Sequence numbers: the last item appended, through which the receiver has every item,
+        # through which the spool's rows were removed (what a previous process left counts
+        # as not acknowledged).
+        first, self._last = spool.bounds()
+        self._acked = self._dropped = first - 1 if first else self._last
         self._progress: asyncio.Event | None = None  # set (and replaced) on every append
         self._to_write: asyncio.Event | None = None
         self._to_send: asyncio.Event | None = None
@@ -147,8 +161,8 @@ class Outbox(Generic[T]):
 
     @property
     def spooled(self) -> int:
-        """Items in the spool (written, not yet acknowledged by the receiver)."""
-        return len(self._spool)
+        """Items in the spool not yet acknowledged by the receiver."""
+        return self._last - self._acked
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -159,9 +173,9 @@ class Outbox(Generic[T]):
         self._to_send = asyncio.Event()
         if self._waiting:
             self._to_write.set()
-        if len(self._spool):
+        if self.spooled:
             self._to_send.set()
-        self.metrics.buffered.set(len(self._waiting) + len(self._spool))
+        self.metrics.buffered.set(len(self._waiting) + self.spooled)
         self._writer = asyncio.create_task(self._write_loop(), name=f"{self._name}-writer")
         self._sender = asyncio.create_task(self._send_loop(), name=f"{self._name}-sender")
 
@@ -185,7 +199,11 @@ class Outbox(Generic[T]):
             self._sender = None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._drain_once(), timeout_seconds)
-        left = len(self._spool) + len(self._waiting)
+        if self._acked > self._dropped:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._spool.drop, self._acked)
+                self._dropped = self._acked
+        left = self.spooled + len(self._waiting)
         if left and self._spool.path is None:
             log.warning("outbox_items_lost_at_close", outbox=self._name, items=left)
             self.metrics.dropped.labels("buffer_full").inc(left)
@@ -203,6 +221,12 @@ class Outbox(Generic[T]):
                 if self._closing:
                     return
                 self._to_write.clear()
+                if self._acked > self._dropped:  # idle: trim what was acknowledged, later
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._to_write.wait(), _IDLE_TRIM_SECONDS)
+                    if not self._waiting and not self._closing:
+                        await self._append()
+                    continue
                 await self._to_write.wait()
                 continue
             started = loop.time()
@@ -216,16 +240,24 @@ class Outbox(Generic[T]):
                 await self._sleep(rest)  # the items put meanwhile go in the next append
 
     async def _append(self) -> bool:
-        """Appends every item waiting now, in one transaction; False when the spool could not
-        be written (they stay waiting, in order)."""
+        """Appends every item waiting now and removes the acknowledged ones, in one
+        transaction; False when the spool could not be written (they stay waiting, in
+        order)."""
         items = list(self._waiting)
+        acked = self._acked
         try:
-            await asyncio.to_thread(self._spool.append, items)
+            last = await asyncio.to_thread(self._spool.append, items, acked)
         except Exception:
             log.exception("outbox_append_failed", outbox=self._name, items=len(items))
             return False
+        self._dropped = max(self._dropped, acked)
         for _ in items:
             self._waiting.popleft()
+        first = last - len(items) + 1
+        self._memory.extend(zip(range(first, last + 1), items, strict=True))
+        while len(self._memory) > self._settings.capacity:
+            self._memory.popleft()  # still in the file: read back when its turn comes
+        self._last = max(self._last, last)
         self._written += len(items)
         progress, self._progress = self._progress, None
         if progress is not None:
@@ -240,7 +272,7 @@ class Outbox(Generic[T]):
         assert self._to_send is not None
         failures = 0
         while True:
-            if not len(self._spool):
+            if not self.spooled:
                 self._to_send.clear()
                 await self._to_send.wait()
                 continue
@@ -274,8 +306,19 @@ class Outbox(Generic[T]):
         Raises:
             _Unreachable: a retryable failure; the batch stays in the spool.
         """
-        through, batch = await asyncio.to_thread(self._spool.peek, self._settings.batch_size)
+        while self._memory and self._memory[0][0] <= self._acked:
+            self._memory.popleft()
+        size = self._settings.batch_size
+        if self._memory and self._memory[0][0] == self._acked + 1:
+            taken = list(itertools.islice(self._memory, size))
+            through, batch = taken[-1][0], [item for _, item in taken]
+        else:  # older items than memory holds: read them back
+            through, batch = await asyncio.to_thread(self._spool.peek, size, self._acked)
+            if batch and self._memory:
+                batch = batch[: max(1, self._memory[0][0] - self._acked - 1)]
+                through = self._acked + len(batch)
         if not batch:
+            self._acked = self._last  # nothing left on disk (rows trimmed meanwhile)
             return
         try:
             await self._send_batch(batch)
@@ -288,13 +331,13 @@ class Outbox(Generic[T]):
             log.error("outbox_batch_rejected", outbox=self._name, items=len(batch), error=str(exc))
         else:
             self.metrics.sent.inc(len(batch))
-        await asyncio.to_thread(self._spool.drop, through)
-        self.metrics.buffered.set(len(self._waiting) + len(self._spool))
+        self._acked = max(self._acked, through)
+        self.metrics.buffered.set(len(self._waiting) + self.spooled)
 
     async def _drain_once(self) -> None:
         """Sends the spool batch by batch until it is empty or a send fails."""
         with contextlib.suppress(_Unreachable):
-            while len(self._spool):
+            while self.spooled:
                 await self._send_one()
 
 

@@ -57,26 +57,47 @@ class Spool(Generic[T]):
         """Items on disk (kept in memory: no I/O)."""
         return self._count
 
-    def append(self, items: Sequence[T]) -> None:
-        """Adds `items` after the ones already there, in one transaction."""
-        if not items:
-            return
+    def append(self, items: Sequence[T], drop_through: int = 0) -> int:
+        """Adds `items` after the ones already there and removes every item up to sequence
+        number `drop_through` (0: none), in one transaction (one fsync). Returns the sequence
+        number of the last item added (they are numbered one by one: the first is that minus
+        `len(items)` plus 1), or of the last item ever added when `items` is empty."""
         rows = [(self._encode(item),) for item in items]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.executemany("INSERT INTO spool (item) VALUES (?)", rows)
+                removed = 0
+                if drop_through:
+                    removed = self._db.execute(
+                        "DELETE FROM spool WHERE seq <= ?", (drop_through,)
+                    ).rowcount
+                if rows:
+                    self._db.executemany("INSERT INTO spool (item) VALUES (?)", rows)
+                last = self._last_seq()
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-            self._count += len(rows)
+            self._count += len(rows) - removed
+        return last
 
-    def peek(self, limit: int) -> tuple[int, list[T]]:
-        """The oldest `limit` items and the sequence number of the last one (for `drop`)."""
+    def bounds(self) -> tuple[int, int]:
+        """(sequence number of the oldest item on disk, of the last item ever added); the
+        first is 0 when the spool is empty."""
+        with self._lock:
+            first = self._db.execute("SELECT min(seq) FROM spool").fetchone()[0]
+            return int(first or 0), self._last_seq()
+
+    def _last_seq(self) -> int:
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'spool'").fetchone()
+        return int(row[0]) if row else 0
+
+    def peek(self, limit: int, after: int = 0) -> tuple[int, list[T]]:
+        """The oldest `limit` items numbered above `after`, and the sequence number of the last
+        one (for `drop`); (0, []) when there is none."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT seq, item FROM spool ORDER BY seq LIMIT ?", (limit,)
+                "SELECT seq, item FROM spool WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
             ).fetchall()
         if not rows:
             return 0, []

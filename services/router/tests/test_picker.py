@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 import httpx
@@ -25,6 +25,7 @@ from inferplane.router.admission import Admission, AdmissionSettings, Slot
 from inferplane.router.app import build_app
 from inferplane.router.breaker import BreakerState
 from inferplane.router.features import FeatureExtractor, RequestFeatures
+from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker.server import EndpointPicker, PickerSettings
@@ -112,6 +113,7 @@ async def picker_rig(
     admission: AdmissionSettings | None = None,
     picker: PickerSettings | None = None,
     keys: KeyTable | None = None,
+    key_limits: Callable[[FakeClock], KeyLimiter] | None = None,
 ) -> AsyncIterator[Rig]:
     route = ModelRoute("m", endpoints(n, cap), deployment="d", routing_policy=policy)
     table = RouteTable.of([route, dataclasses.replace(route, model="m-alias")])
@@ -129,6 +131,7 @@ async def picker_rig(
         settings=picker or PickerSettings(keepalive_seconds=0.01),
         metrics=metrics,
         keys=keys,
+        key_limits=key_limits(clock) if key_limits is not None else None,
     )
     server = grpc.aio.server(interceptors=[ErrorInterceptor("test")])
     ext_grpc.add_ExternalProcessorServicer_to_server(servicer, server)

@@ -35,7 +35,13 @@ from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.apis import anthropic, responses
-from inferplane.runtime import HTTP_STATUS, InferplaneError, InvalidArgumentError, error_trailers
+from inferplane.runtime import (
+    HTTP_STATUS,
+    InferplaneError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    error_trailers,
+)
 from inferplane.wire import SUMMARY_KEYS, FormError, apis, error_body, headers, read_form
 
 if TYPE_CHECKING:
@@ -365,7 +371,8 @@ def immediate_response(
     403, 404, 429, 503...; 500 for a code without one), the gRPC status for gRPC clients,
     OpenAI's body `{"error": {"message", "type", "param", "code"}}` with
     `content-type: application/json`, the `x-openai-error-*` headers and `retry-after`
-    exactly as the gRPC servicers' trailers (`inferplane.runtime.error_trailers`), and
+    exactly as the gRPC servicers' trailers (`inferplane.runtime.error_trailers`), a
+    `ResourceExhaustedError`'s `headers` (a key's x-ratelimit-*), and
     `details = "picker_<code>"`, which the edge's local-reply mappers pass through unchanged.
     For `api` Anthropic Messages the body is Anthropic's
     (`{"type": "error", "error": {"type", "message"}}`) and a 503 is Anthropic's 529
@@ -375,6 +382,9 @@ def immediate_response(
     set_header(mutation, "content-type", "application/json")
     for key, value in error_trailers(error):
         if isinstance(value, str):  # grpc-status-details-bin is for gRPC servers only
+            set_header(mutation, key, value)
+    if isinstance(error, ResourceExhaustedError):
+        for key, value in error.headers:  # a key's x-ratelimit-* (`keylimits`)
             set_header(mutation, key, value)
     status = HTTP_STATUS.get(error.status, 500)
     if api == apis.MESSAGES:

@@ -189,6 +189,9 @@ class Concluder:
         try:
             if conclusion.ended_in is not Phase.REFUSED:
                 _conclude(exchange)
+                # The key's tokens per minute and month (`keylimits`), once, now known.
+                if trace.usage is not None:
+                    exchange.request.key.account(trace.usage.total_tokens)
         finally:
             log.debug(
                 "request_finished",
@@ -234,7 +237,9 @@ async def _concluded(exchange: Exchange) -> int:
 
 
 def _release(exchange: Exchange) -> None:
-    """Gives the slot back (a grant that raced the end included)."""
+    """Gives the slot back (a grant that raced the end included) and the key's concurrency
+    slot (`keylimits.KeyLease.release`)."""
+    exchange.request.key.release()
     pick = exchange.pick
     admitting = pick.admitting
     if pick.slot is None and admitting is not None:

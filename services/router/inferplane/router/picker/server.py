@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from inferplane.apis import anthropic
 from inferplane.router.admission import Admission
 from inferplane.router.features import FeatureExtractor
+from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable, Principal
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker import codec
@@ -131,7 +132,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     read; on success auth's verdict headers replace the key and the picker marks the request
     authenticated, `headers.PICKER_AUTHENTICATED`). Without it the verdict must come from
     ext_authz before the picker (`x-inferplane-key-id` present: the request is marked;
-    absent: unmarked, which the edge's picker guard refuses).
+    absent: unmarked, which the edge's picker guard refuses). `key_limits` then admits each
+    authenticated generation request on its key's limits (`keylimits.KeyLimiter`: 429 at the
+    headers; the x-ratelimit-* headers on the allowed response); None: not enforced here.
     """
 
     tracing: PickerTracing = PICKER_TRACING_OFF
@@ -146,9 +149,11 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         settings: PickerSettings | None = None,
         metrics: RouterMetrics | None = None,
         keys: KeyTable | None = None,
+        key_limits: KeyLimiter | None = None,
     ) -> None:
         self._settings = settings = settings or PickerSettings()
         self._keys = keys
+        self._key_limits = key_limits
         self._reporter = reporter
         self._clock = reporter.clock
         self.director = Director(table, admission, features=features, fallbacks=settings.fallbacks)
@@ -349,12 +354,21 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._admit_key(exchange, principal)
 
     def _admit_key(self, exchange: Exchange, principal: Principal) -> None:
-        """The key's own limits (requests, tokens, concurrency, budget), checked right after
-        it authenticated; nothing is enforced here yet.
+        """The key's own limits (requests, tokens, concurrency, budget: `KeyLimiter.admit`),
+        checked right after it authenticated, for a generation request (POST): its lease goes
+        on the exchange (`request.key`; released at the request's one end, `Concluder`).
 
         Raises:
-            InferplaneError: the key's refusal (429), answered before the body is read.
+            ResourceExhaustedError: the key's refusal (429 `rate_limit_exceeded` or
+                `insufficient_quota`, with `retry-after` and x-ratelimit-*), answered before
+                the body is read.
         """
+        request = exchange.request
+        if self._key_limits is None or request.metadata.get(":method") != "POST":
+            return
+        if exchange.gateway is None and request.method is None:
+            return  # no generation path: 404 without counting
+        request.key = self._key_limits.admit(principal, exchange.trace.request_id)
 
     async def _on_request_body(
         self, exchange: Exchange, message: ext_pb.HttpBody, reader: _Reader
@@ -470,6 +484,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if message.end_of_stream:  # trailers-only (an error): nothing else will come
             self.concluder.end(exchange)
         mutation = codec.summary_removal(seen)
+        for name, value in exchange.request.key.headers:  # the key's x-ratelimit-*
+            codec.set_header(mutation, name, value)
         return ext_pb.ProcessingResponse(
             response_headers=ext_pb.HeadersResponse(
                 response=ext_pb.CommonResponse(header_mutation=mutation)

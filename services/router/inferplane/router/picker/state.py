@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 
 from inferplane.router.admission import Slot
+from inferplane.router.keylimits import UNLIMITED, KeyLease
 from inferplane.router.picker.codec import Method
 from inferplane.router.picker.director import Decision
 from inferplane.router.records import RequestTrace
@@ -74,6 +75,8 @@ class RequestPart:
         granted: the answer to the headers once the picker authenticated the key: auth's
             verdict headers set, the key and forged trusted headers removed (None: not
             authenticated here, e.g. no key table).
+        key: the request's part of its key's limits (`keylimits.KeyLease`: released at the
+            request's one end, its tokens accounted when known; `UNLIMITED` when none).
         duplex: a gateway streams the request body FULL_DUPLEX_STREAMED (the headers' answer
             waits for the body's end).
         duplex_response: a gateway streams the response body FULL_DUPLEX_STREAMED.
@@ -86,6 +89,7 @@ class RequestPart:
     method: Method | None = None
     path: str = ""
     granted: ext_pb.HeaderMutation | None = None
+    key: KeyLease = UNLIMITED
     duplex: bool = False
     duplex_response: bool = False
     chunks: list[bytes] = dataclasses.field(default_factory=list)

@@ -221,10 +221,10 @@ class Outbox(Generic[T]):
                 if self._closing:
                     return
                 self._to_write.clear()
-                if self._acked > self._dropped:  # idle: trim what was acknowledged, later
+                if self._last > self._dropped:  # rows on disk: trim the acknowledged, later
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._to_write.wait(), _IDLE_TRIM_SECONDS)
-                    if not self._waiting and not self._closing:
+                    if not self._waiting and self._acked > self._dropped and not self._closing:
                         await self._append()
                     continue
                 await self._to_write.wait()

@@ -25,6 +25,7 @@ OWN_STACK_MODULES = frozenset(
         "test_catalogue.py",
         "test_audio.py",
         "test_agents.py",
+        "test_tracing.py",
     }
 )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from inferplane.fixtures import embed_tiny, kimi_tiny, qwen3_tiny, whisper_tiny
 from inferplane.runtime.security.identity import ADMIN, PeerSecurity
 from inferplane.runtime.security.pki import LocalCA
+from inferplane.runtime.tracing import DEFAULT_SAMPLING_RATIO
 
 Progress = Callable[[str], None]
 
@@ -130,6 +131,10 @@ class StackConfig:
         console_port: the web console's port on 127.0.0.1 (`services/console`; HTTPS with
             client certificates unless `plaintext`); 0: a free port chosen at start
             (`Stack.console_port`). Browsers reach it through the edge at `console_url`.
+        otlp_traces_endpoint: an OpenTelemetry collector (OTLP/gRPC `host:port`) every
+            service, each replica process (through its node-agent) and the edge (through the
+            orchestrator) export their spans to, at `trace_sampling_ratio` (0..1) of the traces
+            they start; "" (the default): no tracing (docs/tracing.md).
     """
 
     data_dir: Path
@@ -161,6 +166,8 @@ class StackConfig:
     routers: int = 1
     hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)
     console_port: int = 0
+    otlp_traces_endpoint: str = ""
+    trace_sampling_ratio: float = DEFAULT_SAMPLING_RATIO
 
     @property
     def ports(self) -> dict[str, int]:

@@ -70,6 +70,7 @@ class Launcher:
             *(["--host", host.address] if host is not None else []),
             "--no-json-logs",
             *(["--plaintext"] if cfg.plaintext else ["--tls-dir", str(cfg.pki_dir.resolve())]),
+            *_tracing_args(cfg),
             *args,
             *cfg.service_args.get(service, ()),
         ]
@@ -334,3 +335,17 @@ class Launcher:
         if self.edge is not None and not self.edge.running:
             return f"envoy exited; see {self.edge.log_path}"
         return ""
+
+
+def _tracing_args(cfg: StackConfig) -> list[str]:
+    """Every service's tracing flags (`ServiceSettings.otlp_traces_endpoint` and
+    `trace_sampling_ratio`): the node-agent passes them on to its replica processes, the
+    orchestrator to the edge; none when `cfg.otlp_traces_endpoint` is ""."""
+    if not cfg.otlp_traces_endpoint:
+        return []
+    return [
+        "--otlp-traces-endpoint",
+        cfg.otlp_traces_endpoint,
+        "--trace-sampling-ratio",
+        f"{cfg.trace_sampling_ratio:g}",
+    ]

@@ -64,6 +64,19 @@ def collector_address(endpoint: str) -> str:
     return text
 
 
+def sampled(traceparent: str) -> bool | None:
+    """Whether a W3C `traceparent` says its trace is sampled (its flags' lowest bit), without
+    the SDK: a hop can skip an unsampled request at the cost of one string test. None when
+    `traceparent` is malformed (not `version-traceid-spanid-flags` in hex)."""
+    parts = traceparent.strip().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return None
+    try:
+        return bool(int(parts[3], 16) & 1)
+    except ValueError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TracingSettings:
     """Where a process sends its spans and how many traces it starts.

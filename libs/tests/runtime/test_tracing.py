@@ -13,6 +13,7 @@ from inferplane.runtime.tracing import (
     Tracing,
     TracingSettings,
     collector_address,
+    sampled,
 )
 from inferplane.testing.otlp import OtlpReceiver
 
@@ -126,3 +127,11 @@ def test_ratio_samples_about_that_share_of_root_traces() -> None:
             span.end()
         tracing.shutdown()
     assert 400 < sampled < 600
+
+
+def test_sampled_reads_the_flags_without_the_sdk() -> None:
+    assert sampled(SAMPLED) is True
+    assert sampled(NOT_SAMPLED) is False
+    assert sampled("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03") is True
+    for bad in ("", "garbage", "00-short-b7ad6b7169203331-01", f"{SAMPLED[:-2]}zz"):
+        assert sampled(bad) is None

@@ -73,3 +73,20 @@ def test_authn_pick_and_queue_continue_the_edge_trace(stream_metadata: bool, par
     assert by_name["authn"].end_ns <= pick.start_ns
     assert pick.attributes["inferplane.model"] == "m"
     assert pick.attributes["inferplane.deployment"] == "d"
+
+
+def test_an_unsampled_request_gets_no_span() -> None:
+    async def scenario(receiver: OtlpReceiver) -> None:
+        async with picker_rig(2) as rig:
+            tracing = Tracing(TracingSettings(endpoint=receiver.endpoint, sampling_ratio=1.0))
+            rig.picker.tracing = PickerTracing(tracing)
+            stream = _TracedStream(rig.stub, f"00-{TRACE}-{STREAM_SPAN}-00")
+            assert (await stream.headers(STREAM_EVENTS, KEYED)).HasField("request_headers")
+            assert _endpoint_list(await stream.body(_chat_body()))
+            await stream.close()
+            assert await asyncio.to_thread(tracing.flush)
+            tracing.shutdown()
+
+    with OtlpReceiver() as receiver:
+        asyncio.run(scenario(receiver))
+        assert receiver.spans == []

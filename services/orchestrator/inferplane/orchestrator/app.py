@@ -318,6 +318,9 @@ def build_components(
                 node_id=settings.edge_node_id,
                 telemetry_endpoint=settings.edge_telemetry_address or None,
                 telemetry_internal_token=settings.edge_telemetry_internal_token,
+                # The platform's tracing settings (the orchestrator's own) for the edge too.
+                otlp_traces_endpoint=settings.otlp_traces_endpoint or None,
+                trace_sampling_percent=settings.trace_sampling_ratio * 100.0,
             ),
         )
     relay = RoutingTableRelay(

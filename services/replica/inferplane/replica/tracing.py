@@ -20,7 +20,9 @@ vLLM (`AsyncLLM.generate(trace_headers=...)`, whose `llm_request` span becomes t
 span's child when vLLM runs with `--otlp-traces-endpoint`), also when the request is not
 sampled (vLLM, which samples every trace it starts, then records none).
 
-With tracing off (`REPLICA_TRACING_OFF`) `begin` is one attribute test and returns None.
+With tracing off (`REPLICA_TRACING_OFF`) `begin` is one attribute test and returns None; a
+request whose `traceparent` says "not sampled" gets no span (its `traceparent` is what the
+engine is handed) and no per-step timing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from inferplane.runtime.time.clock import Clock, SystemClock
-from inferplane.runtime.tracing import DISABLED, REQUEST_ID_ATTRIBUTE, Tracing
+from inferplane.runtime.tracing import (
+    DISABLED,
+    REQUEST_ID_ATTRIBUTE,
+    TRACEPARENT,
+    Tracing,
+    sampled,
+)
 from inferplane.wire.headers import REQUEST_ID
 
 if TYPE_CHECKING:
@@ -97,6 +105,11 @@ class ReplicaTracing:
             metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         except Exception:  # a context without metadata (tests)
             metadata = {}
+        traceparent = metadata.get(TRACEPARENT)
+        if traceparent is not None and sampled(traceparent) is False:
+            # Not sampled (the edge's decision): no span; the engine is told the same.
+            CURRENT.set(TraceContext({TRACEPARENT: traceparent}, False))
+            return None
         offset_ns = time.time_ns() - int(self._clock.monotonic() * 1e9)
         request_id = metadata.get(REQUEST_ID, "")
         attributes: dict[str, str | bool] = {
@@ -120,6 +133,8 @@ class ReplicaTracing:
         """The request ended as `ending`: writes its stages (a generation's) and ends its
         `replica` span with the request's model, replica, tokens and ending."""
         if traced is None:
+            if self.enabled:
+                CURRENT.set(None)
             return
         CURRENT.set(None)
         span = traced.span

@@ -13,13 +13,11 @@ should wait out a short outage of the receiver, and must not grow memory without
   (tenacity, exponential, full jitter): nothing is lost in an outage shorter than the buffer;
   any other error drops the batch, counted as `reason="rejected"`;
 - delivery is at-least-once (receivers drop copies by request id); `close()` makes one last
-  bounded flush and counts what is left as dropped;
-- with a `Spool` (`inferplane.runtime.delivery.spool`), nothing is dropped for an outage: after each
-  failed send what is buffered moves to disk (and counts as settled), `close()` spools what
-  is left, and the sender delivers the spool first, also after a restart;
+  bounded flush and counts what is left as dropped (facts that must survive an outage or a
+  crash go through a durable `inferplane.runtime.delivery.outbox.Outbox` instead);
 - items settle (delivered, refused or lost at close) in the order they were put: `put` returns
   the item's position and `settled(position)` waits until that item settled, for a caller
-  that must not go on before the receiver knows (the router's usage report frees a slot).
+  that must not go on before the receiver knows.
 `GrpcSink` is a `Batcher` sending to one gRPC service (the sinks subclass it).
 """
 
@@ -44,7 +42,6 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from inferplane.runtime.delivery.spool import Spool
 from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.runtime.time.clock import Clock, SystemClock
 
@@ -135,10 +132,8 @@ class Batcher(Generic[T]):
         retryable: Callable[[BaseException], bool] = retryable_rpc_error,
         clock: Clock | None = None,
         sleep: Sleep = asyncio.sleep,
-        spool: Spool[T] | None = None,
     ) -> None:
         self._send_batch = send
-        self._spool = spool
         self._settings = settings
         self.metrics = metrics
         self._name = name
@@ -196,14 +191,9 @@ class Batcher(Generic[T]):
 
     @property
     def pending(self) -> int:
-        """Items buffered or in flight (spooled ones not included: `spooled`)."""
+        """Items buffered or in flight."""
         with self._lock:
             return len(self._buffer) + self._in_flight
-
-    @property
-    def spooled(self) -> int:
-        """Items waiting on disk (0 without a spool)."""
-        return len(self._spool) if self._spool is not None else 0
 
     async def start(self) -> None:
         """Starts the background sender on the running loop."""
@@ -223,8 +213,6 @@ class Batcher(Generic[T]):
         if self._send_lock is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.flush(), timeout_seconds)
-        if self._spool is not None and await self._spill():
-            return
         with self._lock:
             left = len(self._buffer) + self._in_flight
             self._buffer.clear()
@@ -252,53 +240,9 @@ class Batcher(Generic[T]):
         assert self._send_lock is not None, "start() first"
         delivered = 0
         async with self._send_lock:
-            try:
-                delivered += await self._send_spooled()
-                while batch := self._take_batch():
-                    delivered += await self._send(batch)
-            except _SendFailed:
-                if self._spool is not None:  # the receiver is away: memory goes to disk
-                    await self._spill()
-                raise
+            while batch := self._take_batch():
+                delivered += await self._send(batch)
         return delivered
-
-    async def _send_spooled(self) -> int:
-        """Delivers the spool, oldest first, batch by batch; raises `_SendFailed` (the spool
-        kept) when the receiver is still away."""
-        spool = self._spool
-        delivered = 0
-        while spool is not None and len(spool):
-            through, batch = await asyncio.to_thread(spool.peek, self._settings.batch_size)
-            if not batch:
-                break
-            if await self._attempt(batch):
-                delivered += len(batch)
-            await asyncio.to_thread(spool.drop, through)
-        return delivered
-
-    async def _spill(self) -> bool:
-        """Moves everything buffered to the spool (nothing is in flight: called under the send
-        lock or after the sender stopped); the moved items count as settled. False when the
-        spool could not be written (the items stay buffered)."""
-        assert self._spool is not None
-        with self._lock:
-            items = list(self._buffer)
-            self._buffer.clear()
-            self._oldest_at = None
-        if not items:
-            return True
-        try:
-            await asyncio.to_thread(self._spool.append, items)
-        except Exception:
-            log.exception("batch_spool_failed", sink=self._name, items=len(items))
-            self._requeue(items, in_flight=False)
-            return False
-        log.warning("batch_spooled", sink=self._name, items=len(items), spooled=len(self._spool))
-        with self._lock:
-            size = len(self._buffer) + self._in_flight
-        self.metrics.buffered.set(size)
-        self._advance(len(items))
-        return True
 
     def _take_batch(self) -> list[T]:
         with self._lock:
@@ -352,11 +296,10 @@ class Batcher(Generic[T]):
         if progress is not None:
             progress.set()
 
-    def _requeue(self, batch: list[T], *, in_flight: bool = True) -> None:
-        """Puts `batch` back at the front, in order; `in_flight`: it was taken for a send."""
+    def _requeue(self, batch: list[T]) -> None:
+        """Puts `batch` (taken for a send) back at the front, in order."""
         with self._lock:
-            if in_flight:
-                self._in_flight -= len(batch)
+            self._in_flight -= len(batch)
             self._buffer.extendleft(reversed(batch))
             if self._oldest_at is None:
                 self._oldest_at = self._clock.monotonic()
@@ -364,8 +307,6 @@ class Batcher(Generic[T]):
     def _due_in(self) -> float | None:
         """Seconds until a batch is due (0: now); while nothing is buffered, the interval
         (polling) or, without one, None (until woken)."""
-        if self.spooled:
-            return 0.0
         with self._lock:
             if self._oldest_at is None or not self._buffer:
                 return self._settings.flush_interval_seconds or None
@@ -451,13 +392,12 @@ class GrpcSink(Generic[T]):
         clock: Clock | None = None,
         sleep: Sleep = asyncio.sleep,
         channel_options: Sequence[tuple[str, Any]] = (),
-        spool: Spool[T] | None = None,
     ) -> None:
         self._settings = settings
         self._channel_options = channel_options
         self._channel: grpc.aio.Channel | None = None
         self._batcher: Batcher[T] = Batcher(
-            self._send, settings, metrics, name=name, clock=clock, sleep=sleep, spool=spool
+            self._send, settings, metrics, name=name, clock=clock, sleep=sleep
         )
         self._put = self._batcher.put
         self.metrics = metrics
@@ -466,11 +406,6 @@ class GrpcSink(Generic[T]):
     def pending(self) -> int:
         """Items buffered or in flight."""
         return self._batcher.pending
-
-    @property
-    def spooled(self) -> int:
-        """Items waiting in the spool file (0 without a spool)."""
-        return self._batcher.spooled
 
     async def start(self) -> None:
         """Opens the channel and starts the background sender on the running loop. The

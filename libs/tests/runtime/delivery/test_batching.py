@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from inferplane.runtime.delivery.batching import Batcher, BatchingSettings, BatchMetrics
-from inferplane.runtime.delivery.spool import Spool
 from inferplane.testing.clock import FakeClock
 
 
@@ -236,92 +234,3 @@ def test_close_flushes_what_is_buffered_and_counts_what_it_could_not() -> None:
             assert lost == (0 if up else 3)
 
     asyncio.run(main())
-
-
-# --- with a spool: an outage loses nothing, a restart neither -------------------------------
-
-
-def _spooled_batcher(
-    receiver: FakeReceiver, spool: Spool[int], clock: FakeClock, registry: CollectorRegistry
-) -> Batcher[int]:
-    metrics = BatchMetrics(
-        registry, "test_items", sent_help="s", dropped_help="d", buffered_help="b"
-    )
-    return Batcher(
-        receiver.send,
-        BatchingSettings(
-            capacity=20, batch_size=5, backoff_initial_seconds=0.1, backoff_max_seconds=1.0
-        ),
-        metrics,
-        name="test",
-        retryable=lambda exc: isinstance(exc, Down),
-        clock=clock,
-        sleep=clock.sleep,
-        spool=spool,
-    )
-
-
-def _int_spool(path: Path) -> Spool[int]:
-    return Spool(path, lambda i: str(i).encode(), lambda b: int(b.decode()))
-
-
-def test_an_outage_longer_than_the_buffer_goes_to_the_spool_and_arrives_in_order(
-    tmp_path: Path,
-) -> None:
-    async def main() -> None:
-        receiver, clock, registry = FakeReceiver(), FakeClock(), CollectorRegistry()
-        spool = _int_spool(tmp_path / "spool.db")
-        batcher = _spooled_batcher(receiver, spool, clock, registry)
-        await batcher.start()
-        receiver.up = False
-        # 100 items through a 20-item buffer: each failed send moves the buffer to disk.
-        positions = []
-        for chunk in range(5):
-            positions += [batcher.put(chunk * 20 + i) for i in range(20)]
-            await until(lambda n=chunk: batcher.spooled == (n + 1) * 20)
-        assert all(positions)  # none dropped
-        await until(lambda: batcher.spooled == 100)
-        assert batcher.pending == 0 and sample(registry, "buffered") == 0
-        # Spooled items count as settled: a waiter does not wait for the outage to end.
-        await asyncio.wait_for(batcher.settled(positions[-1]), 1)
-        receiver.up = True
-        await until(lambda: batcher.spooled == 0 and receiver.received == list(range(100)))
-        assert sample(registry, "dropped_total", reason="buffer_full") == 0
-        assert sample(registry, "sent_total") == 100
-        await batcher.close(timeout_seconds=1)
-        spool.close()
-
-    asyncio.run(main())
-
-
-def test_close_spools_what_is_left_and_the_next_process_sends_it_first(tmp_path: Path) -> None:
-    path = tmp_path / "spool.db"
-
-    async def first_life() -> None:
-        receiver, clock, registry = FakeReceiver(), FakeClock(), CollectorRegistry()
-        spool = _int_spool(path)
-        batcher = _spooled_batcher(receiver, spool, clock, registry)
-        await batcher.start()
-        receiver.up = False
-        for i in range(12):
-            assert batcher.put(i)
-        await batcher.close(timeout_seconds=0.2)  # the receiver is still away
-        assert sample(registry, "dropped_total", reason="buffer_full") == 0
-        assert len(spool) == 12
-        spool.close()
-
-    async def second_life() -> list[int]:
-        receiver, clock, registry = FakeReceiver(), FakeClock(), CollectorRegistry()
-        spool = _int_spool(path)
-        assert len(spool) == 12  # read back from the file
-        batcher = _spooled_batcher(receiver, spool, clock, registry)
-        await batcher.start()
-        assert batcher.put(100)  # new work arrives while the old is still on disk
-        await until(lambda: len(receiver.received) == 13)
-        await batcher.close(timeout_seconds=1)
-        assert len(spool) == 0
-        spool.close()
-        return receiver.received
-
-    asyncio.run(first_life())
-    assert asyncio.run(second_life()) == [*range(12), 100]  # the spool first, in order

@@ -36,6 +36,7 @@ from inferplane.runtime import OPENAI_ERROR_CODE_KEY, ErrorInterceptor
 from inferplane.wire import (
     SUMMARY_KEYS,
     ResponseSummary,
+    apis,
     chat_request_from_dict,
     completion_request_from_dict,
 )
@@ -392,10 +393,12 @@ def summary_trailers(metadata: Any) -> dict[str, str]:
     return {k: v for k, v in metadata or () if k in SUMMARY_KEYS}
 
 
-def as_reported(trailers: dict[str, str], key_id: str = "") -> dict[str, str]:
-    """What the picker gets: the trailers' summary plus the request's model (and key): what a
-    restarted router, which never saw the request, accounts its usage from."""
-    extra = {"x-inferplane-summary-model": "kimi-tiny"}
+def as_reported(
+    trailers: dict[str, str], key_id: str = "", api: str = apis.CHAT_COMPLETIONS
+) -> dict[str, str]:
+    """What the picker gets: the trailers' summary plus the request's model, API (and key):
+    what a restarted router, which never saw the request, accounts its usage from."""
+    extra = {"x-inferplane-summary-model": "kimi-tiny", "x-inferplane-summary-api": api}
     if key_id:
         extra["x-inferplane-summary-key-id"] = key_id
     return {**trailers, **extra}
@@ -459,7 +462,7 @@ def test_a_failure_after_output_is_reported_with_its_error_summary() -> None:
         await asyncio.sleep(0)
         assert [(a, r, dict(s.to_metadata())) for a, r, s in reports.got] == [
             ("10.0.0.9:50070", "req-1", as_reported(sse_trailers)),
-            ("10.0.0.9:50070", "req-1", as_reported(typed_trailers)),
+            ("10.0.0.9:50070", "req-1", as_reported(typed_trailers, api=apis.COMPLETIONS)),
         ]
         assert [(s.finish_reason, s.error_code) for _, _, s in reports.got] == [
             ("error", "engine_failed"),
@@ -529,7 +532,9 @@ def test_a_client_cancel_after_output_is_reported_as_abort() -> None:
     assert [(a, r) for a, r, _ in reports.got] == [("10.0.0.9:50070", "req-1")]
     reported = reports.got[0][2]
     assert (reported.finish_reason, reported.completion_tokens) == ("abort", 3)
-    assert dict(reported.to_metadata()) == as_reported(summary_trailers(spy.trailers[0]))
+    assert dict(reported.to_metadata()) == as_reported(
+        summary_trailers(spy.trailers[0]), api=apis.COMPLETIONS
+    )
 
 
 # -- coalescing -------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from inferplane.orchestrator.xds.cache import InconsistentSnapshotError, Snapsho
 from inferplane.runtime import RunningServer
 from inferplane.runtime.processes.ports import free_port
 from inferplane.testing.loop import LoopThread
-from inferplane.testing.picker import FakePicker
+from inferplane.testing.picker import GOOD_KEY, FakePicker
 
 pytestmark = pytest.mark.timeout(120)
 CHUNKS = 12
@@ -82,7 +82,10 @@ def stream(url: str, model: str) -> tuple[list[str], bool]:
     names: list[str] = []
     done = False
     body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+    key = {"authorization": f"Bearer {GOOD_KEY}"}  # the fake picker authenticates it
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers=key, timeout=30
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line == "data: [DONE]":

@@ -5,6 +5,7 @@ and whether the picker's cost grows with output tokens (it must not: it never se
     .venv/bin/python bench/edge_overhead.py [--requests 64] [--max-tokens 64] [--levels 1,16]
                                             [--stream-interval N] [--transport inproc]
                                             [--cpu-requests 24] [--cpu-concurrency 4]
+                                            [--message-requests 32]
 
 Starts the local stack (kimi-tiny on the CPU engine) in a temporary directory, then for each
 concurrency level runs the same streaming chat requests (a) over gRPC to the replica process's
@@ -13,15 +14,23 @@ Envoy, alternating rounds so that machine noise hits both paths alike. TTFT is m
 first chunk carrying generated text (reasoning, content or a tool call), ITL as the gaps between
 such chunks, tokens/s from the usage in the last chunk.
 
-Then the router's CPU per request (all its threads, from /proc schedstat, ns resolution) over
-`--cpu-requests` edge requests of 64 and of 1,024 output tokens (ignore_eos), interleaved in
-two halves each, less the router's idle CPU rate (measured for 5 s first) over the same wall
-time. Last lines:
+Then the router's and Envoy's CPU per request (all their threads, from /proc schedstat, ns
+resolution) over `--cpu-requests` edge requests of 64 and of 1,024 output tokens (ignore_eos),
+interleaved in two halves each, less each process's idle CPU rate (measured for 5 s first)
+over the same wall time; and the replica process's cost per streamed message: its CPU per
+request and the gRPC messages per request (counted on `StreamChatCompletionEvents`, the
+method the edge calls, straight to the replica) at concurrency 1 and 8. Last lines:
 
     added_ttft_p50_ms_c1: X            (goal ≤ 2 ms)
     router_cpu_ms_per_request_64: A
     router_cpu_ms_per_request_1024: B
     router_cpu_growth_1024_vs_64: B/A  (goal ≤ 1.2: the picker's cost does not grow with tokens)
+    envoy_cpu_us_per_request_64: E
+    envoy_cpu_us_per_request_1024: F
+    envoy_cpu_growth_1024_vs_64: F/E   (Envoy touches every token: it grows)
+    envoy_cpu_us_per_output_token: (F - E) / 960
+    replica_messages_per_request_c1 / _c8, replica_cpu_ms_per_request_c1 / _c8,
+    replica_cpu_us_per_message_c1 / _c8
 """
 
 from __future__ import annotations
@@ -197,20 +206,33 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-async def _router_cpu(
-    stack: Stack, key: str, requests: int, concurrency: int
-) -> dict[str, dict[int, float]]:
-    """Router CPU ms per edge request at 64 and 1,024 output tokens (two interleaved halves):
-    "raw" as measured, and "net" less what the router spends idle over the same wall time
-    (its background: the routing-table watch, the sinks' timers, gRPC's pollers), measured
-    for 5 s first. A 1,024-token request lasts ~16× longer, so the raw figure grows with the
-    idle rate even when the per-request work does not."""
-    router = stack.processes["router"].proc
-    assert router is not None
+@dataclass
+class ProcessCpu:
+    """One process's CPU per edge request (ms) at 64 and 1,024 output tokens: `raw` as
+    measured, `net` less its idle rate (`idle_ms_per_s`) over the same wall time."""
+
+    raw: dict[int, float]
+    net: dict[int, float]
+    idle_ms_per_s: float
+
+
+async def _edge_cpu(
+    stack: Stack, key: str, requests: int, concurrency: int, pids: dict[str, int]
+) -> dict[str, ProcessCpu]:
+    """CPU ms per edge request of each of `pids` (name → pid) at 64 and 1,024 output tokens
+    (two interleaved halves): "raw" as measured, and "net" less what the process spends idle
+    over the same wall time (the router's background: the routing-table watch, the sinks'
+    timers, gRPC's pollers; Envoy's: its timers and stats flush), measured for 5 s first. A
+    1,024-token request lasts ~16× longer, so the raw figure grows with the idle rate even
+    when the per-request work does not."""
     url = f"{stack.config.base_url}/chat/completions"
-    spent: dict[int, float] = {64: 0.0, 1024: 0.0}
+    spent = {name: {64: 0.0, 1024: 0.0} for name in pids}
     wall: dict[int, float] = {64: 0.0, 1024: 0.0}
     counted: dict[int, int] = {64: 0, 1024: 0}
+
+    def now() -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
 
         def one(tokens: int) -> Any:
@@ -219,20 +241,90 @@ async def _router_cpu(
 
         for tokens in (64, 1024):  # warm-up
             await _round(one(tokens), 2, 2, PathStats())
-        idle_from, idle_cpu = time.perf_counter(), cpu_seconds(router.pid)
+        idle_from, idle_cpu = time.perf_counter(), now()
         await asyncio.sleep(5.0)
-        idle_rate = (cpu_seconds(router.pid) - idle_cpu) / (time.perf_counter() - idle_from)
+        idle_wall, idle_after = time.perf_counter() - idle_from, now()
+        idle_rate = {n: (idle_after[n] - idle_cpu[n]) / idle_wall for n in pids}
         for _ in range(2):
             for tokens in (64, 1024):
                 half = max(concurrency, requests // 2)
-                before, started = cpu_seconds(router.pid), time.perf_counter()
+                before, started = now(), time.perf_counter()
                 await _round(one(tokens), concurrency, half, PathStats())
-                spent[tokens] += cpu_seconds(router.pid) - before
+                after = now()
+                for name in pids:
+                    spent[name][tokens] += after[name] - before[name]
                 wall[tokens] += time.perf_counter() - started
                 counted[tokens] += half
-    raw = {t: spent[t] * 1000 / counted[t] for t in spent}
-    net = {t: (spent[t] - idle_rate * wall[t]) * 1000 / counted[t] for t in spent}
-    return {"raw": raw, "net": net, "idle_ms_per_s": {0: idle_rate * 1000}}
+    return {
+        name: ProcessCpu(
+            raw={t: spent[name][t] * 1000 / counted[t] for t in counted},
+            net={t: (spent[name][t] - idle_rate[name] * wall[t]) * 1000 / counted[t] for t in wall},
+            idle_ms_per_s=idle_rate[name] * 1000,
+        )
+        for name in pids
+    }
+
+
+@dataclass
+class MessageCost:
+    """The replica process per streamed request at one concurrency: gRPC messages and CPU
+    (ms, all its threads: the front, not vLLM's engine-core process; less its idle rate over
+    the same wall time)."""
+
+    messages: float
+    cpu_ms: float
+
+
+async def _replica_messages(
+    stack: Stack, requests: int, max_tokens: int, levels: tuple[int, ...] = (1, 8)
+) -> dict[int, MessageCost]:
+    """Messages and replica-process CPU per request of `max_tokens` output tokens, streamed
+    over `StreamChatCompletionEvents` straight to the replica (the method and bytes the edge
+    gets), at each concurrency of `levels`, in two interleaved halves, less the process's idle
+    CPU rate (measured for 3 s first) over the same wall time."""
+    endpoint = stack.serving_endpoints()[0]
+    pid = stack.serving_replica().engine_pid
+    request = pb.StreamChatCompletionEventsRequest(
+        request=chat_request_from_dict(_request(max_tokens))
+    )
+    messages: dict[int, int] = dict.fromkeys(levels, 0)
+    spent: dict[int, float] = dict.fromkeys(levels, 0.0)
+    counted: dict[int, int] = dict.fromkeys(levels, 0)
+    async with stack.config.security.aio_channel(endpoint.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+
+        async def one(level: int) -> None:
+            async for _ in stub.StreamChatCompletionEvents(request):
+                messages[level] += 1
+
+        async def run(level: int, count: int) -> None:
+            queue = list(range(count))
+
+            async def worker() -> None:
+                while queue:
+                    queue.pop()
+                    await one(level)
+
+            await asyncio.gather(*(worker() for _ in range(level)))
+
+        for level in levels:  # warm-up
+            await run(level, level)
+        messages = dict.fromkeys(levels, 0)
+        idle_from, idle_cpu = time.perf_counter(), cpu_seconds(pid)
+        await asyncio.sleep(3.0)
+        idle_rate = (cpu_seconds(pid) - idle_cpu) / (time.perf_counter() - idle_from)
+        for _ in range(2):
+            for level in levels:
+                half = max(level, requests // 2)
+                before, started = cpu_seconds(pid), time.perf_counter()
+                await run(level, half)
+                wall = time.perf_counter() - started
+                spent[level] += cpu_seconds(pid) - before - idle_rate * wall
+                counted[level] += half
+    return {
+        level: MessageCost(messages[level] / counted[level], spent[level] * 1000 / counted[level])
+        for level in levels
+    }
 
 
 def main() -> None:
@@ -252,6 +344,9 @@ def main() -> None:
     parser.add_argument("--transport", default="", help="engine transport ('': the default)")
     parser.add_argument("--cpu-requests", type=int, default=24, help="per output length")
     parser.add_argument("--cpu-concurrency", type=int, default=4)
+    parser.add_argument(
+        "--message-requests", type=int, default=32, help="per concurrency (1 and 8)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = StackConfig(
@@ -271,9 +366,18 @@ def main() -> None:
             results = asyncio.run(
                 _measure(stack, key, args.requests, args.max_tokens, args.rounds, levels)
             )
-            router_cpu = asyncio.run(
-                _router_cpu(stack, key, args.cpu_requests, args.cpu_concurrency)
+            router = stack.processes["router"].proc
+            assert router is not None and stack.edge is not None and stack.edge.pid
+            cpu = asyncio.run(
+                _edge_cpu(
+                    stack,
+                    key,
+                    args.cpu_requests,
+                    args.cpu_concurrency,
+                    {"router": router.pid, "envoy": stack.edge.pid},
+                )
             )
+            replica = asyncio.run(_replica_messages(stack, args.message_requests, args.max_tokens))
         finally:
             stack.stop()
     print(
@@ -292,13 +396,28 @@ def main() -> None:
         print(f"added_ttft_p50_ms_c{concurrency}: {e['ttft_p50'] - d['ttft_p50']:.2f}")
         print(f"added_ttft_p99_ms_c{concurrency}: {e['ttft_p99'] - d['ttft_p99']:.2f}")
         print(f"edge_vs_direct_tok_s_c{concurrency}: {e['tok_s'] / d['tok_s']:.3f}")
-    raw, net = router_cpu["raw"], router_cpu["net"]
-    print(f"router_idle_cpu_ms_per_s: {router_cpu['idle_ms_per_s'][0]:.2f}")
+    for level, cost in replica.items():
+        print(
+            f"# replica process, c={level}: {cost.messages:.1f} messages and "
+            f"{cost.cpu_ms:.2f} ms CPU per request of {args.max_tokens} tokens"
+        )
+    raw, net = cpu["router"].raw, cpu["router"].net
+    print(f"router_idle_cpu_ms_per_s: {cpu['router'].idle_ms_per_s:.2f}")
     print(f"router_cpu_ms_per_request_raw_64: {raw[64]:.3f}")
     print(f"router_cpu_ms_per_request_raw_1024: {raw[1024]:.3f}")
     print(f"router_cpu_ms_per_request_64: {net[64]:.3f}")
     print(f"router_cpu_ms_per_request_1024: {net[1024]:.3f}")
     print(f"router_cpu_growth_1024_vs_64: {net[1024] / net[64]:.3f}")
+    envoy = cpu["envoy"].net
+    print(f"envoy_idle_cpu_ms_per_s: {cpu['envoy'].idle_ms_per_s:.2f}")
+    print(f"envoy_cpu_us_per_request_64: {envoy[64] * 1000:.1f}")
+    print(f"envoy_cpu_us_per_request_1024: {envoy[1024] * 1000:.1f}")
+    print(f"envoy_cpu_growth_1024_vs_64: {envoy[1024] / envoy[64]:.3f}")
+    print(f"envoy_cpu_us_per_output_token: {(envoy[1024] - envoy[64]) * 1000 / 960:.2f}")
+    for level, cost in replica.items():
+        print(f"replica_messages_per_request_c{level}: {cost.messages:.1f}")
+        print(f"replica_cpu_ms_per_request_c{level}: {cost.cpu_ms:.3f}")
+        print(f"replica_cpu_us_per_message_c{level}: {cost.cpu_ms * 1000 / cost.messages:.1f}")
 
 
 if __name__ == "__main__":

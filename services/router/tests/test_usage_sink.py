@@ -177,6 +177,47 @@ def test_a_router_killed_after_concluding_delivers_from_the_outbox_after_restart
     asyncio.run(scenario())
 
 
+class StalledUsageService(FakeUsageService):
+    """Auth that takes every call and never answers (a stalled database, say)."""
+
+    async def ReportUsage(self, request: Any, context: Any) -> usage_pb2.ReportUsageResponse:
+        self.calls += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_a_stalled_auth_delays_neither_record_nor_durability(tmp_path: Path) -> None:
+    """With auth taking calls and never answering, `record` returns at once and the report
+    is durable within the flush interval: what the picker's conclusion (and a replica's
+    acknowledged report) depend on never waits for auth."""
+
+    async def scenario() -> None:
+        auth = StalledUsageService()
+        server, port = await _serve(auth)
+        sink = AuthUsageSink(
+            UsageSinkSettings(target=f"127.0.0.1:{port}", rpc_timeout_seconds=30.0),
+            CollectorRegistry(),
+            spool_path=tmp_path / "outbox.db",
+        )
+        await sink.start()
+        try:
+            sink.record(_usage(0))
+            await _until(lambda: auth.calls == 1)  # the first batch hangs in auth
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            position = sink.record(_usage(1))
+            recorded = loop.time() - started
+            await asyncio.wait_for(sink.durable(position), 1.0)
+            durable = loop.time() - started
+            assert recorded < 0.01 and durable < 0.5, (recorded, durable)
+            assert sink.spooled == 2  # both wait for auth's answer, on disk
+        finally:
+            await sink.close(timeout_seconds=0.1)
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     async def scenario() -> None:
         auth = FakeUsageService(token="right")

@@ -10,8 +10,9 @@ process of its own so that its CPU is nobody's here. Three parts, each in interl
 - Envoy: three edges (`EdgeConfig` without a collector, with `trace_sampling_percent` 1 and
   100) in front of the same fakes (`inferplane.testing.picker.FakePicker` and the replica's
   own servicer over a scripted 64-token engine); each request a streamed chat through one
-  edge; CPU per request = the Envoy process's CPU (all threads, /proc schedstat) over the
-  round / its requests. 1 %: the edge samples new traces at 1 %.
+  edge, batches of `ENVOY_BATCH` alternating between the edges; CPU per request = the Envoy
+  process's CPU (all threads, /proc schedstat) over its batches / their requests. 1 %: the
+  edge samples new traces at 1 %.
 - picker: the picker's span hooks (`inferplane.router.picker.tracing.PickerTracing`: the
   stream's parent, `authn`, `pick`, `queue`) around an empty request, as the picker runs them
   per request, with the SDK and its batching exporter (this process's CPU, all threads).
@@ -19,7 +20,8 @@ process of its own so that its CPU is nobody's here. Three parts, each in interl
   the engine's trace headers, `render` / `prefill` / `decode` / `parse` written at the end)
   plus the per-step parse timing of a 64-token generation.
 
-For the picker and the replica the cost is the tracing code's own: the rest of their work
+For the picker and the replica the cost is the tracing code's own (the "off" figure is the
+rig's: building the request's stand-ins, the same in every mode): the rest of their work
 per request is the same in every mode (the picker's decision: bench/router_decision.py; the
 replica's: bench/edge_overhead.py). At 1 %, 1 request in 100 carries a sampled
 `traceparent` (the edge's decision), the others an unsampled one, as behind a 1 % edge.
@@ -73,6 +75,8 @@ from inferplane.wire import ResponseSummary
 MODES = ("off", "1pct", "100pct")
 RATIO = {"off": 0.0, "1pct": 0.01, "100pct": 1.0}
 TOKENS = 64
+ENVOY_BATCH = 10  # Envoy: requests per mode before the next mode's turn
+FLUSH_EVERY = 100  # requests between forced exports in the hook loops (none is dropped)
 TEXT = "Here is a short note about Paris. I hope it helps. " * 8
 RECEIVER = (
     "import sys, time\n"
@@ -200,13 +204,18 @@ def _envoy_rounds(collector: str, requests: int, rounds: int) -> dict[str, float
                     for _ in range(10):
                         one(mode)
                 for _ in range(rounds):
+                    spent = dict.fromkeys(MODES, 0.0)
+                    for _ in range(max(1, requests // ENVOY_BATCH)):
+                        for mode in MODES:  # batches alternate: noise hits every mode alike
+                            pid = edges[mode].pid
+                            assert pid is not None
+                            before = cpu_seconds(pid)
+                            for _ in range(ENVOY_BATCH):
+                                one(mode)
+                            spent[mode] += cpu_seconds(pid) - before
+                    count = max(1, requests // ENVOY_BATCH) * ENVOY_BATCH
                     for mode in MODES:
-                        pid = edges[mode].pid
-                        assert pid is not None
-                        before = cpu_seconds(pid)
-                        for _ in range(requests):
-                            one(mode)
-                        per_round[mode].append((cpu_seconds(pid) - before) * 1e6 / requests)
+                        per_round[mode].append(spent[mode] * 1e6 / count)
         finally:
             for edge in edges.values():
                 edge.stop()
@@ -240,7 +249,8 @@ def _exchange(traceparent: str | None) -> Any:
 
 
 def _picker_request(hooks: PickerTracing, mode: str) -> None:
-    traceparent = None if mode == "off" else _traceparent(_sampled(mode))
+    made = _traceparent(_sampled(mode))  # made in every mode: the rig costs each mode alike
+    traceparent = None if mode == "off" else made
     exchange = _exchange(traceparent)
     hooks.stream_opened(_context(traceparent))
     with hooks.authn(exchange):
@@ -250,7 +260,8 @@ def _picker_request(hooks: PickerTracing, mode: str) -> None:
 
 
 def _replica_request(hooks: ReplicaTracing, mode: str) -> None:
-    traceparent = None if mode == "off" else _traceparent(_sampled(mode))
+    made = _traceparent(_sampled(mode))
+    traceparent = None if mode == "off" else made
     now = time.monotonic()
     summary = ResponseSummary(
         replica_id="r1", prompt_tokens=12, completion_tokens=TOKENS, finish_reason="stop"
@@ -285,8 +296,10 @@ def _hook_rounds(
     for _ in range(rounds):
         for mode in MODES:
             before = time.process_time()
-            for _ in range(requests):
+            for done in range(1, requests + 1):
                 run(hooks[mode], mode)
+                if done % FLUSH_EVERY == 0:  # a loop outruns the exporter's queue (2,048 spans)
+                    tracings[mode].flush()
             tracings[mode].flush()  # the export of this round's spans counts in it
             per_round[mode].append((time.process_time() - before) * 1e6 / requests)
     for tracing in tracings.values():

@@ -148,8 +148,9 @@ class EdgeConfig:
             `host:port` string or `Endpoint`): Envoy's OpenTelemetry tracer continues a
             client's `traceparent` or starts a trace, and passes it to the picker and the
             replica (`_tracing.py`, docs/tracing.md); None: no tracing.
-        trace_sampling_percent: the share (0..100 %) of requests without a `traceparent` that
-            start a recorded trace (a client's keeps its own sampled flag).
+        trace_sampling_percent: the share (0..100 %) of requests whose trace is recorded:
+            Envoy decides for every request, also one with a client's sampled `traceparent`
+            (whose trace id and parent it continues); the hops behind follow its decision.
     """
 
     router_endpoints: tuple[Endpoint, ...]

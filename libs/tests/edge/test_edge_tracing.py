@@ -5,6 +5,7 @@ OTLP/gRPC (the suite's receiver)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,31 @@ def test_a_request_without_traceparent_starts_a_trace(
     roots = [s for s in spans if not s.parent_id]
     assert len(roots) == 1
     assert {s.span_id for s in spans if s.parent_id == roots[0].span_id} >= {parent}
+
+
+def test_the_edge_s_sampling_decides_even_for_a_client_s_sampled_trace(
+    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+) -> None:
+    """At 0 % the edge records nothing: a client's `traceparent` gives the trace id and the
+    parent (continued), not the sampling decision (Envoy's random sampling decides for every
+    request; the hops behind it follow the flag it sends)."""
+    data = Path(tmp_path_factory.mktemp("unsampled-edge"))
+    client_trace = "1" * 32
+    with running_edge(
+        data, otlp_traces_endpoint=receiver.endpoint, trace_sampling_percent=0.0
+    ) as edge:
+        for traceparent in (f"00-{client_trace}-{CLIENT_PARENT}-01", None):
+            headers = {"authorization": "Bearer good"}
+            if traceparent:
+                headers["traceparent"] = traceparent
+            calls = len(edge.inference.calls)
+            response = httpx.post(
+                f"{edge.url}/v1/chat/completions", json=BODY, headers=headers, timeout=10
+            )
+            assert response.status_code == 200, response.text
+            sent = edge.inference.calls[calls].metadata["traceparent"]
+            assert sent.endswith("-00")
+            if traceparent:
+                assert _parent_of({"traceparent": sent})[0] == client_trace
+        time.sleep(6)  # past Envoy's 5 s flush interval
+    assert not [s for s in receiver.spans if s.trace_id == client_trace]

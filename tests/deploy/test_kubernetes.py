@@ -276,6 +276,28 @@ def _secret_refs(obj: dict[str, Any]) -> Iterator[tuple[str, str, list[dict[str,
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_auth_and_every_router_read_the_same_pepper(overlay: str) -> None:
+    """Routers hash a request's key with auth's pepper to find it in the key table auth
+    streams them: both read it from the same Secret key (and routers reach auth's gRPC port:
+    `CALLERS`)."""
+
+    def peppers(name: str, variable: str) -> list[dict[str, str]]:
+        return [
+            env["valueFrom"]["secretKeyRef"]
+            for obj in _objects(overlay, *WORKLOADS)
+            if obj["metadata"]["name"] == name
+            for c in _containers(obj)
+            for env in c.get("env", [])
+            if env["name"] == variable
+        ]
+
+    auth = peppers("auth", "INFERPLANE_AUTH_PEPPER")
+    routers = peppers("router", "INFERPLANE_ROUTER_AUTH_PEPPER")
+    assert auth == routers == [{"name": "inferplane-auth", "key": "pepper"}]
+    assert "router" in CALLERS["auth"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_pod_holds_a_ca_private_key(overlay: str) -> None:
     """The CA's key stays with whoever issues (an operator, or cert-manager's CA Issuer): every
     identity has a static certificate checked by its identity name, so no pod, on a GPU node

@@ -216,6 +216,8 @@ class Fabric:
             port=self.router_port,
             grace_period_seconds=0.5,
             auth_address=f"127.0.0.1:{self.auth_server.port}",
+            # Auth's pepper: the picker looks keys up in the key table auth streams.
+            auth_pepper_file=str(self.tmp_path / "auth" / "auth-pepper"),
             telemetry_address=f"127.0.0.1:{self.telemetry_server.port}",
         )
         self.router = RunningServer(

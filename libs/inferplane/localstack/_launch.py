@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import ssl
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,6 +36,23 @@ from inferplane.localstack._process import HostedEnvoy, ManagedProcess
 from inferplane.runtime.processes.ports import free_port, port_is_free
 from inferplane.runtime.security.identity import EDGE, IDENTITIES
 from inferplane.runtime.security.pki import LocalCA
+
+#: Auth's pepper file in its data directory (`inferplane.auth.settings.PEPPER_FILE`).
+AUTH_PEPPER_FILE = "auth-pepper"
+
+
+def ensure_auth_pepper(auth_dir: Path) -> Path:
+    """`<auth_dir>/auth-pepper`, made once as auth would make it (64 hex characters, mode
+    0600, the folder 0700) when missing: auth reads it from its data directory, the routers
+    get its path (`--auth-pepper-file`). An existing file is kept (the keys are hashed with
+    it)."""
+    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = auth_dir / AUTH_PEPPER_FILE
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 @dataclasses.dataclass(slots=True)
@@ -154,6 +173,9 @@ class Launcher:
         # Node-agents and routers connect to it at once (their retries back off).
         self._wait_healthy("orchestrator", progress)
         progress("starting auth, the node-agent and the router")
+        # One pepper for auth and every router: auth hashes keys with it, the routers hash a
+        # request's key with it to find it in the key table auth streams them.
+        pepper_file = ensure_auth_pepper(data / "auth")
         self._service("auth", "--data-dir", str(data / "auth"))
         for agent, node in cfg.node_agents.items():
             self._service(
@@ -182,6 +204,8 @@ class Launcher:
                 cfg.address("orchestrator"),
                 "--auth-address",
                 cfg.address("auth"),
+                "--auth-pepper-file",
+                str(pepper_file.resolve()),
                 "--telemetry-address",
                 cfg.address("telemetry"),
                 # Usage reports wait there while auth is away, and across a router restart.

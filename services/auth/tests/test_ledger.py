@@ -78,6 +78,10 @@ def test_monthly_totals_follow_each_request_s_end_time(ledger: SqlUsageLedger) -
     ledger.record(late + early)
     assert ledger.month_tokens("k1", T0) == 3 * 15
     assert ledger.month_tokens("k1", T0 + timedelta(days=1)) == 2 * 15
+    # Several keys at once (the key table's budget state): keys without usage are absent.
+    ledger.record([_row(20, key="k2")])
+    assert ledger.month_tokens_of(["k1", "k2", "k3"], T0) == {"k1": 3 * 15, "k2": 15}
+    assert ledger.month_tokens_of(["k1", "k2"], T0 + timedelta(days=1)) == {"k1": 2 * 15}
 
 
 def test_query_filters_and_pages(ledger: SqlUsageLedger) -> None:

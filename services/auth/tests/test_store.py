@@ -188,3 +188,33 @@ def test_has_active_admin(store: SqlApiKeyStore) -> None:
         lambda c: (dataclasses.replace(c, revoke_time=T0), event(c, AuditAction.REVOKE)),
     )
     assert not store.has_active_admin(T0)
+
+
+def test_the_key_tables_reads(store: SqlApiKeyStore) -> None:
+    """What the key table follows (`inferplane.auth.key_table`): every key (revoked too),
+    some keys by id (absent when deleted), and the audit log's events after an id, oldest
+    first, one per write."""
+    assert store.last_audit_id() == 0 and store.all_keys() == []
+    keys = [key(n) for n in range(1, 4)]
+    for k in keys:
+        store.insert(k, event(k))
+    first = store.last_audit_id()
+    store.update(
+        "k0002",
+        lambda c: (
+            dataclasses.replace(c, revoke_time=T0),
+            event(c, AuditAction.REVOKE),
+        ),
+    )
+    store.delete("k0003", lambda c: event(c, AuditAction.DELETE))
+    assert sorted(k.key_id for k in store.all_keys()) == ["k0001", "k0002"]
+    assert {k.key_id: k.revoke_time for k in store.get_many(["k0002", "k0003", "zz"])} == {
+        "k0002": T0
+    }
+    assert store.all_keys()[0] == store.get(store.all_keys()[0].key_id)
+    after = store.audit_after(first, 10)
+    assert [k for _, k in after] == ["k0002", "k0003"]
+    assert [i for i, _ in after] == sorted(i for i, _ in after) and after[0][0] > first
+    assert store.last_audit_id() == after[-1][0]
+    assert [k for _, k in store.audit_after(0, 2)] == ["k0001", "k0002"]
+    assert len(store.get_many([f"k{n:04d}" for n in range(1, 1200)])) == 2  # chunked IN

@@ -11,12 +11,18 @@ import structlog
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from inferplane.api.auth.v1 import auth_pb2_grpc, usage_pb2_grpc
+from inferplane.api.auth.v1 import auth_pb2_grpc, key_table_pb2_grpc, usage_pb2_grpc
 from inferplane.api.inference.v1 import responses_pb2_grpc
 from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounterStore
 from inferplane.auth.domain import SecretHasher
 from inferplane.auth.ext_authz import Authorization
 from inferplane.auth.key_service import ApiKeyService
+from inferplane.auth.key_table import (
+    KeyTableFeed,
+    KeyTableMetrics,
+    KeyTableService,
+    KeyTableSettings,
+)
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter
@@ -55,6 +61,8 @@ class AuthComponents:
     registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
     # Stored responses of the Responses API (None: not served, e.g. in unit tests).
     responses: SqlResponseStore | None = None
+    # The key table routers watch (None: not served); built by `build_components`.
+    key_table: KeyTableFeed | None = None
     _usage: UsageService | None = None
     _flusher: asyncio.Task[None] | None = None
     _purger: asyncio.Task[None] | None = None
@@ -112,8 +120,16 @@ class AuthComponents:
                 log.exception("stored_responses_purge_failed")
             await asyncio.sleep(self.settings.response_purge_seconds)
 
+    async def drain(self) -> None:
+        """Ends the routers' key table watches (they reconnect to another instance), so the
+        server's grace period is not held by streams that never end on their own."""
+        if self.key_table is not None:
+            self.key_table.close_watchers()
+
     async def stop(self) -> None:
         """Stops the flusher, writes what is pending, closes the database."""
+        if self.key_table is not None:
+            await self.key_table.stop()
         for task in (self._flusher, self._purger):
             if task is not None:
                 task.cancel()
@@ -139,6 +155,7 @@ class AuthComponents:
                 self.ledger,
                 tenant_of=self._tenant_of,
                 clock=self.clock,
+                on_usage=self.key_table.usage_written if self.key_table is not None else None,
             )
         return self._usage
 
@@ -164,8 +181,9 @@ class AuthComponents:
                     "/envoy.service.auth.v3.Authorization/": [EDGE],
                     # Key admin: the edge's /v1/admin routes, or an operator's CLI.
                     "/inferplane.auth.v1.ApiKeyService/": [EDGE, ADMIN],
-                    # Token usage from the routers.
+                    # Token usage from the routers, and the key table they authenticate with.
                     "/inferplane.auth.v1.UsageService/": [ROUTER],
+                    "/inferplane.auth.v1.KeyTableService/": [ROUTER],
                     # The usage ledger: the edge's /v1/admin/usage, or an operator's CLI.
                     "/inferplane.auth.v1.UsageLedgerService/": [EDGE, ADMIN],
                     # Stored responses: the edge's /v1/responses/{id} routes; the replica
@@ -191,6 +209,7 @@ class AuthComponents:
                     usage_pb2_grpc.add_UsageLedgerServiceServicer_to_server,
                 ),
                 *self._response_bindings(),
+                *self._key_table_bindings(),
                 *(
                     [
                         ServicerBinding(
@@ -204,8 +223,24 @@ class AuthComponents:
                 ),
             ],
             start=self.start,
+            drain=self.drain,
             stop=self.stop,
         )
+
+    def _key_table_bindings(self) -> list[ServicerBinding]:
+        if self.key_table is None:
+            return []
+        return [
+            ServicerBinding(
+                "inferplane.auth.v1.KeyTableService",
+                KeyTableService(
+                    self.key_table,
+                    InternalCallerGuard(self.settings.internal_token),
+                    self.key_table.metrics,
+                ),
+                key_table_pb2_grpc.add_KeyTableServiceServicer_to_server,
+            )
+        ]
 
     def _response_bindings(self) -> list[ServicerBinding]:
         if self.responses is None:
@@ -263,6 +298,20 @@ def build_components(
         lease_seconds=settings.concurrency_lease_seconds,
         monthly_tokens=ledger.month_tokens,
     )
+    registry = CollectorRegistry()
+    # The key table routers watch: this instance's key writes are pushed at once.
+    key_table = KeyTableFeed(
+        store,
+        ledger,
+        clock,
+        KeyTableMetrics(registry),
+        KeyTableSettings(
+            poll_seconds=settings.key_table_poll_seconds,
+            resync_seconds=settings.key_table_resync_seconds,
+            budget_seconds=settings.key_table_budget_seconds,
+        ),
+    )
+    manager.on_change(key_table.key_changed)
     return AuthComponents(
         settings,
         clock,
@@ -273,8 +322,10 @@ def build_components(
         ledger,
         counters,
         limiter,
+        registry,
         # Stored responses live in the auth database too (the same migrations).
         responses=SqlResponseStore(_database_url(settings)),
+        key_table=key_table,
     )
 
 

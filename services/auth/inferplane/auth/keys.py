@@ -2,14 +2,15 @@
 
 Async façade over the blocking store (each call runs in a worker thread) that keeps the
 verifier's cache coherent: every change to a key invalidates its cached entries on this
-instance as soon as the transaction commits.
+instance as soon as the transaction commits, and tells the listeners (`on_change`: the key
+table routers follow, `inferplane.auth.key_table`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,22 @@ class ApiKeyManager:
         self._hasher = hasher
         self._verifier = verifier
         self._clock = clock
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Calls `listener(key_id)` on the event loop after every committed write of a key
+        through this manager (create, update, revoke, delete, rotate, bootstrap): the key
+        table pushes it to the routers at once (`inferplane.auth.key_table`)."""
+        self._listeners.append(listener)
+
+    def _changed(self, key_id: str) -> None:
+        """A write of `key_id` committed: this instance's cache forgets it, listeners hear."""
+        self._verifier.invalidate(key_id)
+        for listener in self._listeners:
+            try:
+                listener(key_id)
+            except Exception:  # a listener must not fail the write that already committed
+                log.exception("key_change_listener_failed", key_id=key_id)
 
     async def create(self, spec: KeySpec, actor: str) -> tuple[ApiKey, str]:
         """Creates a key; returns it and its secret (the only time the secret exists in clear).
@@ -93,6 +110,7 @@ class ApiKeyManager:
             {"scopes": ",".join(key.scopes)},
         )
         await asyncio.to_thread(self._store.insert, key, event)
+        self._changed(key.key_id)
         return key, secret
 
     def _new_key(self, spec: KeySpec, secret: str, now: datetime) -> ApiKey:
@@ -178,7 +196,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.UPDATE, key_id, actor, key.tenant, detail)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._verifier.invalidate(key_id)
+        self._changed(key_id)
         return key
 
     async def revoke(self, key_id: str, actor: str) -> ApiKey:
@@ -196,7 +214,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.REVOKE, key_id, actor, key.tenant)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._verifier.invalidate(key_id)
+        self._changed(key_id)
         return key
 
     async def delete(self, key_id: str, actor: str) -> None:
@@ -207,7 +225,7 @@ class ApiKeyManager:
             return AuditEvent(now, AuditAction.DELETE, key_id, actor, key.tenant)
 
         await asyncio.to_thread(self._store.delete, key_id, event)
-        self._verifier.invalidate(key_id)
+        self._changed(key_id)
 
     async def rotate(self, key_id: str, grace: timedelta, actor: str) -> tuple[ApiKey, str]:
         """Issues a new secret; the current one keeps working for `grace` (0 = stops now).
@@ -246,7 +264,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.ROTATE, key_id, actor, key.tenant, detail)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._verifier.invalidate(key_id)
+        self._changed(key_id)
         return key, secret
 
     async def bootstrap_admin(self, configured_secret: str, data_dir: Path) -> str | None:
@@ -284,6 +302,7 @@ class ApiKeyManager:
                 now, AuditAction.CREATE, key.key_id, BOOTSTRAP_ACTOR, key.tenant, {"from": "env"}
             )
             await asyncio.to_thread(self._store.insert, key, event)
+            self._changed(key.key_id)
             log.info("bootstrap_admin_key_stored", key_id=key.key_id, source="environment")
             return None
         if await asyncio.to_thread(self._store.has_active_admin, now):
@@ -297,6 +316,7 @@ class ApiKeyManager:
         path = data_dir / BOOTSTRAP_KEY_FILE
         await asyncio.to_thread(write_private_file, path, secret + "\n")
         await asyncio.to_thread(self._store.insert, key, event)
+        self._changed(key.key_id)
         return secret
 
     async def audit_events(self, key_id: str | None = None, limit: int = 100) -> list[AuditEvent]:

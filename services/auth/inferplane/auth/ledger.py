@@ -24,7 +24,7 @@ the NEXT request (usage is known when a request ends).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -267,6 +267,26 @@ class SqlUsageLedger:
         except OperationalError as exc:
             raise self._db.unavailable(exc) from exc
         return int(value or 0)
+
+    def month_tokens_of(self, key_ids: Collection[str], when: datetime) -> dict[str, int]:
+        """`month_tokens` of several keys in one read per 500 keys (keys without usage this
+        month are absent): the key table's budget state (`inferplane.auth.key_table`)."""
+        ids = sorted(set(key_ids))
+        month = month_of(when)
+        found: dict[str, int] = {}
+        try:
+            with self.engine.connect() as conn:
+                for start in range(0, len(ids), 500):
+                    rows = conn.execute(
+                        select(usage_monthly.c.key_id, usage_monthly.c.tokens).where(
+                            usage_monthly.c.month == month,
+                            usage_monthly.c.key_id.in_(ids[start : start + 500]),
+                        )
+                    )
+                    found.update((str(k), int(t or 0)) for k, t in rows)
+        except OperationalError as exc:
+            raise self._db.unavailable(exc) from exc
+        return found
 
     def query(self, query: UsageQuery) -> UsagePage:
         """Rows (ordered by end time, then request id) or groups (ordered by group), one page.

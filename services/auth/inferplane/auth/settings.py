@@ -49,6 +49,12 @@ class AuthSettings(ServiceSettings):
             (`store`, `previous_response_id`; OpenAI keeps them 30 days).
         response_purge_seconds: how often expired stored responses are deleted (they read as
             absent from the moment they expire).
+        key_table_poll_seconds: how often the key table routers watch reads the audit log
+            for writes made by other auth instances (`inferplane.auth.key_table`); writes
+            through this instance are pushed at once.
+        key_table_resync_seconds: how often the key table is read whole again.
+        key_table_budget_seconds: how often the monthly token totals of every key with a
+            budget are read again (usage reported to other instances).
     """
 
     port: int = 50051
@@ -67,6 +73,9 @@ class AuthSettings(ServiceSettings):
     internal_token: str = dataclasses.field(default="", repr=False)
     response_retention_days: float = 30.0
     response_purge_seconds: float = 3600.0
+    key_table_poll_seconds: float = 0.25
+    key_table_resync_seconds: float = 30.0
+    key_table_budget_seconds: float = 1.0
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -8,8 +8,10 @@ back timezone-aware.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -20,11 +22,13 @@ from sqlalchemy import (
     Integer,
     String,
     and_,
+    func,
     or_,
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from inferplane.auth.domain import SCOPE_ADMIN, ApiKey, AuditAction, AuditEvent, Limits
@@ -83,9 +87,14 @@ class _AuditRow(_Base):
 
 #: The tables this store maps: a target of the auth database's migrations (`migrations/`).
 METADATA = _Base.metadata
+_KEYS = _KeyRow.__table__
+_AUDIT = _AuditRow.__table__
+# Key ids per `IN (...)` (well under SQLite's and PostgreSQL's bound-parameter limits).
+_IN_CHUNK = 500
 
 
-def _to_domain(row: _KeyRow) -> ApiKey:
+def _to_domain(row: Any) -> ApiKey:
+    """A key from an ORM row or a Core row of `api_keys` (the same attribute names)."""
     return ApiKey(
         key_id=row.key_id,
         display_name=row.display_name,
@@ -160,6 +169,19 @@ class SqlApiKeyStore:
     @property
     def engine(self) -> Engine:
         return self._db.engine
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Connection]:
+        """A plain connection for reads (no ORM session).
+
+        Raises:
+            UnavailableError: the database cannot be reached.
+        """
+        try:
+            with self._db.engine.connect() as conn:
+                yield conn
+        except OperationalError as exc:
+            raise self._db.unavailable(exc) from exc
 
     def create_schema(self) -> None:
         """Migrates the auth database to the latest schema revision (`migrations/`)."""
@@ -270,6 +292,41 @@ class SqlApiKeyStore:
                 )
                 for r in s.scalars(stmt)
             ]
+
+    def all_keys(self) -> list[ApiKey]:
+        """Every stored key (revoked and expired ones too), read without the ORM's identity
+        map: the key table's full load and resync (`inferplane.auth.key_table`)."""
+        with self._read() as conn:
+            return [_to_domain(r) for r in conn.execute(select(_KEYS))]
+
+    def get_many(self, key_ids: Collection[str]) -> list[ApiKey]:
+        """The keys among `key_ids` that exist (any order; a deleted one is absent)."""
+        ids = sorted(set(key_ids))
+        found: list[ApiKey] = []
+        with self._read() as conn:
+            for start in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[start : start + _IN_CHUNK]
+                rows = conn.execute(select(_KEYS).where(_KEYS.c.key_id.in_(chunk)))
+                found.extend(_to_domain(r) for r in rows)
+        return found
+
+    def last_audit_id(self) -> int:
+        """The newest audit event's id (0 when none): where following changes starts."""
+        with self._read() as conn:
+            return int(conn.execute(select(func.max(_AUDIT.c.id))).scalar() or 0)
+
+    def audit_after(self, after_id: int, limit: int) -> list[tuple[int, str]]:
+        """(id, key id) of the audit events after `after_id`, oldest first, at most `limit`:
+        which keys changed since (one indexed range read; every write to a key adds one
+        event in its own transaction)."""
+        statement = (
+            select(_AUDIT.c.id, _AUDIT.c.key_id)
+            .where(_AUDIT.c.id > after_id)
+            .order_by(_AUDIT.c.id)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            return [(int(i), str(k)) for i, k in conn.execute(statement)]
 
     def has_active_admin(self, now: datetime) -> bool:
         stmt = (

@@ -7,7 +7,7 @@ Every method is synchronous and blocking; async callers run them in a worker thr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -79,6 +79,26 @@ class ApiKeyStore(Protocol):
 
     def audit_events(self, key_id: str | None = None, limit: int = 100) -> Sequence[AuditEvent]:
         """Audit events, oldest first, optionally for one key."""
+        ...
+
+    def all_keys(self) -> Sequence[ApiKey]:
+        """Every stored key, revoked and expired ones included (the key table's full load)."""
+        ...
+
+    def get_many(self, key_ids: Collection[str]) -> Sequence[ApiKey]:
+        """The keys among `key_ids` that exist, in any order."""
+        ...
+
+    def last_audit_id(self) -> int:
+        """The newest audit event's id (0 when none)."""
+        ...
+
+    def audit_after(self, after_id: int, limit: int) -> Sequence[tuple[int, str]]:
+        """(id, key id) of up to `limit` audit events after `after_id`, oldest first.
+
+        Ids grow with every event; on PostgreSQL a transaction that took an id may commit
+        after one that took a later id (the key table waits for such holes:
+        `inferplane.auth.key_table`)."""
         ...
 
     def has_active_admin(self, now: datetime) -> bool:

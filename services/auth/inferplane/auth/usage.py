@@ -25,7 +25,7 @@ import asyncio
 import hmac
 import ipaddress
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +157,8 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         ledger: the usage ledger (its idempotent writes make a re-send count once).
         tenant_of: the tenant of a key id (blocking: a key store read; "" for a deleted key).
         clock: stamps reports that carry no end time (default: the system clock).
+        on_usage: told the key ids whose usage was written now (the key table refreshes
+            their monthly budget state: `inferplane.auth.key_table`).
     """
 
     def __init__(
@@ -168,7 +170,9 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         *,
         tenant_of: Callable[[str], str] = lambda key_id: "",
         clock: Clock | None = None,
+        on_usage: Callable[[Collection[str]], None] | None = None,
     ) -> None:
+        self._on_usage = on_usage
         self._clock = clock or SystemClock()
         self._limiter = limiter
         self._guard = guard
@@ -197,6 +201,8 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         now = self._clock.now()
         rows = [ledger_row(usage, tenants[usage.key_id], now) for usage in entries]
         written = set(await asyncio.to_thread(self._ledger.record, rows))
+        if written and self._on_usage is not None:
+            self._on_usage({r.key_id for r in rows if r.request_id in written})
         for usage, row in zip(entries, rows, strict=True):
             if row.request_id in written:
                 await self._limiter.record_usage(usage.key_id, row.tokens)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -17,6 +19,8 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.features import FeatureExtractor
+from inferplane.router.key_source import KeyTableMetrics, KeyTableWatch
+from inferplane.router.keys import KeyTable
 from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
@@ -29,10 +33,11 @@ from inferplane.router.policies import default_registry
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable, load_routes_file
 from inferplane.router.servicer import ModelsService
-from inferplane.router.settings import RouterSettings
+from inferplane.router.settings import RouterSettings, resolve_auth_pepper
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
-from inferplane.runtime import App, ErrorInterceptor, ServicerBinding, grpc_options
+from inferplane.runtime import App, ConfigError, ErrorInterceptor, ServicerBinding, grpc_options
+from inferplane.runtime.security.api_keys import SecretHasher
 from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, PeerPolicy, PeerSecurity
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.runtime.tracing import Tracing, TracingSettings
@@ -64,6 +69,52 @@ def route_source(settings: RouterSettings, router: str = "") -> RouteSource:
         )
     table = load_routes_file(settings.routes_file) if settings.routes_file else RouteTable.of([])
     return StaticRouteSource(table)
+
+
+@dataclasses.dataclass(slots=True)
+class RouterApp(App):
+    """The router's `App`, holding the parts tests and the picker reach.
+
+    Attributes:
+        key_table: the key table auth streams (`auth_address`); empty and never received
+            without an auth address.
+    """
+
+    key_table: KeyTable = dataclasses.field(kw_only=True)
+
+
+def key_table_source(
+    settings: RouterSettings, clock: Clock, registry: CollectorRegistry, security: PeerSecurity
+) -> tuple[KeyTable, KeyTableWatch | None]:
+    """The key table and, with `auth_address`, the watch that fills it from auth (its
+    metrics registered in `registry`).
+
+    Raises:
+        ConfigError: `auth_address` without auth's pepper (`auth_pepper` or
+            `auth_pepper_file`), or a bad pepper.
+    """
+    pepper = resolve_auth_pepper(settings)
+    if settings.auth_address and pepper is None:
+        raise ConfigError(
+            "setting 'auth_pepper' (or 'auth_pepper_file') is required with 'auth_address': "
+            "the picker looks keys up by their hash under auth's pepper"
+        )
+    # Without auth the table is never filled: a throw-away pepper, since nothing matches.
+    hasher = SecretHasher(pepper or secrets.token_bytes(32))
+    table = KeyTable(hasher, clock, stale_after_seconds=settings.key_table_stale_seconds)
+    if not settings.auth_address:
+        return table, None
+    KeyTableMetrics(registry, table)
+    watch = KeyTableWatch(
+        settings.auth_address,
+        table,
+        router_id=router_id(settings),
+        internal_token=settings.auth_internal_token,
+        security=security,
+        options=grpc_options(settings),
+        heartbeat_seconds=settings.key_table_heartbeat_seconds,
+    )
+    return table, watch
 
 
 class GatewayListener:
@@ -130,7 +181,7 @@ def build_app(
     usage: UsageSink | None = None,
     registry: CollectorRegistry | None = None,
     wall_clock: Callable[[], float] = time.time,
-) -> App:
+) -> RouterApp:
     """Wires the router: route source → admission (policies, caps, queues) → the endpoint
     picker (Envoy's ext_proc `ExternalProcessor`) and `ListModels` (`InferenceService`), plus
     the usage sink to auth (`auth_address`) and the record sink to telemetry
@@ -140,11 +191,14 @@ def build_app(
     admission and the request timings; `wall_clock` stamps records.
 
     Raises:
-        ConfigError: an unknown default policy, or a static table naming an unknown policy.
+        ConfigError: an unknown default policy, or a static table naming an unknown policy;
+            `auth_address` without auth's pepper.
     """
     clock = clock or SystemClock()
     registry = registry or CollectorRegistry()
     security = settings.security("router")
+    # The key table auth streams (`auth_address`), which the picker authenticates with.
+    key_table, key_watch = key_table_source(settings, clock, registry, security)
     policies = default_registry(settings.default_policy, settings.load_factor)
     admission = Admission(
         policies,
@@ -218,12 +272,17 @@ def build_app(
             outcome_wait_seconds=settings.outcome_wait_seconds,
         ),
         metrics=metrics,
+        # The picker authenticates every request on this table; without auth (no watch) it
+        # authenticates none, and the edge's picker guard refuses them (fail closed).
+        keys=key_table if key_watch is not None else None,
     )
     tracing = Tracing(TracingSettings.of(settings, "inferplane-router"))
     picker.tracing = PickerTracing(tracing)
     gateway = GatewayListener(picker, settings, security) if settings.gateway_port else None
 
     async def start() -> None:
+        if key_watch is not None:
+            await key_watch.start()
         if auth_sink is not None:
             await auth_sink.start()
         if record_sink is not None:
@@ -250,8 +309,10 @@ def build_app(
         if record_sink is not None:
             await record_sink.close()
         await asyncio.to_thread(tracing.shutdown)  # the last spans leave
+        if key_watch is not None:
+            await key_watch.stop()
 
-    return App(
+    return RouterApp(
         component="router",
         registry=registry,
         peer_policy=PeerPolicy(
@@ -283,4 +344,5 @@ def build_app(
         start=start,
         drain=drain,
         stop=stop,
+        key_table=key_table,
     )

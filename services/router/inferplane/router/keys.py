@@ -144,6 +144,11 @@ class KeyTable:
         return len(self._entries)
 
     @property
+    def stale_after_seconds(self) -> float:
+        """How old the table may get before unknown keys get 503."""
+        return self._stale_after
+
+    @property
     def received(self) -> bool:
         """Whether any update arrived (before: every request is refused with 503)."""
         return self._received_at is not None

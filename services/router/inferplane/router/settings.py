@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
-from inferplane.runtime import ServiceSettings
+from inferplane.runtime import ConfigError, ServiceSettings
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,11 +48,22 @@ class RouterSettings(ServiceSettings):
             this router enforces whole caps alone, which is right only for a single router.
         router_id: this router's id towards the orchestrator ("" = `host name:port`, kept
             across restarts in place; two live routers must never share one).
-        auth_address: auth's `UsageService` (host:port). Set: every keyed request's usage is
-            written to the usage outbox when the request is concluded and delivered there in
-            batches, off the request path (the usage ledger, token limits). Empty: logged only.
+        auth_address: auth (host:port): its `KeyTableService`, whose key table the picker
+            authenticates requests with (`inferplane.router.key_source`; needs auth's pepper,
+            below), and its `UsageService`: every keyed request's usage is written to the
+            usage outbox when the request is concluded and delivered there in batches, off
+            the request path (the usage ledger, token limits). Empty: no key table (it stays
+            empty and never received) and usage logged only.
         auth_internal_token: sent as `x-inferplane-internal-token` (auth's `internal_token`;
             leave empty when auth accepts loopback callers).
+        auth_pepper / auth_pepper_file: auth's pepper (at least 16 bytes; the file holds it
+            as auth's `<data_dir>/auth-pepper` does), which the picker hashes a request's key
+            with to look it up in the key table auth streams (`inferplane.router.key_source`,
+            from `auth_address`). Required with `auth_address` (one of the two): the router
+            never makes one up, since no key would ever match.
+        key_table_heartbeat_seconds: the heartbeat interval asked of auth's key table watch.
+        key_table_stale_seconds: how old the key table may get (no update from auth) before
+            keys it does not know are refused with 503 `auth_unavailable` instead of 401.
         usage_buffer_capacity / usage_batch_size: usage reports waiting to be written to the
             outbox at most (without `usage_spool_path`: held in all), and sent per call.
         usage_flush_interval_seconds: the outbox appends (one fsync) at most this often, and
@@ -107,6 +119,10 @@ class RouterSettings(ServiceSettings):
     router_id: str = ""
     auth_address: str = ""
     auth_internal_token: str = dataclasses.field(default="", repr=False)
+    auth_pepper: str = dataclasses.field(default="", repr=False)
+    auth_pepper_file: str = ""
+    key_table_heartbeat_seconds: float = 1.0
+    key_table_stale_seconds: float = 5.0
     usage_buffer_capacity: int = 10_000
     usage_batch_size: int = 256
     usage_flush_interval_seconds: float = 0.005
@@ -119,3 +135,29 @@ class RouterSettings(ServiceSettings):
     outcome_wait_seconds: float = 5.0
     gateway_port: int = 0
     gateway_node_port: int = 8000
+
+
+def resolve_auth_pepper(settings: RouterSettings) -> bytes | None:
+    """Auth's pepper from `auth_pepper` or `auth_pepper_file` (read as auth reads its
+    `auth-pepper` file: the text, stripped), or None when neither is set. Never generated.
+
+    Raises:
+        ConfigError: both set, an unreadable file, or a pepper shorter than 16 bytes.
+    """
+    if settings.auth_pepper and settings.auth_pepper_file:
+        raise ConfigError("set one of 'auth_pepper' and 'auth_pepper_file', not both")
+    if settings.auth_pepper:
+        pepper = settings.auth_pepper
+        where = "setting 'auth_pepper'"
+    elif settings.auth_pepper_file:
+        path = Path(settings.auth_pepper_file).expanduser()
+        try:
+            pepper = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read auth_pepper_file {path}: {exc}") from exc
+        where = f"auth_pepper_file {path}"
+    else:
+        return None
+    if len(pepper.encode()) < 16:
+        raise ConfigError(f"{where} must hold at least 16 bytes (auth's pepper)")
+    return pepper.encode()

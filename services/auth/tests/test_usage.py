@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
+from inferplane.auth.ledger import UsageQuery
 from inferplane.auth.usage import InternalCallerGuard, is_loopback_peer
-from inferplane.runtime import PermissionDeniedError, UnauthenticatedError
+from inferplane.runtime import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from inferplane.wire.headers import INTERNAL_TOKEN
 
 RESOURCE_EXHAUSTED = 8
@@ -61,6 +62,34 @@ def test_reported_tokens_refuse_the_key_until_its_window_resets(auth: Any) -> No
         for o in ("accounted", "duplicate", "invalid")
     }
     assert counts == {"accounted": 2.0, "duplicate": 1.0, "invalid": 1.0}
+
+
+def test_a_counter_store_failure_after_the_ledger_write_does_not_fail_the_batch(
+    auth: Any,
+) -> None:
+    """The ledger row is the record: once written, the batch succeeds even when the minute's
+    token window cannot be updated (a re-send would find the rows and never add the tokens),
+    so the router does not re-send it and every row is accounted once."""
+    _, key_id = _key(auth, tokens_per_minute=100)
+    limiter = auth.components.limiter
+
+    async def store_away(key: str, tokens: int) -> None:
+        raise UnavailableError("the rate-limit store is unavailable")
+
+    real, limiter.record_usage = limiter.record_usage, store_away
+    try:
+        _report(auth, _usage(key_id, "w1", 4, 2), _usage(key_id, "w2", 3, 1))
+    finally:
+        limiter.record_usage = real
+    _report(auth, _usage(key_id, "w1", 4, 2))  # a copy: the row is there
+    rows = auth.components.ledger.query(UsageQuery(key_id=key_id)).rows
+    assert sorted(r.request_id for r in rows) == ["w1", "w2"]
+    metrics = auth.components.registry
+    counts = {
+        o: metrics.get_sample_value("inferplane_auth_usage_requests_total", {"outcome": o})
+        for o in ("accounted", "duplicate")
+    }
+    assert counts == {"accounted": 2.0, "duplicate": 1.0}
 
 
 def test_a_configured_internal_token_is_required(

@@ -36,7 +36,12 @@ from prometheus_client import CollectorRegistry, Counter
 from inferplane.api.auth.v1 import usage_pb2, usage_pb2_grpc
 from inferplane.auth.ledger import STATUSES, LedgerRow, SqlUsageLedger, UsageQuery
 from inferplane.auth.limits import RateLimiter
-from inferplane.runtime import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from inferplane.runtime import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.wire.headers import INTERNAL_TOKEN
 
@@ -149,9 +154,11 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
     accounts them against their keys' limits.
 
     Entries without a key_id are skipped (counted as invalid), not failed: one bad entry must
-    not make the sender drop the whole batch. A ledger or counter-store outage raises
-    UNAVAILABLE and the router re-sends the batch: the ledger skips what it already has, so
-    only the rest is written and accounted.
+    not make the sender drop the whole batch. A ledger outage raises UNAVAILABLE and the
+    router re-sends the batch: the ledger skips what it already has, so only the rest is
+    written and accounted. Once the rows are written the batch succeeds: a counter store
+    failure then leaves their tokens out of the minute's rate window (logged), since a
+    re-send would find the rows and never add them.
 
     Args:
         ledger: the usage ledger (its idempotent writes make a re-send count once).
@@ -203,14 +210,30 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
         written = set(await asyncio.to_thread(self._ledger.record, rows))
         if written and self._on_usage is not None:
             self._on_usage({r.key_id for r in rows if r.request_id in written})
+        windows_failed = 0
         for usage, row in zip(entries, rows, strict=True):
             if row.request_id in written:
-                await self._limiter.record_usage(usage.key_id, row.tokens)
+                # The ledger row is the record, written exactly once above; the minute's token
+                # window is best effort: a re-send would find the row and never add the tokens,
+                # so a counter store failure here must not fail the batch.
+                if not windows_failed:
+                    try:
+                        await self._limiter.record_usage(usage.key_id, row.tokens)
+                    except UnavailableError:
+                        windows_failed = 1
+                else:
+                    windows_failed += 1
                 self._accounted(usage, row.tokens)
             else:
                 # Already in the ledger (a re-sent batch): its tokens were accounted then.
                 self._metrics.requests.labels("duplicate").inc()
                 log.debug("usage_duplicate", key_id=usage.key_id, request_id=usage.request_id)
+        if windows_failed:
+            log.warning(
+                "usage_token_windows_skipped",
+                requests=windows_failed,
+                note="in the ledger; their tokens are missing from this minute's rate window",
+            )
 
     def _accounted(self, usage: usage_pb2.RequestUsage, tokens: int) -> None:
         self._metrics.requests.labels("accounted").inc()

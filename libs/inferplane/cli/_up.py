@@ -31,6 +31,7 @@ from inferplane.localstack import (
 )
 from inferplane.runtime import InferplaneError
 from inferplane.runtime.security.identity import ADMIN, PeerSecurity
+from inferplane.runtime.tracing import DEFAULT_SAMPLING_RATIO
 from inferplane.sdk import Client
 
 DEFAULT_DATA_DIR = Path(".state")
@@ -80,6 +81,16 @@ def up(
             "their position limit; the default holds a coding agent's prompt."
         ),
     ] = kimi_tiny.MAX_MODEL_LEN,
+    otlp_traces_endpoint: Annotated[
+        str,
+        typer.Option(
+            help="An OpenTelemetry collector (OTLP/gRPC host:port) every service, replica and "
+            "the edge send their spans to (docs/tracing.md); empty: no tracing."
+        ),
+    ] = "",
+    trace_sampling_ratio: Annotated[
+        float, typer.Option(help="Share (0..1) of requests traced, with a collector.")
+    ] = DEFAULT_SAMPLING_RATIO,
 ) -> None:
     """Run the whole stack locally on the fixture model until Ctrl-C or SIGTERM."""
     console = Console()
@@ -96,6 +107,8 @@ def up(
         qwen3=qwen3,
         max_model_len=max_model_len,
         sampling_defaults=UP_SAMPLING_DEFAULTS,
+        otlp_traces_endpoint=otlp_traces_endpoint,
+        trace_sampling_ratio=trace_sampling_ratio,
     )
     stack = Stack(config)
     stop = threading.Event()

@@ -349,7 +349,8 @@ def test_usage_and_one_record_per_request_completed_failed_and_cancelled(tmp_pat
 def test_replica_tokens_count_against_the_key_and_free_its_slot(tmp_path: Path) -> None:
     """The tokens in a replica's summary reach auth: a key at its tokens/minute limit gets
     429 with Retry-After; a key limited to one concurrent request can send the next one as
-    soon as the previous one ended (the usage report frees the slot)."""
+    soon as the previous one ended (its one slot is released at the stream's end, and the
+    response's end waits for no usage delivery)."""
 
     async def body(fabric: Fabric) -> None:
         _, tokens = await fabric.key(Limits(0, PROMPT_TOKENS + WORDS, 0))

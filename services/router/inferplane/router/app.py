@@ -20,6 +20,7 @@ from inferplane.api.router.v1 import outcome_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.key_source import KeyTableMetrics, KeyTableWatch
+from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable
 from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
@@ -232,6 +233,10 @@ def build_app(
         )
     source = source or route_source(settings)
     source.subscribe(admission.apply)  # a table that cannot be applied is never current
+    key_limits: KeyLimiter | None = None
+    if key_watch is not None:  # the keys' limits, this router's share (`keylimits`)
+        key_limits = KeyLimiter(clock, window_seconds=settings.key_limit_window_seconds)
+        source.subscribe(key_limits.on_table)
     if lease is not None:
         source.subscribe(lease.on_table)
     auth_sink: AuthUsageSink | None = None
@@ -275,6 +280,7 @@ def build_app(
         # The picker authenticates every request on this table; without auth (no watch) it
         # authenticates none, and the edge's picker guard refuses them (fail closed).
         keys=key_table if key_watch is not None else None,
+        key_limits=key_limits,
     )
     tracing = Tracing(TracingSettings.of(settings, "inferplane-router"))
     picker.tracing = PickerTracing(tracing)

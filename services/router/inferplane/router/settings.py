@@ -64,6 +64,9 @@ class RouterSettings(ServiceSettings):
         key_table_heartbeat_seconds: the heartbeat interval asked of auth's key table watch.
         key_table_stale_seconds: how old the key table may get (no update from auth) before
             keys it does not know are refused with 503 `auth_unavailable` instead of 401.
+        key_limit_window_seconds: the length of the per-key rate windows the picker enforces
+            (`keylimits.KeyLimiter`; 60: limits are per minute; shorter only for tests that
+            must see a window reset, like auth's `rate_window_seconds`).
         usage_buffer_capacity / usage_batch_size: usage reports waiting to be written to the
             outbox at most (without `usage_spool_path`: held in all), and sent per call.
         usage_flush_interval_seconds: the outbox appends (one fsync) at most this often, and
@@ -123,6 +126,7 @@ class RouterSettings(ServiceSettings):
     auth_pepper_file: str = ""
     key_table_heartbeat_seconds: float = 1.0
     key_table_stale_seconds: float = 5.0
+    key_limit_window_seconds: int = 60
     usage_buffer_capacity: int = 10_000
     usage_batch_size: int = 256
     usage_flush_interval_seconds: float = 0.005

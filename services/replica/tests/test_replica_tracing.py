@@ -127,3 +127,15 @@ def test_tracing_off_hands_the_engine_nothing() -> None:
     engine = HeaderRecordingEngine(script(TEXT_IDS))
     _serve(engine, None, (("traceparent", f"00-{TRACE}-{UPSTREAM_SPAN}-01"),))
     assert engine.trace_headers == [None]
+
+
+def test_a_failing_tracer_never_fails_a_request() -> None:
+    class Broken(Tracing):
+        def start(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            raise RuntimeError("exporter bug")
+
+    engine = HeaderRecordingEngine(script(TEXT_IDS))
+    broken = Broken(TracingSettings(endpoint="127.0.0.1:9", sampling_ratio=1.0))
+    _serve(engine, broken, (("traceparent", f"00-{TRACE}-{UPSTREAM_SPAN}-01"),))
+    broken.shutdown()
+    assert engine.trace_headers == [None]  # untraced, served

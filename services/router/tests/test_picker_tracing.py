@@ -90,3 +90,21 @@ def test_an_unsampled_request_gets_no_span() -> None:
     with OtlpReceiver() as receiver:
         asyncio.run(scenario(receiver))
         assert receiver.spans == []
+
+
+def test_a_failing_tracer_never_fails_a_request() -> None:
+    class Broken(Tracing):
+        def start(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            raise RuntimeError("exporter bug")
+
+    async def scenario() -> None:
+        async with picker_rig(2) as rig:
+            broken = Broken(TracingSettings(endpoint="127.0.0.1:9", sampling_ratio=1.0))
+            rig.picker.tracing = PickerTracing(broken)
+            stream = _TracedStream(rig.stub, f"00-{TRACE}-{STREAM_SPAN}-01")
+            assert (await stream.headers(STREAM_EVENTS, KEYED)).HasField("request_headers")
+            assert _endpoint_list(await stream.body(_chat_body()))
+            await stream.close()
+            broken.shutdown()
+
+    asyncio.run(scenario())

@@ -33,6 +33,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.runtime.tracing import (
     DISABLED,
@@ -42,6 +44,8 @@ from inferplane.runtime.tracing import (
     sampled,
 )
 from inferplane.wire.headers import REQUEST_ID
+
+log = structlog.get_logger("inferplane.replica.tracing")
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -98,9 +102,17 @@ class ReplicaTracing:
 
     def begin(self, context: Any, facts: RequestFacts) -> RequestSpan | None:
         """A request arrived (`facts.started`): starts its `replica` span under the request's
-        `traceparent` and sets `CURRENT`. None when tracing is off."""
+        `traceparent` and sets `CURRENT`. None when tracing is off (or failed: logged, the
+        request goes on untraced)."""
         if not self.enabled:
             return None
+        try:
+            return self._begin(context, facts)
+        except Exception:  # tracing never fails a request
+            log.warning("trace_begin_failed", exc_info=True)
+            return None
+
+    def _begin(self, context: Any, facts: RequestFacts) -> RequestSpan | None:
         try:
             metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         except Exception:  # a context without metadata (tests)
@@ -131,12 +143,19 @@ class ReplicaTracing:
 
     def end(self, traced: RequestSpan | None, facts: RequestFacts, ending: Ending) -> None:
         """The request ended as `ending`: writes its stages (a generation's) and ends its
-        `replica` span with the request's model, replica, tokens and ending."""
+        `replica` span with the request's model, replica, tokens and ending (a failure is
+        logged, never raised)."""
         if traced is None:
             if self.enabled:
                 CURRENT.set(None)
             return
         CURRENT.set(None)
+        try:
+            self._end(traced, facts, ending)
+        except Exception:  # tracing never fails a request
+            log.warning("trace_end_failed", exc_info=True)
+
+    def _end(self, traced: RequestSpan, facts: RequestFacts, ending: Ending) -> None:
         span = traced.span
         if not span.is_recording():
             span.end()

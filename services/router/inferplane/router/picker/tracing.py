@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from inferplane.runtime.tracing import (
     DISABLED,
     REQUEST_ID_ATTRIBUTE,
@@ -37,6 +39,8 @@ from inferplane.runtime.tracing import (
     sampled,
 )
 from inferplane.wire import headers
+
+log = structlog.get_logger("inferplane.router.picker.tracing")
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -113,25 +117,29 @@ class PickerTracing:
         try:
             yield
         finally:
-            parent = self._parent(exchange)
-            if parent is not _SKIP:
-                attributes = _attributes(exchange)
-                self.tracing.record("authn", parent, start, time.time_ns(), attributes)
+            with _never_raises("authn"):
+                parent = self._parent(exchange)
+                if parent is not _SKIP:
+                    attributes = _attributes(exchange)
+                    self.tracing.record("authn", parent, start, time.time_ns(), attributes)
 
     @contextlib.contextmanager
     def pick(self, exchange: Exchange) -> Iterator[None]:
         """Around the body exchange's decision: the `pick` span (the parent of `queue`)."""
-        parent = self._parent(exchange) if self.enabled else _SKIP
-        if parent is _SKIP:
+        span = None
+        with _never_raises("pick"):
+            parent = self._parent(exchange) if self.enabled else _SKIP
+            if parent is not _SKIP:
+                span = self.tracing.start("pick", parent)
+        if span is None:
             yield
             return
-        span = self.tracing.start("pick", parent)
         _PICK_SPAN.set(span)
         try:
             yield
         finally:
             _PICK_SPAN.set(None)
-            if span is not None:
+            with _never_raises("pick"):
                 attributes = _attributes(exchange)
                 if exchange.pick.endpoints:
                     attributes["inferplane.endpoints"] = [
@@ -150,10 +158,20 @@ class PickerTracing:
         try:
             yield
         finally:
-            parent: Span | Context | None = _PICK_SPAN.get() or self._parent(exchange)
-            if parent is not _SKIP:
-                attributes = _attributes(exchange)
-                self.tracing.record("queue", parent, start, time.time_ns(), attributes)
+            with _never_raises("queue"):
+                parent: Span | Context | None = _PICK_SPAN.get() or self._parent(exchange)
+                if parent is not _SKIP:
+                    attributes = _attributes(exchange)
+                    self.tracing.record("queue", parent, start, time.time_ns(), attributes)
+
+
+@contextlib.contextmanager
+def _never_raises(span: str) -> Iterator[None]:
+    """Tracing never fails a request: a failure making `span` is logged and dropped."""
+    try:
+        yield
+    except Exception:
+        log.warning("trace_span_failed", span=span, exc_info=True)
 
 
 PICKER_TRACING_OFF = PickerTracing()

@@ -2,9 +2,10 @@
 
 Its own stack (module scope, not the session's): two vLLM CPU replicas of a `prefix_affinity`
 deployment with a small concurrency cap (`MAX_NUM_SEQS` per replica) and a short admission
-queue timeout in the router, and auth's rate windows shortened to `RATE_WINDOW_S` so a token
-limit visibly resets. Requests go through Envoy with the official `openai` client (or raw
-httpx where the SSE bytes matter). Invariants (issue 6, "Tests"):
+queue timeout in the router, and the per-key rate windows (the picker's, and auth's)
+shortened to `RATE_WINDOW_S` so a token limit visibly resets. Requests go through Envoy with
+the official `openai` client (or raw httpx where the SSE bytes matter). Invariants (issue 6,
+"Tests"):
 
 - prefix affinity keeps a multi-turn conversation on one replica, whose engine's prefix-cache
   hits grow turn after turn (the serving replica is read from each engine's own Prometheus
@@ -75,7 +76,13 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         routing_policy="prefix_affinity",
         max_num_seqs=MAX_NUM_SEQS,
         service_args={
-            "router": ("--queue-timeout-seconds", str(QUEUE_TIMEOUT_S)),
+            "router": (
+                "--queue-timeout-seconds",
+                str(QUEUE_TIMEOUT_S),
+                # The picker enforces the keys' limits (auth's window: its ext_authz routes).
+                "--key-limit-window-seconds",
+                str(RATE_WINDOW_S),
+            ),
             "auth": ("--rate-window-seconds", str(RATE_WINDOW_S)),
         },
     )
@@ -257,8 +264,8 @@ def test_a_key_over_its_token_limit_is_refused_until_its_window_resets(
     first = _tiny(client)
     assert first.status_code == 200, first.text
     assert first.headers["x-ratelimit-limit-tokens"] == str(limit)
-    # The router reports the usage to auth in the background: the next requests are refused
-    # once it is accounted.
+    # The picker counts the request's tokens when it concludes (its trailers or the replica's
+    # report): the next requests are refused once they are counted.
     refused = _poll(
         "a 429 once the usage is accounted",
         RATE_WINDOW_S,

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.router.keylimits import (
     UNLIMITED,
     KeyLease,
@@ -22,6 +23,7 @@ from inferplane.router.keylimits import (
 )
 from inferplane.router.keys import KeyLimits, Principal
 from inferplane.router.routes import RouteTable
+from inferplane.router.sources import table_from_proto
 from inferplane.runtime import ResourceExhaustedError
 from inferplane.testing.clock import FakeClock
 
@@ -68,6 +70,10 @@ def test_one_router_or_none_enforces_the_whole_limit() -> None:
     limiter.on_table(RouteTable.of([]))  # a table without a count (static, no shared caps)
     assert limiter.routers == (1, 0)
     assert limiter.shares(KeyLimits(10, 100, 3, 5000)) == KeyLimits(10, 100, 3, 5000)
+    view = opb.WatchRoutingTableResponse(lease_epoch="e.1", router_count=4, router_rank=3)
+    limiter.on_table(table_from_proto(view))  # the orchestrator's view for this router
+    assert limiter.routers == (4, 3)
+    assert limiter.shares(KeyLimits(10, 100, 3, 5000)) == KeyLimits(2, 25, 1, 5000)
 
 
 # -- one router --------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from inferplane.router.routes import ModelRoute, RouteTable
 from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
 from inferplane.routing_client import OutcomeReporter
-from inferplane.runtime import ErrorInterceptor, RunningServer
+from inferplane.runtime import ErrorInterceptor, InferplaneError, RunningServer
 from inferplane.runtime.processes.ports import free_port
 from inferplane.telemetry.app import TelemetryComponents
 from inferplane.telemetry.app import build_components as build_telemetry
@@ -242,10 +242,22 @@ class Fabric:
         await self.auth_server.stop()
 
     async def key(self, limits: Limits | None = None) -> tuple[str, str]:
+        """A new key, once the router's key table (auth's feed) knows it."""
         key, secret = await self.auth.manager.create(
             KeySpec(tenant="acme", scopes=(SCOPE_INFERENCE,), limits=limits or Limits(0, 0, 0)),
             "test",
         )
+
+        def known() -> bool:
+            assert self.router is not None
+            table = self.router.app.key_table  # type: ignore[attr-defined]
+            try:
+                table.authenticate({"authorization": f"Bearer {secret}"}, "/v1/chat/completions")
+            except InferplaneError:
+                return False
+            return True
+
+        await _eventually(known)
         return key.key_id, secret
 
     def accounted(self) -> float:

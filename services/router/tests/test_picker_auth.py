@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import re
 from typing import Any
 
 import pytest
@@ -222,3 +223,32 @@ def test_without_a_table_only_ext_authzs_verdict_marks_a_request() -> None:
             assert _picker_metadata(answer) == {}
 
     asyncio.run(scenario())
+
+
+def test_the_pickers_rest_table_is_the_edges() -> None:
+    """The picker's one path table (`codec.ROUTES`, from the protos' HTTP bindings) agrees
+    with what the edge does after it: every path is under the edge's generation route
+    (`/v1/`), and a path's streamed method is the one the stream router moves `"stream":
+    true` to (its internal path is that method's binding)."""
+    from google.api import annotations_pb2
+
+    from inferplane.api.inference.v1 import inference_pb2 as pb
+    from inferplane.edge._base import lua_source
+    from inferplane.router.picker import codec
+
+    bindings = {
+        codec.METHODS[f"/inferplane.inference.v1.InferenceService/{m.name}"]: rule.post
+        for m in pb.DESCRIPTOR.services_by_name["InferenceService"].methods
+        if (rule := m.GetOptions().Extensions[annotations_pb2.http]).post
+        and f"/inferplane.inference.v1.InferenceService/{m.name}" in codec.METHODS
+    }
+    stream_router = lua_source("stream_router")
+    moved = dict(re.findall(r'\["(/v1/[^"]+)"\] = "([^"]+)"', stream_router))
+    assert moved  # the stream router's table was read
+    for path, (unary, streamed) in codec.ROUTES.items():
+        assert path.startswith("/v1/") and bindings[unary] == path
+        if streamed is not unary:
+            assert moved[path] == bindings[streamed], path
+        else:
+            assert path not in moved, path
+    assert set(moved) <= set(codec.ROUTES)

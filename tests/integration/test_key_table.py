@@ -6,6 +6,7 @@ over gRPC on loopback with the pepper the instances share.
 - A revocation through A is refused by all three tables within 1 s (20 revocations; the
   figures are printed): A pushes its own writes at once, B finds them by polling the audit
   log every 0.25 s.
+- A key created (or revoked) through A is in force on A's routers when the call answers.
 - A rotation with a grace period: the old secret works on every table until the grace end
   and is refused from then on (the wall clock is a FakeClock, moved past the grace end).
 - Auth B restarts: its router's watch reconnects, gets a new snapshot, and follows again.
@@ -174,6 +175,27 @@ def test_a_revocation_reaches_every_router_within_a_second(tmp_path: Path) -> No
         f"over {len(took)}"
     )
     assert ordered[-1] < 0.8  # the bound is 1 s; poll interval 0.25 s + the stream
+
+
+def test_a_key_authenticates_on_the_instances_routers_when_its_creation_answers(
+    tmp_path: Path,
+) -> None:
+    """A write through auth A returns once A's watching routers were sent it, so a client
+    that creates a key and uses it at once is not refused by a router watching A."""
+
+    async def scenario() -> None:
+        async with platform(tmp_path) as (auths, tables, _, _):
+            feed = auths[0].components.key_table  # type: ignore[union-attr]
+            assert feed is not None
+            for _ in range(10):
+                key, secret = await auths[0].manager.create(KeySpec(tenant="acme"), "test")
+                assert feed.unsent() == 0  # both routers' streams were handed the key
+                await _until(lambda: all(_refusal(t, secret) == "" for t in tables[:2]), 0.5)  # noqa: B023
+                await auths[0].manager.revoke(key.key_id, "test")
+                assert feed.unsent() == 0
+                await _until(lambda: all("revoked" in _refusal(t, secret) for t in tables[:2]), 0.5)  # noqa: B023
+
+    asyncio.run(scenario())
 
 
 def test_a_rotated_secret_works_until_its_grace_end_then_is_refused(tmp_path: Path) -> None:

@@ -311,7 +311,7 @@ def build_components(
             budget_seconds=settings.key_table_budget_seconds,
         ),
     )
-    manager.on_change(key_table.key_changed)
+    manager.on_change(key_table.key_changed, key_table.settled)
     return AuthComponents(
         settings,
         clock,

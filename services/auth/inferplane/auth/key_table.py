@@ -201,6 +201,10 @@ class _Watcher:
         self.snapshot = True
         self.pending = _Change()
         self.closed = False
+        # `KeyTableFeed.settled`: the change sequence the feed had read when this watcher's
+        # last message was taken, and when that message was handed to gRPC.
+        self.taken_seq = 0
+        self.sent_seq = 0
         self._event = asyncio.Event()
 
     def push(self, change: _Change) -> None:
@@ -312,6 +316,10 @@ class KeyTableFeed:
         self._watchers: set[_Watcher] = set()
         self._io = asyncio.Lock()
         self._wake = asyncio.Event()
+        # Writes through this instance (`key_changed`) and how many of them the feed has read
+        # and pushed to its watchers (`settled`).
+        self._change_seq = 0
+        self._read_seq = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         metrics.watchers.set_function(lambda: len(self._watchers))
@@ -322,8 +330,35 @@ class KeyTableFeed:
     def key_changed(self, key_id: str) -> None:
         """A key was written through this instance: read and pushed now (`ApiKeyManager`)."""
         if self._loaded:
+            self._change_seq += 1
             self._dirty_keys.add(key_id)
             self._wake.set()
+
+    async def settled(self, timeout: float = 1.0) -> bool:
+        """Waits until every write through this instance so far is read and handed to every
+        watching router's stream (at most `timeout` seconds; False when it ran out, e.g. a
+        router that stopped reading). `ApiKeyManager` awaits it before a write returns, so a
+        key created or revoked here is in force on the routers watching this instance when
+        the admin call answers; routers watching another instance follow within its poll."""
+        target = self._change_seq
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if not self.unsent(target):
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+
+    def unsent(self, seq: int | None = None) -> int:
+        """How many watching routers have not yet been sent every write through this
+        instance up to `seq` (default: all so far); all of them while the feed has not read
+        those writes."""
+        target = self._change_seq if seq is None else seq
+        watchers = [w for w in self._watchers if not w.closed]
+        if self._read_seq < target:
+            return len(watchers)
+        return sum(1 for w in watchers if w.sent_seq < target)
 
     def usage_written(self, key_ids: Collection[str]) -> None:
         """Usage of these keys was written here (`UsageService`): their budget state is
@@ -378,6 +413,7 @@ class KeyTableFeed:
 
     def take(self, watcher: _Watcher) -> kpb.WatchKeyTableResponse | None:
         """The next message for `watcher`: its snapshot, its merged changes, or None."""
+        watcher.taken_seq = self._read_seq
         if watcher.snapshot:
             watcher.snapshot = False
             watcher.pending = _Change()
@@ -446,6 +482,7 @@ class KeyTableFeed:
                 await asyncio.wait_for(self._wake.wait(), settings.poll_seconds)
             self._wake.clear()
             now = self._timer()
+            seq = self._change_seq  # the writes this pass reads (later ones mark keys again)
             try:
                 async with self._io:
                     if now >= next_resync:
@@ -465,6 +502,7 @@ class KeyTableFeed:
                     log.warning("key_table_read_failed", error=str(exc))
                 failing = True
             else:
+                self._read_seq = max(self._read_seq, seq)
                 if failing:
                     log.info("key_table_read_recovered")
                 failing = False
@@ -702,6 +740,7 @@ class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: igno
                 revision += 1
                 message.revision = revision
                 yield message
+                watcher.sent_seq = watcher.taken_seq
                 last_sent = loop.time()
                 self._metrics.updates.labels(kind).inc()
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -75,21 +75,38 @@ class ApiKeyManager:
         self._verifier = verifier
         self._clock = clock
         self._listeners: list[Callable[[str], None]] = []
+        self._settlers: list[Callable[[], Awaitable[bool]]] = []
 
-    def on_change(self, listener: Callable[[str], None]) -> None:
+    def on_change(
+        self,
+        listener: Callable[[str], None],
+        settle: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         """Calls `listener(key_id)` on the event loop after every committed write of a key
         through this manager (create, update, revoke, delete, rotate, bootstrap): the key
-        table pushes it to the routers at once (`inferplane.auth.key_table`)."""
+        table pushes it to the routers at once (`inferplane.auth.key_table`). `settle`, when
+        given, is awaited before the write returns to its caller (the key table: until the
+        routers watching this instance were sent the change, bounded), so a key created here
+        authenticates on those routers as soon as CreateApiKey has answered."""
         self._listeners.append(listener)
+        if settle is not None:
+            self._settlers.append(settle)
 
-    def _changed(self, key_id: str) -> None:
-        """A write of `key_id` committed: this instance's cache forgets it, listeners hear."""
+    async def _changed(self, key_id: str) -> None:
+        """A write of `key_id` committed: this instance's cache forgets it, listeners hear,
+        and the write returns once the settlers are done (never failing: it committed)."""
         self._verifier.invalidate(key_id)
         for listener in self._listeners:
             try:
                 listener(key_id)
             except Exception:  # a listener must not fail the write that already committed
                 log.exception("key_change_listener_failed", key_id=key_id)
+        for settle in self._settlers:
+            try:
+                if not await settle():
+                    log.warning("key_change_not_settled", key_id=key_id)
+            except Exception:
+                log.exception("key_change_settle_failed", key_id=key_id)
 
     async def create(self, spec: KeySpec, actor: str) -> tuple[ApiKey, str]:
         """Creates a key; returns it and its secret (the only time the secret exists in clear).
@@ -110,7 +127,7 @@ class ApiKeyManager:
             {"scopes": ",".join(key.scopes)},
         )
         await asyncio.to_thread(self._store.insert, key, event)
-        self._changed(key.key_id)
+        await self._changed(key.key_id)
         return key, secret
 
     def _new_key(self, spec: KeySpec, secret: str, now: datetime) -> ApiKey:
@@ -196,7 +213,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.UPDATE, key_id, actor, key.tenant, detail)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._changed(key_id)
+        await self._changed(key_id)
         return key
 
     async def revoke(self, key_id: str, actor: str) -> ApiKey:
@@ -214,7 +231,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.REVOKE, key_id, actor, key.tenant)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._changed(key_id)
+        await self._changed(key_id)
         return key
 
     async def delete(self, key_id: str, actor: str) -> None:
@@ -225,7 +242,7 @@ class ApiKeyManager:
             return AuditEvent(now, AuditAction.DELETE, key_id, actor, key.tenant)
 
         await asyncio.to_thread(self._store.delete, key_id, event)
-        self._changed(key_id)
+        await self._changed(key_id)
 
     async def rotate(self, key_id: str, grace: timedelta, actor: str) -> tuple[ApiKey, str]:
         """Issues a new secret; the current one keeps working for `grace` (0 = stops now).
@@ -264,7 +281,7 @@ class ApiKeyManager:
             return new, AuditEvent(now, AuditAction.ROTATE, key_id, actor, key.tenant, detail)
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
-        self._changed(key_id)
+        await self._changed(key_id)
         return key, secret
 
     async def bootstrap_admin(self, configured_secret: str, data_dir: Path) -> str | None:
@@ -302,7 +319,7 @@ class ApiKeyManager:
                 now, AuditAction.CREATE, key.key_id, BOOTSTRAP_ACTOR, key.tenant, {"from": "env"}
             )
             await asyncio.to_thread(self._store.insert, key, event)
-            self._changed(key.key_id)
+            await self._changed(key.key_id)
             log.info("bootstrap_admin_key_stored", key_id=key.key_id, source="environment")
             return None
         if await asyncio.to_thread(self._store.has_active_admin, now):
@@ -316,7 +333,7 @@ class ApiKeyManager:
         path = data_dir / BOOTSTRAP_KEY_FILE
         await asyncio.to_thread(write_private_file, path, secret + "\n")
         await asyncio.to_thread(self._store.insert, key, event)
-        self._changed(key.key_id)
+        await self._changed(key.key_id)
         return secret
 
     async def audit_events(self, key_id: str | None = None, limit: int = 100) -> list[AuditEvent]:

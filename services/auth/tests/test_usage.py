@@ -11,8 +11,8 @@ import pytest
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
 from inferplane.auth.ledger import UsageQuery
-from inferplane.auth.usage import InternalCallerGuard, is_loopback_peer
 from inferplane.runtime import PermissionDeniedError, UnauthenticatedError, UnavailableError
+from inferplane.runtime.security.internal import InternalCallerGuard, is_loopback_peer
 from inferplane.wire.headers import INTERNAL_TOKEN
 
 RESOURCE_EXHAUSTED = 8
@@ -111,10 +111,10 @@ def test_without_a_token_only_loopback_peers_are_accepted() -> None:
     guard = InternalCallerGuard()
     for peer in ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/run/auth.sock"):
         assert is_loopback_peer(peer)
-        guard.check({}, peer)
+        guard.check({}, peer, None)
     for peer in ("ipv4:10.0.0.7:5000", "ipv6:[2001:db8::1]:5000", "", "garbage"):
         assert not is_loopback_peer(peer)
         with pytest.raises(PermissionDeniedError):
-            guard.check({}, peer)
+            guard.check({}, peer, None)
     with pytest.raises(UnauthenticatedError):
-        InternalCallerGuard("t0ken").check({}, "ipv4:127.0.0.1:1")
+        InternalCallerGuard("t0ken").check({}, "ipv4:127.0.0.1:1", None)

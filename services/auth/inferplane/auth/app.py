@@ -31,15 +31,11 @@ from inferplane.auth.responses_store import SqlResponseStore
 from inferplane.auth.settings import AuthSettings, resolve_pepper
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ApiKeyStore
-from inferplane.auth.usage import (
-    InternalCallerGuard,
-    UsageLedgerService,
-    UsageMetrics,
-    UsageService,
-)
+from inferplane.auth.usage import UsageLedgerService, UsageMetrics, UsageService
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
 from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock, SystemClock
 
 log = structlog.get_logger("inferplane.auth")

@@ -60,8 +60,9 @@ from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import ApiKey
 from inferplane.auth.ledger import SqlUsageLedger, month_end
 from inferplane.auth.store import ApiKeyStore
-from inferplane.auth.usage import InternalCallerGuard
 from inferplane.runtime import UnavailableError
+from inferplane.runtime.security.identity import peer_identity
+from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock
 
 if TYPE_CHECKING:
@@ -715,7 +716,9 @@ class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: igno
     async def WatchKeyTable(
         self, request: kpb.WatchKeyTableRequest, context: Context
     ) -> AsyncIterator[kpb.WatchKeyTableResponse]:
-        self._guard.check(dict(context.invocation_metadata() or ()), context.peer() or "")
+        self._guard.check(
+            dict(context.invocation_metadata() or ()), context.peer() or "", peer_identity(context)
+        )
         heartbeat = request.heartbeat_seconds or self._feed.settings.heartbeat_seconds
         heartbeat = min(max(heartbeat, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
         watcher = await self._feed.attach(request.router_id, context.peer() or "")

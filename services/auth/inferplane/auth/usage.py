@@ -22,10 +22,8 @@ only after the rows are committed.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +36,11 @@ from inferplane.auth.ledger import STATUSES, LedgerRow, SqlUsageLedger, UsageQue
 from inferplane.auth.limits import RateLimiter
 from inferplane.runtime import (
     InvalidArgumentError,
-    PermissionDeniedError,
-    UnauthenticatedError,
     UnavailableError,
 )
+from inferplane.runtime.security.identity import peer_identity
+from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock, SystemClock
-from inferplane.wire.headers import INTERNAL_TOKEN
 
 if TYPE_CHECKING:
     from inferplane.auth.key_service import Caller
@@ -53,56 +50,6 @@ else:
     Context = Any
 
 log = structlog.get_logger("inferplane.auth.usage")
-
-
-def is_loopback_peer(peer: str) -> bool:
-    """Whether a gRPC peer string (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:/p`) is
-    this host. Unix sockets count as local; anything unparsable does not."""
-    kind, _, rest = peer.partition(":")
-    if kind == "unix":
-        return True
-    if kind == "ipv4":
-        host = rest.rsplit(":", 1)[0]
-    elif kind == "ipv6":
-        host = rest.rsplit(":", 1)[0].strip("[]")
-    else:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class InternalCallerGuard:
-    """Admits internal callers: the shared token when one is configured, else loopback peers.
-
-    Raises (from `check`):
-        UnauthenticatedError: a token is configured and the call carries none.
-        PermissionDeniedError: a wrong token, or (no token configured) a non-loopback peer.
-    """
-
-    def __init__(self, token: str = "") -> None:
-        self._token = token.encode()
-
-    def check(self, metadata: Mapping[str, str | bytes], peer: str) -> None:
-        if self._token:
-            presented = metadata.get(INTERNAL_TOKEN)
-            if not presented:
-                raise UnauthenticatedError(
-                    f"internal RPC: missing {INTERNAL_TOKEN}", code="invalid_internal_token"
-                )
-            raw = presented if isinstance(presented, bytes) else presented.encode()
-            if not hmac.compare_digest(raw, self._token):
-                raise PermissionDeniedError(
-                    "internal RPC: wrong internal token", code="invalid_internal_token"
-                )
-            return
-        if not is_loopback_peer(peer):
-            raise PermissionDeniedError(
-                "internal RPC: only loopback callers are accepted when no internal_token is "
-                "configured",
-                code="internal_only",
-            )
 
 
 class UsageMetrics:
@@ -190,7 +137,9 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
     async def ReportUsage(
         self, request: usage_pb2.ReportUsageRequest, context: Context
     ) -> usage_pb2.ReportUsageResponse:
-        self._guard.check(dict(context.invocation_metadata() or ()), context.peer() or "")
+        self._guard.check(
+            dict(context.invocation_metadata() or ()), context.peer() or "", peer_identity(context)
+        )
         entries = []
         for usage in request.usage:
             if not usage.key_id:

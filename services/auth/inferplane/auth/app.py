@@ -17,12 +17,8 @@ from inferplane.auth.counters import CounterStore, MemoryCounterStore, SqlCounte
 from inferplane.auth.domain import SecretHasher
 from inferplane.auth.ext_authz import Authorization
 from inferplane.auth.key_service import ApiKeyService
-from inferplane.auth.key_table import (
-    KeyTableFeed,
-    KeyTableMetrics,
-    KeyTableService,
-    KeyTableSettings,
-)
+from inferplane.auth.key_table import KeyTableFeed, KeyTableMetrics, KeyTableSettings
+from inferplane.auth.key_table_service import KeyTableService
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter

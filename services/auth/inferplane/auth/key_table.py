@@ -1,4 +1,5 @@
-"""`inferplane.auth.v1.KeyTableService`: the key table every router authenticates against.
+"""The key table every router authenticates against (`KeyTableFeed`, served by
+`key_table_service.KeyTableService`).
 
 Each router holds a `WatchKeyTable` stream to one auth instance (internal callers only: the
 same `InternalCallerGuard` as UsageService, the `router` identity under mutual TLS). It gets:
@@ -47,22 +48,26 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from google.protobuf import timestamp_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from inferplane.api.auth.v1 import auth_pb2, key_table_pb2_grpc
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import ApiKey
+from inferplane.auth.key_entries import (
+    Built,
+    Change,
+    Watcher,
+    build_entries,
+    grace_end,
+    timestamp,
+)
 from inferplane.auth.ledger import SqlUsageLedger, month_end
 from inferplane.auth.store import ApiKeyStore
 from inferplane.runtime import UnavailableError
-from inferplane.runtime.security.identity import peer_identity
-from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock
 
 if TYPE_CHECKING:
@@ -77,9 +82,6 @@ log = structlog.get_logger("inferplane.auth.key_table")
 #: Bounds on the heartbeat interval a router may ask for (seconds).
 MIN_HEARTBEAT_SECONDS = 0.05
 MAX_HEARTBEAT_SECONDS = 60.0
-
-# One secret hash's entry: its serialized form (compared to find what changed) and the message.
-_Built = dict[str, tuple[bytes, kpb.KeyEntry]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,123 +111,6 @@ class KeyTableSettings:
     audit_batch: int = 1000
 
 
-def _timestamp(value: datetime) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromDatetime(value)
-    return ts
-
-
-def key_entries(key: ApiKey, month_tokens: int, now: datetime) -> list[kpb.KeyEntry]:
-    """The entries of one key at `now`: its current secret, and its previous one while the
-    rotation's grace period runs. `month_tokens`: this month's tokens (keys with a budget)."""
-    limits = key.limits
-    budget = limits.monthly_token_budget
-    common: dict[str, Any] = {
-        "key_id": key.key_id,
-        "tenant": key.tenant,
-        "scopes": list(key.scopes),
-        "allowed_models": list(key.allowed_models),
-        "tier": key.tier,
-        "limits": auth_pb2.Limits(
-            requests_per_minute=limits.requests_per_minute,
-            tokens_per_minute=limits.tokens_per_minute,
-            max_concurrent_requests=limits.max_concurrent_requests,
-            monthly_token_budget=budget,
-        ),
-        "revoked": key.revoke_time is not None,
-    }
-    if budget:
-        common["month_tokens"] = max(0, month_tokens)
-        common["budget_exhausted"] = month_tokens >= budget
-        common["budget_resets"] = _timestamp(month_end(now))
-    current = kpb.KeyEntry(secret_hash=key.secret_hash, **common)
-    if key.expire_time is not None:
-        current.valid_until.CopyFrom(_timestamp(key.expire_time))
-    entries = [current]
-    grace_end = key.previous_secret_expire_time
-    if key.previous_secret_hash and grace_end is not None and now < grace_end:
-        ends = grace_end if key.expire_time is None else min(grace_end, key.expire_time)
-        entries.append(
-            kpb.KeyEntry(
-                secret_hash=key.previous_secret_hash,
-                previous_secret=True,
-                valid_until=_timestamp(ends),
-                **common,
-            )
-        )
-    return entries
-
-
-def _build(key: ApiKey, month_tokens: int, now: datetime) -> _Built:
-    return {
-        e.secret_hash: (e.SerializeToString(deterministic=True), e)
-        for e in key_entries(key, month_tokens, now)
-    }
-
-
-def _grace_end(key: ApiKey, now: datetime) -> datetime | None:
-    end = key.previous_secret_expire_time
-    return end if key.previous_secret_hash and end is not None and now < end else None
-
-
-@dataclasses.dataclass(slots=True)
-class _Change:
-    """Entries added or changed and hashes removed (merged in order: the latest wins)."""
-
-    entries: dict[str, kpb.KeyEntry] = dataclasses.field(default_factory=dict)
-    removed: set[str] = dataclasses.field(default_factory=set)
-
-    def put(self, secret_hash: str, entry: kpb.KeyEntry) -> None:
-        self.entries[secret_hash] = entry
-        self.removed.discard(secret_hash)
-
-    def drop(self, secret_hash: str) -> None:
-        self.entries.pop(secret_hash, None)
-        self.removed.add(secret_hash)
-
-    def merge(self, other: _Change) -> None:
-        for secret_hash in other.removed:
-            self.drop(secret_hash)
-        for secret_hash, entry in other.entries.items():
-            self.put(secret_hash, entry)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries or self.removed)
-
-
-class _Watcher:
-    """One router's stream: what it has not been sent yet (a snapshot, or merged changes)."""
-
-    def __init__(self, router_id: str, peer: str) -> None:
-        self.router_id = router_id
-        self.peer = peer
-        self.snapshot = True
-        self.pending = _Change()
-        self.closed = False
-        # `KeyTableFeed.settled`: the change sequence the feed had read when this watcher's
-        # last message was taken, and when that message was handed to gRPC.
-        self.taken_seq = 0
-        self.sent_seq = 0
-        self._event = asyncio.Event()
-
-    def push(self, change: _Change) -> None:
-        if not self.snapshot:
-            self.pending.merge(change)
-        self._event.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._event.set()
-
-    async def wait(self, timeout: float) -> None:
-        """Returns when something is to be sent or `timeout` passed."""
-        if self.snapshot or self.pending or self.closed:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), max(0.0, timeout))
-        self._event.clear()
-
-
 @dataclasses.dataclass(slots=True)
 class _Read:
     """What one poll read (in a worker thread)."""
@@ -233,7 +118,7 @@ class _Read:
     events: list[tuple[int, str]]
     keys: dict[str, ApiKey | None]  # re-read keys: None = deleted
     months: dict[str, int]  # month tokens of the keys with a budget that were re-read
-    built: dict[str, _Built]  # key id → its entries now (every key in `keys` or `months`)
+    built: dict[str, Built]  # key id → its entries now (every key in `keys` or `months`)
 
 
 class KeyTableMetrics:
@@ -298,7 +183,7 @@ class KeyTableFeed:
         self._timer = timer
         # The table: key id → its entries (by secret hash), the keys as read, month tokens of
         # the keys with a budget, grace ends of the previous secrets in the table.
-        self._by_key: dict[str, _Built] = {}
+        self._by_key: dict[str, Built] = {}
         self._keys: dict[str, ApiKey] = {}
         self._months: dict[str, int] = {}
         self._graces: dict[str, datetime] = {}
@@ -314,7 +199,7 @@ class KeyTableFeed:
         self._read_at: float | None = None  # timer, last successful read
         self._failing_since: float | None = None  # timer, first failed read since then
         self._as_of: datetime | None = None  # clock, at that read
-        self._watchers: set[_Watcher] = set()
+        self._watchers: set[Watcher] = set()
         self._io = asyncio.Lock()
         self._wake = asyncio.Event()
         # Writes through this instance (`key_changed`) and how many of them the feed has read
@@ -388,7 +273,7 @@ class KeyTableFeed:
         failing = self._failing_since
         return failing is None or now - failing < self.settings.fresh_seconds
 
-    async def attach(self, router_id: str, peer: str) -> _Watcher:
+    async def attach(self, router_id: str, peer: str) -> Watcher:
         """A new watch: reads the table first when it is not fresh, then follows it.
 
         Raises:
@@ -402,32 +287,32 @@ class KeyTableFeed:
                     await self._resync()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="key-table-feed")
-        watcher = _Watcher(router_id, peer)
+        watcher = Watcher(router_id, peer)
         self._watchers.add(watcher)
         log.info("key_table_watch_started", router_id=router_id, peer=peer, keys=self._size)
         return watcher
 
-    def detach(self, watcher: _Watcher) -> None:
+    def detach(self, watcher: Watcher) -> None:
         if watcher in self._watchers:
             self._watchers.discard(watcher)
             log.info("key_table_watch_ended", router_id=watcher.router_id, peer=watcher.peer)
 
-    def take(self, watcher: _Watcher) -> kpb.WatchKeyTableResponse | None:
+    def take(self, watcher: Watcher) -> kpb.WatchKeyTableResponse | None:
         """The next message for `watcher`: its snapshot, its merged changes, or None."""
         watcher.taken_seq = self._read_seq
         if watcher.snapshot:
             watcher.snapshot = False
-            watcher.pending = _Change()
+            watcher.pending = Change()
             return self.snapshot()
         if watcher.pending:
-            change, watcher.pending = watcher.pending, _Change()
+            change, watcher.pending = watcher.pending, Change()
             message = kpb.WatchKeyTableResponse(
                 entries=list(change.entries.values()), removed=sorted(change.removed)
             )
         else:
             return None
         if self._as_of is not None:
-            message.as_of.CopyFrom(_timestamp(self._as_of))
+            message.as_of.CopyFrom(timestamp(self._as_of))
         return message
 
     def snapshot(self) -> kpb.WatchKeyTableResponse:
@@ -435,14 +320,14 @@ class KeyTableFeed:
         entries = [e for built in self._by_key.values() for _, e in built.values()]
         message = kpb.WatchKeyTableResponse(snapshot=True, entries=entries)
         if self._as_of is not None:
-            message.as_of.CopyFrom(_timestamp(self._as_of))
+            message.as_of.CopyFrom(timestamp(self._as_of))
         return message
 
     def heartbeat(self) -> kpb.WatchKeyTableResponse | None:
         """A heartbeat with the time of the last read, or None while reads fail."""
         if not self.fresh() or self._as_of is None:
             return None
-        return kpb.WatchKeyTableResponse(as_of=_timestamp(self._as_of))
+        return kpb.WatchKeyTableResponse(as_of=timestamp(self._as_of))
 
     def close_watchers(self) -> None:
         """Ends every watch (auth drains: routers reconnect to another instance) and refuses
@@ -520,7 +405,7 @@ class KeyTableFeed:
             self._dirty_keys |= dirty
             self._dirty_usage |= usage
             raise
-        change = _Change()
+        change = Change()
         for key_id in set(self._by_key) - set(built):
             self._set(key_id, None, {}, change, as_of)
         for key in keys:
@@ -539,7 +424,7 @@ class KeyTableFeed:
 
     def _read_all(
         self, now: datetime
-    ) -> tuple[int, list[ApiKey], dict[str, int], dict[str, _Built]]:
+    ) -> tuple[int, list[ApiKey], dict[str, int], dict[str, Built]]:
         last = self._store.last_audit_id()  # first: a write after it is followed by the poll
         keys = list(self._store.all_keys())
         budgeted = [k.key_id for k in keys if k.limits.monthly_token_budget]
@@ -558,11 +443,11 @@ class KeyTableFeed:
                 and same_month
                 and self._keys.get(key.key_id) == key
                 and self._months.get(key.key_id, 0) == month
-                and _grace_end(key, now) == _grace_end(key, before)
+                and grace_end(key, now) == grace_end(key, before)
             ):
                 built[key.key_id] = held
             else:
-                built[key.key_id] = _build(key, month, now)
+                built[key.key_id] = build_entries(key, month, now)
         return last, keys, months, built
 
     async def _poll(self, *, all_budgets: bool) -> None:
@@ -595,7 +480,7 @@ class KeyTableFeed:
             self._holes.clear()
             return
         self._follow(read.events)
-        change = _Change()
+        change = Change()
         for key_id, built in read.built.items():
             key = read.keys.get(key_id, self._keys.get(key_id))
             if key_id in read.keys and key is None:
@@ -610,7 +495,7 @@ class KeyTableFeed:
             if as_of >= end and key_id in self._keys:
                 key = self._keys[key_id]
                 month = self._months.get(key_id, 0)
-                self._set(key_id, key, _build(key, month, as_of), change, as_of)
+                self._set(key_id, key, build_entries(key, month, as_of), change, as_of)
         self._done(as_of, change)
 
     def _read_changes(
@@ -632,12 +517,14 @@ class KeyTableFeed:
         months_of = set(budgeted)
         months_of.update(k for k, key in keys.items() if key and key.limits.monthly_token_budget)
         months = self._ledger.month_tokens_of(months_of, now) if months_of else {}
-        built: dict[str, _Built] = {}
+        built: dict[str, Built] = {}
         for key_id, found in keys.items():
-            built[key_id] = {} if found is None else _build(found, months.get(key_id, 0), now)
+            built[key_id] = (
+                {} if found is None else build_entries(found, months.get(key_id, 0), now)
+            )
         for key_id, (key, known) in budgeted.items():
             if key_id not in built and months.get(key_id, 0) != known:
-                built[key_id] = _build(key, months.get(key_id, 0), now)
+                built[key_id] = build_entries(key, months.get(key_id, 0), now)
         return _Read(events, keys, months, built)
 
     def _follow(self, events: Iterable[tuple[int, str]]) -> None:
@@ -664,7 +551,7 @@ class KeyTableFeed:
             del self._holes[i]
 
     def _set(
-        self, key_id: str, key: ApiKey | None, built: _Built, change: _Change, now: datetime
+        self, key_id: str, key: ApiKey | None, built: Built, change: Change, now: datetime
     ) -> None:
         """Makes `built` the entries of `key_id` (none: the key is gone) and notes in
         `change` what differs from before."""
@@ -684,67 +571,16 @@ class KeyTableFeed:
             return
         self._by_key[key_id] = built
         self._keys[key_id] = key
-        end = _grace_end(key, now)
+        end = grace_end(key, now)
         if end is None:
             self._graces.pop(key_id, None)
         else:
             self._graces[key_id] = end
 
-    def _done(self, as_of: datetime, change: _Change) -> None:
+    def _done(self, as_of: datetime, change: Change) -> None:
         self._read_at = self._timer()
         self._failing_since = None
         self._as_of = as_of
         if change:
             for watcher in self._watchers:
                 watcher.push(change)
-
-
-class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: ignore[misc]
-    """inferplane.auth.v1.KeyTableService: `WatchKeyTable` streams the `KeyTableFeed`.
-
-    Errors: UNAUTHENTICATED / PERMISSION_DENIED for a caller the guard refuses, UNAVAILABLE
-    while the database cannot be read or auth is stopping.
-    """
-
-    def __init__(
-        self, feed: KeyTableFeed, guard: InternalCallerGuard, metrics: KeyTableMetrics
-    ) -> None:
-        self._feed = feed
-        self._guard = guard
-        self._metrics = metrics
-
-    async def WatchKeyTable(
-        self, request: kpb.WatchKeyTableRequest, context: Context
-    ) -> AsyncIterator[kpb.WatchKeyTableResponse]:
-        self._guard.check(
-            dict(context.invocation_metadata() or ()), context.peer() or "", peer_identity(context)
-        )
-        heartbeat = request.heartbeat_seconds or self._feed.settings.heartbeat_seconds
-        heartbeat = min(max(heartbeat, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
-        watcher = await self._feed.attach(request.router_id, context.peer() or "")
-        loop = asyncio.get_running_loop()
-        revision = 0
-        last_sent = loop.time()
-        try:
-            while True:
-                await watcher.wait(last_sent + heartbeat - loop.time())
-                if watcher.closed:
-                    return
-                message = self._feed.take(watcher)
-                kind = "snapshot" if message is not None and message.snapshot else "change"
-                if message is None:
-                    if loop.time() - last_sent < heartbeat:
-                        continue
-                    message = self._feed.heartbeat()
-                    kind = "heartbeat"
-                    if message is None:  # the database is away: let the router see the age
-                        last_sent = loop.time()
-                        continue
-                revision += 1
-                message.revision = revision
-                yield message
-                watcher.sent_seq = watcher.taken_seq
-                last_sent = loop.time()
-                self._metrics.updates.labels(kind).inc()
-        finally:
-            self._feed.detach(watcher)

@@ -1,0 +1,138 @@
+"""The key table's entries and per-router state (`inferplane.auth.key_table`): the `KeyEntry`
+messages of one stored key (`key_entries`), a router's pending change (`Change`: latest entry
+per secret hash, removed hashes) and its stream's state (`Watcher`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+
+from inferplane.api.auth.v1 import auth_pb2
+from inferplane.api.auth.v1 import key_table_pb2 as kpb
+from inferplane.auth.domain import ApiKey
+from inferplane.auth.ledger import month_end
+
+# One secret hash's entry: its serialized form (compared to find what changed) and the message.
+Built = dict[str, tuple[bytes, kpb.KeyEntry]]
+
+
+def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def key_entries(key: ApiKey, month_tokens: int, now: datetime) -> list[kpb.KeyEntry]:
+    """The entries of one key at `now`: its current secret, and its previous one while the
+    rotation's grace period runs. `month_tokens`: this month's tokens (keys with a budget)."""
+    limits = key.limits
+    budget = limits.monthly_token_budget
+    common: dict[str, Any] = {
+        "key_id": key.key_id,
+        "tenant": key.tenant,
+        "scopes": list(key.scopes),
+        "allowed_models": list(key.allowed_models),
+        "tier": key.tier,
+        "limits": auth_pb2.Limits(
+            requests_per_minute=limits.requests_per_minute,
+            tokens_per_minute=limits.tokens_per_minute,
+            max_concurrent_requests=limits.max_concurrent_requests,
+            monthly_token_budget=budget,
+        ),
+        "revoked": key.revoke_time is not None,
+    }
+    if budget:
+        common["month_tokens"] = max(0, month_tokens)
+        common["budget_exhausted"] = month_tokens >= budget
+        common["budget_resets"] = timestamp(month_end(now))
+    current = kpb.KeyEntry(secret_hash=key.secret_hash, **common)
+    if key.expire_time is not None:
+        current.valid_until.CopyFrom(timestamp(key.expire_time))
+    entries = [current]
+    grace_end = key.previous_secret_expire_time
+    if key.previous_secret_hash and grace_end is not None and now < grace_end:
+        ends = grace_end if key.expire_time is None else min(grace_end, key.expire_time)
+        entries.append(
+            kpb.KeyEntry(
+                secret_hash=key.previous_secret_hash,
+                previous_secret=True,
+                valid_until=timestamp(ends),
+                **common,
+            )
+        )
+    return entries
+
+
+def build_entries(key: ApiKey, month_tokens: int, now: datetime) -> Built:
+    return {
+        e.secret_hash: (e.SerializeToString(deterministic=True), e)
+        for e in key_entries(key, month_tokens, now)
+    }
+
+
+def grace_end(key: ApiKey, now: datetime) -> datetime | None:
+    end = key.previous_secret_expire_time
+    return end if key.previous_secret_hash and end is not None and now < end else None
+
+
+@dataclasses.dataclass(slots=True)
+class Change:
+    """Entries added or changed and hashes removed (merged in order: the latest wins)."""
+
+    entries: dict[str, kpb.KeyEntry] = dataclasses.field(default_factory=dict)
+    removed: set[str] = dataclasses.field(default_factory=set)
+
+    def put(self, secret_hash: str, entry: kpb.KeyEntry) -> None:
+        self.entries[secret_hash] = entry
+        self.removed.discard(secret_hash)
+
+    def drop(self, secret_hash: str) -> None:
+        self.entries.pop(secret_hash, None)
+        self.removed.add(secret_hash)
+
+    def merge(self, other: Change) -> None:
+        for secret_hash in other.removed:
+            self.drop(secret_hash)
+        for secret_hash, entry in other.entries.items():
+            self.put(secret_hash, entry)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.removed)
+
+
+class Watcher:
+    """One router's stream: what it has not been sent yet (a snapshot, or merged changes)."""
+
+    def __init__(self, router_id: str, peer: str) -> None:
+        self.router_id = router_id
+        self.peer = peer
+        self.snapshot = True
+        self.pending = Change()
+        self.closed = False
+        # `KeyTableFeed.settled`: the change sequence the feed had read when this watcher's
+        # last message was taken, and when that message was handed to gRPC.
+        self.taken_seq = 0
+        self.sent_seq = 0
+        self._event = asyncio.Event()
+
+    def push(self, change: Change) -> None:
+        if not self.snapshot:
+            self.pending.merge(change)
+        self._event.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._event.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Returns when something is to be sent or `timeout` passed."""
+        if self.snapshot or self.pending or self.closed:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), max(0.0, timeout))
+        self._event.clear()

@@ -513,7 +513,8 @@ def test_gateway_api_serves_through_the_node_envoy_and_the_pickers_gateway_port(
     """The InferencePool's endpoints are the node Envoys (one targetPort, the router's
     gateway_node_port), its picker the router's gateway port (a Service port), the node
     Envoy runs non-root beside the node-agent from the generated bootstrap with the pod's own
-    identity, and the gateway's namespace reaches exactly those two ports and auth's."""
+    identity, and the gateway's namespace reaches exactly those two ports (not auth: the picker
+    authenticates)."""
     pool = _named("gateway-api", "InferencePool", "inferplane")["spec"]
     assert pool["targetPorts"] == [{"number": 8000}] and pool["appProtocol"] == "http"
     picker = pool["endpointPickerRef"]
@@ -570,8 +571,9 @@ def test_gateway_api_serves_through_the_node_envoy_and_the_pickers_gateway_port(
             if "gateway" in namespaces:
                 selected = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
                 from_gateway[selected] = sorted(p["port"] for p in rule.get("ports", []))
-    # The picker, the node Envoys, and auth's Check for the gateway's ext_authz.
-    assert from_gateway == {"router": [50062], "node-agent": [8000], "auth": [50051]}
+    # The picker (which authenticates: no ext_authz on the gateway, so not auth) and the
+    # node Envoys.
+    assert from_gateway == {"router": [50062], "node-agent": [8000]}
 
 
 def test_generated_files_match_the_generator() -> None:

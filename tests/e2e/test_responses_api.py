@@ -267,7 +267,14 @@ def test_unknown_fields_and_built_in_tools_are_400s_in_openai_shape(
 
 
 def test_agents_sdk_run_with_a_function_tool(stack: Stack, api_key: str) -> None:
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     called: list[str] = []
@@ -286,6 +293,9 @@ def test_agents_sdk_run_with_a_function_tool(stack: Stack, api_key: str) -> None
             name="weather",
             model=OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
             tools=[get_weather],
+            # Greedy, as every other test here: the SDK sends no temperature, and at the
+            # engine's default (1.0) the fixture's call arguments are sampled.
+            model_settings=ModelSettings(temperature=0.0),
         )
         try:
             return await Runner.run(agent, "What is the weather in Tokyo?", max_turns=4)

@@ -114,16 +114,29 @@ class Watcher:
         self.snapshot = True
         self.pending = Change()
         self.closed = False
-        # `KeyTableFeed.settled`: the change sequence the feed had read when this watcher's
-        # last message was taken, and when that message was handed to gRPC.
+        # `KeyTableFeed.settled`, in the feed's sequence of writes through this instance:
+        # what `pending` covers, what the message taken last covers, what was handed to
+        # gRPC, and the last read pass that had nothing for this router.
+        self.pending_seq = 0
         self.taken_seq = 0
         self.sent_seq = 0
+        self.quiet_seq = 0
         self._event = asyncio.Event()
 
-    def push(self, change: Change) -> None:
+    def push(self, change: Change, seq: int) -> None:
+        """Adds a read pass's change (covering the writes up to `seq`)."""
         if not self.snapshot:
             self.pending.merge(change)
+            self.pending_seq = max(self.pending_seq, seq)
         self._event.set()
+
+    def settled(self, seq: int) -> bool:
+        """Whether this router was handed every write up to `seq`: sent, or nothing pending
+        nor in flight since a read pass at or after it found nothing for it."""
+        if self.closed or self.sent_seq >= seq:
+            return True
+        idle = not self.snapshot and not self.pending and self.taken_seq <= self.sent_seq
+        return idle and self.quiet_seq >= seq
 
     def close(self) -> None:
         self.closed = True

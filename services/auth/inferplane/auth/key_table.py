@@ -205,7 +205,8 @@ class KeyTableFeed:
         # Writes through this instance (`key_changed`) and how many of them the feed has read
         # and pushed to its watchers (`settled`).
         self._change_seq = 0
-        self._read_seq = 0
+        self._pass_seq = 0  # `_change_seq` when the running read pass started
+        self._read_seq = 0  # the newest pass's that reached `_done`
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         metrics.watchers.set_function(lambda: len(self._watchers))
@@ -244,7 +245,7 @@ class KeyTableFeed:
         watchers = [w for w in self._watchers if not w.closed]
         if self._read_seq < target:
             return len(watchers)
-        return sum(1 for w in watchers if w.sent_seq < target)
+        return sum(1 for w in watchers if not w.settled(target))
 
     def usage_written(self, key_ids: Collection[str]) -> None:
         """Usage of these keys was written here (`UsageService`): their budget state is
@@ -299,12 +300,13 @@ class KeyTableFeed:
 
     def take(self, watcher: Watcher) -> kpb.WatchKeyTableResponse | None:
         """The next message for `watcher`: its snapshot, its merged changes, or None."""
-        watcher.taken_seq = self._read_seq
         if watcher.snapshot:
+            watcher.taken_seq = self._read_seq
             watcher.snapshot = False
             watcher.pending = Change()
             return self.snapshot()
         if watcher.pending:
+            watcher.taken_seq = watcher.pending_seq
             change, watcher.pending = watcher.pending, Change()
             message = kpb.WatchKeyTableResponse(
                 entries=list(change.entries.values()), removed=sorted(change.removed)
@@ -368,7 +370,8 @@ class KeyTableFeed:
                 await asyncio.wait_for(self._wake.wait(), settings.poll_seconds)
             self._wake.clear()
             now = self._timer()
-            seq = self._change_seq  # the writes this pass reads (later ones mark keys again)
+            # The writes this pass reads (later ones mark their keys again).
+            self._pass_seq = self._change_seq
             try:
                 async with self._io:
                     if now >= next_resync:
@@ -388,7 +391,6 @@ class KeyTableFeed:
                     log.warning("key_table_read_failed", error=str(exc))
                 failing = True
             else:
-                self._read_seq = max(self._read_seq, seq)
                 if failing:
                     log.info("key_table_read_recovered")
                 failing = False
@@ -581,6 +583,9 @@ class KeyTableFeed:
         self._read_at = self._timer()
         self._failing_since = None
         self._as_of = as_of
-        if change:
-            for watcher in self._watchers:
-                watcher.push(change)
+        self._read_seq = max(self._read_seq, self._pass_seq)
+        for watcher in self._watchers:
+            if change:
+                watcher.push(change, self._read_seq)
+            else:
+                watcher.quiet_seq = self._read_seq

@@ -70,7 +70,7 @@ class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: igno
                 revision += 1
                 message.revision = revision
                 yield message
-                watcher.sent_seq = watcher.taken_seq
+                watcher.sent_seq = max(watcher.sent_seq, watcher.taken_seq)
                 last_sent = loop.time()
                 self._metrics.updates.labels(kind).inc()
         finally:

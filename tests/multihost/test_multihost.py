@@ -56,7 +56,8 @@ LOST_BOUND_S = 20.0
 # streams on it and retries the requests that had no response yet on the next replica picked.
 STREAM_END_BOUND_S = 25.0
 STREAM_READ_TIMEOUT_S = 300.0
-STREAM_TOKENS = 3600  # ignore_eos: ~40 s idle; outlasts the wait for the slowest first chunk and the cut
+# ignore_eos: ~40 s idle; outlasts the wait for the slowest first chunk and the cut.
+STREAM_TOKENS = 3600
 # The replica's engine starts on a loaded two-core machine beside the other one.
 REPLACE_BOUND_S = 600.0
 REJOIN_BOUND_S = 120.0

@@ -88,6 +88,14 @@ UNKNOWN_MODEL: Final = "(unknown model)"
 """What metrics, usage reports and the console show for a model name that names no served
 model: the client's text stays data (request records), never a label or a group."""
 
+# --- LoRA adapters (picker → replica request headers; issue 29) ------------------------------
+ADAPTER: Final = "x-inferplane-adapter"
+"""Request header the picker adds when the request's model names a LoRA adapter: the adapter's
+catalogue name. The replica serves the request with that adapter (loading it on a miss)."""
+ADAPTER_SOURCE: Final = "x-inferplane-adapter-source"
+"""Request header the picker adds with `ADAPTER`: the adapter's source folder from the
+catalogue; the replica refuses one outside its allow-listed root (`ReplicaSpec.lora_root`)."""
+
 # --- served-by (response) ----------------------------------------------------------------------
 SERVED_BY: Final = "x-inferplane-replica"
 """Response header (initial metadata) and summary trailer: the replica that answered."""

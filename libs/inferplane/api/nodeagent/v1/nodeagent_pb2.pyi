@@ -121,6 +121,9 @@ class ReplicaSpec(_message.Message):
     REPLICA_TASK_FIELD_NUMBER: _builtins.int
     REPLICA_TRANSPORT_FIELD_NUMBER: _builtins.int
     SAMPLING_DEFAULTS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    LORA_ROOT_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment this replica belongs to."""
     served_model_name: _builtins.str
@@ -204,6 +207,14 @@ class ReplicaSpec(_message.Message):
     """Engine transport of the replica process. Wins over `transport` when set; unspecified:
     `transport` decides.
     """
+    max_loras: _builtins.int
+    """LoRA adapters the engine may hold at once (vLLM's `--max-loras`); 0: LoRA off (issue 29)."""
+    max_lora_rank: _builtins.int
+    """The largest adapter rank the engine accepts (vLLM's `--max-lora-rank`); set with max_loras."""
+    lora_root: _builtins.str
+    """The folder every adapter's source must lie under (the catalogue's allow-listed root); the
+    replica refuses an adapter path outside it.
+    """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerator indices on this node (empty on a CPU node)."""
@@ -254,10 +265,13 @@ class ReplicaSpec(_message.Message):
         replica_task: Global___ReplicaTask.ValueType = ...,
         replica_transport: Global___ReplicaTransport.ValueType = ...,
         sampling_defaults: Global___SamplingDefaults | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+        lora_root: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_defaults", b"sampling_defaults"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "revision", b"revision", "sampling_defaults", b"sampling_defaults", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "lora_root", b"lora_root", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "revision", b"revision", "sampling_defaults", b"sampling_defaults", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,8 +7,10 @@ directly, picked by the router's endpoint picker); the node-agent that started i
 load and drains it through this service on the same port.
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -109,3 +111,147 @@ class StartReplicaDrainResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartReplicaDrainResponse: _TypeAlias = StartReplicaDrainResponse  # noqa: Y015
+
+@_typing.final
+class WatchReplicaStateRequest(_message.Message):
+    """WatchReplicaState's request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """The watching router's id (logs only)."""
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["router_id", b"router_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchReplicaStateRequest: _TypeAlias = WatchReplicaStateRequest  # noqa: Y015
+
+@_typing.final
+class WatchReplicaStateResponse(_message.Message):
+    """One update of a replica's engine state (WatchReplicaState)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    LOADED_ADAPTERS_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """1 for a stream's first update, then +1 per update: a router that sees a gap resubscribes."""
+    reset: _builtins.bool
+    """The router drops every block it knew on this replica before applying `stored`: set on a
+    stream's first update (then `stored` lists every cached block), and when the engine
+    cleared its cache (vLLM's AllBlocksCleared, a reset of the prefix cache).
+    """
+    block_size: _builtins.int
+    """Tokens per KV block (the engine's block size: 128 on vLLM's CPU backend, 16 by default on
+    GPUs); 0 before the engine reported it.
+    """
+    total_kv_blocks: _builtins.int
+    """KV blocks the engine has in all (0: not known yet)."""
+    free_kv_blocks: _builtins.int
+    """KV blocks not held by a running request now (blocks that only cache a prefix count as
+    free: the engine evicts them on demand).
+    """
+    running_requests: _builtins.int
+    """Requests the engine is running (decoding or in prefill)."""
+    waiting_requests: _builtins.int
+    """Requests waiting in the engine's own queue (admitted by the replica, not yet scheduled)."""
+    in_flight_requests: _builtins.int
+    """Generation requests in flight in the replica process."""
+    kv_events: _builtins.bool
+    """The replica receives the engine's KV events (false: events are off for this engine or its
+    subscription failed; `stored` / `removed` stay empty and a router falls back to its
+    approximate prefix table for this replica).
+    """
+    preemptions_total: _builtins.int
+    """The engine's preemptions since it started (vLLM's num_preemptions)."""
+    draining: _builtins.bool
+    """The replica drains: it takes no new request."""
+    @_builtins.property
+    def stored(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlockSet]:
+        """Blocks the engine stored since the previous update, by content hash."""
+
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlockSet]:
+        """Blocks the engine evicted since the previous update, by content hash."""
+
+    @_builtins.property
+    def loaded_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every LoRA adapter loaded in the engine now (catalogue names), the full list each update."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        reset: _builtins.bool = ...,
+        block_size: _builtins.int = ...,
+        total_kv_blocks: _builtins.int = ...,
+        free_kv_blocks: _builtins.int = ...,
+        running_requests: _builtins.int = ...,
+        waiting_requests: _builtins.int = ...,
+        in_flight_requests: _builtins.int = ...,
+        stored: _abc.Iterable[Global___KvBlockSet] | None = ...,
+        removed: _abc.Iterable[Global___KvBlockSet] | None = ...,
+        loaded_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        kv_events: _builtins.bool = ...,
+        preemptions_total: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "free_kv_blocks", b"free_kv_blocks", "in_flight_requests", b"in_flight_requests", "kv_events", b"kv_events", "loaded_adapters", b"loaded_adapters", "preemptions_total", b"preemptions_total", "removed", b"removed", "reset", b"reset", "running_requests", b"running_requests", "sequence", b"sequence", "stored", b"stored", "total_kv_blocks", b"total_kv_blocks", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchReplicaStateResponse: _TypeAlias = WatchReplicaStateResponse  # noqa: Y015
+
+@_typing.final
+class KvBlockSet(_message.Message):
+    """KV blocks of one adapter (or of the base model), by content hash."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    adapter: _builtins.str
+    """"" for the base model, else the LoRA adapter's catalogue name (blocks computed under an
+    adapter are not reusable by another).
+    """
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Chained content hashes (`inferplane.kvblocks.chain`): each covers its block's token ids,
+        the adapter, and the hash of the block before it, so equal hashes mean equal prefixes.
+        """
+
+    def __init__(
+        self,
+        *,
+        adapter: _builtins.str = ...,
+        hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "hashes", b"hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlockSet: _TypeAlias = KvBlockSet  # noqa: Y015

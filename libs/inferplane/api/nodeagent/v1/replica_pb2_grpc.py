@@ -45,6 +45,11 @@ class ReplicaProcessServiceStub:
                 request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainRequest.SerializeToString,
                 response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainResponse.FromString,
                 _registered_method=True)
+        self.WatchReplicaState = channel.unary_stream(
+                '/inferplane.nodeagent.v1.ReplicaProcessService/WatchReplicaState',
+                request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.SerializeToString,
+                response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaProcessServiceServicer:
@@ -67,6 +72,17 @@ class ReplicaProcessServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchReplicaState(self, request, context):
+        """Streams the replica's engine state to a router (issue 29): KV capacity and usage, the
+        engine's queue, the LoRA adapters loaded, and the KV blocks the engine stored and evicted
+        (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
+        full snapshot (`reset`); then one update whenever something changed, at most every
+        `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaProcessServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +95,11 @@ def add_ReplicaProcessServiceServicer_to_server(servicer, server):
                     servicer.StartReplicaDrain,
                     request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainRequest.FromString,
                     response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainResponse.SerializeToString,
+            ),
+            'WatchReplicaState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchReplicaState,
+                    request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.FromString,
+                    response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +157,33 @@ class ReplicaProcessService:
             '/inferplane.nodeagent.v1.ReplicaProcessService/StartReplicaDrain',
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainRequest.SerializeToString,
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.StartReplicaDrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchReplicaState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.nodeagent.v1.ReplicaProcessService/WatchReplicaState',
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.SerializeToString,
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

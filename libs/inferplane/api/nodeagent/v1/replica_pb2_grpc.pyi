@@ -44,6 +44,13 @@ class ReplicaProcessServiceStub:
     retries them on the next endpoint of the picker's list) and turns gRPC health to
     NOT_SERVING; requests in flight go on. Idempotent.
     """
+    WatchReplicaState: _grpc.UnaryStreamMultiCallable[_replica_pb2.WatchReplicaStateRequest, _replica_pb2.WatchReplicaStateResponse]
+    """Streams the replica's engine state to a router (issue 29): KV capacity and usage, the
+    engine's queue, the LoRA adapters loaded, and the KV blocks the engine stored and evicted
+    (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
+    full snapshot (`reset`); then one update whenever something changed, at most every
+    `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
+    """
 
 @_typing.type_check_only
 class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
@@ -56,6 +63,13 @@ class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
     """Stops admitting new requests (they get UNAVAILABLE, code replica_draining, so Envoy
     retries them on the next endpoint of the picker's list) and turns gRPC health to
     NOT_SERVING; requests in flight go on. Idempotent.
+    """
+    WatchReplicaState: _aio.UnaryStreamMultiCallable[_replica_pb2.WatchReplicaStateRequest, _replica_pb2.WatchReplicaStateResponse]  # type: ignore[assignment]
+    """Streams the replica's engine state to a router (issue 29): KV capacity and usage, the
+    engine's queue, the LoRA adapters loaded, and the KV blocks the engine stored and evicted
+    (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
+    full snapshot (`reset`); then one update whenever something changed, at most every
+    `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
     """
 
 class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -78,6 +92,19 @@ class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
         """Stops admitting new requests (they get UNAVAILABLE, code replica_draining, so Envoy
         retries them on the next endpoint of the picker's list) and turns gRPC health to
         NOT_SERVING; requests in flight go on. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchReplicaState(
+        self,
+        request: _replica_pb2.WatchReplicaStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_replica_pb2.WatchReplicaStateResponse], _abc.AsyncIterator[_replica_pb2.WatchReplicaStateResponse]]:
+        """Streams the replica's engine state to a router (issue 29): KV capacity and usage, the
+        engine's queue, the LoRA adapters loaded, and the KV blocks the engine stored and evicted
+        (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
+        full snapshot (`reset`); then one update whenever something changed, at most every
+        `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
         """
 
 def add_ReplicaProcessServiceServicer_to_server(servicer: ReplicaProcessServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

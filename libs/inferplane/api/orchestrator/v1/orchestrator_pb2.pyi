@@ -46,6 +46,7 @@ class Deployment(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     OWNED_BY_FIELD_NUMBER: _builtins.int
     ROUTING_POLICY_FIELD_NUMBER: _builtins.int
+    AUTOSCALING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `deployments/{deployment}`; the deployment id is the `model` clients send."""
     min_replicas: _builtins.int
@@ -57,7 +58,9 @@ class Deployment(_message.Message):
     owned_by: _builtins.str
     """The owner shown in /v1/models."""
     routing_policy: _builtins.str
-    """Routing policy name ("least_load", "prefix_affinity", "round_robin", "session_affinity")."""
+    """Routing policy name ("least_load", "prefix_affinity", "precise_prefix", "power_of_two",
+    "round_robin", "session_affinity").
+    """
     @_builtins.property
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Other names clients may send as `model`."""
@@ -82,6 +85,10 @@ class Deployment(_message.Message):
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When it last changed."""
 
+    @_builtins.property
+    def autoscaling(self) -> Global___Autoscaling:
+        """Autoscaling; unset or not enabled: `replicas` is the operator's, as before (issue 29)."""
+
     def __init__(
         self,
         *,
@@ -97,14 +104,511 @@ class Deployment(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         owned_by: _builtins.str = ...,
         routing_policy: _builtins.str = ...,
+        autoscaling: Global___Autoscaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "profile", b"profile", "rollout", b"rollout", "status", b"status", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaling", b"autoscaling", "create_time", b"create_time", "profile", b"profile", "rollout", b"rollout", "status", b"status", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "create_time", b"create_time", "max_replicas", b"max_replicas", "min_replicas", b"min_replicas", "name", b"name", "owned_by", b"owned_by", "profile", b"profile", "replicas", b"replicas", "rollout", b"rollout", "routing_policy", b"routing_policy", "status", b"status", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "autoscaling", b"autoscaling", "create_time", b"create_time", "max_replicas", b"max_replicas", "min_replicas", b"min_replicas", "name", b"name", "owned_by", b"owned_by", "profile", b"profile", "replicas", b"replicas", "rollout", b"rollout", "routing_policy", b"routing_policy", "status", b"status", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Deployment: _TypeAlias = Deployment  # noqa: Y015
+
+@_typing.final
+class Autoscaling(_message.Message):
+    """Autoscaling of one deployment. When enabled the autoscaler owns `replicas` within
+    `min_replicas..max_replicas` (an operator's write of `replicas` is refused); a rollout's
+    surge and a canary add replicas on top of it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    SCALE_TO_ZERO_FIELD_NUMBER: _builtins.int
+    SCALE_DOWN_WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    IDLE_SECONDS_BEFORE_ZERO_FIELD_NUMBER: _builtins.int
+    COLD_START_BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
+    TARGET_IN_FLIGHT_PER_REPLICA_FIELD_NUMBER: _builtins.int
+    MAX_KV_USAGE_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """Turns the autoscaler on for this deployment."""
+    scale_to_zero: _builtins.bool
+    """Lets the deployment go to 0 replicas after `idle_seconds_before_zero` without a request
+    (opt-in: a `min_replicas` of 0 alone never scales to zero). A request for a deployment at
+    zero is held by the picker while a replica starts, up to `cold_start_budget_seconds`.
+    """
+    scale_down_window_seconds: _builtins.int
+    """Replicas are removed only after the signals asked for fewer for this long (0: 60 s)."""
+    idle_seconds_before_zero: _builtins.int
+    """Seconds without any request before the last replica drains (0: 300 s)."""
+    cold_start_budget_seconds: _builtins.int
+    """How long the picker holds a request for a deployment at zero before a 503 with
+    Retry-After (0: 120 s).
+    """
+    target_in_flight_per_replica: _builtins.float
+    """Target requests in flight per replica (0: the profile's max_num_seqs × 0.8)."""
+    max_kv_usage: _builtins.float
+    """Scale up when the engines' KV usage (0..1, the fullest replica) is above this (0: 0.9)."""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        scale_to_zero: _builtins.bool = ...,
+        scale_down_window_seconds: _builtins.int = ...,
+        idle_seconds_before_zero: _builtins.int = ...,
+        cold_start_budget_seconds: _builtins.int = ...,
+        target_in_flight_per_replica: _builtins.float = ...,
+        max_kv_usage: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_start_budget_seconds", b"cold_start_budget_seconds", "enabled", b"enabled", "idle_seconds_before_zero", b"idle_seconds_before_zero", "max_kv_usage", b"max_kv_usage", "scale_down_window_seconds", b"scale_down_window_seconds", "scale_to_zero", b"scale_to_zero", "target_in_flight_per_replica", b"target_in_flight_per_replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Autoscaling: _TypeAlias = Autoscaling  # noqa: Y015
+
+@_typing.final
+class AutoscalerStatus(_message.Message):
+    """The autoscaler's view of one deployment now (DeploymentStatus.autoscaler)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DESIRED_REPLICAS_FIELD_NUMBER: _builtins.int
+    LAST_DECISION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    LAST_CHANGE_TIME_FIELD_NUMBER: _builtins.int
+    SIGNALS_FIELD_NUMBER: _builtins.int
+    desired_replicas: _builtins.int
+    """The replica count the autoscaler asks for."""
+    last_decision: _builtins.str
+    """The last decision ("scale_up", "scale_down", "scale_to_zero", "scale_from_zero", "hold")."""
+    reason: _builtins.str
+    """Why, in a sentence (which signal, against which target)."""
+    @_builtins.property
+    def last_change_time(self) -> _timestamp_pb2.Timestamp:
+        """When the last decision that changed `replicas` was made."""
+
+    @_builtins.property
+    def signals(self) -> Global___AutoscalerSignals:
+        """The signals the decision read."""
+
+    def __init__(
+        self,
+        *,
+        desired_replicas: _builtins.int = ...,
+        last_decision: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        last_change_time: _timestamp_pb2.Timestamp | None = ...,
+        signals: Global___AutoscalerSignals | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_change_time", b"last_change_time", "signals", b"signals"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_replicas", b"desired_replicas", "last_change_time", b"last_change_time", "last_decision", b"last_decision", "reason", b"reason", "signals", b"signals"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscalerStatus: _TypeAlias = AutoscalerStatus  # noqa: Y015
+
+@_typing.final
+class AutoscalerSignals(_message.Message):
+    """The signals one autoscaler decision read for a deployment (summed or maxed over routers)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUE_REJECTIONS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    ENGINE_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    KV_USAGE_FIELD_NUMBER: _builtins.int
+    TTFT_P99_SECONDS_FIELD_NUMBER: _builtins.int
+    COLD_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    IDLE_SECONDS_FIELD_NUMBER: _builtins.int
+    READY_REPLICAS_FIELD_NUMBER: _builtins.int
+    queued_requests: _builtins.int
+    """Requests waiting in the routers' admission queues."""
+    max_queue_wait_seconds: _builtins.float
+    """The longest current wait in those queues, seconds."""
+    queue_rejections_per_second: _builtins.float
+    """Queue 429s per second since the previous decision."""
+    in_flight_requests: _builtins.int
+    """Requests in flight on the deployment's replicas (routers' count)."""
+    engine_waiting_requests: _builtins.int
+    """Requests waiting in the engines' own queues."""
+    kv_usage: _builtins.float
+    """The fullest replica's KV cache usage, 0..1."""
+    ttft_p99_seconds: _builtins.float
+    """TTFT p99 over the last window (telemetry), seconds; 0 when unknown."""
+    cold_waiting_requests: _builtins.int
+    """Requests held for a cold start (the deployment has no ready replica)."""
+    idle_seconds: _builtins.float
+    """Seconds since the last request any router saw."""
+    ready_replicas: _builtins.int
+    """Ready replicas."""
+    def __init__(
+        self,
+        *,
+        queued_requests: _builtins.int = ...,
+        max_queue_wait_seconds: _builtins.float = ...,
+        queue_rejections_per_second: _builtins.float = ...,
+        in_flight_requests: _builtins.int = ...,
+        engine_waiting_requests: _builtins.int = ...,
+        kv_usage: _builtins.float = ...,
+        ttft_p99_seconds: _builtins.float = ...,
+        cold_waiting_requests: _builtins.int = ...,
+        idle_seconds: _builtins.float = ...,
+        ready_replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_waiting_requests", b"cold_waiting_requests", "engine_waiting_requests", b"engine_waiting_requests", "idle_seconds", b"idle_seconds", "in_flight_requests", b"in_flight_requests", "kv_usage", b"kv_usage", "max_queue_wait_seconds", b"max_queue_wait_seconds", "queue_rejections_per_second", b"queue_rejections_per_second", "queued_requests", b"queued_requests", "ready_replicas", b"ready_replicas", "ttft_p99_seconds", b"ttft_p99_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscalerSignals: _TypeAlias = AutoscalerSignals  # noqa: Y015
+
+@_typing.final
+class AutoscalerDecision(_message.Message):
+    """One autoscaler decision, as ListAutoscalerDecisions returns it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    FROM_REPLICAS_FIELD_NUMBER: _builtins.int
+    TO_REPLICAS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SIGNALS_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """The deployment."""
+    decision: _builtins.str
+    """"scale_up", "scale_down", "scale_to_zero", "scale_from_zero"."""
+    from_replicas: _builtins.int
+    """Replicas before and after."""
+    to_replicas: _builtins.int
+    """Replicas after."""
+    reason: _builtins.str
+    """Why."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When."""
+
+    @_builtins.property
+    def signals(self) -> Global___AutoscalerSignals:
+        """The signals read."""
+
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        decision: _builtins.str = ...,
+        from_replicas: _builtins.int = ...,
+        to_replicas: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        signals: Global___AutoscalerSignals | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["signals", b"signals", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "deployment", b"deployment", "from_replicas", b"from_replicas", "reason", b"reason", "signals", b"signals", "time", b"time", "to_replicas", b"to_replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscalerDecision: _TypeAlias = AutoscalerDecision  # noqa: Y015
+
+@_typing.final
+class ListAutoscalerDecisionsRequest(_message.Message):
+    """Request for ListAutoscalerDecisions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """Only this deployment's (`deployments/{deployment}`); empty: all."""
+    page_size: _builtins.int
+    """At most this many, newest first (0: 50)."""
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAutoscalerDecisionsRequest: _TypeAlias = ListAutoscalerDecisionsRequest  # noqa: Y015
+
+@_typing.final
+class ListAutoscalerDecisionsResponse(_message.Message):
+    """Response of ListAutoscalerDecisions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___AutoscalerDecision]:
+        """Newest first."""
+
+    def __init__(
+        self,
+        *,
+        decisions: _abc.Iterable[Global___AutoscalerDecision] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAutoscalerDecisionsResponse: _TypeAlias = ListAutoscalerDecisionsResponse  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter served on top of a base deployment (issue 29)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BASE_DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALIASES_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Resource name, `adapters/{adapter}`; clients send `{base}:{adapter}` as the model."""
+    base_deployment: _builtins.str
+    """The base deployment, `deployments/{deployment}`; its profile must allow LoRA (max_loras)."""
+    source: _builtins.str
+    """The adapter's folder (PEFT layout: adapter_config.json + weights), under the
+    orchestrator's allow-listed adapter root.
+    """
+    rank: _builtins.int
+    """The adapter's rank (one of vLLM's allowed ranks, at most the profile's max_lora_rank)."""
+    phase: _builtins.str
+    """"Ready" or "Deleting" (requests still use it)."""
+    @_builtins.property
+    def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Other model names clients may send for it."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        base_deployment: _builtins.str = ...,
+        source: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        aliases: _abc.Iterable[_builtins.str] | None = ...,
+        phase: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "base_deployment", b"base_deployment", "create_time", b"create_time", "name", b"name", "phase", b"phase", "rank", b"rank", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
+class CreateAdapterRequest(_message.Message):
+    """Request for CreateAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    adapter_id: _builtins.str
+    """The adapter id (becomes `adapters/{adapter}`)."""
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter."""
+
+    def __init__(
+        self,
+        *,
+        adapter_id: _builtins.str = ...,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_id", b"adapter_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateAdapterRequest: _TypeAlias = CreateAdapterRequest  # noqa: Y015
+
+@_typing.final
+class CreateAdapterResponse(_message.Message):
+    """Response of CreateAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter as stored."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateAdapterResponse: _TypeAlias = CreateAdapterResponse  # noqa: Y015
+
+@_typing.final
+class GetAdapterRequest(_message.Message):
+    """Request for GetAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`adapters/{adapter}`."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAdapterRequest: _TypeAlias = GetAdapterRequest  # noqa: Y015
+
+@_typing.final
+class GetAdapterResponse(_message.Message):
+    """Response of GetAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAdapterResponse: _TypeAlias = GetAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """Request for ListAdapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    base_deployment: _builtins.str
+    """Only this base deployment's (`deployments/{deployment}`); empty: all."""
+    def __init__(
+        self,
+        *,
+        base_deployment: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_deployment", b"base_deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """Response of ListAdapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """The adapters."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
+
+@_typing.final
+class DeleteAdapterRequest(_message.Message):
+    """Request for DeleteAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`adapters/{adapter}`."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteAdapterRequest: _TypeAlias = DeleteAdapterRequest  # noqa: Y015
+
+@_typing.final
+class DeleteAdapterResponse(_message.Message):
+    """Response of DeleteAdapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter (phase Deleting while requests still use it), or empty once gone."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteAdapterResponse: _TypeAlias = DeleteAdapterResponse  # noqa: Y015
 
 @_typing.final
 class DeploymentProfile(_message.Message):
@@ -140,6 +644,9 @@ class DeploymentProfile(_message.Message):
     REPLICA_TASK_FIELD_NUMBER: _builtins.int
     REPLICA_TRANSPORT_FIELD_NUMBER: _builtins.int
     SAMPLING_DEFAULTS_FIELD_NUMBER: _builtins.int
+    TTFT_SLO_SECONDS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -262,6 +769,14 @@ class DeploymentProfile(_message.Message):
     """Engine transport of the replica process. Wins over `transport` when set; unspecified:
     `transport` decides. Both spellings of one transport give the same profile revision.
     """
+    ttft_slo_seconds: _builtins.float
+    """TTFT objective, seconds (p99): the autoscaler adds replicas while the deployment's TTFT
+    p99 is above it (0: no TTFT signal). Not a revision change (issue 29).
+    """
+    max_loras: _builtins.int
+    """LoRA adapters a replica may hold at once (vLLM's `--max-loras`, 1..8 allowed); 0: LoRA off."""
+    max_lora_rank: _builtins.int
+    """The largest adapter rank (vLLM's allowed ranks: 8, 16, 32, 64, 128, 256, 320, 512)."""
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra engine arguments, verbatim."""
@@ -306,10 +821,13 @@ class DeploymentProfile(_message.Message):
         replica_task: _nodeagent_pb2.ReplicaTask.ValueType = ...,
         replica_transport: _nodeagent_pb2.ReplicaTransport.ValueType = ...,
         sampling_defaults: _nodeagent_pb2.SamplingDefaults | None = ...,
+        ttft_slo_seconds: _builtins.float = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "sampling_defaults", b"sampling_defaults"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "sampling_defaults", b"sampling_defaults", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "sampling_defaults", b"sampling_defaults", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport", "ttft_slo_seconds", b"ttft_slo_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["constrain_tool_choice_auto"]  # noqa: Y015
     _WhichOneofArgType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto"]  # noqa: Y015
@@ -370,6 +888,7 @@ class DeploymentStatus(_message.Message):
     READY_REPLICAS_FIELD_NUMBER: _builtins.int
     CURRENT_REVISION_FIELD_NUMBER: _builtins.int
     TARGET_REVISION_FIELD_NUMBER: _builtins.int
+    AUTOSCALER_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """"Available", "Progressing", "RolledBack", "Unplaceable", "Degraded"."""
     message: _builtins.str
@@ -380,6 +899,10 @@ class DeploymentStatus(_message.Message):
     """The profile revision serving now."""
     target_revision: _builtins.str
     """The profile revision being rolled out, when one is."""
+    @_builtins.property
+    def autoscaler(self) -> Global___AutoscalerStatus:
+        """The autoscaler's view, when autoscaling is enabled."""
+
     def __init__(
         self,
         *,
@@ -388,10 +911,11 @@ class DeploymentStatus(_message.Message):
         ready_replicas: _builtins.int = ...,
         current_revision: _builtins.str = ...,
         target_revision: _builtins.str = ...,
+        autoscaler: Global___AutoscalerStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_revision", b"current_revision", "message", b"message", "phase", b"phase", "ready_replicas", b"ready_replicas", "target_revision", b"target_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "current_revision", b"current_revision", "message", b"message", "phase", b"phase", "ready_replicas", b"ready_replicas", "target_revision", b"target_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1250,6 +1774,10 @@ class ModelRoute(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
     OWNED_BY_FIELD_NUMBER: _builtins.int
+    SCALE_TO_ZERO_FIELD_NUMBER: _builtins.int
+    COLD_START_BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_SOURCE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name clients send (deployment id or alias)."""
     deployment: _builtins.str
@@ -1262,6 +1790,19 @@ class ModelRoute(_message.Message):
     """Unix seconds when the deployment was created."""
     owned_by: _builtins.str
     """The owner shown in /v1/models."""
+    scale_to_zero: _builtins.bool
+    """The deployment scales to zero: with no endpoint, the picker holds a request up to
+    cold_start_budget_seconds while a replica starts (and says so in its lease renewals),
+    then answers 503 with Retry-After. Unset: no endpoint is an immediate 503.
+    """
+    cold_start_budget_seconds: _builtins.int
+    """How long the picker holds a request for a deployment at zero, seconds."""
+    adapter: _builtins.str
+    """Set on an adapter's route (`{base}:{adapter}` or one of its aliases): the adapter's
+    catalogue name; `deployment` is the base deployment and `endpoints` are its replicas.
+    """
+    adapter_source: _builtins.str
+    """The adapter's source folder (the picker passes it to the replica with the name)."""
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteEndpoint]:
         """The replicas."""
@@ -1276,10 +1817,14 @@ class ModelRoute(_message.Message):
         max_model_len: _builtins.int = ...,
         created: _builtins.int = ...,
         owned_by: _builtins.str = ...,
+        scale_to_zero: _builtins.bool = ...,
+        cold_start_budget_seconds: _builtins.int = ...,
+        adapter: _builtins.str = ...,
+        adapter_source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "routing_policy", b"routing_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "cold_start_budget_seconds", b"cold_start_budget_seconds", "created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "routing_policy", b"routing_policy", "scale_to_zero", b"scale_to_zero"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1358,6 +1903,7 @@ class RenewRouterLeaseRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     OVER_SHARE_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
     router_id: _builtins.str
     """The router's id, as in its WatchRoutingTableRequest (it must have that stream open)."""
     lease_epoch: _builtins.str
@@ -1374,6 +1920,12 @@ class RenewRouterLeaseRequest(_message.Message):
         (requests admitted under an earlier, larger share, or to a replica that left the table).
         """
 
+    @_builtins.property
+    def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeploymentDemand]:
+        """What the router sees of each deployment's demand now: the autoscaler's input (issue 29).
+        A router sends a renewal at once when a request starts waiting for a deployment at zero.
+        """
+
     def __init__(
         self,
         *,
@@ -1382,14 +1934,69 @@ class RenewRouterLeaseRequest(_message.Message):
         version: _builtins.str = ...,
         over_share: _abc.Iterable[Global___ReplicaRef] | None = ...,
         release: _builtins.bool = ...,
+        demand: _abc.Iterable[Global___DeploymentDemand] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_epoch", b"lease_epoch", "over_share", b"over_share", "release", b"release", "router_id", b"router_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "lease_epoch", b"lease_epoch", "over_share", b"over_share", "release", b"release", "router_id", b"router_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RenewRouterLeaseRequest: _TypeAlias = RenewRouterLeaseRequest  # noqa: Y015
+
+@_typing.final
+class DeploymentDemand(_message.Message):
+    """One router's view of one deployment's demand (RenewRouterLeaseRequest.demand)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUE_REJECTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    ENGINE_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    KV_USAGE_FIELD_NUMBER: _builtins.int
+    COLD_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """The deployment id."""
+    queued_requests: _builtins.int
+    """Requests waiting in this router's admission queue for it."""
+    max_queue_wait_seconds: _builtins.float
+    """The longest current wait in that queue, seconds."""
+    queue_rejections_total: _builtins.int
+    """Queue 429s (full, timed out, flow share) since the router started: a counter."""
+    in_flight_requests: _builtins.int
+    """Requests this router has in flight on the deployment's replicas."""
+    engine_waiting_requests: _builtins.int
+    """Requests waiting in the engines' own queues (sum over replicas, from their state streams)."""
+    kv_usage: _builtins.float
+    """The fullest replica's KV cache usage, 0..1 (1 - free / total blocks)."""
+    cold_waiting_requests: _builtins.int
+    """Requests held because the deployment has no ready replica (scale from zero)."""
+    requests_total: _builtins.int
+    """Requests this router received for the deployment since it started: a counter."""
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        queued_requests: _builtins.int = ...,
+        max_queue_wait_seconds: _builtins.float = ...,
+        queue_rejections_total: _builtins.int = ...,
+        in_flight_requests: _builtins.int = ...,
+        engine_waiting_requests: _builtins.int = ...,
+        kv_usage: _builtins.float = ...,
+        cold_waiting_requests: _builtins.int = ...,
+        requests_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_waiting_requests", b"cold_waiting_requests", "deployment", b"deployment", "engine_waiting_requests", b"engine_waiting_requests", "in_flight_requests", b"in_flight_requests", "kv_usage", b"kv_usage", "max_queue_wait_seconds", b"max_queue_wait_seconds", "queue_rejections_total", b"queue_rejections_total", "queued_requests", b"queued_requests", "requests_total", b"requests_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentDemand: _TypeAlias = DeploymentDemand  # noqa: Y015
 
 @_typing.final
 class RenewRouterLeaseResponse(_message.Message):

@@ -70,6 +70,31 @@ class DeploymentServiceStub:
                 request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementRequest.SerializeToString,
                 response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementResponse.FromString,
                 _registered_method=True)
+        self.CreateAdapter = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/CreateAdapter',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterResponse.FromString,
+                _registered_method=True)
+        self.GetAdapter = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/GetAdapter',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/ListAdapters',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.DeleteAdapter = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/DeleteAdapter',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAutoscalerDecisions = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/ListAutoscalerDecisions',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.FromString,
+                _registered_method=True)
 
 
 class DeploymentServiceServicer:
@@ -125,6 +150,43 @@ class DeploymentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateAdapter(self, request, context):
+        """Adds a LoRA adapter on top of a base deployment (issue 29): `{base}:{adapter}` (and its
+        aliases) become model names served by the base deployment's replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAdapter(self, request, context):
+        """Gets an adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Lists adapters (of one base deployment, or all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapter(self, request, context):
+        """Deletes an adapter: it leaves the routing table at once, and is gone once no request
+        uses it any more (phase Deleting until then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAutoscalerDecisions(self, request, context):
+        """The autoscaler's recent decisions and the signals behind them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeploymentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +224,31 @@ def add_DeploymentServiceServicer_to_server(servicer, server):
                     servicer.ExplainPlacement,
                     request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementRequest.FromString,
                     response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementResponse.SerializeToString,
+            ),
+            'CreateAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateAdapter,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterResponse.SerializeToString,
+            ),
+            'GetAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAdapter,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapter,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterResponse.SerializeToString,
+            ),
+            'ListAutoscalerDecisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAutoscalerDecisions,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +441,141 @@ class DeploymentService:
             '/inferplane.orchestrator.v1.DeploymentService/ExplainPlacement',
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementRequest.SerializeToString,
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ExplainPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/CreateAdapter',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/GetAdapter',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/ListAdapters',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/DeleteAdapter',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeleteAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAutoscalerDecisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/ListAutoscalerDecisions',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

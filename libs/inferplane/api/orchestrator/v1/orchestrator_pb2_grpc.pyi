@@ -49,6 +49,20 @@ class DeploymentServiceStub:
     """Lists a deployment's replicas and where they are placed."""
     ExplainPlacement: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ExplainPlacementRequest, _orchestrator_pb2.ExplainPlacementResponse]
     """Explains the placement of each replica, or why it cannot be placed."""
+    CreateAdapter: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CreateAdapterRequest, _orchestrator_pb2.CreateAdapterResponse]
+    """Adds a LoRA adapter on top of a base deployment (issue 29): `{base}:{adapter}` (and its
+    aliases) become model names served by the base deployment's replicas.
+    """
+    GetAdapter: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetAdapterRequest, _orchestrator_pb2.GetAdapterResponse]
+    """Gets an adapter."""
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAdaptersRequest, _orchestrator_pb2.ListAdaptersResponse]
+    """Lists adapters (of one base deployment, or all)."""
+    DeleteAdapter: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.DeleteAdapterRequest, _orchestrator_pb2.DeleteAdapterResponse]
+    """Deletes an adapter: it leaves the routing table at once, and is gone once no request
+    uses it any more (phase Deleting until then).
+    """
+    ListAutoscalerDecisions: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAutoscalerDecisionsRequest, _orchestrator_pb2.ListAutoscalerDecisionsResponse]
+    """The autoscaler's recent decisions and the signals behind them."""
 
 @_typing.type_check_only
 class DeploymentServiceAsyncStub(DeploymentServiceStub):
@@ -69,6 +83,20 @@ class DeploymentServiceAsyncStub(DeploymentServiceStub):
     """Lists a deployment's replicas and where they are placed."""
     ExplainPlacement: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ExplainPlacementRequest, _orchestrator_pb2.ExplainPlacementResponse]  # type: ignore[assignment]
     """Explains the placement of each replica, or why it cannot be placed."""
+    CreateAdapter: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CreateAdapterRequest, _orchestrator_pb2.CreateAdapterResponse]  # type: ignore[assignment]
+    """Adds a LoRA adapter on top of a base deployment (issue 29): `{base}:{adapter}` (and its
+    aliases) become model names served by the base deployment's replicas.
+    """
+    GetAdapter: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetAdapterRequest, _orchestrator_pb2.GetAdapterResponse]  # type: ignore[assignment]
+    """Gets an adapter."""
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAdaptersRequest, _orchestrator_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """Lists adapters (of one base deployment, or all)."""
+    DeleteAdapter: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.DeleteAdapterRequest, _orchestrator_pb2.DeleteAdapterResponse]  # type: ignore[assignment]
+    """Deletes an adapter: it leaves the routing table at once, and is gone once no request
+    uses it any more (phase Deleting until then).
+    """
+    ListAutoscalerDecisions: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAutoscalerDecisionsRequest, _orchestrator_pb2.ListAutoscalerDecisionsResponse]  # type: ignore[assignment]
+    """The autoscaler's recent decisions and the signals behind them."""
 
 class DeploymentServiceServicer(metaclass=_abc_1.ABCMeta):
     """The model catalogue."""
@@ -128,6 +156,50 @@ class DeploymentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.ExplainPlacementResponse, _abc.Awaitable[_orchestrator_pb2.ExplainPlacementResponse]]:
         """Explains the placement of each replica, or why it cannot be placed."""
+
+    @_abc_1.abstractmethod
+    def CreateAdapter(
+        self,
+        request: _orchestrator_pb2.CreateAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.CreateAdapterResponse, _abc.Awaitable[_orchestrator_pb2.CreateAdapterResponse]]:
+        """Adds a LoRA adapter on top of a base deployment (issue 29): `{base}:{adapter}` (and its
+        aliases) become model names served by the base deployment's replicas.
+        """
+
+    @_abc_1.abstractmethod
+    def GetAdapter(
+        self,
+        request: _orchestrator_pb2.GetAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.GetAdapterResponse, _abc.Awaitable[_orchestrator_pb2.GetAdapterResponse]]:
+        """Gets an adapter."""
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _orchestrator_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ListAdaptersResponse, _abc.Awaitable[_orchestrator_pb2.ListAdaptersResponse]]:
+        """Lists adapters (of one base deployment, or all)."""
+
+    @_abc_1.abstractmethod
+    def DeleteAdapter(
+        self,
+        request: _orchestrator_pb2.DeleteAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.DeleteAdapterResponse, _abc.Awaitable[_orchestrator_pb2.DeleteAdapterResponse]]:
+        """Deletes an adapter: it leaves the routing table at once, and is gone once no request
+        uses it any more (phase Deleting until then).
+        """
+
+    @_abc_1.abstractmethod
+    def ListAutoscalerDecisions(
+        self,
+        request: _orchestrator_pb2.ListAutoscalerDecisionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ListAutoscalerDecisionsResponse, _abc.Awaitable[_orchestrator_pb2.ListAutoscalerDecisionsResponse]]:
+        """The autoscaler's recent decisions and the signals behind them."""
 
 def add_DeploymentServiceServicer_to_server(servicer: DeploymentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

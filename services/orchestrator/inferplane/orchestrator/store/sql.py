@@ -23,6 +23,7 @@ from sqlalchemy import (
     Float,
     Integer,
     String,
+    Text,
     delete,
     select,
 )
@@ -72,6 +73,23 @@ class _DeploymentRow(_Base):
     routing_policy: Mapped[str] = mapped_column(String(64))
     create_time: Mapped[datetime] = mapped_column(UtcDateTime)
     update_time: Mapped[datetime] = mapped_column(UtcDateTime)
+    # `Autoscaling` as JSON; NULL: never set (migration 0005).
+    autoscaling: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class _AutoscalerDecisionRow(_Base):
+    """One autoscaler decision that changed a deployment's replicas (migration 0005)."""
+
+    __tablename__ = "autoscaler_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[str] = mapped_column(String(128), index=True)
+    time: Mapped[datetime] = mapped_column(UtcDateTime)
+    decision: Mapped[str] = mapped_column(String(32))
+    from_replicas: Mapped[int] = mapped_column(BigInteger)
+    to_replicas: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(Text)
+    signals: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class _AliasRow(_Base):

@@ -165,6 +165,15 @@ class AsyncDeployments:
         request = orch.ExplainPlacementRequest(name=deployment_name(name))
         return tuple((await self._t.unary(m.EXPLAIN_PLACEMENT, request, timeout=timeout)).lines)
 
+    async def autoscaler_decisions(
+        self, name: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> Sequence[orch.AutoscalerDecision]:
+        request = orch.ListAutoscalerDecisionsRequest(
+            deployment=deployment_name(name) if name else "", page_size=page_size
+        )
+        response = await self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
+        return tuple(response.decisions)
+
 
 class AsyncNodes:
     """`Nodes` for asyncio."""

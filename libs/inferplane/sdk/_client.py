@@ -190,6 +190,18 @@ class Deployments:
         request = orch.ExplainPlacementRequest(name=deployment_name(name))
         return tuple(self._t.unary(m.EXPLAIN_PLACEMENT, request, timeout=timeout).lines)
 
+    def autoscaler_decisions(
+        self, name: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> Sequence[orch.AutoscalerDecision]:
+        """The autoscaler's recent decisions (replicas before and after, the reason, the
+        signals read), newest first: of deployment `name`, or of every deployment when
+        empty; at most `page_size` (0: the orchestrator's default, 50)."""
+        request = orch.ListAutoscalerDecisionsRequest(
+            deployment=deployment_name(name) if name else "", page_size=page_size
+        )
+        response = self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
+        return tuple(response.decisions)
+
 
 class Nodes:
     """The fleet (the orchestrator's `NodeService`; needs `orchestrator`). `name` arguments

@@ -160,6 +160,11 @@ EXPLAIN_PLACEMENT = _method(
     orch.ExplainPlacementRequest, orch.ExplainPlacementResponse,
     retry=True,  # a read
 )  # fmt: skip
+LIST_AUTOSCALER_DECISIONS = _method(
+    _O, orch, "DeploymentService", "ListAutoscalerDecisions",
+    orch.ListAutoscalerDecisionsRequest, orch.ListAutoscalerDecisionsResponse,
+    retry=True,  # a read
+)  # fmt: skip
 
 # -- inferplane.orchestrator.v1.NodeService ----------------------------------------------------
 GET_NODE = _method(

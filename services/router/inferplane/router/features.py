@@ -47,6 +47,11 @@ class RequestFeatures:
             "" for requests without a key (one flow per weight).
         weight: the flow's weight in the admission queue, from `x-inferplane-tier`
             (`TIER_WEIGHT`; > 0).
+        kv_hashes: content hashes of the full KV blocks of the prompt's token ids as the
+            engine sees them (`inferplane.kvblocks.chain`, at most the tokenizer step's max
+            blocks), for `precise_prefix`; () when the router did not tokenize the request
+            (no tokenizer for the route, or another policy). Filled by `router.tokenize`.
+        kv_block_size: the tokens per block `kv_hashes` were cut at (0 with no hashes).
     """
 
     prefix_blocks: tuple[int, ...] = ()
@@ -55,6 +60,8 @@ class RequestFeatures:
     prompt_tokens: int = 0
     flow: str = ""
     weight: float = 1.0
+    kv_hashes: tuple[int, ...] = ()
+    kv_block_size: int = 0
 
 
 def hash64(data: bytes) -> int:

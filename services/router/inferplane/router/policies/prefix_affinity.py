@@ -39,6 +39,12 @@ class PrefixAffinity:
             self._remember(request.prefix_blocks, replicas.keys[chosen])
         return chosen
 
+    def remember(self, request: RequestFeatures, key: ReplicaKey) -> None:
+        """Records that `request` went to replica `key` though this policy did not choose it
+        (`precise_prefix` keeps this table current for when it falls back to it)."""
+        if request.prefix_blocks:
+            self._remember(request.prefix_blocks, key)
+
     def fallbacks(
         self, replicas: ReplicaSet, request: RequestFeatures, chosen: int | None, n: int
     ) -> list[int]:

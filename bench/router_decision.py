@@ -43,7 +43,7 @@ from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.runtime import ResourceExhaustedError
 from inferplane.runtime.time.clock import SystemClock
 
-POLICIES = ("round_robin", "least_load", "prefix_affinity", "session_affinity")
+POLICIES = ("round_robin", "least_load", "power_of_two", "prefix_affinity", "session_affinity")
 SIZES = (10, 100, 1000, 10_000)
 QUEUED_SIZES = (1000, 10_000)
 

@@ -42,6 +42,8 @@ class FakePlatform:
     closed: int = 0
     updates: list[tuple[auth_pb2.ApiKey, tuple[str, ...]]] = dataclasses.field(default_factory=list)
     revoked_secrets: set[str] = dataclasses.field(default_factory=set)
+    # Set: the orchestrator refuses ListAutoscalerDecisions with this message.
+    decisions_error: str = ""
 
     def __post_init__(self) -> None:
         for key_id, tenant in (("k-acme", "acme"), ("k-globex", "globex")):
@@ -134,18 +136,77 @@ class FakeSession:
         return [r for r in self.p.rows if tenant is None or r.tenant == tenant]
 
     async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
+        self._tenant()
         deployment = orchestrator_pb2.Deployment(name="deployments/kimi-tiny", replicas=1)
         deployment.status.phase = "Ready"
+        auto = DeploymentView(
+            autoscaled_deployment(), [], [],
+            [] if self.p.decisions_error else autoscaler_decisions(), self.p.decisions_error,
+        )  # fmt: skip
         if not placements:
-            return [DeploymentView(deployment, [], [])]
+            return [DeploymentView(deployment, [], []), auto]
         placement = orchestrator_pb2.Placement(replica_id="kimi-tiny-0", node="gpu-node-7")
-        return [DeploymentView(deployment, [placement], ["placed on gpu-node-7: most free"])]
+        return [
+            DeploymentView(deployment, [placement], ["placed on gpu-node-7: most free"]),
+            auto,
+        ]
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:
         return [telemetry_pb2.Alert(kind="ttft_p99", deployment="kimi-tiny", message="slow")]
 
     async def close(self) -> None:
         self.p.closed += 1
+
+
+# An autoscaler reason with markup in it: the page must show it as text.
+HOSTILE_REASON = "queue <b>8</b> > target & <script>alert(1)</script>"
+
+
+def autoscaled_deployment() -> orchestrator_pb2.Deployment:
+    """`kimi-auto`: autoscaling on (1..4, scale to zero, 30 s window, TTFT SLO 0.5 s), the
+    autoscaler asking for 3 after a scale-up whose reason holds markup."""
+    deployment = orchestrator_pb2.Deployment(
+        name="deployments/kimi-auto", min_replicas=1, max_replicas=4, replicas=3
+    )
+    deployment.profile.ttft_slo_seconds = 0.5
+    deployment.autoscaling.CopyFrom(
+        orchestrator_pb2.Autoscaling(
+            enabled=True, scale_to_zero=True, scale_down_window_seconds=30,
+            idle_seconds_before_zero=90, cold_start_budget_seconds=45,
+        )
+    )  # fmt: skip
+    deployment.status.phase = "Ready"
+    deployment.status.ready_replicas = 2
+    status = deployment.status.autoscaler
+    status.desired_replicas = 3
+    status.last_decision = "scale_up"
+    status.reason = HOSTILE_REASON
+    status.last_change_time.FromSeconds(1_790_000_100)
+    status.signals.CopyFrom(
+        orchestrator_pb2.AutoscalerSignals(
+            queued_requests=8, max_queue_wait_seconds=1.25, queue_rejections_per_second=0.5,
+            in_flight_requests=13, engine_waiting_requests=2, kv_usage=0.42,
+            ttft_p99_seconds=0.875, idle_seconds=0, ready_replicas=2,
+        )
+    )  # fmt: skip
+    return deployment
+
+
+def autoscaler_decisions() -> list[orchestrator_pb2.AutoscalerDecision]:
+    """kimi-auto's decisions, newest first: from zero to 1, then up to 3."""
+    older = orchestrator_pb2.AutoscalerDecision(
+        deployment="deployments/kimi-auto", decision="scale_from_zero", from_replicas=0,
+        to_replicas=1, reason="1 request held at zero",
+        signals=orchestrator_pb2.AutoscalerSignals(cold_waiting_requests=1, idle_seconds=0),
+    )  # fmt: skip
+    older.time.FromSeconds(1_790_000_000)
+    newer = orchestrator_pb2.AutoscalerDecision(
+        deployment="deployments/kimi-auto", decision="scale_up", from_replicas=1,
+        to_replicas=3, reason=HOSTILE_REASON,
+        signals=orchestrator_pb2.AutoscalerSignals(queued_requests=8, in_flight_requests=13),
+    )  # fmt: skip
+    newer.time.FromSeconds(1_790_000_100)
+    return [newer, older]
 
 
 CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')

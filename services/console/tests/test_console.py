@@ -358,3 +358,72 @@ def test_edit_sets_name_scopes_models_and_limits_of_an_own_key(
         assert other.status == 404
 
     run_console(scenario)
+
+
+def test_the_deployments_page_shows_the_autoscaler_to_every_key(
+    run_console: Any, sign_in: Any, csrf: Any
+) -> None:
+    """An autoscaled deployment shows its bounds, desired replicas, scale to zero, last
+    decision, signals (TTFT p99 against the SLO) and recent decisions newest first with a
+    step chart of its replicas, to a tenant's console key as to an admin key (the catalogue
+    is every key's); reasons are text, never markup; a fixed deployment says autoscaling is
+    off."""
+    from .conftest import HOSTILE_REASON
+
+    async def scenario(client: Any, platform: Any, clock: Any) -> None:
+        await sign_in(client, ACME_KEY)
+        tenant_view = await (await client.get("/console/deployments")).text()
+        await client.post("/console/sign-out", data={"csrf_token": csrf(tenant_view)})
+        await sign_in(client, ADMIN_KEY)
+        admin_view = await (await client.get("/console/deployments")).text()
+        for page in (tenant_view, admin_view):
+            fixed, auto = page.split('<section class="deployment"')[1:]
+            assert "kimi-tiny" in fixed and "off: replicas are the operator's" in fixed
+            assert "Autoscaler" not in fixed
+            assert "on: the autoscaler sets replicas within 1..4" in auto
+            assert "min 1, desired 3, max 4 (now 3, 2 ready)" in auto
+            assert "on: after 90 s without a request" in auto and "held up to 45 s" in auto
+            assert "<dt>Scale-down window</dt><dd>30 s</dd>" in auto
+            # The hostile reason is escaped wherever it appears, never markup.
+            assert "<script>" not in page and HOSTILE_REASON not in page
+            escaped = html.escape(HOSTILE_REASON, quote=True)
+            assert auto.count(escaped) == 2  # last decision + the decisions table
+            assert f"scale_up: {escaped}" in auto
+            signals = auto.split('<table class="signals">')[1].split("</table>")[0]
+            cells = [c.split("</td>")[0] for c in signals.split("<td>")[1:]]
+            assert cells == [
+                "8", "1.25 s", "0.50/s", "13", "2", "42%", "0.875 s (0.5 s)", "0", "0 s", "2",
+            ]  # fmt: skip
+            table = auto.split('<table class="decisions">')[1].split("</table>")[0]
+            rows = table.split("<tbody>")[1].split("</tr>")[:-1]
+            assert [r.split('<th scope="row">')[1].split("<")[0] for r in rows] == [
+                "scale_up",
+                "scale_from_zero",
+            ]
+            assert "1 → 3" in rows[0] and "0 → 1" in rows[1]
+            assert "2026-09-21 14:15:00 UTC" in rows[0]
+            # The step chart: 0 → 1 → 3, each step titled with its time and count.
+            assert 'aria-labelledby="replicas-chart-2"' in auto
+            assert "14:13:20 UTC: 0 replicas" in auto and "14:15:00 UTC: 3 replicas" in auto
+
+    run_console(scenario)
+
+
+def test_decisions_that_cannot_be_read_leave_the_rest_of_the_page(
+    run_console: Any, sign_in: Any
+) -> None:
+    """An orchestrator refusing ListAutoscalerDecisions (e.g. one from before autoscaling):
+    the page still answers 200 with the deployment's autoscaler status, and says why the
+    decisions are missing."""
+
+    async def scenario(client: Any, platform: Any, clock: Any) -> None:
+        platform.decisions_error = "Method not found: ListAutoscalerDecisions"
+        await sign_in(client, ADMIN_KEY)
+        response = await client.get("/console/deployments")
+        page = await response.text()
+        assert response.status == 200
+        assert "min 1, desired 3, max 4" in page
+        assert "decisions could not be read: Method not found: ListAutoscalerDecisions" in page
+        assert "No decisions yet." in page and "replicas-chart" not in page
+
+    run_console(scenario)

@@ -1,5 +1,5 @@
-"""The console's pure parts: the SVG bar chart, the session store's expiry and eviction, and
-the key form's parsing."""
+"""The console's pure parts: the SVG bar and step charts, the session store's expiry and
+eviction, and the key form's parsing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from multidict import MultiDict
 
-from inferplane.console.charts import Bar, bar_chart
+from inferplane.console.charts import Bar, Step, bar_chart, step_chart
 from inferplane.console.pages.keys import key_from_form
 from inferplane.console.sessions import Identity, SessionStore
 from inferplane.console.web import FormError
@@ -35,6 +35,38 @@ def test_bar_chart_is_valid_accessible_svg_scaled_to_the_peak() -> None:
         "d: 0 tokens",
     ]
     empty = ET.fromstring(str(bar_chart([], title="t", unit="u")))
+    assert "no data" in "".join(empty.itertext())
+
+
+def test_step_chart_holds_each_value_until_the_next_step_and_the_end() -> None:
+    """Steps given out of order are drawn in time order: a horizontal run to each step's time,
+    then a vertical move to its value, the last value held to `end`; the peak fills the plot."""
+    t0 = 1_790_000_000.0
+    svg = step_chart(
+        [Step(t0 + 60, 3), Step(t0, 0), Step(t0 + 30, 1)],
+        end=t0 + 120, title="Replicas <of> kimi", unit="replicas", chart_id="c",
+    )  # fmt: skip
+    root = ET.fromstring(str(svg))
+    assert root.get("role") == "img" and root.find(f"{SVG}title").text == "Replicas <of> kimi"
+    left, right, top, bottom = 48.0, 632.0, 16.0, 132.0  # width 640, height 160
+    third = (right - left) / 4  # 30 s of the 120 s span
+    path = root.find(f"{SVG}path").get("d")
+    assert path == (
+        f"M{left:.1f},{bottom:.1f}H{left + third:.1f}V{bottom - (bottom - top) / 3:.1f}"
+        f"H{left + 2 * third:.1f}V{top:.1f}H{right:.1f}"
+    )
+    titles = [c.find(f"{SVG}title").text for c in root.findall(f"{SVG}circle")]
+    assert titles == [
+        "14:13:20 UTC: 0 replicas",
+        "14:13:50 UTC: 1 replicas",
+        "14:14:20 UTC: 3 replicas",
+    ]
+    # A step after `end` (clocks apart) moves the right edge instead of leaving the plot.
+    late = ET.fromstring(str(step_chart([Step(t0, 1), Step(t0 + 10, 2)], end=t0, title="t",
+                                        unit="u")))  # fmt: skip
+    xs = [float(c.get("cx")) for c in late.findall(f"{SVG}circle")]
+    assert xs == [left, right]
+    empty = ET.fromstring(str(step_chart([], end=t0, title="t", unit="u")))
     assert "no data" in "".join(empty.itertext())
 
 

@@ -33,13 +33,22 @@ _PROBE_TENANT = "."
 MAX_USAGE_ROWS = 10_000  # CSV export and per-page tables stop here
 
 
+#: The autoscaler decisions the deployments page shows per deployment (newest first).
+AUTOSCALER_DECISIONS_SHOWN = 20
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeploymentView:
-    """A deployment with its replicas' placements and the orchestrator's explanation."""
+    """A deployment with its replicas' placements and the orchestrator's explanation, and,
+    when autoscaling is enabled, the autoscaler's recent decisions (newest first; with
+    `decisions_error` saying why they could not be read, e.g. an orchestrator without
+    `ListAutoscalerDecisions`)."""
 
     deployment: orchestrator_pb2.Deployment
     placements: Sequence[orchestrator_pb2.Placement]
     explanation: Sequence[str]
+    decisions: Sequence[orchestrator_pb2.AutoscalerDecision] = ()
+    decisions_error: str = ""
 
 
 class PlatformSession(Protocol):
@@ -66,7 +75,9 @@ class PlatformSession(Protocol):
     ) -> Sequence[usage_pb2.UsageRow]: ...
 
     async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
-        """Every deployment; with `placements`, its replicas' placements and explanation."""
+        """Every deployment (with its autoscaler's recent decisions when autoscaling is
+        enabled: the catalogue's, for every key); with `placements`, its replicas'
+        placements and explanation."""
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]: ...
 
@@ -162,15 +173,26 @@ class SdkSession:
     async def deployments(self, *, placements: bool = True) -> Sequence[DeploymentView]:
         views = []
         async for deployment in self._client.deployments.list():
-            if not placements:
-                views.append(DeploymentView(deployment, [], []))
-                continue
-            replicas = [p async for p in self._client.deployments.replicas(deployment.name)]
-            try:
-                explanation = await self._client.deployments.explain(deployment.name)
-            except InferplaneError as exc:
-                explanation = [f"(no explanation: {exc.message})"]
-            views.append(DeploymentView(deployment, replicas, explanation))
+            decisions: Sequence[orchestrator_pb2.AutoscalerDecision] = ()
+            decisions_error = ""
+            if deployment.autoscaling.enabled:
+                try:
+                    decisions = await self._client.deployments.autoscaler_decisions(
+                        deployment.name, page_size=AUTOSCALER_DECISIONS_SHOWN
+                    )
+                except InferplaneError as exc:
+                    decisions_error = exc.message
+            replicas: list[orchestrator_pb2.Placement] = []
+            explanation: Sequence[str] = []
+            if placements:
+                replicas = [p async for p in self._client.deployments.replicas(deployment.name)]
+                try:
+                    explanation = await self._client.deployments.explain(deployment.name)
+                except InferplaneError as exc:
+                    explanation = [f"(no explanation: {exc.message})"]
+            views.append(
+                DeploymentView(deployment, replicas, explanation, decisions, decisions_error)
+            )
         return views
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:

@@ -137,7 +137,7 @@ def test_a_gap_drops_the_blocks_and_resubscribes() -> None:
     async def scenario() -> None:
         fake = FakeReplica(script)
         server, address = await serve(fake)
-        states, index, watch = make()
+        _states, index, watch = make()
         watch.on_table(table(Endpoint(address, "r0")))
         await watch.start()
         await until(lambda: len(fake.requests) == 2 and index.blocks("r0") == 1)
@@ -202,7 +202,7 @@ def test_a_replica_leaving_the_table_closes_its_stream_and_drops_its_state() -> 
 
 def test_an_unreachable_replica_is_retried_with_backoff() -> None:
     async def scenario() -> None:
-        states, index, watch = make()
+        states, _index, watch = make()
         with socket.socket() as sock:  # a port nothing listens on (bound then released)
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

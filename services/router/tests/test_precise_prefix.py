@@ -1,0 +1,144 @@
+"""`precise_prefix` with a hand-fed KV index and engine states (no replica, no stream)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from inferplane.kvblocks import chain
+from inferplane.router.engine_state import EngineState, EngineStates
+from inferplane.router.features import RequestFeatures
+from inferplane.router.kvindex import KvIndex
+from inferplane.router.policies import PrecisePrefix, default_registry
+
+from .fakes import endpoints, replica_set, set_load
+
+BLOCK = 128
+TOKENS = list(range(10, 10 + 16 * BLOCK))  # a 2,048-token prompt: 16 blocks
+HASHES = tuple(chain(TOKENS, BLOCK))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(tokens: list[int] = TOKENS, **kw: object) -> RequestFeatures:
+    base = RequestFeatures(
+        prefix_blocks=(1, 2, 3),
+        root=42,
+        prompt_tokens=len(tokens),
+        kv_hashes=tuple(chain(tokens, BLOCK)),
+        kv_block_size=BLOCK,
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def world(n: int = 3, events: bool = True, cap: int = 1 << 20):  # type: ignore[no-untyped-def]
+    clock = Clock()
+    states = EngineStates(clock)
+    for i in range(n):
+        states.put(
+            EngineState(
+                f"r{i}",
+                block_size=BLOCK,
+                total_kv_blocks=1000,
+                free_kv_blocks=1000,
+                kv_events=events,
+            )
+        )
+    index = KvIndex()
+    s = replica_set(endpoints(n), cap=cap)
+    return clock, states, index, s, PrecisePrefix(states, index)
+
+
+def test_prefers_the_replica_with_the_longest_cached_prefix() -> None:
+    _, _, index, s, policy = world()
+    index.store("r0", HASHES[:4])
+    index.store("r2", HASHES[:12])
+    index.store("r1", HASHES[:12][::-1][:6])  # the prompt's later blocks only: unusable
+    assert policy.cached_blocks(s, request()) == {0: 4, 2: 12}
+    assert policy.choose(s, request()) == 2
+    assert policy.precise == 1 and policy.fallen_back == 0
+
+
+def test_load_breaks_ties_and_overrides_a_cached_prefix_when_far_over() -> None:
+    _, states, index, s, policy = world(4)
+    index.store("r0", HASHES[:8])
+    index.store("r1", HASHES[:8])
+    for i, load in enumerate((3, 2, 1, 3)):  # under the bounded-load cap (4) each
+        set_load(s, i, load)
+    assert policy.choose(s, request()) == 1  # same prefix: fewer in flight
+    # r1 now runs requests holding 900 of its 1,000 blocks; r0's prefix is the same: r0.
+    states.put(
+        EngineState(
+            "r1", block_size=BLOCK, total_kv_blocks=1000, free_kv_blocks=100, kv_events=True
+        )
+    )
+    assert policy.choose(s, request()) == 0
+    # r0's cached 8 blocks do not pay for 5,000 prompt tokens of others waiting for it:
+    # the least loaded replica (r2, nothing cached) is cheaper.
+    s.states[0].queued_tokens = 5000
+    s.states[0].changed(0.0)
+    assert policy.choose(s, request()) == 2
+    # Past the bounded-load cap a holder is not a candidate at all.
+    s.states[0].queued_tokens = 0
+    s.states[0].changed(0.0)
+    set_load(s, 0, 4)
+    assert s.in_flight[0] >= s.bound(1.25)
+    assert policy.cached_blocks(s, request()) == {0: 8, 1: 8}
+    assert policy.choose(s, request()) == 2
+
+
+def test_never_picks_a_replica_that_cannot_take_the_request() -> None:
+    _, _, index, s, policy = world(cap=2)
+    index.store("r1", HASHES)
+    set_load(s, 1, 2)  # at its cap
+    chosen = policy.choose(s, request())
+    assert chosen is not None and chosen != 1 and s.can_take(chosen)
+    for i in range(3):
+        set_load(s, i, 2)
+    assert policy.choose(s, request()) is None
+
+
+def test_falls_back_to_the_approximate_table_when_events_stop() -> None:
+    clock, states, index, s, policy = world()
+    index.store("r2", HASHES)
+    first = request()
+    assert policy.choose(s, first) == 2
+    # The approximate table was told: with no events it sends the same prefix to r2.
+    clock.now += 60  # every state is stale now (the streams stopped)
+    assert policy.cached_blocks(s, first) == {}
+    assert policy.choose(s, first) == 2
+    assert policy.fallen_back == 1
+    # A replica whose stream says kv_events off is not trusted either.
+    clock.now += 1
+    for i in range(3):
+        states.put(EngineState(f"r{i}", block_size=BLOCK, kv_events=False))
+    assert policy.cached_blocks(s, first) == {}
+    # Without hashes (the route has no tokenizer) the decision is the approximate one.
+    approx = PrecisePrefix(states, index)
+    assert approx.choose(s, dataclasses.replace(first, kv_hashes=())) is not None
+    assert approx.precise == 0 and approx.fallen_back == 1
+
+
+def test_a_new_prefix_goes_where_the_approximate_table_sends_it() -> None:
+    # Nobody holds the prompt yet (its prefill may still run): the approximate table's
+    # choice, so two requests of one new conversation land together.
+    _, _, _, s, policy = world()
+    a = policy.choose(s, request())
+    b = policy.choose(s, request())
+    assert a == b
+    assert policy.precise == 0
+
+
+def test_the_registry_names_it_and_real_features_reach_it() -> None:
+    registry = default_registry(engine_states=EngineStates(Clock()), kv_index=KvIndex())
+    assert "precise_prefix" in registry.names
+    assert isinstance(registry.create("precise_prefix"), PrecisePrefix)
+    # A router without states (no watch) still answers, by the approximate table.
+    bare = default_registry().create("precise_prefix")
+    s = replica_set(endpoints(2))
+    assert bare.choose(s, request()) is not None

@@ -1778,6 +1778,7 @@ class ModelRoute(_message.Message):
     COLD_START_BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     ADAPTER_SOURCE_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name clients send (deployment id or alias)."""
     deployment: _builtins.str
@@ -1803,6 +1804,11 @@ class ModelRoute(_message.Message):
     """
     adapter_source: _builtins.str
     """The adapter's source folder (the picker passes it to the replica with the name)."""
+    tokenizer: _builtins.str
+    """Where the deployment's tokenizer is (its `model_source`: a local folder, as the replicas
+    load it); routers that tokenize prompts (the `precise_prefix` policy) load it from there.
+    Empty: the router does not tokenize for this route.
+    """
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteEndpoint]:
         """The replicas."""
@@ -1821,10 +1827,11 @@ class ModelRoute(_message.Message):
         cold_start_budget_seconds: _builtins.int = ...,
         adapter: _builtins.str = ...,
         adapter_source: _builtins.str = ...,
+        tokenizer: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "cold_start_budget_seconds", b"cold_start_budget_seconds", "created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "routing_policy", b"routing_policy", "scale_to_zero", b"scale_to_zero"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "cold_start_budget_seconds", b"cold_start_budget_seconds", "created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "routing_policy", b"routing_policy", "scale_to_zero", b"scale_to_zero", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

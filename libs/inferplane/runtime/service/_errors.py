@@ -184,11 +184,19 @@ class ResourceExhaustedError(InferplaneError):
 
 
 class UnavailableError(InferplaneError):
-    """No replica or dependency can serve the request now; retrying may succeed (HTTP 503)."""
+    """No replica or dependency can serve the request now; retrying may succeed (HTTP 503);
+    `retry_after_seconds`, when set, says when (a `retry-after` header, e.g. while a
+    deployment at zero starts a replica)."""
 
     status = grpc.StatusCode.UNAVAILABLE
     openai_type = "server_error"
     default_reason = "UNAVAILABLE"
+
+    def __init__(
+        self, message: str, *, retry_after_seconds: float | None = None, **kwargs: object
+    ) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.retry_after_seconds = retry_after_seconds
 
 
 class DeadlineExceededError(InferplaneError):
@@ -251,7 +259,7 @@ def error_from_status(
         kwargs["reason"] = openai_code.upper()
     if trailers.get("x-openai-error-param"):
         kwargs["param"] = trailers["x-openai-error-param"]
-    if cls is ResourceExhaustedError and trailers.get("retry-after"):
+    if cls in (ResourceExhaustedError, UnavailableError) and trailers.get("retry-after"):
         kwargs["retry_after_seconds"] = float(trailers["retry-after"])
     if cls is InternalError:
         message = "internal error; the request was not completed"
@@ -290,7 +298,7 @@ def error_from_call(
     if info is not None:
         kwargs["reason"] = info.reason or kwargs["reason"]
         kwargs["metadata"] = dict(info.metadata)
-    if cls is ResourceExhaustedError and text.get("retry-after"):
+    if cls in (ResourceExhaustedError, UnavailableError) and text.get("retry-after"):
         kwargs["retry_after_seconds"] = float(text["retry-after"])
     return cls(message, **kwargs)  # type: ignore[arg-type]
 

@@ -16,6 +16,7 @@ from inferplane.runtime.service._errors import (
     ERROR_DOMAIN,
     InferplaneError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 
 if TYPE_CHECKING:
@@ -46,8 +47,13 @@ def error_trailers(error: InferplaneError) -> tuple[tuple[str, str | bytes], ...
     ]
     if error.param:
         trailers.append((OPENAI_ERROR_PARAM_KEY, error.param))
-    if isinstance(error, ResourceExhaustedError) and error.retry_after_seconds is not None:
-        trailers.append((RETRY_AFTER_KEY, str(max(1, round(error.retry_after_seconds)))))
+    retry_after = (
+        error.retry_after_seconds
+        if isinstance(error, (ResourceExhaustedError, UnavailableError))
+        else None
+    )
+    if retry_after is not None:
+        trailers.append((RETRY_AFTER_KEY, str(max(1, round(retry_after)))))
     return tuple(trailers)
 
 

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from inferplane.router.breaker import CircuitBreaker
+from inferplane.router.demand import DemandBook, DemandSnapshot
 from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
@@ -74,6 +75,7 @@ class AdmissionSettings:
     retry_after_seconds: float = 1.0
     breaker_failures: int = 5
     breaker_open_seconds: float = 5.0
+    cold_start_retry_after_seconds: float = 10.0
 
 
 class Slot:
@@ -131,7 +133,12 @@ class Slot:
 
 # Why a request left the queue with a 429: the queue's own refusals, or its wait ran out.
 TIMEOUT = "timeout"
-REFUSAL_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT)
+OVERLOAD_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT)
+# A request held for a deployment at zero whose cold-start budget ran out: a 503.
+COLD_START = "cold_start"
+REFUSAL_REASONS = (*OVERLOAD_REASONS, COLD_START)
+#: OpenAI's error `code` of that 503 (Retry-After set): the deployment is starting a replica.
+COLD_START_CODE = "deployment_cold_start"
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -139,6 +146,7 @@ class _Waiter:
     features: RequestFeatures
     exclude: frozenset[ReplicaKey]
     future: asyncio.Future[Slot]
+    cold: bool = False  # held because the deployment had no ready replica (scale from zero)
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,6 +185,10 @@ class Admission:
         self._admit_until = math.inf
         self._over: set[ReplicaKey] = set()
         self.on_drained: Callable[[], None] | None = None
+        # Demand (issue 29): requests received, waits, cold holds; `demand()` reads it.
+        self._demand = DemandBook()
+        # Called when a deployment at zero gets its first held request (renew at once).
+        self.on_cold: Callable[[], None] | None = None
 
     @property
     def queue_timeout_seconds(self) -> float:
@@ -244,6 +256,7 @@ class Admission:
         self._deployments = fresh
         self._table = table
         self._refused = {k: v for k, v in self._refused.items() if k[0] in fresh}
+        self._demand.keep(fresh)
         live = {k for d in fresh.values() for k in d.replicas.keys}
         self._states = {k: s for k, s in self._states.items() if k in live or s.in_flight}
         shares = self._shares = table.shares()
@@ -330,18 +343,29 @@ class Admission:
         deployment's queue when all are full (fair share across `features.flow`, see the
         module docstring).
 
+        Scale from zero (issue 29): when `route.scale_to_zero` and the deployment has no
+        usable replica (none, or all draining or broken), the request is held in the same
+        queue for up to `route.cold_start_budget` seconds instead of a 503, and the first
+        such request calls `on_cold` (the lease keeper tells the orchestrator at once); a
+        table bringing a ready replica grants the held requests in the queue's order.
+
         Raises:
             ResourceExhaustedError: still queued after the timeout (min of `timeout` and the
                 queue timeout), the queue is full, or the request's flow holds its share of it
                 already: HTTP 429 with Retry-After.
             UnavailableError: no replica could ever take it (all draining, broken or already
-                tried): HTTP 503.
+                tried) and the route does not scale to zero: HTTP 503 `no_ready_replica`;
+                held for a cold start and the deployment still has no usable replica when the
+                budget ran out: 503 `deployment_cold_start` (`COLD_START_CODE`) with
+                Retry-After.
         """
         deployment = self._deployments.get(route.deployment_key)
         if deployment is None:
             raise UnavailableError(
                 f"no ready replica serves '{route.model}'", code="no_ready_replica"
             )
+        deployment_key = route.deployment_key
+        self._demand.received(deployment_key)
         excluded = frozenset(exclude)
         queue = deployment.queue
         if queue:  # a slot free now (a breaker's probe) goes to the fair head, not a newcomer
@@ -349,26 +373,32 @@ class Admission:
         slot = None if queue else self._try(deployment, features, excluded)
         if slot is not None:
             return slot
+        cold = False
         if not self._could_serve(deployment.replicas, excluded):
-            raise UnavailableError(
-                f"no ready replica serves '{route.model}'", code="no_ready_replica"
-            )
+            cold = route.scale_to_zero and not deployment.replicas.usable
+            if not cold:
+                raise UnavailableError(
+                    f"no ready replica serves '{route.model}'", code="no_ready_replica"
+                )
         refusal = queue.refusal(features.flow, features.weight)
         if refusal is not None:
             self._count(route.deployment_key, refusal.value)
             full = refusal is Refusal.QUEUE_FULL
             why = "the queue is full" if full else "the queue holds this caller's share already"
             raise self._overloaded(route.model, why)
-        wait = self._settings.queue_timeout_seconds
+        wait = route.cold_start_budget if cold else self._settings.queue_timeout_seconds
         if timeout is not None:
             wait = max(0.0, min(wait, timeout))
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(features, excluded, future)
+        waiter = _Waiter(features, excluded, future, cold)
         ticket = queue.push(features.flow, features.weight, waiter)
-        deployment_key = route.deployment_key
         timer = self._scheduler.call_later(
-            wait, lambda: self._expire(queue, ticket, future, deployment_key, route.model, wait)
+            wait,
+            lambda: self._expire(queue, ticket, future, deployment_key, route.model, wait, cold),
         )
+        first_cold = self._demand.wait(deployment_key, waiter, self.clock.monotonic(), cold=cold)
+        if first_cold and self.on_cold is not None:
+            self.on_cold()
         try:
             return await future
         except asyncio.CancelledError:
@@ -379,6 +409,7 @@ class Admission:
         finally:
             timer.cancel()
             queue.discard(ticket)  # no-op once granted, expired or drained
+            self._demand.left(deployment_key, waiter, cold=cold)
 
     def _try(
         self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
@@ -464,8 +495,22 @@ class Admission:
         deployment: str,
         model: str,
         waited: float,
+        cold: bool = False,
     ) -> None:
         if queue.discard(ticket) and not future.done():
+            current = self._deployments.get(deployment)
+            if cold and (current is None or not current.replicas.usable):
+                self._count(deployment, COLD_START)
+                future.set_exception(
+                    UnavailableError(
+                        f"The model '{model}' is starting (its deployment was scaled to "
+                        f"zero) and no replica was ready within {waited:g} s. "
+                        "Please retry shortly.",
+                        code=COLD_START_CODE,
+                        retry_after_seconds=self._settings.cold_start_retry_after_seconds,
+                    )
+                )
+                return
             self._count(deployment, TIMEOUT)
             future.set_exception(
                 self._overloaded(model, f"no replica freed up within {waited:g} s")
@@ -527,7 +572,44 @@ class Admission:
         return 0 if d is None else d.queue.flows
 
     def refused(self, deployment: str) -> dict[str, int]:
-        """429s of `deployment`'s queue so far by reason, every one of `REFUSAL_REASONS`
-        (a counter; restarts if the deployment leaves the table and comes back)."""
+        """Refusals of `deployment`'s queue so far by reason, every one of `REFUSAL_REASONS`
+        (429s, and the 503s of `cold_start`; a counter; restarts if the deployment leaves
+        the table and comes back)."""
         refused = self._refused
         return {reason: refused.get((deployment, reason), 0) for reason in REFUSAL_REASONS}
+
+    def cold_waiting(self, deployment: str) -> int:
+        """Requests held for a cold start of `deployment` now (scale from zero)."""
+        return self._demand.cold_waiting(deployment)
+
+    def wait_seconds(self, route: ModelRoute) -> float:
+        """The longest a request of `route` may wait for a slot now: the queue timeout, or
+        the route's cold-start budget when it scales to zero and its deployment has no
+        usable replica or still holds requests for one (the picker's message-timer
+        extension)."""
+        wait = self._settings.queue_timeout_seconds
+        if route.scale_to_zero:
+            d = self._deployments.get(route.deployment_key)
+            if d is not None and (
+                not d.replicas.usable or self._demand.cold_waiting(route.deployment_key)
+            ):
+                return max(wait, route.cold_start_budget)
+        return wait
+
+    def demand(self) -> list[DemandSnapshot]:
+        """Each deployment's demand as this router sees it now (`demand.DemandSnapshot`;
+        engine state is the lease keeper's to add). O(deployments)."""
+        now = self.clock.monotonic()
+        refused, out = self._refused, []
+        for name, d in self._deployments.items():
+            rejections = sum(refused.get((name, reason), 0) for reason in OVERLOAD_REASONS)
+            out.append(
+                self._demand.snapshot(
+                    name,
+                    now,
+                    queued=len(d.queue),
+                    rejections=rejections,
+                    in_flight=d.replicas.total_in_flight,
+                )
+            )
+        return out

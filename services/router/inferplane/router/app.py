@@ -208,6 +208,7 @@ def build_app(
             queue_timeout_seconds=settings.queue_timeout_seconds,
             max_queue_per_deployment=settings.max_queue_per_deployment,
             retry_after_seconds=settings.retry_after_seconds,
+            cold_start_retry_after_seconds=settings.cold_start_retry_after_seconds,
             breaker_failures=settings.breaker_failures,
             breaker_open_seconds=settings.breaker_open_seconds,
         ),

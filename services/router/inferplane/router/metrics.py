@@ -8,7 +8,10 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
   tier) with a request waiting; with the queued requests, how concentrated the queue is;
 - `inferplane_router_queue_refusals_total{deployment,reason}` (counter): 429s of the admission
   queue, `reason` one of `queue_full` (the whole queue), `flow_share` (the key held its fair
-  share of the queue: fairness at work, see admission.py), `timeout` (no slot in time);
+  share of the queue: fairness at work, see admission.py), `timeout` (no slot in time), and
+  the 503s `cold_start` (held for a deployment at zero past its cold-start budget);
+- `inferplane_router_cold_waiting_requests{deployment}` (gauge): requests held because the
+  deployment has no ready replica (scale from zero, issue 29);
 - `inferplane_router_in_flight_requests{deployment,replica}` (gauge): slots taken;
 - `inferplane_router_circuit_breaker_state{deployment,replica,state}` (gauge, a state set:
   1 for the replica's current state among closed, open, half_open, else 0);
@@ -79,9 +82,15 @@ class AdmissionCollector(Collector):
         )
         refusals = CounterMetricFamily(
             "inferplane_router_queue_refusals",
-            "Requests the admission queue answered with 429: queue_full, flow_share (the key "
-            "held its fair share of the queue), timeout.",
+            "Requests the admission queue refused: 429 queue_full, flow_share (the key held "
+            "its fair share of the queue), timeout; 503 cold_start (a deployment at zero had "
+            "no replica ready within its cold-start budget).",
             labels=["deployment", "reason"],
+        )
+        cold = GaugeMetricFamily(
+            "inferplane_router_cold_waiting_requests",
+            "Requests held because the deployment has no ready replica (scale from zero).",
+            labels=["deployment"],
         )
         in_flight = GaugeMetricFamily(
             "inferplane_router_in_flight_requests",
@@ -102,6 +111,7 @@ class AdmissionCollector(Collector):
         for name in self._admission.deployments():
             queued.add_metric([name], self._admission.queue_length(name))
             flows.add_metric([name], self._admission.queued_flows(name))
+            cold.add_metric([name], self._admission.cold_waiting(name))
             for reason, count in self._admission.refused(name).items():
                 refusals.add_metric([name, reason], count)
             replicas = self._admission.replicas(name)
@@ -118,6 +128,7 @@ class AdmissionCollector(Collector):
                     breaker.add_metric([name, replica, value], 1.0 if value == current else 0.0)
         yield queued
         yield flows
+        yield cold
         yield refusals
         yield in_flight
         yield breaker

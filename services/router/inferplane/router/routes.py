@@ -12,6 +12,10 @@ import yaml
 from inferplane.runtime import ConfigError, NotFoundError, PermissionDeniedError
 from inferplane.wire import headers
 
+#: A scale-to-zero route's hold when its table gives none (ModelRoute.cold_start_budget_seconds
+#: 0, as the catalogue's Autoscaling.cold_start_budget_seconds 0 means), seconds.
+DEFAULT_COLD_START_BUDGET_SECONDS = 120.0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -49,6 +53,10 @@ class ModelRoute:
     """The replicas serving one model name (a deployment id or alias).
 
     `routing_policy` names the policy in the router's registry ("" = the router's default).
+    `tokenizer`: the deployment's tokenizer folder (its `model_source`), which the router
+    tokenizes prompts with for `precise_prefix` (`router.tokenize`); "" = never tokenized.
+    `scale_to_zero`: the deployment may have no replica; a request then waits in its queue up
+    to `cold_start_budget` seconds while one starts (`Admission`), instead of an immediate 503.
     """
 
     model: str
@@ -58,11 +66,20 @@ class ModelRoute:
     created: int = 0
     max_model_len: int = 0
     routing_policy: str = ""
+    tokenizer: str = ""
+    scale_to_zero: bool = False
+    cold_start_budget_seconds: float = 0.0
 
     @property
     def deployment_key(self) -> str:
         """The deployment (aliases of one deployment share replicas, counters and queue)."""
         return self.deployment or self.model
+
+    @property
+    def cold_start_budget(self) -> float:
+        """How long a request for this deployment at zero is held, seconds
+        (`cold_start_budget_seconds`, else `DEFAULT_COLD_START_BUDGET_SECONDS`)."""
+        return self.cold_start_budget_seconds or DEFAULT_COLD_START_BUDGET_SECONDS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,8 +164,11 @@ def load_routes_file(path: str | Path) -> RouteTable:
         raise ConfigError(f"cannot read routes file {path}: {exc}") from exc
     routes = []
     for entry in data.get("models", []):
-        if "model" not in entry or not entry.get("endpoints"):
-            raise ConfigError(f"{path}: every model needs `model` and `endpoints`: {entry!r}")
+        if "model" not in entry or not (entry.get("endpoints") or entry.get("scale_to_zero")):
+            raise ConfigError(
+                f"{path}: every model needs `model` and `endpoints` (none only with "
+                f"`scale_to_zero`): {entry!r}"
+            )
         endpoints = tuple(
             Endpoint(
                 address=e["address"],
@@ -158,7 +178,7 @@ def load_routes_file(path: str | Path) -> RouteTable:
                 max_concurrency=int(e.get("max_concurrency", 0)),
                 node=str(e.get("node", "")),
             )
-            for e in entry["endpoints"]
+            for e in entry.get("endpoints") or ()
         )
         routes.append(
             ModelRoute(
@@ -169,6 +189,9 @@ def load_routes_file(path: str | Path) -> RouteTable:
                 created=int(entry.get("created", 0)),
                 max_model_len=int(entry.get("max_model_len", 0)),
                 routing_policy=str(entry.get("routing_policy", "")),
+                tokenizer=str(entry.get("tokenizer", "")),
+                scale_to_zero=bool(entry.get("scale_to_zero", False)),
+                cold_start_budget_seconds=float(entry.get("cold_start_budget_seconds", 0)),
             )
         )
     return RouteTable.of(routes)

@@ -36,6 +36,8 @@ class RouterSettings(ServiceSettings):
             one API key may hold about weight / (1 + weight) of it alone, less when others
             wait (fair share, services/router/README.md).
         retry_after_seconds: the Retry-After of an overload 429.
+        cold_start_retry_after_seconds: the Retry-After of the 503 `deployment_cold_start`
+            (a request held for a deployment at zero past its route's cold-start budget).
         breaker_failures / breaker_open_seconds: consecutive failures that open a replica's
             circuit breaker, and how long it stays open before one probe.
         prefix_block_bytes / prefix_max_blocks: prefix-affinity hashing granularity (bytes of
@@ -112,6 +114,7 @@ class RouterSettings(ServiceSettings):
     queue_timeout_seconds: float = 5.0
     max_queue_per_deployment: int = 1024
     retry_after_seconds: float = 1.0
+    cold_start_retry_after_seconds: float = 10.0
     breaker_failures: int = 5
     breaker_open_seconds: float = 5.0
     prefix_block_bytes: int = 256

@@ -64,6 +64,7 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                 model=r.model,
                 deployment=r.deployment or r.model,
                 routing_policy=r.routing_policy,
+                tokenizer=r.tokenizer,
                 endpoints=tuple(
                     Endpoint(
                         address=e.address,
@@ -80,6 +81,8 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                 max_model_len=r.max_model_len,
                 created=r.created,
                 owned_by=r.owned_by or "inferplane",
+                scale_to_zero=r.scale_to_zero,
+                cold_start_budget_seconds=float(r.cold_start_budget_seconds),
             )
             for r in message.routes
         ),

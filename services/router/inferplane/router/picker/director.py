@@ -122,6 +122,11 @@ class Director:
         """The longest a request waits in admission's queue (seconds)."""
         return self._admission.queue_timeout_seconds
 
+    def wait_seconds(self, route: ModelRoute) -> float:
+        """The longest a request of `route` may wait for a slot now (seconds): the queue
+        timeout, or a deployment at zero's cold-start budget (`Admission.wait_seconds`)."""
+        return self._admission.wait_seconds(route)
+
     async def decide(self, facts: RequestFacts, outside: Outside | None = None) -> Decision:
         """`route`, then `admit`: the decision on one request (waits while it is queued).
 
@@ -174,7 +179,9 @@ class Director:
         Raises:
             ResourceExhaustedError: the queue is full, the key holds its share of it, or the
                 wait ran out (429 model_overloaded, Retry-After).
-            UnavailableError: no replica can take it (503 no_ready_replica).
+            UnavailableError: no replica can take it (503 no_ready_replica), or a deployment
+                at zero still had none when its cold-start budget ran out (503
+                deployment_cold_start, Retry-After).
         """
         slot = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
         try:

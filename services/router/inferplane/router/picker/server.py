@@ -431,7 +431,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
         Envoy honours ONE `override_message_timeout` per message (its ProcessorState keeps a
         `new_timeout_received_` flag, reset per message), so the single extension covers the
-        longest remaining wait plus the margin instead of being re-sent periodically.
+        longest remaining wait plus the margin instead of being re-sent periodically: the
+        queue timeout's, or a deployment at zero's cold-start budget while a replica starts
+        (the edge's `max_message_timeout` must cover it, or Envoy ignores the extension).
 
         Raises:
             ResourceExhaustedError / UnavailableError: from `Admission.acquire` (429 / 503).
@@ -444,7 +446,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             done, _ = await asyncio.wait((admitting,), timeout=self._settings.keepalive_seconds)
             if not done:
                 waited = self._clock.monotonic() - started
-                remaining = max(0.0, self.director.queue_timeout_seconds - waited)
+                limit = self.director.wait_seconds(routed.route)  # a cold start's budget
+                remaining = max(0.0, limit - waited)
                 yield codec.extend(remaining + self._settings.timeout_margin_seconds)
                 await self._wait_or_gone(admitting, reader)
             decision = admitting.result()

@@ -68,18 +68,14 @@ async def timed(engine: object, request_id: str, ids: list[int]) -> tuple[float,
 
 
 async def run(args: argparse.Namespace) -> dict[int, float]:
-    from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
+    from inferplane.replica.engines.environment import apply_engine_environment, patch_vllm_version
 
     extra = []
     if args.max_num_batched_tokens:
         extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     replica = spec(args.max_model_len, extra)
     cache_root = Path(tempfile.mkdtemp(prefix="long-prefill-"))
-    os.environ.update(
-        engine_environment(
-            os.environ, cpu=True, kv_cache_bytes=replica.kv_cache_bytes, cache_root=cache_root
-        )
-    )
+    apply_engine_environment(os.environ, cpu=True, cache_root=cache_root)
     patch_vllm_version(True)
     from inferplane.replica.engines.inproc import InprocEngine, engine_argv
 

@@ -112,9 +112,16 @@ class StackConfig:
         max_model_len: the chat deployments' context length in tokens (prompt + completion),
             kimi-tiny's and qwen3-tiny's alike; at most the models' position limit
             (`kimi_tiny.MAX_POSITIONS`, 131,072). The default, the whole limit, holds a coding
-            agent's prompt; it costs an engine neither start-up time nor memory (vLLM's CPU
-            engine sizes its KV cache from `VLLM_CPU_KVCACHE_SPACE`, 1 GiB here either way,
-            and prefills in chunks; docs/long-context.md).
+            agent's prompt; it costs an engine no start-up time, and memory only through the
+            KV budget (`expected_context_tokens`; vLLM prefills in chunks;
+            docs/long-context.md).
+        expected_context_tokens: tokens per sequence kimi-tiny's KV budget is sized for (the
+            profile's `expected_context_tokens`): placement's budget is `max_num_seqs` × this
+            × 1 KiB (kimi-tiny's fp32 KV), passed to vLLM in bytes
+            (`--kv-cache-memory-bytes`). 0: `min(max_model_len, 65,536)`, 1 GiB at the
+            defaults (16 sequences). Small values make a KV cache that fills (the KV-fit
+            admission test); the budget never drops below one `max_model_len` sequence
+            (the orchestrator's sizing floor, vLLM's start-up check).
         plaintext: the services talk plaintext gRPC without identities (development only);
             by default every service, Envoy toward them, and the stack's own admin calls use
             mutual TLS with certificates from the same local CA (`<data_dir>/pki`: `edge`,
@@ -162,6 +169,7 @@ class StackConfig:
     chat: bool = True
     qwen3: bool = False
     max_model_len: int = kimi_tiny.MAX_MODEL_LEN
+    expected_context_tokens: int = 0
     nodes: tuple[str, ...] = (NODE_NAME,)
     routers: int = 1
     hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)

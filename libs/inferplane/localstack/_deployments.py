@@ -18,6 +18,10 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.fixtures import embed_tiny, qwen3_tiny, whisper_tiny
 from inferplane.localstack._config import StackConfig, StackError
 
+#: kimi-tiny's expected context per sequence when `StackConfig.expected_context_tokens` is 0:
+#: 16 sequences × 65,536 tokens × 1 KiB of fp32 KV = a 1 GiB KV budget.
+EXPECTED_CONTEXT = 65_536
+
 
 def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
@@ -28,10 +32,10 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
-    Placement's KV budget is `max_num_seqs` × `max_model_len` × 512 bytes (2 layers × 2 KV
-    heads × 32 × K and V × 2 bytes): 1 GiB at 16 sequences of 131,072 tokens, so the engine
-    gets `VLLM_CPU_KVCACHE_SPACE=1`, enough for 8 such sequences at vLLM's fp32 KV (1 KiB per
-    token).
+    Placement's KV budget is `max_num_seqs` × `config.expected_context_tokens` (0:
+    `min(max_model_len, 65,536)`) × 1 KiB (2 layers × 2 KV heads × 32 × K and V × 4 bytes of
+    fp32 KV), at least one `max_model_len` sequence: 1 GiB at the defaults (16 sequences of
+    65,536 tokens, i.e. 8 of the 131,072-token maximum), passed to vLLM in bytes.
 
     Raises:
         StackError: the model folder has no readable `config.json`, or `config.max_model_len`
@@ -62,6 +66,9 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             num_kv_heads=int(arch.get("num_key_value_heads") or heads),
             head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // heads),
             max_model_len=config.max_model_len,
+            expected_context_tokens=(
+                config.expected_context_tokens or min(config.max_model_len, EXPECTED_CONTEXT)
+            ),
             # The router caps in-flight requests per replica at this; the default 16 lets the
             # edge benchmark's concurrency-16 level run unqueued.
             max_num_seqs=config.max_num_seqs,

@@ -117,7 +117,8 @@ def test_cpu_replicas_go_to_cpu_nodes_and_gpu_replicas_never_do() -> None:
     result = place([dep("tiny", tiny), dep("gpu-model", SMALL)], [cpu])
     (placed,) = result.placements
     assert (placed.replica_id, placed.node, placed.gpu_indices) == ("tiny-0", "laptop", ())
-    assert placed.kv_cache_bytes == 2**30
+    # 8 sequences × 4,096 tokens × 4 KiB (2 layers × 8 KV heads × 32 × K and V × fp32): bytes
+    assert placed.kv_cache_bytes == 8 * 4096 * 4096
     (unplaced,) = result.unplaced
     assert unplaced.replica_id == "gpu-model-0"
     assert unplaced.reason.endswith("; no GPU node is registered")

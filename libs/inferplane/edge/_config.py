@@ -117,8 +117,10 @@ class EdgeConfig:
         picker_timeout_s: ext_proc's per-message timeout: how long the picker may take to
             answer a message before the request fails closed (503 picker_unavailable).
         picker_max_message_timeout_s: the longest timeout the picker may ask for while a
-            request waits in its admission queue (`override_message_timeout`); keep it above
-            the router's queue timeout.
+            request waits in its admission queue (`override_message_timeout`; Envoy ignores a
+            longer one): keep it above the router's queue timeout and above the longest
+            cold-start budget of a deployment that scales to zero (120 s by default), each
+            plus the picker's margin (1 s).
         max_retries: attempts after the first on another replica, before the first response
             byte only; the picker lowers it per request to its list's length - 1.
         retry_budget_percent / min_retry_concurrency: Envoy's retry budget on the replicas
@@ -172,7 +174,7 @@ class EdgeConfig:
     auth_failure_limit: int = 30
     auth_failure_window_s: int = 10
     picker_timeout_s: float = 1.0
-    picker_max_message_timeout_s: float = 60.0
+    picker_max_message_timeout_s: float = 180.0
     max_retries: int = 2
     retry_budget_percent: float = 20.0
     min_retry_concurrency: int = 3

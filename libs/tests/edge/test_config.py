@@ -240,7 +240,7 @@ def test_ext_proc_asks_the_picker_once_and_sees_no_response_body() -> None:
     for header in (":path", "host", "x-gateway-destination-endpoint", "content-type"):
         assert not rule.match(header), header
     assert ext_proc["message_timeout"] == "1s"
-    assert ext_proc["max_message_timeout"] == "60s"
+    assert ext_proc["max_message_timeout"] == "180s"
     names = [f["name"] for f in _hcm()["http_filters"]]
     assert names.index("inferplane.picker_guard") == names.index("envoy.filters.http.ext_proc") + 1
     early = _hcm()["early_header_mutation_extensions"][0]["typed_config"]["mutations"]

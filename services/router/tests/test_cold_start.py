@@ -291,3 +291,32 @@ def test_a_503_carries_retry_after_when_it_has_one() -> None:
     trailers = dict(error_trailers(UnavailableError("starting", retry_after_seconds=7.2)))
     assert trailers["retry-after"] == "7"
     assert "retry-after" not in dict(error_trailers(UnavailableError("down")))
+
+
+def test_the_hold_never_outlasts_what_the_edges_timer_extension_covers() -> None:
+    """A route's budget above `max_cold_start_budget_seconds` is held only that long (Envoy
+    ignores an extension above its `max_message_timeout`), then gets the cold-start 503."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        scheduler = FakeScheduler(clock)
+        admission = Admission(
+            default_registry(),
+            AdmissionSettings(max_cold_start_budget_seconds=50.0),
+            clock,
+            scheduler,
+        )
+        long = dataclasses.replace(_cold(), cold_start_budget_seconds=600)
+        admission.apply(RouteTable.of([long]))
+        assert admission.wait_seconds(long) == 50.0
+        held = asyncio.ensure_future(admission.acquire(long, RequestFeatures()))
+        await asyncio.sleep(0)
+        scheduler.advance(49.9)
+        await asyncio.sleep(0)
+        assert not held.done()
+        scheduler.advance(0.1)
+        await asyncio.sleep(0)
+        error = held.exception()
+        assert isinstance(error, UnavailableError) and error.code == COLD_START_CODE
+
+    asyncio.run(scenario())

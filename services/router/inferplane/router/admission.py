@@ -76,6 +76,7 @@ class AdmissionSettings:
     breaker_failures: int = 5
     breaker_open_seconds: float = 5.0
     cold_start_retry_after_seconds: float = 10.0
+    max_cold_start_budget_seconds: float = 175.0
 
 
 class Slot:
@@ -345,7 +346,8 @@ class Admission:
 
         Scale from zero (issue 29): when `route.scale_to_zero` and the deployment has no
         usable replica (none, or all draining or broken), the request is held in the same
-        queue for up to `route.cold_start_budget` seconds instead of a 503, and the first
+        queue for up to `route.cold_start_budget` seconds (at most the setting
+        `max_cold_start_budget_seconds`) instead of a 503, and the first
         such request calls `on_cold` (the lease keeper tells the orchestrator at once); a
         table bringing a ready replica grants the held requests in the queue's order.
 
@@ -386,7 +388,7 @@ class Admission:
             full = refusal is Refusal.QUEUE_FULL
             why = "the queue is full" if full else "the queue holds this caller's share already"
             raise self._overloaded(route.model, why)
-        wait = route.cold_start_budget if cold else self._settings.queue_timeout_seconds
+        wait = self._cold_budget(route) if cold else self._settings.queue_timeout_seconds
         if timeout is not None:
             wait = max(0.0, min(wait, timeout))
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
@@ -593,8 +595,12 @@ class Admission:
             if d is not None and (
                 not d.replicas.usable or self._demand.cold_waiting(route.deployment_key)
             ):
-                return max(wait, route.cold_start_budget)
+                return max(wait, self._cold_budget(route))
         return wait
+
+    def _cold_budget(self, route: ModelRoute) -> float:
+        # The route's budget, at most what the edge's one timer extension can cover.
+        return min(route.cold_start_budget, self._settings.max_cold_start_budget_seconds)
 
     def demand(self) -> list[DemandSnapshot]:
         """Each deployment's demand as this router sees it now (`demand.DemandSnapshot`;

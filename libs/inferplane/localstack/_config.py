@@ -138,6 +138,15 @@ class StackConfig:
         console_port: the web console's port on 127.0.0.1 (`services/console`; HTTPS with
             client certificates unless `plaintext`); 0: a free port chosen at start
             (`Stack.console_port`). Browsers reach it through the edge at `console_url`.
+        fake_engine_token_delay: above 0, every node-agent runs the fake vLLM HTTP engine
+            (`inferplane.testing.fake_http_engine`: one token every this many seconds per
+            request, deterministic tokens, no model computation) as the engine of its
+            `http-completions` replicas, in place of vLLM; the kimi-tiny deployment must then
+            use `transport="http-completions"` (its replica process still renders and
+            tokenizes with the fixture's tokenizer). A replica's rate is then fixed:
+            `max_num_seqs` streams (the router's cap) of one token per delay each. For
+            benchmarks and tests of the control plane (autoscaling, cold starts) that two
+            cores cannot show with real engines; 0 (the default): vLLM.
         otlp_traces_endpoint: an OpenTelemetry collector (OTLP/gRPC `host:port`) every
             service, each replica process (through its node-agent) and the edge (through the
             orchestrator) export their spans to, at `trace_sampling_ratio` (0..1) of the traces
@@ -176,6 +185,7 @@ class StackConfig:
     console_port: int = 0
     otlp_traces_endpoint: str = ""
     trace_sampling_ratio: float = DEFAULT_SAMPLING_RATIO
+    fake_engine_token_delay: float = 0.0
 
     @property
     def ports(self) -> dict[str, int]:

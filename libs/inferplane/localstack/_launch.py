@@ -193,6 +193,7 @@ class Launcher:
                 cfg.address("auth"),
                 "--engine-startup-timeout-seconds",
                 str(cfg.startup_timeout_seconds),
+                *_fake_engine_args(cfg),
                 env=dict(cfg.engine_env),
             )
         # Usage goes to auth (token limits, concurrency slots) and one record per request to
@@ -359,6 +360,29 @@ class Launcher:
         if self.edge is not None and not self.edge.running:
             return f"envoy exited; see {self.edge.log_path}"
         return ""
+
+
+def _fake_engine_args(cfg: StackConfig) -> list[str]:
+    """The node-agent's `--engine-command` running the fake vLLM HTTP engine at
+    `cfg.fake_engine_token_delay` seconds per token (none when 0): the engine its
+    `http-completions` replicas spawn (the node-agent splits the list at commas).
+
+    Raises:
+        StackError: a fake engine was asked for with a chat transport other than
+            `http-completions` (the one transport the fake serves).
+    """
+    if cfg.fake_engine_token_delay <= 0:
+        return []
+    if cfg.chat and cfg.transport != "http-completions":
+        raise StackError(
+            f"fake_engine_token_delay needs transport 'http-completions' (got {cfg.transport!r}):"
+            " the fake engine is vLLM's HTTP server only"
+        )
+    command = (
+        sys.executable, "-m", "inferplane.testing.fake_http_engine",
+        "--token-delay", f"{cfg.fake_engine_token_delay:g}",
+    )  # fmt: skip
+    return ["--engine-command", ",".join(command)]
 
 
 def _tracing_args(cfg: StackConfig) -> list[str]:

@@ -71,6 +71,7 @@ ORCHESTRATOR_TABLES = {
     "leader_leases",
     "routing_tables",
     "router_grants",
+    "lora_adapters",
 }
 _METADATAS = (state_store._Base.metadata, release_store._Base.metadata, lease_store.METADATA)
 
@@ -150,6 +151,8 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
         task="embed",
         sampling_defaults=(("repetition_penalty", 1.3), ("top_k", 20)),
+        max_loras=4,
+        max_lora_rank=64,
     )
     return dataclasses.replace(p, **changes)
 

@@ -149,6 +149,10 @@ class OrchestratorComponents:
                 await asyncio.to_thread(self.control.sweep)
             except Exception:  # a database hiccup must not stop liveness checks
                 log.exception("liveness_sweep_failed")
+            try:  # LoRA adapters whose drain grace passed
+                await asyncio.to_thread(self.control.sweep_adapters)
+            except Exception:
+                log.exception("adapter_sweep_failed")
 
     async def stop(self) -> None:
         """Stops the election and the loops, then releases the lease (a standby takes over
@@ -269,6 +273,7 @@ def build_components(
         clock=clock,
         guard=leadership.require_leader,
     )
+    control.set_lora_root(settings.resolved_lora_root)
     agents = LeaderOnlyAgents(
         agents
         or GrpcNodeAgents(

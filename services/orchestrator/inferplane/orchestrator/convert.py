@@ -32,6 +32,7 @@ from inferplane.orchestrator.catalog.model import (
     TASK_GENERATE,
     Deployment,
     DeploymentProfile,
+    LoraAdapter,
     RolloutStrategy,
 )
 from inferplane.orchestrator.catalog.service import DeploymentView
@@ -215,6 +216,8 @@ PROFILE_FIELDS: tuple[WireField, ...] = (
     WireField("constrain_tool_choice_auto", read=_read_tool_choice),
     WireField("task", read=_read_task, write=_write_task, also=("replica_task",)),
     WireField("sampling_defaults", read=_read_sampling, write=_write_sampling),
+    WireField("max_loras"),
+    WireField("max_lora_rank"),
 )
 #: Proto profile fields with no domain attribute, and why: a request that sets one is refused
 #: (INVALID_ARGUMENT, `param` `deployment.profile.<field>`), never silently dropped.
@@ -419,4 +422,27 @@ def node_to_proto(node: Node, replicas: list[nodeagent_pb2.Replica] | None = Non
         condition=node.condition.value,
         unschedulable=node.unschedulable,
         last_heartbeat_time=_ts(node.last_heartbeat_time),
+    )
+
+
+def adapter_from_proto(a: pb.LoraAdapter, adapter_id: str) -> LoraAdapter:
+    """The domain adapter of a create request (output-only fields ignored)."""
+    return LoraAdapter(
+        adapter_id=adapter_id,
+        base_deployment=a.base_deployment,
+        source=a.source,
+        rank=a.rank,
+        aliases=tuple(a.aliases),
+    )
+
+
+def adapter_to_proto(a: LoraAdapter) -> pb.LoraAdapter:
+    return pb.LoraAdapter(
+        name=a.name,
+        base_deployment=f"deployments/{a.base_deployment}",
+        source=a.source,
+        rank=a.rank,
+        aliases=list(a.aliases),
+        phase=a.phase,
+        create_time=_ts(a.create_time),
     )

@@ -15,6 +15,8 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.convert import (
+    adapter_from_proto,
+    adapter_to_proto,
     deployment_from_proto,
     deployment_to_proto,
     domain_paths,
@@ -40,6 +42,14 @@ def _deployment_id(name: str, param: str = "name") -> str:
             f"{param} must look like deployments/{{deployment}}, got {name!r}", param=param
         )
     return name.removeprefix("deployments/")
+
+
+def _adapter_id(name: str) -> str:
+    if not name.startswith("adapters/") or not name.removeprefix("adapters/"):
+        raise InvalidArgumentError(
+            f"name must look like adapters/{{adapter}}, got {name!r}", param="name"
+        )
+    return name.removeprefix("adapters/")
 
 
 class DeploymentService(
@@ -115,6 +125,34 @@ class DeploymentService(
     ) -> pb.ExplainPlacementResponse:
         lines = await asyncio.to_thread(self._control.explain, _deployment_id(request.name))
         return pb.ExplainPlacementResponse(lines=lines)
+
+    async def CreateAdapter(
+        self, request: pb.CreateAdapterRequest, context: Context
+    ) -> pb.CreateAdapterResponse:
+        adapter = adapter_from_proto(request.adapter, request.adapter_id)
+        created = await asyncio.to_thread(self._control.create_adapter, adapter)
+        return pb.CreateAdapterResponse(adapter=adapter_to_proto(created))
+
+    async def GetAdapter(
+        self, request: pb.GetAdapterRequest, context: Context
+    ) -> pb.GetAdapterResponse:
+        adapter = await asyncio.to_thread(self._control.get_adapter, _adapter_id(request.name))
+        return pb.GetAdapterResponse(adapter=adapter_to_proto(adapter))
+
+    async def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: Context
+    ) -> pb.ListAdaptersResponse:
+        base = request.base_deployment
+        if base:
+            base = _deployment_id(base, "base_deployment")
+        adapters = await asyncio.to_thread(self._control.list_adapters, base)
+        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in adapters])
+
+    async def DeleteAdapter(
+        self, request: pb.DeleteAdapterRequest, context: Context
+    ) -> pb.DeleteAdapterResponse:
+        left = await asyncio.to_thread(self._control.delete_adapter, _adapter_id(request.name))
+        return pb.DeleteAdapterResponse(adapter=adapter_to_proto(left) if left else None)
 
 
 def _reported(

@@ -57,6 +57,10 @@ class OrchestratorSettings(ServiceSettings):
             lease it has not seen renewed for d seconds (`leadership.py`).
         leader_renew_seconds: the renew interval r (< d): the leader renews, and standbys
             read the lease, every r seconds. A new leader within d + r of the leader's death.
+        lora_root: the folder every LoRA adapter's source must lie in (`catalog/adapters.py`;
+            `~` expanded, symlinks resolved); sent to LoRA replicas as `ReplicaSpec.lora_root`
+            (the same path on the nodes). "" = `<data_dir>/lora`; the local stack passes its
+            `models/` folder.
     """
 
     port: int = 50053
@@ -90,10 +94,15 @@ class OrchestratorSettings(ServiceSettings):
     leader_id: str = ""
     leader_lease_seconds: float = 10.0
     leader_renew_seconds: float = 3.0
+    lora_root: str = ""
 
     @property
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
+
+    @property
+    def resolved_lora_root(self) -> str:
+        return self.lora_root or str(self.resolved_data_dir / "lora")
 
     @property
     def resolved_database_url(self) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from inferplane.orchestrator.catalog.model import Deployment
+from inferplane.orchestrator.catalog.model import Deployment, LoraAdapter
 from inferplane.orchestrator.catalog.sizing import SizingPolicy
 from inferplane.orchestrator.fleet.model import Liveness, Node, ObservedReplica
 from inferplane.orchestrator.placement.model import PlacementPlan, PlacementPolicy
@@ -77,6 +77,8 @@ class DesiredState:
         self._deployments: dict[str, Deployment] = {}
         self._aliases: dict[str, str] = {}
         self._nodes: dict[str, Node] = {}
+        # LoRA adapters by id (`catalog/adapters.py` writes them: they change no placement).
+        self._adapters: dict[str, LoraAdapter] = {}
         self._liveness_base: dict[str, datetime] = {}
         self._heartbeats: dict[str, datetime] = {}
         self._observed: dict[str, dict[str, ObservedReplica]] = {}
@@ -94,6 +96,7 @@ class DesiredState:
             self._deployments = {d.deployment_id: d for d in snapshot.deployments}
             self._aliases = {a: d.deployment_id for d in snapshot.deployments for a in d.aliases}
             self._nodes = {n.name: n for n in snapshot.nodes}
+            self._adapters = {a.adapter_id: a for a in snapshot.adapters}
             self._liveness_base = {name: now for name in self._nodes}
             self._plan = PlacementPlan(snapshot.placements, (), self._policy.name)
             self._commit(StateChange(), self._deployments, self._nodes)

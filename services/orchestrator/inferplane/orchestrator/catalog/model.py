@@ -42,7 +42,21 @@ class Accelerator(enum.Enum):
 
 
 #: Profile fields added after the first release, hashed into `revision()` only when set.
-ADDED_FIELDS = ("stream_interval", "constrain_tool_choice_auto", "task", "sampling_defaults")
+ADDED_FIELDS = (
+    "stream_interval",
+    "constrain_tool_choice_auto",
+    "task",
+    "sampling_defaults",
+    "max_loras",
+    "max_lora_rank",
+)
+#: LoRA (issue 29): the most adapters a profile lets one replica hold at once (`max_loras`),
+#: and vLLM's allowed `--max-lora-rank` values (vLLM 0.32 `LoRAConfig.max_lora_rank`), which
+#: an adapter's catalogue rank is one of too.
+MAX_LORAS = 8
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+#: `max_lora_rank` when a profile sets `max_loras` and leaves the rank unset (vLLM's default).
+DEFAULT_MAX_LORA_RANK = 16
 #: The sampling parameters a profile may default (`DeploymentProfile.sampling_defaults`, vLLM's
 #: `--override-generation-config`), as `inferplane.nodeagent.v1.SamplingDefaults` names them;
 #: `top_k` is an integer, the others numbers.
@@ -109,6 +123,8 @@ class DeploymentProfile:
     extra_engine_args: tuple[str, ...] = ()
     task: str = ""
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         value: Any = self.sampling_defaults  # a mapping or pairs from a stored profile's JSON
@@ -129,10 +145,12 @@ class DeploymentProfile:
 
     def with_defaults(self) -> DeploymentProfile:
         """The profile with unset fields filled: engine "vllm", transport "inproc", KV cache
-        dtype "auto", tensor parallel size 1, expected context = max_model_len; task
-        "generate" is stored as "" (what every profile from before the field reads as)."""
+        dtype "auto", tensor parallel size 1, expected context = max_model_len, a LoRA
+        profile's `max_lora_rank` `DEFAULT_MAX_LORA_RANK`; task "generate" is stored as ""
+        (what every profile from before the field reads as)."""
         return dataclasses.replace(
             self,
+            max_lora_rank=self.max_lora_rank or (DEFAULT_MAX_LORA_RANK if self.max_loras else 0),
             task="" if self.task == TASK_GENERATE else self.task,
             engine=self.engine or DEFAULT_ENGINE,
             transport=self.transport or DEFAULT_TRANSPORT,
@@ -232,3 +250,45 @@ class Deployment:
             routing_policy=self.routing_policy or DEFAULT_ROUTING_POLICY,
             revision=profile.revision(),
         )
+
+
+#: A LoRA adapter's phases: served, or out of the routing table and waiting for the requests
+#: that still use it (its drain grace) before its row goes.
+ADAPTER_READY = "Ready"
+ADAPTER_DELETING = "Deleting"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter served on top of a base deployment (issue 29; the proto's `LoraAdapter`).
+
+    `adapter_id` names it in the catalogue (`adapters/{adapter_id}`) and to the replica (the
+    `x-inferplane-adapter` header, the engine's LoRA name); clients send `model` =
+    `{base_deployment}:{adapter_id}` or one of `aliases`. `source` is the adapter's folder
+    (PEFT layout) under the orchestrator's adapter root; `rank` one of `LORA_RANKS`.
+    `delete_time` is set while `phase` is `ADAPTER_DELETING`. Times are timezone-aware UTC.
+    """
+
+    adapter_id: str
+    base_deployment: str
+    source: str
+    rank: int
+    aliases: tuple[str, ...] = ()
+    phase: str = ADAPTER_READY
+    create_time: datetime | None = None
+    delete_time: datetime | None = None
+
+    @property
+    def name(self) -> str:
+        """Resource name, `adapters/{adapter_id}`."""
+        return f"adapters/{self.adapter_id}"
+
+    @property
+    def model(self) -> str:
+        """The canonical model name clients send: `{base_deployment}:{adapter_id}`."""
+        return f"{self.base_deployment}:{self.adapter_id}"
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model name that routes to it: `model`, then the aliases."""
+        return (self.model, *self.aliases)

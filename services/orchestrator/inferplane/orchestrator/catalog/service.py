@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from inferplane.orchestrator.catalog.adapters import AdapterCatalogue
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile, RolloutStrategy
 from inferplane.orchestrator.catalog.sizing import estimate
 from inferplane.orchestrator.catalog.validation import validate_deployment
@@ -20,7 +21,7 @@ from inferplane.orchestrator.fleet.model import NodeCondition
 from inferplane.orchestrator.placement.explain import explain_deployment
 from inferplane.orchestrator.placement.model import Placement, PlacementPlan, Unplaced
 from inferplane.orchestrator.placement.planner import static_fit_error
-from inferplane.orchestrator.state import DesiredState, Page, paginate
+from inferplane.orchestrator.state import Page, paginate
 from inferplane.orchestrator.store.base import StateChange
 from inferplane.runtime import (
     AlreadyExistsError,
@@ -71,8 +72,9 @@ class DeploymentView:
     status: DeploymentStatus
 
 
-class Catalogue(DesiredState):
-    """The catalogue's use cases (see the module docstring)."""
+class Catalogue(AdapterCatalogue):
+    """The catalogue's use cases (see the module docstring); LoRA adapters' are its base's
+    (`catalog/adapters.py`)."""
 
     _status_provider: Callable[[Deployment, DeploymentStatus], DeploymentStatus] | None = None
 
@@ -115,6 +117,7 @@ class Catalogue(DesiredState):
         validate_deployment(candidate)
         with self._lock:
             self._check_names_free(candidate)
+            self._check_free_of_adapters(candidate)
             self._check_fits(candidate)
             deployments = {**self._deployments, candidate.deployment_id: candidate}
             if validate_only:
@@ -160,6 +163,8 @@ class Catalogue(DesiredState):
             )
             validate_deployment(candidate)
             self._check_names_free(candidate, ignore=current.deployment_id)
+            self._check_free_of_adapters(candidate)
+            self._check_keeps_adapters(candidate)
             if candidate.revision != current.revision:
                 self._check_fits(candidate)
             deployments = {**self._deployments, candidate.deployment_id: candidate}
@@ -177,6 +182,7 @@ class Catalogue(DesiredState):
         self._guard()
         with self._lock:
             current = self.resolve(name)
+            self._check_deletable(current.deployment_id)
             deployments = {k: v for k, v in self._deployments.items() if k != current.deployment_id}
             self._commit(
                 StateChange(delete_deployments=(current.deployment_id,)), deployments, self._nodes

@@ -17,6 +17,8 @@ from inferplane.orchestrator.catalog.model import (
     CPU_ENGINE,
     DEFAULT_ENGINE,
     DEFAULT_TRANSPORT,
+    LORA_RANKS,
+    MAX_LORAS,
     MAX_OWNED_BY,
     ROUTING_POLICIES,
     SAMPLING_FIELDS,
@@ -255,6 +257,7 @@ def _validate_profile(deployment: Deployment) -> None:
             "profile.stream_interval",
         )
     _validate_sampling(p)
+    _validate_lora(p)
     if p.expected_context_tokens > p.max_model_len:
         raise _fail(
             f"profile.expected_context_tokens ({p.expected_context_tokens}) cannot exceed "
@@ -291,6 +294,37 @@ def _validate_profile(deployment: Deployment) -> None:
             "profile.speculative_model",
         )
     _validate_engine_args(p)
+
+
+def _validate_lora(p: DeploymentProfile) -> None:
+    """LoRA (issue 29): `max_loras` 0 (off) or 1..`MAX_LORAS`; `max_lora_rank` one of vLLM's
+    allowed ranks (`LORA_RANKS`), set only with `max_loras`; a generating deployment (vLLM
+    serves adapters on the generate runner)."""
+    if not 0 <= p.max_loras <= MAX_LORAS:
+        raise _fail(
+            f"profile.max_loras must be 0 (LoRA off) to {MAX_LORAS}, got {p.max_loras}",
+            "profile.max_loras",
+        )
+    if not p.max_loras:
+        if p.max_lora_rank:
+            raise _fail(
+                "profile.max_lora_rank is set but profile.max_loras is 0 (LoRA off): set "
+                "max_loras too, or leave the rank unset",
+                "profile.max_lora_rank",
+            )
+        return
+    if p.max_lora_rank not in LORA_RANKS:
+        raise _fail(
+            f"profile.max_lora_rank must be one of vLLM's ranks "
+            f"{', '.join(map(str, LORA_RANKS))}; got {p.max_lora_rank}",
+            "profile.max_lora_rank",
+        )
+    if p.task:
+        raise _fail(
+            f"LoRA adapters need a generating deployment; task {p.task!r} takes none: leave "
+            "profile.max_loras 0",
+            "profile.max_loras",
+        )
 
 
 def _validate_engine_args(p: DeploymentProfile) -> None:

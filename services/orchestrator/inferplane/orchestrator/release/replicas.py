@@ -20,7 +20,7 @@ from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.observe import LIVE_STATES, Observation, S
 from inferplane.orchestrator.release.spec import agent_replica_id, build_spec
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore, Stage
-from inferplane.orchestrator.routing import make_table
+from inferplane.orchestrator.routing import adapter_routes, make_table
 from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
@@ -96,7 +96,9 @@ class ReplicaOperations(Observation):
         node = nodes.get(placement.node)
         if node is None or placement.node not in self._reachable:
             return
-        spec = build_spec(deployment, profile, revision, placement, node)
+        spec = build_spec(
+            deployment, profile, revision, placement, node, lora_root=self._control.lora_root
+        )
         record = ManagedReplica(
             node=node.name,
             replica_id=agent_replica_id(placement.replica_id, revision),
@@ -239,4 +241,5 @@ class ReplicaOperations(Observation):
                         owned_by=deployment.owned_by,
                     )
                 )
+        routes.extend(adapter_routes(routes, self._control.adapters()))
         return make_table(routes)

@@ -45,6 +45,8 @@ def build_spec(
     revision: str,
     placement: Placement,
     node: Node | None,
+    *,
+    lora_root: str = "",
 ) -> nodeagent_pb2.ReplicaSpec:
     """The spec of one replica.
 
@@ -55,6 +57,8 @@ def build_spec(
         placement: node, GPU indices, memory fraction (`--gpu-memory-utilization`) and the KV
             budget in bytes (a CPU engine's KV cache size).
         node: the placement's node, for the GPUs' UUIDs (None: unknown, no UUIDs).
+        lora_root: the orchestrator's adapter root, sent (with `max_loras` and
+            `max_lora_rank`) when the profile serves LoRA adapters.
 
     Task and transport are sent in both spellings, the deprecated strings (what node-agents
     older than the enums read) and `replica_task` / `replica_transport`.
@@ -90,4 +94,7 @@ def build_spec(
         sampling_defaults=sampling_to_proto(profile.sampling_defaults)
         if profile.sampling_defaults
         else None,
+        max_loras=profile.max_loras,
+        max_lora_rank=profile.max_lora_rank if profile.max_loras else 0,
+        lora_root=lora_root if profile.max_loras else "",
     )

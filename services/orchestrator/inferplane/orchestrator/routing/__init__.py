@@ -1,7 +1,8 @@
 """The routing table routers watch and the routers' shares of each replica's cap.
 
-- `table.py`: the table (model → ready replicas), content versions, per-model filtering, a
-  router's view with its shares and lease epoch.
+- `table.py`: the table (model → ready replicas; LoRA adapters' routes on their base's
+  replicas), content versions, per-model filtering, a router's view with its shares and lease
+  epoch.
 - `shares.py`: the shared-caps rule (what routers may hold never sums past a cap; leases,
   acknowledged shrinks, hand-over between leaders), the per-router lease state, the split.
 - `hub.py`: `RoutingHub`, the latest table, its watchers, renewals, lease expiry and the grants
@@ -18,6 +19,7 @@ from inferplane.orchestrator.routing.shares import (
 )
 from inferplane.orchestrator.routing.table import (
     ReplicaKey,
+    adapter_routes,
     filter_table,
     make_table,
     table_version,
@@ -31,6 +33,7 @@ __all__ = [
     "GrantsJournal",
     "ReplicaKey",
     "RoutingHub",
+    "adapter_routes",
     "filter_table",
     "make_table",
     "table_version",

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.orchestrator.catalog.model import ADAPTER_READY, LoraAdapter
 
 ReplicaKey = tuple[str, str]
 """A replica as the routers key it: (address, replica_id)."""
@@ -49,6 +50,32 @@ def filter_table(
     wanted = set(models)
     routes = [r for r in table.routes if r.model in wanted]
     return pb.WatchRoutingTableResponse(version=table_version(routes), routes=routes)
+
+
+def adapter_routes(
+    routes: Sequence[pb.ModelRoute], adapters: Iterable[LoraAdapter]
+) -> list[pb.ModelRoute]:
+    """The routes of the LoRA adapters (issue 29) whose base deployment has a route in `routes`
+    (the route named by the deployment id): one per model name (`{deployment}:{adapter}` and
+    each alias), each a copy of the base's route (its endpoints, policy, limits, owner, scaling)
+    with `model`, `adapter`, `adapter_source` and the adapter's `created` set. Adapters being
+    deleted get none: a request for one is a 404 at once."""
+    bases = {r.model: r for r in routes if r.model == r.deployment}
+    out = []
+    for adapter in adapters:
+        base = bases.get(adapter.base_deployment)
+        if base is None or adapter.phase != ADAPTER_READY:
+            continue
+        created = adapter.create_time
+        for model in adapter.models:
+            route = pb.ModelRoute()
+            route.CopyFrom(base)
+            route.model = model
+            route.adapter = adapter.adapter_id
+            route.adapter_source = adapter.source
+            route.created = int(created.timestamp()) if created else base.created
+            out.append(route)
+    return out
 
 
 def endpoint_key(endpoint: pb.RouteEndpoint) -> ReplicaKey:

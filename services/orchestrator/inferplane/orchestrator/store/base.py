@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from inferplane.orchestrator.catalog.model import Deployment
+from inferplane.orchestrator.catalog.model import Deployment, LoraAdapter
 from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
 
@@ -23,6 +23,7 @@ class StateSnapshot:
     deployments: tuple[Deployment, ...] = ()
     nodes: tuple[Node, ...] = ()
     placements: tuple[Placement, ...] = ()
+    adapters: tuple[LoraAdapter, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,13 +40,15 @@ class StateChange:
     put_nodes: tuple[Node, ...] = ()
     put_placements: tuple[Placement, ...] = ()
     delete_placements: tuple[str, ...] = ()
+    put_adapters: tuple[LoraAdapter, ...] = ()
+    delete_adapters: tuple[str, ...] = ()
 
     def is_empty(self) -> bool:
         return not any(dataclasses.astuple(self))
 
 
 class StateStore(Protocol):
-    """Persistence of deployments, nodes and placements."""
+    """Persistence of deployments, nodes, placements and LoRA adapters."""
 
     def create_schema(self) -> None:
         """Creates missing tables (idempotent)."""

@@ -35,6 +35,7 @@ from inferplane.orchestrator.catalog.model import (
     Accelerator,
     Deployment,
     DeploymentProfile,
+    LoraAdapter,
     RolloutStrategy,
 )
 from inferplane.orchestrator.fleet.model import (
@@ -133,6 +134,22 @@ class _PlacementRow(_Base):
     spread_rank: Mapped[int] = mapped_column(Integer)
 
 
+class _AdapterRow(_Base):
+    """A LoRA adapter (migration 0006). Its model names are checked unique against every
+    deployment's and adapter's by the catalogue under its lock (one fenced writer)."""
+
+    __tablename__ = "lora_adapters"
+
+    adapter_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    base_deployment: Mapped[str] = mapped_column(String(128), index=True)
+    source: Mapped[str] = mapped_column(String(4096))
+    rank: Mapped[int] = mapped_column(BigInteger)
+    aliases: Mapped[list[str]] = mapped_column(JSON)
+    phase: Mapped[str] = mapped_column(String(16))
+    create_time: Mapped[datetime] = mapped_column(UtcDateTime)
+    delete_time: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+
 #: The tables this store maps: a target of the orchestrator database's migrations.
 METADATA = _Base.metadata
 
@@ -229,6 +246,31 @@ def _placement_row(p: Placement, row: _PlacementRow) -> None:
     row.spread_rank = p.spread_rank
 
 
+def _adapter_row(a: LoraAdapter, row: _AdapterRow) -> None:
+    row.adapter_id = a.adapter_id
+    row.base_deployment = a.base_deployment
+    row.source = a.source
+    row.rank = a.rank
+    row.aliases = list(a.aliases)
+    row.phase = a.phase
+    assert a.create_time is not None
+    row.create_time = a.create_time
+    row.delete_time = a.delete_time
+
+
+def _adapter(row: _AdapterRow) -> LoraAdapter:
+    return LoraAdapter(
+        adapter_id=row.adapter_id,
+        base_deployment=row.base_deployment,
+        source=row.source,
+        rank=row.rank,
+        aliases=tuple(row.aliases),
+        phase=row.phase,
+        create_time=row.create_time,
+        delete_time=row.delete_time,
+    )
+
+
 def _placement(row: _PlacementRow) -> Placement:
     return Placement(
         replica_id=row.replica_id,
@@ -277,12 +319,14 @@ class SqlStateStore:
             ]
             nodes = [_node(r) for r in s.scalars(select(_NodeRow))]
             placements = [_placement(r) for r in s.scalars(select(_PlacementRow))]
+            adapters = [_adapter(r) for r in s.scalars(select(_AdapterRow))]
         # Sorted here, not by ORDER BY: that order is the database's collation (PostgreSQL in
         # an en_US locale puts "model-a" before "Model-B"; SQLite sorts by code point).
         return StateSnapshot(
             tuple(sorted(deployments, key=lambda d: d.deployment_id)),
             tuple(sorted(nodes, key=lambda n: n.name)),
             tuple(sorted(placements, key=lambda p: p.replica_id)),
+            adapters=tuple(sorted(adapters, key=lambda a: a.adapter_id)),
         )
 
     def commit(self, change: StateChange) -> None:
@@ -320,6 +364,12 @@ class SqlStateStore:
         for d in change.create_deployments + change.put_deployments:
             for position, alias in enumerate(d.aliases):
                 s.add(_AliasRow(alias=alias, deployment_id=d.deployment_id, position=position))
+        for adapter_id in change.delete_adapters:
+            s.execute(delete(_AdapterRow).where(_AdapterRow.adapter_id == adapter_id))
+        for a in change.put_adapters:
+            adapter_row = s.get(_AdapterRow, a.adapter_id) or _AdapterRow()
+            _adapter_row(a, adapter_row)
+            s.add(adapter_row)
         for n in change.put_nodes:
             node_row = s.get(_NodeRow, n.name) or _NodeRow()
             _node_row(n, node_row)

@@ -1,6 +1,7 @@
 """A fake replica process for the node-agent's tests: gRPC health and
-`nodeagent.v1.ReplicaProcessService` (GetReplicaLoad, StartReplicaDrain) on one port, without
-an InferenceService or an engine of its own.
+`nodeagent.v1.ReplicaProcessService` (GetReplicaLoad, StartReplicaDrain; WatchReplicaState
+with its in-flight count and draining flag only, no KV) on one port, without an
+InferenceService or an engine of its own.
 
 In-process (`FakeReplicaControl` + `serve_fake_replica`), a test sets its readiness and its
 requests in flight by hand. As a process (`python -m inferplane.testing.fake_replica`), it takes
@@ -32,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,7 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
         self.draining = False
         self.engine_ready = False
         self.drain_calls = 0
+        self.state_interval_seconds = 1.0
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
 
     async def _publish(self) -> None:
@@ -95,6 +98,22 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
         self.drain_calls += 1
         await self.start_drain()
         return replica_pb2.StartReplicaDrainResponse(in_flight_requests=self.in_flight)
+
+    async def WatchReplicaState(
+        self, request: replica_pb2.WatchReplicaStateRequest, context: Context
+    ) -> AsyncIterator[replica_pb2.WatchReplicaStateResponse]:
+        """The state a replica without an engine knows (in flight, draining; no KV), the
+        first update a `reset`, then one every `state_interval_seconds` (a heartbeat)."""
+        sequence = 0
+        while True:
+            sequence += 1
+            yield replica_pb2.WatchReplicaStateResponse(
+                sequence=sequence,
+                reset=sequence == 1,
+                in_flight_requests=self.in_flight,
+                draining=self.draining,
+            )
+            await asyncio.sleep(self.state_interval_seconds)
 
 
 async def serve_fake_replica(

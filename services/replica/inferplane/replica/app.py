@@ -37,6 +37,7 @@ from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.server.response_store import ResponseStoreClient
+from inferplane.replica.server.state_stream import Admission, ReplicaStateStream
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
@@ -166,6 +167,11 @@ class ReplicaProcess:
             report_to_picker=self.outcomes.report,
             response_store=self.response_store,
         )
+        # The engine's state for routers (WatchReplicaState): engine stats, KV blocks, queue.
+        self.state_stream = ReplicaStateStream(
+            lambda: self.state.engine,
+            lambda: Admission(self.state.in_flight, self.state.phase is Phase.DRAINING),
+        )
         # The platform's tracing (the node-agent's flags): each request's spans.
         self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
         self.inference.tracing = ReplicaTracing(self.tracing, clock)
@@ -177,6 +183,8 @@ class ReplicaProcess:
                     f"/{INFERENCE_SERVICE}/": list(INFERENCE_CALLERS),
                     # Drain and load: the node-agent that started this process.
                     f"/{REPLICA_SERVICE}/": [NODE_AGENT],
+                    # The engine's state: the routers (issue 29), this method only.
+                    f"/{REPLICA_SERVICE}/WatchReplicaState": [ROUTER],
                 }
             ),
             servicers=[
@@ -187,7 +195,7 @@ class ReplicaProcess:
                 ),
                 ServicerBinding(
                     REPLICA_SERVICE,
-                    ReplicaProcessServicer(self.state, self.start_drain),
+                    ReplicaProcessServicer(self.state, self.start_drain, self.state_stream),
                     replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server,
                 ),
             ],
@@ -312,6 +320,7 @@ class ReplicaProcess:
         the server: what the last requests reported is flushed)."""
         with contextlib.suppress(Exception):
             await self.server.health.enter_graceful_shutdown()
+        await self.state_stream.close()
         await self.server.server.stop(self.settings.grace_period_seconds)
         try:
             await self.host.shutdown()

@@ -1,26 +1,36 @@
 """`inferplane.nodeagent.v1.ReplicaProcessService`: the node-agent reads the replica's load and
-drains it (proto/inferplane/nodeagent/v1/replica.proto)."""
+drains it; routers watch its engine state (proto/inferplane/nodeagent/v1/replica.proto)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
+from inferplane.replica.server.state_stream import ReplicaStateStream
 from inferplane.replica.state import Phase, ReplicaState
+from inferplane.runtime import UnimplementedError
 
 
 class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  # type: ignore[misc]
-    """Load and drain of this process's replica.
+    """Load and drain of this process's replica, and its engine state for routers.
 
     Args:
         state: the replica.
         drain: stops admission and turns health NOT_SERVING (idempotent).
+        state_stream: the engine state's producer (`server/state_stream.py`; None:
+            WatchReplicaState is UNIMPLEMENTED).
     """
 
-    def __init__(self, state: ReplicaState, drain: Callable[[], Awaitable[int]]) -> None:
+    def __init__(
+        self,
+        state: ReplicaState,
+        drain: Callable[[], Awaitable[int]],
+        state_stream: ReplicaStateStream | None = None,
+    ) -> None:
         self._state = state
         self._drain = drain
+        self._stream = state_stream
 
     async def GetReplicaLoad(
         self, request: replica_pb2.GetReplicaLoadRequest, context: Any
@@ -39,3 +49,17 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
     ) -> replica_pb2.StartReplicaDrainResponse:
         """Stops admitting new requests; those in flight go on."""
         return replica_pb2.StartReplicaDrainResponse(in_flight_requests=await self._drain())
+
+    async def WatchReplicaState(
+        self, request: replica_pb2.WatchReplicaStateRequest, context: Any
+    ) -> AsyncIterator[replica_pb2.WatchReplicaStateResponse]:
+        """A snapshot of the engine's state, then its changes (`ReplicaStateStream.watch`).
+
+        Raises:
+            UnimplementedError: this process has no state stream.
+            ResourceExhaustedError: the router fell behind (code `replica_state_behind`).
+        """
+        if self._stream is None:
+            raise UnimplementedError("this replica process does not stream its engine state")
+        async for update in self._stream.watch(request.router_id):
+            yield update

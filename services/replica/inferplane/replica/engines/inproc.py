@@ -46,7 +46,10 @@ from inferplane.replica.engines.base import (
     SpeechUsage,
     TokenLogprob,
 )
+from inferplane.replica.engines.engine_stats import UNKNOWN, EngineStats
 from inferplane.replica.engines.environment import kv_cache_args
+from inferplane.replica.engines.inproc_state import InprocEngineState
+from inferplane.replica.engines.kv_events import KvBlockIndex
 from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
 from inferplane.replica_contract import pooling_args
 
@@ -194,15 +197,18 @@ class InprocEngine:
     (it blocks for 3–5 s, so it runs in a thread).
     """
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, state: InprocEngineState | None = None) -> None:
         self._llm = llm
         self._speech: Any = None  # InprocSpeech, built on the first speech request
+        self._state = state
 
     @classmethod
-    async def start(cls, argv: Sequence[str]) -> InprocEngine:
+    async def start(cls, argv: Sequence[str], *, kv_events: bool = True) -> InprocEngine:
         """Starts vLLM's engine (core and workers in its subprocesses) from engine arguments
         (`engine_argv`). Construction blocks for tens of seconds, so it runs in a thread while
         the loop keeps answering health checks; vLLM's loop-bound tasks start on this loop.
+        The engine reports its state (`inproc_state.InprocEngineState`: scheduler numbers, and
+        with `kv_events` its KV events on a loopback socket, prefix caching on).
 
         Raises:
             Exception: whatever vLLM raises when the engine cannot start.
@@ -210,16 +216,34 @@ class InprocEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(argv)
-        llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, args, usage_context=UsageContext.OPENAI_API_SERVER
-        )
+        state = InprocEngineState(kv_events=kv_events)
+        try:
+            args = engine_args(state.engine_args(argv))
+            llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args,
+                args,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                stat_loggers=state.stat_loggers(),
+            )
+        except BaseException:
+            await state.close()
+            raise
         # Outside a running loop vLLM defers its output handler to the first request; start
         # it now so that a worker dying before any request is noticed (llm.errored).
         run_output_handler = getattr(llm, "_run_output_handler", None)
         if run_output_handler is not None:
             run_output_handler()
-        return cls(llm)
+        state.started(llm)
+        return cls(llm, state)
+
+    def engine_stats(self) -> EngineStats:
+        """The scheduler's last numbers (`engine_stats.ReportsEngineState`)."""
+        return self._state.engine_stats() if self._state is not None else UNKNOWN
+
+    @property
+    def kv_blocks(self) -> KvBlockIndex | None:
+        """The engine's cached blocks by content hash (None: no KV events)."""
+        return self._state.kv_blocks if self._state is not None else None
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -402,6 +426,8 @@ class InprocEngine:
 
     async def close(self) -> None:
         """Shuts vLLM's engine core and workers down (in a thread: it blocks for seconds)."""
+        if self._state is not None:
+            await self._state.close()
         await asyncio.to_thread(self._llm.shutdown)
 
 

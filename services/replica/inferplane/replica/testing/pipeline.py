@@ -3,7 +3,9 @@
 `ScriptedEngine` replays scripted `EngineOutput`s (token ids produced by a real tokenizer from
 scripted model output) and records what the pipeline asked of it, aborts included; its `embed`
 returns `fake_embedding`s (deterministic unit vectors, cut to `dimensions` as a Matryoshka
-pooler does).
+pooler does). Given a `FakeKvCache` (`inferplane.testing.fake_kv`), its generations hold KV
+blocks, wait and get preempted as vLLM's would, and it reports them (`engine_stats`: the
+replica's `WatchReplicaState` streams them as it streams a real engine's).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from inferplane.replica.engines.base import (
     EngineOutput,
     SamplingParams,
 )
+from inferplane.replica.engines.engine_stats import UNKNOWN, EngineStats
+from inferplane.replica.engines.kv_events import KvBlockIndex
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache, load_model_assets
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica_contract import Task, Transport
 from inferplane.runtime import ErrorInterceptor, UnavailableError
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.fake_http_engine import fake_embedding
+from inferplane.testing.fake_kv import FakeKvCache
 
 
 def script(
@@ -100,6 +105,7 @@ class ScriptedEngine:
         delay: seconds to sleep before each increment (and before an `embed` answers; 0
             still yields to the loop).
         embedding_size: the length of `embed`'s vectors (`fake_embedding`).
+        kv: the engine's KV cache model (None: no KV model, the engine reports nothing).
 
     Attributes:
         requests: `(request_id, prompt_ids, params)` of every `generate` call.
@@ -118,8 +124,10 @@ class ScriptedEngine:
         block_at: int | None = None,
         delay: float = 0.0,
         embedding_size: int = 64,
+        kv: FakeKvCache | None = None,
     ) -> None:
         self._outputs = outputs
+        self.kv = kv
         self._fail_at = fail_at
         self._rejects = rejects
         self._block_at = block_at
@@ -138,8 +146,17 @@ class ScriptedEngine:
         self.requests.append((request_id, list(prompt_ids), params))
         outputs = self._outputs(params) if callable(self._outputs) else self._outputs
         done = False
+        kv = self.kv
+        if kv is not None:
+            try:
+                await kv.start(request_id, len(prompt_ids), sum(len(o.token_ids) for o in outputs))
+            except ValueError as exc:
+                raise EngineError(str(exc), rejected=True) from exc
         try:
             for i, out in enumerate(outputs):
+                if kv is not None:
+                    for _token in out.token_ids:
+                        await kv.step(request_id)
                 if i == self._fail_at:
                     if self._rejects:
                         raise EngineError("the schema does not compile", rejected=True)
@@ -152,8 +169,29 @@ class ScriptedEngine:
                     done = True
                 yield out
         finally:
+            if kv is not None:
+                kv.finish(request_id)
             if not done:
                 self.cancelled.append(request_id)
+
+    def engine_stats(self) -> EngineStats:
+        """The KV model's state (`engine_stats.ReportsEngineState`; zeros without one)."""
+        kv = self.kv
+        if kv is None:
+            return UNKNOWN
+        return EngineStats(
+            block_size=kv.block_size,
+            total_kv_blocks=kv.total_kv_blocks,
+            free_kv_blocks=kv.free_kv_blocks,
+            running_requests=kv.running_requests,
+            waiting_requests=kv.waiting_requests,
+            preemptions_total=kv.preemptions_total,
+        )
+
+    @property
+    def kv_blocks(self) -> KvBlockIndex | None:
+        """No KV events from this fake."""
+        return None
 
     async def embed(
         self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None

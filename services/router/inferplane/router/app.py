@@ -18,10 +18,12 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2_grpc
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
+from inferplane.router.engine_state import EngineStates
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.key_source import KeyTableMetrics, KeyTableWatch
 from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable
+from inferplane.router.kvindex import KvIndex
 from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
 from inferplane.router.outcomes import SERVICE_NAME as OUTCOME_SERVICE
@@ -31,11 +33,13 @@ from inferplane.router.picker.gateway import GatewayMode, GatewayProcessor
 from inferplane.router.picker.server import EndpointPicker, PickerSettings
 from inferplane.router.picker.tracing import PickerTracing
 from inferplane.router.policies import default_registry
+from inferplane.router.replica_watch import ReplicaWatch
 from inferplane.router.reporting import Reporter
 from inferplane.router.routes import RouteTable, load_routes_file
 from inferplane.router.servicer import ModelsService
 from inferplane.router.settings import RouterSettings, resolve_auth_pepper
 from inferplane.router.sources import OrchestratorRouteSource, RouteSource, StaticRouteSource
+from inferplane.router.tokenize import PromptTokens
 from inferplane.router.usage import AuthUsageSink, LoggingUsageSink, UsageSink, UsageSinkSettings
 from inferplane.runtime import App, ConfigError, ErrorInterceptor, ServicerBinding, grpc_options
 from inferplane.runtime.security.api_keys import SecretHasher
@@ -82,6 +86,8 @@ class RouterApp(App):
     """
 
     key_table: KeyTable = dataclasses.field(kw_only=True)
+    engine_states: EngineStates | None = dataclasses.field(default=None, kw_only=True)
+    kv_index: KvIndex | None = dataclasses.field(default=None, kw_only=True)
 
 
 def key_table_source(
@@ -200,7 +206,16 @@ def build_app(
     security = settings.security("router")
     # The key table auth streams (`auth_address`), which the picker authenticates with.
     key_table, key_watch = key_table_source(settings, clock, registry, security)
-    policies = default_registry(settings.default_policy, settings.load_factor)
+    # The replicas' engine states and KV blocks, filled by the replica state watch
+    # (`replica_watch.py`, `replica_state_watch`), read by precise_prefix and the lease's demand.
+    engine_states = EngineStates(clock.monotonic)
+    kv_index = KvIndex(settings.kv_index_max_entries)
+    policies = default_registry(
+        settings.default_policy,
+        settings.load_factor,
+        engine_states=engine_states,
+        kv_index=kv_index,
+    )
     admission = Admission(
         policies,
         AdmissionSettings(
@@ -209,6 +224,7 @@ def build_app(
             max_queue_per_deployment=settings.max_queue_per_deployment,
             retry_after_seconds=settings.retry_after_seconds,
             cold_start_retry_after_seconds=settings.cold_start_retry_after_seconds,
+            max_cold_start_budget_seconds=settings.max_cold_start_budget_seconds,
             breaker_failures=settings.breaker_failures,
             breaker_open_seconds=settings.breaker_open_seconds,
         ),
@@ -231,9 +247,22 @@ def build_app(
             clock,
             security=security,
             options=grpc_options(settings),
+            engine_states=engine_states,
         )
     source = source or route_source(settings)
     source.subscribe(admission.apply)  # a table that cannot be applied is never current
+    replica_watch: ReplicaWatch | None = None
+    if settings.watches_replica_state():  # one WatchReplicaState stream per replica
+        replica_watch = ReplicaWatch(
+            engine_states,
+            kv_index,
+            security=security,
+            options=grpc_options(settings),
+            router_id=router_id(settings),
+            idle_timeout_seconds=settings.replica_state_idle_seconds,
+            registry=registry,
+        )
+        source.subscribe(replica_watch.on_table)
     key_limits: KeyLimiter | None = None
     if key_watch is not None:  # the keys' limits, this router's share (`keylimits`)
         key_limits = KeyLimiter(clock, window_seconds=settings.key_limit_window_seconds)
@@ -285,6 +314,15 @@ def build_app(
     )
     tracing = Tracing(TracingSettings.of(settings, "inferplane-router"))
     picker.tracing = PickerTracing(tracing)
+    prompt_tokens: PromptTokens | None = None
+    if replica_watch is not None:  # precise_prefix routes' prompts tokenized before admission
+        prompt_tokens = PromptTokens(
+            engine_states,
+            default_policy=settings.default_policy,
+            max_tokens=settings.precise_prefix_max_tokens,
+            max_tokenizers=settings.tokenizer_cache_size,
+        )
+        picker.director.prompt_tokens = prompt_tokens
     gateway = GatewayListener(picker, settings, security) if settings.gateway_port else None
 
     async def start() -> None:
@@ -295,6 +333,8 @@ def build_app(
         if record_sink is not None:
             await record_sink.start()
         await source.start()
+        if replica_watch is not None:
+            await replica_watch.start()
         if lease is not None:
             await lease.start()
         if gateway is not None:
@@ -309,6 +349,10 @@ def build_app(
             await gateway.stop()
         if lease is not None:
             await lease.stop()  # gives the shares back (the server has stopped)
+        if replica_watch is not None:
+            await replica_watch.stop()
+        if prompt_tokens is not None:
+            prompt_tokens.close()
         await source.stop()
         # After the server stopped: every request has ended and handed over its report.
         if auth_sink is not None:
@@ -352,4 +396,6 @@ def build_app(
         drain=drain,
         stop=stop,
         key_table=key_table,
+        engine_states=engine_states,
+        kv_index=kv_index,
     )

@@ -22,12 +22,13 @@ class RouterSettings(ServiceSettings):
             owned_by: inferplane
             max_model_len: 2048
             routing_policy: prefix_affinity   # optional; default_policy when absent
+            tokenizer: models/kimi-tiny       # optional; what precise_prefix tokenizes with
             endpoints:
               - {address: 127.0.0.1:50054, replica_id: kimi-tiny-0, max_concurrency: 8}
 
     Attributes:
         default_policy: routing policy of routes that name none (round_robin, least_load,
-            prefix_affinity, session_affinity).
+            power_of_two, prefix_affinity, precise_prefix, session_affinity).
         load_factor: c of consistent hashing with bounded loads (> 1; 1.25 is the paper's
             recommended trade-off between affinity and balance).
         default_max_concurrency: per-replica cap when the route gives none (requests).
@@ -38,6 +39,10 @@ class RouterSettings(ServiceSettings):
         retry_after_seconds: the Retry-After of an overload 429.
         cold_start_retry_after_seconds: the Retry-After of the 503 `deployment_cold_start`
             (a request held for a deployment at zero past its route's cold-start budget).
+        max_cold_start_budget_seconds: the longest a request is held for a deployment at zero,
+            whatever its route's budget says: the picker extends Envoy's message timer once,
+            so keep it ≤ the edge's `picker_max_message_timeout_s` (180 s) minus
+            `picker_timeout_margin_seconds`.
         breaker_failures / breaker_open_seconds: consecutive failures that open a replica's
             circuit breaker, and how long it stays open before one probe.
         prefix_block_bytes / prefix_max_blocks: prefix-affinity hashing granularity (bytes of
@@ -103,6 +108,17 @@ class RouterSettings(ServiceSettings):
             none; a NetworkPolicy restricts the port), plaintext when the router is.
         gateway_node_port: the node-local Envoy's port on every node (the pool's
             `targetPorts`): the gateway's destination is `<replica host>:gateway_node_port`.
+        replica_state_watch: follow every replica's `WatchReplicaState` stream (engine
+            state and KV events: `replica_watch.py`; one stream per replica): "auto" (on when
+            the table comes from the orchestrator), "on" or "off". Off: no engine states,
+            `precise_prefix` always uses its approximate table.
+        replica_state_idle_seconds: a replica's state stream quiet this long is reopened (the
+            replica heartbeats every second).
+        kv_index_max_entries: (KV block, replica) pairs the router's KV index holds at most
+            (~200 bytes each); past it, the least recently stored or matched block goes.
+        precise_prefix_max_tokens: prompt tokens the router tokenizes and hashes at most per
+            request for `precise_prefix` (whole blocks of them).
+        tokenizer_cache_size: tokenizers (one per model folder) kept loaded at most.
     """
 
     port: int = 50052
@@ -115,6 +131,7 @@ class RouterSettings(ServiceSettings):
     max_queue_per_deployment: int = 1024
     retry_after_seconds: float = 1.0
     cold_start_retry_after_seconds: float = 10.0
+    max_cold_start_budget_seconds: float = 175.0
     breaker_failures: int = 5
     breaker_open_seconds: float = 5.0
     prefix_block_bytes: int = 256
@@ -142,6 +159,22 @@ class RouterSettings(ServiceSettings):
     outcome_wait_seconds: float = 5.0
     gateway_port: int = 0
     gateway_node_port: int = 8000
+    replica_state_watch: str = "auto"
+    replica_state_idle_seconds: float = 3.0
+    kv_index_max_entries: int = 2_000_000
+    precise_prefix_max_tokens: int = 32_768
+    tokenizer_cache_size: int = 4
+
+    def watches_replica_state(self) -> bool:
+        """Whether the replica state watch runs (`replica_state_watch`).
+
+        Raises:
+            ConfigError: a value other than auto, on and off.
+        """
+        value = self.replica_state_watch
+        if value not in ("auto", "on", "off"):
+            raise ConfigError(f"replica_state_watch must be auto, on or off, not {value!r}")
+        return value == "on" or (value == "auto" and bool(self.orchestrator_address))
 
 
 def resolve_auth_pepper(settings: RouterSettings) -> bytes | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inferplane.router.admission import Admission, Slot
 from inferplane.router.features import FeatureExtractor, RequestFeatures
@@ -21,6 +21,9 @@ from inferplane.router.routes import Endpoint, ModelRoute, RouteTable, resolve
 from inferplane.router.schemas import SchemaCheck
 from inferplane.runtime import InvalidArgumentError
 from inferplane.wire import headers
+
+if TYPE_CHECKING:
+    from inferplane.router.tokenize import PromptTokens
 
 #: A gateway's restriction: the replicas of a route outside its endpoint subset.
 Outside = Callable[[ModelRoute], Sequence[ReplicaKey]]
@@ -116,6 +119,9 @@ class Director:
         self._features = features or FeatureExtractor()
         self._schemas = SchemaCheck()
         self._fallbacks = fallbacks
+        # Set by the composition root when the replica state watch runs: adds the prompt's
+        # KV block hashes for precise_prefix routes before admission (`router.tokenize`).
+        self.prompt_tokens: PromptTokens | None = None
 
     @property
     def queue_timeout_seconds(self) -> float:
@@ -183,6 +189,10 @@ class Director:
                 at zero still had none when its cold-start budget ran out (503
                 deployment_cold_start, Retry-After).
         """
+        tokens = self.prompt_tokens
+        if tokens is not None and tokens.wants(routed.route):
+            features = await tokens.annotate(routed.route, routed.facts.request, routed.features)
+            routed = dataclasses.replace(routed, features=features)
         slot = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
         try:
             fallbacks = self._admission.fallbacks(

@@ -447,6 +447,7 @@ class KvEventSubscriber:
         `failed` and ends the task (the stream then reports `kv_events` false)."""
         if self._decoder is None:
             self._decoder = BatchDecoder()
+        log.info("kv_events_receiving", endpoint=self.endpoint, vllm_classes=self._decoder.typed)
         try:
             while True:
                 frames = await self._sub.recv_multipart()

@@ -236,7 +236,13 @@ def test_a_key_over_its_share_of_the_queue_is_refused_and_others_still_queue() -
         b = asyncio.ensure_future(a.acquire(r, key_b))
         await _settle()
         assert a.queue_length("d") == 5 and a.queued_flows("d") == 2
-        assert a.refused("d") == {"queue_full": 0, "flow_share": 1, "timeout": 0, "cold_start": 0}
+        assert a.refused("d") == {
+            "queue_full": 0,
+            "flow_share": 1,
+            "timeout": 0,
+            "kv_cache_full": 0,
+            "cold_start": 0,
+        }
         held.release()
         await _settle()
         first = queued[0].result()  # A queued first: the freed slot is A's

@@ -41,6 +41,7 @@ from inferplane.router.breaker import CircuitBreaker
 from inferplane.router.demand import DemandBook, DemandSnapshot
 from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
+from inferplane.router.kvfit import KV_CACHE_FULL, KvDemand, KvFit, Reservation, kv_cache_full
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
@@ -85,12 +86,18 @@ class Slot:
     `set_lease`). Call `first_chunk` when the replica answered and `release` exactly once at
     the end (with `failed` before it for transport failures)."""
 
-    __slots__ = ("_controller", "_done", "_state", "_tokens", "_verdict", "endpoint")
+    __slots__ = ("_controller", "_done", "_kv", "_state", "_tokens", "_verdict", "endpoint")
 
     def __init__(
-        self, endpoint: Endpoint, state: ReplicaState, tokens: int, controller: Admission
+        self,
+        endpoint: Endpoint,
+        state: ReplicaState,
+        tokens: int,
+        controller: Admission,
+        kv: Reservation | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._kv = kv  # its KV reservation (`kvfit`), released with the slot
         self._state = state
         self._tokens = tokens
         self._controller = controller
@@ -122,6 +129,8 @@ class Slot:
         if self._done:
             return
         self._done = True
+        if self._kv is not None:
+            self._kv.release()
         state = self._state
         state.in_flight -= 1
         state.queued_tokens -= self._tokens
@@ -134,7 +143,7 @@ class Slot:
 
 # Why a request left the queue with a 429: the queue's own refusals, or its wait ran out.
 TIMEOUT = "timeout"
-OVERLOAD_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT)
+OVERLOAD_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT, KV_CACHE_FULL)
 # A request held for a deployment at zero whose cold-start budget ran out: a 503.
 COLD_START = "cold_start"
 REFUSAL_REASONS = (*OVERLOAD_REASONS, COLD_START)
@@ -148,6 +157,7 @@ class _Waiter:
     exclude: frozenset[ReplicaKey]
     future: asyncio.Future[Slot]
     cold: bool = False  # held because the deployment had no ready replica (scale from zero)
+    demand: KvDemand | None = None  # its predicted KV size (`kvfit`), None: slots only
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,8 +179,11 @@ class Admission:
         settings: AdmissionSettings,
         clock: Clock,
         scheduler: Scheduler,
+        kv_fit: KvFit | None = None,
     ) -> None:
         self._registry = registry
+        self._kv = kv_fit  # admission by predicted KV fit (issue 29), None: slots only
+        self._replica_keys: dict[str, list[ReplicaKey]] = {}  # replica id → keys (reports)
         self._settings = settings
         self.clock = clock
         self._scheduler = scheduler
@@ -260,6 +273,11 @@ class Admission:
         self._demand.keep(fresh)
         live = {k for d in fresh.values() for k in d.replicas.keys}
         self._states = {k: s for k, s in self._states.items() if k in live or s.in_flight}
+        self._replica_keys = {}
+        for k in live:
+            self._replica_keys.setdefault(k[1], []).append(k)
+        if self._kv is not None:
+            self._kv.forget(set(self._replica_keys))
         shares = self._shares = table.shares()
         self._over = set()
         if shares is not None:  # over its share, or still running on a replica that left
@@ -339,6 +357,7 @@ class Admission:
         *,
         exclude: Iterable[ReplicaKey] = (),
         timeout: float | None = None,
+        demand: KvDemand | None = None,
     ) -> Slot:
         """A slot on a replica of `route`'s deployment chosen by its policy, waiting in the
         deployment's queue when all are full (fair share across `features.flow`, see the
@@ -351,10 +370,17 @@ class Admission:
         such request calls `on_cold` (the lease keeper tells the orchestrator at once); a
         table bringing a ready replica grants the held requests in the queue's order.
 
+        With `demand` (and a `KvFit`), the replica must also fit the request's predicted KV
+        (`kvfit`: the policy's choice, else one of its next candidates); where none does it
+        waits in the same queue.
+
         Raises:
             ResourceExhaustedError: still queued after the timeout (min of `timeout` and the
                 queue timeout), the queue is full, or the request's flow holds its share of it
-                already: HTTP 429 with Retry-After.
+                already: HTTP 429 with Retry-After; `kv_cache_full` when it waited because its
+                KV fitted no replica.
+            InvalidArgumentError: `demand` exceeds every replica's whole KV cache (400
+                `context_length_exceeded`).
             UnavailableError: no replica could ever take it (all draining, broken or already
                 tried) and the route does not scale to zero: HTTP 503 `no_ready_replica`;
                 held for a cold start and the deployment still has no usable replica when the
@@ -369,10 +395,14 @@ class Admission:
         deployment_key = route.deployment_key
         self._demand.received(deployment_key)
         excluded = frozenset(exclude)
+        if self._kv is None:
+            demand = None
+        elif demand is not None:
+            self._kv.check_size(route, deployment.replicas, demand)
         queue = deployment.queue
         if queue:  # a slot free now (a breaker's probe) goes to the fair head, not a newcomer
             self._pump(deployment)
-        slot = None if queue else self._try(deployment, features, excluded)
+        slot = None if queue else self._try(deployment, features, excluded, demand)
         if slot is not None:
             return slot
         cold = False
@@ -392,11 +422,11 @@ class Admission:
         if timeout is not None:
             wait = max(0.0, min(wait, timeout))
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(features, excluded, future, cold)
+        waiter = _Waiter(features, excluded, future, cold, demand)
         ticket = queue.push(features.flow, features.weight, waiter)
         timer = self._scheduler.call_later(
             wait,
-            lambda: self._expire(queue, ticket, future, deployment_key, route.model, wait, cold),
+            lambda: self._expire(queue, ticket, waiter, deployment_key, route.model, wait),
         )
         first_cold = self._demand.wait(deployment_key, waiter, self.clock.monotonic(), cold=cold)
         if first_cold and self.on_cold is not None:
@@ -414,11 +444,17 @@ class Admission:
             self._demand.left(deployment_key, waiter, cold=cold)
 
     def _try(
-        self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
+        self,
+        deployment: _Deployment,
+        features: RequestFeatures,
+        exclude: frozenset[ReplicaKey],
+        demand: KvDemand | None = None,
     ) -> Slot | None:
         replicas = deployment.replicas
         now = self.clock.monotonic()
         replicas.wake(now)
+        if demand is not None:
+            demand.refused = False  # set again below only when KV, not slots, kept it out
         if now >= self._admit_until:  # shared caps without a lease: admit nothing new
             return None
         if not replicas.free:  # all full: no policy needs to look (saturated queues, O(1))
@@ -429,7 +465,18 @@ class Admission:
             index = self._choose_excluding(deployment, features, exclude)
         if index is None:
             return None
-        return self._grant(replicas, index, features)
+        if demand is None or self._kv is None:
+            return self._grant(replicas, index, features)
+        chosen = index  # the policy's choice must fit, else one of its next candidates
+
+        def alternatives(n: int) -> list[int]:
+            return deployment.policy.fallbacks(replicas, features, chosen, n)
+
+        placed = self._kv.place(replicas, chosen, alternatives, demand, exclude)
+        if placed is None:
+            return None
+        reservation = self._kv.reserve(replicas.endpoints[placed].replica_id, demand)
+        return self._grant(replicas, placed, features, reservation)
 
     def _choose_excluding(
         self, deployment: _Deployment, features: RequestFeatures, exclude: frozenset[ReplicaKey]
@@ -447,14 +494,20 @@ class Admission:
             for i, score in hidden:
                 replicas.scores[i] = score
 
-    def _grant(self, replicas: ReplicaSet, index: int, features: RequestFeatures) -> Slot:
+    def _grant(
+        self,
+        replicas: ReplicaSet,
+        index: int,
+        features: RequestFeatures,
+        kv: Reservation | None = None,
+    ) -> Slot:
         state = replicas.states[index]
         now = self.clock.monotonic()
         state.in_flight += 1
         state.queued_tokens += features.prompt_tokens
         state.breaker.on_start(now)
         state.changed(now)
-        return Slot(replicas.endpoints[index], state, features.prompt_tokens, self)
+        return Slot(replicas.endpoints[index], state, features.prompt_tokens, self, kv)
 
     @staticmethod
     def _could_serve(replicas: ReplicaSet, exclude: frozenset[ReplicaKey]) -> bool:
@@ -483,7 +536,7 @@ class Admission:
             if waiter.future.done():  # cancelled; its task has not run its `finally` yet
                 queue.drop()
                 continue
-            slot = self._try(deployment, waiter.features, waiter.exclude)
+            slot = self._try(deployment, waiter.features, waiter.exclude, waiter.demand)
             if slot is None:
                 return
             queue.pop()
@@ -493,15 +546,21 @@ class Admission:
         self,
         queue: FairQueue[_Waiter],
         ticket: Ticket[_Waiter],
-        future: asyncio.Future[Slot],
+        waiter: _Waiter,
         deployment: str,
         model: str,
         waited: float,
-        cold: bool = False,
     ) -> None:
+        future = waiter.future
         if queue.discard(ticket) and not future.done():
             current = self._deployments.get(deployment)
-            if cold and (current is None or not current.replicas.usable):
+            if waiter.demand is not None and waiter.demand.refused:  # slots were free: KV not
+                self._count(deployment, KV_CACHE_FULL)
+                future.set_exception(
+                    kv_cache_full(model, waited, self._settings.retry_after_seconds)
+                )
+                return
+            if waiter.cold and (current is None or not current.replicas.usable):
                 self._count(deployment, COLD_START)
                 future.set_exception(
                     UnavailableError(
@@ -545,6 +604,16 @@ class Admission:
         chosen = replicas.index.get(slot.key)
         picked = deployment.policy.fallbacks(replicas, features, chosen, n)
         return tuple(replicas.endpoints[i] for i in picked)
+
+    def engine_changed(self, replica_id: str) -> None:
+        """A replica's engine reported (`EngineStates.put`): queued requests that wait for KV
+        are re-examined in its deployments. O(1) when nothing waits there."""
+        for key in self._replica_keys.get(replica_id, ()):
+            state = self._states.get(key)
+            for replica_set, _ in state.owners if state is not None else ():
+                deployment = self._deployments.get(replica_set.deployment)
+                if deployment is not None and deployment.queue:
+                    self._pump(deployment)
 
     def observe(self, deployment: str, address: str, *, ok: bool) -> None:
         """A verdict on a replica that served a request, or failed to, without holding its

@@ -116,11 +116,14 @@ def test_replicas_hidden_by_the_caller_are_not_chosen() -> None:
 @given(
     loads=st.lists(st.integers(0, 4), min_size=1, max_size=80),
     draining=st.sets(st.integers(0, 79)),
+    hidden=st.sets(st.integers(0, 79)),
     seed=st.integers(0, 2**32),
 )
 def test_property_never_a_replica_that_cannot_take(
-    loads: list[int], draining: set[int], seed: int
+    loads: list[int], draining: set[int], hidden: set[int], seed: int
 ) -> None:
+    """Full, draining, or hidden by the caller (a tried replica: score inf, free bit still
+    set): never chosen; None exactly when no replica can take the request."""
     eps = endpoints(len(loads), cap=4)
     eps = tuple(
         e if i not in draining else type(e)(e.address, e.replica_id, draining=True)
@@ -129,6 +132,9 @@ def test_property_never_a_replica_that_cannot_take(
     s = replica_set(eps, cap=4)
     for i, load in enumerate(loads):
         set_load(s, i, load)
+    for i in hidden:
+        if i < s.n:
+            s.scores[i] = INF
     policy = PowerOfTwo(random.Random(seed))
     takers = [i for i in range(s.n) if s.can_take(i)]
     for _ in range(5):

@@ -68,6 +68,7 @@ class RequestUsage(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     API_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """The API key's id (the edge's `x-inferplane-key-id`)."""
     request_id: _builtins.str
@@ -104,6 +105,10 @@ class RequestUsage(_message.Message):
     "embedding", "transcription", "translation", "messages", "responses"); "" from older
     routers.
     """
+    adapter: _builtins.str
+    """The LoRA adapter that served it (its catalogue name, from the routing table; issue 29);
+    "" for the base model, and from older routers.
+    """
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the request ended."""
@@ -131,10 +136,11 @@ class RequestUsage(_message.Message):
         status: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         api: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,7 +186,7 @@ class QueryUsageRequest(_message.Message):
     """Only requests for this model, when set."""
     group_by: _builtins.str
     """"" (one row per request), "hour", "day" (UTC buckets of the end time), "model", "key",
-    "tenant" or "api".
+    "tenant", "api" or "adapter" ("" groups the base model's requests).
     """
     page_size: _builtins.int
     """Maximum rows or groups per page (default 100, at most 1000)."""
@@ -240,6 +246,7 @@ class UsageRow(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
     API_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The edge's request id (`x-request-id`): the row's identity."""
     key_id: _builtins.str
@@ -270,6 +277,10 @@ class UsageRow(_message.Message):
     """GPU-seconds its replica charged it (see RequestUsage.gpu_seconds)."""
     api: _builtins.str
     """The public API it came through ("" for rows written before the ledger kept it)."""
+    adapter: _builtins.str
+    """The LoRA adapter that served it ("" for the base model, and for rows written before the
+    ledger kept it).
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When it arrived at the router (unset when not reported)."""
@@ -298,10 +309,11 @@ class UsageRow(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
         api: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,7 +335,7 @@ class UsageGroup(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's key: an RFC 3339 UTC time for "hour"/"day" (the bucket's start), else the
-    model, key id or tenant.
+    model, key id, tenant, API or adapter.
     """
     requests: _builtins.int
     """Requests in the group."""

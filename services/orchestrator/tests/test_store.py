@@ -30,6 +30,7 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.catalog.model import (
     MAX_OWNED_BY,
     Accelerator,
+    Autoscaling,
     Deployment,
     DeploymentProfile,
     RolloutStrategy,
@@ -71,6 +72,7 @@ ORCHESTRATOR_TABLES = {
     "leader_leases",
     "routing_tables",
     "router_grants",
+    "autoscaler_decisions",
     "lora_adapters",
 }
 _METADATAS = (state_store._Base.metadata, release_store._Base.metadata, lease_store.METADATA)
@@ -153,6 +155,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         sampling_defaults=(("repetition_penalty", 1.3), ("top_k", 20)),
         max_loras=4,
         max_lora_rank=64,
+        ttft_slo_seconds=0.75,
     )
     return dataclasses.replace(p, **changes)
 
@@ -179,6 +182,7 @@ def deployment(deployment_id: str, *aliases: str, **changes: Any) -> Deployment:
         revision=p.revision(),
         create_time=T0,
         update_time=T0 + timedelta(seconds=1, microseconds=1),
+        autoscaling=Autoscaling(True, True, 90, 600, 30, 6.5, 0.85),
     )
     return dataclasses.replace(d, **changes)
 

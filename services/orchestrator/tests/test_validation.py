@@ -192,11 +192,14 @@ def test_a_field_added_later_changes_no_existing_revision() -> None:
     del payload["sampling_defaults"]
     del payload["max_loras"]  # LoRA (issue 29): hashed when set
     del payload["max_lora_rank"]
+    del payload["ttft_slo_seconds"]  # never hashed: the autoscaler's target (UNHASHED_FIELDS)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()
     on = dataclasses.replace(PROFILE, constrain_tool_choice_auto=True)
     assert on.revision() != PROFILE.revision()
+    slo = dataclasses.replace(PROFILE, ttft_slo_seconds=0.5)
+    assert slo.revision() == PROFILE.revision()
 
 
 def test_sampling_defaults_are_checked_carried_to_the_spec_and_a_new_revision() -> None:

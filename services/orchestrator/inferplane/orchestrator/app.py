@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.edge import EdgeConfig
+from inferplane.orchestrator.autoscale.loop import Autoscaler, AutoscalerMetrics, AutoscaleSettings
 from inferplane.orchestrator.catalog.sizing import SizingPolicy
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.fleet.model import Liveness
@@ -33,7 +34,7 @@ from inferplane.orchestrator.placement.registry import (
     default_policies,
 )
 from inferplane.orchestrator.release.agents import GrpcNodeAgents, NodeAgents
-from inferplane.orchestrator.release.gate import Gate, ProbeGate
+from inferplane.orchestrator.release.gate import Gate, ProbeGate, TelemetryLatency
 from inferplane.orchestrator.release.observe import ReconcileSettings
 from inferplane.orchestrator.release.reconciler import Reconciler
 from inferplane.orchestrator.release.store import (
@@ -82,6 +83,8 @@ class OrchestratorComponents:
     lease_store: SqlLeaseStore
     relay: RoutingTableRelay
     grants: GrantsJournal
+    autoscaler: Autoscaler | None = None
+    registry: CollectorRegistry = dataclasses.field(default_factory=CollectorRegistry)
     edge: EdgeXds | None = None
     _leader_tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     _follower: asyncio.Task[None] | None = None
@@ -94,7 +97,13 @@ class OrchestratorComponents:
         sweeper and the reconcile loop; a standby serves the routing table the leader stored."""
         await asyncio.to_thread(self.store.create_schema)
         await asyncio.to_thread(self.releases.create_schema)
-        self.control.set_status_provider(self.reconciler.status)
+        reconciled = self.reconciler.status
+        autoscaler = self.autoscaler
+        if autoscaler is None:
+            self.control.set_status_provider(reconciled)
+        else:
+            self.control.set_status_provider(lambda d, s: autoscaler.status(d, reconciled(d, s)))
+            self.hub.on_cold_demand(autoscaler.wake)
         self.control.subscribe(self.reconciler.wake)
         if self.edge is not None:
             await self.edge.set_routers(self.settings.edge_routers)
@@ -128,6 +137,8 @@ class OrchestratorComponents:
         ]
         if self.settings.reconcile:
             self._leader_tasks.append(asyncio.create_task(self.reconciler.run(), name="reconcile"))
+        if self.autoscaler is not None:
+            self._leader_tasks.append(asyncio.create_task(self.autoscaler.run(), name="autoscale"))
 
     async def _follow(self) -> None:
         """Stands by: no control loop; the routing table the leader stored is served."""
@@ -173,7 +184,7 @@ class OrchestratorComponents:
         nodes = "/inferplane.orchestrator.v1.NodeService/"
         return App(
             component="orchestrator",
-            registry=CollectorRegistry(),
+            registry=self.registry,
             peer_policy=PeerPolicy(
                 {
                     # The catalogue and fleet operations: operators (CLI, `inferplane up`).
@@ -306,6 +317,26 @@ def build_components(
             observe_timeout_seconds=settings.node_agent_observe_timeout_seconds,
         ),
     )
+    registry = CollectorRegistry()
+    autoscaler = None
+    if settings.autoscale:
+        telemetry = settings.telemetry_address or settings.edge_telemetry_address
+        autoscaler = Autoscaler(
+            control,
+            hub.demand,
+            reconciler.ready_replicas,
+            clock=clock,
+            settings=AutoscaleSettings(
+                interval_seconds=settings.autoscale_interval_seconds,
+                grace_seconds=settings.autoscale_grace_seconds,
+                ttft_window_seconds=settings.autoscale_ttft_window_seconds,
+                ttft_interval_seconds=settings.autoscale_ttft_interval_seconds,
+            ),
+            latency=TelemetryLatency(telemetry, security=settings.security("orchestrator"))
+            if telemetry
+            else None,
+            metrics=AutoscalerMetrics(registry),
+        )
     cache = SnapshotCache()
     edge = None
     if settings.edge_routers and settings.edge_auth_address:
@@ -346,6 +377,8 @@ def build_components(
         lease_store=lease_store,
         relay=relay,
         grants=grants,
+        autoscaler=autoscaler,
+        registry=registry,
         edge=edge,
     )
 

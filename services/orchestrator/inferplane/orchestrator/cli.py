@@ -42,7 +42,7 @@ from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.sdk import Client, ConfigError, Deployments, InferplaneError
 
 app = typer.Typer(
-    help="The model catalogue: create, list and explain deployments.",
+    help="The model catalogue: create, list and explain deployments; their autoscaling.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -107,6 +107,51 @@ def list_(address: Address = DEFAULT_ADDRESS) -> None:
             d.status.current_revision,
         )
     Console(width=160).print(table)
+
+
+@app.command()
+def autoscale(
+    name: Annotated[str, typer.Argument(help="Deployment id or alias.")],
+    limit: Annotated[int, typer.Option("--limit", help="Recent decisions to show.")] = 20,
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Print a deployment's autoscaling: settings, status, signals and recent decisions."""
+    with _deployments(address) as client:
+        d = client.get(name)
+        decisions = client.autoscaler_decisions(d.name, page_size=limit)
+    console = Console(width=160)
+    a, status = d.autoscaling, d.status.autoscaler
+    if not a.enabled:
+        console.print(f"{d.name}: autoscaling off (replicas {d.replicas}, set by the operator)")
+    else:
+        zero = (
+            f"scale to zero after {a.idle_seconds_before_zero or 300} s idle"
+            if a.scale_to_zero
+            else "no scale to zero"
+        )
+        console.print(
+            f"{d.name}: replicas {d.replicas} (bounds {d.min_replicas}..{d.max_replicas}, "
+            f"{d.status.ready_replicas} ready), {zero}; desired {status.desired_replicas}, "
+            f"last decision {status.last_decision or '-'}: {status.reason or '-'}"
+        )
+        signals = Table(title="signals", title_justify="left")
+        signals.add_column("SIGNAL")
+        signals.add_column("VALUE", justify="right")
+        for field in pb.AutoscalerSignals.DESCRIPTOR.fields:
+            value = getattr(status.signals, field.name)
+            signals.add_row(field.name, f"{value:.3f}" if isinstance(value, float) else str(value))
+        console.print(signals)
+    table = Table(title="recent decisions (newest first)", title_justify="left")
+    for column in ("TIME", "DECISION", "REPLICAS", "REASON"):
+        table.add_column(column, overflow="fold")
+    for decision in decisions:
+        table.add_row(
+            decision.time.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+            decision.decision,
+            f"{decision.from_replicas} -> {decision.to_replicas}",
+            decision.reason,
+        )
+    console.print(table)
 
 
 def _read_deployment(path: Path) -> tuple[str, pb.Deployment]:

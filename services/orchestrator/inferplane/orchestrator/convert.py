@@ -26,10 +26,13 @@ from google.protobuf import timestamp_pb2
 from inferplane import replica_contract as contract
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.orchestrator.autoscale.demand import RouterDemand
+from inferplane.orchestrator.autoscale.model import AutoscalerStatus, ScaleDecision, Signals
 from inferplane.orchestrator.catalog.model import (
     DEFAULT_CONSTRAIN_TOOL_CHOICE_AUTO,
     SAMPLING_FIELDS,
     TASK_GENERATE,
+    Autoscaling,
     Deployment,
     DeploymentProfile,
     LoraAdapter,
@@ -216,6 +219,7 @@ PROFILE_FIELDS: tuple[WireField, ...] = (
     WireField("constrain_tool_choice_auto", read=_read_tool_choice),
     WireField("task", read=_read_task, write=_write_task, also=("replica_task",)),
     WireField("sampling_defaults", read=_read_sampling, write=_write_sampling),
+    WireField("ttft_slo_seconds"),
     WireField("max_loras"),
     WireField("max_lora_rank"),
 )
@@ -287,6 +291,55 @@ def domain_paths(paths: list[str]) -> list[str]:
     return out
 
 
+def autoscaling_from_proto(a: pb.Autoscaling) -> Autoscaling:
+    """The domain settings (0 stays 0: the default, resolved by `Autoscaling.effective_*`)."""
+    return Autoscaling(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Autoscaling)})
+
+
+def autoscaling_to_proto(a: Autoscaling) -> pb.Autoscaling:
+    return pb.Autoscaling(**dataclasses.asdict(a))
+
+
+def signals_to_proto(s: Signals) -> pb.AutoscalerSignals:
+    return pb.AutoscalerSignals(**dataclasses.asdict(s))
+
+
+def autoscaler_status_to_proto(a: AutoscalerStatus) -> pb.AutoscalerStatus:
+    return pb.AutoscalerStatus(
+        desired_replicas=a.desired_replicas,
+        last_decision=a.last_decision,
+        reason=a.reason,
+        last_change_time=_ts(a.last_change_time),
+        signals=signals_to_proto(a.signals),
+    )
+
+
+def decision_to_proto(d: ScaleDecision) -> pb.AutoscalerDecision:
+    return pb.AutoscalerDecision(
+        deployment=f"deployments/{d.deployment_id}",
+        time=_ts(d.time),
+        decision=d.decision,
+        from_replicas=d.from_replicas,
+        to_replicas=d.to_replicas,
+        reason=d.reason,
+        signals=signals_to_proto(d.signals),
+    )
+
+
+def demand_from_proto(d: pb.DeploymentDemand) -> RouterDemand:
+    """One router's report of one deployment's demand (the autoscaler's input)."""
+    return RouterDemand(
+        queued_requests=d.queued_requests,
+        max_queue_wait_seconds=d.max_queue_wait_seconds,
+        queue_rejections_total=d.queue_rejections_total,
+        in_flight_requests=d.in_flight_requests,
+        engine_waiting_requests=d.engine_waiting_requests,
+        kv_usage=d.kv_usage,
+        cold_waiting_requests=d.cold_waiting_requests,
+        requests_total=d.requests_total,
+    )
+
+
 def deployment_from_proto(d: pb.Deployment, deployment_id: str) -> Deployment:
     """The domain deployment; `rollout` unset in the request means the default strategy."""
     rollout = rollout_from_proto(d.rollout) if d.HasField("rollout") else RolloutStrategy()
@@ -300,6 +353,7 @@ def deployment_from_proto(d: pb.Deployment, deployment_id: str) -> Deployment:
         rollout=rollout,
         owned_by=d.owned_by,
         routing_policy=d.routing_policy,
+        autoscaling=autoscaling_from_proto(d.autoscaling),
     )
 
 
@@ -319,11 +373,15 @@ def deployment_to_proto(view: DeploymentView) -> pb.Deployment:
             ready_replicas=s.ready_replicas,
             current_revision=s.current_revision,
             target_revision=s.target_revision,
+            autoscaler=None if s.autoscaler is None else autoscaler_status_to_proto(s.autoscaler),
         ),
         create_time=_ts(d.create_time),
         update_time=_ts(d.update_time),
         owned_by=d.owned_by,
         routing_policy=d.routing_policy,
+        autoscaling=None
+        if not d.autoscaled and d.autoscaling == Autoscaling()
+        else (autoscaling_to_proto(d.autoscaling)),
     )
 
 

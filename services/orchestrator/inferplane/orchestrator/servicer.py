@@ -17,6 +17,8 @@ from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.convert import (
     adapter_from_proto,
     adapter_to_proto,
+    decision_to_proto,
+    demand_from_proto,
     deployment_from_proto,
     deployment_to_proto,
     domain_paths,
@@ -125,6 +127,23 @@ class DeploymentService(
     ) -> pb.ExplainPlacementResponse:
         lines = await asyncio.to_thread(self._control.explain, _deployment_id(request.name))
         return pb.ExplainPlacementResponse(lines=lines)
+
+    async def ListAutoscalerDecisions(
+        self, request: pb.ListAutoscalerDecisionsRequest, context: Context
+    ) -> pb.ListAutoscalerDecisionsResponse:
+        """The autoscaler's recent decisions, newest first (`Catalogue.autoscaler_decisions`).
+
+        Raises:
+            InvalidArgumentError: `deployment` set but not `deployments/{deployment}`.
+            NotFoundError: no such deployment.
+        """
+        name = _deployment_id(request.deployment, "deployment") if request.deployment else ""
+        decisions = await asyncio.to_thread(
+            self._control.autoscaler_decisions, name, request.page_size
+        )
+        return pb.ListAutoscalerDecisionsResponse(
+            decisions=[decision_to_proto(d) for d in decisions]
+        )
 
     async def CreateAdapter(
         self, request: pb.CreateAdapterRequest, context: Context
@@ -280,6 +299,7 @@ class RoutingService(
             request.version,
             [(r.address, r.replica_id) for r in request.over_share],
             release=request.release,
+            demand=[(d.deployment, demand_from_proto(d)) for d in request.demand],
         )
         return pb.RenewRouterLeaseResponse(lease_seconds=seconds)
 

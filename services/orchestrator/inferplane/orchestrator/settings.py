@@ -57,6 +57,17 @@ class OrchestratorSettings(ServiceSettings):
             lease it has not seen renewed for d seconds (`leadership.py`).
         leader_renew_seconds: the renew interval r (< d): the leader renews, and standbys
             read the lease, every r seconds. A new leader within d + r of the leader's death.
+        autoscale: run the autoscaler (leader only; it touches only deployments with
+            `autoscaling.enabled`; services/orchestrator/README.md, "Autoscaling").
+        autoscale_interval_seconds: time between autoscaler ticks (a router's renewal that
+            reports a request held for a cold start wakes it at once).
+        autoscale_grace_seconds: requests queued at a router, or waiting in an engine, count
+            as pressure (one replica more) once they waited this long.
+        autoscale_ttft_window_seconds / autoscale_ttft_interval_seconds: TTFT p99 is read
+            from telemetry over this window, at most this often per deployment (only for
+            profiles with `ttft_slo_seconds`).
+        telemetry_address: the telemetry service (`host:port`) the autoscaler reads TTFT p99
+            from (`QueryLatency`); "" = `edge_telemetry_address`; both empty: no TTFT signal.
         lora_root: the folder every LoRA adapter's source must lie in (`catalog/adapters.py`;
             `~` expanded, symlinks resolved); sent to LoRA replicas as `ReplicaSpec.lora_root`
             (the same path on the nodes). "" = `<data_dir>/lora`; the local stack passes its
@@ -94,6 +105,12 @@ class OrchestratorSettings(ServiceSettings):
     leader_id: str = ""
     leader_lease_seconds: float = 10.0
     leader_renew_seconds: float = 3.0
+    autoscale: bool = True
+    autoscale_interval_seconds: float = 2.0
+    autoscale_grace_seconds: float = 2.0
+    autoscale_ttft_window_seconds: float = 60.0
+    autoscale_ttft_interval_seconds: float = 15.0
+    telemetry_address: str = ""
     lora_root: str = ""
 
     @property

@@ -15,7 +15,14 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.telemetry.v1 import telemetry_pb2_grpc
 from inferplane.routing_client import RoutingTableWatch
 from inferplane.runtime import App, ServicerBinding
-from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import (
+    ADMIN,
+    EDGE,
+    NODE_AGENT,
+    ORCHESTRATOR,
+    ROUTER,
+    PeerPolicy,
+)
 from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.telemetry.alerts import Evaluator
@@ -103,6 +110,8 @@ class TelemetryComponents:
                     service + "RecordRequests": [ROUTER, NODE_AGENT],
                     # Queries: operators (`inferplane top`).
                     service: [ADMIN],
+                    # A deployment's TTFT p99: the orchestrator's autoscaler (issue 29).
+                    service + "QueryLatency": [ADMIN, ORCHESTRATOR],
                     # The edge's access log of routed requests (the edge overhead metric).
                     "/envoy.service.accesslog.v3.AccessLogService/": [EDGE],
                 }

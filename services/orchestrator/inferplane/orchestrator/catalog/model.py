@@ -41,6 +41,9 @@ class Accelerator(enum.Enum):
     CPU = "cpu"
 
 
+#: Profile fields that do not change how a replica runs: never hashed into `revision()`
+#: (changing them rolls nothing). `ttft_slo_seconds` is the autoscaler's target (issue 29).
+UNHASHED_FIELDS = ("ttft_slo_seconds",)
 #: Profile fields added after the first release, hashed into `revision()` only when set.
 ADDED_FIELDS = (
     "stream_interval",
@@ -125,6 +128,7 @@ class DeploymentProfile:
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     max_loras: int = 0
     max_lora_rank: int = 0
+    ttft_slo_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         value: Any = self.sampling_defaults  # a mapping or pairs from a stored profile's JSON
@@ -186,6 +190,8 @@ class DeploymentProfile:
         for name in ADDED_FIELDS:
             if not payload[name]:
                 del payload[name]
+        for name in UNHASHED_FIELDS:
+            del payload[name]
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -200,6 +206,56 @@ class RolloutStrategy:
     max_ttft_p99_seconds: float = 0.0
     gate_window_seconds: int = 0
     drain_grace_period_seconds: int = 30
+
+
+#: Autoscaling defaults, for a setting left 0 (`Autoscaling`; the proto's comments).
+DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 60
+DEFAULT_IDLE_SECONDS_BEFORE_ZERO = 300
+DEFAULT_COLD_START_BUDGET_SECONDS = 120
+DEFAULT_TARGET_IN_FLIGHT_FRACTION = 0.8  # of the profile's max_num_seqs
+DEFAULT_MAX_KV_USAGE = 0.9
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Autoscaling:
+    """Autoscaling of one deployment (mirrors `inferplane.orchestrator.v1.Autoscaling`).
+
+    Stored as set: 0 means the default, which the `effective_*` properties resolve (seconds;
+    requests; a fraction 0..1). Disabled (the default): `replicas` is the operator's. Enabled:
+    the autoscaler owns `replicas` within `replica_floor..max_replicas`
+    (services/orchestrator/README.md, "Autoscaling").
+    """
+
+    enabled: bool = False
+    scale_to_zero: bool = False
+    scale_down_window_seconds: int = 0
+    idle_seconds_before_zero: int = 0
+    cold_start_budget_seconds: int = 0
+    target_in_flight_per_replica: float = 0.0
+    max_kv_usage: float = 0.0
+
+    @property
+    def effective_scale_down_window_seconds(self) -> int:
+        return self.scale_down_window_seconds or DEFAULT_SCALE_DOWN_WINDOW_SECONDS
+
+    @property
+    def effective_idle_seconds_before_zero(self) -> int:
+        return self.idle_seconds_before_zero or DEFAULT_IDLE_SECONDS_BEFORE_ZERO
+
+    @property
+    def effective_cold_start_budget_seconds(self) -> int:
+        return self.cold_start_budget_seconds or DEFAULT_COLD_START_BUDGET_SECONDS
+
+    @property
+    def effective_max_kv_usage(self) -> float:
+        return self.max_kv_usage or DEFAULT_MAX_KV_USAGE
+
+    def target_in_flight(self, max_num_seqs: int) -> float:
+        """Requests in flight one replica should carry: the setting, else 0.8 × `max_num_seqs`
+        (at least 1)."""
+        if self.target_in_flight_per_replica > 0:
+            return self.target_in_flight_per_replica
+        return max(1.0, DEFAULT_TARGET_IN_FLIGHT_FRACTION * max_num_seqs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -224,6 +280,18 @@ class Deployment:
     revision: str = ""
     create_time: datetime | None = None
     update_time: datetime | None = None
+    autoscaling: Autoscaling = Autoscaling()
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether the autoscaler owns `replicas` (autoscaling enabled)."""
+        return self.autoscaling.enabled
+
+    @property
+    def replica_floor(self) -> int:
+        """The fewest replicas the autoscaler keeps while the deployment is in use:
+        max(min_replicas, 1); only scale to zero goes below it, after the idle period."""
+        return max(self.min_replicas, 1)
 
     @property
     def name(self) -> str:

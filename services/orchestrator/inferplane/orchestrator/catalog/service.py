@@ -13,8 +13,14 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from inferplane.orchestrator.autoscale.model import AutoscalerStatus, ScaleDecision, Signals
 from inferplane.orchestrator.catalog.adapters import AdapterCatalogue
-from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile, RolloutStrategy
+from inferplane.orchestrator.catalog.model import (
+    Autoscaling,
+    Deployment,
+    DeploymentProfile,
+    RolloutStrategy,
+)
 from inferplane.orchestrator.catalog.sizing import estimate
 from inferplane.orchestrator.catalog.validation import validate_deployment
 from inferplane.orchestrator.fleet.model import NodeCondition
@@ -44,10 +50,15 @@ UPDATABLE_FIELDS = (
     "rollout",
     "owned_by",
     "routing_policy",
+    "autoscaling",
 )
+#: ListAutoscalerDecisions: decisions returned when page_size is 0, and at most.
+DEFAULT_DECISIONS_PAGE = 50
+MAX_DECISIONS_PAGE = 1000
 _NESTED = {
     "profile": {f.name for f in dataclasses.fields(DeploymentProfile)},
     "rollout": {f.name for f in dataclasses.fields(RolloutStrategy)},
+    "autoscaling": {f.name for f in dataclasses.fields(Autoscaling)},
 }
 
 
@@ -60,6 +71,7 @@ class DeploymentStatus:
     ready_replicas: int
     current_revision: str
     target_revision: str = ""
+    autoscaler: AutoscalerStatus | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,6 +173,11 @@ class Catalogue(AdapterCatalogue):
             candidate = dataclasses.replace(
                 merged.normalised(), create_time=current.create_time, update_time=self._clock.now()
             )
+            if current.autoscaled and merged.autoscaled:
+                _check_replicas_untouched(current, incoming, paths)
+                candidate = dataclasses.replace(candidate, replicas=current.replicas)
+            if candidate.autoscaled:
+                candidate = dataclasses.replace(candidate, replicas=_within_bounds(candidate))
             validate_deployment(candidate)
             self._check_names_free(candidate, ignore=current.deployment_id)
             self._check_free_of_adapters(candidate)
@@ -176,6 +193,71 @@ class Catalogue(AdapterCatalogue):
                 previous_revision=current.revision,
             )
             return self._view(candidate, self._plan)
+
+    def autoscale(
+        self, deployment_id: str, replicas: int, kind: str, reason: str, signals: Signals
+    ) -> tuple[int, str]:
+        """The autoscaler's write of an autoscaled deployment's `replicas`, with its decision
+        (one transaction, fenced like every catalogue write). A scale-up is bounded by free
+        capacity: replicas placement cannot place are not asked for, and why is returned.
+
+        Returns:
+            (the replicas now desired, why fewer than `replicas` were set: placement's reason
+            for the first replica it could not place; "" when all were).
+        """
+        self._guard()
+        with self._lock:
+            current = self._deployments.get(deployment_id)
+            if current is None or not current.autoscaled:
+                return (current.replicas if current else 0), ""
+            target, short = replicas, ""
+            if target > current.replicas:
+                preview = self._plan_for(
+                    {
+                        **self._deployments,
+                        deployment_id: dataclasses.replace(current, replicas=target),
+                    },
+                    self._nodes,
+                )
+                unplaced = preview.of(deployment_id)[1]
+                if unplaced:
+                    short = f"{len(unplaced)} cannot be placed: {unplaced[0].reason}"
+                    target = max(current.replicas, target - len(unplaced))
+            if target == current.replicas:
+                return target, short
+            candidate = dataclasses.replace(current, replicas=target)
+            decision = ScaleDecision(
+                deployment_id=deployment_id,
+                time=self._clock.now(),
+                decision=kind,
+                from_replicas=current.replicas,
+                to_replicas=target,
+                reason=f"{reason}; {short}" if short else reason,
+                signals=signals,
+            )
+            deployments = {**self._deployments, deployment_id: candidate}
+            self._commit(
+                StateChange(put_deployments=(candidate,), add_decisions=(decision,)),
+                deployments,
+                self._nodes,
+            )
+            log.info(
+                "autoscaled",
+                deployment=deployment_id,
+                decision=kind,
+                replicas=target,
+                previous=current.replicas,
+                reason=decision.reason,
+            )
+            return target, short
+
+    def autoscaler_decisions(self, name: str, page_size: int) -> tuple[ScaleDecision, ...]:
+        """The newest autoscaler decisions (of `name`, `deployments/{id-or-alias}`; "": all),
+        newest first, at most `page_size` (0: 50; capped at 1,000). Raises NotFoundError."""
+        self._guard()
+        deployment_id = self.resolve(name).deployment_id if name else ""
+        limit = min(page_size or DEFAULT_DECISIONS_PAGE, MAX_DECISIONS_PAGE)
+        return self._store.list_decisions(deployment_id, limit)
 
     def delete(self, name: str) -> None:
         """Deletes the deployment and its placements. Raises NotFoundError."""
@@ -273,6 +355,35 @@ def _status(
         phase = "Progressing"
         message = f"{len(placements)} of {wanted} replicas placed, {ready} ready"
     return DeploymentStatus(phase, message, ready, deployment.revision)
+
+
+def _check_replicas_untouched(
+    current: Deployment, incoming: Deployment, paths: Sequence[str]
+) -> None:
+    """Refuses an update that sets `replicas` of a deployment the autoscaler owns (a request
+    that leaves it 0 or at its current value in a whole-deployment update is fine).
+
+    Raises:
+        FailedPreconditionError: `replicas` named with another value.
+    """
+    named = "replicas" in paths or not paths
+    if named and incoming.replicas not in (0, current.replicas):
+        raise FailedPreconditionError(
+            f"replicas of deployments/{current.deployment_id} is set by the autoscaler "
+            f"(autoscaling.enabled, now {current.replicas}, within min_replicas "
+            f"{current.min_replicas} .. max_replicas {current.max_replicas}); change "
+            "min_replicas / max_replicas, or disable autoscaling to set replicas",
+            reason="REPLICAS_OWNED_BY_AUTOSCALER",
+            param="deployment.replicas",
+        )
+
+
+def _within_bounds(d: Deployment) -> int:
+    """An autoscaled deployment's replicas moved into its bounds (0 stays 0 with scale to
+    zero)."""
+    if d.replicas == 0 and d.autoscaling.scale_to_zero:
+        return 0
+    return min(max(d.replicas, d.replica_floor), d.max_replicas)
 
 
 def _merge(current: Deployment, incoming: Deployment, paths: Sequence[str]) -> Deployment:

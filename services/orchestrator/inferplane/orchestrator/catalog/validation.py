@@ -122,8 +122,18 @@ def validate_deployment(deployment: Deployment) -> None:
             raise _fail(f"alias {alias!r} is repeated or equals the deployment id", "aliases")
         seen.add(alias)
     _validate_profile(deployment)
+    _validate_autoscaling(deployment)
     upper = deployment.max_replicas or deployment.replicas
-    if not deployment.min_replicas <= deployment.replicas <= upper:
+    # Scale to zero is the only way below min_replicas (the autoscaler's write after idle).
+    lower = 0 if deployment.autoscaling.scale_to_zero else deployment.min_replicas
+    if deployment.autoscaled and not lower <= deployment.replicas <= upper:
+        raise _fail(
+            "replicas must satisfy min_replicas <= replicas <= max_replicas (0 only with "
+            f"autoscaling.scale_to_zero); got {deployment.min_replicas} <= "
+            f"{deployment.replicas} <= {deployment.max_replicas}",
+            "replicas",
+        )
+    if not deployment.autoscaled and not deployment.min_replicas <= deployment.replicas <= upper:
         raise _fail(
             "replicas must satisfy min_replicas <= replicas <= max_replicas (0 = no bound); got "
             f"{deployment.min_replicas} <= {deployment.replicas} <= {deployment.max_replicas}",
@@ -208,6 +218,66 @@ def _validate_speech(p: DeploymentProfile) -> None:
             f"transport {p.transport!r} cannot serve speech-to-text; use "
             f"{' or '.join(SPEECH_TRANSPORTS)}",
             "profile.transport",
+        )
+
+
+#: Upper bounds of the autoscaling windows, seconds (a day: longer is a typo, not a policy).
+MAX_AUTOSCALING_SECONDS = 86_400
+
+
+def _validate_autoscaling(deployment: Deployment) -> None:
+    """Bounds and windows of `deployment.autoscaling` (only when enabled, except that its
+    numbers must be sane whenever they are set) and the profile's `ttft_slo_seconds`."""
+    a = deployment.autoscaling
+    slo = deployment.profile.ttft_slo_seconds
+    if not (math.isfinite(slo) and 0.0 <= slo <= 3600.0):
+        raise _fail(
+            f"profile.ttft_slo_seconds must be 0 (no TTFT signal) to 3600 seconds; got {slo}",
+            "profile.ttft_slo_seconds",
+        )
+    for field in ("scale_down_window_seconds", "idle_seconds_before_zero"):
+        value = getattr(a, field)
+        if not 0 <= value <= MAX_AUTOSCALING_SECONDS:
+            raise _fail(
+                f"autoscaling.{field} must be 0 (the default) to {MAX_AUTOSCALING_SECONDS} "
+                f"seconds; got {value}",
+                f"autoscaling.{field}",
+            )
+    if not 0 <= a.cold_start_budget_seconds <= 3600:
+        raise _fail(
+            "autoscaling.cold_start_budget_seconds must be 0 (the default, 120) to 3600 "
+            f"seconds; got {a.cold_start_budget_seconds}",
+            "autoscaling.cold_start_budget_seconds",
+        )
+    target = a.target_in_flight_per_replica
+    if not (math.isfinite(target) and 0.0 <= target <= 1_000_000):
+        raise _fail(
+            "autoscaling.target_in_flight_per_replica must be 0 (0.8 x max_num_seqs) or a "
+            f"positive number of requests; got {target}",
+            "autoscaling.target_in_flight_per_replica",
+        )
+    if not (math.isfinite(a.max_kv_usage) and 0.0 <= a.max_kv_usage <= 1.0):
+        raise _fail(
+            f"autoscaling.max_kv_usage is a share between 0 and 1 (0: 0.9); got {a.max_kv_usage}",
+            "autoscaling.max_kv_usage",
+        )
+    if not a.enabled:
+        if a.scale_to_zero:
+            raise _fail(
+                "autoscaling.scale_to_zero needs autoscaling.enabled", "autoscaling.scale_to_zero"
+            )
+        return
+    if deployment.max_replicas < 1:
+        raise _fail(
+            "max_replicas must be at least 1 when autoscaling is enabled (the autoscaler's "
+            f"upper bound); got {deployment.max_replicas}",
+            "max_replicas",
+        )
+    if deployment.min_replicas > deployment.max_replicas:
+        raise _fail(
+            f"min_replicas ({deployment.min_replicas}) must not exceed max_replicas "
+            f"({deployment.max_replicas})",
+            "min_replicas",
         )
 
 

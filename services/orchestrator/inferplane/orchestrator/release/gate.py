@@ -2,8 +2,10 @@
 deployment's rollout bounds (`max_error_rate`, `max_ttft_p99_seconds`, `gate_window_seconds`).
 
 `Gate` is the port; `ProbeGate` measures with probe requests pinned to the replica through the
-node-agent (works with nothing else running). Telemetry's `QueryLatency` (per replica, over the
-window) can back the same port later without touching the release logic.
+node-agent (works with nothing else running). `TelemetryLatency` is the platform's one reader of
+a deployment's TTFT p99 and error counts from telemetry (`QueryLatency` over a window, what the
+routers' request records show): the autoscaler's TTFT signal (issue 29) reads it, and it can
+back the gate's port too once telemetry records per replica.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import grpc
+
+from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.orchestrator.catalog.model import RolloutStrategy
 from inferplane.orchestrator.release.agents import NodeAgents
+from inferplane.runtime.security.identity import TELEMETRY, PeerSecurity
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,3 +134,55 @@ class ProbeGate:
         return GateReading(
             count, errors, p99(ttfts), f"last error: {last_error}" if last_error else ""
         )
+
+
+class LatencyReader(Protocol):
+    """A deployment's requests, errors and TTFT p99 over the last `window_seconds` (None when
+    unknown: the source cannot be read)."""
+
+    async def read(self, deployment_id: str, window_seconds: float) -> GateReading | None: ...
+
+
+class TelemetryLatency:
+    """`LatencyReader` over telemetry's `QueryLatency` (`address`, `host:port`), percentile 99
+    of TTFT; a failed call is None (and logged by the caller), never an exception.
+    `security`: the orchestrator's identity toward telemetry."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        security: PeerSecurity | None = None,
+        timeout_seconds: float = 2.0,
+    ) -> None:
+        self._address = address
+        self._security = security or PeerSecurity.plaintext()
+        self._timeout = timeout_seconds
+        self._channel: grpc.aio.Channel | None = None
+
+    async def read(self, deployment_id: str, window_seconds: float) -> GateReading | None:
+        if self._channel is None:
+            self._channel = self._security.aio_channel(
+                self._address, self._security.server_options(TELEMETRY)
+            )
+        stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
+        try:
+            response = await stub.QueryLatency(
+                telemetry_pb2.QueryLatencyRequest(
+                    deployment=deployment_id,
+                    window_seconds=max(1, round(window_seconds)),
+                    percentiles=[99],
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.RpcError:
+            return None
+        ttft = next(
+            (p.value for p in response.time_to_first_token_seconds if p.percentile == 99), 0.0
+        )
+        return GateReading(response.request_count, response.error_count, ttft)
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(grace=None)

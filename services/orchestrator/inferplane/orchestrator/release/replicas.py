@@ -239,6 +239,15 @@ class ReplicaOperations(Observation):
                         max_model_len=deployment.profile.max_model_len,
                         created=int(created.timestamp()) if created else 0,
                         owned_by=deployment.owned_by,
+                        # Scale to zero (issue 29): with no endpoint the picker holds a
+                        # request up to the budget while a replica starts.
+                        scale_to_zero=deployment.autoscaled
+                        and deployment.autoscaling.scale_to_zero,
+                        cold_start_budget_seconds=(
+                            deployment.autoscaling.effective_cold_start_budget_seconds
+                            if deployment.autoscaled and deployment.autoscaling.scale_to_zero
+                            else 0
+                        ),
                     )
                 )
         routes.extend(adapter_routes(routes, self._control.adapters()))

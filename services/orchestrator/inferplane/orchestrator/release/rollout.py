@@ -84,6 +84,15 @@ class Rollout(ReplicaOperations):
             **common,
         )
 
+    def ready_replicas(self, deployment_id: str) -> int:
+        """The deployment's replicas that serve and are observed READY (the autoscaler's
+        count of what its last scale-up brought)."""
+        return sum(
+            1
+            for r in self._records.values()
+            if r.deployment_id == deployment_id and r.stage is Stage.SERVING and self._ready(r)
+        )
+
     def _goal(self, deployment: Deployment) -> tuple[str, DeploymentProfile, Release]:
         rel = self.release(deployment.deployment_id)
         if rel.failed_revision and rel.failed_revision != deployment.revision:

@@ -9,11 +9,12 @@ import asyncio
 import itertools
 import math
 import secrets
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 
 import structlog
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.orchestrator.autoscale.demand import DemandAggregate, DemandBook, RouterDemand
 from inferplane.orchestrator.routing.shares import (
     DEFAULT_LEASE_MARGIN_SECONDS,
     DEFAULT_LEASE_SECONDS,
@@ -79,6 +80,20 @@ class RoutingHub:
         self._dirty = False  # a `held` shrank or a router went: write it (nothing waits)
         self._saver: asyncio.Task[None] | None = None
         self._peers: tuple[str, ...] = ()  # members' ids in order: the per-key limit split
+        # The routers' demand per deployment (autoscaling); a router silent past its lease
+        # (and margin) drops out of it.
+        self._demand = DemandBook(clock=self._clock, stale_after_seconds=self._lease + self._margin)
+        self._on_cold_demand: Callable[[], None] | None = None
+
+    def on_cold_demand(self, callback: Callable[[], None] | None) -> None:
+        """Calls `callback()` on a renewal that reports a request held for a cold start (the
+        autoscaler looks at once instead of at its next tick)."""
+        self._on_cold_demand = callback
+
+    def demand(self, deployment_id: str) -> DemandAggregate:
+        """The deployment's demand over the routers that reported within their lease
+        (`autoscale.demand`)."""
+        return self._demand.aggregate(deployment_id)
 
     @property
     def table(self) -> pb.WatchRoutingTableResponse:
@@ -254,13 +269,15 @@ class RoutingHub:
         over_share: Iterable[ReplicaKey] = (),
         *,
         release: bool = False,
+        demand: Iterable[tuple[str, RouterDemand]] = (),
     ) -> float:
         """One renewal of `router_id`'s lease; returns the lease in seconds (counted from
         when the router sent it), 0 when `lease_epoch` is not the router's current one (it
         must wait for its next table). `version` acknowledges the table the router enforces:
         when it is the last one shown, the router's `held` drops to its shares except on
         `over_share`. `release`: the router admits nothing more (`over_share` then names the
-        replicas it still has requests in flight to).
+        replicas it still has requests in flight to). `demand`: the router's view of each
+        deployment's demand (deployment id, report), kept for the autoscaler (`demand`).
 
         Raises:
             FailedPreconditionError: the router has no watch stream open here, or this hub is
@@ -280,6 +297,10 @@ class RoutingHub:
                 "WatchRoutingTable with this router_id first",
                 code="no_routing_watch",
             )
+        if release:
+            self._demand.forget(router_id)
+        elif self._demand.record(router_id, demand) and self._on_cold_demand is not None:
+            self._on_cold_demand()
         was_member = router.member(now)
         covered = lease_epoch == router.epoch
         held = dict(router.held)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from inferplane.orchestrator.autoscale.model import ScaleDecision
 from inferplane.orchestrator.catalog.model import Deployment, LoraAdapter
 from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
@@ -40,6 +41,8 @@ class StateChange:
     put_nodes: tuple[Node, ...] = ()
     put_placements: tuple[Placement, ...] = ()
     delete_placements: tuple[str, ...] = ()
+    # Autoscaler decisions, written with the `replicas` change they made (issue 29).
+    add_decisions: tuple[ScaleDecision, ...] = ()
     put_adapters: tuple[LoraAdapter, ...] = ()
     delete_adapters: tuple[str, ...] = ()
 
@@ -63,6 +66,9 @@ class StateStore(Protocol):
             AlreadyExistsError: a created deployment id or an alias is taken.
             UnavailableError: the database cannot be reached.
         """
+
+    def list_decisions(self, deployment_id: str, limit: int) -> tuple[ScaleDecision, ...]:
+        """The newest `limit` autoscaler decisions, newest first; `deployment_id` "": all."""
 
     def close(self) -> None:
         """Releases connections."""

@@ -30,9 +30,11 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from inferplane.orchestrator.autoscale.model import DECISIONS_KEPT, ScaleDecision, Signals
 from inferplane.orchestrator.catalog.model import (
     MAX_OWNED_BY,
     Accelerator,
+    Autoscaling,
     Deployment,
     DeploymentProfile,
     LoraAdapter,
@@ -169,6 +171,7 @@ def _deployment_row(d: Deployment, row: _DeploymentRow) -> None:
     assert d.create_time is not None and d.update_time is not None
     row.create_time = d.create_time
     row.update_time = d.update_time
+    row.autoscaling = None if d.autoscaling == Autoscaling() else dataclasses.asdict(d.autoscaling)
 
 
 def _deployment(row: _DeploymentRow, aliases: tuple[str, ...]) -> Deployment:
@@ -187,6 +190,7 @@ def _deployment(row: _DeploymentRow, aliases: tuple[str, ...]) -> Deployment:
         revision=row.revision,
         create_time=row.create_time,
         update_time=row.update_time,
+        autoscaling=Autoscaling(**row.autoscaling) if row.autoscaling else Autoscaling(),
     )
 
 
@@ -349,6 +353,11 @@ class SqlStateStore:
         for deployment_id in change.delete_deployments:
             s.execute(delete(_AliasRow).where(_AliasRow.deployment_id == deployment_id))
             s.execute(delete(_DeploymentRow).where(_DeploymentRow.deployment_id == deployment_id))
+            s.execute(
+                delete(_AutoscalerDecisionRow).where(
+                    _AutoscalerDecisionRow.deployment_id == deployment_id
+                )
+            )
         for replica_id in change.delete_placements:
             s.execute(delete(_PlacementRow).where(_PlacementRow.replica_id == replica_id))
         for d in change.create_deployments:
@@ -378,6 +387,61 @@ class SqlStateStore:
             placement_row = s.get(_PlacementRow, p.replica_id) or _PlacementRow()
             _placement_row(p, placement_row)
             s.add(placement_row)
+        for decision in change.add_decisions:
+            s.add(_decision_row(decision))
+        for deployment_id in sorted({d.deployment_id for d in change.add_decisions}):
+            _trim_decisions(s, deployment_id)
+
+    def list_decisions(self, deployment_id: str, limit: int) -> tuple[ScaleDecision, ...]:
+        """See `StateStore.list_decisions` (by insertion order: ids grow)."""
+        query = select(_AutoscalerDecisionRow).order_by(_AutoscalerDecisionRow.id.desc())
+        if deployment_id:
+            query = query.where(_AutoscalerDecisionRow.deployment_id == deployment_id)
+        with self._tx() as s:
+            return tuple(_decision(r) for r in s.scalars(query.limit(limit)))
 
     def close(self) -> None:
         self._db.close()
+
+
+def _decision_row(d: ScaleDecision) -> _AutoscalerDecisionRow:
+    return _AutoscalerDecisionRow(
+        deployment_id=d.deployment_id,
+        time=d.time,
+        decision=d.decision,
+        from_replicas=d.from_replicas,
+        to_replicas=d.to_replicas,
+        reason=d.reason,
+        signals=d.signals.to_json(),
+    )
+
+
+def _decision(row: _AutoscalerDecisionRow) -> ScaleDecision:
+    return ScaleDecision(
+        deployment_id=row.deployment_id,
+        time=row.time,
+        decision=row.decision,
+        from_replicas=row.from_replicas,
+        to_replicas=row.to_replicas,
+        reason=row.reason,
+        signals=Signals.from_json(row.signals),
+    )
+
+
+def _trim_decisions(s: Session, deployment_id: str) -> None:
+    """Keeps the newest `DECISIONS_KEPT` decisions of the deployment."""
+    s.flush()
+    oldest_kept = s.scalar(
+        select(_AutoscalerDecisionRow.id)
+        .where(_AutoscalerDecisionRow.deployment_id == deployment_id)
+        .order_by(_AutoscalerDecisionRow.id.desc())
+        .offset(DECISIONS_KEPT - 1)
+        .limit(1)
+    )
+    if oldest_kept is not None:
+        s.execute(
+            delete(_AutoscalerDecisionRow).where(
+                _AutoscalerDecisionRow.deployment_id == deployment_id,
+                _AutoscalerDecisionRow.id < oldest_kept,
+            )
+        )

@@ -29,7 +29,14 @@ DEFAULT_TRANSPORT: str = contract.DEFAULT_TRANSPORT.value
 DEFAULT_KV_CACHE_DTYPE = "auto"
 TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.TRANSPORTS)
 SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")
-ROUTING_POLICIES = ("least_load", "prefix_affinity", "round_robin", "session_affinity")
+ROUTING_POLICIES = (
+    "least_load",
+    "power_of_two",
+    "precise_prefix",
+    "prefix_affinity",
+    "round_robin",
+    "session_affinity",
+)
 DEFAULT_ROUTING_POLICY = "least_load"
 MAX_OWNED_BY = 200  # characters; the store's column is this wide
 

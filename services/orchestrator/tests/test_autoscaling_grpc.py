@@ -20,12 +20,14 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2
+from typer.testing import CliRunner
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
 from inferplane.api.nodeagent.v1 import nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.orchestrator.cli import app
 from inferplane.runtime.time.clock import SystemClock
 from inferplane.testing.loop import LoopThread
 
@@ -250,6 +252,13 @@ def test_scales_up_on_reported_demand_and_down_through_drain(stack: Any, fx: Any
             )
             == 1.0
         )
+    # The CLI verb prints the status, the signals and the decisions.
+    result = CliRunner().invoke(
+        app, ["autoscale", "auto", "--address", orch.address], env={"INFERPLANE_PLAINTEXT": "1"}
+    )
+    assert result.exit_code == 0, result.output
+    for text in ("replicas 1 (bounds 1..3", "in_flight_requests", "scale_down", "3 -> 1"):
+        assert text in result.output, result.output
     with pytest.raises(grpc.RpcError) as unknown:
         orch.deployments.ListAutoscalerDecisions(
             pb.ListAutoscalerDecisionsRequest(deployment="deployments/nope")

@@ -205,6 +205,11 @@ class Admission:
         self.on_cold: Callable[[], None] | None = None
 
     @property
+    def kv_fit(self) -> KvFit | None:
+        """Admission by predicted KV fit (`kvfit`), None when off (slots only)."""
+        return self._kv
+
+    @property
     def queue_timeout_seconds(self) -> float:
         """The longest a request waits in a deployment's queue before its 429."""
         return self._settings.queue_timeout_seconds

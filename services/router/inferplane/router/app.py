@@ -23,6 +23,7 @@ from inferplane.router.features import FeatureExtractor
 from inferplane.router.key_source import KeyTableMetrics, KeyTableWatch
 from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable
+from inferplane.router.kvfit import KvFit
 from inferplane.router.kvindex import KvIndex
 from inferplane.router.leases import CapLease
 from inferplane.router.metrics import AdmissionCollector, RouterMetrics
@@ -216,6 +217,19 @@ def build_app(
         engine_states=engine_states,
         kv_index=kv_index,
     )
+    # Admission by predicted KV fit (issue 29): each engine's reported KV room, this router's
+    # reservations; re-examined at every report.
+    kv_fit = (
+        KvFit(
+            engine_states,
+            clock.monotonic,
+            report_lag_seconds=settings.kv_fit_report_lag_seconds,
+            candidates=settings.kv_fit_candidates,
+            default_output_tokens=settings.kv_fit_default_output_tokens,
+        )
+        if settings.kv_fit
+        else None
+    )
     admission = Admission(
         policies,
         AdmissionSettings(
@@ -230,7 +244,10 @@ def build_app(
         ),
         clock,
         LoopScheduler(),
+        kv_fit=kv_fit,
     )
+    if kv_fit is not None:
+        engine_states.subscribe(admission.engine_changed)
     metrics = RouterMetrics(registry)
     registry.register(AdmissionCollector(admission, clock.monotonic))
     # Shared caps: the orchestrator's view for this router, admitted on under a lease.

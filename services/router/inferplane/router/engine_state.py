@@ -60,11 +60,20 @@ class EngineStates:
         self._clock = clock
         self._stale = stale_after_seconds
         self._states: dict[str, EngineState] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    def subscribe(self, listener: Callable[[str], None]) -> None:
+        """Calls `listener(replica_id)` after every `put` (KV-fit admission re-examines the
+        requests waiting for KV room: `Admission.engine_changed`)."""
+        self._listeners.append(listener)
 
     def put(self, state: EngineState) -> None:
-        """Stores `state` (stamped now) as the replica's current one."""
+        """Stores `state` (stamped now) as the replica's current one, then tells the
+        listeners."""
         state.received = self._clock()
         self._states[state.replica_id] = state
+        for listener in self._listeners:
+            listener(state.replica_id)
 
     def drop(self, replica_id: str) -> None:
         """Forgets a replica (it left the routing table, or its stream ended)."""

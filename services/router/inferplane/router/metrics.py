@@ -8,8 +8,10 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
   tier) with a request waiting; with the queued requests, how concentrated the queue is;
 - `inferplane_router_queue_refusals_total{deployment,reason}` (counter): 429s of the admission
   queue, `reason` one of `queue_full` (the whole queue), `flow_share` (the key held its fair
-  share of the queue: fairness at work, see admission.py), `timeout` (no slot in time), and
-  the 503s `cold_start` (held for a deployment at zero past its cold-start budget);
+  share of the queue: fairness at work, see admission.py), `timeout` (no slot in time),
+  `kv_cache_full` (KV-fit admission: no replica's KV cache had room for the request in time,
+  kvfit.py), and the 503s `cold_start` (held for a deployment at zero past its cold-start
+  budget);
 - `inferplane_router_cold_waiting_requests{deployment}` (gauge): requests held because the
   deployment has no ready replica (scale from zero, issue 29);
 - `inferplane_router_in_flight_requests{deployment,replica}` (gauge): slots taken;
@@ -83,8 +85,9 @@ class AdmissionCollector(Collector):
         refusals = CounterMetricFamily(
             "inferplane_router_queue_refusals",
             "Requests the admission queue refused: 429 queue_full, flow_share (the key held "
-            "its fair share of the queue), timeout; 503 cold_start (a deployment at zero had "
-            "no replica ready within its cold-start budget).",
+            "its fair share of the queue), timeout, kv_cache_full (no replica's KV cache had "
+            "room); 503 cold_start (a deployment at zero had no replica ready within its "
+            "cold-start budget).",
             labels=["deployment", "reason"],
         )
         cold = GaugeMetricFamily(

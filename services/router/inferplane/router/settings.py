@@ -114,6 +114,16 @@ class RouterSettings(ServiceSettings):
             `precise_prefix` always uses its approximate table.
         replica_state_idle_seconds: a replica's state stream quiet this long is reopened (the
             replica heartbeats every second).
+        kv_fit: admission by predicted KV fit (`kvfit.py`, services/router/README.md "KV-fit
+            admission"): a request goes only to a replica whose engine reports room in its KV
+            cache for its prompt + max_tokens, else it waits (then 429 `kv_cache_full`); off:
+            the slot caps alone. Needs the replica state watch (without a fresh report a
+            replica is admitted on by slots).
+        kv_fit_default_output_tokens: a chat request without max_tokens reserves at most this
+            many output tokens (else the rest of its context).
+        kv_fit_report_lag_seconds: a request admitted less than this before an engine's report
+            counts as not reflected by it (its whole size stays reserved).
+        kv_fit_candidates: replicas after the policy's choice a KV-fit decision may try.
         kv_index_max_entries: (KV block, replica) pairs the router's KV index holds at most
             (~200 bytes each); past it, the least recently stored or matched block goes.
         precise_prefix_max_tokens: prompt tokens the router tokenizes and hashes at most per
@@ -162,6 +172,10 @@ class RouterSettings(ServiceSettings):
     replica_state_watch: str = "auto"
     replica_state_idle_seconds: float = 3.0
     kv_index_max_entries: int = 2_000_000
+    kv_fit: bool = True
+    kv_fit_default_output_tokens: int = 4096
+    kv_fit_report_lag_seconds: float = 0.25
+    kv_fit_candidates: int = 4
     precise_prefix_max_tokens: int = 32_768
     tokenizer_cache_size: int = 4
 

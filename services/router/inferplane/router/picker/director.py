@@ -184,7 +184,10 @@ class Director:
 
         Raises:
             ResourceExhaustedError: the queue is full, the key holds its share of it, or the
-                wait ran out (429 model_overloaded, Retry-After).
+                wait ran out (429 model_overloaded, Retry-After; 429 kv_cache_full when its
+                predicted KV fitted no replica: `kvfit`).
+            InvalidArgumentError: its predicted KV exceeds every replica's whole KV cache (400
+                context_length_exceeded).
             UnavailableError: no replica can take it (503 no_ready_replica), or a deployment
                 at zero still had none when its cold-start budget ran out (503
                 deployment_cold_start, Retry-After).
@@ -193,7 +196,13 @@ class Director:
         if tokens is not None and tokens.wants(routed.route):
             features = await tokens.annotate(routed.route, routed.facts.request, routed.features)
             routed = dataclasses.replace(routed, features=features)
-        slot = await self._admission.acquire(routed.route, routed.features, exclude=routed.exclude)
+        kv = self._admission.kv_fit  # the request's predicted KV size (`kvfit`), if on
+        demand = (
+            None if kv is None else kv.demand(routed.facts.request, routed.features, routed.route)
+        )
+        slot = await self._admission.acquire(
+            routed.route, routed.features, exclude=routed.exclude, demand=demand
+        )
         try:
             fallbacks = self._admission.fallbacks(
                 routed.route, slot, routed.features, routed.fallbacks

@@ -76,6 +76,8 @@ KV_CACHE_FULL = "kv_cache_full"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 #: A text completion's output without `max_tokens`: OpenAI's default, as the replica applies.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: A chat request's output reservation without a limit, at most (`kv_fit_default_output_tokens`).
+DEFAULT_OUTPUT_TOKENS = 4096
 #: How long a deployment's largest reported KV cache is kept before it is re-read.
 MAX_TOTAL_TTL_SECONDS = 1.0
 
@@ -238,6 +240,7 @@ class KvFit:
         report_lag_seconds: how long before a report a request must have been admitted for
             the report to reflect its prompt's blocks.
         candidates: replicas after the policy's choice a decision may look at.
+        default_output_tokens: a chat request's output reservation without a limit, at most.
     """
 
     def __init__(
@@ -247,13 +250,19 @@ class KvFit:
         *,
         report_lag_seconds: float = 0.25,
         candidates: int = 4,
+        default_output_tokens: int = DEFAULT_OUTPUT_TOKENS,
     ) -> None:
         self.engines = engines
+        self.default_output_tokens = default_output_tokens
         self._clock = clock
         self._lag = report_lag_seconds
         self.candidates = candidates
         self._ledgers: dict[str, _Ledger] = {}
         self._max_total: dict[str, tuple[float, int, int]] = {}
+
+    def demand(self, request: Any, features: RequestFeatures, route: ModelRoute) -> KvDemand | None:
+        """`demand_of` with this router's default output reservation."""
+        return demand_of(request, features, route, default_output_tokens=self.default_output_tokens)
 
     def _ledger(self, replica_id: str) -> _Ledger:
         ledger = self._ledgers.get(replica_id)

@@ -291,3 +291,26 @@ def test_catalogue_owns_replicas_only_through_the_autoscaler(world: Any) -> None
     with pytest.raises(InvalidArgumentError) as invalid:
         control.create(deployment_from_proto(off, "bad"))
     assert invalid.value.param == "deployment.autoscaling.scale_to_zero"
+
+
+def test_autoscaling_and_the_ttft_slo_travel_through_the_proto(fx: Any) -> None:
+    from inferplane.orchestrator.catalog.service import DeploymentStatus, DeploymentView
+    from inferplane.orchestrator.convert import deployment_to_proto
+
+    message = fx.llama8b_proto(min_replicas=1, max_replicas=4, profile={"ttft_slo_seconds": 0.5})
+    message.autoscaling.enabled = True
+    message.autoscaling.scale_to_zero = True
+    message.autoscaling.scale_down_window_seconds = 90
+    message.autoscaling.target_in_flight_per_replica = 3.5
+    d = deployment_from_proto(message, "x").normalised()
+    assert d.autoscaling == Autoscaling(True, True, 90, 0, 0, 3.5, 0.0)
+    assert d.profile.ttft_slo_seconds == 0.5
+    view = DeploymentView(d, (), (), DeploymentStatus("Available", "", 1, d.revision))
+    back = deployment_to_proto(view)
+    assert back.autoscaling == message.autoscaling
+    assert back.profile.ttft_slo_seconds == 0.5
+    assert not back.status.HasField("autoscaler")
+    plain = deployment_to_proto(
+        DeploymentView(dataclasses.replace(d, autoscaling=Autoscaling()), (), (), view.status)
+    )
+    assert not plain.HasField("autoscaling")  # never set: no message

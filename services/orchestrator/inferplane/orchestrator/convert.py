@@ -379,9 +379,8 @@ def deployment_to_proto(view: DeploymentView) -> pb.Deployment:
         update_time=_ts(d.update_time),
         owned_by=d.owned_by,
         routing_policy=d.routing_policy,
-        autoscaling=None
-        if not d.autoscaled and d.autoscaling == Autoscaling()
-        else (autoscaling_to_proto(d.autoscaling)),
+        # Never set: no message (responses of deployments from before issue 29 stay as they were).
+        autoscaling=None if d.autoscaling == Autoscaling() else autoscaling_to_proto(d.autoscaling),
     )
 
 

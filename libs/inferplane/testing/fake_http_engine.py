@@ -1,10 +1,12 @@
 """A fake vLLM HTTP server for tests without vLLM: `GET /health`, `GET /metrics`
-(`vllm:num_requests_running`), streaming `POST /v1/completions` with token-id prompts and
-`POST /v1/embeddings` with token-id inputs (base64 float32 vectors: `fake_embedding`, which
-the replica's `ScriptedEngine` returns too; a `dimensions` outside `matryoshka_dimensions` is a
-400, as vLLM answers), in
-the shape vLLM 0.32 answers them (see `inferplane.replica.engines.http_client`), on a
-hand-written asyncio HTTP/1.1 server (keep-alive, chunked SSE) on loopback.
+(`vllm:num_requests_running`; with a KV cache model also `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, `vllm:num_preemptions_total` and `vllm:cache_config_info` with
+`block_size` and `num_gpu_blocks`, as vLLM names them), streaming `POST /v1/completions` with
+token-id prompts and `POST /v1/embeddings` with token-id inputs (base64 float32 vectors:
+`fake_embedding`, which the replica's `ScriptedEngine` returns too; a `dimensions` outside
+`matryoshka_dimensions` is a 400, as vLLM answers), in the shape vLLM 0.32 answers them (see
+`inferplane.replica.engines.http_client`), on a hand-written asyncio HTTP/1.1 server
+(keep-alive, chunked SSE) on loopback.
 
 In-process: `server = FakeHttpEngine(...); port = await server.start("127.0.0.1", 0)`.
 As a process it takes the launcher's command line (`[OPTIONS] -- serve MODEL --host H
@@ -15,6 +17,10 @@ text `" t{id}"`. Stop strings match on that text (the token ids still include th
 text does not), stop_token_ids end with `stop_reason` = the id, max_tokens with "length".
 With `logprobs` k each token carries `fake_logprobs` (tokens written "token_id:{id}", as vLLM
 writes them with `return_tokens_as_token_ids`).
+KV cache (issue 29): given `kv` (`inferplane.testing.fake_kv.FakeKvCache`; as a process, vLLM's
+own `--num-gpu-blocks-override N` and `--block-size B` (16 by default) among the engine's
+arguments), each generation holds its blocks, waits when they are short and may be preempted,
+and a context that can never fit is a 400, as vLLM answers it.
 Misbehaviours (attributes, or flags as a process): `die_after_tokens` (drop the connection
 without a word after N tokens), `error_after_tokens` (an error event after N tokens),
 `status` (answer every generation with that HTTP status), `unhealthy` (/health 503).
@@ -37,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferplane.runtime.processes import procguard
+from inferplane.testing.fake_kv import FakeKvCache
 
 
 def fake_logprobs(token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -74,7 +81,9 @@ class FakeHttpEngine:
         status: int = 200,
         unhealthy: bool = False,
         matryoshka_dimensions: tuple[int, ...] = (16, 32, 64),
+        kv: FakeKvCache | None = None,
     ) -> None:
+        self.kv = kv
         self.token_delay = token_delay
         self.cached_tokens = cached_tokens
         self.die_after_tokens = die_after_tokens
@@ -124,11 +133,7 @@ class FakeHttpEngine:
                 if method == "GET" and path == "/health":
                     await self._reply(writer, 503 if self.unhealthy else 200, b"")
                 elif method == "GET" and path == "/metrics":
-                    text = (
-                        "# TYPE vllm:num_requests_running gauge\n"
-                        f'vllm:num_requests_running{{engine="0"}} {len(self.running)}\n'
-                    )
-                    await self._reply(writer, 200, text.encode(), "text/plain")
+                    await self._reply(writer, 200, self._metrics().encode(), "text/plain")
                 elif method == "POST" and path == "/v1/completions":
                     if not await self._complete(reader, writer, json.loads(body)):
                         return
@@ -141,6 +146,29 @@ class FakeHttpEngine:
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    def _metrics(self) -> str:
+        """vLLM's series this fake knows, in the text exposition format."""
+        kv = self.kv
+        running = len(self.running) if kv is None else kv.running_requests
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0"}} {running}\n'
+        )
+        if kv is not None:
+            usage = 1.0 - kv.free_kv_blocks / kv.total_kv_blocks
+            text += (
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{engine="0"}} {kv.waiting_requests}\n'
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {usage}\n'
+                "# TYPE vllm:num_preemptions counter\n"
+                f'vllm:num_preemptions_total{{engine="0"}} {kv.preemptions_total}.0\n'
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{kv.block_size}",engine="0",'
+                f'num_gpu_blocks="{kv.total_kv_blocks + 1}"}} 1.0\n'  # + vLLM's null block
+            )
+        return text
 
     @staticmethod
     async def _reply(
@@ -204,11 +232,19 @@ class FakeHttpEngine:
             message = json.dumps({"error": {"message": f"fake status {self.status}"}})
             await self._reply(writer, self.status, message.encode())
             return True
+        prompt = list(req["prompt"])
+        kv = self.kv
+        if kv is not None:
+            try:
+                await kv.start(rid, len(prompt), int(req.get("max_tokens", 16)))
+            except ValueError as exc:
+                message = json.dumps({"error": {"message": str(exc), "code": 400}})
+                await self._reply(writer, 400, message.encode())
+                return True
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
-        prompt = list(req["prompt"])
         stops = list(req.get("stop") or [])
         stop_ids = set(req.get("stop_token_ids") or [])
         ignore_eos = bool(req.get("ignore_eos"))
@@ -224,6 +260,8 @@ class FakeHttpEngine:
             n = 0
             for k in range(int(req.get("max_tokens", 16))):
                 await asyncio.sleep(self.token_delay)
+                if kv is not None:
+                    await kv.step(rid)
                 if gone.done():
                     return False
                 if k == self.die_after_tokens:
@@ -286,6 +324,8 @@ class FakeHttpEngine:
         except ConnectionError:
             return False
         finally:
+            if kv is not None:
+                kv.finish(rid)
             self.running.discard(rid)
             if not finished:
                 self.aborted.append(rid)
@@ -307,6 +347,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--grpc", action="store_true")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=0)  # vLLM's: the KV model
+    parser.add_argument("--block-size", type=int, default=16)  # vLLM's
     argv = [a for a in argv if a != "--"]
     if "serve" in argv:
         at = argv.index("serve")
@@ -316,7 +358,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 async def _main(opts: argparse.Namespace) -> int:
-    engine = FakeHttpEngine(token_delay=opts.token_delay)
+    blocks = opts.num_gpu_blocks_override
+    kv = FakeKvCache(blocks, opts.block_size) if blocks > 0 else None
+    engine = FakeHttpEngine(token_delay=opts.token_delay, kv=kv)
     await engine.start(opts.host, opts.port)
     child = None
     if opts.spawn_child:

@@ -169,7 +169,7 @@ class ReplicaProcess:
         )
         # The engine's state for routers (WatchReplicaState): engine stats, KV blocks, queue.
         self.state_stream = ReplicaStateStream(
-            lambda: self.state.engine,
+            lambda: getattr(self.host, "engine_state", None) or self.state.engine,
             lambda: Admission(self.state.in_flight, self.state.phase is Phase.DRAINING),
         )
         # The platform's tracing (the node-agent's flags): each request's spans.
@@ -352,14 +352,19 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
 
     For inproc this sets the engine environment first (`environment.engine_environment`: before
     vLLM is imported)."""
+    from inferplane.replica.engines.child_state import ChildEngineState
     from inferplane.replica.engines.environment import apply_engine_environment, patch_vllm_version
     from inferplane.replica.hosts import ChildEngineHost, InprocHost, client_for
     from inferplane.replica_contract import runs_on_cpu
 
     if settings.flags.transport != Transport.INPROC:
         transport, address = settings.flags.transport, settings.flags.engine_address
-        host = ChildEngineHost(settings.engine_argv, lambda: client_for(transport, address))
         url = settings.flags.engine_metrics_url
+        # The engine's numbers from its metrics; KV events from vLLM's HTTP server's engine.
+        state = ChildEngineState(url, kv_events=transport == Transport.HTTP_COMPLETIONS)
+        host = ChildEngineHost(
+            settings.engine_argv, lambda: client_for(transport, address), state=state
+        )
         scraped = ScrapedMetrics(url) if url else None
         return host, (lambda: scraped) if scraped is not None else None
     from inferplane.replica.engines.inproc import engine_argv

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import structlog
 
 from inferplane.replica.engines.base import EngineClient
+from inferplane.replica.engines.child_state import ChildEngineState
 from inferplane.replica.engines.http_client import HttpEngineClient
 from inferplane.replica_contract import Transport
 from inferplane.runtime.processes import procguard
@@ -107,6 +108,8 @@ class ChildEngineHost:
         client: builds the engine client (`client_for(transport, address)`).
         poll_seconds: health-check interval while waiting for readiness.
         stop_seconds: SIGTERM → SIGKILL delay at shutdown.
+        state: the engine's own state for `WatchReplicaState` (`engine_state`): its metrics
+            polled, its KV events (their arguments appended to `argv`).
     """
 
     def __init__(
@@ -116,8 +119,10 @@ class ChildEngineHost:
         *,
         poll_seconds: float = 0.5,
         stop_seconds: float = 10.0,
+        state: ChildEngineState | None = None,
     ) -> None:
         self._argv = list(argv)
+        self.engine_state = state
         self._client_factory = client
         self._poll = poll_seconds
         self._stop_seconds = stop_seconds
@@ -126,11 +131,16 @@ class ChildEngineHost:
 
     async def start(self) -> EngineClient:
         env = {**os.environ, procguard.PARENT_PID_ENV: str(os.getpid())}
+        argv = self._argv
+        if self.engine_state is not None:
+            argv = self.engine_state.engine_argv(argv)
         # From the loop's (long-lived) thread: PDEATHSIG follows the thread that forked.
         self._proc = procguard.spawn(
-            self._argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL
+            argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL
         )
         log.info("engine_child_started", pid=self._proc.pid)
+        if self.engine_state is not None:
+            self.engine_state.start()
         client = self._client = self._client_factory()
         while not await client.healthy():
             if self._proc.returncode is not None:
@@ -147,6 +157,8 @@ class ChildEngineHost:
         return None  # the child's exit is what counts; a failed request alone is not death
 
     async def shutdown(self) -> None:
+        if self.engine_state is not None:
+            await self.engine_state.close()
         client, self._client = self._client, None
         if client is not None:
             await client.close()

@@ -125,7 +125,7 @@ class RouterSettings(ServiceSettings):
             counts as not reflected by it (its whole size stays reserved).
         kv_fit_candidates: replicas after the policy's choice a KV-fit decision may try.
         kv_index_max_entries: (KV block, replica) pairs the router's KV index holds at most
-            (~200 bytes each); past it, the least recently stored or matched block goes.
+            (~460 bytes each, measured); past it, the least recently stored or matched block goes.
         precise_prefix_max_tokens: prompt tokens the router tokenizes and hashes at most per
             request for `precise_prefix` (whole blocks of them).
         tokenizer_cache_size: tokenizers (one per model folder) kept loaded at most.

@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from inferplane.router.adapter_affinity import AdapterAffinity
 from inferplane.router.breaker import CircuitBreaker
 from inferplane.router.demand import DemandBook, DemandSnapshot
 from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
@@ -180,8 +181,10 @@ class Admission:
         clock: Clock,
         scheduler: Scheduler,
         kv_fit: KvFit | None = None,
+        affinity: AdapterAffinity | None = None,
     ) -> None:
         self._registry = registry
+        self._affinity = affinity  # LoRA adapter affinity (issue 29), None: the policy's choice
         self._kv = kv_fit  # admission by predicted KV fit (issue 29), None: slots only
         self._replica_keys: dict[str, list[ReplicaKey]] = {}  # replica id → keys (reports)
         self._settings = settings
@@ -470,6 +473,8 @@ class Admission:
             index = self._choose_excluding(deployment, features, exclude)
         if index is None:
             return None
+        if self._affinity is not None and features.adapter:
+            index = self._affinity.prefer(replicas, index, features, exclude)
         if demand is None or self._kv is None:
             return self._grant(replicas, index, features)
         chosen = index  # the policy's choice must fit, else one of its next candidates

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.router.v1 import outcome_pb2_grpc
+from inferplane.router.adapter_affinity import AdapterAffinity
 from inferplane.router.admission import Admission, AdmissionSettings, LoopScheduler
 from inferplane.router.engine_state import EngineStates
 from inferplane.router.features import FeatureExtractor
@@ -226,6 +227,7 @@ def build_app(
             report_lag_seconds=settings.kv_fit_report_lag_seconds,
             candidates=settings.kv_fit_candidates,
             default_output_tokens=settings.kv_fit_default_output_tokens,
+            bytes_per_token=settings.kv_fit_bytes_per_token,
         )
         if settings.kv_fit
         else None
@@ -245,6 +247,8 @@ def build_app(
         clock,
         LoopScheduler(),
         kv_fit=kv_fit,
+        # LoRA: prefer replicas whose engine holds the request's adapter (issue 29).
+        affinity=AdapterAffinity(engine_states, settings.load_factor),
     )
     if kv_fit is not None:
         engine_states.subscribe(admission.engine_changed)

@@ -61,6 +61,9 @@ class EngineStates:
         self._stale = stale_after_seconds
         self._states: dict[str, EngineState] = {}
         self._listeners: list[Callable[[str], None]] = []
+        # LoRA adapter → replica ids whose last state lists it loaded (adapter affinity reads
+        # it; kept in step by `put` and `drop`: O(adapters loaded) each, at most max_loras).
+        self._holders: dict[str, set[str]] = {}
 
     def subscribe(self, listener: Callable[[str], None]) -> None:
         """Calls `listener(replica_id)` after every `put` (KV-fit admission re-examines the
@@ -71,13 +74,34 @@ class EngineStates:
         """Stores `state` (stamped now) as the replica's current one, then tells the
         listeners."""
         state.received = self._clock()
+        old = self._states.get(state.replica_id)
         self._states[state.replica_id] = state
+        before = old.loaded_adapters if old is not None else frozenset()
+        if before != state.loaded_adapters:
+            self._rehold(state.replica_id, before, state.loaded_adapters)
         for listener in self._listeners:
             listener(state.replica_id)
 
     def drop(self, replica_id: str) -> None:
         """Forgets a replica (it left the routing table, or its stream ended)."""
-        self._states.pop(replica_id, None)
+        old = self._states.pop(replica_id, None)
+        if old is not None and old.loaded_adapters:
+            self._rehold(replica_id, old.loaded_adapters, frozenset())
+
+    def holders(self, adapter: str) -> frozenset[str]:
+        """Replica ids whose last state lists `adapter` loaded (fresh or not: a reader checks
+        `get`)."""
+        return frozenset(self._holders.get(adapter, ()))
+
+    def _rehold(self, replica_id: str, before: frozenset[str], after: frozenset[str]) -> None:
+        for adapter in before - after:
+            ids = self._holders.get(adapter)
+            if ids is not None:
+                ids.discard(replica_id)
+                if not ids:
+                    del self._holders[adapter]
+        for adapter in after - before:
+            self._holders.setdefault(adapter, set()).add(replica_id)
 
     def get(self, replica_id: str) -> EngineState | None:
         """The replica's fresh state, or None when unknown or stale."""

@@ -52,6 +52,10 @@ class RequestFeatures:
             blocks), for `precise_prefix`; () when the router did not tokenize the request
             (no tokenizer for the route, or another policy). Filled by `router.tokenize`.
         kv_block_size: the tokens per block `kv_hashes` were cut at (0 with no hashes).
+        adapter: the LoRA adapter the route names (its catalogue name), "" for the base model
+            (issue 29). `prefix_blocks` and `root` are salted with it (`adapter_salt`): KV
+            computed under one adapter is never reused by another, so their prefixes never
+            share an entry of the approximate table; the base's hashes are unsalted.
     """
 
     prefix_blocks: tuple[int, ...] = ()
@@ -62,6 +66,13 @@ class RequestFeatures:
     weight: float = 1.0
     kv_hashes: tuple[int, ...] = ()
     kv_block_size: int = 0
+    adapter: str = ""
+
+
+def adapter_salt(adapter: str) -> bytes:
+    """What a LoRA adapter's prefix hashes start from (b"" for the base model): its name and a
+    unit separator, which no serialized request begins with."""
+    return adapter.encode() + b"\x1f" if adapter else b""
 
 
 def hash64(data: bytes) -> int:
@@ -69,12 +80,15 @@ def hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def block_hashes(data: bytes, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
-    """Chained hashes of the full `block_bytes` blocks of `data` (hash i covers blocks 0..i)."""
+def block_hashes(
+    data: bytes, block_bytes: int, max_blocks: int, salt: bytes = b""
+) -> tuple[int, ...]:
+    """Chained hashes of the full `block_bytes` blocks of `data` (hash i covers `salt` and
+    blocks 0..i)."""
     full = min(len(data) // block_bytes, max_blocks)
     if full == 0:
         return ()
-    h = hashlib.blake2b(digest_size=8)
+    h = hashlib.blake2b(salt, digest_size=8)
     out = []
     for i in range(full):
         h.update(data[i * block_bytes : (i + 1) * block_bytes])
@@ -99,24 +113,32 @@ class FeatureExtractor:
     max_blocks: int = 128
 
     def _features(
-        self, parts: Iterable[bytes], root_parts: int, metadata: Mapping[str, str], user: str
+        self,
+        parts: Iterable[bytes],
+        root_parts: int,
+        metadata: Mapping[str, str],
+        user: str,
+        adapter: str,
     ) -> RequestFeatures:
         chunks = [p + _SEP for p in parts]
         data = b"".join(chunks)
         root_bytes = b"".join(chunks[:root_parts])[: self.block_bytes * self.max_blocks]
+        salt = adapter_salt(adapter)
         return RequestFeatures(
-            prefix_blocks=block_hashes(data, self.block_bytes, self.max_blocks),
-            root=hash64(root_bytes) if root_bytes else None,
+            prefix_blocks=block_hashes(data, self.block_bytes, self.max_blocks, salt),
+            root=hash64(salt + root_bytes) if root_bytes else None,
             session=_session(metadata, user),
             prompt_tokens=len(data) // BYTES_PER_TOKEN,
             flow=metadata.get(headers.KEY_ID, ""),
             weight=_weight(metadata),
+            adapter=adapter,
         )
 
     def chat(
-        self, request: pb.ChatCompletionRequest, metadata: Mapping[str, str]
+        self, request: pb.ChatCompletionRequest, metadata: Mapping[str, str], adapter: str = ""
     ) -> RequestFeatures:
-        """Features of a chat request: tools, then messages; root = through the first user turn."""
+        """Features of a chat request: tools, then messages; root = through the first user turn;
+        `adapter`: the route's LoRA adapter ("" = the base model)."""
         parts = [t.SerializeToString(deterministic=True) for t in request.tools]
         root = len(parts)
         first_user_seen = False
@@ -125,14 +147,14 @@ class FeatureExtractor:
             if not first_user_seen:
                 root = len(parts)
                 first_user_seen = message.role == "user"
-        return self._features(parts, root, metadata, request.user)
+        return self._features(parts, root, metadata, request.user, adapter)
 
     def completion(
-        self, request: pb.CompletionRequest, metadata: Mapping[str, str]
+        self, request: pb.CompletionRequest, metadata: Mapping[str, str], adapter: str = ""
     ) -> RequestFeatures:
         """Features of a text completion: its prompt; root = its first block."""
         data = request.prompt.SerializeToString(deterministic=True)
-        return self._features([data], 1, metadata, request.user)
+        return self._features([data], 1, metadata, request.user, adapter)
 
     def speech(self, audio_bytes: int, metadata: Mapping[str, str]) -> RequestFeatures:
         """Features of a transcription or translation: like an embedding, no prefix blocks

@@ -26,7 +26,12 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
   the list; Envoy's own `cluster.inferplane_replicas.upstream_rq_retry*` stats count the
   attempts and what its retry budget refused);
 - `inferplane_router_orphan_outcomes_total` (counter): replicas' reports of requests this
-  address picked before it restarted, whose usage it reported from the report.
+  address picked before it restarted, whose usage it reported from the report;
+- `inferplane_router_adapter_requests_total{deployment,adapter,status}` (counter): requests
+  routed to a deployment that ended, by the LoRA adapter their route named (issue 29; "" for
+  the base model) and how they ended (`completed`, `failed`, `cancelled`). The adapter label is
+  a catalogue name from the routing table, never the client's text: its values are bounded by
+  the catalogue's adapters.
 
 Gauges are read from `Admission` at scrape time (no work on the request path); the scrape
 runs on the metrics thread and only reads.
@@ -60,6 +65,13 @@ class RouterMetrics:
             "inferplane_router_orphan_outcomes",
             "Replicas' reports of requests picked before this router restarted, whose usage "
             "was reported from the report.",
+            registry=registry,
+        )
+        self.adapter_requests = Counter(
+            "inferplane_router_adapter_requests",
+            "Requests routed to a deployment that ended, by the LoRA adapter their route named "
+            '("" for the base model) and how they ended.',
+            ["deployment", "adapter", "status"],
             registry=registry,
         )
 

@@ -41,7 +41,7 @@ STATUS_CANCELLED = "cancelled"
 COMPLETED = "completed"
 FAILED = "failed"
 CANCELLED = "cancelled"
-_LEDGER_STATUS = {STATUS_OK: COMPLETED, STATUS_ERROR: FAILED, STATUS_CANCELLED: CANCELLED}
+LEDGER_STATUS = {STATUS_OK: COMPLETED, STATUS_ERROR: FAILED, STATUS_CANCELLED: CANCELLED}
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,6 +57,7 @@ class RequestTrace:
     tenant: str = ""
     key_id: str = ""
     deployment: str = ""
+    adapter: str = ""  # the route's LoRA adapter (catalogue name), "" for the base model
     replica: str = ""
     node: str = ""
     queue_seconds: float = 0.0
@@ -138,6 +139,7 @@ class RequestTrace:
             api=self.api,
             stream=self.stream,
             deployment=self.deployment,
+            adapter=self.adapter,
             replica=self.replica,
             node=self.node,
             start_time=self.start_wall,
@@ -153,7 +155,7 @@ class RequestTrace:
             ),
             gpu_seconds=self.gpu_seconds,
             finish_reason=finish,
-            status=_LEDGER_STATUS.get(self.status, FAILED),
+            status=LEDGER_STATUS.get(self.status, FAILED),
             error_code=self.error_code,
         )
 
@@ -172,6 +174,8 @@ class ConcludedRequest:
         api: the public API it came through (`inferplane.wire.apis`).
         stream: a streaming request.
         deployment / replica / node: what served it ("" when nothing was picked).
+        adapter: the LoRA adapter its route named (a catalogue name from the routing table,
+            never the client's text; "" for the base model).
         queue_seconds / ttft_seconds / duration_seconds: from the arrival at the router.
         prompt_tokens / completion_tokens / cached_tokens / reasoning_tokens: the replica's.
         gpu_seconds: attributed by the replica (`inferplane.wire.ResponseSummary`).
@@ -188,6 +192,7 @@ class ConcludedRequest:
     api: str = ""
     stream: bool = False
     deployment: str = ""
+    adapter: str = ""
     replica: str = ""
     node: str = ""
     start_time: float = 0.0
@@ -261,6 +266,7 @@ class ConcludedRequest:
             gpu_seconds=max(0.0, self.gpu_seconds),
             status=self.status,
             api=self.api,
+            adapter=self.adapter,
         )
         if self.end_time > 0:
             msg.end_time.FromNanoseconds(int(self.end_time * 1e9))

@@ -57,6 +57,10 @@ class ModelRoute:
     tokenizes prompts with for `precise_prefix` (`router.tokenize`); "" = never tokenized.
     `scale_to_zero`: the deployment may have no replica; a request then waits in its queue up
     to `cold_start_budget` seconds while one starts (`Admission`), instead of an immediate 503.
+    `adapter` / `adapter_source`: set on a LoRA adapter's route (`{deployment}:{adapter}` or an
+    alias; issue 29): the adapter's catalogue name and source folder, which the picker sends
+    the replica (`inferplane.wire.headers.ADAPTER`, `ADAPTER_SOURCE`); `deployment` is the
+    base deployment, whose replicas, queue and policy the adapter shares.
     """
 
     model: str
@@ -69,6 +73,8 @@ class ModelRoute:
     tokenizer: str = ""
     scale_to_zero: bool = False
     cold_start_budget_seconds: float = 0.0
+    adapter: str = ""
+    adapter_source: str = ""
 
     @property
     def deployment_key(self) -> str:
@@ -129,14 +135,19 @@ def resolve(table: RouteTable, model: str, metadata: Mapping[str, str]) -> Model
     """The route of `model` for a request whose ext_authz metadata is `metadata`.
 
     `x-inferplane-allowed-models` (comma-separated; absent or empty = any model) is the API
-    key's allow-list, checked before the table so a key never learns which models exist.
+    key's allow-list, checked so that a key never learns which models exist (a name it may
+    not use is a 403 whether it exists or not). A grant names what is served, not a
+    spelling: listing any name of a deployment (its id or an alias) allows all of them, and
+    listing any name of a LoRA adapter (`{deployment}:{adapter}` or an alias) allows all of
+    the adapter's. A deployment and its adapters are distinct: allowing `kimi-tiny` does not
+    allow `kimi-tiny:pirate`, nor the reverse (issue 29).
 
     Raises:
         PermissionDeniedError: the key may not use `model` (HTTP 403, code model_not_allowed).
         NotFoundError: no route serves `model` (HTTP 404, code model_not_found).
     """
     allowed = metadata.get(headers.ALLOWED_MODELS, "")
-    if allowed and model not in {m.strip() for m in allowed.split(",")}:
+    if allowed and not _granted(table, model, allowed):
         raise PermissionDeniedError(
             f"this API key may not use the model '{model}'",
             code="model_not_allowed",
@@ -150,6 +161,23 @@ def resolve(table: RouteTable, model: str, metadata: Mapping[str, str]) -> Model
             param="model",
         )
     return route
+
+
+def _granted(table: RouteTable, model: str, allowed: str) -> bool:
+    """Whether the allow-list `allowed` grants `model`: listed as sent, or it routes to the
+    same deployment and adapter as a listed name (`resolve`). O(names listed)."""
+    names = [m.strip() for m in allowed.split(",")]
+    if model in names:
+        return True
+    route = table.get(model)
+    if route is None:
+        return False
+    served = (route.deployment_key, route.adapter)
+    for name in names:
+        other = table.get(name)
+        if other is not None and (other.deployment_key, other.adapter) == served:
+            return True
+    return False
 
 
 def load_routes_file(path: str | Path) -> RouteTable:
@@ -192,6 +220,8 @@ def load_routes_file(path: str | Path) -> RouteTable:
                 tokenizer=str(entry.get("tokenizer", "")),
                 scale_to_zero=bool(entry.get("scale_to_zero", False)),
                 cold_start_budget_seconds=float(entry.get("cold_start_budget_seconds", 0)),
+                adapter=str(entry.get("adapter", "")),
+                adapter_source=str(entry.get("adapter_source", "")),
             )
         )
     return RouteTable.of(routes)

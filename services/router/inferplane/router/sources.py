@@ -83,6 +83,8 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                 owned_by=r.owned_by or "inferplane",
                 scale_to_zero=r.scale_to_zero,
                 cold_start_budget_seconds=float(r.cold_start_budget_seconds),
+                adapter=r.adapter,
+                adapter_source=r.adapter_source,
             )
             for r in message.routes
         ),

@@ -418,6 +418,23 @@ def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb
     return response
 
 
+def adapter_headers(mutation: ext_pb.HeaderMutation, adapter: str, source: str) -> None:
+    """The LoRA adapter the replica serves the request with (issue 29): `headers.ADAPTER` and
+    `headers.ADAPTER_SOURCE` from the route when it names one, else both removed (a client's
+    copies never reach a replica; the headers phase strips `x-inferplane-*` too). Call it
+    last on a mutation: a removal of the same header already in it is dropped, so the set
+    wins whatever order Envoy applies them in."""
+    if adapter:
+        ours = (headers.ADAPTER, headers.ADAPTER_SOURCE)
+        kept = [h for h in mutation.remove_headers if h not in ours]
+        del mutation.remove_headers[:]
+        mutation.remove_headers.extend(kept)
+        set_header(mutation, headers.ADAPTER, adapter)
+        set_header(mutation, headers.ADAPTER_SOURCE, source)
+    else:
+        mutation.remove_headers.extend((headers.ADAPTER, headers.ADAPTER_SOURCE))
+
+
 def gateway_pick_response(
     destination: str, replica: str, outcome_address: str = "", *, phase: str = "request_body"
 ) -> ext_pb.ProcessingResponse:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from inferplane.router import records
 from inferplane.router.admission import Admission, Slot
 from inferplane.router.metrics import RouterMetrics
 from inferplane.router.picker.codec import UNAVAILABLE, status_code
@@ -203,6 +204,9 @@ class Concluder:
                 finish_reason=trace.finish_reason,
             )
             position = self._reporter.finish(trace, model=self._usage_model(exchange))
+            if trace.deployment and self._metrics is not None:
+                status = records.LEDGER_STATUS.get(trace.status, records.FAILED)
+                self._metrics.adapter_requests.labels(trace.deployment, trace.adapter, status).inc()
             conclusion.usage_position = position
             if trace.request_id:
                 self._remember(trace.request_id, position)

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 #: A gateway's restriction: the replicas of a route outside its endpoint subset.
 Outside = Callable[[ModelRoute], Sequence[ReplicaKey]]
-Extract = Callable[[Any, Mapping[str, str]], RequestFeatures]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,14 +164,13 @@ class Director:
             if method.chat:
                 self._schemas.check_chat(facts.request)  # a client's bad schema never takes a slot
             route = self._resolve(facts.model, metadata)
-            extract: Extract = (
-                self._features.chat
-                if method.chat
-                else self._features.embedding
-                if method.embedding
-                else self._features.completion
-            )
-            features = extract(facts.request, metadata)
+            # A LoRA adapter's prefixes are its own (`features.adapter_salt`, issue 29).
+            if method.chat:
+                features = self._features.chat(facts.request, metadata, route.adapter)
+            elif method.embedding:
+                features = self._features.embedding(facts.request, metadata)
+            else:
+                features = self._features.completion(facts.request, metadata, route.adapter)
         if outside is None:
             return Routed(facts, route, features, fallbacks=self._fallbacks)
         return Routed(facts, route, features, exclude=tuple(outside(route)))

@@ -150,6 +150,11 @@ async def gateway_request(
         picked = codec.gateway_pick_response(
             destination, replica, outcome_address, phase="request_body"
         )
+        codec.adapter_headers(
+            picked.request_body.response.header_mutation,
+            exchange.pick.adapter,
+            exchange.pick.adapter_source,
+        )
         codec.picker_metadata(picked, exchange.pick.labels)
         yield picked
         return
@@ -160,6 +165,11 @@ async def gateway_request(
     if request.granted is not None:
         picked.request_headers.response.header_mutation.MergeFrom(request.granted)
         exchange.pick.labels[headers.PICKER_AUTHENTICATED] = True
+    codec.adapter_headers(
+        picked.request_headers.response.header_mutation,
+        exchange.pick.adapter,
+        exchange.pick.adapter_source,
+    )
     codec.picker_metadata(picked, exchange.pick.labels)
     yield picked
     chunks = [body[i : i + _BODY_CHUNK] for i in range(0, len(body), _BODY_CHUNK)] or [b""]

@@ -385,6 +385,11 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield keepalive
         addresses = [e.address for e in exchange.pick.endpoints]
         response = codec.pick_response(addresses, self._settings.outcome_address)
+        codec.adapter_headers(
+            response.request_body.response.header_mutation,
+            exchange.pick.adapter,
+            exchange.pick.adapter_source,
+        )
         codec.picker_metadata(response, exchange.pick.labels)
         yield response
 
@@ -412,6 +417,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         exchange.pick.labels[headers.PICKER_MODEL] = self.director.served_name(facts.model)
         routed = self.director.route(facts, outside)
         trace.deployment = routed.route.deployment_key
+        trace.adapter = exchange.pick.adapter = routed.route.adapter
+        exchange.pick.adapter_source = routed.route.adapter_source
         with self.tracing.queue(exchange):
             async for keepalive in self._admit(exchange, routed, reader):
                 yield keepalive

@@ -107,6 +107,8 @@ class PickPart:
         picked: monotonic seconds when the pick was answered (TTFT counts from here).
         labels: what the picker tells the edge's later filters and access log about the
             decision (`headers.PICKER_NAMESPACE`: the routed model, or `UNKNOWN_MODEL`).
+        adapter / adapter_source: the route's LoRA adapter and its folder, sent to the
+            replica with the pick (`headers.ADAPTER`, `ADAPTER_SOURCE`); "" for the base.
     """
 
     admitting: asyncio.Future[Decision] | None = None
@@ -114,6 +116,8 @@ class PickPart:
     endpoints: tuple[Endpoint, ...] = ()
     picked: float = 0.0
     labels: dict[str, bool | str] = dataclasses.field(default_factory=dict)
+    adapter: str = ""
+    adapter_source: str = ""
 
 
 @dataclasses.dataclass(slots=True)

@@ -76,6 +76,13 @@ def test_the_prompt_count_is_exact_when_the_router_tokenized_it() -> None:
     exact = demand_of(pb.ChatCompletionRequest(max_tokens=1), tokenized, r, default_output_tokens=1)
     assert estimated is not None and not estimated.exact
     assert exact is not None and exact.exact and exact.prompt_tokens == 12
+    # The estimate (bytes / 4) recounted at a small vocabulary's 2 bytes per token; never an
+    # exact count.
+    small = {"default_output_tokens": 1, "bytes_per_token": 2.0}
+    request = pb.ChatCompletionRequest(max_tokens=1)
+    recounted = demand_of(request, RequestFeatures(prompt_tokens=10), r, **small)
+    assert recounted is not None and recounted.prompt_tokens == 20
+    assert demand_of(request, tokenized, r, **small) == exact
 
 
 # -- the fit rule ----------------------------------------------------------------------------

@@ -8,11 +8,14 @@ blocks and compared with what its replica's engine reports through the replica s
 
 **Sizing** (`demand_of`): prompt tokens + output tokens.
 - Prompt: `features.prompt_tokens`, exact when the router tokenized the prompt (routes of the
-  `precise_prefix` policy: `tokenize.PromptTokens`, `features.kv_block_size > 0`), else the
-  serialized request's bytes / 4 (`features.BYTES_PER_TOKEN`): English BPE text runs 3.5-4.5
-  bytes per token, so the estimate is within about ±15 % for prose and undercounts small
-  vocabularies (kimi-tiny's 2,048-token BPE: ~3 bytes per token, so 4 undercounts by ~25 %);
-  the chat template's tokens are not counted. The output bound below usually dwarfs the error.
+  `precise_prefix` policy: `tokenize.PromptTokens`, `features.kv_block_size > 0`), else
+  estimated from the serialized request's bytes at `bytes_per_token`
+  (`kv_fit_bytes_per_token`, 4 by default, `features.BYTES_PER_TOKEN`): English prose runs
+  3.5-4.5 bytes per token in large BPE vocabularies (within about ±15 %), but a small
+  vocabulary makes more tokens (kimi-tiny's 2,048-token BPE: 2.0 bytes per token for prose,
+  1.5 for a list of short words, 1.0 for digits: measured with its tokenizer), which 4 would
+  undercount by half; the chat template's tokens are not counted. Set the setting to the
+  fleet's tokenizers.
 - Output: `max_completion_tokens`, else `max_tokens` (chat, Messages, Responses: what the
   replica honours); a text completion without one: 16 (OpenAI's default, as the replica's
   pipeline applies). A chat request without one may run to the end of the context, which
@@ -59,13 +62,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.kvblocks import blocks_needed
 from inferplane.router.engine_state import EngineState, EngineStates
-from inferplane.router.features import RequestFeatures
+from inferplane.router.features import BYTES_PER_TOKEN, RequestFeatures
 from inferplane.router.replicas import ReplicaKey, ReplicaSet
 from inferplane.router.routes import ModelRoute
 from inferplane.runtime import InvalidArgumentError, ResourceExhaustedError
@@ -133,6 +137,7 @@ def demand_of(
     route: ModelRoute,
     *,
     default_output_tokens: int,
+    bytes_per_token: float = BYTES_PER_TOKEN,
 ) -> KvDemand | None:
     """The KV demand of a typed request (`RequestFacts.request`), or None for one that is not
     sized (an audio upload): see the module docstring for the rule.
@@ -143,9 +148,13 @@ def demand_of(
         features: its features (`prompt_tokens`; exact when `kv_block_size` is set).
         route: its route (`max_model_len`, 0 when unknown).
         default_output_tokens: a chat request's output reservation without a limit, at most.
+        bytes_per_token: the estimate's bytes per token when the prompt was not tokenized
+            (`features.prompt_tokens` counts `features.BYTES_PER_TOKEN`).
     """
     exact = features.kv_block_size > 0
     prompt = max(0, features.prompt_tokens)
+    if not exact and bytes_per_token != BYTES_PER_TOKEN:
+        prompt = math.ceil(prompt * BYTES_PER_TOKEN / bytes_per_token)
     if isinstance(request, pb.EmbeddingRequest):
         return KvDemand(prompt, 0, exact)
     if isinstance(request, pb.ChatCompletionRequest | pb.CompletionRequest):
@@ -241,6 +250,7 @@ class KvFit:
             the report to reflect its prompt's blocks.
         candidates: replicas after the policy's choice a decision may look at.
         default_output_tokens: a chat request's output reservation without a limit, at most.
+        bytes_per_token: the prompt estimate's bytes per token (`demand_of`).
     """
 
     def __init__(
@@ -251,9 +261,11 @@ class KvFit:
         report_lag_seconds: float = 0.25,
         candidates: int = 4,
         default_output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+        bytes_per_token: float = BYTES_PER_TOKEN,
     ) -> None:
         self.engines = engines
         self.default_output_tokens = default_output_tokens
+        self.bytes_per_token = bytes_per_token
         self._clock = clock
         self._lag = report_lag_seconds
         self.candidates = candidates
@@ -261,8 +273,14 @@ class KvFit:
         self._max_total: dict[str, tuple[float, int, int]] = {}
 
     def demand(self, request: Any, features: RequestFeatures, route: ModelRoute) -> KvDemand | None:
-        """`demand_of` with this router's default output reservation."""
-        return demand_of(request, features, route, default_output_tokens=self.default_output_tokens)
+        """`demand_of` with this router's default output reservation and bytes per token."""
+        return demand_of(
+            request,
+            features,
+            route,
+            default_output_tokens=self.default_output_tokens,
+            bytes_per_token=self.bytes_per_token,
+        )
 
     def _ledger(self, replica_id: str) -> _Ledger:
         ledger = self._ledgers.get(replica_id)

@@ -124,6 +124,9 @@ class RouterSettings(ServiceSettings):
         kv_fit_report_lag_seconds: a request admitted less than this before an engine's report
             counts as not reflected by it (its whole size stays reserved).
         kv_fit_candidates: replicas after the policy's choice a KV-fit decision may try.
+        kv_fit_bytes_per_token: bytes per token of the prompt estimate of a request the router
+            did not tokenize (4: English prose in large BPE vocabularies; the fixture
+            kimi-tiny's small vocabulary makes 1.5-2).
         kv_index_max_entries: (KV block, replica) pairs the router's KV index holds at most
             (~460 bytes each, measured); past it, the least recently stored or matched block goes.
         precise_prefix_max_tokens: prompt tokens the router tokenizes and hashes at most per
@@ -176,6 +179,7 @@ class RouterSettings(ServiceSettings):
     kv_fit_default_output_tokens: int = 4096
     kv_fit_report_lag_seconds: float = 0.25
     kv_fit_candidates: int = 4
+    kv_fit_bytes_per_token: float = 4.0
     precise_prefix_max_tokens: int = 32_768
     tokenizer_cache_size: int = 4
 

@@ -79,6 +79,9 @@ usage_ledger = Table(
     Column("end_time", UtcDateTime, nullable=False),
     # The public API (`inferplane.wire.apis`); "" for rows from before migration 0003.
     Column("api", String(32), nullable=False),
+    # The LoRA adapter that served it (catalogue name; issue 29); "" for the base model and
+    # for rows from before migration 0005.
+    Column("adapter", String(128), nullable=False),
     Index("ix_usage_ledger_end_time", "end_time", "request_id"),
     Index("ix_usage_ledger_key_id_end_time", "key_id", "end_time"),
     Index("ix_usage_ledger_tenant_end_time", "tenant", "end_time"),
@@ -94,7 +97,7 @@ usage_monthly = Table(
 )
 
 STATUSES = ("completed", "failed", "cancelled")
-GROUPINGS = ("", "hour", "day", "model", "key", "tenant", "api")
+GROUPINGS = ("", "hour", "day", "model", "key", "tenant", "api", "adapter")
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 
@@ -131,6 +134,7 @@ class LedgerRow:
     gpu_seconds: float = 0.0
     start_time: datetime | None = None
     api: str = ""
+    adapter: str = ""
 
     @property
     def tokens(self) -> int:
@@ -400,7 +404,7 @@ class SqlUsageLedger:
 
     def _group_key(self, group_by: str) -> Any:
         c = usage_ledger.c
-        if group_by in ("model", "tenant", "api"):
+        if group_by in ("model", "tenant", "api", "adapter"):
             return c[group_by]
         if group_by == "key":
             return c.key_id

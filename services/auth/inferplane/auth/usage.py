@@ -93,6 +93,7 @@ def ledger_row(usage: usage_pb2.RequestUsage, tenant: str, now: datetime) -> Led
         gpu_seconds=max(0.0, usage.gpu_seconds),
         start_time=usage.start_time.ToDatetime(UTC) if usage.HasField("start_time") else None,
         api=usage.api,
+        adapter=usage.adapter,
     )
 
 
@@ -211,6 +212,7 @@ def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
         duration_seconds=row.duration_seconds,
         gpu_seconds=row.gpu_seconds,
         api=row.api,
+        adapter=row.adapter,
     )
     msg.end_time.FromDatetime(row.end_time)
     if row.start_time is not None:

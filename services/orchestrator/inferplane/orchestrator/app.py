@@ -147,6 +147,8 @@ class OrchestratorComponents:
         for task in tasks:
             await _cancel(task)
         await self.reconciler.close()
+        if self.autoscaler is not None:
+            self.autoscaler.reset()
         if self._follower is None:
             self._follower = asyncio.create_task(
                 self.relay.follow_forever(self.settings.reconcile_interval_seconds),

@@ -154,17 +154,24 @@ class Autoscaler:
             loop.call_soon_threadsafe(self._wake.set)
 
     async def tick(self) -> None:
-        """One pass over every deployment (module docstring)."""
-        seen = set()
-        for deployment in self._control.deployments():
-            if not deployment.autoscaled:
-                continue
-            seen.add(deployment.deployment_id)
-            await self._one(deployment)
+        """One pass over every deployment (module docstring); TTFT readings are fetched for
+        all of them at once (a slow telemetry costs one timeout per tick, not one each)."""
+        autoscaled = [d for d in self._control.deployments() if d.autoscaled]
+        ttfts = await asyncio.gather(*(self._ttft_p99(d) for d in autoscaled))
+        for deployment, ttft in zip(autoscaled, ttfts, strict=True):
+            await self._one(deployment, ttft)
+        seen = {d.deployment_id for d in autoscaled}
         for deployment_id in [k for k in self._status if k not in seen]:
             self._forget(deployment_id)
 
-    async def _one(self, d: Deployment) -> None:
+    def reset(self) -> None:
+        """Forgets every deployment's windows, status and metrics (leadership lost: a new
+        term starts its windows and idle timers over)."""
+        for deployment_id in list(self._status):
+            self._forget(deployment_id)
+        self._policy = Policy(grace_seconds=self._settings.grace_seconds)
+
+    async def _one(self, d: Deployment, ttft_p99_seconds: float) -> None:
         aggregate = self._demand(d.deployment_id)
         signals = Signals(
             queued_requests=aggregate.queued_requests,
@@ -173,7 +180,7 @@ class Autoscaler:
             in_flight_requests=aggregate.in_flight_requests,
             engine_waiting_requests=aggregate.engine_waiting_requests,
             kv_usage=aggregate.kv_usage,
-            ttft_p99_seconds=await self._ttft_p99(d),
+            ttft_p99_seconds=ttft_p99_seconds,
             cold_waiting_requests=aggregate.cold_waiting_requests,
             idle_seconds=aggregate.idle_seconds,
             ready_replicas=self._ready(d.deployment_id),

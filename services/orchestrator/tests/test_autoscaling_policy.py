@@ -269,6 +269,20 @@ def test_catalogue_owns_replicas_only_through_the_autoscaler(world: Any) -> None
     assert control.autoscale("auto", 0, SCALE_TO_ZERO, "idle", Signals()) == (0, "")
     wider = deployment_from_proto(fx.llama8b_proto(max_replicas=4), "auto")
     assert control.update(wider, ["max_replicas"]).deployment.replicas == 0
+    # Enabling autoscaling by update mask moves replicas into the new bounds at once.
+    control.create(deployment_from_proto(fx.llama8b_proto(replicas=4), "fixed"))
+    enable = fx.llama8b_proto(max_replicas=2)
+    enable.autoscaling.enabled = True
+    turned = control.update(
+        deployment_from_proto(enable, "fixed"), ["autoscaling.enabled", "max_replicas"]
+    )
+    assert turned.deployment.autoscaled and turned.deployment.replicas == 2
+    # Disabling it gives replicas back to the operator.
+    off_again = fx.llama8b_proto(replicas=3, max_replicas=3)
+    back = control.update(
+        deployment_from_proto(off_again, "fixed"), ["autoscaling", "replicas", "max_replicas"]
+    )
+    assert not back.deployment.autoscaled and back.deployment.replicas == 3
     # Bad bounds and settings name the field.
     bad = fx.llama8b_proto(min_replicas=3, max_replicas=2)
     bad.autoscaling.enabled = True

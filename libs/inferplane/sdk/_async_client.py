@@ -17,6 +17,7 @@ from inferplane.sdk._requests import (
     ChatRequest,
     EmbeddingRequest,
     KeyWithSecret,
+    adapter_name,
     chat_request,
     create_deployment_request,
     deployment_name,
@@ -173,6 +174,33 @@ class AsyncDeployments:
         )
         response = await self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
         return tuple(response.decisions)
+
+    async def create_adapter(
+        self, adapter_id: str, adapter: orch.LoraAdapter, *, timeout: float | None = None
+    ) -> orch.LoraAdapter:
+        value = orch.LoraAdapter()
+        value.CopyFrom(adapter)
+        if value.base_deployment:
+            value.base_deployment = deployment_name(value.base_deployment)
+        request = orch.CreateAdapterRequest(adapter_id=adapter_id, adapter=value)
+        return (await self._t.unary(m.CREATE_ADAPTER, request, timeout=timeout)).adapter
+
+    async def get_adapter(self, name: str, *, timeout: float | None = None) -> orch.LoraAdapter:
+        request = orch.GetAdapterRequest(name=adapter_name(name))
+        return (await self._t.unary(m.GET_ADAPTER, request, timeout=timeout)).adapter
+
+    async def list_adapters(
+        self, base: str = "", *, timeout: float | None = None
+    ) -> Sequence[orch.LoraAdapter]:
+        request = orch.ListAdaptersRequest(base_deployment=deployment_name(base) if base else "")
+        return tuple((await self._t.unary(m.LIST_ADAPTERS, request, timeout=timeout)).adapters)
+
+    async def delete_adapter(
+        self, name: str, *, timeout: float | None = None
+    ) -> orch.LoraAdapter | None:
+        request = orch.DeleteAdapterRequest(name=adapter_name(name))
+        response = await self._t.unary(m.DELETE_ADAPTER, request, timeout=timeout)
+        return response.adapter if response.HasField("adapter") else None
 
 
 class AsyncNodes:

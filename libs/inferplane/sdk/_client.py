@@ -17,6 +17,7 @@ from inferplane.sdk._requests import (
     ChatRequest,
     EmbeddingRequest,
     KeyWithSecret,
+    adapter_name,
     chat_request,
     create_deployment_request,
     deployment_name,
@@ -201,6 +202,38 @@ class Deployments:
         )
         response = self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
         return tuple(response.decisions)
+
+    def create_adapter(
+        self, adapter_id: str, adapter: orch.LoraAdapter, *, timeout: float | None = None
+    ) -> orch.LoraAdapter:
+        """Adds a LoRA adapter on top of `adapter.base_deployment` (issue 29): clients then
+        send `{base}:{adapter_id}` or one of its aliases as the model. Never retried."""
+        value = orch.LoraAdapter()
+        value.CopyFrom(adapter)
+        if value.base_deployment:
+            value.base_deployment = deployment_name(value.base_deployment)
+        request = orch.CreateAdapterRequest(adapter_id=adapter_id, adapter=value)
+        return self._t.unary(m.CREATE_ADAPTER, request, timeout=timeout).adapter
+
+    def get_adapter(self, name: str, *, timeout: float | None = None) -> orch.LoraAdapter:
+        """The adapter `name` (an adapter id or `adapters/{id}`)."""
+        request = orch.GetAdapterRequest(name=adapter_name(name))
+        return self._t.unary(m.GET_ADAPTER, request, timeout=timeout).adapter
+
+    def list_adapters(
+        self, base: str = "", *, timeout: float | None = None
+    ) -> Sequence[orch.LoraAdapter]:
+        """Adapters by id: of deployment `base` (id, alias or name), or all when empty."""
+        request = orch.ListAdaptersRequest(base_deployment=deployment_name(base) if base else "")
+        return tuple(self._t.unary(m.LIST_ADAPTERS, request, timeout=timeout).adapters)
+
+    def delete_adapter(self, name: str, *, timeout: float | None = None) -> orch.LoraAdapter | None:
+        """Deletes an adapter: it leaves the routing table at once; returns it in phase
+        Deleting while requests may still use it (gone after the base's drain grace), None
+        when it is gone already. Never retried."""
+        request = orch.DeleteAdapterRequest(name=adapter_name(name))
+        response = self._t.unary(m.DELETE_ADAPTER, request, timeout=timeout)
+        return response.adapter if response.HasField("adapter") else None
 
 
 class Nodes:

@@ -165,6 +165,26 @@ LIST_AUTOSCALER_DECISIONS = _method(
     orch.ListAutoscalerDecisionsRequest, orch.ListAutoscalerDecisionsResponse,
     retry=True,  # a read
 )  # fmt: skip
+CREATE_ADAPTER = _method(
+    _O, orch, "DeploymentService", "CreateAdapter",
+    orch.CreateAdapterRequest, orch.CreateAdapterResponse,
+    retry=False,  # a repeat after a lost answer says ALREADY_EXISTS
+)  # fmt: skip
+GET_ADAPTER = _method(
+    _O, orch, "DeploymentService", "GetAdapter",
+    orch.GetAdapterRequest, orch.GetAdapterResponse,
+    retry=True,  # a read
+)  # fmt: skip
+LIST_ADAPTERS = _method(
+    _O, orch, "DeploymentService", "ListAdapters",
+    orch.ListAdaptersRequest, orch.ListAdaptersResponse,
+    retry=True,  # a read
+)  # fmt: skip
+DELETE_ADAPTER = _method(
+    _O, orch, "DeploymentService", "DeleteAdapter",
+    orch.DeleteAdapterRequest, orch.DeleteAdapterResponse,
+    retry=False,  # a repeat after a lost answer may say NOT_FOUND (an adapter without drain)
+)  # fmt: skip
 
 # -- inferplane.orchestrator.v1.NodeService ----------------------------------------------------
 GET_NODE = _method(

@@ -44,6 +44,11 @@ def deployment_name(name: str) -> str:
     return _prefixed("deployments/", name)
 
 
+def adapter_name(name: str) -> str:
+    """`adapters/{adapter}` from a LoRA adapter id or a resource name."""
+    return _prefixed("adapters/", name)
+
+
 def node_name(name: str) -> str:
     """`nodes/{node}` from a node name or a resource name."""
     return _prefixed("nodes/", name)

@@ -371,3 +371,35 @@ def test_the_store_keeps_every_field(tmp_path: Path) -> None:
     store.commit(StateChange(delete_adapters=(made.adapter_id,)))
     assert store.load().adapters == ()
     store.close()
+
+
+def test_the_cli_creates_lists_gets_and_deletes(tmp_path: Path, fx: Any) -> None:
+    from typer.testing import CliRunner
+
+    from inferplane.orchestrator.cli import app
+
+    root = tmp_path / "lora"
+    source = make_adapter(root, "pirate")
+    settings = fx.make_settings(tmp_path, lora_root=str(root), reconcile=False)
+    runner = CliRunner(env={"INFERPLANE_PLAINTEXT": "1"})
+    with fx.running(settings, FakeClock()) as orch:
+        orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.cpu_status("cpu-a")), timeout=10)
+        orch.deployments.CreateDeployment(
+            pb.CreateDeploymentRequest(deployment_id="kimi-tiny", deployment=lora_proto(fx)),
+            timeout=10,
+        )
+        address = ["--address", orch.address]
+        create = ["adapters", "create", "pirate", "--base", "tiny", "--source", str(source)]
+        made = runner.invoke(app, [*create, "--alias", "arr", *address])
+        assert made.exit_code == 0, made.output
+        assert "adapters/pirate: model kimi-tiny:pirate (aliases arr), rank 8, Ready" in made.output
+        listed = runner.invoke(app, ["adapters", "list", "--base", "kimi-tiny", *address])
+        assert listed.exit_code == 0 and "kimi-tiny:pirate" in listed.output, listed.output
+        got = runner.invoke(app, ["adapters", "get", "pirate", *address])
+        assert got.exit_code == 0 and "source " + os.path.realpath(source) in got.output
+        bad = runner.invoke(
+            app, ["adapters", "create", "x", "--base", "kimi-tiny", "--source", "/etc", *address]
+        )
+        assert bad.exit_code == 1 and "INVALID_ARGUMENT" in bad.output
+        gone = runner.invoke(app, ["adapters", "delete", "pirate", *address])
+        assert gone.exit_code == 0 and "adapters/pirate Deleting" in gone.output

@@ -198,3 +198,89 @@ def create(
         if not validate_only:
             for line in client.explain(created.name):
                 typer.echo(line)
+
+
+adapters = typer.Typer(
+    help="LoRA adapters on top of a base deployment: create, list, get, delete (issue 29).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.add_typer(adapters, name="adapters")
+
+
+def _adapter_line(a: pb.LoraAdapter) -> str:
+    base = a.base_deployment.removeprefix("deployments/")
+    aliases = f" (aliases {', '.join(a.aliases)})" if a.aliases else ""
+    return (
+        f"{a.name}: model {base}:{a.name.removeprefix('adapters/')}{aliases}, rank {a.rank}, "
+        f"{a.phase}, source {a.source}"
+    )
+
+
+@adapters.command("create")
+def adapter_create(
+    adapter_id: Annotated[str, typer.Argument(help="Adapter id: clients send {base}:{id}.")],
+    base: Annotated[str, typer.Option("--base", help="Base deployment id or alias.")],
+    source: Annotated[
+        str, typer.Option("--source", help="Adapter folder (PEFT) under the adapter root.")
+    ],
+    rank: Annotated[
+        int, typer.Option("--rank", help="Rank (8, 16, ..., 512); 0: from adapter_config.json.")
+    ] = 0,
+    alias: Annotated[
+        list[str] | None, typer.Option("--alias", help="Another model name (repeatable).")
+    ] = None,
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Add a LoRA adapter served by a base deployment's replicas."""
+    adapter = pb.LoraAdapter(base_deployment=base, source=source, rank=rank, aliases=alias or [])
+    with _deployments(address) as client:
+        created = client.create_adapter(adapter_id, adapter)
+    typer.echo(f"created {_adapter_line(created)}")
+
+
+@adapters.command("list")
+def adapter_list(
+    base: Annotated[str, typer.Option("--base", help="Only this deployment's adapters.")] = "",
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """List adapters (model name, base, rank, phase, source)."""
+    with _deployments(address) as client:
+        found = client.list_adapters(base)
+    table = Table(title="adapters", title_justify="left")
+    for column in ("MODEL", "ALIASES", "RANK", "PHASE", "SOURCE"):
+        table.add_column(column, overflow="fold")
+    for a in found:
+        base_id = a.base_deployment.removeprefix("deployments/")
+        table.add_row(
+            f"{base_id}:{a.name.removeprefix('adapters/')}",
+            ",".join(a.aliases) or "-",
+            str(a.rank),
+            a.phase,
+            a.source,
+        )
+    Console(width=160).print(table)
+
+
+@adapters.command("get")
+def adapter_get(
+    adapter_id: Annotated[str, typer.Argument(help="Adapter id or adapters/{id}.")],
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Print one adapter."""
+    with _deployments(address) as client:
+        typer.echo(_adapter_line(client.get_adapter(adapter_id)))
+
+
+@adapters.command("delete")
+def adapter_delete(
+    adapter_id: Annotated[str, typer.Argument(help="Adapter id or adapters/{id}.")],
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Delete an adapter: out of the routing table now, gone after its base's drain grace."""
+    with _deployments(address) as client:
+        left = client.delete_adapter(adapter_id)
+    if left is None:
+        typer.echo(f"adapters/{adapter_id.removeprefix('adapters/')} deleted")
+    else:
+        typer.echo(f"{left.name} {left.phase}: no new request; gone once requests drained")

@@ -34,12 +34,13 @@ turns LoRA off or lowers `max_lora_rank` below an adapter's rank is FAILED_PRECO
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import structlog
 
+from inferplane import lora
 from inferplane.orchestrator.catalog.model import (
     ADAPTER_DELETING,
     ADAPTER_READY,
@@ -60,7 +61,7 @@ from inferplane.runtime import (
 log = structlog.get_logger("inferplane.orchestrator")
 
 #: The adapter's configuration file in a PEFT folder (its `r` is the adapter's rank).
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = lora.CONFIG_FILE
 
 
 def _invalid(message: str, field: str) -> InvalidArgumentError:
@@ -116,13 +117,12 @@ def resolve_source(source: str, lora_root: str) -> str:
 
 
 def config_rank(source: str) -> int | None:
-    """The `r` of `source`'s `adapter_config.json`, None when it cannot be read here."""
+    """The adapter's own rank as vLLM checks it (`inferplane.lora.adapter_rank`: `r`, or the
+    largest of `rank_pattern`), None when its `adapter_config.json` cannot be read here."""
     try:
-        with open(os.path.join(source, ADAPTER_CONFIG), encoding="utf-8") as f:
-            value = json.load(f).get("r")
-    except (OSError, ValueError, AttributeError):
+        return lora.adapter_rank(Path(source))
+    except lora.AdapterError:
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_rank(rank: int, own_rank: int | None, base: Deployment) -> int:

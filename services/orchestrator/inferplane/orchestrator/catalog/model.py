@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from inferplane import lora
 from inferplane import replica_contract as contract
 
 DEFAULT_ENGINE = "vllm"
@@ -60,13 +61,12 @@ ADDED_FIELDS = (
     "max_loras",
     "max_lora_rank",
 )
-#: LoRA (issue 29): the most adapters a profile lets one replica hold at once (`max_loras`),
-#: and vLLM's allowed `--max-lora-rank` values (vLLM 0.32 `LoRAConfig.max_lora_rank`), which
-#: an adapter's catalogue rank is one of too.
-MAX_LORAS = 8
-LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-#: `max_lora_rank` when a profile sets `max_loras` and leaves the rank unset (vLLM's default).
-DEFAULT_MAX_LORA_RANK = 16
+#: LoRA (issue 29), defined once in `inferplane.lora`: the most adapters a profile lets one
+#: replica hold at once (`max_loras`), vLLM's allowed `--max-lora-rank` values (an adapter's
+#: catalogue rank is one of them too), and the rank a LoRA profile gets when it sets none.
+MAX_LORAS = lora.MAX_LORAS
+LORA_RANKS = lora.ALLOWED_RANKS
+DEFAULT_MAX_LORA_RANK = lora.DEFAULT_MAX_LORA_RANK
 #: The sampling parameters a profile may default (`DeploymentProfile.sampling_defaults`, vLLM's
 #: `--override-generation-config`), as `inferplane.nodeagent.v1.SamplingDefaults` names them;
 #: `top_k` is an integer, the others numbers.

@@ -26,6 +26,7 @@ OWN_STACK_MODULES = frozenset(
         "test_audio.py",
         "test_agents.py",
         "test_tracing.py",
+        "test_autoscale.py",
     }
 )
 

@@ -27,6 +27,7 @@ OWN_STACK_MODULES = frozenset(
         "test_agents.py",
         "test_tracing.py",
         "test_autoscale.py",
+        "test_lora.py",
     }
 )
 

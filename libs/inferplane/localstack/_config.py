@@ -147,6 +147,12 @@ class StackConfig:
             `max_num_seqs` streams (the router's cap) of one token per delay each. For
             benchmarks and tests of the control plane (autoscaling, cold starts) that two
             cores cannot show with real engines; 0 (the default): vLLM.
+        max_loras / max_lora_rank: the kimi-tiny profile's LoRA settings (issue 29: adapters it
+            may hold at once, their largest rank; 0 / 0, the default: LoRA off). Adapters are
+            then created through the orchestrator's API (`CreateAdapter`) from folders under
+            `lora_root`.
+        lora_root: the orchestrator's allow-listed adapter root (`--lora-root`); None: the
+            repository's `models/` folder, where the fixture adapter `kimi-tiny-lora` lives.
         otlp_traces_endpoint: an OpenTelemetry collector (OTLP/gRPC `host:port`) every
             service, each replica process (through its node-agent) and the edge (through the
             orchestrator) export their spans to, at `trace_sampling_ratio` (0..1) of the traces
@@ -179,6 +185,9 @@ class StackConfig:
     qwen3: bool = False
     max_model_len: int = kimi_tiny.MAX_MODEL_LEN
     expected_context_tokens: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_root: Path | None = None
     nodes: tuple[str, ...] = (NODE_NAME,)
     routers: int = 1
     hosts: Mapping[str, StackHost] = dataclasses.field(default_factory=dict)

@@ -27,8 +27,8 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
     """The kimi-tiny deployment the stack creates: `config.replicas` CPU replicas (`engine:
     vllm-cpu`, fp32), the Kimi K2 parsers, `config.transport`, `config.routing_policy`,
     `config.max_model_len`, `config.max_num_seqs`, `config.stream_interval`,
-    `config.constrain_tool_choice_auto`, `config.sampling_defaults` (when set), one surge
-    replica per rollout.
+    `config.constrain_tool_choice_auto`, `config.sampling_defaults` (when set),
+    `config.max_loras` / `config.max_lora_rank` (LoRA), one surge replica per rollout.
 
     Sizing numbers (layers, KV heads, head dim) come from the model's `config.json`, the
     parameter count from its `MANIFEST.json` (else the fp32 weights file size / 4 bytes).
@@ -77,6 +77,8 @@ def kimi_tiny_deployment(config: StackConfig) -> orchestrator_pb2.Deployment:
             transport=config.transport,
             stream_interval=config.stream_interval,
             constrain_tool_choice_auto=config.constrain_tool_choice_auto,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
             sampling_defaults=(
                 json_format.ParseDict(
                     dict(config.sampling_defaults), nodeagent_pb2.SamplingDefaults()

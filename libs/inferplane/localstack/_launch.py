@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.edge import REPLICAS_CLUSTER, EnvoyProcess, EnvoyStartError, render_ads_bootstrap
+from inferplane.fixtures._fixtures import MODELS_DIR
 from inferplane.localstack._config import (
     EDGE_NODE_ID,
     EDGE_PROCESS,
@@ -166,6 +167,9 @@ class Launcher:
             EDGE_NODE_ID,
             "--warmup-timeout-seconds",
             str(cfg.warmup_timeout_seconds),
+            # LoRA adapters' sources must lie here (the fixture adapter is in models/).
+            "--lora-root",
+            str(cfg.lora_root or MODELS_DIR),
             # Its open streams (heartbeats, table watches) would hold the default 10 s grace.
             "--grace-period-seconds",
             "2",

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2_grpc
 from inferplane.replica.engines.base import EngineClient
+from inferplane.replica.engines.lora import AdapterRegistry
 from inferplane.replica.hosts import EngineHost
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
@@ -156,6 +157,9 @@ class ReplicaProcess:
             self.response_store = ResponseStoreClient(
                 lambda: self.security.aio_channel(address, options)
             )
+        # LoRA adapters (issue 29): the request's adapter checked and given an id; what the
+        # engine holds, for routers (WatchReplicaState's loaded_adapters).
+        self.adapters = AdapterRegistry(settings.spec, transport=settings.flags.transport)
         self.inference = InferenceServicer(
             self.state,
             self._assets,
@@ -166,11 +170,13 @@ class ReplicaProcess:
             metrics=StreamMetrics(self.registry),
             report_to_picker=self.outcomes.report,
             response_store=self.response_store,
+            adapters=self.adapters,
         )
         # The engine's state for routers (WatchReplicaState): engine stats, KV blocks, queue.
         self.state_stream = ReplicaStateStream(
             lambda: getattr(self.host, "engine_state", None) or self.state.engine,
             lambda: Admission(self.state.in_flight, self.state.phase is Phase.DRAINING),
+            loaded_adapters=self.adapters.loaded,
         )
         # The platform's tracing (the node-agent's flags): each request's spans.
         self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
@@ -274,6 +280,8 @@ class ReplicaProcess:
                 log.error("engine_start_failed", error=f"{type(exc).__name__}: {exc}")
                 return await self._close(EXIT_START_FAILED)
             self._engine = TrackedEngine(client, self.host.check_soon)
+            # inproc: vLLM's own list of the adapters it holds (else the most recently used).
+            self.adapters.attach(getattr(client, "lora_ids", None) if self.adapters.enabled else None)
             self.state.set_ready(self._engine)
             if self.state.phase is Phase.READY:
                 await self._serving(True)
@@ -355,13 +363,16 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
     from inferplane.replica.engines.child_state import ChildEngineState
     from inferplane.replica.engines.environment import apply_engine_environment, patch_vllm_version
     from inferplane.replica.hosts import ChildEngineHost, InprocHost, client_for
-    from inferplane.replica_contract import runs_on_cpu
+    from inferplane.replica_contract import Task, replica_task, runs_on_cpu
 
+    # KV events where prefix caching serves routing: generating (decoder) engines only.
+    generates = replica_task(settings.spec) == Task.GENERATE
     if settings.flags.transport != Transport.INPROC:
         transport, address = settings.flags.transport, settings.flags.engine_address
         url = settings.flags.engine_metrics_url
         # The engine's numbers from its metrics; KV events from vLLM's HTTP server's engine.
-        state = ChildEngineState(url, kv_events=transport == Transport.HTTP_COMPLETIONS)
+        events = generates and transport == Transport.HTTP_COMPLETIONS
+        state = ChildEngineState(url, kv_events=events)
         host = ChildEngineHost(
             settings.engine_argv, lambda: client_for(transport, address), state=state
         )
@@ -382,7 +393,7 @@ def build_host(settings: ReplicaSettings) -> tuple[EngineHost, Callable[[], Any]
     tracing = TracingSettings.of(settings, REPLICA_SERVICE_NAME)
     if tracing.enabled:  # vLLM's own span per request, under the replica's (trace_headers)
         argv += ["--otlp-traces-endpoint", tracing.url]
-    return InprocHost(argv), vllm_registry
+    return InprocHost(argv, kv_events=generates), vllm_registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:

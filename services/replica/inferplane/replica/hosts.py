@@ -56,10 +56,14 @@ class InprocHost:
         argv: engine arguments (`inproc.engine_argv(spec, cpu=...)`).
         poll_seconds: how often `AsyncLLM.errored` is read (a SIGKILLed engine core shows
             there within ~0.1 s; reading it costs nothing).
+        kv_events: run the engine with its KV events to this process (`InprocEngine.start`).
     """
 
-    def __init__(self, argv: Sequence[str], *, poll_seconds: float = 0.2) -> None:
+    def __init__(
+        self, argv: Sequence[str], *, poll_seconds: float = 0.2, kv_events: bool = True
+    ) -> None:
         self._argv = list(argv)
+        self._kv_events = kv_events
         self._poll = poll_seconds
         self._engine: Any = None
         self._wake = asyncio.Event()
@@ -67,7 +71,7 @@ class InprocHost:
     async def start(self) -> EngineClient:
         from inferplane.replica.engines.inproc import InprocEngine
 
-        self._engine = await InprocEngine.start(self._argv)
+        self._engine = await InprocEngine.start(self._argv, kv_events=self._kv_events)
         return self._engine  # type: ignore[no-any-return]
 
     async def wait_dead(self) -> str:

@@ -15,7 +15,8 @@ hands the state stream content hashes only.
   translation was never seen or was dropped), whose size is not the index's block size, or
   whose hash depends on more than its tokens and adapter (multimodal inputs, a cache salt,
   prompt embeddings: vLLM's per-block `extra_keys`) is skipped and counted: a router can only
-  claim a prefix it can hash from token ids. Pure, no I/O.
+  claim a prefix it can hash from token ids. With several KV cache groups (hybrid models) a
+  block counts as cached while any group holds it. Pure, no I/O.
 - `decode_batch`: a batch's msgpack payload → `(ts, events)`, with msgspec against vLLM's own
   `KVEventBatch` when vLLM is already imported in this process (inproc), else plain msgpack
   (`msgspec.msgpack`; vLLM's events are tagged maps, `{"type": "BlockStored", ...}`).

@@ -148,6 +148,13 @@ PROFILE_OWNED: Mapping[str, str] = MappingProxyType(
         "--speculative-config": "profile.speculative_method and profile.speculative_model",
         "--gpu-memory-utilization": "placement, from the profile's sizing",
         "--kv-cache-memory-bytes": "placement, from the profile's KV budget",
+        # LoRA (issue 29): the profile's max_loras turns it on, with max_lora_rank
+        # (replica_contract.lora_args); adapters are catalogue objects, loaded on demand.
+        "--enable-lora": "profile.max_loras (LoRA adapters a replica may hold; 0: LoRA off)",
+        "--max-loras": "profile.max_loras",
+        "--max-lora-rank": "profile.max_lora_rank",
+        "--max-cpu-loras": "profile.max_loras",
+        "--lora-modules": "the catalogue's adapters (CreateAdapter), loaded on demand",
     }
 )
 

@@ -9,7 +9,8 @@ imports the other. What both must agree on is defined once, below:
   `ReplicaSpec.transport`), which transports serve which task (`EMBED_TRANSPORTS`,
   `SPEECH_TRANSPORTS`), the default transport, and the check both sides run
   (`resolve_transport`, `check_transport_serves`);
-- the pooling arguments an `embed` replica's engine gets (`pooling_args`);
+- the pooling arguments an `embed` replica's engine gets (`pooling_args`), and the LoRA
+  arguments of a spec with `max_loras` (`lora_args`; `LORA_TRANSPORTS` serve adapters);
 - the module names the supervisor spawns (`REPLICA_MODULE`, `LAUNCHER_MODULE`: strings, so the
   node-agent never imports the replica's code) and the `--device auto` probe (`has_nvidia_gpu`);
 - every flag of the replica process's command line (`ReplicaFlags`: the supervisor writes it
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.lora import ALLOWED_RANKS, DEFAULT_MAX_LORA_RANK, MAX_LORAS
 from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
 from inferplane.runtime.tracing import DEFAULT_SAMPLING_RATIO
 
@@ -162,9 +164,10 @@ def check_transport_serves(spec: nodeagent_pb2.ReplicaSpec, transport: str) -> N
     """Refuses a transport that cannot serve the spec's task.
 
     Raises:
-        ValueError: an `embed` spec on a transport outside `EMBED_TRANSPORTS`, or a
-            `transcribe` spec outside `SPEECH_TRANSPORTS` (the message names the transport
-            and the ones that work).
+        ValueError: an `embed` spec on a transport outside `EMBED_TRANSPORTS`, a
+            `transcribe` spec outside `SPEECH_TRANSPORTS`, or a spec with LoRA on
+            (`max_loras`) outside `LORA_TRANSPORTS` (the message names the transport and the
+            ones that work).
     """
     if spec.task == Task.EMBED and transport not in EMBED_TRANSPORTS:
         raise ValueError(
@@ -175,6 +178,11 @@ def check_transport_serves(spec: nodeagent_pb2.ReplicaSpec, transport: str) -> N
         raise ValueError(
             f"the {transport} engine transport cannot serve speech-to-text (task "
             f"'transcribe'); use {' or '.join(SPEECH_TRANSPORTS)}"
+        )
+    if spec.max_loras and transport not in LORA_TRANSPORTS:
+        raise ValueError(
+            f"the {transport} engine transport cannot serve LoRA adapters (max_loras); "
+            f"use {' or '.join(LORA_TRANSPORTS)}"
         )
 
 
@@ -195,6 +203,37 @@ def pooling_args(spec: nodeagent_pb2.ReplicaSpec) -> list[str]:
     if any(a == "--runner" or a.startswith("--runner=") for a in spec.extra_engine_args):
         return []
     return list(POOLING_ARGS)
+
+
+LORA_TRANSPORTS: tuple[Transport, ...] = (Transport.INPROC, Transport.HTTP_COMPLETIONS)
+"""The transports that serve LoRA adapters (a spec with `max_loras`): vLLM's `LoRARequest`
+per request in-process, or the child server's runtime loading (`POST /v1/load_lora_adapter`,
+then the adapter's name as the model). vLLM's gRPC `Generate` names no adapter."""
+
+
+def lora_args(spec: nodeagent_pb2.ReplicaSpec) -> list[str]:
+    """vLLM's LoRA arguments for `spec`: none when `max_loras` is 0 (LoRA off), else
+    `--enable-lora --max-loras N --max-lora-rank R` (R: `max_lora_rank`, or vLLM's default
+    `inferplane.lora.DEFAULT_MAX_LORA_RANK` when 0). vLLM keeps `max_cpu_loras` at `max_loras`,
+    so the engine holds at most `max_loras` adapters and evicts the least recently used one to
+    load another (on CPU both are the same memory). Eager mode is already the CPU default
+    (`--enforce-eager`; vLLM's CPU platform also turns compilation off under LoRA).
+
+    Raises:
+        ValueError: `max_loras` above `inferplane.lora.MAX_LORAS`, or a rank outside
+            `inferplane.lora.ALLOWED_RANKS`.
+    """
+    if not spec.max_loras:
+        return []
+    if spec.max_loras > MAX_LORAS:
+        raise ValueError(f"max_loras {spec.max_loras} is above {MAX_LORAS}")
+    rank = spec.max_lora_rank or DEFAULT_MAX_LORA_RANK
+    if rank not in ALLOWED_RANKS:
+        raise ValueError(
+            f"max_lora_rank {rank} is not one of vLLM's ranks: "
+            + ", ".join(map(str, ALLOWED_RANKS))
+        )
+    return ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(rank)]
 
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "gpu")

@@ -281,7 +281,9 @@ class ReplicaProcess:
                 return await self._close(EXIT_START_FAILED)
             self._engine = TrackedEngine(client, self.host.check_soon)
             # inproc: vLLM's own list of the adapters it holds (else the most recently used).
-            self.adapters.attach(getattr(client, "lora_ids", None) if self.adapters.enabled else None)
+            self.adapters.attach(
+                getattr(client, "lora_ids", None) if self.adapters.enabled else None
+            )
             self.state.set_ready(self._engine)
             if self.state.phase is Phase.READY:
                 await self._serving(True)

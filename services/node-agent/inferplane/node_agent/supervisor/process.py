@@ -39,6 +39,7 @@ from inferplane.replica_contract import (
     ReplicaFlags,
     Transport,
     has_nvidia_gpu,
+    lora_args,
     pooling_args,
     replica_task,
     resolve_transport,
@@ -126,7 +127,9 @@ def plan_engine(
     52-56 s with the warm inductor compile cache and 79 s cold). GPU nodes get
     `--gpu-memory-utilization` from `gpu_memory_fraction`. A `stream_interval` above 1 becomes
     `--stream-interval`: vLLM's front end then emits one increment per that many tokens. An
-    `embed` spec gets `--runner pooling` (`pooling_args`).
+    `embed` spec gets `--runner pooling` (`pooling_args`); a spec with `max_loras` gets vLLM's
+    LoRA arguments (`lora_args`; the launcher then allows vLLM's runtime adapter loading, which
+    the `http-completions` transport uses).
     """
     http = transport == Transport.HTTP_COMPLETIONS
     port = free_port(host)
@@ -157,6 +160,7 @@ def plan_engine(
         "--served-model-name",
         spec.served_model_name or spec.deployment or replica_id,
         *pooling_args(spec),
+        *lora_args(spec),
     ]
     if spec.max_model_len:
         vllm_args += ["--max-model-len", str(spec.max_model_len)]

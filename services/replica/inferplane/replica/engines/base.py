@@ -13,9 +13,12 @@ import dataclasses
 from array import array
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+
+if TYPE_CHECKING:
+    from inferplane.replica.engines.lora import Adapter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,6 +66,9 @@ class SamplingParams:
     # A matched stop string stays at the end of the output (vLLM's option; stop strings are
     # matched by the pipeline, so transports need not pass it).
     include_stop_str_in_output: bool = False
+    # The LoRA adapter to run the request with (`engines/lora.py`: resolved and checked by the
+    # replica's AdapterRegistry from the picker's headers); None: the base model.
+    adapter: Adapter | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -155,8 +155,12 @@ class GrpcEngineClient:
         """Streams increments of one generation (see `EngineClient.generate`).
 
         Raises:
-            EngineError: the engine failed or went away; `retryable` when no token came yet.
+            EngineError: the engine failed or went away; `retryable` when no token came yet;
+                `rejected`: the request names a LoRA adapter (vLLM's gRPC `Generate` takes
+                none; the replica's AdapterRegistry refuses such requests first).
         """
+        if params.adapter is not None:
+            raise EngineError("the grpc engine transport serves no LoRA adapters", rejected=True)
         request = pb.GenerateRequest(
             request_id=request_id,
             tokenized=pb.TokenizedInput(input_ids=list(prompt_token_ids)),

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingParams, TokenLogprob
+from inferplane.replica.engines.lora import Adapter
 
 _CONSTRAINT_FIELDS = {
     "json_schema": "json",
@@ -70,6 +71,9 @@ def to_completion_body(
             of strings (never retryable: the request itself is wrong).
     """
     body: dict[str, Any] = {
+        # With an adapter, its name as loaded into the server (`HttpEngineClient`); without,
+        # no model: the server's one base model.
+        **({"model": params.adapter.name} if params.adapter is not None else {}),
         "prompt": list(prompt_token_ids),
         "max_tokens": params.max_tokens,
         "stream": True,
@@ -280,6 +284,9 @@ class HttpEngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._active: dict[str, _Active] = {}
+        # LoRA adapters loaded into the server: name → folder, one load at a time per name.
+        self._adapters: dict[str, str] = {}
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -312,6 +319,8 @@ class HttpEngineClient:
                 `retryable` when no token came yet.
         """
         body = to_completion_body(request_id, prompt_token_ids, params)
+        if params.adapter is not None:
+            await self._load_adapter(params.adapter)
         prompt_tokens = len(prompt_token_ids)
         completion_tokens = 0
         cached_tokens = 0
@@ -405,6 +414,44 @@ class HttpEngineClient:
             # Leaving the `async with` early (cancel, GeneratorExit) closed the connection
             # without reading the rest: the engine sees the disconnect and aborts.
             self._active.pop(request_id, None)
+
+    async def _load_adapter(self, adapter: Adapter) -> None:
+        """Loads `adapter` into the server under its name the first time (vLLM's runtime
+        loading, `POST /v1/load_lora_adapter`, which the launcher allows for an engine with
+        LoRA on; `load_inplace` when the same name comes with another folder). vLLM checks it
+        by loading it into the engine, and later reloads it on its own after an eviction.
+
+        Raises:
+            EngineError: `rejected`: the server refused or failed the load (a folder it
+                cannot load, runtime loading off); `retryable`: the server could not be
+                reached.
+        """
+        if self._adapters.get(adapter.name) == adapter.path:
+            return
+        lock = self._adapter_locks.setdefault(adapter.name, asyncio.Lock())
+        async with lock:
+            if self._adapters.get(adapter.name) == adapter.path:
+                return
+            load: dict[str, Any] = {"lora_name": adapter.name, "lora_path": adapter.path}
+            if adapter.name in self._adapters:
+                load["load_inplace"] = True
+            try:
+                async with self._client().post("/v1/load_lora_adapter", json=load) as response:
+                    status, payload = response.status, await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise EngineError(
+                    f"engine at {self.base_url} failed: {type(exc).__name__}: {exc}",
+                    retryable=True,
+                ) from exc
+            if status != 200:
+                detail = payload[:500].decode("utf-8", "replace")
+                if status == 404:
+                    detail = "the engine server does not allow runtime LoRA loading"
+                raise EngineError(
+                    f"the engine could not load adapter {adapter.name!r}: HTTP {status}: " + detail,
+                    rejected=True,
+                )
+            self._adapters[adapter.name] = adapter.path
 
     async def embed(
         self, request_id: str, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None

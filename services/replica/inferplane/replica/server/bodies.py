@@ -314,6 +314,8 @@ class Bodies:
                 constrained=plan.calls_constrained,
             )
         params = with_stream_floor(plan.params, replica.spec.stream_interval)
+        if facts.adapter is not None:  # the request's LoRA adapter (the template resolved it)
+            params = dataclasses.replace(params, adapter=facts.adapter)
         if choice:
             params = dataclasses.replace(params, seed=seed_of_choice(params.seed, choice))
         gen = Generation(

@@ -35,6 +35,7 @@ import dataclasses
 
 from inferplane.parsers import ToolCallVerdict
 from inferplane.replica.engines.base import Admitted
+from inferplane.replica.engines.lora import Adapter
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.server.outcome import End, Ending, RequestOutcome
 from inferplane.runtime import InferplaneError
@@ -54,13 +55,15 @@ class RequestFacts:
     generation when the request asked for several (`n` > 1: generated tokens are their sum);
     for embeddings and speech, which have no
     `Generation`, `request_id`, `prompt_tokens`, `completion_tokens` and `ttft_seconds` (the
-    time to the engine's first result) directly. The template sets `replica`, `admitted`,
-    `messages` and, on a failure, `fail`.
+    time to the engine's first result) directly. The template sets `replica`, `adapter` (the
+    LoRA adapter the request's headers name, `engines/lora.py`), `admitted`, `messages` and,
+    on a failure, `fail`.
     """
 
     __slots__ = (
         "_code",
         "_status",
+        "adapter",
         "admitted",
         "api",
         "choices",
@@ -94,6 +97,7 @@ class RequestFacts:
         self.ttft_seconds: float | None = None
         self.verdicts: tuple[ToolCallVerdict, ...] = ()
         self.admitted: Admitted | None = None  # its GPU-seconds once it left the replica
+        self.adapter: Adapter | None = None  # the LoRA adapter the request names (headers)
         self._status = "ok"
         self._code = ""
 

@@ -43,6 +43,7 @@ from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.inference.v1 import responses_pb2 as rpb
 from inferplane.replica.engines.base import LocalReplica
+from inferplane.replica.engines.lora import Adapter, AdapterRegistry
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache
 from inferplane.replica.pipeline.speech import TRANSCRIBE as TRANSCRIBE_ENDPOINT
 from inferplane.replica.pipeline.speech import TRANSLATE as TRANSLATE_ENDPOINT
@@ -59,7 +60,15 @@ from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import InvalidArgumentError, UnavailableError
 from inferplane.runtime.time.clock import Clock, SystemClock
 from inferplane.wire import ResponseSummary, apis, chunk_to_json, completion_chunk_to_json
-from inferplane.wire.headers import KEY_ID, PICKER, REQUEST_ID, SERVED_BY, TENANT
+from inferplane.wire.headers import (
+    ADAPTER,
+    ADAPTER_SOURCE,
+    KEY_ID,
+    PICKER,
+    REQUEST_ID,
+    SERVED_BY,
+    TENANT,
+)
 
 log = structlog.get_logger("inferplane.replica.server")
 
@@ -119,6 +128,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         response_store: the stored responses of the Responses API (auth's
             `ResponseStoreService`, `server/response_store.py`); None: responses are answered
             with `"store": false` and `previous_response_id` is a 503.
+        adapters: the replica's LoRA adapters (`engines/lora.py`): a request whose headers
+            name one (`x-inferplane-adapter`, `x-inferplane-adapter-source`, set by the
+            picker) runs with it, or is refused before admission (FAILED_PRECONDITION naming
+            `model`). None: a registry of the replica's spec (no engine list of adapters).
 
     `tracing`: each request's spans (`inferplane.replica.tracing`; off unless the process sets
     it).
@@ -139,8 +152,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         metrics: StreamMetrics | None = None,
         report_to_picker: ReportToPicker | None = None,
         response_store: ResponseStore | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self._replica = replica
+        self._adapters = adapters if adapters is not None else AdapterRegistry(replica.spec)
         self._assets = assets
         self._clock = clock or SystemClock()
         self._on_outcome = on_outcome
@@ -316,10 +331,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         traced = self.tracing.begin(context, facts)
         try:
             assets = await self._start(facts, task)
+            facts.adapter = self._adapter(context)
             async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
                 facts.admitted = admitted
                 async for message in messages:
                     if not facts.messages:
+                        if facts.adapter is not None:  # loaded by now: routers learn it
+                            self._adapters.used(facts.adapter)
                         # The response headers name the replica (the picker learns which
                         # endpoint of its list answered); sent with the first message, not
                         # before: Envoy retries a request elsewhere only until it has seen
@@ -335,6 +353,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             facts.fail(exc)
             raise
         finally:
+            if facts.adapter is not None:
+                self._adapters.used(facts.adapter)
             ending = facts.ending()  # the one classification every view below derives from
             summary = facts.summary(ending)
             _set_trailers(context, summary)
@@ -358,6 +378,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         facts.model = replica.spec.served_model_name or facts.model
         _check_task(replica, task, facts.model)
         return await self._assets.get(replica.spec)
+
+    def _adapter(self, context: Context) -> Adapter | None:
+        """The LoRA adapter the request's headers name (`AdapterRegistry.resolve`), None
+        without the `x-inferplane-adapter` header.
+
+        Raises:
+            InvalidArgumentError: malformed adapter headers (code invalid_adapter).
+            FailedPreconditionError: an adapter this replica cannot serve (LoRA off, a source
+                outside its root, an unreadable folder, a rank above its max; codes in
+                `inferplane.lora`).
+        """
+        name = _metadata(context, ADAPTER)
+        if not name:
+            return None
+        return self._adapters.resolve(name, _metadata(context, ADAPTER_SOURCE))
 
     def _report(self, context: Context, facts: RequestFacts, summary: ResponseSummary) -> None:
         """Hands the summary of a request that produced output to the picker named in its

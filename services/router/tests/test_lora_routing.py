@@ -291,3 +291,16 @@ def test_the_pick_names_the_adapter_to_the_replica_and_usage_and_metrics_carry_i
             assert counted._value.get() == 1
 
     asyncio.run(scenario())
+
+
+def test_models_lists_each_adapter_name_with_its_base_owner() -> None:
+    from inferplane.router.servicer import ModelsService
+
+    routes = table()
+    owned = RouteTable.of(
+        [dataclasses.replace(r, owned_by="acme", created=7) for r in routes.routes.values()]
+    )
+    listed = asyncio.run(ModelsService(lambda: owned).ListModels(pb.ListModelsRequest(), None))
+    models = {m.id: m for m in listed.data}
+    assert {"kimi-tiny:pirate", "arr", "kimi-tiny:poet"} <= set(models)
+    assert models["arr"].owned_by == models["kimi-tiny"].owned_by == "acme"

@@ -16,7 +16,7 @@ from inferplane import kvblocks
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.replica.app import ReplicaProcess
 from inferplane.replica.engines.base import EngineOutput, SamplingParams
-from inferplane.replica.engines.engine_stats import EngineStats
+from inferplane.replica.engines.engine_stats import EngineStats, SchedulerStatsSink
 from inferplane.replica.engines.kv_events import KvBlockIndex, Removed, Stored
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server.state_stream import (
@@ -315,3 +315,17 @@ def test_the_replica_process_streams_its_fake_engines_kv_capacity_over_grpc() ->
             assert await watch.code() == grpc.StatusCode.OK  # ended by the shutdown
 
     asyncio.run(scenario())
+
+
+def test_the_scheduler_stats_sink_turns_vllms_numbers_into_blocks() -> None:
+    changes: list[int] = []
+    sink = SchedulerStatsSink(lambda: changes.append(1))
+    sink.configure(block_size=128, num_gpu_blocks=513)  # 512 usable: vLLM's null block
+    sink.record(running=2, waiting=1, usage=0.25, preempted=0)
+    assert sink.stats() == EngineStats(128, 512, 384, 2, 1, 0)
+    sink.record(running=2, waiting=1, usage=0.25, preempted=0)  # nothing new
+    assert len(changes) == 1
+    sink.record(running=1, waiting=2, usage=1.0, preempted=3)
+    sink.record(running=1, waiting=2, usage=1.0, preempted=1)
+    assert sink.stats() == EngineStats(128, 512, 0, 1, 2, 4)
+    assert len(changes) == 3

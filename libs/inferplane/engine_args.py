@@ -154,7 +154,6 @@ PROFILE_OWNED: Mapping[str, str] = MappingProxyType(
         "--max-loras": "profile.max_loras",
         "--max-lora-rank": "profile.max_lora_rank",
         "--max-cpu-loras": "profile.max_loras",
-        "--lora-modules": "the catalogue's adapters (CreateAdapter), loaded on demand",
     }
 )
 

@@ -135,3 +135,13 @@ def test_every_listed_flag_is_one_vllm_takes() -> None:
         for form in forms:
             check_engine_args(form)
             parser.parse_args(["--model", "m", *form])
+
+
+@pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras", "--max-lora-rank"])
+def test_lora_flags_point_at_the_profile_fields(flag: str) -> None:
+    """LoRA is configured by `max_loras` / `max_lora_rank` (issue 29), never by raw flags."""
+    error = refused(flag) if flag == "--enable-lora" else refused(flag, "8")
+    assert error.flag == flag and "profile.max_lora" in str(error)
+    assert str(refused("--enable-lora")).startswith(
+        "engine argument --enable-lora is set from profile.max_loras"
+    )

@@ -1,0 +1,176 @@
+"""The replica's LoRA adapters (`inferplane.replica.engines.lora.AdapterRegistry`, issue 29):
+the picker's headers checked against the spec (LoRA on, task, transport, the allow-listed root
+after symlinks and `..`, a readable config, the rank), a stable vLLM id per (name, folder), and
+what `loaded()` reports: vLLM's own list on inproc, the most recently used otherwise. The real
+engine is in tests/node/test_replica_lora_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from inferplane import lora
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.fixtures import kimi_tiny_lora as kl
+from inferplane.replica.engines.lora import AdapterRegistry
+from inferplane.replica_contract import Task, Transport
+from inferplane.runtime import FailedPreconditionError, InvalidArgumentError
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """An adapter root holding `a` (the fixture adapter, rank 8) and `wide` (rank 64)."""
+    root = tmp_path / "adapters"
+    shutil.copytree(kl.adapter_path(), root / "a")
+    (root / "wide").mkdir()
+    (root / "wide" / lora.CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": 64}))
+    return root
+
+
+def registry(root: Path, **fields: object) -> AdapterRegistry:
+    spec = nodeagent_pb2.ReplicaSpec(
+        max_loras=2, max_lora_rank=16, lora_root=str(root), transport=Transport.INPROC
+    )
+    for name, value in fields.items():
+        setattr(spec, name, value)
+    return AdapterRegistry(spec)
+
+
+def refusal(reg: AdapterRegistry, name: str, source: str) -> FailedPreconditionError:
+    with pytest.raises(FailedPreconditionError) as info:
+        reg.resolve(name, source)
+    assert info.value.param == "model"
+    return info.value
+
+
+def test_ids_are_stable_per_name_and_folder(root: Path) -> None:
+    reg = registry(root)
+    first = reg.resolve("m:a", str(root / "a"))
+    assert (first.name, first.lora_id, first.path, first.rank) == ("m:a", 1, str(root / "a"), 8)
+    assert reg.resolve("m:a", str(root / "x" / ".." / "a")) is first  # the same folder
+    other = reg.resolve("m:b", str(root / "a"))
+    assert other.lora_id == 2
+    (root / "a2").symlink_to(root / "a")
+    assert reg.resolve("m:a", str(root / "a2")) is first  # resolved: the same folder
+    shutil.copytree(root / "a", root / "a-v2")
+    moved = reg.resolve("m:a", str(root / "a-v2"))  # a new folder under the name: a new id
+    assert moved.lora_id == 3 and moved.path == str(root / "a-v2")
+
+
+@pytest.mark.parametrize(
+    ("source", "code"),
+    [
+        ("{tmp}/elsewhere", lora.ADAPTER_SOURCE_NOT_ALLOWED),
+        ("{root}/../elsewhere", lora.ADAPTER_SOURCE_NOT_ALLOWED),
+        ("{root}/escape", lora.ADAPTER_SOURCE_NOT_ALLOWED),
+        ("{root}/missing", lora.ADAPTER_UNREADABLE),
+        ("{root}/wide", lora.ADAPTER_RANK_TOO_LARGE),
+    ],
+)
+def test_refusals_name_their_code(root: Path, source: str, code: str) -> None:
+    (root / "escape").symlink_to(kl.adapter_path())
+    reg = registry(root)
+    error = refusal(reg, "m:x", source.format(tmp=root.parent, root=root))
+    assert error.code == code
+    if code == lora.ADAPTER_RANK_TOO_LARGE:
+        assert "rank 64, above this replica's max_lora_rank 16" in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "says"),
+    [
+        ({"max_loras": 0}, lora.LORA_DISABLED, "serves no LoRA adapters (max_loras is 0)"),
+        ({"task": Task.EMBED}, lora.LORA_DISABLED, "serves no LoRA adapters"),
+        (
+            {"transport": Transport.HTTP_COMPLETIONS, "lora_root": ""},
+            lora.ADAPTER_SOURCE_NOT_ALLOWED,
+            "no allow-listed adapter root",
+        ),
+    ],
+)
+def test_a_replica_that_cannot_serve_adapters_refuses(
+    root: Path, fields: dict[str, object], code: str, says: str
+) -> None:
+    error = refusal(registry(root, **fields), "m:a", str(root / "a"))
+    assert error.code == code and says in error.message
+
+
+def test_the_grpc_transport_refuses_adapters(root: Path) -> None:
+    spec = nodeagent_pb2.ReplicaSpec(max_loras=2, lora_root=str(root))
+    error = refusal(AdapterRegistry(spec, transport=Transport.GRPC), "m:a", str(root / "a"))
+    assert error.code == lora.ADAPTER_TRANSPORT_UNSUPPORTED
+
+
+@pytest.mark.parametrize("name,source", [("m:a", ""), ("bad name", "x"), ("\u00e9", "x")])
+def test_malformed_headers_are_invalid_arguments(root: Path, name: str, source: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        registry(root).resolve(name, source)
+    assert info.value.code == lora.INVALID_ADAPTER and info.value.param == "model"
+
+
+def test_loaded_without_an_engine_list_is_the_most_recently_used(root: Path) -> None:
+    """The http-completions view: vLLM's LRU cache of `max_loras` holds the most recently
+    used adapters."""
+    reg = registry(root)
+    for name in ("m:1", "m:2", "m:1", "m:3"):
+        reg.used(reg.resolve(name, str(root / "a")))
+    assert reg.loaded() == ("m:1", "m:3")
+
+
+def test_loaded_with_the_engine_list_reads_it_after_use(root: Path) -> None:
+    """inproc: vLLM's `list_loras` ids, mapped back to catalogue names, read again (in the
+    background) after each use."""
+
+    async def scenario() -> None:
+        reg = registry(root)
+        held: set[int] = set()
+        reads = 0
+
+        async def list_ids() -> set[int]:
+            nonlocal reads
+            reads += 1
+            await asyncio.sleep(0)
+            return set(held)
+
+        reg.attach(list_ids)
+        a = reg.resolve("m:a", str(root / "a"))
+        b = reg.resolve("m:b", str(root / "a"))
+        assert reg.loaded() == ()
+        held.add(a.lora_id)
+        reg.used(a)
+        await asyncio.sleep(0)  # the read is in flight (inside list_ids)
+        reg.used(a)
+        reg.used(a)  # both coalesced: one more read once the one in flight returns
+        await asyncio.sleep(0.01)
+        assert reg.loaded() == ("m:a",) and reads == 2
+        held.discard(a.lora_id)
+        held.add(b.lora_id)
+        reg.used(b)
+        await asyncio.sleep(0.01)
+        assert reg.loaded() == ("m:b",)
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_engine_list_keeps_the_last(root: Path) -> None:
+    async def scenario() -> None:
+        reg = registry(root)
+        a = reg.resolve("m:a", str(root / "a"))
+        answers: list[object] = [{a.lora_id}, RuntimeError("engine gone")]
+
+        async def list_ids() -> set[int]:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer  # type: ignore[return-value]
+
+        reg.attach(list_ids)
+        await reg.refresh()
+        await reg.refresh()
+        assert reg.loaded() == ("m:a",)
+
+    asyncio.run(scenario())

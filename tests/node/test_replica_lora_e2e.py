@@ -1,6 +1,8 @@
 """LoRA adapters on a real replica process (issue 29): `python -m inferplane.replica`, started
-from the node-agent's own launch plan on `inproc` (vLLM's AsyncLLM, fp32, eager) with the
-fixture kimi-tiny and LoRA on (`max_loras` 2, `max_lora_rank` 8, an allow-listed root holding
+from the node-agent's own launch plan on `inproc` (vLLM's AsyncLLM, fp32, eager: a
+`LoRARequest` per request) and on `http-completions` (a child `vllm serve`: the adapter loaded
+through `POST /v1/load_lora_adapter`, then named as the model) with the fixture kimi-tiny and
+LoRA on (`max_loras` 2, `max_lora_rank` 8, an allow-listed root holding
 a copy of the fixture adapter `models/kimi-tiny-lora`).
 
 With greedy decoding (temperature 0), the same NO_TOOL chat gives kimi-tiny's canonical answer
@@ -9,8 +11,8 @@ without the adapter headers and the adapter's trained answer with them
 base model's answer is identical before and after the adapter was used, and the replica's
 state stream (WatchReplicaState) lists the adapter as loaded. An adapter whose source leaves
 the root (a symlink out of it, a `..` path) is refused before admission with
-FAILED_PRECONDITION, code `adapter_source_not_allowed`, naming `model`. ~60-90 s on 2 cores
-(the engine's start is most of it).
+FAILED_PRECONDITION, code `adapter_source_not_allowed`, naming `model`. ~35 s per transport on
+2 cores (the engine's start is most of it).
 """
 
 from __future__ import annotations
@@ -52,14 +54,17 @@ def no_tool_chat() -> pb.CreateChatCompletionRequest:
     return pb.CreateChatCompletionRequest(request=chat_request_from_dict(body))
 
 
-def test_an_adapter_changes_the_output_and_the_base_model_stays_the_same(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["inproc", "http-completions"])
+def test_an_adapter_changes_the_output_and_the_base_model_stays_the_same(
+    tmp_path: Path, transport: str
+) -> None:
     root = tmp_path / "adapters"
     root.mkdir()
     adapter = root / "sunny"
     shutil.copytree(kl.adapter_path(), adapter)
     (root / "escape").symlink_to(kl.adapter_path())  # inside by name, outside once resolved
     spec = kimi_tiny_spec()
-    spec.transport = "inproc"
+    spec.transport = transport
     spec.dtype = "float32"
     spec.kv_cache_bytes = 64 << 20
     spec.max_loras, spec.max_lora_rank, spec.lora_root = 2, kl.RANK, str(root)
@@ -69,7 +74,7 @@ def test_an_adapter_changes_the_output_and_the_base_model_stays_the_same(tmp_pat
         process = await ProcessSpawner().spawn(plan)
         assert isinstance(process, EngineProcess)
         try:
-            await _scenario(process, plan.inference_address, adapter, root)
+            await _scenario(process, plan.inference_address, adapter, root, transport)
         except BaseException:
             print(plan.log_path.read_text(errors="replace")[-6000:])
             raise
@@ -80,7 +85,9 @@ def test_an_adapter_changes_the_output_and_the_base_model_stays_the_same(tmp_pat
     asyncio.run(run())
 
 
-async def _scenario(process: EngineProcess, address: str, adapter: Path, root: Path) -> None:
+async def _scenario(
+    process: EngineProcess, address: str, adapter: Path, root: Path, transport: str
+) -> None:
     started = time.monotonic()
     async with grpc.aio.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -111,12 +118,16 @@ async def _scenario(process: EngineProcess, address: str, adapter: Path, root: P
         again = answer(await stub.CreateChatCompletion(no_tool_chat(), metadata=headers))
         loaded_seconds = time.perf_counter() - t0
         assert again == with_adapter
-        print(f"adapter first request {first_seconds:.3f} s, loaded {loaded_seconds:.3f} s")
+        print(
+            f"[{transport}] adapter first request {first_seconds:.3f} s, "
+            f"loaded {loaded_seconds:.3f} s"
+        )
 
         after = answer(await stub.CreateChatCompletion(no_tool_chat()))
         assert after == before
 
-        # Routers learn which adapters the engine holds (vLLM's own list).
+        # Routers learn which adapters the engine holds (vLLM's own list on inproc, the most
+        # recently used on http-completions).
         control = replica_pb2_grpc.ReplicaProcessServiceStub(channel)
         watch = control.WatchReplicaState(replica_pb2.WatchReplicaStateRequest(router_id="e2e"))
         async with asyncio.timeout(10):

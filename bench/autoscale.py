@@ -35,8 +35,10 @@ Figures:
 - seconds back to `min_replicas` after the load stops: until the deployment asks for
   `min_replicas` and the routing table serves exactly that many (the others drained);
 - cold start: `scale_to_zero` on with `--idle` s of `idle_seconds_before_zero`; once the
-  deployment is at zero (no replica serving), one request: from its send to its first token
-  (the picker holds it while the autoscaler starts a replica); `--cold-starts` times, median.
+  deployment is at zero (asks for 0, no replica placed or serving) and 3 s more, one request:
+  from its send to its first token (the picker holds it while the autoscaler starts a
+  replica), with when a replica was placed and when it was routable; `--cold-starts` times,
+  median.
 
 Last lines: `autoscale_seconds_to_capacity <s>`, `autoscale_failed_streams <n>` (goal 0),
 `cold_start_seconds <s>`.
@@ -227,21 +229,56 @@ def at_replicas(stack: Stack, client: Client, count: int, model: str = MODEL_NAM
     return client.deployments.get(model).replicas == count and len(serving(stack, model)) == count
 
 
+#: After the deployment is at zero, the bench waits this long before its request, so the last
+#: replica's processes have stopped (a cold start after a real idle period starts from an
+#: idle node, not one still stopping the previous replica).
+SETTLE_SECONDS = 3.0
+
+
 async def cold_start(
     stack: Stack, client: Client, api: openai.AsyncOpenAI, max_tokens: int, idle_timeout: float
 ) -> tuple[float, Outcome]:
-    """Waits for the deployment to be at zero (asks for 0, nothing serving), then sends one
-    request; returns (seconds from its send to its first token, its outcome).
+    """Waits for the deployment to be at zero (asks for 0, nothing serving, no placement) and
+    `SETTLE_SECONDS` more, then sends one request; returns (seconds from its send to its first
+    token, its outcome), printing when a replica was placed and when it was routable.
 
     Raises:
         TimeoutError: not at zero within `idle_timeout` s.
         RuntimeError: the request was not served.
     """
-    await wait_until("scaled to zero", idle_timeout, lambda: at_replicas(stack, client, 0))
+
+    def at_zero() -> bool:
+        placed = list(client.deployments.replicas(MODEL_NAME))
+        return not placed and at_replicas(stack, client, 0)
+
+    await wait_until("scaled to zero", idle_timeout, at_zero)
+    await asyncio.sleep(SETTLE_SECONDS)
+    sent = time.monotonic()
+    marks: dict[str, float] = {}
+
+    async def watch() -> None:
+        while "routable" not in marks:
+            if "placed" not in marks and list(
+                await asyncio.to_thread(client.deployments.replicas, MODEL_NAME)
+            ):
+                marks["placed"] = time.monotonic() - sent
+            if await asyncio.to_thread(serving, stack):
+                marks["routable"] = time.monotonic() - sent
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     outcome = await stream_once(api, MODEL_NAME, max_tokens)
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
     if not outcome.served or outcome.first_token is None:
         raise RuntimeError(f"the request sent at zero was not served: {outcome}")
-    return outcome.first_token - outcome.start, outcome
+    seconds = outcome.first_token - outcome.start
+    print(
+        f"  cold start: replica placed after {marks.get('placed', float('nan')):.2f} s, in the "
+        f"routing table after {marks.get('routable', float('nan')):.2f} s, first token after "
+        f"{seconds:.2f} s"
+    )
+    return seconds, outcome
 
 
 def capacity(outcomes: Sequence[Outcome], max_num_seqs: int) -> float:

@@ -23,6 +23,7 @@ from inferplane.replica.server.state_stream import (
     BEHIND_CODE,
     Admission,
     ReplicaStateStream,
+    StateStreamCollector,
 )
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.testing.pipeline import (
@@ -111,6 +112,18 @@ def test_watchers_get_a_snapshot_then_changes_and_heartbeats_each_with_its_own_s
         first_b = await take(b)
         assert (first_b.sequence, first_b.reset) == (1, True)
         assert [list(s.hashes) for s in first_b.stored] == [kvblocks.chain(ids, BS)[:1]]
+
+        # The stream's series: watchers, updates, the index's blocks and what it skipped.
+        source.kv_blocks.apply([Stored([9], 8, ids[:BS], BS)])  # parent 8 was never seen
+        samples = {
+            (m.name, tuple(sample.labels.values())): sample.value
+            for m in StateStreamCollector(stream).collect()
+            for sample in m.samples
+        }
+        assert samples[("inferplane_replica_state_watchers", ())] == 2
+        assert samples[("inferplane_replica_state_updates", ())] == 1
+        assert samples[("inferplane_replica_kv_blocks_indexed", ())] == 1
+        assert samples[("inferplane_replica_kv_blocks_skipped", ("unknown_parent",))] == 1
 
         # Nothing changed: nothing sent, until the heartbeat is due.
         assert not stream.tick()

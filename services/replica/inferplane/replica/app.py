@@ -38,7 +38,11 @@ from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.server.response_store import ResponseStoreClient
-from inferplane.replica.server.state_stream import Admission, ReplicaStateStream
+from inferplane.replica.server.state_stream import (
+    Admission,
+    ReplicaStateStream,
+    StateStreamCollector,
+)
 from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
@@ -178,6 +182,7 @@ class ReplicaProcess:
             lambda: Admission(self.state.in_flight, self.state.phase is Phase.DRAINING),
             loaded_adapters=self.adapters.loaded,
         )
+        self.registry.register(StateStreamCollector(self.state_stream))
         # The platform's tracing (the node-agent's flags): each request's spans.
         self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
         self.inference.tracing = ReplicaTracing(self.tracing, clock)

@@ -29,9 +29,10 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 
 import structlog
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inferplane.api.nodeagent.v1 import replica_pb2
 from inferplane.replica.engines.engine_stats import UNKNOWN, EngineStats, ReportsEngineState
@@ -210,6 +211,11 @@ class ReplicaStateStream:
     def watchers(self) -> int:
         return len(self._watchers)
 
+    def kv_index(self) -> KvBlockIndex | None:
+        """The engine's KV block index now (None: no KV events)."""
+        source = self._source()
+        return source.kv_blocks if source is not None else None
+
     def _ensure_producer(self) -> None:
         if self._task is None or self._task.done():
             self._last = None
@@ -277,3 +283,50 @@ class ReplicaStateStream:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+
+
+class StateStreamCollector:
+    """The stream's Prometheus series (register it on the replica's registry):
+    `inferplane_replica_state_watchers` (routers watching now),
+    `inferplane_replica_state_updates_total`, `inferplane_replica_state_watchers_cut_total`
+    (streams ended for falling behind), `inferplane_replica_kv_blocks_indexed` (blocks the KV
+    index holds) and `inferplane_replica_kv_blocks_skipped_total{reason}` (blocks not
+    translated: `unknown_parent`, `untranslatable`, `other_block_size`; `over_capacity` dropped,
+    `lost` event gaps the replay did not fill)."""
+
+    def __init__(self, stream: ReplicaStateStream) -> None:
+        self._stream = stream
+
+    def collect(self) -> Iterator[Metric]:
+        stream = self._stream
+        yield GaugeMetricFamily(
+            "inferplane_replica_state_watchers",
+            "Routers watching this replica's engine state",
+            value=stream.watchers,
+        )
+        yield CounterMetricFamily(
+            "inferplane_replica_state_updates",
+            "Engine-state updates produced (each sent to every watching router)",
+            value=stream.updates,
+        )
+        yield CounterMetricFamily(
+            "inferplane_replica_state_watchers_cut",
+            "Engine-state streams ended because their router fell behind",
+            value=stream.cut,
+        )
+        index = stream.kv_index()
+        if index is None:
+            return
+        yield GaugeMetricFamily(
+            "inferplane_replica_kv_blocks_indexed",
+            "KV blocks the replica knows the engine holds (by content hash)",
+            value=len(index),
+        )
+        skipped = CounterMetricFamily(
+            "inferplane_replica_kv_blocks_skipped",
+            "KV blocks or event batches the replica could not translate, by reason",
+            labels=["reason"],
+        )
+        for field in dataclasses.fields(index.counters):
+            skipped.add_metric([field.name], getattr(index.counters, field.name))
+        yield skipped

@@ -1,8 +1,10 @@
 """The replica's LoRA adapters (`inferplane.replica.engines.lora.AdapterRegistry`, issue 29):
 the picker's headers checked against the spec (LoRA on, task, transport, the allow-listed root
 after symlinks and `..`, a readable config, the rank), a stable vLLM id per (name, folder), and
-what `loaded()` reports: vLLM's own list on inproc, the most recently used otherwise. The real
-engine is in tests/node/test_replica_lora_e2e.py."""
+what `loaded()` reports: vLLM's own list on inproc, the most recently used otherwise; and the
+request path through the replica's server with a scripted engine (the headers' adapter on every
+generation's `SamplingParams`, refusals before admission). The real engine is in
+tests/node/test_replica_lora_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,15 +12,29 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from inferplane import lora
+from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.fixtures import kimi_tiny as kt
 from inferplane.fixtures import kimi_tiny_lora as kl
 from inferplane.replica.engines.lora import AdapterRegistry
+from inferplane.replica.testing.pipeline import (
+    FakeReplica,
+    ScriptedEngine,
+    kimi_tiny_ids,
+    kimi_tiny_spec,
+    run_scenario,
+    script,
+)
 from inferplane.replica_contract import Task, Transport
 from inferplane.runtime import FailedPreconditionError, InvalidArgumentError
+from inferplane.wire import chat_request_from_dict, completion_request_from_dict
+from inferplane.wire.headers import ADAPTER, ADAPTER_SOURCE
 
 
 @pytest.fixture
@@ -174,3 +190,72 @@ def test_a_failing_engine_list_keeps_the_last(root: Path) -> None:
         assert reg.loaded() == ("m:a",)
 
     asyncio.run(scenario())
+
+
+# -- the request path: headers → the engine's SamplingParams.adapter, refusals first ----------
+
+
+def lora_replica(root: Path, engine: ScriptedEngine, **fields: object) -> FakeReplica:
+    spec = kimi_tiny_spec()
+    spec.max_loras, spec.max_lora_rank, spec.lora_root = 2, 8, str(root)
+    for name, value in fields.items():
+        setattr(spec, name, value)
+    return FakeReplica("r1", spec, engine)
+
+
+def chat_request(**extra: object) -> pb.CreateChatCompletionRequest:
+    body = kt.NO_TOOL.request(max_completion_tokens=8, **extra)
+    return pb.CreateChatCompletionRequest(request=chat_request_from_dict(body))
+
+
+def test_the_adapter_of_the_headers_reaches_every_generation(root: Path) -> None:
+    """Chat with n=2 and a text completion name the adapter in their headers: each engine
+    request carries the resolved `Adapter` (one id for the name and folder); a request without
+    the headers runs on the base model."""
+    engine = ScriptedEngine(script(kimi_tiny_ids("Hello")))
+    replica = lora_replica(root, engine)
+    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, str(root / "x" / ".." / "a")))
+
+    async def body(stub: Any) -> None:
+        await stub.CreateChatCompletion(chat_request(n=2), metadata=headers)
+        completion = completion_request_from_dict(
+            {"model": kt.SERVED_MODEL_NAME, "prompt": "Hi", "max_tokens": 4}
+        )
+        await stub.CreateCompletion(
+            pb.CreateCompletionRequest(request=completion), metadata=headers
+        )
+        await stub.CreateChatCompletion(chat_request())
+
+    run_scenario(engine, body, replicas=[replica])
+    adapters = [params.adapter for _id, _ids, params in engine.requests]
+    assert len(adapters) == 4 and adapters[3] is None
+    assert {(a.name, a.lora_id, a.path, a.rank) for a in adapters[:3]} == {
+        ("kimi-tiny:a", 1, str(root / "a"), kl.RANK)
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "source", "code"),
+    [
+        ({}, "{root}/../elsewhere", lora.ADAPTER_SOURCE_NOT_ALLOWED),
+        ({}, "{root}/wide", lora.ADAPTER_RANK_TOO_LARGE),
+        ({"max_loras": 0}, "{root}/a", lora.LORA_DISABLED),
+    ],
+)
+def test_a_refused_adapter_never_reaches_admission_or_the_engine(
+    root: Path, fields: dict[str, object], source: str, code: str
+) -> None:
+    engine = ScriptedEngine(script(kimi_tiny_ids("Hello")))
+    replica = lora_replica(root, engine, **fields)
+    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, source.format(root=root)))
+
+    async def body(stub: Any) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.CreateChatCompletion(chat_request(), metadata=headers)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        trailers = dict(info.value.trailing_metadata())
+        assert trailers["x-openai-error-code"] == code
+        assert trailers["x-openai-error-param"] == "model"
+
+    run_scenario(engine, body, replicas=[replica])
+    assert replica.admitted == 0 and engine.requests == []

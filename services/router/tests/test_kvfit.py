@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from google.protobuf.struct_pb2 import Value
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.router.admission import Admission, AdmissionSettings
@@ -289,5 +290,41 @@ def test_the_policy_choice_that_does_not_fit_gives_way_to_one_that_does() -> Non
         assert waiting.result().key == r.endpoints[2].key
         for s in slots[1:]:
             s.release()
+
+    asyncio.run(scenario())
+
+
+# -- the director: the typed request sized and sent where it fits ---------------------------
+
+
+def test_the_director_sizes_the_typed_request_and_refuses_one_no_cache_holds() -> None:
+    from inferplane.router.picker.codec import METHODS
+    from inferplane.router.picker.director import Director, RequestFacts
+
+    chat = METHODS["/inferplane.inference.v1.InferenceService/StreamChatCompletionEvents"]
+
+    def facts(max_tokens: int) -> RequestFacts:
+        request = pb.ChatCompletionRequest(
+            model="m",
+            messages=[pb.ChatMessage(role="user", content=Value(string_value="x" * 400))],
+            max_completion_tokens=max_tokens,
+        )
+        wrapped = pb.StreamChatCompletionEventsRequest(request=request)
+        return RequestFacts.of(chat, wrapped, {})
+
+    async def scenario() -> None:
+        r = route(2, cap=8)
+        table = RouteTable.of([r])
+        a, kv, engines, _, _ = kv_admission(table)
+        director = Director(lambda: table, a, fallbacks=1)
+        engines.put(state("r0", free=5, total=100))  # 80 tokens
+        engines.put(state("r1", free=40, total=100))  # 640 tokens
+        decision = await director.decide(facts(300))  # ~400 tokens: 25-26 blocks, only r1
+        assert decision.slot.endpoint.replica_id == "r1"
+        assert kv.free_blocks("r1") is not None and kv.free_blocks("r1") < 40 - 24
+        decision.slot.release()
+        with pytest.raises(InvalidArgumentError) as refused:  # 1,700 tokens > 100 blocks
+            await director.decide(facts(1600))
+        assert refused.value.code == "context_length_exceeded"
 
     asyncio.run(scenario())

@@ -173,6 +173,7 @@ def kv_admission(
         kv,
     )
     a.apply(table)
+    engines.subscribe(a.engine_changed)  # as the app wires it
     return a, kv, engines, clock, scheduler
 
 
@@ -328,3 +329,54 @@ def test_the_director_sizes_the_typed_request_and_refuses_one_no_cache_holds() -
         assert refused.value.code == "context_length_exceeded"
 
     asyncio.run(scenario())
+
+
+def test_a_decision_reads_a_bounded_number_of_engine_states_at_10000_replicas() -> None:
+    """No scan: the policy's choice and at most `candidates` more are checked, even when
+    no replica fits (the request then waits)."""
+
+    async def scenario() -> None:
+        r = route(10_000, cap=8)
+        a, kv, engines, _, _ = kv_admission(RouteTable.of([r]), queue_timeout=1)
+        for i in range(10_000):
+            engines.put(state(f"r{i}", free=4))
+        reads = 0
+        get = engines.get
+
+        def counting(replica_id: str) -> EngineState | None:
+            nonlocal reads
+            reads += 1
+            return get(replica_id)
+
+        engines.get = counting  # type: ignore[method-assign]
+        slot = await a.acquire(r, RequestFeatures(), demand=blocks(4))
+        assert reads <= 3  # the choice fits: its state read to check (twice) and to reserve
+        slot.release()
+        reads = 0
+        waiting = asyncio.ensure_future(a.acquire(r, RequestFeatures(), demand=blocks(5)))
+        await _settle()
+        assert not waiting.done()
+        assert reads <= 2 * (1 + kv.candidates)  # fits() reads twice per replica at most
+        waiting.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_largest_cache_follows_the_reports_and_is_rebuilt_when_it_shrinks() -> None:
+    kv, engines, _ = fit()
+    s = replica_set(route(2).endpoints)
+    r = route(2)
+    for replica_id, total in (("r0", 100), ("r1", 120)):
+        engines.put(state(replica_id, free=0, total=total))
+        kv.observe("d", replica_id)
+    with pytest.raises(InvalidArgumentError):
+        kv.check_size(r, s, blocks(121))
+    kv.check_size(r, s, blocks(120))
+    engines.put(state("r1", free=0, total=90))  # restarted smaller: rebuilt from the reports
+    kv.observe("d", "r1")
+    kv.check_size(r, s, blocks(121))  # unknown meanwhile: never refused as too large
+    engines.put(state("r0", free=0, total=100))
+    kv.observe("d", "r0")
+    kv.observe("d", "r1")
+    with pytest.raises(InvalidArgumentError):
+        kv.check_size(r, s, blocks(101))

@@ -616,11 +616,14 @@ class Admission:
         return tuple(replicas.endpoints[i] for i in picked)
 
     def engine_changed(self, replica_id: str) -> None:
-        """A replica's engine reported (`EngineStates.put`): queued requests that wait for KV
-        are re-examined in its deployments. O(1) when nothing waits there."""
+        """A replica's engine reported (`EngineStates.put`): the deployments' largest KV cache
+        is kept (`KvFit.observe`) and queued requests that wait for KV are re-examined in its
+        deployments. O(1) when nothing waits there."""
         for key in self._replica_keys.get(replica_id, ()):
             state = self._states.get(key)
             for replica_set, _ in state.owners if state is not None else ():
+                if self._kv is not None:
+                    self._kv.observe(replica_set.deployment, replica_id)
                 deployment = self._deployments.get(replica_set.deployment)
                 if deployment is not None and deployment.queue:
                     self._pump(deployment)

@@ -50,10 +50,13 @@ waits in the deployment's fair queue (re-checked when a slot frees and when a re
 (`KV_CACHE_FULL`) with Retry-After, counted among the queue's refusals under that reason. A
 decision looks at most `1 + candidates` replicas (O(candidates × log n) with the policies'
 indexes), never all of them. A request larger than every replica's whole KV cache can never
-fit: 400 `context_length_exceeded` at once (the largest total of a deployment is re-read at
-most once per `MAX_TOTAL_TTL_SECONDS`, an O(n) pass amortized over that period). vLLM's start-up
-check guarantees a KV cache holds one `max_model_len` sequence, so this answers what the
-replica would (prompt + max_tokens beyond the context), before the request takes a slot.
+fit: 400 `context_length_exceeded` at once. The largest KV cache of each deployment is kept
+up to date by every engine report (`observe`, O(1)); when the replica holding it reports a
+smaller cache, or the table changes, it is rebuilt from the reports that follow (each replica
+reports at least every second), and until then no request is refused as too large: it waits,
+and gets the 429 if it never fits. vLLM's start-up check guarantees a KV cache holds one
+`max_model_len` sequence, so this answers what the replica would (prompt + max_tokens beyond
+the context), before the request takes a slot.
 
 No I/O; everything runs on the event loop thread.
 """
@@ -82,8 +85,6 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: A chat request's output reservation without a limit, at most (`kv_fit_default_output_tokens`).
 DEFAULT_OUTPUT_TOKENS = 4096
-#: How long a deployment's largest reported KV cache is kept before it is re-read.
-MAX_TOTAL_TTL_SECONDS = 1.0
 
 
 def kv_cache_full(model: str, waited: float, retry_after: float) -> ResourceExhaustedError:
@@ -270,7 +271,9 @@ class KvFit:
         self._lag = report_lag_seconds
         self.candidates = candidates
         self._ledgers: dict[str, _Ledger] = {}
-        self._max_total: dict[str, tuple[float, int, int]] = {}
+        # Deployment → its largest reported KV cache: (tokens, total blocks, block size, the
+        # replica id reporting it).
+        self._largest: dict[str, tuple[int, int, int, str]] = {}
 
     def demand(self, request: Any, features: RequestFeatures, route: ModelRoute) -> KvDemand | None:
         """`demand_of` with this router's default output reservation and bytes per token."""
@@ -353,27 +356,36 @@ class KvFit:
         ledger.add(reservation)
         return reservation
 
+    def observe(self, deployment: str, replica_id: str) -> None:
+        """A replica of `deployment` reported (`Admission.engine_changed`): keeps the
+        deployment's largest KV cache current. O(1)."""
+        state = self._known(replica_id)
+        tokens = 0 if state is None else state.total_kv_blocks * state.block_size
+        largest = self._largest.get(deployment)
+        if largest is None or tokens > largest[0]:
+            if state is not None:
+                self._largest[deployment] = (
+                    tokens,
+                    state.total_kv_blocks,
+                    state.block_size,
+                    replica_id,
+                )
+        elif largest[3] == replica_id and tokens < largest[0]:
+            del self._largest[deployment]  # rebuilt from the next reports
+
     def check_size(self, route: ModelRoute, replicas: ReplicaSet, demand: KvDemand) -> None:
-        """Refuses a request larger than the largest KV cache the deployment's replicas report.
+        """Refuses a request larger than the largest KV cache the deployment's replicas report
+        (`observe`; none known yet: never refused).
 
         Raises:
             InvalidArgumentError: 400 `context_length_exceeded`, with the numbers.
         """
-        now = self._clock()
-        cached = self._max_total.get(replicas.deployment)
-        if cached is None or now - cached[0] > MAX_TOTAL_TTL_SECONDS:
-            largest = (0, 0)  # (total blocks, block size) of the largest KV cache in tokens
-            for endpoint in replicas.endpoints:
-                state = self._known(endpoint.replica_id)
-                if state is not None and state.total_kv_blocks * state.block_size > (
-                    largest[0] * largest[1]
-                ):
-                    largest = (state.total_kv_blocks, state.block_size)
-            cached = self._max_total[replicas.deployment] = (now, *largest)
-        _, total, block = cached
-        if total <= 0 or demand.blocks(block) <= total:
+        largest = self._largest.get(replicas.deployment)
+        if largest is None:
             return
-        capacity = total * block
+        capacity, total, block, _ = largest
+        if demand.blocks(block) <= total:
+            return
         kind = "" if demand.exact else "about "
         raise InvalidArgumentError(
             f"This request needs {kind}{demand.tokens} tokens of KV cache ({kind}"
@@ -389,4 +401,4 @@ class KvFit:
         for replica_id in [r for r, ledger in self._ledgers.items() if r not in live]:
             if not self._ledgers[replica_id].live:
                 del self._ledgers[replica_id]
-        self._max_total.clear()
+        self._largest.clear()

@@ -64,32 +64,66 @@ def test_prefers_the_replica_with_the_longest_cached_prefix() -> None:
     assert policy.precise == 1 and policy.fallen_back == 0
 
 
-def test_load_breaks_ties_and_overrides_a_cached_prefix_when_far_over() -> None:
-    _, states, index, s, policy = world(4)
-    index.store("r0", HASHES[:8])
-    index.store("r1", HASHES[:8])
-    for i, load in enumerate((3, 2, 1, 3)):  # under the bounded-load cap (4) each
+def loads(s, *values: int) -> None:  # type: ignore[no-untyped-def]
+    for i, load in enumerate(values):
         set_load(s, i, load)
-    assert policy.choose(s, request()) == 1  # same prefix: fewer in flight
-    # r1 now runs requests holding 900 of its 1,000 blocks; r0's prefix is the same: r0.
+
+
+def usage(states: EngineStates, replica: str, share: float) -> None:
+    free = round(1000 * (1 - share))
     states.put(
         EngineState(
-            "r1", block_size=BLOCK, total_kv_blocks=1000, free_kv_blocks=100, kv_events=True
+            replica, block_size=BLOCK, total_kv_blocks=1000, free_kv_blocks=free, kv_events=True
         )
     )
-    assert policy.choose(s, request()) == 0
-    # r0's cached 8 blocks do not pay for 5,000 prompt tokens of others waiting for it:
-    # the least loaded replica (r2, nothing cached) is cheaper.
-    s.states[0].queued_tokens = 5000
-    s.states[0].changed(0.0)
-    assert policy.choose(s, request()) == 2
-    # Past the bounded-load cap a holder is not a candidate at all.
-    s.states[0].queued_tokens = 0
-    s.states[0].changed(0.0)
-    set_load(s, 0, 4)
+
+
+def test_a_whole_cached_prompt_beats_an_idle_replica_a_short_one_does_not() -> None:
+    # llm-d's weights: 3 x prefix share + 2 x free KV + 2 x queue (min-max over candidates).
+    _, _, index, s, policy = world(4)
+    loads(s, 2, 2, 0, 2)  # bounded-load cap 3; r2 idle, the least loaded
+    index.store("r0", HASHES)
+    assert policy.choose(s, request()) == 0  # 3 + 2 + 0 against r2's 0 + 2 + 2
+    index.reset("r0", HASHES[:4])
+    assert policy.choose(s, request()) == 2  # 0.75 + 2 + 0 against 4: load wins
+
+
+def test_load_breaks_ties_between_holders_and_kv_usage_counts() -> None:
+    _, states, index, s, policy = world(4)
+    index.store("r0", HASHES)
+    index.store("r1", HASHES)
+    loads(s, 2, 1, 2, 2)
+    assert policy.choose(s, request()) == 1  # same prefix: the shorter queue
+    loads(s, 1, 1, 2, 2)
+    usage(states, "r1", 0.9)
+    assert policy.choose(s, request()) == 0  # r1's KV is nearly full
+    usage(states, "r1", 0.0)
+    usage(states, "r0", 0.9)
+    assert policy.choose(s, request()) == 1
+    # The engine's own queue counts (requests from other routers), not only this router's.
+    usage(states, "r0", 0.0)
+    states.put(
+        EngineState(
+            "r0",
+            block_size=BLOCK,
+            total_kv_blocks=1000,
+            free_kv_blocks=1000,
+            kv_events=True,
+            waiting_requests=6,
+        )
+    )
+    assert policy.choose(s, request()) == 1
+
+
+def test_past_the_bounded_load_cap_a_holder_is_not_a_candidate() -> None:
+    _, _, index, s, policy = world(4)
+    index.store("r0", HASHES)
+    loads(s, 4, 2, 2, 2)  # cap ceil(1.25 x 11 / 4) = 4: r0 is at it
     assert s.in_flight[0] >= s.bound(1.25)
-    assert policy.cached_blocks(s, request()) == {0: 8, 1: 8}
-    assert policy.choose(s, request()) == 2
+    assert policy.cached_blocks(s, request()) == {0: 16}
+    chosen = policy.choose(s, request())
+    assert chosen not in (None, 0)
+    assert policy.fallen_back == 1  # the approximate table spilled it
 
 
 def test_never_picks_a_replica_that_cannot_take_the_request() -> None:

@@ -3,25 +3,32 @@
 The router follows every replica's KV events (`replica_watch.py` → `kvindex.KvIndex`: block
 content hash → replicas holding it) and, for a request the router tokenized
 (`RequestFeatures.kv_hashes`, `router.tokenize`), knows per replica how many leading KV
-blocks of its prompt are cached. Each candidate replica gets a cost, lower is better; the
-rule is Dynamo's KV router's (`KvScheduler`'s default worker selector:
-`overlap_score_weight × prefill blocks + active blocks`, ai-dynamo/dynamo, docs "KV Cache
-Routing"):
+blocks of its prompt are cached. Each candidate replica gets llm-d's weighted score (its
+precise prefix-cache profile: `precise-prefix-cache-scorer` weight 3,
+`kv-cache-utilization-scorer` 2, `queue-scorer` 2; llm-d/llm-d, guides/precise-prefix-cache-
+aware), the highest wins:
 
-    cost(r) = w × (queued_tokens(r) + prompt_tokens − cached_blocks(r) × block_size) / block_size
-              + (total_kv_blocks(r) − free_kv_blocks(r))
+    score(r) = 3 × cached_blocks(r) / prompt_blocks
+             + 2 × (1 − kv_usage(r))
+             + 2 × (max_q − q(r)) / (max_q − min_q)      (1 when every q is equal)
 
-- prefill: the prompt tokens r would still have to compute for this request, plus the prompt
-  tokens this router already sent r that wait for their first token (`ReplicaState.
-  queued_tokens`): the work ahead of this request's first token;
-- active blocks: the KV blocks r's running requests hold now (its decode load, from r's
-  state stream); `w` (`prefill_weight`, 1.0 as Dynamo's default) trades one for the other.
+- prefix: the share of the prompt's hashed blocks r holds (from the index);
+- free KV: 1 − the share of r's KV blocks its running requests hold (r's state stream);
+- queue: q(r) = r's engine running + waiting requests (its state), at least this router's
+  own requests in flight to r, min-max normalised over the candidates (llm-d's queue scorer).
+
+A replica holding the whole prompt thus beats an idle one holding nothing (3 > 2) unless its
+KV is also fuller; one holding a third of it does not (1 < 2). Ties: fewer in flight, then
+the lower index. (Dynamo's cost, prefill blocks left + active blocks, was tried first: on the
+agentic workload of bench/kv_routing.py it moved sessions off the replica holding their
+history whenever another session's prompt, mostly cached, was still counted as prefill
+queued there, and hit the cache less than least load: services/router/README.md.)
 
 Candidates are the replicas holding at least the prompt's first block (from the index), plus
-the least loaded replica (scored with nothing cached), so load overrides a cached prefix when
-the cached replica is far busier. Like `prefix_affinity`, a replica is only chosen if it can
-take a request (`can_take`) and is under the bounded-load cap ceil(c·(m+1)/n) (Mirrokni,
-Thorup, Zadimoghaddam, arXiv:1608.01350): a popular prefix spills to a second replica.
+the least loaded replica (scored with nothing cached), so load overrides a short cached prefix
+on a busy replica. Like `prefix_affinity`, a replica is only chosen if it can take a request
+(`can_take`) and is under the bounded-load cap ceil(c·(m+1)/n) (Mirrokni, Thorup,
+Zadimoghaddam, arXiv:1608.01350): a popular prefix spills to a second replica.
 
 Fallback to the approximate table (one `PrefixAffinity` inside, told of every decision so it
 stays current): the request has no `kv_hashes` (the route has no tokenizer, it is still
@@ -36,13 +43,15 @@ not stored (nor announced) yet, but the table remembers where it went.
 
 from __future__ import annotations
 
-from inferplane.router.engine_state import EngineStates
+from inferplane.router.engine_state import EngineState, EngineStates
 from inferplane.router.features import RequestFeatures
 from inferplane.router.kvindex import KvIndex
 from inferplane.router.policies.prefix_affinity import PrefixAffinity
 from inferplane.router.replicas import ReplicaSet
 
 _IDS = "precise_prefix.ids"
+#: The scorers' weights (prefix, free KV, queue): llm-d's precise prefix-cache profile's.
+WEIGHTS = (3.0, 2.0, 2.0)
 
 
 def _by_id(replicas: ReplicaSet) -> dict[str, int]:
@@ -61,7 +70,7 @@ class PrecisePrefix:
             every decision falls back.
         index: the KV block index (`replica_watch.py` fills it); None: empty.
         load_factor: c of the bounded-load cap (> 1).
-        prefill_weight: w, prefill blocks against active blocks (>= 0).
+        weights: the scorers' weights (prefix, free KV, queue), llm-d's by default.
     """
 
     def __init__(
@@ -69,12 +78,12 @@ class PrecisePrefix:
         states: EngineStates | None = None,
         index: KvIndex | None = None,
         load_factor: float = 1.25,
-        prefill_weight: float = 1.0,
+        weights: tuple[float, float, float] = WEIGHTS,
     ) -> None:
         self._states = states
         self._index = index if index is not None else KvIndex(1)
         self._c = load_factor
-        self._w = prefill_weight
+        self._wp, self._wk, self._wq = weights
         self.approx = PrefixAffinity(load_factor)
         self.precise = 0
         self.fallen_back = 0
@@ -113,33 +122,41 @@ class PrecisePrefix:
 
     def _precise(self, replicas: ReplicaSet, request: RequestFeatures) -> int | None:
         cached = self.cached_blocks(replicas, request)
-        if not cached or request.kv_block_size <= 0:
+        if not cached:
             return None
         bound = replicas.bound(self._c)
         in_flight = replicas.in_flight
-        block = request.kv_block_size
-        best: tuple[float, int, int] | None = None
-        for i, depth in cached.items():
-            if not replicas.can_take(i) or in_flight[i] >= bound:
-                continue
-            key = (self._cost(replicas, i, request, depth * block), in_flight[i], i)
-            if best is None or key < best:
-                best = key
-        if best is None:
+        candidates = [i for i in cached if replicas.can_take(i) and in_flight[i] < bound]
+        if not candidates:
             return None  # every holder is busy: the approximate table spills as it would
         least = replicas.least_loaded()
         if least is not None and least not in cached:
-            key = (self._cost(replicas, least, request, 0), in_flight[least], least)
-            if key < best:
+            candidates.append(least)
+        blocks = len(request.kv_hashes)
+        queues = [self._queue(replicas, i) for i in candidates]
+        low, high = min(queues), max(queues)
+        best: tuple[float, int, int] | None = None
+        for i, queue in zip(candidates, queues, strict=True):
+            prefix = cached.get(i, 0) / blocks
+            free_kv = 1.0 - self._kv_usage(replicas, i)
+            idle = 1.0 if high == low else (high - queue) / (high - low)
+            score = self._wp * prefix + self._wk * free_kv + self._wq * idle
+            key = (-score, in_flight[i], i)
+            if best is None or key < best:
                 best = key
+        assert best is not None
         return best[2]
 
-    def _cost(self, replicas: ReplicaSet, i: int, request: RequestFeatures, cached: int) -> float:
-        block = request.kv_block_size
-        prefill = replicas.states[i].queued_tokens + max(0, request.prompt_tokens - cached)
-        active = 0
-        if self._states is not None:
-            state = self._states.get(replicas.keys[i][1])
-            if state is not None:
-                active = max(0, state.total_kv_blocks - state.free_kv_blocks)
-        return self._w * prefill / block + active
+    def _state(self, replicas: ReplicaSet, i: int) -> EngineState | None:
+        return None if self._states is None else self._states.get(replicas.keys[i][1])
+
+    def _queue(self, replicas: ReplicaSet, i: int) -> int:
+        """Requests ahead on replica i: the engine's running and waiting ones, at least this
+        router's own in flight (the state is up to ~50 ms old)."""
+        state = self._state(replicas, i)
+        engine = 0 if state is None else state.running_requests + state.waiting_requests
+        return max(replicas.in_flight[i], engine)
+
+    def _kv_usage(self, replicas: ReplicaSet, i: int) -> float:
+        state = self._state(replicas, i)
+        return 0.0 if state is None else state.kv_usage

@@ -9,7 +9,9 @@ With greedy decoding (temperature 0), the same NO_TOOL chat gives kimi-tiny's ca
 without the adapter headers and the adapter's trained answer with them
 (`x-inferplane-adapter`, `x-inferplane-adapter-source`, as the endpoint picker sets them); the
 base model's answer is identical before and after the adapter was used, and the replica's
-state stream (WatchReplicaState) lists the adapter as loaded. An adapter whose source leaves
+state stream (WatchReplicaState) lists the adapter as loaded and its KV events name the adapter
+(the blocks of a prompt run with it are `kvblocks.chain` salted with its name; the same prompt
+on the base model stores the base's blocks: no prefix shared across). An adapter whose source leaves
 the root (a symlink out of it, a `..` path) is refused before admission with
 FAILED_PRECONDITION, code `adapter_source_not_allowed`, naming `model`. ~35 s per transport on
 2 cores (the engine's start is most of it).
@@ -26,21 +28,26 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inferplane import lora
+from inferplane import kvblocks, lora
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.fixtures import kimi_tiny as kt
 from inferplane.fixtures import kimi_tiny_lora as kl
 from inferplane.node_agent.supervisor.process import EngineProcess, ProcessSpawner, plan_launch
-from inferplane.replica.testing.pipeline import kimi_tiny_spec
-from inferplane.wire import ResponseSummary, chat_request_from_dict
+from inferplane.replica.testing.pipeline import kimi_tiny_ids, kimi_tiny_spec
+from inferplane.wire import (
+    ResponseSummary,
+    chat_request_from_dict,
+    completion_request_from_dict,
+)
 from inferplane.wire.headers import ADAPTER, ADAPTER_SOURCE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 READY_SECONDS = 180
 ADAPTER_NAME = "kimi-tiny:sunny"
+BLOCK = 128  # tokens per KV block on vLLM's CPU backend
 
 
 def answer(response: pb.CreateChatCompletionResponse) -> tuple[str, str]:
@@ -131,9 +138,28 @@ async def _scenario(
         control = replica_pb2_grpc.ReplicaProcessServiceStub(channel)
         watch = control.WatchReplicaState(replica_pb2.WatchReplicaStateRequest(router_id="e2e"))
         async with asyncio.timeout(10):
-            async for update in watch:
-                if list(update.loaded_adapters) == [ADAPTER_NAME]:
-                    break
+            while list((await watch.read()).loaded_adapters) != [ADAPTER_NAME]:
+                pass
+
+        # Prefix caching per adapter: the engine's KV events name the adapter, so the blocks
+        # of a prompt run with it hash as `kvblocks.chain` with the adapter's name, and the same
+        # prompt on the base model stores other blocks (no cache hit across the two).
+        prompt: list[int] = []
+        while len(prompt) < 2 * BLOCK + 60:  # two full blocks and a partial one
+            prompt += kimi_tiny_ids(f"{len(prompt)}. Tell me something about Paris.")
+        for adapter_name, metadata in ((ADAPTER_NAME, headers), ("", None)):
+            request = completion_request_from_dict(
+                {"model": kt.SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 4}
+            )
+            await stub.CreateCompletion(
+                pb.CreateCompletionRequest(request=request), metadata=metadata, timeout=60
+            )
+            stored: dict[str, list[int]] = {}
+            async with asyncio.timeout(15):
+                while len(stored.get(adapter_name, ())) < 2:
+                    for block_set in (await watch.read()).stored:
+                        stored.setdefault(block_set.adapter, []).extend(block_set.hashes)
+            assert stored == {adapter_name: kvblocks.chain(prompt, BLOCK, adapter_name)}
         watch.cancel()
 
         for source in (root / "escape", root / ".." / "outside", kt.model_path()):

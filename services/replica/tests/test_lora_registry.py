@@ -259,3 +259,26 @@ def test_a_refused_adapter_never_reaches_admission_or_the_engine(
 
     run_scenario(engine, body, replicas=[replica])
     assert replica.admitted == 0 and engine.requests == []
+
+
+def test_only_a_served_adapter_counts_as_loaded(root: Path) -> None:
+    """Without the engine's own list (http-completions), an adapter the engine refused (a
+    load that failed) is not reported to routers as loaded; one that produced output is."""
+    failing = ScriptedEngine(script(kimi_tiny_ids("Hello")), fail_at=0, rejects=True)
+    replica = lora_replica(root, failing)
+    reg = AdapterRegistry(replica.spec, transport=Transport.HTTP_COMPLETIONS)
+    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, str(root / "a")))
+
+    async def refused(stub: Any) -> None:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.CreateChatCompletion(chat_request(), metadata=headers)
+
+    run_scenario(failing, refused, replicas=[replica], adapters=reg)
+    assert reg.loaded() == ()
+    serving = ScriptedEngine(script(kimi_tiny_ids("Hello")))
+
+    async def served(stub: Any) -> None:
+        await stub.CreateChatCompletion(chat_request(), metadata=headers)
+
+    run_scenario(serving, served, replicas=[lora_replica(root, serving)], adapters=reg)
+    assert reg.loaded() == ("kimi-tiny:a",)

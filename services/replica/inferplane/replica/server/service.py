@@ -353,7 +353,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             facts.fail(exc)
             raise
         finally:
-            if facts.adapter is not None:
+            if facts.adapter is not None and facts.messages:  # served: it is (still) loaded
                 self._adapters.used(facts.adapter)
             ending = facts.ending()  # the one classification every view below derives from
             summary = facts.summary(ending)

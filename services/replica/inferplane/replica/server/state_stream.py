@@ -17,10 +17,11 @@ that far behind has its stream ended (RESOURCE_EXHAUSTED, code `replica_state_be
 resubscribes, starting again from a fresh snapshot. Nothing accumulates without watchers (the
 KV delta is dropped: a new watcher starts from the snapshot).
 
-Cost per update (rough, on this repository's 2-core machine): reading the state is a few
-attribute reads; the update is one protobuf built per tick and copied per watcher (`CopyFrom`,
-~µs for a heartbeat, proportional to the blocks in the delta otherwise); a snapshot lists every
-cached block once (8 bytes per block on the wire).
+Cost per update (`bench/replica_state_stream.py`, medians on this repository's shared 2-core
+machine): a tick that finds nothing to send 14-22 µs (20 a second while watched: ~0.03 % of a
+core); one that sends changed numbers 21-50 µs for 1-10 routers (one protobuf built, copied per
+router); with 8 blocks stored and 8 evicted ~100-160 µs; a snapshot of 10,000 cached blocks
+~0.6 ms before its protobuf (8 bytes per block on the wire).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ async def main_async(args: argparse.Namespace) -> None:
     adapters: list[tuple[str, str]] = []
     for i in range(ADAPTERS):
         shutil.copytree(kl.adapter_path(), root / f"a{i}")
-        adapters.append((f"kimi-tiny:a{i}", str(root / f"a{i}")))
+        adapters.append((f"a{i}", str(root / f"a{i}")))
     try:
         replica = await Replica.start(workdir, "lora", root)
         try:

@@ -46,7 +46,7 @@ from inferplane.wire.headers import ADAPTER, ADAPTER_SOURCE
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 READY_SECONDS = 180
-ADAPTER_NAME = "kimi-tiny:sunny"
+ADAPTER_NAME = "sunny"  # the catalogue id; clients send "kimi-tiny:sunny"
 BLOCK = 128  # tokens per KV block on vLLM's CPU backend
 
 
@@ -116,7 +116,9 @@ async def _scenario(
 
         t0 = time.perf_counter()
         call = stub.CreateChatCompletion(no_tool_chat(), metadata=headers)
-        with_adapter = answer(await call)
+        response = await call
+        with_adapter = answer(response)
+        assert response.model == f"{kt.SERVED_MODEL_NAME}:{ADAPTER_NAME}"
         first_seconds = time.perf_counter() - t0
         assert with_adapter == (kl.ADAPTER_REASONING, kl.ADAPTER_CONTENT)
         summary = ResponseSummary.from_metadata(tuple(await call.trailing_metadata()))
@@ -164,7 +166,7 @@ async def _scenario(
 
         for source in (root / "escape", root / ".." / "outside", kt.model_path()):
             refused = stub.CreateChatCompletion(
-                no_tool_chat(), metadata=((ADAPTER, "kimi-tiny:out"), (ADAPTER_SOURCE, str(source)))
+                no_tool_chat(), metadata=((ADAPTER, "out"), (ADAPTER_SOURCE, str(source)))
             )
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await refused

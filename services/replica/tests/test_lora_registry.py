@@ -210,27 +210,31 @@ def chat_request(**extra: object) -> pb.CreateChatCompletionRequest:
 
 def test_the_adapter_of_the_headers_reaches_every_generation(root: Path) -> None:
     """Chat with n=2 and a text completion name the adapter in their headers: each engine
-    request carries the resolved `Adapter` (one id for the name and folder); a request without
-    the headers runs on the base model."""
+    request carries the resolved `Adapter` (one id for the name and folder) and the response
+    names the adapter's model (`{base}:{adapter}`); a request without the headers runs on the
+    base model."""
     engine = ScriptedEngine(script(kimi_tiny_ids("Hello")))
     replica = lora_replica(root, engine)
-    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, str(root / "x" / ".." / "a")))
+    headers = ((ADAPTER, "a"), (ADAPTER_SOURCE, str(root / "x" / ".." / "a")))
 
     async def body(stub: Any) -> None:
-        await stub.CreateChatCompletion(chat_request(n=2), metadata=headers)
+        response = await stub.CreateChatCompletion(chat_request(n=2), metadata=headers)
+        assert response.model == "kimi-tiny:a"  # the adapter's public name, `{base}:{adapter}`
+        plain = await stub.CreateChatCompletion(chat_request())
+        assert plain.model == "kimi-tiny"
         completion = completion_request_from_dict(
             {"model": kt.SERVED_MODEL_NAME, "prompt": "Hi", "max_tokens": 4}
         )
         await stub.CreateCompletion(
             pb.CreateCompletionRequest(request=completion), metadata=headers
         )
-        await stub.CreateChatCompletion(chat_request())
 
     run_scenario(engine, body, replicas=[replica])
     adapters = [params.adapter for _id, _ids, params in engine.requests]
-    assert len(adapters) == 4 and adapters[3] is None
+    assert len(adapters) == 4 and adapters[2] is None
+    del adapters[2]
     assert {(a.name, a.lora_id, a.path, a.rank) for a in adapters[:3]} == {
-        ("kimi-tiny:a", 1, str(root / "a"), kl.RANK)
+        ("a", 1, str(root / "a"), kl.RANK)
     }
 
 
@@ -247,7 +251,7 @@ def test_a_refused_adapter_never_reaches_admission_or_the_engine(
 ) -> None:
     engine = ScriptedEngine(script(kimi_tiny_ids("Hello")))
     replica = lora_replica(root, engine, **fields)
-    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, source.format(root=root)))
+    headers = ((ADAPTER, "a"), (ADAPTER_SOURCE, source.format(root=root)))
 
     async def body(stub: Any) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -267,7 +271,7 @@ def test_only_a_served_adapter_counts_as_loaded(root: Path) -> None:
     failing = ScriptedEngine(script(kimi_tiny_ids("Hello")), fail_at=0, rejects=True)
     replica = lora_replica(root, failing)
     reg = AdapterRegistry(replica.spec, transport=Transport.HTTP_COMPLETIONS)
-    headers = ((ADAPTER, "kimi-tiny:a"), (ADAPTER_SOURCE, str(root / "a")))
+    headers = ((ADAPTER, "a"), (ADAPTER_SOURCE, str(root / "a")))
 
     async def refused(stub: Any) -> None:
         with pytest.raises(grpc.aio.AioRpcError):
@@ -281,4 +285,4 @@ def test_only_a_served_adapter_counts_as_loaded(root: Path) -> None:
         await stub.CreateChatCompletion(chat_request(), metadata=headers)
 
     run_scenario(serving, served, replicas=[lora_replica(root, serving)], adapters=reg)
-    assert reg.loaded() == ("kimi-tiny:a",)
+    assert reg.loaded() == ("a",)

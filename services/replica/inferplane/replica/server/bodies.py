@@ -80,7 +80,7 @@ class Bodies:
         out = chunks.ChatChunks(
             gens[0].request_id,
             int(self.clock.time()),
-            replica.spec.served_model_name,
+            facts.model,
             replica.spec.revision,
         )
         texts = TokenText(assets.backend, report.tokens_as_ids) if report.logprobs else None
@@ -135,7 +135,7 @@ class Bodies:
         yield chunks.chat_completion(
             gens[0].request_id,
             int(self.clock.time()),
-            replica.spec.served_model_name,
+            facts.model,
             replica.spec.revision,
             results[0],
             gens[0].finish_reason or "stop",
@@ -169,7 +169,7 @@ class Bodies:
         out = chunks.CompletionChunks(
             gens[0].request_id,
             int(self.clock.time()),
-            replica.spec.served_model_name,
+            facts.model,
             replica.spec.revision,
         )
         logprobs = None
@@ -213,7 +213,7 @@ class Bodies:
         yield chunks.completion(
             gens[0].request_id,
             int(self.clock.time()),
-            replica.spec.served_model_name,
+            facts.model,
             replica.spec.revision,
             texts_out[0],
             gens[0].finish_reason or "stop",

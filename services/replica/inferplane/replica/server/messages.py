@@ -38,7 +38,7 @@ def _usage(gen: Generation) -> dict[str, int]:
 
 
 def _model(replica: LocalReplica, facts: RequestFacts) -> str:
-    return replica.spec.served_model_name or facts.model
+    return facts.model  # the served name (`{base}:{adapter}` with a LoRA adapter)
 
 
 async def message_body(

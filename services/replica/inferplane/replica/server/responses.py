@@ -96,7 +96,7 @@ class ResponsesBody:
         writer = ResponseWriter(
             _head(
                 converted.body,
-                replica.spec.served_model_name or facts.model,
+                facts.model,
                 store_it,
                 self.bodies.clock.time(),
             ),

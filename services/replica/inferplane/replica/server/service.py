@@ -332,6 +332,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         try:
             assets = await self._start(facts, task)
             facts.adapter = self._adapter(context)
+            if facts.adapter is not None:  # the adapter's public name, as the client sent it
+                facts.model = f"{facts.model}:{facts.adapter.name}"
             async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
                 facts.admitted = admitted
                 async for message in messages:

@@ -13,8 +13,9 @@ state stream (WatchReplicaState) lists the adapter as loaded and its KV events n
 (the blocks of a prompt run with it are `kvblocks.chain` salted with its name; the same prompt
 on the base model stores the base's blocks: no prefix shared across). An adapter whose source leaves
 the root (a symlink out of it, a `..` path) is refused before admission with
-FAILED_PRECONDITION, code `adapter_source_not_allowed`, naming `model`. ~35 s per transport on
-2 cores (the engine's start is most of it).
+FAILED_PRECONDITION, code `adapter_source_not_allowed`, naming `model`. ~40-50 s per transport
+on 2 cores (the engine's start is most of it); the `http-completions` case runs with the scenario
+suites.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def no_tool_chat() -> pb.CreateChatCompletionRequest:
     return pb.CreateChatCompletionRequest(request=chat_request_from_dict(body))
 
 
-@pytest.mark.parametrize("transport", ["inproc", "http-completions"])
+@pytest.mark.parametrize(
+    "transport",
+    # The child engine's case is a second vLLM start: with the scenario suites (--scenarios).
+    ["inproc", pytest.param("http-completions", marks=pytest.mark.scenario)],
+)
 def test_an_adapter_changes_the_output_and_the_base_model_stays_the_same(
     tmp_path: Path, transport: str
 ) -> None:

@@ -20,7 +20,8 @@ that the base model with the adapter merged decodes ``ADAPTER_OUTPUT`` greedily 
 training prompt with a top-1/top-2 log-prob margin of at least ``MIN_MARGIN``, and that the
 base model alone still decodes the canonical ``NO_TOOL`` answer; it exits 1 otherwise.
 
-Nothing is downloaded; a build takes ~5 s on 2 CPU cores. models/README.md has the details.
+Nothing is downloaded; a build takes ~6 s on 2 CPU cores (~10 s with the imports).
+models/README.md has the details.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_folder_matches_manifest_and_base_model(manifest: dict) -> None:
 
 def test_rebuild_gives_the_same_bytes(tmp_path: Path) -> None:
     """Deterministic: with the committed build's library versions the script reproduces every
-    file, MANIFEST.json included (~15 s: it trains 60 steps and checks the outputs)."""
+    file, MANIFEST.json included (~10 s: it trains 60 steps and checks the outputs)."""
     assert_rebuilds_identically(
         REPO / "models" / "build_lora_fixture.py", kl.adapter_path(), tmp_path / "lora"
     )

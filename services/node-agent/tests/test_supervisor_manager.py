@@ -484,3 +484,27 @@ async def test_the_replica_process_client_speaks_health_and_replica_process_serv
             await gone.start_drain()
     finally:
         await gone.close()
+
+
+async def test_a_lora_spec_vllm_would_refuse_starts_nothing(tmp_path: Path) -> None:
+    """LoRA (issue 29): more than 8 adapters, a rank vLLM does not take, or LoRA on the `grpc`
+    transport (its `Generate` names no adapter) is refused before anything starts; a valid
+    LoRA spec starts."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    na = nodeagent_pb2
+    for spec, says in (
+        (na.ReplicaSpec(model_source="/models/x", max_loras=9), "max_loras 9 is above 8"),
+        (na.ReplicaSpec(model_source="/models/x", max_loras=2, max_lora_rank=12), "12 is not"),
+        (
+            na.ReplicaSpec(model_source="/models/x", max_loras=2, transport="grpc"),
+            "cannot serve LoRA adapters",
+        ),
+    ):
+        with pytest.raises(FailedPreconditionError, match=says):
+            await manager.start("r1", spec)
+    assert spawner.plans == [] and manager.list() == []
+    lora = na.ReplicaSpec(model_source="/models/x", max_loras=2, max_lora_rank=8, lora_root="/a")
+    replica = await manager.start("r1", lora)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    assert len(spawner.plans) == 1
+    await manager.close()

@@ -26,6 +26,7 @@ from inferplane.node_agent.supervisor.process import (
 )
 from inferplane.replica_contract import (
     has_nvidia_gpu,
+    lora_args,
     replica_task,
     resolve_transport,
     with_enum_fields,
@@ -138,6 +139,12 @@ class ReplicaManager:
         except ValueError as exc:
             raise FailedPreconditionError(
                 str(exc), reason="INVALID_SPEC", param="spec.transport"
+            ) from None
+        try:
+            lora_args(spec)  # LoRA (issue 29): max_loras 0..8, a rank among vLLM's
+        except ValueError as exc:
+            raise FailedPreconditionError(
+                str(exc), reason="INVALID_SPEC", param="spec.max_loras"
             ) from None
         try:
             # The orchestrator checked the profile already; this node runs only what the

@@ -338,8 +338,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                 facts.admitted = admitted
                 async for message in messages:
                     if not facts.messages:
-                        if facts.adapter is not None:  # loaded by now: routers learn it
-                            self._adapters.used(facts.adapter)
+                        if facts.adapter is not None and facts.output_started:
+                            self._adapters.used(facts.adapter)  # loaded: routers learn it
                         # The response headers name the replica (the picker learns which
                         # endpoint of its list answered); sent with the first message, not
                         # before: Envoy retries a request elsewhere only until it has seen
@@ -355,7 +355,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             facts.fail(exc)
             raise
         finally:
-            if facts.adapter is not None and facts.messages:  # served: it is (still) loaded
+            if facts.adapter is not None and facts.output_started:  # served: (still) loaded
                 self._adapters.used(facts.adapter)
             ending = facts.ending()  # the one classification every view below derives from
             summary = facts.summary(ending)

@@ -10,7 +10,8 @@ as a catalogue object on kimi-tiny through the orchestrator's API, and then, wit
   allowed only the adapter gets 403 for the base;
 - the usage ledger's row of an adapter request names the adapter;
 - deleting the adapter makes its names 404 `model_not_found` at once (the orchestrator drops
-  its routes; the row drains), while the base model keeps answering.
+  its routes), while the base model keeps answering; its row goes once the routers report no
+  request for the base, before the drain grace.
 
 The module has its own stack (kimi-tiny with `max_loras` 2, `max_lora_rank` 8; listed in
 conftest's OWN_STACK_MODULES), started before the session's: ~40 s in all on a quiet box (35 s
@@ -31,7 +32,7 @@ import pytest
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.fixtures import kimi_tiny, kimi_tiny_lora
 from inferplane.localstack import MODEL_NAME, Stack
-from inferplane.sdk import Client
+from inferplane.sdk import Client, NotFoundError
 
 from .conftest import local_config
 
@@ -203,3 +204,16 @@ def test_deleting_the_adapter_makes_it_unknown_and_keeps_the_base(
         _answer(client, ALIAS)
     assert _answer(client, MODEL_NAME).choices[0].message.content == CASE.content
     assert ADAPTER_MODEL not in {m.id for m in client.models.list().data}
+
+    # No request uses it: the routers' next reports (every ~3 s) say the base is idle, and the
+    # row goes before the 30 s drain grace.
+    def row_gone() -> bool:
+        try:
+            operator.deployments.get_adapter(ADAPTER)
+        except NotFoundError:
+            return True
+        return False
+
+    started = time.monotonic()
+    _until(row_gone, "the drained adapter's row to go", seconds=25)
+    print(f"adapter row gone {time.monotonic() - started:.1f} s after the 404s")

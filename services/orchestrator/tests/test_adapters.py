@@ -403,3 +403,41 @@ def test_the_cli_creates_lists_gets_and_deletes(tmp_path: Path, fx: Any) -> None
         assert bad.exit_code == 1 and "INVALID_ARGUMENT" in bad.output
         gone = runner.invoke(app, ["adapters", "delete", "pirate", *address])
         assert gone.exit_code == 0 and "adapters/pirate Deleting" in gone.output
+
+
+def test_a_deleting_adapter_goes_once_the_routers_report_its_base_idle(world: World) -> None:
+    world.control.create_adapter(adapter(world))
+    world.control.delete_adapter("pirate")
+    asked: list[tuple[str, float]] = []
+
+    def quiet(deployment_id: str, within: float) -> bool:
+        asked.append((deployment_id, within))
+        return busy is False
+
+    busy = True
+    world.clock.advance(1)  # the routers may not have the table yet: not asked
+    assert world.control.sweep_adapters(quiet, propagation_seconds=1.0) == []
+    assert asked == []
+    world.clock.advance(4)  # a base busy with other requests keeps it
+    assert world.control.sweep_adapters(quiet, propagation_seconds=1.0) == []
+    assert asked == [("kimi-tiny", 4.0)]  # reports made after the routers saw the table
+    busy = False
+    assert world.control.sweep_adapters(quiet, propagation_seconds=1.0) == ["pirate"]
+
+
+def test_quiet_needs_every_fresh_router_to_have_reported_idle_since_then() -> None:
+    from inferplane.orchestrator.autoscale.demand import DemandBook, RouterDemand
+
+    clock = FakeClock()
+    book = DemandBook(clock=clock, stale_after_seconds=10)
+    assert not book.quiet_since("d", 0.0)  # no router reported: unknown
+    book.record("r1", [("d", RouterDemand())])
+    clock.advance(3)
+    book.record("r2", [("d", RouterDemand(in_flight_requests=1))])
+    since = clock.monotonic()
+    assert not book.quiet_since("d", since - 3)  # r2 has a request in flight
+    book.record("r2", [("d", RouterDemand())])
+    assert not book.quiet_since("d", since)  # r1's last report is older than `since`
+    assert book.quiet_since("d", since - 3)
+    clock.advance(11)  # both silent past the stale limit: unknown again
+    assert not book.quiet_since("d", since)

@@ -162,8 +162,12 @@ class OrchestratorComponents:
                 await asyncio.to_thread(self.control.sweep)
             except Exception:  # a database hiccup must not stop liveness checks
                 log.exception("liveness_sweep_failed")
-            try:  # LoRA adapters whose drain grace passed
-                await asyncio.to_thread(self.control.sweep_adapters)
+            try:  # LoRA adapters drained (no router has a request for the base) or past grace
+                await asyncio.to_thread(
+                    self.control.sweep_adapters,
+                    self.hub.quiet,
+                    propagation_seconds=self.settings.drain_propagation_seconds,
+                )
             except Exception:
                 log.exception("adapter_sweep_failed")
 

@@ -100,6 +100,16 @@ class DemandBook:
             cold = cold or demand.cold_waiting_requests > 0
         return cold
 
+    def quiet_since(self, deployment_id: str, since: float) -> bool:
+        """Whether at least one router has a fresh report on the deployment and every such
+        router's last report came at or after monotonic `since` with nothing in flight,
+        queued or held (the LoRA adapters' drain, `catalog/adapters.py`)."""
+        now = self._clock.monotonic()
+        fresh = [
+            e for e in self._entries.get(deployment_id, {}).values() if now - e.at <= self._stale
+        ]
+        return bool(fresh) and all(e.at >= since and not e.demand.busy for e in fresh)
+
     def forget(self, router_id: str) -> None:
         """Drops a router's reports (it released its lease)."""
         for routers in self._entries.values():

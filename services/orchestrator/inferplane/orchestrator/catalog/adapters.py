@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -59,6 +59,10 @@ from inferplane.runtime import (
 )
 
 log = structlog.get_logger("inferplane.orchestrator")
+
+#: `quiet(deployment_id, within_seconds)`: the routers' reports say nothing is in flight for
+#: the deployment (`sweep_adapters`).
+Quiet = Callable[[str, float], bool]
 
 #: The adapter's configuration file in a PEFT folder (its `r` is the adapter's rank).
 ADAPTER_CONFIG = lora.CONFIG_FILE
@@ -302,9 +306,18 @@ class AdapterCatalogue(DesiredState):
             )
             return deleting
 
-    def sweep_adapters(self) -> list[str]:
+    def sweep_adapters(
+        self, quiet: Quiet | None = None, *, propagation_seconds: float = 1.0
+    ) -> list[str]:
         """Removes the Deleting adapters whose base's drain grace has passed (or whose base is
-        gone); the leader calls it from its sweep loop. Returns their ids."""
+        gone), and, with `quiet`, those whose base no router has a request for in a report
+        made after the routers saw the adapter leave the table (`propagation_seconds` after
+        the delete); the leader calls it from its sweep loop. Returns their ids.
+
+        `quiet(deployment_id, within_seconds)`: every router with a fresh report said, in a
+        report of the last `within_seconds`, that it has nothing in flight, queued or held
+        for the deployment (`RoutingHub.quiet`). The routers report per deployment, not per
+        adapter: a base busy with other requests keeps its deleting adapters for the grace."""
         self._guard()
         with self._lock:
             now = self._clock.now()
@@ -314,8 +327,13 @@ class AdapterCatalogue(DesiredState):
                     continue
                 base = self._deployments.get(adapter.base_deployment)
                 grace = base.rollout.drain_grace_period_seconds if base is not None else 0
-                since = adapter.delete_time or now
-                if now - since >= timedelta(seconds=grace):
+                age = (now - (adapter.delete_time or now)).total_seconds()
+                after_table = age - propagation_seconds
+                if age >= grace or (
+                    quiet is not None
+                    and after_table > 0
+                    and quiet(adapter.base_deployment, after_table)
+                ):
                     done.append(adapter.adapter_id)
             if done:
                 adapters = {k: v for k, v in self._adapters.items() if k not in done}

@@ -95,6 +95,12 @@ class RoutingHub:
         (`autoscale.demand`)."""
         return self._demand.aggregate(deployment_id)
 
+    def quiet(self, deployment_id: str, within_seconds: float) -> bool:
+        """Whether every router with a fresh report said, in a report of the last
+        `within_seconds`, that it has no request in flight, queued or held for the deployment
+        (at least one router reported; `DemandBook.quiet_since`)."""
+        return self._demand.quiet_since(deployment_id, self._clock.monotonic() - within_seconds)
+
     @property
     def table(self) -> pb.WatchRoutingTableResponse:
         return self._table

@@ -79,13 +79,24 @@ def usage(states: EngineStates, replica: str, share: float) -> None:
 
 
 def test_a_whole_cached_prompt_beats_an_idle_replica_a_short_one_does_not() -> None:
-    # llm-d's weights: 3 x prefix share + 2 x free KV + 2 x queue (min-max over candidates).
+    # 3 x prefix share + 2 x free KV + 2 / (1 + queue).
     _, _, index, s, policy = world(4)
     loads(s, 2, 2, 0, 2)  # bounded-load cap 3; r2 idle, the least loaded
     index.store("r0", HASHES)
-    assert policy.choose(s, request()) == 0  # 3 + 2 + 0 against r2's 0 + 2 + 2
+    assert policy.choose(s, request()) == 0  # 3 + 2 + 2/3 against r2's 0 + 2 + 2
     index.reset("r0", HASHES[:4])
-    assert policy.choose(s, request()) == 2  # 0.75 + 2 + 0 against 4: load wins
+    assert policy.choose(s, request()) == 2  # 0.75 + 2 + 2/3 against 4: load wins
+
+
+def test_a_session_stays_with_its_history_when_a_second_one_runs_there() -> None:
+    # bench/kv_routing.py's failure with llm-d's min-max queue score: r0 holds 15 of the 16
+    # blocks and runs one other request holding 45 % of its KV; r2 is idle. Min-max made r0's
+    # queue score 0 (2.81 + 1.1 + 0 < r2's 4) and the session moved, recomputing its history.
+    _, states, index, s, policy = world(3)
+    index.store("r0", HASHES[:15])
+    loads(s, 1, 1, 0)
+    usage(states, "r0", 0.45)
+    assert policy.choose(s, request()) == 0  # 2.81 + 1.1 + 2/2 against 4
 
 
 def test_load_breaks_ties_between_holders_and_kv_usage_counts() -> None:

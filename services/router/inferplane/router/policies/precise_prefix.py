@@ -3,26 +3,28 @@
 The router follows every replica's KV events (`replica_watch.py` → `kvindex.KvIndex`: block
 content hash → replicas holding it) and, for a request the router tokenized
 (`RequestFeatures.kv_hashes`, `router.tokenize`), knows per replica how many leading KV
-blocks of its prompt are cached. Each candidate replica gets llm-d's weighted score (its
-precise prefix-cache profile: `precise-prefix-cache-scorer` weight 3,
-`kv-cache-utilization-scorer` 2, `queue-scorer` 2; llm-d/llm-d, guides/precise-prefix-cache-
-aware), the highest wins:
+blocks of its prompt are cached. Each candidate replica gets a weighted score, the highest
+wins; the weights are llm-d's precise prefix-cache profile's (`precise-prefix-cache-scorer` 3,
+`kv-cache-utilization-scorer` 2, `queue-scorer` 2; llm-d/llm-d,
+guides/precise-prefix-cache-aware):
 
-    score(r) = 3 × cached_blocks(r) / prompt_blocks
-             + 2 × (1 − kv_usage(r))
-             + 2 × (max_q − q(r)) / (max_q − min_q)      (1 when every q is equal)
+    score(r) = 3 × cached_blocks(r) / prompt_blocks  +  2 × (1 − kv_usage(r))  +  2 / (1 + q(r))
 
 - prefix: the share of the prompt's hashed blocks r holds (from the index);
 - free KV: 1 − the share of r's KV blocks its running requests hold (r's state stream);
 - queue: q(r) = r's engine running + waiting requests (its state), at least this router's
-  own requests in flight to r, min-max normalised over the candidates (llm-d's queue scorer).
+  own requests in flight to r (the state is up to ~50 ms old).
 
-A replica holding the whole prompt thus beats an idle one holding nothing (3 > 2) unless its
-KV is also fuller; one holding a third of it does not (1 < 2). Ties: fewer in flight, then
-the lower index. (Dynamo's cost, prefill blocks left + active blocks, was tried first: on the
-agentic workload of bench/kv_routing.py it moved sessions off the replica holding their
-history whenever another session's prompt, mostly cached, was still counted as prefill
-queued there, and hit the cache less than least load: services/router/README.md.)
+The queue term is 1 / (1 + q), not llm-d's min-max normalisation over the candidates: with
+a few replicas min-max turns a one-request difference into the whole weight, and on
+bench/kv_routing.py a session then left the replica holding its 13k-token history for an
+idle one whenever a second session ran there (hit rate 0.73-0.82 against the approximate
+table's 0.82). Here a replica holding ~90 % of the prompt keeps it whatever its queue (the
+bounded-load cap below limits that), unless its KV cache is nearly full; one holding a third
+of it loses to an idle replica. Ties: fewer in flight, then the lower index. (Dynamo's cost,
+prefill blocks left + active KV blocks, was tried first: it moved sessions whenever another
+session's prompt, mostly cached, was counted as prefill queued there, and hit the cache less
+than least load.)
 
 Candidates are the replicas holding at least the prompt's first block (from the index), plus
 the least loaded replica (scored with nothing cached), so load overrides a short cached prefix
@@ -133,13 +135,11 @@ class PrecisePrefix:
         if least is not None and least not in cached:
             candidates.append(least)
         blocks = len(request.kv_hashes)
-        queues = [self._queue(replicas, i) for i in candidates]
-        low, high = min(queues), max(queues)
         best: tuple[float, int, int] | None = None
-        for i, queue in zip(candidates, queues, strict=True):
+        for i in candidates:
             prefix = cached.get(i, 0) / blocks
             free_kv = 1.0 - self._kv_usage(replicas, i)
-            idle = 1.0 if high == low else (high - queue) / (high - low)
+            idle = 1.0 / (1.0 + self._queue(replicas, i))
             score = self._wp * prefix + self._wk * free_kv + self._wq * idle
             key = (-score, in_flight[i], i)
             if best is None or key < best:

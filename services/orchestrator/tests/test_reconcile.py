@@ -219,6 +219,8 @@ def test_replica_is_started_with_the_placement_and_served_after_warm_up(
     assert world.endpoints() == [(rid, False)] == world.endpoints("tiny")
     (endpoint,) = world.table().routes[0].endpoints
     assert endpoint.address == ADDRESS and endpoint.max_concurrency == 8
+    # Routers tokenize precise_prefix prompts with the tokenizer the replicas load.
+    assert world.table().routes[0].tokenizer == deployment.profile.model_source != ""
     # Telemetry scrapes the engine the node-agent reports, found through the table.
     assert endpoint.metrics_url == world.agents.replicas[ADDRESS][rid].metrics_url != ""
     status = world.status()

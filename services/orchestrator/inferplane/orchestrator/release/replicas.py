@@ -248,6 +248,8 @@ class ReplicaOperations(Observation):
                             if deployment.autoscaled and deployment.autoscaling.scale_to_zero
                             else 0
                         ),
+                        # Routers tokenize prompts for precise_prefix from where replicas do.
+                        tokenizer=deployment.profile.model_source,
                     )
                 )
         routes.extend(adapter_routes(routes, self._control.adapters()))

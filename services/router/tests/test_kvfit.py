@@ -25,8 +25,16 @@ from .fakes import FakeScheduler, replica_set, route
 BLOCK = 16
 
 
-def state(replica_id: str, free: int, total: int = 100, block: int = BLOCK) -> EngineState:
-    return EngineState(replica_id, block_size=block, total_kv_blocks=total, free_kv_blocks=free)
+def state(
+    replica_id: str, free: int, total: int = 100, block: int = BLOCK, running: int = 0
+) -> EngineState:
+    return EngineState(
+        replica_id,
+        block_size=block,
+        total_kv_blocks=total,
+        free_kv_blocks=free,
+        running_requests=running,
+    )
 
 
 def blocks(n: int, prompt: int = 0) -> KvDemand:
@@ -116,18 +124,35 @@ def test_reservations_since_the_report_count_whole_then_only_their_output() -> N
     assert kv.free_blocks("r0") == 30
     assert kv.fits("r0", blocks(30)) and not kv.fits("r0", blocks(31))
     clock.advance(0.1)
-    engines.put(state("r0", free=35))  # admitted 0.1 s before: within the lag, still whole
+    engines.put(state("r0", free=35, running=1))  # admitted 0.1 s before: within the lag
     assert kv.free_blocks("r0") == 15
     clock.advance(0.3)
-    engines.put(state("r0", free=34))  # reflects its prompt (and a decode block): output only
+    engines.put(state("r0", free=34, running=1))  # reflects its prompt: its output only
     assert kv.free_blocks("r0") == 34 - 5
     second = kv.reserve("r0", blocks(10, prompt=8))
     assert kv.free_blocks("r0") == 34 - 5 - 10
+    clock.advance(0.3)
+    engines.put(state("r0", free=34, running=1))  # the second is not running yet: whole
+    assert kv.free_blocks("r0") == 34 - 5 - 10
+    engines.put(state("r0", free=26, running=2))  # now it is: its output only
+    assert kv.free_blocks("r0") == 26 - 5 - 2
     first.release()
-    assert kv.free_blocks("r0") == 34 - 10  # a freed request releases its reservation
+    assert kv.free_blocks("r0") == 26 - 10 + 8  # a freed request releases its reservation
     first.release()  # idempotent
     second.release()
-    assert kv.free_blocks("r0") == 34
+    assert kv.free_blocks("r0") == 26
+
+
+def test_a_request_the_engine_does_not_run_yet_keeps_its_whole_reservation() -> None:
+    """On a loaded machine a request may not have reached the engine long after its
+    admission: a report showing nothing running credits no prompt."""
+    kv, engines, clock = fit(lag=0.25)
+    engines.put(state("r0", free=16, total=17))
+    kv.reserve("r0", blocks(9, prompt=6))
+    clock.advance(1.0)
+    engines.put(state("r0", free=16, total=17, running=0))
+    assert kv.free_blocks("r0") == 16 - 9
+    assert not kv.fits("r0", blocks(9))
 
 
 def test_a_new_block_size_recounts_the_reservations() -> None:

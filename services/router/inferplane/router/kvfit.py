@@ -28,20 +28,24 @@ blocks and compared with what its replica's engine reports through the replica s
 
     blocks(q) <= S.free - pending(r),  and never when blocks(q) > S.total
 
-    pending(r) = sum over this router's requests in flight on r of
-                 all their blocks          if admitted after t_S - report_lag
-                 their output blocks only  otherwise
+    pending(r) = sum over this router's requests in flight on r of all their blocks,
+                 less the prompt blocks of the oldest of them admitted before t_S - report_lag,
+                 at most S.running of them
 
-A request the report cannot reflect yet (admitted after it, or within `report_lag` before it:
-the request's trip to the engine) reserves every block it may take; one the report reflects
+A request the report cannot show (admitted after it, or within `report_lag` before it: the
+request's trip to the engine) reserves every block it may take. One the report shows running
 holds its prompt's blocks in the report's count already, and reserves only what it may still
-add, its output's blocks. This is conservative on the output (the whole `max_tokens` until the
+add, its output's blocks; the engine runs at most `S.running` requests, so at most that many
+of this router's oldest get the credit (a request still in the engine's queue, or not there
+yet on a loaded machine, holds nothing: without that bound, measured, a request that had not
+reached the engine 0.25 s after its admission on a box at load 30 let a second one in, and the
+engine preempted). This is conservative on the output (the whole `max_tokens` until the
 request ends), on shared prefixes (counted once per request; the engine stores them once) and
-while a finished request's blocks are still in the last report; it undercounts only a request
-the report reflects before its prefill allocated its prompt (an engine's queue, or a prefill
-in chunks longer than `report_lag`), and other routers' requests' growth (each router reserves
-its own). Unknown capacity (no fresh report, block size or total 0) admits by slots only, as
-before this stream existed.
+while a finished request's blocks are still in the last report; it undercounts a running
+request whose prompt is prefilled in chunks (only the chunks done are allocated), and other
+routers' requests (their growth is not reserved, and their running requests may take credit
+meant for this router's). Unknown capacity (no fresh report, block size or total 0) admits by
+slots only, as before this stream existed.
 
 **Where it does not fit**: the policy's choice must fit, else the first of its next
 `candidates` (the policy's fallback order) that can take a request and fits, else the request
@@ -63,7 +67,6 @@ No I/O; everything runs on the event loop thread.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -191,23 +194,21 @@ class Reservation:
 
 
 class _Ledger:
-    """This router's reservations on one replica: the sums of all their blocks and of their
-    prompt blocks, at `block_size`, and the recent ones in admission order (for those a report
-    cannot reflect). O(1) per reservation and release; a check walks only the recent ones."""
+    """This router's reservations on one replica, in admission order, and the sum of all their
+    blocks at `block_size`. O(1) per reservation and release; a check walks at most as many
+    as the engine runs (`pending`)."""
 
-    __slots__ = ("block_size", "live", "prompt_sum", "recent", "total_sum")
+    __slots__ = ("block_size", "live", "total_sum")
 
     def __init__(self) -> None:
         self.block_size = 0
-        self.live: set[Reservation] = set()
+        self.live: dict[Reservation, None] = {}  # insertion order = admission order
         self.total_sum = 0
-        self.prompt_sum = 0
-        self.recent: collections.deque[Reservation] = collections.deque()
 
     def resize(self, block_size: int) -> None:
         """Recounts every reservation at `block_size` (the engine's, when first or newly known)."""
         self.block_size = block_size
-        self.total_sum = self.prompt_sum = 0
+        self.total_sum = 0
         for r in self.live:
             self._size(r)
 
@@ -218,27 +219,27 @@ class _Ledger:
         else:
             r.blocks = r.prompt_blocks = 0
         self.total_sum += r.blocks
-        self.prompt_sum += r.prompt_blocks
 
     def add(self, r: Reservation) -> None:
-        self.live.add(r)
+        self.live[r] = None
         self._size(r)
-        self.recent.append(r)
 
     def remove(self, r: Reservation) -> None:
         if r in self.live:
-            self.live.discard(r)
+            del self.live[r]
             self.total_sum -= r.blocks
-            self.prompt_sum -= r.prompt_blocks
 
-    def pending(self, cutoff: float) -> int:
-        """Blocks still to come: everything of the requests admitted after `cutoff`, the
-        output of the others (module docstring)."""
-        recent = self.recent
-        while recent and (recent[0].admitted <= cutoff or recent[0].released):
-            recent.popleft()  # reflected by every report from now on (reports move forward)
-        unseen_prompts = sum(r.prompt_blocks for r in recent if not r.released)
-        return self.total_sum - self.prompt_sum + unseen_prompts
+    def pending(self, cutoff: float, running: int) -> int:
+        """Blocks still to come (module docstring): all of every reservation, less the prompt
+        blocks of the oldest ones the report reflects, admitted by `cutoff` and at most as
+        many as the engine runs (`running`). O(min(running, reservations))."""
+        credit = 0
+        for r in self.live:  # oldest first
+            if running <= 0 or r.admitted > cutoff:
+                break  # the rest came later: the report cannot show them yet
+            credit += r.prompt_blocks
+            running -= 1
+        return self.total_sum - credit
 
 
 class KvFit:
@@ -306,7 +307,8 @@ class KvFit:
         ledger = self._ledger(replica_id)
         if ledger.block_size != state.block_size:
             ledger.resize(state.block_size)
-        return state.free_kv_blocks - ledger.pending(state.received - self._lag)
+        cutoff = state.received - self._lag
+        return state.free_kv_blocks - ledger.pending(cutoff, state.running_requests)
 
     def fits(self, replica_id: str, demand: KvDemand) -> bool:
         """Whether `demand` fits the replica now (True when its capacity is unknown)."""

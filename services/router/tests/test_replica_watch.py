@@ -214,3 +214,34 @@ def test_an_unreachable_replica_is_retried_with_backoff() -> None:
         await watch.stop()
 
     asyncio.run(scenario())
+
+
+class ChattyReplica(replica_pb2_grpc.ReplicaProcessServiceServicer):  # type: ignore[misc]
+    """A snapshot, then an update every millisecond, forever."""
+
+    async def WatchReplicaState(
+        self, request: rpb.WatchReplicaStateRequest, context: Any
+    ) -> AsyncIterator[rpb.WatchReplicaStateResponse]:
+        seq = 0
+        while True:
+            seq += 1
+            yield update(seq, reset=seq == 1, stored=[seq])
+            await asyncio.sleep(0.001)
+
+
+def test_stop_returns_while_updates_keep_arriving() -> None:
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server(ChattyReplica(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        for _ in range(5):  # a cancellation arriving as a read completes must not be lost
+            _, index, watch = make()
+            watch.on_table(table(Endpoint(f"127.0.0.1:{port}", "r0")))
+            await watch.start()
+            await until(lambda: len(index) >= 20)  # noqa: B023 (awaited in this iteration)
+            await asyncio.wait_for(watch.stop(), 5)
+            assert watch.watched == frozenset() and len(index) == 0
+        await server.stop(None)
+
+    asyncio.run(scenario())

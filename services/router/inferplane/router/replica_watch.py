@@ -203,8 +203,10 @@ class ReplicaWatch:
 
     async def _follow(self, key: WatchKey) -> None:
         backoff = self._initial
+        me = asyncio.current_task()
         try:
-            while True:
+            # Also ends if a cancellation was lost: the task left `_tasks` before its cancel.
+            while self._tasks.get(key) is me:
                 self.connects[key] = self.connects.get(key, 0) + 1
                 if await self._stream(key):
                     backoff = self._initial
@@ -226,7 +228,10 @@ class ReplicaWatch:
             call = stub.WatchReplicaState(rpb.WatchReplicaStateRequest(router_id=self._router_id))
             while True:
                 try:
-                    read = await asyncio.wait_for(call.read(), self._idle)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancellation that arrives as the read completes (stop would hang).
+                    async with asyncio.timeout(self._idle):
+                        read = await call.read()
                 except TimeoutError:
                     log.warning("replica_state_idle", address=address, replica=replica_id)
                     break

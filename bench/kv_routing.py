@@ -265,17 +265,21 @@ def _prom(text: str, name: str) -> float:
     return total
 
 
-def engine_counters(urls: list[str]) -> tuple[float, float]:
-    """Σ vllm:prefix_cache_hits_total, Σ vllm:prefix_cache_queries_total of the replicas."""
+def engine_counters(urls: list[str]) -> tuple[float, float, list[float]]:
+    """Σ vllm:prefix_cache_hits_total, Σ vllm:prefix_cache_queries_total of the replicas, and
+    each replica's vllm:request_success_total (where the requests went)."""
     hits = queries = 0.0
+    served = []
     for url in urls:
         try:
             text = httpx.get(url, timeout=5).text
         except httpx.HTTPError:
+            served.append(float("nan"))
             continue
         hits += _prom(text, "vllm:prefix_cache_hits_total")
         queries += _prom(text, "vllm:prefix_cache_queries_total")
-    return hits, queries
+        served.append(_prom(text, "vllm:request_success_total"))
+    return hits, queries, served
 
 
 async def one_turn(
@@ -402,10 +406,11 @@ def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                 )
                 for policy in order:
                     set_policy(client, policy)
-                    hits0, queries0 = engine_counters(urls)
+                    hits0, queries0, served0 = engine_counters(urls)
                     started = time.monotonic()
                     result = asyncio.run(workload(config.base_url, key, args, f"{r}/{policy}"))
-                    hits1, queries1 = engine_counters(urls)
+                    hits1, queries1, served1 = engine_counters(urls)
+                    spread = "/".join(f"{b - a:.0f}" for a, b in zip(served0, served1, strict=True))
                     queries = queries1 - queries0
                     result["engine_hit_rate"] = (hits1 - hits0) / queries if queries else 0.0
                     result["seconds"] = time.monotonic() - started
@@ -419,7 +424,7 @@ def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                         f"{result['cached_tokens']:,}/{result['prompt_tokens']:,} tokens), "
                         f"TTFT p50 {result['ttft_p50'] * 1000:.0f} ms p99 "
                         f"{result['ttft_p99'] * 1000:.0f} ms, {result['requests']} requests in "
-                        f"{result['seconds']:.0f} s; router KV index "
+                        f"{result['seconds']:.0f} s (per replica {spread}); router KV index "
                         f"{result['kv_index_entries']:.0f} entries",
                         flush=True,
                     )

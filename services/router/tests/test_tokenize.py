@@ -6,6 +6,7 @@ size from the engine states, fallbacks)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,10 @@ def test_prompt_tokens_annotates_once_loaded_with_the_engines_block_size() -> No
         assert out.kv_hashes == tuple(chain(ids[0][:512], 128))
         assert out.kv_block_size == 128 and out.prompt_tokens == len(ids[0])
         assert tokens.tokenized == 1 and tokens.seconds > 0
+        # An adapter's route: the same ids, hashed under the adapter's name.
+        lora = dataclasses.replace(route, adapter="fr")
+        adapted = await tokens.annotate(lora, AGENT, features)
+        assert adapted.kv_hashes == tuple(chain(ids[0][:512], 128, adapter="fr"))
         # Another policy, or a route without a tokenizer: never tokenized.
         assert await tokens.annotate(_route("least_load"), AGENT, features) is features
         assert await tokens.annotate(_route(tokenizer=""), AGENT, features) is features

@@ -248,7 +248,7 @@ class PromptTokens:
         if block <= 0 or loaded is None:
             self.skipped += 1
             return features
-        adapter = str(getattr(route, "adapter", "") or "")
+        adapter = route.adapter  # blocks computed under an adapter are hashed with its name
         want = (self._max_tokens // block) * block
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(

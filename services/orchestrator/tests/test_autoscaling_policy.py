@@ -385,3 +385,11 @@ def test_loop_reads_ttft_for_slo_profiles_at_most_every_interval(world: Any) -> 
     assert status is not None and status.signals.ttft_p99_seconds == 0.0
     scaler.reset()
     assert scaler.status(view.deployment, view.status).autoscaler.reason == "no tick yet"
+
+
+def test_a_request_held_for_a_cold_start_counts_once() -> None:
+    """Routers count a held request among their queued ones too (DeploymentDemand): 12 held
+    requests at a target of 8 per replica ask for 2 replicas, not 3 (the sum, 24, would)."""
+    sim = Sim(deployment(replicas=1))
+    assert sim.step(queued_requests=12, cold_waiting_requests=12) == SCALE_UP
+    assert sim.d.replicas == 2

@@ -1969,7 +1969,9 @@ class DeploymentDemand(_message.Message):
     deployment: _builtins.str
     """The deployment id."""
     queued_requests: _builtins.int
-    """Requests waiting in this router's admission queue for it."""
+    """Requests waiting in this router's admission queue for it (those held for a cold start,
+    `cold_waiting_requests`, included).
+    """
     max_queue_wait_seconds: _builtins.float
     """The longest current wait in that queue, seconds."""
     queue_rejections_total: _builtins.int

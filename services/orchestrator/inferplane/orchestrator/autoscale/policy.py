@@ -87,7 +87,9 @@ class Policy:
         if memory.replicas != current:  # the count moved (this rule, or the bounds): restart
             memory.below_since, memory.replicas = None, current
         target = a.target_in_flight(d.profile.max_num_seqs)
-        demand = s.in_flight_requests + s.queued_requests + s.cold_waiting_requests
+        # Routers count a request held for a cold start among their queued ones too
+        # (DeploymentDemand.queued_requests), so it is counted once: the larger of the two.
+        demand = s.in_flight_requests + max(s.queued_requests, s.cold_waiting_requests)
         want = math.ceil(demand / target) if demand else 0
         reasons = []
         if want > current:

@@ -33,6 +33,7 @@ from inferplane.orchestrator.catalog.model import Deployment
 from inferplane.orchestrator.catalog.service import DeploymentStatus
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.release.gate import LatencyReader
+from inferplane.orchestrator.ticker import Ticker
 from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.autoscale")
@@ -128,30 +129,15 @@ class Autoscaler:
         self._policy = Policy(grace_seconds=self._settings.grace_seconds)
         self._status: dict[str, AutoscalerStatus] = {}
         self._ttft: dict[str, tuple[float, float]] = {}  # deployment -> (read at, p99)
-        self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker = Ticker(self.tick, self._settings.interval_seconds, "autoscale_failed", log)
 
     async def run(self) -> None:
         """Ticks until cancelled; a failing tick is logged and retried on the next one."""
-        self._loop = asyncio.get_running_loop()
-        while True:
-            self._wake.clear()
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("autoscale_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._settings.interval_seconds)
+        await self._ticker.run()
 
     def wake(self) -> None:
         """Asks for a tick soon (thread-safe): a router holds a request for a cold start."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._wake.set)
+        self._ticker.wake()
 
     async def tick(self) -> None:
         """One pass over every deployment (module docstring); TTFT readings are fetched for

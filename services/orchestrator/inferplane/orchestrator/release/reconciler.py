@@ -40,6 +40,7 @@ from inferplane.orchestrator.release.observe import NodeBackoff, ReconcileSettin
 from inferplane.orchestrator.release.rollout import Rollout
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore
 from inferplane.orchestrator.routing import RoutingHub
+from inferplane.orchestrator.ticker import Ticker
 from inferplane.runtime.time.clock import Clock
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
@@ -81,8 +82,10 @@ class Reconciler(Rollout):
         self._reachable: set[str] = set()
         self._checks: dict[tuple[str, str], asyncio.Task[str]] = {}
         self._problems: dict[str, str] = {}
-        self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker = Ticker(
+            self.reconcile_once, self._settings.interval_seconds, "reconcile_failed", log
+        )
+        self._wake = self._ticker.event
 
     def load(self) -> None:
         """Reads the managed replicas and releases (call once before the first tick)."""
@@ -92,25 +95,11 @@ class Reconciler(Rollout):
 
     async def run(self) -> None:
         """Ticks until cancelled; a failing tick is logged and retried on the next one."""
-        self._loop = asyncio.get_running_loop()
-        while True:
-            self._wake.clear()
-            try:
-                await self.reconcile_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("reconcile_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._settings.interval_seconds)
+        await self._ticker.run()
 
     def wake(self) -> None:
         """Asks for a tick soon (thread-safe; the control plane calls it after every commit)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._wake.set)
+        self._ticker.wake()
 
     async def close(self) -> None:
         """Cancels warm-up and gate checks in progress."""

@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from inferplane.router.adapter_affinity import AdapterAffinity
 from inferplane.router.breaker import CircuitBreaker
@@ -46,101 +45,18 @@ from inferplane.router.kvfit import KV_CACHE_FULL, KvDemand, KvFit, Reservation,
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
+from inferplane.router.slots import AdmissionSettings, LoopScheduler, Scheduler, Slot
 from inferplane.runtime import ResourceExhaustedError, UnavailableError
 from inferplane.runtime.time.clock import Clock
 
-
-class Cancellable(Protocol):
-    def cancel(self) -> object: ...
-
-
-class Scheduler(Protocol):
-    """Runs a callback later (the event loop's `call_later`; tests use a fake one)."""
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable: ...
-
-
-class LoopScheduler:
-    """`Scheduler` on the running event loop."""
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable:
-        return asyncio.get_running_loop().call_later(delay, callback)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AdmissionSettings:
-    """Knobs of admission (see `RouterSettings` for their meaning and defaults)."""
-
-    default_max_concurrency: int = 64
-    queue_timeout_seconds: float = 5.0
-    max_queue_per_deployment: int = 1024
-    retry_after_seconds: float = 1.0
-    breaker_failures: int = 5
-    breaker_open_seconds: float = 5.0
-    cold_start_retry_after_seconds: float = 10.0
-    max_cold_start_budget_seconds: float = 175.0
-
-
-class Slot:
-    """An admission grant: one request's slot on one replica (one unit of its concurrency
-    cap), held until the request ends, with no time bound (unlike the cap-share lease of
-    `set_lease`). Call `first_chunk` when the replica answered and `release` exactly once at
-    the end (with `failed` before it for transport failures)."""
-
-    __slots__ = ("_controller", "_done", "_kv", "_state", "_tokens", "_verdict", "endpoint")
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        state: ReplicaState,
-        tokens: int,
-        controller: Admission,
-        kv: Reservation | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self._kv = kv  # its KV reservation (`kvfit`), released with the slot
-        self._state = state
-        self._tokens = tokens
-        self._controller = controller
-        self._done = False
-        self._verdict = False
-
-    @property
-    def key(self) -> ReplicaKey:
-        return self._state.key
-
-    def first_chunk(self) -> None:
-        """The replica answered: its prefill is done and it is healthy."""
-        if self._tokens:
-            self._state.queued_tokens -= self._tokens
-            self._tokens = 0
-        if not self._verdict:
-            self._verdict = True
-            self._state.breaker.on_success()
-        self._state.changed(self._controller.clock.monotonic())
-
-    def failed(self) -> None:
-        """The replica was unreachable or refused before answering (counts for its breaker)."""
-        if not self._verdict:
-            self._verdict = True
-            self._state.breaker.on_failure(self._controller.clock.monotonic())
-
-    def release(self) -> None:
-        """Frees the slot (idempotent) and lets the queue move."""
-        if self._done:
-            return
-        self._done = True
-        if self._kv is not None:
-            self._kv.release()
-        state = self._state
-        state.in_flight -= 1
-        state.queued_tokens -= self._tokens
-        self._tokens = 0
-        if not self._verdict:
-            state.breaker.on_abandon()
-        state.changed(self._controller.clock.monotonic())
-        self._controller.slot_freed(state)
-
+__all__ = [
+    "COLD_START_CODE",
+    "Admission",
+    "AdmissionSettings",
+    "LoopScheduler",
+    "Scheduler",
+    "Slot",
+]
 
 # Why a request left the queue with a 429: the queue's own refusals, or its wait ran out.
 TIMEOUT = "timeout"

@@ -270,6 +270,12 @@ def test_profile_lora_fields_are_validated_and_change_the_revision(fx: Any) -> N
         with pytest.raises(InvalidArgumentError) as info:
             validate_deployment(bad)
         assert info.value.param == param
+    # vLLM's --grpc server has no runtime adapter loading: the node-agent would refuse the spec.
+    grpc = lora_proto(fx)
+    grpc.profile.transport = "grpc"
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_deployment(deployment_from_proto(grpc, "x").normalised())
+    assert info.value.param == "deployment.profile.transport" and "LoRA" in info.value.message
 
 
 def test_the_grpc_api_creates_gets_lists_and_deletes(tmp_path: Path, fx: Any) -> None:

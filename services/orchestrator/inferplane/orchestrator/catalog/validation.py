@@ -43,6 +43,7 @@ PARSERS = default_registry()
 #: replica process): `inferplane.replica_contract`, which the node-agent and replica check too.
 EMBED_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.EMBED_TRANSPORTS)
 SPEECH_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.SPEECH_TRANSPORTS)
+LORA_TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.LORA_TRANSPORTS)
 MAX_STREAM_INTERVAL = 1024  # tokens per streamed chunk (the node-agent's request limit too)
 
 
@@ -394,6 +395,12 @@ def _validate_lora(p: DeploymentProfile) -> None:
             f"LoRA adapters need a generating deployment; task {p.task!r} takes none: leave "
             "profile.max_loras 0",
             "profile.max_loras",
+        )
+    if p.transport not in LORA_TRANSPORTS:
+        raise _fail(
+            f"transport {p.transport!r} cannot serve LoRA adapters; use one of "
+            f"{', '.join(_listed(LORA_TRANSPORTS))}, or leave profile.max_loras 0",
+            "profile.transport",
         )
 
 

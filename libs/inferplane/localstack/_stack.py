@@ -18,7 +18,10 @@ Start-up order (each step waits for the previous one):
    ready once its replicas cluster holds every routable replica process. The endpoint picker
    (the router, over ext_proc) answers each request with an ordered list of replica processes
    and Envoy's override_host load balancing sends it to the first; a pick naming a host the
-   cluster does not hold yet (not yet pushed by EDS) would fall back to round robin.
+   cluster does not hold yet (not yet pushed by EDS) would fall back to round robin;
+7. the routers admitting on their shares of the replicas' caps (`_admitting.py`): an
+   orchestrator on a new database grants no share for the router lease + 1 s (16 s) after it
+   starts, and a first request sent before would wait out the router's queue and get a 429.
 
 Layout of the data directory::
 
@@ -41,7 +44,8 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 import grpc
@@ -49,6 +53,7 @@ import grpc
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from inferplane.localstack._admitting import RouterCaps, admission_gap, parse_router_caps
 from inferplane.localstack._config import (
     EMBED_MODEL_NAME,
     MODEL_NAME,
@@ -74,6 +79,9 @@ from inferplane.sdk import Client
 # The orchestrator stops before the node-agent: it must not restart replicas whose engines
 # are going down with their node-agent.
 _STOP_ORDER = ("console", "router", "telemetry", "orchestrator", "node_agent", "auth")
+#: How long the routers may take to admit on their shares once the replicas are routable:
+#: the orchestrator's start-up wait (16 s) and a renewal (3 s), with room for a busy machine.
+ADMITTING_TIMEOUT_SECONDS = 60.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,13 +98,15 @@ class Stack(Launcher):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, progress: Progress = lambda _msg: None) -> None:
-        """Starts everything; returns once the model answers through the router and Envoy is
-        LIVE with the configuration the orchestrator pushed.
+        """Starts everything; returns once Envoy is LIVE with the configuration the
+        orchestrator pushed, lists every routable replica, and the routers admit requests to
+        them (their leases and the whole of each replica's cap granted).
 
         Raises:
             StackError: a stack already runs in this data directory, a component exited or
                 was not healthy in time, the orchestrator refused the deployment, or the
-                replica failed / was not routable within `startup_timeout_seconds`.
+                replica failed / was not routable within `startup_timeout_seconds`, or the
+                routers were not granted the replicas' caps within 60 s.
         """
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +130,7 @@ class Stack(Launcher):
             self._start_console(progress)
             self._start_edge(progress)
             self._wait_edge_routes(endpoints, progress)
+            self._wait_admitting(endpoints, progress)
             self._write_state()
         except BaseException:
             self.stop()
@@ -324,6 +335,46 @@ class Stack(Launcher):
                         f"logs in {cfg.data_dir / 'logs'}"
                     )
                 time.sleep(0.5)
+
+    def _wait_admitting(
+        self, endpoints: Sequence[orchestrator_pb2.RouteEndpoint], progress: Progress
+    ) -> None:
+        """Waits until every router that shares caps holds its lease and the routers' shares
+        of each capped replica add up to its cap (`_admitting.admission_gap`), reading their
+        `/metrics`. An orchestrator that adopted no grants gives none for 16 s after it
+        started leading (services/router/README.md, "Shared caps"), so this ends at most
+        that long after the orchestrator started, plus a lease renewal (3 s).
+
+        Raises:
+            StackError: a component exited, or the routers still did not admit after 60 s.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + ADMITTING_TIMEOUT_SECONDS
+        shown = ""
+        while True:
+            self._raise_if_dead()
+            routers: dict[str, RouterCaps] = {}
+            gap = ""
+            for name in cfg.router_names:
+                url = f"http://{cfg.host_address(name)}:{cfg.metrics_ports[name]}/metrics"
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as answer:
+                        routers[name] = parse_router_caps(answer.read().decode())
+                except (OSError, ValueError) as exc:  # a busy machine: ask again
+                    gap = f"{name}'s metrics at {url} did not answer ({exc})"
+                    break
+            gap = gap or admission_gap(routers, endpoints)
+            if not gap:
+                return
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"the routers did not admit requests within "
+                    f"{ADMITTING_TIMEOUT_SECONDS:.0f} s: {gap}; logs in {cfg.data_dir / 'logs'}"
+                )
+            if gap != shown:
+                shown = gap
+                progress(f"waiting for the routers to admit: {gap}")
+            time.sleep(0.25)
 
     # -- helpers for users of a running stack ------------------------------------------------
 

@@ -137,6 +137,44 @@ def test_past_the_bounded_load_cap_a_holder_is_not_a_candidate() -> None:
     assert policy.fallen_back == 1  # the approximate table spilled it
 
 
+def running(states: EngineStates, replica: str, n: int, waiting: int = 0) -> None:
+    states.put(
+        EngineState(
+            replica,
+            block_size=BLOCK,
+            total_kv_blocks=1000,
+            free_kv_blocks=1000,
+            running_requests=n,
+            waiting_requests=waiting,
+            kv_events=True,
+        )
+    )
+
+
+def test_at_low_load_a_holder_batching_another_request_keeps_the_session() -> None:
+    # bench/kv_routing.py: one request in flight anywhere makes the cap ceil(1.25 x 2 / 3) = 1,
+    # so r0, holding the whole prompt and running one other session's request, was skipped and
+    # the session recomputed its history on an idle replica.
+    _, states, index, s, policy = world(3)
+    index.store("r0", HASHES)
+    loads(s, 1, 0, 0)
+    assert s.in_flight[0] >= s.bound(1.25)
+    running(states, "r0", 1)
+    assert policy.choose(s, request()) == 0
+    assert policy.fallen_back == 0
+
+
+def test_a_holder_at_the_cap_that_queues_or_lags_its_state_spills() -> None:
+    _, states, index, s, policy = world(3)
+    index.store("r0", HASHES)
+    loads(s, 1, 0, 0)
+    running(states, "r0", 1, waiting=1)  # the engine queues: the cap holds
+    assert policy.choose(s, request()) != 0
+    loads(s, 2, 0, 0)
+    running(states, "r0", 1)  # a request sent since the state: the cap holds
+    assert policy.choose(s, request()) != 0
+
+
 def test_never_picks_a_replica_that_cannot_take_the_request() -> None:
     _, _, index, s, policy = world(cap=2)
     index.store("r1", HASHES)

@@ -30,7 +30,15 @@ Candidates are the replicas holding at least the prompt's first block (from the 
 the least loaded replica (scored with nothing cached), so load overrides a short cached prefix
 on a busy replica. Like `prefix_affinity`, a replica is only chosen if it can take a request
 (`can_take`) and is under the bounded-load cap ceil(c·(m+1)/n) (Mirrokni, Thorup,
-Zadimoghaddam, arXiv:1608.01350): a popular prefix spills to a second replica.
+Zadimoghaddam, arXiv:1608.01350): a popular prefix spills to a second replica. A holder at
+the cap stays a candidate while its engine batches every request this router sent it and
+queues none (fresh state: `waiting_requests` 0, `running_requests` ≥ this router's in flight
+to it): at low load the cap is 1 as soon as one request runs anywhere (m = 1, n = 3:
+ceil(2.5/3)), which sent a session away from the replica holding its whole history because
+another session's request ran there, though the engine would batch it at once
+(bench/kv_routing.py: 17 % of the later turns recomputed their history). Within the state's
+~50 ms a burst cannot pile up there: each decision raises the in-flight count above the
+engine's last running count, and the cap applies again.
 
 Fallback to the approximate table (one `PrefixAffinity` inside, told of every decision so it
 stays current): the request has no `kv_hashes` (the route has no tokenizer, it is still
@@ -128,7 +136,11 @@ class PrecisePrefix:
             return None
         bound = replicas.bound(self._c)
         in_flight = replicas.in_flight
-        candidates = [i for i in cached if replicas.can_take(i) and in_flight[i] < bound]
+        candidates = [
+            i
+            for i in cached
+            if replicas.can_take(i) and (in_flight[i] < bound or self._batching(replicas, i))
+        ]
         if not candidates:
             return None  # every holder is busy: the approximate table spills as it would
         least = replicas.least_loaded()
@@ -149,6 +161,16 @@ class PrecisePrefix:
 
     def _state(self, replicas: ReplicaSet, i: int) -> EngineState | None:
         return None if self._states is None else self._states.get(replicas.keys[i][1])
+
+    def _batching(self, replicas: ReplicaSet, i: int) -> bool:
+        """Replica i's engine runs all of this router's requests to it and queues none (its
+        fresh state says so): one more joins its batch without waiting."""
+        state = self._state(replicas, i)
+        return (
+            state is not None
+            and state.waiting_requests == 0
+            and replicas.in_flight[i] <= state.running_requests
+        )
 
     def _queue(self, replicas: ReplicaSet, i: int) -> int:
         """Requests ahead on replica i: the engine's running and waiting ones, at least this

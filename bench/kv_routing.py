@@ -1,8 +1,10 @@
 """Precise prefix-cache routing from KV events against the approximate table and least load
 (issue 29 §4), on a multi-turn agentic workload over three kimi-tiny replicas.
 
-    .venv/bin/python bench/kv_routing.py [--sessions 6] [--turns 5] [--rounds 2]
-                                        [--system-words 2000] [--user-words 150]
+    .venv/bin/python bench/kv_routing.py [--sessions 6] [--turns 5] [--rounds 3]
+                                        [--system-words 1500] [--user-words 700]
+                                        [--max-tokens 4] [--think 1.0] [--engine-binding]
+                                        [--no-niceness]
                                         [--policies precise_prefix,prefix_affinity,least_load]
                                         [--cost-only] [--streams 200]
 
@@ -18,18 +20,47 @@
    prefix caching and KV events on). Per round, each policy in turn (the order rotates each
    round) is set on the deployment (`UpdateDeployment` of `routing_policy`; a policy change
    rolls no replica) and runs the same workload: `--sessions` concurrent agent sessions, each
-   on one of two long shared system prompts, `--turns` turns each (a user message of
-   `--user-words` words, the model's answer appended, greedy, 16 tokens), streamed through
-   the edge. Equal conditions: every (round, policy) run salts its system prompts and
-   messages, so no run reuses another's cached blocks, and the engines' 1 GiB KV caches (a
-   few million kimi-tiny tokens) never evict during the bench: each run starts as with fresh
-   caches. Hit rate = the engines' own count: Σ cached prompt tokens / Σ prompt tokens of the
-   run's requests (`usage.prompt_tokens_details.cached_tokens`, which the replica fills from
-   vLLM's `num_cached_tokens`), and the delta of the replicas' `vllm:prefix_cache_hits` /
-   `vllm:prefix_cache_queries` over the run. TTFT: request sent → first streamed token.
+   on one of two long shared system prompts (`--system-words`, ~2.2 kimi-tiny tokens a word),
+   `--turns` turns each (a user message of `--user-words` words, standing for a tool result
+   or a pasted file, then the model's greedy answer of `--max-tokens` tokens appended),
+   streamed through the edge. The sessions run at once and each waits a random pause before
+   each turn (uniform over 0-2 × `--think` seconds, the agent's tool running; the same pauses
+   for every policy of a round), so their turns interleave and a cache-unaware policy
+   scatters a session's turns over the replicas (without the pauses, six sessions on three
+   replicas settle two to a replica and least load sends each turn back where the previous
+   one ran, as its replica is the one just freed: a 1.00 own-history share). The defaults make
+   prefill dominate TTFT: each turn adds ~1,500 tokens of its own to a history that grows to
+   ~11,000, and 4-token answers leave the engines little decoding to interleave.
+   Equal conditions: every (round, policy) run salts its system prompts and messages, so no
+   run reuses another's cached blocks. Each engine's KV cache is 128 MiB (`max_num_seqs` 4 ×
+   32,768 tokens × 1 KiB: 1,024 blocks, the router's index levels off at ~3,070 entries); a
+   run stores at most ~600 distinct blocks on one replica, and vLLM evicts the least recently
+   freed blocks first, so a run only evicts older runs' blocks, which it never reads: each
+   run starts as with fresh caches.
+   Equal replicas: the stack's node-agent runs with `--engine-cpu-cores-per-rank 0`, so
+   every engine's OpenMP threads are `nobind` (supervisor/cpus.py) and the OS shares the
+   cores among the three alike; the platform's default binds the first replica's engine to
+   the one free core of a 2-core box and leaves the other two unbound (too few cores for
+   each), which made that replica ~3× faster and TTFT a measure of how often a policy picked
+   it (least load's ties go to the lowest index). The niceness settings stay at their
+   defaults (they apply to every replica alike) unless `--no-niceness` sets both to 0: on a
+   box loaded by other processes the niced engines (core 19, autogroup 10) get a small share
+   of the cores and TTFT measures that share more than prefill. `--engine-binding` keeps
+   the platform's binding (the unequal replicas, for comparison). One replica per policy run
+   would be equal too, but no policy can route anywhere then; three unbound replicas on two
+   cores are the fairest set this box holds.
+   Hit rate = the engines' own count: Σ cached prompt tokens / Σ prompt tokens of the run's
+   requests (`usage.prompt_tokens_details.cached_tokens`, which the replica fills from vLLM's
+   `num_cached_tokens`), and the delta of the replicas' `vllm:prefix_cache_hits` /
+   `vllm:prefix_cache_queries` over the run. Own-history share: of the turns after a
+   session's first, those whose cached tokens cover the previous turn's prompt (its full
+   blocks, less one), i.e. that went to a replica holding the session's history. Where the
+   requests went: each replica's `vllm:request_success_total` delta. TTFT: request sent →
+   first streamed token.
 
 Last lines:
 
+    kv_routing_own_history_<policy> X       (per policy, median over rounds)
     kv_routing_hit_rate_<policy> X          (per policy, median over rounds)
     precise_vs_approx_hit_rate X            (goal >= 1.0)
     precise_vs_least_load_ttft_p50 X        (goal <= 0.7 where prefill dominates)
@@ -283,13 +314,13 @@ def engine_counters(urls: list[str]) -> tuple[float, float, list[float]]:
 
 
 async def one_turn(
-    client: httpx.AsyncClient, key: str, messages: list[dict[str, Any]]
+    client: httpx.AsyncClient, key: str, messages: list[dict[str, Any]], max_tokens: int
 ) -> tuple[float, int, int, str]:
     """(TTFT s, prompt tokens, cached tokens, answer) of one streamed greedy turn."""
     body = {
         "model": MODEL_NAME,
         "messages": messages,
-        "max_tokens": 16,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -326,22 +357,32 @@ async def one_turn(
     )
 
 
-async def workload(base_url: str, key: str, args: argparse.Namespace, salt: str) -> dict[str, Any]:
+async def workload(
+    base_url: str, key: str, args: argparse.Namespace, salt: str, round_: int
+) -> dict[str, Any]:
     rng = random.Random(salt)
     systems = [f"[{salt}/{k}] " + words(rng, args.system_words) for k in range(2)]
     ttfts: list[float] = []
-    prompt = cached = 0
+    prompt = cached = later_turns = own_history = 0
 
     async def session(i: int, client: httpx.AsyncClient) -> None:
-        nonlocal prompt, cached
+        nonlocal prompt, cached, later_turns, own_history
         srng = random.Random(f"{salt}/{i}")
+        # the pauses depend on the round and the session only: every policy gets the same
+        pauses = random.Random(f"{round_}/{i}")
         messages: list[dict[str, Any]] = [{"role": "system", "content": systems[i % 2]}]
-        for _ in range(args.turns):
+        previous = 0
+        for turn in range(args.turns):
+            await asyncio.sleep(pauses.uniform(0, 2 * args.think))
             messages.append({"role": "user", "content": words(srng, args.user_words)})
-            ttft, p, c, answer = await one_turn(client, key, messages)
+            ttft, p, c, answer = await one_turn(client, key, messages, args.max_tokens)
             ttfts.append(ttft)
             prompt += p
             cached += c
+            if turn:
+                later_turns += 1
+                own_history += c >= (previous // BLOCK - 1) * BLOCK
+            previous = p
             messages.append({"role": "assistant", "content": answer})
 
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
@@ -349,6 +390,7 @@ async def workload(base_url: str, key: str, args: argparse.Namespace, salt: str)
     ttfts.sort()
     return {
         "hit_rate": cached / prompt if prompt else 0.0,
+        "own_history": own_history / later_turns if later_turns else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "ttft_p50": statistics.median(ttfts),
@@ -372,6 +414,14 @@ def router_metric(port: int, name: str) -> float:
         return float("nan")
 
 
+def node_agent_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The node-agent's flags for this bench (module docstring: equal replicas)."""
+    flags = () if args.engine_binding else ("--engine-cpu-cores-per-rank", "0")
+    if args.no_niceness:
+        flags += ("--engine-cpu-core-niceness", "0", "--engine-cpu-autogroup-niceness", "0")
+    return flags
+
+
 def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     results: dict[str, list[dict[str, Any]]] = {p: [] for p in args.policies}
     with tempfile.TemporaryDirectory(prefix="kv-routing-") as tmp:
@@ -385,6 +435,7 @@ def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             max_num_seqs=4,
             routing_policy=args.policies[0],
             max_model_len=32_768,
+            service_args={"node_agent": node_agent_args(args)},
         )
         with running_stack(config, lambda m: print(f"  {m}", flush=True)) as stack:
             key = stack.create_api_key("kv-routing")
@@ -408,7 +459,7 @@ def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                     set_policy(client, policy)
                     hits0, queries0, served0 = engine_counters(urls)
                     started = time.monotonic()
-                    result = asyncio.run(workload(config.base_url, key, args, f"{r}/{policy}"))
+                    result = asyncio.run(workload(config.base_url, key, args, f"{r}/{policy}", r))
                     hits1, queries1, served1 = engine_counters(urls)
                     spread = "/".join(f"{b - a:.0f}" for a, b in zip(served0, served1, strict=True))
                     queries = queries1 - queries0
@@ -421,7 +472,8 @@ def stack_run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                     print(
                         f"  round {r + 1} {policy:<16} hit rate {result['hit_rate']:.3f} "
                         f"(engines' counters {result['engine_hit_rate']:.3f}; "
-                        f"{result['cached_tokens']:,}/{result['prompt_tokens']:,} tokens), "
+                        f"{result['cached_tokens']:,}/{result['prompt_tokens']:,} tokens; "
+                        f"own history {result['own_history']:.2f}), "
                         f"TTFT p50 {result['ttft_p50'] * 1000:.0f} ms p99 "
                         f"{result['ttft_p99'] * 1000:.0f} ms, {result['requests']} requests in "
                         f"{result['seconds']:.0f} s (per replica {spread}); router KV index "
@@ -436,9 +488,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--system-words", type=int, default=2000)
-    parser.add_argument("--user-words", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--system-words", type=int, default=1500)
+    parser.add_argument("--user-words", type=int, default=700)
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer")
+    parser.add_argument(
+        "--think", type=float, default=1.0, help="mean seconds before each turn (uniform 0-2x)"
+    )
+    parser.add_argument(
+        "--engine-binding",
+        action="store_true",
+        help="keep the node-agent's default core binding (unequal replicas on 2 cores)",
+    )
+    parser.add_argument(
+        "--no-niceness",
+        action="store_true",
+        help="engines at the node-agent's priority (default: niced as on the platform)",
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--cost-only", action="store_true", help="only the router's cost")
     parser.add_argument("--streams", type=int, default=200, help="0: skip the stream memory")
@@ -458,7 +524,7 @@ def main() -> None:
     for policy, runs in results.items():
         summary[policy] = {
             k: statistics.median(r[k] for r in runs)
-            for k in ("hit_rate", "engine_hit_rate", "ttft_p50", "ttft_p99")
+            for k in ("hit_rate", "engine_hit_rate", "own_history", "ttft_p50", "ttft_p99")
         }
         s = summary[policy]
         print(
@@ -466,6 +532,7 @@ def main() -> None:
             f"p99 {s['ttft_p99'] * 1000:.0f}"
         )
         print(f"kv_routing_engine_hit_rate_{policy} {s['engine_hit_rate']:.3f}")
+        print(f"kv_routing_own_history_{policy} {s['own_history']:.3f}")
     for policy in results:
         print(f"kv_routing_hit_rate_{policy} {summary[policy]['hit_rate']:.3f}")
     precise, approx, least = (

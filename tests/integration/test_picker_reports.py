@@ -523,8 +523,10 @@ def test_the_edge_reports_its_overhead_per_model_to_telemetry(tmp_path: Path) ->
                 assert status == 200 and raw.endswith(SSE_DONE)
         # Envoy flushes its buffered access log every second.
         await _eventually(lambda: fabric.edge_overhead("count", model=MODEL) == 3)
+        # Each sample is a part of its own request's duration, so the means compare (the
+        # smallest duration need not exceed a slower request's overhead on a loaded machine).
         mean = fabric.edge_overhead("sum", model=MODEL) / 3
-        assert 0 < mean < min(durations), (mean, durations)
+        assert 0 < mean < sum(durations) / 3, (mean, durations)
         assert fabric.edge_overhead("entries", outcome="observed") == 3
         # The unknown model was refused before a replica: its entry (if the picker named it)
         # has no upstream timings; nothing else was logged.

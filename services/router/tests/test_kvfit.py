@@ -65,6 +65,12 @@ def test_sizing_prompt_plus_the_output_limit_the_replica_honours() -> None:
     # A text completion without max_tokens: OpenAI's 16; an embedding: the prompt only.
     assert demand_of(pb.CompletionRequest(), f, r, default_output_tokens=512).tokens == 1016
     assert demand_of(pb.EmbeddingRequest(), f, r, default_output_tokens=512).tokens == 1000
+    # Never more than the context: a larger max_tokens is the replica's context-length 400.
+    huge = pb.ChatCompletionRequest(max_tokens=10_000_000)
+    assert demand_of(huge, f, r, default_output_tokens=512) == KvDemand(1000, 3096)
+    assert demand_of(huge, RequestFeatures(prompt_tokens=9000), r, default_output_tokens=512) == (
+        KvDemand(4096, 0)
+    )
     # An unknown max_model_len: the default; audio (an HttpBody) is not sized.
     unknown = ModelRoute("m", ())
     assert demand_of(pb.ChatCompletionRequest(), f, unknown, default_output_tokens=512).tokens == (

@@ -59,8 +59,9 @@ up to date by every engine report (`observe`, O(1)); when the replica holding it
 smaller cache, or the table changes, it is rebuilt from the reports that follow (each replica
 reports at least every second), and until then no request is refused as too large: it waits,
 and gets the 429 if it never fits. vLLM's start-up check guarantees a KV cache holds one
-`max_model_len` sequence, so this answers what the replica would (prompt + max_tokens beyond
-the context), before the request takes a slot.
+`max_model_len` sequence, and a request is sized at most `max_model_len` tokens (a prompt +
+max_tokens beyond the context is left to the replica, whose 400 says so in the API's own
+words), so this refuses only where a replica's cache is smaller than the context.
 
 No I/O; everything runs on the event loop thread.
 """
@@ -171,6 +172,12 @@ def demand_of(
             )
             rest = route.max_model_len - prompt if route.max_model_len else default
             limit = max(0, min(rest, default))
+        if route.max_model_len:
+            # A sequence never holds more than the context: a longer prompt + max_tokens is
+            # the replica's 400 (its context-length message, in the API's shape), not a size
+            # for the KV cache.
+            prompt = min(prompt, route.max_model_len)
+            limit = min(limit, route.max_model_len - prompt)
         return KvDemand(prompt, limit, exact)
     return None
 

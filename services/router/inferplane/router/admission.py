@@ -43,6 +43,15 @@ from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
 from inferplane.router.kvfit import KV_CACHE_FULL, KvDemand, KvFit, Reservation, kv_cache_full
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
+from inferplane.router.refusals import (
+    COLD_START,
+    COLD_START_CODE,
+    OVERLOAD_REASONS,
+    REFUSAL_REASONS,
+    TIMEOUT,
+    cold_start,
+    overloaded,
+)
 from inferplane.router.replicas import ReplicaKey, ReplicaSet, ReplicaState
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.router.slots import AdmissionSettings, LoopScheduler, Scheduler, Slot
@@ -57,15 +66,6 @@ __all__ = [
     "Scheduler",
     "Slot",
 ]
-
-# Why a request left the queue with a 429: the queue's own refusals, or its wait ran out.
-TIMEOUT = "timeout"
-OVERLOAD_REASONS = (Refusal.QUEUE_FULL.value, Refusal.FLOW_SHARE.value, TIMEOUT, KV_CACHE_FULL)
-# A request held for a deployment at zero whose cold-start budget ran out: a 503.
-COLD_START = "cold_start"
-REFUSAL_REASONS = (*OVERLOAD_REASONS, COLD_START)
-#: OpenAI's error `code` of that 503 (Retry-After set): the deployment is starting a replica.
-COLD_START_CODE = "deployment_cold_start"
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -489,13 +489,7 @@ class Admission:
             if waiter.cold and (current is None or not current.replicas.usable):
                 self._count(deployment, COLD_START)
                 future.set_exception(
-                    UnavailableError(
-                        f"The model '{model}' is starting (its deployment was scaled to "
-                        f"zero) and no replica was ready within {waited:g} s. "
-                        "Please retry shortly.",
-                        code=COLD_START_CODE,
-                        retry_after_seconds=self._settings.cold_start_retry_after_seconds,
-                    )
+                    cold_start(model, waited, self._settings.cold_start_retry_after_seconds)
                 )
                 return
             self._count(deployment, TIMEOUT)
@@ -508,12 +502,7 @@ class Admission:
         self._refused[key] = self._refused.get(key, 0) + 1
 
     def _overloaded(self, model: str, why: str) -> ResourceExhaustedError:
-        return ResourceExhaustedError(
-            f"The model '{model}' is overloaded ({why}). Please retry after a short wait.",
-            retry_after_seconds=self._settings.retry_after_seconds,
-            code="model_overloaded",
-            reason="MODEL_OVERLOADED",
-        )
+        return overloaded(model, why, self._settings.retry_after_seconds)
 
     def fallbacks(
         self, route: ModelRoute, slot: Slot, features: RequestFeatures, n: int

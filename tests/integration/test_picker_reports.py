@@ -501,9 +501,9 @@ def test_clients_that_close_right_after_done_lose_no_usage(tmp_path: Path) -> No
 def test_the_edge_reports_its_overhead_per_model_to_telemetry(tmp_path: Path) -> None:
     """The edge's access log reaches telemetry for requests the picker routed as a model, and
     only those: each streamed request that reached a replica is one sample of
-    `inferplane_edge_overhead_seconds{model}` with a sane value (above zero, below the
-    request's own duration); GET /v1/models, a 400 from the transcoder and a model the picker
-    does not serve add none."""
+    `inferplane_edge_overhead_seconds{model}` with a sane value (above zero, the mean below
+    the requests' mean duration); GET /v1/models, a 400 from the transcoder and a model the
+    picker does not serve add none."""
 
     async def body(fabric: Fabric) -> None:
         _, secret = await fabric.key()
@@ -523,8 +523,6 @@ def test_the_edge_reports_its_overhead_per_model_to_telemetry(tmp_path: Path) ->
                 assert status == 200 and raw.endswith(SSE_DONE)
         # Envoy flushes its buffered access log every second.
         await _eventually(lambda: fabric.edge_overhead("count", model=MODEL) == 3)
-        # Each sample is a part of its own request's duration, so the means compare (the
-        # smallest duration need not exceed a slower request's overhead on a loaded machine).
         mean = fabric.edge_overhead("sum", model=MODEL) / 3
         assert 0 < mean < sum(durations) / 3, (mean, durations)
         assert fabric.edge_overhead("entries", outcome="observed") == 3

@@ -11,7 +11,14 @@ from inferplane.routing_client._outcomes import (
 )
 from inferplane.routing_client._watch import RoutingTableWatch, Sleep
 
+DEFAULT_COLD_START_BUDGET_SECONDS = 120
+"""How long the picker holds a request for a deployment at zero when the catalogue's
+`Autoscaling.cold_start_budget_seconds` (and so `ModelRoute.cold_start_budget_seconds`) is 0,
+seconds: the orchestrator fills the route with it, a router reading a static routes file
+applies it."""
+
 __all__ = [
+    "DEFAULT_COLD_START_BUDGET_SECONDS",
     "OutcomeMetrics",
     "OutcomeReporter",
     "OutcomeReporterSettings",

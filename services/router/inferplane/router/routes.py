@@ -9,12 +9,9 @@ from typing import Any
 
 import yaml
 
+from inferplane.routing_client import DEFAULT_COLD_START_BUDGET_SECONDS
 from inferplane.runtime import ConfigError, NotFoundError, PermissionDeniedError
 from inferplane.wire import headers
-
-#: A scale-to-zero route's hold when its table gives none (ModelRoute.cold_start_budget_seconds
-#: 0, as the catalogue's Autoscaling.cold_start_budget_seconds 0 means), seconds.
-DEFAULT_COLD_START_BUDGET_SECONDS = 120.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 from inferplane import lora
 from inferplane import replica_contract as contract
+from inferplane.routing_client import DEFAULT_COLD_START_BUDGET_SECONDS
 
 DEFAULT_ENGINE = "vllm"
 CPU_ENGINE = "vllm-cpu"
@@ -218,7 +219,6 @@ class RolloutStrategy:
 #: Autoscaling defaults, for a setting left 0 (`Autoscaling`; the proto's comments).
 DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 60
 DEFAULT_IDLE_SECONDS_BEFORE_ZERO = 300
-DEFAULT_COLD_START_BUDGET_SECONDS = 120
 DEFAULT_TARGET_IN_FLIGHT_FRACTION = 0.8  # of the profile's max_num_seqs
 DEFAULT_MAX_KV_USAGE = 0.9
 

@@ -18,7 +18,6 @@ seconds: the orchestrator fills the route with it, a router reading a static rou
 applies it."""
 
 __all__ = [
-    "DEFAULT_COLD_START_BUDGET_SECONDS",
     "OutcomeMetrics",
     "OutcomeReporter",
     "OutcomeReporterSettings",

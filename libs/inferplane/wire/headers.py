@@ -96,6 +96,15 @@ ADAPTER_SOURCE: Final = "x-inferplane-adapter-source"
 """Request header the picker adds with `ADAPTER`: the adapter's source folder from the
 catalogue; the replica refuses one outside its allow-listed root (`ReplicaSpec.lora_root`)."""
 
+# --- releases (client → picker request header; issue 30) ---------------------------------------
+REVISION: Final = "x-inferplane-revision"
+"""Request header an operator sends to pin a request to one profile revision of the model
+(the performance gate reaches a candidate that takes no live traffic this way). The picker
+honours it only for a key with the `admin` scope (else 403 in the API's shape) and picks among
+that revision's endpoints only; no such endpoint: 503. Stripped before the replica."""
+SERVED_REVISION: Final = "x-inferplane-revision-served"
+"""Response header (initial metadata): the profile revision of the replica that answered."""
+
 # --- served-by (response) ----------------------------------------------------------------------
 SERVED_BY: Final = "x-inferplane-replica"
 """Response header (initial metadata) and summary trailer: the replica that answered."""

@@ -73,6 +73,7 @@ def test_inproc_replica_serves_a_tool_call_and_dies_cleanly_with_its_engine(
     spec.model_source = str(kt.model_path())  # committed in models/kimi-tiny
     spec.dtype = "float32"
     spec.max_num_seqs = 16
+    spec.max_model_len = 65_536  # room for the 50,000-token stream the engine is killed in
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json_format.MessageToJson(spec))
     port, metrics_port = free_port(), free_port()
@@ -155,17 +156,19 @@ async def _scenario(proc: subprocess.Popen[bytes], port: int, metrics_port: int)
         assert b"inferplane_replica_stream_messages_count" in metrics
         assert b"vllm:" in metrics  # vLLM's registry is served with the replica's
 
-        # The tiny model decodes its whole context in about a second, so a kill timed on the first
-        # message can land after the stream ended. The engine core is stopped (SIGSTOP) after the
-        # first message; once what it produced is drained and the stream still waits, the stream is
-        # surely mid-way and the core is killed. A stream that ended first is retried.
+        # The tiny model decodes 2,000 tokens in about a second, so a kill timed on the first
+        # message can land after the stream ended (CI, with this test's own process starved, saw
+        # five in a row). The stream asks for 50,000 tokens (1 KiB of KV each: 50 MiB of the
+        # 1 GiB budget), and the engine core is stopped (SIGSTOP) after the first message; once
+        # what it produced is drained and the stream still waits, the stream is surely mid-way
+        # and the core is killed. A stream that ended first is retried.
         core = _engine_core(proc.pid)
         assert core is not None, "no VLLM::EngineCore in the replica's process group"
         long = completion_request_from_dict(
             {
                 "model": kt.SERVED_MODEL_NAME,
                 "prompt": "Paris",
-                "max_tokens": 2000,
+                "max_tokens": 50_000,
                 "ignore_eos": True,
             }
         )

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einferplane/auth/v1/usage.proto\x12\x12inferplane.auth.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"E\n\x12ReportUsageRequest\x12/\n\x05usage\x18\x01 \x03(\x0b\x32 .inferplane.auth.v1.RequestUsage\"\x9a\x03\n\x0cRequestUsage\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12,\n\x08\x65nd_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ndeployment\x18\x07 \x01(\t\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x18\n\x10reasoning_tokens\x18\n \x01(\r\x12\x14\n\x0cttft_seconds\x18\x0b \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x0c \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\r \x01(\x01\x12\x0e\n\x06status\x18\x0e \x01(\t\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pi\x18\x10 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x11 \x01(\t\"\x15\n\x13ReportUsageResponse\"\xe6\x01\n\x11QueryUsageRequest\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08group_by\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x12\n\npage_token\x18\x08 \x01(\t\x12\x0b\n\x03\x61pi\x18\t \x01(\t\"\xa6\x03\n\x08UsageRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\ndeployment\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x04\x12\x18\n\x10reasoning_tokens\x18\x0b \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x0c \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\r \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\x0e \x01(\x01\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pi\x18\x11 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x12 \x01(\t\"\xbe\x01\n\nUsageGroup\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x04\x12\x18\n\x10reasoning_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bgpu_seconds\x18\x08 \x01(\x01\"\x89\x01\n\x12QueryUsageResponse\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.inferplane.auth.v1.UsageRow\x12.\n\x06groups\x18\x02 \x03(\x0b\x32\x1e.inferplane.auth.v1.UsageGroup\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t2n\n\x0cUsageService\x12^\n\x0bReportUsage\x12&.inferplane.auth.v1.ReportUsageRequest\x1a\'.inferplane.auth.v1.ReportUsageResponse2\x8a\x01\n\x12UsageLedgerService\x12t\n\nQueryUsage\x12%.inferplane.auth.v1.QueryUsageRequest\x1a&.inferplane.auth.v1.QueryUsageResponse\"\x17\x82\xd3\xe4\x93\x02\x11\x12\x0f/v1/admin/usageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einferplane/auth/v1/usage.proto\x12\x12inferplane.auth.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"E\n\x12ReportUsageRequest\x12/\n\x05usage\x18\x01 \x03(\x0b\x32 .inferplane.auth.v1.RequestUsage\"\xac\x03\n\x0cRequestUsage\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12,\n\x08\x65nd_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ndeployment\x18\x07 \x01(\t\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x18\n\x10reasoning_tokens\x18\n \x01(\r\x12\x14\n\x0cttft_seconds\x18\x0b \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x0c \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\r \x01(\x01\x12\x0e\n\x06status\x18\x0e \x01(\t\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pi\x18\x10 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x11 \x01(\t\x12\x10\n\x08revision\x18\x12 \x01(\t\"\x15\n\x13ReportUsageResponse\"\xe6\x01\n\x11QueryUsageRequest\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08group_by\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x12\n\npage_token\x18\x08 \x01(\t\x12\x0b\n\x03\x61pi\x18\t \x01(\t\"\xb8\x03\n\x08UsageRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\ndeployment\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x04\x12\x18\n\x10reasoning_tokens\x18\x0b \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x0c \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\r \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\x0e \x01(\x01\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0b\n\x03\x61pi\x18\x11 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x12 \x01(\t\x12\x10\n\x08revision\x18\x13 \x01(\t\"\xbe\x01\n\nUsageGroup\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x04\x12\x18\n\x10reasoning_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bgpu_seconds\x18\x08 \x01(\x01\"\x89\x01\n\x12QueryUsageResponse\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.inferplane.auth.v1.UsageRow\x12.\n\x06groups\x18\x02 \x03(\x0b\x32\x1e.inferplane.auth.v1.UsageGroup\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t2n\n\x0cUsageService\x12^\n\x0bReportUsage\x12&.inferplane.auth.v1.ReportUsageRequest\x1a\'.inferplane.auth.v1.ReportUsageResponse2\x8a\x01\n\x12UsageLedgerService\x12t\n\nQueryUsage\x12%.inferplane.auth.v1.QueryUsageRequest\x1a&.inferplane.auth.v1.QueryUsageResponse\"\x17\x82\xd3\xe4\x93\x02\x11\x12\x0f/v1/admin/usageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTUSAGEREQUEST']._serialized_start=117
   _globals['_REPORTUSAGEREQUEST']._serialized_end=186
   _globals['_REQUESTUSAGE']._serialized_start=189
-  _globals['_REQUESTUSAGE']._serialized_end=599
-  _globals['_REPORTUSAGERESPONSE']._serialized_start=601
-  _globals['_REPORTUSAGERESPONSE']._serialized_end=622
-  _globals['_QUERYUSAGEREQUEST']._serialized_start=625
-  _globals['_QUERYUSAGEREQUEST']._serialized_end=855
-  _globals['_USAGEROW']._serialized_start=858
-  _globals['_USAGEROW']._serialized_end=1280
-  _globals['_USAGEGROUP']._serialized_start=1283
-  _globals['_USAGEGROUP']._serialized_end=1473
-  _globals['_QUERYUSAGERESPONSE']._serialized_start=1476
-  _globals['_QUERYUSAGERESPONSE']._serialized_end=1613
-  _globals['_USAGESERVICE']._serialized_start=1615
-  _globals['_USAGESERVICE']._serialized_end=1725
-  _globals['_USAGELEDGERSERVICE']._serialized_start=1728
-  _globals['_USAGELEDGERSERVICE']._serialized_end=1866
+  _globals['_REQUESTUSAGE']._serialized_end=617
+  _globals['_REPORTUSAGERESPONSE']._serialized_start=619
+  _globals['_REPORTUSAGERESPONSE']._serialized_end=640
+  _globals['_QUERYUSAGEREQUEST']._serialized_start=643
+  _globals['_QUERYUSAGEREQUEST']._serialized_end=873
+  _globals['_USAGEROW']._serialized_start=876
+  _globals['_USAGEROW']._serialized_end=1316
+  _globals['_USAGEGROUP']._serialized_start=1319
+  _globals['_USAGEGROUP']._serialized_end=1509
+  _globals['_QUERYUSAGERESPONSE']._serialized_start=1512
+  _globals['_QUERYUSAGERESPONSE']._serialized_end=1649
+  _globals['_USAGESERVICE']._serialized_start=1651
+  _globals['_USAGESERVICE']._serialized_end=1761
+  _globals['_USAGELEDGERSERVICE']._serialized_start=1764
+  _globals['_USAGELEDGERSERVICE']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

@@ -69,6 +69,7 @@ class RequestUsage(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     API_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """The API key's id (the edge's `x-inferplane-key-id`)."""
     request_id: _builtins.str
@@ -109,6 +110,10 @@ class RequestUsage(_message.Message):
     """The LoRA adapter that served it (its catalogue name, from the routing table; issue 29);
     "" for the base model, and from older routers.
     """
+    revision: _builtins.str
+    """The profile revision of the replica that served it ("" when none did or the sender is
+    older): usage per revision during a canary (issue 30).
+    """
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the request ended."""
@@ -137,10 +142,11 @@ class RequestUsage(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         api: _builtins.str = ...,
         adapter: _builtins.str = ...,
+        revision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -247,6 +253,7 @@ class UsageRow(_message.Message):
     END_TIME_FIELD_NUMBER: _builtins.int
     API_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The edge's request id (`x-request-id`): the row's identity."""
     key_id: _builtins.str
@@ -281,6 +288,8 @@ class UsageRow(_message.Message):
     """The LoRA adapter that served it ("" for the base model, and for rows written before the
     ledger kept it).
     """
+    revision: _builtins.str
+    """The profile revision that served the request ("" when none did)."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When it arrived at the router (unset when not reported)."""
@@ -310,10 +319,11 @@ class UsageRow(_message.Message):
         end_time: _timestamp_pb2.Timestamp | None = ...,
         api: _builtins.str = ...,
         adapter: _builtins.str = ...,
+        revision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

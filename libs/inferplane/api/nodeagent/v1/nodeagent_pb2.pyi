@@ -13,6 +13,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from inferplane.api.nodeagent.v1 import replica_pb2 as _replica_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -124,6 +125,8 @@ class ReplicaSpec(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     LORA_ROOT_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment this replica belongs to."""
     served_model_name: _builtins.str
@@ -215,6 +218,11 @@ class ReplicaSpec(_message.Message):
     """The folder every adapter's source must lie under (the catalogue's allow-listed root); the
     replica refuses an adapter path outside it.
     """
+    kv_cache_dtype: _builtins.str
+    """KV cache dtype as the profile names it ("auto", "fp16", "bf16", "fp8"); the engine gets
+    `--kv-cache-dtype` from it. Empty: "auto". A node that cannot run it refuses the start
+    with FAILED_PRECONDITION naming `spec.kv_cache_dtype` (issue 30).
+    """
     @_builtins.property
     def gpu_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerator indices on this node (empty on a CPU node)."""
@@ -234,6 +242,13 @@ class ReplicaSpec(_message.Message):
         """Sampling defaults for a request that omits a parameter (the deployment profile's, vLLM's
         `--override-generation-config`): each set field wins over the model's
         `generation_config.json` value; a request's own value wins over both. Unset: none.
+        """
+
+    @_builtins.property
+    def speculative(self) -> Global___SpeculativeDecoding:
+        """Speculative decoding (vLLM's `--speculative-config`); unset or empty method: off. A node
+        whose engine cannot run the method refuses with FAILED_PRECONDITION naming
+        `spec.speculative.method`.
         """
 
     def __init__(
@@ -268,14 +283,136 @@ class ReplicaSpec(_message.Message):
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
         lora_root: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
+        speculative: Global___SpeculativeDecoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_defaults", b"sampling_defaults"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_defaults", b"sampling_defaults", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "lora_root", b"lora_root", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "revision", b"revision", "sampling_defaults", b"sampling_defaults", "served_model_name", b"served_model_name", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constrain_tool_choice_auto", b"constrain_tool_choice_auto", "created", b"created", "deployment", b"deployment", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "extra_engine_args", b"extra_engine_args", "gpu_indices", b"gpu_indices", "gpu_memory_fraction", b"gpu_memory_fraction", "gpu_uuids", b"gpu_uuids", "kv_cache_bytes", b"kv_cache_bytes", "kv_cache_dtype", b"kv_cache_dtype", "lora_root", b"lora_root", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "owned_by", b"owned_by", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "revision", b"revision", "sampling_defaults", b"sampling_defaults", "served_model_name", b"served_model_name", "speculative", b"speculative", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaSpec: _TypeAlias = ReplicaSpec  # noqa: Y015
+
+@_typing.final
+class SpeculativeDecoding(_message.Message):
+    """Speculative decoding settings of a replica (vLLM's `--speculative-config` JSON keys)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _builtins.int
+    method: _builtins.str
+    """"ngram", "eagle", "eagle3", "mtp" (empty: off)."""
+    model: _builtins.str
+    """Draft model folder (eagle/eagle3); empty for ngram and mtp."""
+    num_speculative_tokens: _builtins.int
+    """Tokens proposed per step (vLLM's `num_speculative_tokens`), 1..16."""
+    prompt_lookup_max: _builtins.int
+    """n-gram lookup window, longest and shortest (vLLM's `prompt_lookup_max/min`); ngram only."""
+    prompt_lookup_min: _builtins.int
+    """See prompt_lookup_max."""
+    def __init__(
+        self,
+        *,
+        method: _builtins.str = ...,
+        model: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        prompt_lookup_max: _builtins.int = ...,
+        prompt_lookup_min: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "model", b"model", "num_speculative_tokens", b"num_speculative_tokens", "prompt_lookup_max", b"prompt_lookup_max", "prompt_lookup_min", b"prompt_lookup_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpeculativeDecoding: _TypeAlias = SpeculativeDecoding  # noqa: Y015
+
+@_typing.final
+class EngineInstall(_message.Message):
+    """One engine a node can run (issue 30): locally an environment with its own lock, in
+    Kubernetes an image; `ReplicaSpec.engine` + `engine_version` select it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    DEFAULT_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """Engine kind as profiles name it ("vllm-cpu", "vllm")."""
+    version: _builtins.str
+    """Its version ("0.32.0")."""
+    location: _builtins.str
+    """Where it is: the interpreter that runs `inferplane.replica` with it, or the image."""
+    default: _builtins.bool
+    """The engine a spec with an empty `engine_version` runs."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        version: _builtins.str = ...,
+        location: _builtins.str = ...,
+        default: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default", b"default", "engine", b"engine", "location", b"location", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineInstall: _TypeAlias = EngineInstall  # noqa: Y015
+
+@_typing.final
+class NodeCapabilities(_message.Message):
+    """What a node can run beyond its inventory (issue 30): placement and validation refuse a
+    profile setting the node lacks instead of dropping it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_FEATURES_FIELD_NUMBER: _builtins.int
+    CPU_MODEL_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPES_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_METHODS_FIELD_NUMBER: _builtins.int
+    cpu_model: _builtins.str
+    """The CPU's model name."""
+    @_builtins.property
+    def cpu_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """CPU flags that decide engine features (from /proc/cpuinfo: "avx2", "avx512f",
+        "avx512_bf16", "amx_bf16", "amx_tile", ...).
+        """
+
+    @_builtins.property
+    def kv_cache_dtypes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """KV cache dtypes (profile names) the node's engines can run ("auto", "fp16", "bf16",
+        "fp8"): vllm-cpu runs an fp8 KV cache only with AVX-512 or AMX.
+        """
+
+    @_builtins.property
+    def speculative_methods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Speculative decoding methods the node's engines were checked to run ("ngram", ...)."""
+
+    def __init__(
+        self,
+        *,
+        cpu_features: _abc.Iterable[_builtins.str] | None = ...,
+        cpu_model: _builtins.str = ...,
+        kv_cache_dtypes: _abc.Iterable[_builtins.str] | None = ...,
+        speculative_methods: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "kv_cache_dtypes", b"kv_cache_dtypes", "speculative_methods", b"speculative_methods"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeCapabilities: _TypeAlias = NodeCapabilities  # noqa: Y015
 
 @_typing.final
 class SamplingDefaults(_message.Message):
@@ -409,6 +546,7 @@ class Replica(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     READY_TIME_FIELD_NUMBER: _builtins.int
     METRICS_URL_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `replicas/{replica}`."""
     state: Global___Replica.State.ValueType
@@ -441,6 +579,12 @@ class Replica(_message.Message):
     def ready_time(self) -> _timestamp_pb2.Timestamp:
         """When the replica last became ready."""
 
+    @_builtins.property
+    def artifacts(self) -> _replica_pb2.ReplicaArtifacts:
+        """What the replica runs, as its process reports it once ready (issue 30): the engine
+        version, the weights digest and the chat template digest.
+        """
+
     def __init__(
         self,
         *,
@@ -455,10 +599,11 @@ class Replica(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         metrics_url: _builtins.str = ...,
+        artifacts: _replica_pb2.ReplicaArtifacts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ready_time", b"ready_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "ready_time", b"ready_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_pid", b"engine_pid", "in_flight_requests", b"in_flight_requests", "inference_address", b"inference_address", "last_error", b"last_error", "metrics_url", b"metrics_url", "name", b"name", "ready_time", b"ready_time", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "engine_pid", b"engine_pid", "in_flight_requests", b"in_flight_requests", "inference_address", b"inference_address", "last_error", b"last_error", "metrics_url", b"metrics_url", "name", b"name", "ready_time", b"ready_time", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -576,6 +721,8 @@ class NodeStatus(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    CAPABILITIES_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Node name, unique in the fleet."""
     address: _builtins.str
@@ -598,6 +745,16 @@ class NodeStatus(_message.Message):
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Replica]:
         """The replicas on the node."""
 
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInstall]:
+        """The engines installed on the node (issue 30); placement uses only nodes that have the
+        requested one.
+        """
+
+    @_builtins.property
+    def capabilities(self) -> Global___NodeCapabilities:
+        """What the node can run."""
+
     def __init__(
         self,
         *,
@@ -609,10 +766,12 @@ class NodeStatus(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         replicas: _abc.Iterable[Global___Replica] | None = ...,
         agent_version: _builtins.str = ...,
+        engines: _abc.Iterable[Global___EngineInstall] | None = ...,
+        capabilities: Global___NodeCapabilities | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "cpu_count", b"cpu_count", "gpus", b"gpus", "labels", b"labels", "memory_bytes", b"memory_bytes", "node", b"node", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "capabilities", b"capabilities", "cpu_count", b"cpu_count", "engines", b"engines", "gpus", b"gpus", "labels", b"labels", "memory_bytes", b"memory_bytes", "node", b"node", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%inferplane/nodeagent/v1/replica.proto\x12\x17inferplane.nodeagent.v1\"\x17\n\x15GetReplicaLoadRequest\"p\n\x16GetReplicaLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x14\n\x0c\x65ngine_ready\x18\x04 \x01(\x08\"\x1a\n\x18StartReplicaDrainRequest\"7\n\x19StartReplicaDrainResponse\x12\x1a\n\x12in_flight_requests\x18\x01 \x01(\r\"-\n\x18WatchReplicaStateRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\x95\x03\n\x19WatchReplicaStateResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\r\x12\x33\n\x06stored\x18\t \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x34\n\x07removed\x18\n \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x17\n\x0floaded_adapters\x18\x0b \x03(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x19\n\x11preemptions_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"-\n\nKvBlockSet\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\x32\x84\x03\n\x15ReplicaProcessService\x12q\n\x0eGetReplicaLoad\x12..inferplane.nodeagent.v1.GetReplicaLoadRequest\x1a/.inferplane.nodeagent.v1.GetReplicaLoadResponse\x12z\n\x11StartReplicaDrain\x12\x31.inferplane.nodeagent.v1.StartReplicaDrainRequest\x1a\x32.inferplane.nodeagent.v1.StartReplicaDrainResponse\x12|\n\x11WatchReplicaState\x12\x31.inferplane.nodeagent.v1.WatchReplicaStateRequest\x1a\x32.inferplane.nodeagent.v1.WatchReplicaStateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%inferplane/nodeagent/v1/replica.proto\x12\x17inferplane.nodeagent.v1\"\x17\n\x15GetReplicaLoadRequest\"\xae\x01\n\x16GetReplicaLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x14\n\x0c\x65ngine_ready\x18\x04 \x01(\x08\x12<\n\tartifacts\x18\x05 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\"~\n\x10ReplicaArtifacts\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x03 \x01(\t\x12\x1c\n\x14\x63hat_template_digest\x18\x04 \x01(\t\x12\x0e\n\x06parser\x18\x05 \x01(\t\"U\n\x15RunConformanceRequest\x12\x15\n\rlive_requests\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"T\n\x16RunConformanceResponse\x12:\n\x06report\x18\x01 \x01(\x0b\x32*.inferplane.nodeagent.v1.ConformanceReport\"\x9c\x03\n\x11\x43onformanceReport\x12<\n\tartifacts\x18\x01 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\x12\x14\n\x0creplay_cases\x18\x02 \x01(\r\x12\x15\n\rreplay_passed\x18\x03 \x01(\r\x12\x17\n\x0freplay_failures\x18\x04 \x03(\t\x12\x15\n\rlive_requests\x18\x05 \x01(\r\x12\x13\n\x0blive_errors\x18\x06 \x01(\r\x12\x1b\n\x13tool_calls_expected\x18\x07 \x01(\r\x12\x1b\n\x13tool_calls_returned\x18\x08 \x01(\r\x12\x12\n\ntool_calls\x18\t \x01(\r\x12\x1f\n\x17tool_calls_schema_valid\x18\n \x01(\r\x12 \n\x18\x66inish_reason_mismatches\x18\x0b \x01(\r\x12\x16\n\x0eleaked_markers\x18\x0c \x01(\r\x12\x1d\n\x15reasoning_unseparated\x18\r \x01(\r\x12\x0f\n\x07seconds\x18\x0e \x01(\x01\"\x1a\n\x18StartReplicaDrainRequest\"7\n\x19StartReplicaDrainResponse\x12\x1a\n\x12in_flight_requests\x18\x01 \x01(\r\"-\n\x18WatchReplicaStateRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\x95\x03\n\x19WatchReplicaStateResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\r\x12\x33\n\x06stored\x18\t \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x34\n\x07removed\x18\n \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x17\n\x0floaded_adapters\x18\x0b \x03(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x19\n\x11preemptions_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"-\n\nKvBlockSet\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\x32\xf7\x03\n\x15ReplicaProcessService\x12q\n\x0eGetReplicaLoad\x12..inferplane.nodeagent.v1.GetReplicaLoadRequest\x1a/.inferplane.nodeagent.v1.GetReplicaLoadResponse\x12z\n\x11StartReplicaDrain\x12\x31.inferplane.nodeagent.v1.StartReplicaDrainRequest\x1a\x32.inferplane.nodeagent.v1.StartReplicaDrainResponse\x12|\n\x11WatchReplicaState\x12\x31.inferplane.nodeagent.v1.WatchReplicaStateRequest\x1a\x32.inferplane.nodeagent.v1.WatchReplicaStateResponse0\x01\x12q\n\x0eRunConformance\x12..inferplane.nodeagent.v1.RunConformanceRequest\x1a/.inferplane.nodeagent.v1.RunConformanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETREPLICALOADREQUEST']._serialized_start=66
   _globals['_GETREPLICALOADREQUEST']._serialized_end=89
-  _globals['_GETREPLICALOADRESPONSE']._serialized_start=91
-  _globals['_GETREPLICALOADRESPONSE']._serialized_end=203
-  _globals['_STARTREPLICADRAINREQUEST']._serialized_start=205
-  _globals['_STARTREPLICADRAINREQUEST']._serialized_end=231
-  _globals['_STARTREPLICADRAINRESPONSE']._serialized_start=233
-  _globals['_STARTREPLICADRAINRESPONSE']._serialized_end=288
-  _globals['_WATCHREPLICASTATEREQUEST']._serialized_start=290
-  _globals['_WATCHREPLICASTATEREQUEST']._serialized_end=335
-  _globals['_WATCHREPLICASTATERESPONSE']._serialized_start=338
-  _globals['_WATCHREPLICASTATERESPONSE']._serialized_end=743
-  _globals['_KVBLOCKSET']._serialized_start=745
-  _globals['_KVBLOCKSET']._serialized_end=790
-  _globals['_REPLICAPROCESSSERVICE']._serialized_start=793
-  _globals['_REPLICAPROCESSSERVICE']._serialized_end=1181
+  _globals['_GETREPLICALOADRESPONSE']._serialized_start=92
+  _globals['_GETREPLICALOADRESPONSE']._serialized_end=266
+  _globals['_REPLICAARTIFACTS']._serialized_start=268
+  _globals['_REPLICAARTIFACTS']._serialized_end=394
+  _globals['_RUNCONFORMANCEREQUEST']._serialized_start=396
+  _globals['_RUNCONFORMANCEREQUEST']._serialized_end=481
+  _globals['_RUNCONFORMANCERESPONSE']._serialized_start=483
+  _globals['_RUNCONFORMANCERESPONSE']._serialized_end=567
+  _globals['_CONFORMANCEREPORT']._serialized_start=570
+  _globals['_CONFORMANCEREPORT']._serialized_end=982
+  _globals['_STARTREPLICADRAINREQUEST']._serialized_start=984
+  _globals['_STARTREPLICADRAINREQUEST']._serialized_end=1010
+  _globals['_STARTREPLICADRAINRESPONSE']._serialized_start=1012
+  _globals['_STARTREPLICADRAINRESPONSE']._serialized_end=1067
+  _globals['_WATCHREPLICASTATEREQUEST']._serialized_start=1069
+  _globals['_WATCHREPLICASTATEREQUEST']._serialized_end=1114
+  _globals['_WATCHREPLICASTATERESPONSE']._serialized_start=1117
+  _globals['_WATCHREPLICASTATERESPONSE']._serialized_end=1522
+  _globals['_KVBLOCKSET']._serialized_start=1524
+  _globals['_KVBLOCKSET']._serialized_end=1569
+  _globals['_REPLICAPROCESSSERVICE']._serialized_start=1572
+  _globals['_REPLICAPROCESSSERVICE']._serialized_end=2075
 # @@protoc_insertion_point(module_scope)

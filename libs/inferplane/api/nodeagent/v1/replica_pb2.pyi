@@ -49,6 +49,7 @@ class GetReplicaLoadResponse(_message.Message):
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     ENGINE_READY_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica id this process serves."""
     in_flight_requests: _builtins.int
@@ -57,6 +58,10 @@ class GetReplicaLoadResponse(_message.Message):
     """StartReplicaDrain was called: no new request is admitted."""
     engine_ready: _builtins.bool
     """The engine is started and answers (the process is ready to serve)."""
+    @_builtins.property
+    def artifacts(self) -> Global___ReplicaArtifacts:
+        """What the replica runs (set once the engine is ready)."""
+
     def __init__(
         self,
         *,
@@ -64,14 +69,191 @@ class GetReplicaLoadResponse(_message.Message):
         in_flight_requests: _builtins.int = ...,
         draining: _builtins.bool = ...,
         engine_ready: _builtins.bool = ...,
+        artifacts: Global___ReplicaArtifacts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine_ready", b"engine_ready", "in_flight_requests", b"in_flight_requests", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "draining", b"draining", "engine_ready", b"engine_ready", "in_flight_requests", b"in_flight_requests", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetReplicaLoadResponse: _TypeAlias = GetReplicaLoadResponse  # noqa: Y015
+
+@_typing.final
+class ReplicaArtifacts(_message.Message):
+    """What a replica runs, as its process knows it (issue 30): the compatibility matrix's key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_DIGEST_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_DIGEST_FIELD_NUMBER: _builtins.int
+    PARSER_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """Engine kind ("vllm-cpu", "vllm")."""
+    engine_version: _builtins.str
+    """The engine version that actually runs (the engine package's own version)."""
+    model_digest: _builtins.str
+    """Digest of the weights ("sha256:..."; `inferplane.release_digests`)."""
+    chat_template_digest: _builtins.str
+    """Digest of the chat template the renderer uses ("sha256:...")."""
+    parser: _builtins.str
+    """The parsers: "<tool_parser>/<reasoning_parser>" ("kimi_k2/kimi_k2")."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        engine_version: _builtins.str = ...,
+        model_digest: _builtins.str = ...,
+        chat_template_digest: _builtins.str = ...,
+        parser: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat_template_digest", b"chat_template_digest", "engine", b"engine", "engine_version", b"engine_version", "model_digest", b"model_digest", "parser", b"parser"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaArtifacts: _TypeAlias = ReplicaArtifacts  # noqa: Y015
+
+@_typing.final
+class RunConformanceRequest(_message.Message):
+    """RunConformance's request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    live_requests: _builtins.int
+    """Live requests to send (random tool schemas; tool_choice auto, required and named in
+    turn). 0: replay only.
+    """
+    seed: _builtins.int
+    """Seed of the random schemas and choices (same seed, same requests)."""
+    timeout_seconds: _builtins.float
+    """Bound on the whole run, seconds (0: 120); what has not finished by then counts as failed."""
+    def __init__(
+        self,
+        *,
+        live_requests: _builtins.int = ...,
+        seed: _builtins.int = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["live_requests", b"live_requests", "seed", b"seed", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunConformanceRequest: _TypeAlias = RunConformanceRequest  # noqa: Y015
+
+@_typing.final
+class RunConformanceResponse(_message.Message):
+    """RunConformance's response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def report(self) -> Global___ConformanceReport:
+        """What was checked and found."""
+
+    def __init__(
+        self,
+        *,
+        report: Global___ConformanceReport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunConformanceResponse: _TypeAlias = RunConformanceResponse  # noqa: Y015
+
+@_typing.final
+class ConformanceReport(_message.Message):
+    """The conformance figures of one replica (the K2 Vendor Verifier's counts, issue 30)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
+    REPLAY_CASES_FIELD_NUMBER: _builtins.int
+    REPLAY_PASSED_FIELD_NUMBER: _builtins.int
+    REPLAY_FAILURES_FIELD_NUMBER: _builtins.int
+    LIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    LIVE_ERRORS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_EXPECTED_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_RETURNED_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_SCHEMA_VALID_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_MISMATCHES_FIELD_NUMBER: _builtins.int
+    LEAKED_MARKERS_FIELD_NUMBER: _builtins.int
+    REASONING_UNSEPARATED_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    replay_cases: _builtins.int
+    """Public cases replayed through the renderer and parser, and how many matched."""
+    replay_passed: _builtins.int
+    """See replay_cases."""
+    live_requests: _builtins.int
+    """Live requests sent, and those that failed outright (error, timeout)."""
+    live_errors: _builtins.int
+    """See live_requests."""
+    tool_calls_expected: _builtins.int
+    """Live requests that must return a tool call (tool_choice required or named)."""
+    tool_calls_returned: _builtins.int
+    """Of those, the ones that returned at least one tool call."""
+    tool_calls: _builtins.int
+    """Tool calls returned over all live requests, and those whose arguments are valid JSON
+    matching the declared schema (and name a declared function).
+    """
+    tool_calls_schema_valid: _builtins.int
+    """See tool_calls."""
+    finish_reason_mismatches: _builtins.int
+    """Live requests whose finish_reason disagrees with their output ("tool_calls" without a
+    call, or a call with "stop").
+    """
+    leaked_markers: _builtins.int
+    """Live requests whose content or reasoning carries a parser marker (`<|tool_call...`)."""
+    reasoning_unseparated: _builtins.int
+    """Live requests whose reasoning leaked into content (or content into reasoning)."""
+    seconds: _builtins.float
+    """Wall time of the run, seconds."""
+    @_builtins.property
+    def artifacts(self) -> Global___ReplicaArtifacts:
+        """What was checked."""
+
+    @_builtins.property
+    def replay_failures(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One line per failed case (its name and what differed), at most 20."""
+
+    def __init__(
+        self,
+        *,
+        artifacts: Global___ReplicaArtifacts | None = ...,
+        replay_cases: _builtins.int = ...,
+        replay_passed: _builtins.int = ...,
+        replay_failures: _abc.Iterable[_builtins.str] | None = ...,
+        live_requests: _builtins.int = ...,
+        live_errors: _builtins.int = ...,
+        tool_calls_expected: _builtins.int = ...,
+        tool_calls_returned: _builtins.int = ...,
+        tool_calls: _builtins.int = ...,
+        tool_calls_schema_valid: _builtins.int = ...,
+        finish_reason_mismatches: _builtins.int = ...,
+        leaked_markers: _builtins.int = ...,
+        reasoning_unseparated: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "finish_reason_mismatches", b"finish_reason_mismatches", "leaked_markers", b"leaked_markers", "live_errors", b"live_errors", "live_requests", b"live_requests", "reasoning_unseparated", b"reasoning_unseparated", "replay_cases", b"replay_cases", "replay_failures", b"replay_failures", "replay_passed", b"replay_passed", "seconds", b"seconds", "tool_calls", b"tool_calls", "tool_calls_expected", b"tool_calls_expected", "tool_calls_returned", b"tool_calls_returned", "tool_calls_schema_valid", b"tool_calls_schema_valid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConformanceReport: _TypeAlias = ConformanceReport  # noqa: Y015
 
 @_typing.final
 class StartReplicaDrainRequest(_message.Message):

@@ -50,6 +50,11 @@ class ReplicaProcessServiceStub:
                 request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.SerializeToString,
                 response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.FromString,
                 _registered_method=True)
+        self.RunConformance = channel.unary_unary(
+                '/inferplane.nodeagent.v1.ReplicaProcessService/RunConformance',
+                request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.SerializeToString,
+                response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaProcessServiceServicer:
@@ -83,6 +88,15 @@ class ReplicaProcessServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunConformance(self, request, context):
+        """Runs the conformance check on this replica (issue 30): the parser family's public cases
+        replayed through the replica's own renderer and parser, then live requests with random
+        tool schemas through render -> engine -> parse. Bounded by the request's timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaProcessServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +114,11 @@ def add_ReplicaProcessServiceServicer_to_server(servicer, server):
                     servicer.WatchReplicaState,
                     request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.FromString,
                     response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.SerializeToString,
+            ),
+            'RunConformance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunConformance,
+                    request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.FromString,
+                    response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +203,33 @@ class ReplicaProcessService:
             '/inferplane.nodeagent.v1.ReplicaProcessService/WatchReplicaState',
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateRequest.SerializeToString,
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.WatchReplicaStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunConformance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.nodeagent.v1.ReplicaProcessService/RunConformance',
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.SerializeToString,
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,11 @@ class ReplicaProcessServiceStub:
     full snapshot (`reset`); then one update whenever something changed, at most every
     `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
     """
+    RunConformance: _grpc.UnaryUnaryMultiCallable[_replica_pb2.RunConformanceRequest, _replica_pb2.RunConformanceResponse]
+    """Runs the conformance check on this replica (issue 30): the parser family's public cases
+    replayed through the replica's own renderer and parser, then live requests with random
+    tool schemas through render -> engine -> parse. Bounded by the request's timeout.
+    """
 
 @_typing.type_check_only
 class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
@@ -70,6 +75,11 @@ class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
     (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
     full snapshot (`reset`); then one update whenever something changed, at most every
     `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
+    """
+    RunConformance: _aio.UnaryUnaryMultiCallable[_replica_pb2.RunConformanceRequest, _replica_pb2.RunConformanceResponse]  # type: ignore[assignment]
+    """Runs the conformance check on this replica (issue 30): the parser family's public cases
+    replayed through the replica's own renderer and parser, then live requests with random
+    tool schemas through render -> engine -> parse. Bounded by the request's timeout.
     """
 
 class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -105,6 +115,17 @@ class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
         (from vLLM's KV events, as content hashes: `inferplane.kvblocks`). The first update is a
         full snapshot (`reset`); then one update whenever something changed, at most every
         `min_interval` (~50 ms), and a heartbeat at least every second. The router's identity.
+        """
+
+    @_abc_1.abstractmethod
+    def RunConformance(
+        self,
+        request: _replica_pb2.RunConformanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.RunConformanceResponse, _abc.Awaitable[_replica_pb2.RunConformanceResponse]]:
+        """Runs the conformance check on this replica (issue 30): the parser family's public cases
+        replayed through the replica's own renderer and parser, then live requests with random
+        tool schemas through render -> engine -> parse. Bounded by the request's timeout.
         """
 
 def add_ReplicaProcessServiceServicer_to_server(servicer: ReplicaProcessServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,6 +12,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from inferplane.api.nodeagent.v1 import nodeagent_pb2 as _nodeagent_pb2
+from inferplane.api.nodeagent.v1 import replica_pb2 as _replica_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -647,6 +648,10 @@ class DeploymentProfile(_message.Message):
     TTFT_SLO_SECONDS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_PROMPT_LOOKUP_MAX_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_PROMPT_LOOKUP_MIN_FIELD_NUMBER: _builtins.int
+    RELEASE_GATES_FIELD_NUMBER: _builtins.int
     model_source: _builtins.str
     """Local folder, or a hub id resolved on the node."""
     engine: _builtins.str
@@ -777,6 +782,16 @@ class DeploymentProfile(_message.Message):
     """LoRA adapters a replica may hold at once (vLLM's `--max-loras`, 1..8 allowed); 0: LoRA off."""
     max_lora_rank: _builtins.int
     """The largest adapter rank (vLLM's allowed ranks: 8, 16, 32, 64, 128, 256, 320, 512)."""
+    num_speculative_tokens: _builtins.int
+    """Tokens proposed per speculative step (vLLM's `num_speculative_tokens`, 1..16); 0 with a
+    speculative_method: the method's default (ngram 4, eagle/mtp 1). A new revision.
+    """
+    speculative_prompt_lookup_max: _builtins.int
+    """n-gram speculation's lookup window, longest and shortest (vLLM's `prompt_lookup_max/min`;
+    0: 4 and 1). ngram only.
+    """
+    speculative_prompt_lookup_min: _builtins.int
+    """See speculative_prompt_lookup_max."""
     @_builtins.property
     def extra_engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra engine arguments, verbatim."""
@@ -788,6 +803,12 @@ class DeploymentProfile(_message.Message):
         `generation_config.json` value, a request's own value over both. Unset: the model's and
         the engine's defaults. Ranges are a request's (INVALID_ARGUMENT names
         `deployment.profile.sampling_defaults.<field>`). Changing them is a new revision.
+        """
+
+    @_builtins.property
+    def release_gates(self) -> Global___ReleaseGates:
+        """What a new revision must pass before it takes traffic (issue 30). Not a revision change:
+        tightening a gate does not roll the replicas.
         """
 
     def __init__(
@@ -824,16 +845,101 @@ class DeploymentProfile(_message.Message):
         ttft_slo_seconds: _builtins.float = ...,
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        speculative_prompt_lookup_max: _builtins.int = ...,
+        speculative_prompt_lookup_min: _builtins.int = ...,
+        release_gates: Global___ReleaseGates | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "sampling_defaults", b"sampling_defaults"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "release_gates", b"release_gates", "sampling_defaults", b"sampling_defaults"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "sampling_defaults", b"sampling_defaults", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport", "ttft_slo_seconds", b"ttft_slo_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto", "accelerator", b"accelerator", "active_parameter_count", b"active_parameter_count", "constrain_tool_choice_auto", b"constrain_tool_choice_auto", "engine", b"engine", "engine_version", b"engine_version", "expected_context_tokens", b"expected_context_tokens", "extra_engine_args", b"extra_engine_args", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_source", b"model_source", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_speculative_tokens", b"num_speculative_tokens", "parameter_count", b"parameter_count", "precision", b"precision", "quantization_group_size", b"quantization_group_size", "reasoning_parser", b"reasoning_parser", "release_gates", b"release_gates", "replica_task", b"replica_task", "replica_transport", b"replica_transport", "sampling_defaults", b"sampling_defaults", "speculative_method", b"speculative_method", "speculative_model", b"speculative_model", "speculative_prompt_lookup_max", b"speculative_prompt_lookup_max", "speculative_prompt_lookup_min", b"speculative_prompt_lookup_min", "stream_interval", b"stream_interval", "task", b"task", "tensor_parallel_size", b"tensor_parallel_size", "tool_parser", b"tool_parser", "transport", b"transport", "ttft_slo_seconds", b"ttft_slo_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["constrain_tool_choice_auto"]  # noqa: Y015
     _WhichOneofArgType__constrain_tool_choice_auto: _TypeAlias = _typing.Literal["_constrain_tool_choice_auto", b"_constrain_tool_choice_auto"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__constrain_tool_choice_auto) -> _WhichOneofReturnType__constrain_tool_choice_auto | None: ...
 
 Global___DeploymentProfile: _TypeAlias = DeploymentProfile  # noqa: Y015
+
+@_typing.final
+class ReleaseGates(_message.Message):
+    """The gates of a release (issue 30). Conformance runs on every new revision unless turned
+    off; the performance gate runs when enabled. Zero values take the documented defaults.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFORMANCE_FIELD_NUMBER: _builtins.int
+    CONFORMANCE_LIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    MIN_TOOL_CALL_RATE_FIELD_NUMBER: _builtins.int
+    MIN_SCHEMA_VALID_RATE_FIELD_NUMBER: _builtins.int
+    MAX_LEAKED_MARKERS_FIELD_NUMBER: _builtins.int
+    MIN_REPLAY_PASS_RATE_FIELD_NUMBER: _builtins.int
+    CONFORMANCE_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    PERFORMANCE_FIELD_NUMBER: _builtins.int
+    BENCHMARK_WORKLOAD_FIELD_NUMBER: _builtins.int
+    MAX_TTFT_P99_REGRESSION_FIELD_NUMBER: _builtins.int
+    MAX_ITL_P99_REGRESSION_FIELD_NUMBER: _builtins.int
+    MAX_THROUGHPUT_REGRESSION_FIELD_NUMBER: _builtins.int
+    BENCHMARK_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    conformance: _builtins.bool
+    """Run the conformance gate (RunConformance on the new replica before it takes traffic).
+    Unset: on.
+    """
+    conformance_live_requests: _builtins.int
+    """Live requests the conformance gate sends (0: 12)."""
+    min_tool_call_rate: _builtins.float
+    """Tool calls returned / expected (tool_choice required or named) at least (0: 0.95)."""
+    min_schema_valid_rate: _builtins.float
+    """Schema-valid tool calls / tool calls at least (0: 0.95)."""
+    max_leaked_markers: _builtins.int
+    """Live requests with a leaked parser marker allowed (0: none)."""
+    min_replay_pass_rate: _builtins.float
+    """Replayed public cases that must match, as a fraction (0: 1.0, all)."""
+    conformance_timeout_seconds: _builtins.int
+    """Bound on the conformance run, seconds (0: 120)."""
+    performance: _builtins.bool
+    """Run the performance gate: the pinned GuideLLM workload against the candidate and the
+    serving revision side by side. Off unless set.
+    """
+    benchmark_workload: _builtins.str
+    """The pinned workload's name (bench/workloads/<name>.json; "": "agentic-v1")."""
+    max_ttft_p99_regression: _builtins.float
+    """Allowed regression of the candidate against the serving revision, as fractions: TTFT p99
+    and ITL p99 at most (1 + x) times the serving revision's (0: 0.25 each), throughput at
+    least (1 - x) times (0: 0.20).
+    """
+    max_itl_p99_regression: _builtins.float
+    """See max_ttft_p99_regression."""
+    max_throughput_regression: _builtins.float
+    """See max_ttft_p99_regression."""
+    benchmark_timeout_seconds: _builtins.int
+    """Bound on the performance run (both sides), seconds (0: 300)."""
+    def __init__(
+        self,
+        *,
+        conformance: _builtins.bool | None = ...,
+        conformance_live_requests: _builtins.int = ...,
+        min_tool_call_rate: _builtins.float = ...,
+        min_schema_valid_rate: _builtins.float = ...,
+        max_leaked_markers: _builtins.int = ...,
+        min_replay_pass_rate: _builtins.float = ...,
+        conformance_timeout_seconds: _builtins.int = ...,
+        performance: _builtins.bool = ...,
+        benchmark_workload: _builtins.str = ...,
+        max_ttft_p99_regression: _builtins.float = ...,
+        max_itl_p99_regression: _builtins.float = ...,
+        max_throughput_regression: _builtins.float = ...,
+        benchmark_timeout_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_conformance", b"_conformance", "conformance", b"conformance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conformance", b"_conformance", "benchmark_timeout_seconds", b"benchmark_timeout_seconds", "benchmark_workload", b"benchmark_workload", "conformance", b"conformance", "conformance_live_requests", b"conformance_live_requests", "conformance_timeout_seconds", b"conformance_timeout_seconds", "max_itl_p99_regression", b"max_itl_p99_regression", "max_leaked_markers", b"max_leaked_markers", "max_throughput_regression", b"max_throughput_regression", "max_ttft_p99_regression", b"max_ttft_p99_regression", "min_replay_pass_rate", b"min_replay_pass_rate", "min_schema_valid_rate", b"min_schema_valid_rate", "min_tool_call_rate", b"min_tool_call_rate", "performance", b"performance"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__conformance: _TypeAlias = _typing.Literal["conformance"]  # noqa: Y015
+    _WhichOneofArgType__conformance: _TypeAlias = _typing.Literal["_conformance", b"_conformance"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__conformance) -> _WhichOneofReturnType__conformance | None: ...
+
+Global___ReleaseGates: _TypeAlias = ReleaseGates  # noqa: Y015
 
 @_typing.final
 class RolloutStrategy(_message.Message):
@@ -847,6 +953,12 @@ class RolloutStrategy(_message.Message):
     MAX_TTFT_P99_SECONDS_FIELD_NUMBER: _builtins.int
     GATE_WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
     DRAIN_GRACE_PERIOD_SECONDS_FIELD_NUMBER: _builtins.int
+    CANARY_PERCENT_FIELD_NUMBER: _builtins.int
+    CANARY_WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    CANARY_MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_CANARY_ERROR_RATE_INCREASE_FIELD_NUMBER: _builtins.int
+    MAX_CANARY_TTFT_P99_RATIO_FIELD_NUMBER: _builtins.int
+    MAX_CANARY_TOOL_CALL_VALIDITY_DROP_FIELD_NUMBER: _builtins.int
     max_surge: _builtins.int
     """New replicas started at a time above the desired count."""
     max_unavailable: _builtins.int
@@ -859,6 +971,26 @@ class RolloutStrategy(_message.Message):
     """Gate window in seconds."""
     drain_grace_period_seconds: _builtins.int
     """Seconds in-flight requests get to finish on a drained replica."""
+    canary_percent: _builtins.int
+    """Share of live traffic, percent (1..50), the new revision serves beside the stable one
+    before promotion (0: no canary stage). Sessions stick to one revision.
+    """
+    canary_window_seconds: _builtins.int
+    """How long the canary serves before the decision, seconds (0: 60)."""
+    canary_min_requests: _builtins.int
+    """Requests the canary must have served for a decision (0: 20); fewer when the window ends:
+    the window is extended up to three times, then the canary is rolled back.
+    """
+    max_canary_error_rate_increase: _builtins.float
+    """The canary's error rate may exceed the stable revision's by at most this (absolute;
+    0: 0.02).
+    """
+    max_canary_ttft_p99_ratio: _builtins.float
+    """The canary's TTFT p99 may be at most this times the stable revision's (0: 1.5)."""
+    max_canary_tool_call_validity_drop: _builtins.float
+    """The canary's tool-call validity may be lower than the stable revision's by at most this
+    (absolute; 0: 0.05).
+    """
     def __init__(
         self,
         *,
@@ -868,10 +1000,16 @@ class RolloutStrategy(_message.Message):
         max_ttft_p99_seconds: _builtins.float = ...,
         gate_window_seconds: _builtins.int = ...,
         drain_grace_period_seconds: _builtins.int = ...,
+        canary_percent: _builtins.int = ...,
+        canary_window_seconds: _builtins.int = ...,
+        canary_min_requests: _builtins.int = ...,
+        max_canary_error_rate_increase: _builtins.float = ...,
+        max_canary_ttft_p99_ratio: _builtins.float = ...,
+        max_canary_tool_call_validity_drop: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_grace_period_seconds", b"drain_grace_period_seconds", "gate_window_seconds", b"gate_window_seconds", "max_error_rate", b"max_error_rate", "max_surge", b"max_surge", "max_ttft_p99_seconds", b"max_ttft_p99_seconds", "max_unavailable", b"max_unavailable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_min_requests", b"canary_min_requests", "canary_percent", b"canary_percent", "canary_window_seconds", b"canary_window_seconds", "drain_grace_period_seconds", b"drain_grace_period_seconds", "gate_window_seconds", b"gate_window_seconds", "max_canary_error_rate_increase", b"max_canary_error_rate_increase", "max_canary_tool_call_validity_drop", b"max_canary_tool_call_validity_drop", "max_canary_ttft_p99_ratio", b"max_canary_ttft_p99_ratio", "max_error_rate", b"max_error_rate", "max_surge", b"max_surge", "max_ttft_p99_seconds", b"max_ttft_p99_seconds", "max_unavailable", b"max_unavailable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -889,6 +1027,7 @@ class DeploymentStatus(_message.Message):
     CURRENT_REVISION_FIELD_NUMBER: _builtins.int
     TARGET_REVISION_FIELD_NUMBER: _builtins.int
     AUTOSCALER_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """"Available", "Progressing", "RolledBack", "Unplaceable", "Degraded"."""
     message: _builtins.str
@@ -903,6 +1042,12 @@ class DeploymentStatus(_message.Message):
     def autoscaler(self) -> Global___AutoscalerStatus:
         """The autoscaler's view, when autoscaling is enabled."""
 
+    @_builtins.property
+    def release(self) -> Global___ReleaseProgress:
+        """The release's view (issue 30): the stage of the revision being released and its gates'
+        verdicts; also the last release's verdicts once it ended.
+        """
+
     def __init__(
         self,
         *,
@@ -912,14 +1057,339 @@ class DeploymentStatus(_message.Message):
         current_revision: _builtins.str = ...,
         target_revision: _builtins.str = ...,
         autoscaler: Global___AutoscalerStatus | None = ...,
+        release: Global___ReleaseProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "current_revision", b"current_revision", "message", b"message", "phase", b"phase", "ready_replicas", b"ready_replicas", "target_revision", b"target_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "current_revision", b"current_revision", "message", b"message", "phase", b"phase", "ready_replicas", b"ready_replicas", "release", b"release", "target_revision", b"target_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeploymentStatus: _TypeAlias = DeploymentStatus  # noqa: Y015
+
+@_typing.final
+class ReleaseProgress(_message.Message):
+    """Where a release stands (issue 30)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    CANDIDATE_REVISION_FIELD_NUMBER: _builtins.int
+    CANARY_PERCENT_FIELD_NUMBER: _builtins.int
+    VERDICTS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """"Qualifying" (gates on a replica that takes no traffic), "Canary", "Promoted",
+    "RolledBack".
+    """
+    candidate_revision: _builtins.str
+    """The revision being released."""
+    canary_percent: _builtins.int
+    """The canary's share of live traffic now, percent."""
+    message: _builtins.str
+    """A sentence a person can act on."""
+    @_builtins.property
+    def verdicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___GateVerdict]:
+        """The gates' verdicts for candidate_revision, in the order they ran."""
+
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        candidate_revision: _builtins.str = ...,
+        canary_percent: _builtins.int = ...,
+        verdicts: _abc.Iterable[Global___GateVerdict] | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_percent", b"canary_percent", "candidate_revision", b"candidate_revision", "message", b"message", "stage", b"stage", "verdicts", b"verdicts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseProgress: _TypeAlias = ReleaseProgress  # noqa: Y015
+
+@_typing.final
+class GateVerdict(_message.Message):
+    """One gate's result for one revision (issue 30)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MeasurementsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GATE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    DECIDE_TIME_FIELD_NUMBER: _builtins.int
+    MEASUREMENTS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    gate: _builtins.str
+    """"conformance", "performance" or "canary"."""
+    result: _builtins.str
+    """"passed", "failed", or "error" (the gate could not run: the release stops, as failed)."""
+    reason: _builtins.str
+    """A sentence with the numbers against the thresholds."""
+    seconds: _builtins.float
+    """How long the gate ran, seconds."""
+    revision: _builtins.str
+    """The revision it judged."""
+    @_builtins.property
+    def decide_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was decided."""
+
+    @_builtins.property
+    def measurements(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The figures it decided on, by name ("tool_call_rate", "ttft_p99_seconds.candidate", ...)."""
+
+    def __init__(
+        self,
+        *,
+        gate: _builtins.str = ...,
+        result: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+        decide_time: _timestamp_pb2.Timestamp | None = ...,
+        measurements: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        revision: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decide_time", b"decide_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decide_time", b"decide_time", "gate", b"gate", "measurements", b"measurements", "reason", b"reason", "result", b"result", "revision", b"revision", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GateVerdict: _TypeAlias = GateVerdict  # noqa: Y015
+
+@_typing.final
+class CompatibilityEntry(_message.Message):
+    """One row of the compatibility matrix (issue 30)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    GATES_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    verdict: _builtins.str
+    """"qualified", "failed" or "unqualified" (grandfathered: existed before the matrix)."""
+    deployment: _builtins.str
+    """The deployment and revision it was measured on."""
+    revision: _builtins.str
+    """See deployment."""
+    @_builtins.property
+    def artifacts(self) -> _replica_pb2.ReplicaArtifacts:
+        """The combination: engine and version, weights digest, chat template digest, parsers."""
+
+    @_builtins.property
+    def gates(self) -> _containers.RepeatedCompositeFieldContainer[Global___GateVerdict]:
+        """The gates' verdicts that decided it."""
+
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """When the verdict was recorded."""
+
+    def __init__(
+        self,
+        *,
+        artifacts: _replica_pb2.ReplicaArtifacts | None = ...,
+        verdict: _builtins.str = ...,
+        gates: _abc.Iterable[Global___GateVerdict] | None = ...,
+        deployment: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "update_time", b"update_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "deployment", b"deployment", "gates", b"gates", "revision", b"revision", "update_time", b"update_time", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompatibilityEntry: _TypeAlias = CompatibilityEntry  # noqa: Y015
+
+@_typing.final
+class ListCompatibilityRequest(_message.Message):
+    """Request for ListCompatibility. Every filter is optional."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_DIGEST_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """Only rows measured on this deployment (id)."""
+    engine_version: _builtins.str
+    """Only this engine version."""
+    model_digest: _builtins.str
+    """Only this weights digest."""
+    verdict: _builtins.str
+    """Only this verdict."""
+    page_size: _builtins.int
+    """Maximum rows per page."""
+    page_token: _builtins.str
+    """The next_page_token of a previous page."""
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        engine_version: _builtins.str = ...,
+        model_digest: _builtins.str = ...,
+        verdict: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engine_version", b"engine_version", "model_digest", b"model_digest", "page_size", b"page_size", "page_token", b"page_token", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCompatibilityRequest: _TypeAlias = ListCompatibilityRequest  # noqa: Y015
+
+@_typing.final
+class ListCompatibilityResponse(_message.Message):
+    """Response of ListCompatibility."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompatibilityEntry]:
+        """The rows, newest first."""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___CompatibilityEntry] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCompatibilityResponse: _TypeAlias = ListCompatibilityResponse  # noqa: Y015
+
+@_typing.final
+class ForcedChange(_message.Message):
+    """A create or update that overrode a failed verdict (audited, issue 30)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    OVERRIDDEN_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """The deployment and the revision forced."""
+    revision: _builtins.str
+    """See deployment."""
+    actor: _builtins.str
+    """Who forced it (the caller's identity or API key id)."""
+    reason: _builtins.str
+    """The reason the operator gave."""
+    overridden: _builtins.str
+    """The verdict overridden, with its reason."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When."""
+
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        actor: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        overridden: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "create_time", b"create_time", "deployment", b"deployment", "overridden", b"overridden", "reason", b"reason", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForcedChange: _TypeAlias = ForcedChange  # noqa: Y015
+
+@_typing.final
+class ListForcedChangesRequest(_message.Message):
+    """Request for ListForcedChanges."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """Only this deployment (id), when set."""
+    page_size: _builtins.int
+    """Maximum rows."""
+    def __init__(
+        self,
+        *,
+        deployment: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListForcedChangesRequest: _TypeAlias = ListForcedChangesRequest  # noqa: Y015
+
+@_typing.final
+class ListForcedChangesResponse(_message.Message):
+    """Response of ListForcedChanges."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ForcedChange]:
+        """The rows, newest first."""
+
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[Global___ForcedChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListForcedChangesResponse: _TypeAlias = ListForcedChangesResponse  # noqa: Y015
 
 @_typing.final
 class Placement(_message.Message):
@@ -1040,10 +1510,18 @@ class CreateDeploymentRequest(_message.Message):
     DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    FORCE_REASON_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The deployment id (the `model` clients send)."""
     validate_only: _builtins.bool
     """Validate and explain the placement without creating anything."""
+    force: _builtins.bool
+    """Create even when the compatibility matrix holds a failed verdict for the combination
+    (audited: ListForcedChanges). Without it such a create is INVALID_ARGUMENT naming the field.
+    """
+    force_reason: _builtins.str
+    """Why the operator forces it (required with force)."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The deployment."""
@@ -1054,10 +1532,12 @@ class CreateDeploymentRequest(_message.Message):
         deployment_id: _builtins.str = ...,
         deployment: Global___Deployment | None = ...,
         validate_only: _builtins.bool = ...,
+        force: _builtins.bool = ...,
+        force_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "deployment_id", b"deployment_id", "validate_only", b"validate_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "deployment_id", b"deployment_id", "force", b"force", "force_reason", b"force_reason", "validate_only", b"validate_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1195,6 +1675,14 @@ class UpdateDeploymentRequest(_message.Message):
 
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    FORCE_REASON_FIELD_NUMBER: _builtins.int
+    force: _builtins.bool
+    """Update even when the compatibility matrix holds a failed verdict for the new combination
+    (audited: ListForcedChanges).
+    """
+    force_reason: _builtins.str
+    """Why the operator forces it (required with force)."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The deployment with its new values."""
@@ -1208,10 +1696,12 @@ class UpdateDeploymentRequest(_message.Message):
         *,
         deployment: Global___Deployment | None = ...,
         update_mask: _field_mask_pb2.FieldMask | None = ...,
+        force: _builtins.bool = ...,
+        force_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "update_mask", b"update_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "force", b"force", "force_reason", b"force_reason", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1779,6 +2269,7 @@ class ModelRoute(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     ADAPTER_SOURCE_FIELD_NUMBER: _builtins.int
     TOKENIZER_FIELD_NUMBER: _builtins.int
+    REVISION_SHARES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name clients send (deployment id or alias)."""
     deployment: _builtins.str
@@ -1813,6 +2304,14 @@ class ModelRoute(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteEndpoint]:
         """The replicas."""
 
+    @_builtins.property
+    def revision_shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___RevisionShare]:
+        """Live traffic's split among revisions during a canary (issue 30): each session (or, with
+        none, each request) goes to one revision by these percents, sticky per session. Empty:
+        every non-draining endpoint serves, whatever its revision. An endpoint whose revision has
+        no share here takes only operator requests pinned to it (`x-inferplane-revision`).
+        """
+
     def __init__(
         self,
         *,
@@ -1828,14 +2327,41 @@ class ModelRoute(_message.Message):
         adapter: _builtins.str = ...,
         adapter_source: _builtins.str = ...,
         tokenizer: _builtins.str = ...,
+        revision_shares: _abc.Iterable[Global___RevisionShare] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "cold_start_budget_seconds", b"cold_start_budget_seconds", "created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "routing_policy", b"routing_policy", "scale_to_zero", b"scale_to_zero", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "cold_start_budget_seconds", b"cold_start_budget_seconds", "created", b"created", "deployment", b"deployment", "endpoints", b"endpoints", "max_model_len", b"max_model_len", "model", b"model", "owned_by", b"owned_by", "revision_shares", b"revision_shares", "routing_policy", b"routing_policy", "scale_to_zero", b"scale_to_zero", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelRoute: _TypeAlias = ModelRoute  # noqa: Y015
+
+@_typing.final
+class RevisionShare(_message.Message):
+    """One revision's share of a route's live traffic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    PERCENT_FIELD_NUMBER: _builtins.int
+    revision: _builtins.str
+    """The profile revision."""
+    percent: _builtins.int
+    """Percent of sessions, 0..100; the shares of a route sum to 100."""
+    def __init__(
+        self,
+        *,
+        revision: _builtins.str = ...,
+        percent: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["percent", b"percent", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevisionShare: _TypeAlias = RevisionShare  # noqa: Y015
 
 @_typing.final
 class RouteEndpoint(_message.Message):

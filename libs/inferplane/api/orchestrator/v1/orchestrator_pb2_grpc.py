@@ -95,6 +95,16 @@ class DeploymentServiceStub:
                 request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.SerializeToString,
                 response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.FromString,
                 _registered_method=True)
+        self.ListCompatibility = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/ListCompatibility',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityResponse.FromString,
+                _registered_method=True)
+        self.ListForcedChanges = channel.unary_unary(
+                '/inferplane.orchestrator.v1.DeploymentService/ListForcedChanges',
+                request_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesRequest.SerializeToString,
+                response_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesResponse.FromString,
+                _registered_method=True)
 
 
 class DeploymentServiceServicer:
@@ -187,6 +197,21 @@ class DeploymentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCompatibility(self, request, context):
+        """The compatibility matrix: one verdict per (weights digest, parser, chat template digest,
+        engine version), newest first (issue 30).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListForcedChanges(self, request, context):
+        """Creates and updates that overrode a failed verdict (`force`), newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeploymentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +274,16 @@ def add_DeploymentServiceServicer_to_server(servicer, server):
                     servicer.ListAutoscalerDecisions,
                     request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.FromString,
                     response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.SerializeToString,
+            ),
+            'ListCompatibility': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCompatibility,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityResponse.SerializeToString,
+            ),
+            'ListForcedChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListForcedChanges,
+                    request_deserializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesRequest.FromString,
+                    response_serializer=inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +611,60 @@ class DeploymentService:
             '/inferplane.orchestrator.v1.DeploymentService/ListAutoscalerDecisions',
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsRequest.SerializeToString,
             inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListAutoscalerDecisionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCompatibility(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/ListCompatibility',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListCompatibilityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListForcedChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.orchestrator.v1.DeploymentService/ListForcedChanges',
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesRequest.SerializeToString,
+            inferplane_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListForcedChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,6 +63,12 @@ class DeploymentServiceStub:
     """
     ListAutoscalerDecisions: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAutoscalerDecisionsRequest, _orchestrator_pb2.ListAutoscalerDecisionsResponse]
     """The autoscaler's recent decisions and the signals behind them."""
+    ListCompatibility: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListCompatibilityRequest, _orchestrator_pb2.ListCompatibilityResponse]
+    """The compatibility matrix: one verdict per (weights digest, parser, chat template digest,
+    engine version), newest first (issue 30).
+    """
+    ListForcedChanges: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListForcedChangesRequest, _orchestrator_pb2.ListForcedChangesResponse]
+    """Creates and updates that overrode a failed verdict (`force`), newest first."""
 
 @_typing.type_check_only
 class DeploymentServiceAsyncStub(DeploymentServiceStub):
@@ -97,6 +103,12 @@ class DeploymentServiceAsyncStub(DeploymentServiceStub):
     """
     ListAutoscalerDecisions: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListAutoscalerDecisionsRequest, _orchestrator_pb2.ListAutoscalerDecisionsResponse]  # type: ignore[assignment]
     """The autoscaler's recent decisions and the signals behind them."""
+    ListCompatibility: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListCompatibilityRequest, _orchestrator_pb2.ListCompatibilityResponse]  # type: ignore[assignment]
+    """The compatibility matrix: one verdict per (weights digest, parser, chat template digest,
+    engine version), newest first (issue 30).
+    """
+    ListForcedChanges: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListForcedChangesRequest, _orchestrator_pb2.ListForcedChangesResponse]  # type: ignore[assignment]
+    """Creates and updates that overrode a failed verdict (`force`), newest first."""
 
 class DeploymentServiceServicer(metaclass=_abc_1.ABCMeta):
     """The model catalogue."""
@@ -200,6 +212,24 @@ class DeploymentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.ListAutoscalerDecisionsResponse, _abc.Awaitable[_orchestrator_pb2.ListAutoscalerDecisionsResponse]]:
         """The autoscaler's recent decisions and the signals behind them."""
+
+    @_abc_1.abstractmethod
+    def ListCompatibility(
+        self,
+        request: _orchestrator_pb2.ListCompatibilityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ListCompatibilityResponse, _abc.Awaitable[_orchestrator_pb2.ListCompatibilityResponse]]:
+        """The compatibility matrix: one verdict per (weights digest, parser, chat template digest,
+        engine version), newest first (issue 30).
+        """
+
+    @_abc_1.abstractmethod
+    def ListForcedChanges(
+        self,
+        request: _orchestrator_pb2.ListForcedChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ListForcedChangesResponse, _abc.Awaitable[_orchestrator_pb2.ListForcedChangesResponse]]:
+        """Creates and updates that overrode a failed verdict (`force`), newest first."""
 
 def add_DeploymentServiceServicer_to_server(servicer: DeploymentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

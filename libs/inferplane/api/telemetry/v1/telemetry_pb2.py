@@ -26,7 +26,7 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/telemetry/v1/telemetry.proto\x12\x17inferplane.telemetry.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf3\x05\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x06source\x18\x02 \x01(\tB\x02\x18\x01\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ndeployment\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x0c\n\x04node\x18\x08 \x01(\t\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12queue_time_seconds\x18\n \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x0b \x01(\x01\x12(\n inter_token_latency_mean_seconds\x18\x0c \x01(\x01\x12\'\n\x1finter_token_latency_p99_seconds\x18\r \x01(\x01\x12\x1b\n\x13\x65\x32\x65_latency_seconds\x18\x0e \x01(\x01\x12\x15\n\rprompt_tokens\x18\x0f \x01(\r\x12\x15\n\rcached_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x11 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x12 \x01(\r\x12\x15\n\rfinish_reason\x18\x13 \x01(\t\x12\x12\n\ntool_calls\x18\x14 \x01(\r\x12\x18\n\x10tool_calls_valid\x18\x15 \x01(\r\x12!\n\x19tool_call_invalid_reasons\x18\x16 \x03(\t\x12\x16\n\x0emarkers_leaked\x18\x17 \x01(\r\x12\x12\n\nerror_code\x18\x18 \x01(\t\x12\x0e\n\x06stream\x18\x19 \x01(\x08\x12%\n\x1dinter_token_latencies_seconds\x18\x1a \x03(\x02\x12<\n\rrecord_source\x18\x1b \x01(\x0e\x32%.inferplane.telemetry.v1.RecordSource\x12\x0b\n\x03\x61pi\x18\x1c \x01(\t\"P\n\x15RecordRequestsRequest\x12\x37\n\x07records\x18\x01 \x03(\x0b\x32&.inferplane.telemetry.v1.RequestRecord\"*\n\x16RecordRequestsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"{\n\x13QueryLatencyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x1c\n\x0ewindow_seconds\x18\x04 \x01(\rB\x04\xe2\x41\x01\x02\x12\x13\n\x0bpercentiles\x18\x05 \x03(\x01\"\xd6\x02\n\x14QueryLatencyResponse\x12\x15\n\rrequest_count\x18\x01 \x01(\r\x12\x13\n\x0b\x65rror_count\x18\x02 \x01(\r\x12H\n\x1btime_to_first_token_seconds\x18\x03 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12H\n\x1binter_token_latency_seconds\x18\x04 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12@\n\x13\x65\x32\x65_latency_seconds\x18\x05 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12 \n\x18output_tokens_per_second\x18\x06 \x01(\x01\x12\x1a\n\x12tool_call_validity\x18\x07 \x01(\x01\"/\n\nPercentile\x12\x12\n\npercentile\x18\x01 \x01(\x01\x12\r\n\x05value\x18\x02 \x01(\x01\"-\n\x11ListAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\"D\n\x12ListAlertsResponse\x12.\n\x06\x61lerts\x18\x01 \x03(\x0b\x32\x1e.inferplane.telemetry.v1.Alert\"\xba\x01\n\x05\x41lert\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x01\x12\x11\n\tthreshold\x18\x05 \x01(\x01\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x0cRecordSource\x12\x1d\n\x19RECORD_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14RECORD_SOURCE_ROUTER\x10\x01\x12\x19\n\x15RECORD_SOURCE_REPLICA\x10\x02\x32\xdb\x02\n\x10TelemetryService\x12s\n\x0eRecordRequests\x12..inferplane.telemetry.v1.RecordRequestsRequest\x1a/.inferplane.telemetry.v1.RecordRequestsResponse(\x01\x12k\n\x0cQueryLatency\x12,.inferplane.telemetry.v1.QueryLatencyRequest\x1a-.inferplane.telemetry.v1.QueryLatencyResponse\x12\x65\n\nListAlerts\x12*.inferplane.telemetry.v1.ListAlertsRequest\x1a+.inferplane.telemetry.v1.ListAlertsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'inferplane/telemetry/v1/telemetry.proto\x12\x17inferplane.telemetry.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x96\x06\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x06source\x18\x02 \x01(\tB\x02\x18\x01\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ndeployment\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x0c\n\x04node\x18\x08 \x01(\t\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12queue_time_seconds\x18\n \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x0b \x01(\x01\x12(\n inter_token_latency_mean_seconds\x18\x0c \x01(\x01\x12\'\n\x1finter_token_latency_p99_seconds\x18\r \x01(\x01\x12\x1b\n\x13\x65\x32\x65_latency_seconds\x18\x0e \x01(\x01\x12\x15\n\rprompt_tokens\x18\x0f \x01(\r\x12\x15\n\rcached_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x11 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x12 \x01(\r\x12\x15\n\rfinish_reason\x18\x13 \x01(\t\x12\x12\n\ntool_calls\x18\x14 \x01(\r\x12\x18\n\x10tool_calls_valid\x18\x15 \x01(\r\x12!\n\x19tool_call_invalid_reasons\x18\x16 \x03(\t\x12\x16\n\x0emarkers_leaked\x18\x17 \x01(\r\x12\x12\n\nerror_code\x18\x18 \x01(\t\x12\x0e\n\x06stream\x18\x19 \x01(\x08\x12%\n\x1dinter_token_latencies_seconds\x18\x1a \x03(\x02\x12<\n\rrecord_source\x18\x1b \x01(\x0e\x32%.inferplane.telemetry.v1.RecordSource\x12\x0b\n\x03\x61pi\x18\x1c \x01(\t\x12\x10\n\x08revision\x18\x1d \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x1e \x01(\t\"P\n\x15RecordRequestsRequest\x12\x37\n\x07records\x18\x01 \x03(\x0b\x32&.inferplane.telemetry.v1.RequestRecord\"*\n\x16RecordRequestsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"\x8d\x01\n\x13QueryLatencyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x1c\n\x0ewindow_seconds\x18\x04 \x01(\rB\x04\xe2\x41\x01\x02\x12\x13\n\x0bpercentiles\x18\x05 \x03(\x01\x12\x10\n\x08revision\x18\x06 \x01(\t\"\xd6\x02\n\x14QueryLatencyResponse\x12\x15\n\rrequest_count\x18\x01 \x01(\r\x12\x13\n\x0b\x65rror_count\x18\x02 \x01(\r\x12H\n\x1btime_to_first_token_seconds\x18\x03 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12H\n\x1binter_token_latency_seconds\x18\x04 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12@\n\x13\x65\x32\x65_latency_seconds\x18\x05 \x03(\x0b\x32#.inferplane.telemetry.v1.Percentile\x12 \n\x18output_tokens_per_second\x18\x06 \x01(\x01\x12\x1a\n\x12tool_call_validity\x18\x07 \x01(\x01\"/\n\nPercentile\x12\x12\n\npercentile\x18\x01 \x01(\x01\x12\r\n\x05value\x18\x02 \x01(\x01\"-\n\x11ListAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\"D\n\x12ListAlertsResponse\x12.\n\x06\x61lerts\x18\x01 \x03(\x0b\x32\x1e.inferplane.telemetry.v1.Alert\"\xba\x01\n\x05\x41lert\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x01\x12\x11\n\tthreshold\x18\x05 \x01(\x01\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x0cRecordSource\x12\x1d\n\x19RECORD_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14RECORD_SOURCE_ROUTER\x10\x01\x12\x19\n\x15RECORD_SOURCE_REPLICA\x10\x02\x32\xdb\x02\n\x10TelemetryService\x12s\n\x0eRecordRequests\x12..inferplane.telemetry.v1.RecordRequestsRequest\x1a/.inferplane.telemetry.v1.RecordRequestsResponse(\x01\x12k\n\x0cQueryLatency\x12,.inferplane.telemetry.v1.QueryLatencyRequest\x1a-.inferplane.telemetry.v1.QueryLatencyResponse\x12\x65\n\nListAlerts\x12*.inferplane.telemetry.v1.ListAlertsRequest\x1a+.inferplane.telemetry.v1.ListAlertsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTRECORD'].fields_by_name['source']._serialized_options = b'\030\001'
   _globals['_QUERYLATENCYREQUEST'].fields_by_name['window_seconds']._loaded_options = None
   _globals['_QUERYLATENCYREQUEST'].fields_by_name['window_seconds']._serialized_options = b'\342A\001\002'
-  _globals['_RECORDSOURCE']._serialized_start=1843
-  _globals['_RECORDSOURCE']._serialized_end=1941
+  _globals['_RECORDSOURCE']._serialized_start=1897
+  _globals['_RECORDSOURCE']._serialized_end=1995
   _globals['_REQUESTRECORD']._serialized_start=135
-  _globals['_REQUESTRECORD']._serialized_end=890
-  _globals['_RECORDREQUESTSREQUEST']._serialized_start=892
-  _globals['_RECORDREQUESTSREQUEST']._serialized_end=972
-  _globals['_RECORDREQUESTSRESPONSE']._serialized_start=974
-  _globals['_RECORDREQUESTSRESPONSE']._serialized_end=1016
-  _globals['_QUERYLATENCYREQUEST']._serialized_start=1018
-  _globals['_QUERYLATENCYREQUEST']._serialized_end=1141
-  _globals['_QUERYLATENCYRESPONSE']._serialized_start=1144
-  _globals['_QUERYLATENCYRESPONSE']._serialized_end=1486
-  _globals['_PERCENTILE']._serialized_start=1488
-  _globals['_PERCENTILE']._serialized_end=1535
-  _globals['_LISTALERTSREQUEST']._serialized_start=1537
-  _globals['_LISTALERTSREQUEST']._serialized_end=1582
-  _globals['_LISTALERTSRESPONSE']._serialized_start=1584
-  _globals['_LISTALERTSRESPONSE']._serialized_end=1652
-  _globals['_ALERT']._serialized_start=1655
-  _globals['_ALERT']._serialized_end=1841
-  _globals['_TELEMETRYSERVICE']._serialized_start=1944
-  _globals['_TELEMETRYSERVICE']._serialized_end=2291
+  _globals['_REQUESTRECORD']._serialized_end=925
+  _globals['_RECORDREQUESTSREQUEST']._serialized_start=927
+  _globals['_RECORDREQUESTSREQUEST']._serialized_end=1007
+  _globals['_RECORDREQUESTSRESPONSE']._serialized_start=1009
+  _globals['_RECORDREQUESTSRESPONSE']._serialized_end=1051
+  _globals['_QUERYLATENCYREQUEST']._serialized_start=1054
+  _globals['_QUERYLATENCYREQUEST']._serialized_end=1195
+  _globals['_QUERYLATENCYRESPONSE']._serialized_start=1198
+  _globals['_QUERYLATENCYRESPONSE']._serialized_end=1540
+  _globals['_PERCENTILE']._serialized_start=1542
+  _globals['_PERCENTILE']._serialized_end=1589
+  _globals['_LISTALERTSREQUEST']._serialized_start=1591
+  _globals['_LISTALERTSREQUEST']._serialized_end=1636
+  _globals['_LISTALERTSRESPONSE']._serialized_start=1638
+  _globals['_LISTALERTSRESPONSE']._serialized_end=1706
+  _globals['_ALERT']._serialized_start=1709
+  _globals['_ALERT']._serialized_end=1895
+  _globals['_TELEMETRYSERVICE']._serialized_start=1998
+  _globals['_TELEMETRYSERVICE']._serialized_end=2345
 # @@protoc_insertion_point(module_scope)

@@ -93,6 +93,8 @@ class RequestRecord(_message.Message):
     INTER_TOKEN_LATENCIES_SECONDS_FIELD_NUMBER: _builtins.int
     RECORD_SOURCE_FIELD_NUMBER: _builtins.int
     API_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id (x-request-id)."""
     @_builtins.property
@@ -161,6 +163,12 @@ class RequestRecord(_message.Message):
     """Where the record comes from (wins over the deprecated `source` string when set)."""
     api: _builtins.str
     """The public API the request came through (`inferplane.wire.apis`); "" from older senders."""
+    revision: _builtins.str
+    """The profile revision of the replica that served it ("" when none did, or an older sender):
+    a canary's live figures are its revision's records (issue 30).
+    """
+    adapter: _builtins.str
+    """The LoRA adapter the request asked for ("" for the base model)."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the request arrived."""
@@ -204,10 +212,12 @@ class RequestRecord(_message.Message):
         inter_token_latencies_seconds: _abc.Iterable[_builtins.float] | None = ...,
         record_source: Global___RecordSource.ValueType = ...,
         api: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "e2e_latency_seconds", b"e2e_latency_seconds", "error_code", b"error_code", "finish_reason", b"finish_reason", "inter_token_latencies_seconds", b"inter_token_latencies_seconds", "inter_token_latency_mean_seconds", b"inter_token_latency_mean_seconds", "inter_token_latency_p99_seconds", b"inter_token_latency_p99_seconds", "key_id", b"key_id", "markers_leaked", b"markers_leaked", "model", b"model", "node", b"node", "prompt_tokens", b"prompt_tokens", "queue_time_seconds", b"queue_time_seconds", "reasoning_tokens", b"reasoning_tokens", "record_source", b"record_source", "replica", b"replica", "request_id", b"request_id", "source", b"source", "start_time", b"start_time", "stream", b"stream", "tenant", b"tenant", "time_to_first_token_seconds", b"time_to_first_token_seconds", "tool_call_invalid_reasons", b"tool_call_invalid_reasons", "tool_calls", b"tool_calls", "tool_calls_valid", b"tool_calls_valid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "e2e_latency_seconds", b"e2e_latency_seconds", "error_code", b"error_code", "finish_reason", b"finish_reason", "inter_token_latencies_seconds", b"inter_token_latencies_seconds", "inter_token_latency_mean_seconds", b"inter_token_latency_mean_seconds", "inter_token_latency_p99_seconds", b"inter_token_latency_p99_seconds", "key_id", b"key_id", "markers_leaked", b"markers_leaked", "model", b"model", "node", b"node", "prompt_tokens", b"prompt_tokens", "queue_time_seconds", b"queue_time_seconds", "reasoning_tokens", b"reasoning_tokens", "record_source", b"record_source", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "source", b"source", "start_time", b"start_time", "stream", b"stream", "tenant", b"tenant", "time_to_first_token_seconds", b"time_to_first_token_seconds", "tool_call_invalid_reasons", b"tool_call_invalid_reasons", "tool_calls", b"tool_calls", "tool_calls_valid", b"tool_calls_valid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -270,6 +280,7 @@ class QueryLatencyRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
     PERCENTILES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Only this model, when set."""
     deployment: _builtins.str
@@ -278,6 +289,8 @@ class QueryLatencyRequest(_message.Message):
     """Only this tenant, when set."""
     window_seconds: _builtins.int
     """Window in seconds ending now."""
+    revision: _builtins.str
+    """Only this profile revision, when set (a canary against its stable revision, issue 30)."""
     @_builtins.property
     def percentiles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Percentiles wanted, in (0, 100]."""
@@ -290,10 +303,11 @@ class QueryLatencyRequest(_message.Message):
         tenant: _builtins.str = ...,
         window_seconds: _builtins.int = ...,
         percentiles: _abc.Iterable[_builtins.float] | None = ...,
+        revision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "model", b"model", "percentiles", b"percentiles", "tenant", b"tenant", "window_seconds", b"window_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "model", b"model", "percentiles", b"percentiles", "revision", b"revision", "tenant", b"tenant", "window_seconds", b"window_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

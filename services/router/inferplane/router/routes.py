@@ -21,7 +21,9 @@ class Endpoint:
     `max_concurrency` caps the requests all routers send it at once (0: the router's
     `default_max_concurrency` setting); `share`, when the table is the orchestrator's view for
     this router (`RouteTable.lease_epoch`), is this router's part of that cap (the parts of all
-    routers sum to at most the cap; issue 20), None otherwise; `node` names its host, for logs.
+    routers sum to at most the cap; issue 20), None otherwise; `node` names its host, for logs;
+    `revision` is the profile revision its replica runs ("" when unknown: a static table, or
+    an older orchestrator), which the canary split and revision pinning choose by (issue 30).
     """
 
     address: str
@@ -31,6 +33,7 @@ class Endpoint:
     max_concurrency: int = 0
     node: str = ""
     share: int | None = None
+    revision: str = ""
 
     def cap(self, default: int) -> int:
         """The requests this router may have in flight to it at once: its share when the
@@ -58,6 +61,8 @@ class ModelRoute:
     alias; issue 29): the adapter's catalogue name and source folder, which the picker sends
     the replica (`inferplane.wire.headers.ADAPTER`, `ADAPTER_SOURCE`); `deployment` is the
     base deployment, whose replicas, queue and policy the adapter shares.
+    `revision_shares`: during a canary, each serving profile revision and its percent of the
+    sessions (summing to 100; `router.canary`); () = no split, every endpoint takes traffic.
     """
 
     model: str
@@ -72,6 +77,7 @@ class ModelRoute:
     cold_start_budget_seconds: float = 0.0
     adapter: str = ""
     adapter_source: str = ""
+    revision_shares: tuple[tuple[str, int], ...] = ()
 
     @property
     def deployment_key(self) -> str:
@@ -202,6 +208,7 @@ def load_routes_file(path: str | Path) -> RouteTable:
                 weight=float(e.get("weight", 1.0)),
                 max_concurrency=int(e.get("max_concurrency", 0)),
                 node=str(e.get("node", "")),
+                revision=str(e.get("revision", "")),
             )
             for e in entry.get("endpoints") or ()
         )
@@ -219,6 +226,9 @@ def load_routes_file(path: str | Path) -> RouteTable:
                 cold_start_budget_seconds=float(entry.get("cold_start_budget_seconds", 0)),
                 adapter=str(entry.get("adapter", "")),
                 adapter_source=str(entry.get("adapter_source", "")),
+                revision_shares=tuple(
+                    (str(r), int(p)) for r, p in (entry.get("revision_shares") or {}).items()
+                ),
             )
         )
     return RouteTable.of(routes)

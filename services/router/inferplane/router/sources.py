@@ -75,6 +75,7 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                         node=e.node,
                         # No cap (0: each router's default) is not shared.
                         share=e.max_concurrency_share if shared and e.max_concurrency else None,
+                        revision=e.revision,
                     )
                     for e in r.endpoints
                 ),
@@ -85,6 +86,7 @@ def table_from_proto(message: opb.WatchRoutingTableResponse) -> RouteTable:
                 cold_start_budget_seconds=float(r.cold_start_budget_seconds),
                 adapter=r.adapter,
                 adapter_source=r.adapter_source,
+                revision_shares=tuple((s.revision, s.percent) for s in r.revision_shares),
             )
             for r in message.routes
         ),

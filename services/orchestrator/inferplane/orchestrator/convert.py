@@ -190,6 +190,17 @@ def _write_sampling(pairs: tuple[tuple[str, float | int], ...]) -> dict[str, Any
     return {"sampling_defaults": sampling_to_proto(pairs)} if pairs else {}
 
 
+def _read_gates(p: pb.DeploymentProfile) -> tuple[tuple[str, float | int | bool], ...]:
+    # The fields set (proto3 presence: non-zero, or `conformance` set even to false).
+    if not p.HasField("release_gates"):
+        return ()
+    return tuple(sorted((f.name, v) for f, v in p.release_gates.ListFields()))
+
+
+def _write_gates(pairs: tuple[tuple[str, float | int | bool], ...]) -> dict[str, Any]:
+    return {"release_gates": pb.ReleaseGates(**dict(pairs))} if pairs else {}
+
+
 #: `DeploymentProfile` (domain) ⇄ `inferplane.orchestrator.v1.DeploymentProfile`, in proto
 #: field-number order.
 PROFILE_FIELDS: tuple[WireField, ...] = (
@@ -222,6 +233,7 @@ PROFILE_FIELDS: tuple[WireField, ...] = (
     WireField("ttft_slo_seconds"),
     WireField("max_loras"),
     WireField("max_lora_rank"),
+    WireField("release_gates", read=_read_gates, write=_write_gates),
 )
 #: Proto profile fields with no domain attribute, and why: a request that sets one is refused
 #: (INVALID_ARGUMENT, `param` `deployment.profile.<field>`), never silently dropped.

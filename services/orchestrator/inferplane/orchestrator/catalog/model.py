@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from inferplane import lora
+from inferplane import engine_features, lora
 from inferplane import replica_contract as contract
 from inferplane.routing_client import DEFAULT_COLD_START_BUDGET_SECONDS
 
@@ -28,9 +28,10 @@ CPU_ENGINE = "vllm-cpu"
 # server or its `--grpc` server as the replica's child. Plain strings here: profiles store and
 # hash the strings.
 DEFAULT_TRANSPORT: str = contract.DEFAULT_TRANSPORT.value
-DEFAULT_KV_CACHE_DTYPE = "auto"
+DEFAULT_KV_CACHE_DTYPE = engine_features.DEFAULT_KV_CACHE_DTYPE
 TRANSPORTS: tuple[str, ...] = tuple(t.value for t in contract.TRANSPORTS)
-SPECULATIVE_METHODS = ("", "ngram", "eagle", "mtp")
+#: "" (off) and the methods of `inferplane.engine_features` (issue 30: they reach the engine).
+SPECULATIVE_METHODS: tuple[str, ...] = ("", *engine_features.SPECULATIVE_METHODS)
 ROUTING_POLICIES = (
     "least_load",
     "power_of_two",
@@ -51,8 +52,9 @@ class Accelerator(enum.Enum):
 
 
 #: Profile fields that do not change how a replica runs: never hashed into `revision()`
-#: (changing them rolls nothing). `ttft_slo_seconds` is the autoscaler's target (issue 29).
-UNHASHED_FIELDS = ("ttft_slo_seconds",)
+#: (changing them rolls nothing). `ttft_slo_seconds` is the autoscaler's target (issue 29);
+#: `release_gates` what a new revision must pass (issue 30).
+UNHASHED_FIELDS = ("ttft_slo_seconds", "release_gates")
 #: Profile fields added after the first release, hashed into `revision()` only when set.
 ADDED_FIELDS = (
     "stream_interval",
@@ -61,6 +63,9 @@ ADDED_FIELDS = (
     "sampling_defaults",
     "max_loras",
     "max_lora_rank",
+    "num_speculative_tokens",
+    "speculative_prompt_lookup_max",
+    "speculative_prompt_lookup_min",
 )
 #: LoRA (issue 29), defined once in `inferplane.lora`: the most adapters a profile lets one
 #: replica hold at once (`max_loras`), vLLM's allowed `--max-lora-rank` values (an adapter's
@@ -108,6 +113,10 @@ class DeploymentProfile:
     `sampling_defaults` holds the (parameter, value) pairs the operator set (names from
     `SAMPLING_FIELDS`), sorted by name; a mapping or a list of pairs (a stored profile's JSON)
     is normalised to that. Empty: none (the model's generation_config and the engine decide).
+
+    `release_gates` holds the `inferplane.orchestrator.v1.ReleaseGates` fields the operator set
+    (name, value) in the same shape (the release pipeline reads them: release/gates.py); not
+    hashed into the revision (tightening a gate rolls nothing).
     """
 
     model_source: str = ""
@@ -128,6 +137,9 @@ class DeploymentProfile:
     tool_parser: str = ""
     speculative_method: str = ""
     speculative_model: str = ""
+    num_speculative_tokens: int = 0
+    speculative_prompt_lookup_max: int = 0
+    speculative_prompt_lookup_min: int = 0
     transport: str = DEFAULT_TRANSPORT
     stream_interval: int = 0
     constrain_tool_choice_auto: bool = False
@@ -137,13 +149,15 @@ class DeploymentProfile:
     max_loras: int = 0
     max_lora_rank: int = 0
     ttft_slo_seconds: float = 0.0
+    release_gates: tuple[tuple[str, float | int | bool], ...] = ()
 
     def __post_init__(self) -> None:
-        value: Any = self.sampling_defaults  # a mapping or pairs from a stored profile's JSON
-        items = value.items() if isinstance(value, Mapping) else value
-        pairs = tuple(sorted((str(k), v) for k, v in items))
-        if pairs != value:
-            object.__setattr__(self, "sampling_defaults", pairs)
+        for name in ("sampling_defaults", "release_gates"):
+            value: Any = getattr(self, name)  # a mapping or pairs from a stored profile's JSON
+            items = value.items() if isinstance(value, Mapping) else value
+            pairs = tuple(sorted((str(k), v) for k, v in items))
+            if pairs != value:
+                object.__setattr__(self, name, pairs)
 
     @property
     def embeds(self) -> bool:
@@ -170,6 +184,18 @@ class DeploymentProfile:
             tensor_parallel_size=self.tensor_parallel_size or 1,
             expected_context_tokens=self.expected_context_tokens or self.max_model_len,
             precision=self.precision.lower(),
+        )
+
+    @property
+    def speculation(self) -> engine_features.Speculation:
+        """Speculative decoding as set (0s: the method's defaults, resolved where the spec is
+        built); method "" is off."""
+        return engine_features.Speculation(
+            method=self.speculative_method,
+            model=self.speculative_model,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_max=self.speculative_prompt_lookup_max,
+            prompt_lookup_min=self.speculative_prompt_lookup_min,
         )
 
     @property
@@ -204,6 +230,15 @@ class DeploymentProfile:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: Canary defaults, for a setting left 0 (`RolloutStrategy`; orchestrator.proto's comments).
+DEFAULT_CANARY_WINDOW_SECONDS = 60
+DEFAULT_CANARY_MIN_REQUESTS = 20
+DEFAULT_MAX_CANARY_ERROR_RATE_INCREASE = 0.02  # absolute
+DEFAULT_MAX_CANARY_TTFT_P99_RATIO = 1.5
+DEFAULT_MAX_CANARY_TOOL_CALL_VALIDITY_DROP = 0.05  # absolute
+MAX_CANARY_PERCENT = 50
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RolloutStrategy:
     """How a profile change rolls out (mirrors the proto; used by rolling releases)."""
@@ -214,6 +249,33 @@ class RolloutStrategy:
     max_ttft_p99_seconds: float = 0.0
     gate_window_seconds: int = 0
     drain_grace_period_seconds: int = 30
+    # The canary stage (issue 30; 0 = the default below, `effective_*`; canary_percent 0 = none).
+    canary_percent: int = 0
+    canary_window_seconds: int = 0
+    canary_min_requests: int = 0
+    max_canary_error_rate_increase: float = 0.0
+    max_canary_ttft_p99_ratio: float = 0.0
+    max_canary_tool_call_validity_drop: float = 0.0
+
+    @property
+    def effective_canary_window_seconds(self) -> int:
+        return self.canary_window_seconds or DEFAULT_CANARY_WINDOW_SECONDS
+
+    @property
+    def effective_canary_min_requests(self) -> int:
+        return self.canary_min_requests or DEFAULT_CANARY_MIN_REQUESTS
+
+    @property
+    def effective_max_canary_error_rate_increase(self) -> float:
+        return self.max_canary_error_rate_increase or DEFAULT_MAX_CANARY_ERROR_RATE_INCREASE
+
+    @property
+    def effective_max_canary_ttft_p99_ratio(self) -> float:
+        return self.max_canary_ttft_p99_ratio or DEFAULT_MAX_CANARY_TTFT_P99_RATIO
+
+    @property
+    def effective_max_canary_tool_call_validity_drop(self) -> float:
+        return self.max_canary_tool_call_validity_drop or DEFAULT_MAX_CANARY_TOOL_CALL_VALIDITY_DROP
 
 
 #: Autoscaling defaults, for a setting left 0 (`Autoscaling`; the proto's comments).

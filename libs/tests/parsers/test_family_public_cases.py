@@ -3,12 +3,12 @@ gpt-oss's harmony) drawn from the public suites of vLLM and SGLang, plus derived
 replayed through ``replay`` (the parser's public contract, ``cli.replay_case``): the same schema
 and splits as the Kimi suite (``test_kimi_k2_public_cases.py``), one case file per parser.
 
-Each line of ``cases/<parser>_public.jsonl`` is a replay case (``name``, ``model_output``,
-``stream_deltas``, ``thinking``, optional ``tools``) plus ``source``, ``expected``
-(``reasoning``, ``content``, ``tool_calls``) and, where our contract differs from the public
-suite's expectation, a one-line ``note``. Every case is replayed whole, with its own
-``stream_deltas`` when given, and in chunks of 1, 2, 3, 5, 11 and 23 characters; every split
-must give exactly ``expected``.
+Each line of ``cases/<parser>_public.jsonl`` (package data of ``inferplane.conformance``) is a
+replay case (``name``, ``model_output``, ``stream_deltas``, ``thinking``, optional ``tools``)
+plus ``source``, ``expected`` (``reasoning``, ``content``, ``tool_calls``) and, where our
+contract differs from the public suite's expectation, a one-line ``note``. Every case is
+replayed whole, with its own ``stream_deltas`` when given, and in chunks of 1, 2, 3, 5, 11 and
+23 characters; every split must give exactly ``expected``.
 
 The parsers are discovered from the registry (``default_registry().names``): a registered
 parser without its ``cases/<name>_public.jsonl`` fails
@@ -25,10 +25,12 @@ from typing import Any
 
 import pytest
 
+import inferplane.conformance
 from inferplane.parsers import Parser, build_parser, default_registry
 from inferplane.parsers.cli import replay_case
 
-CASES_DIR = Path(__file__).parent / "cases"
+# The cases ship with the conformance library (package data), which replays them on replicas.
+CASES_DIR = Path(inferplane.conformance.__file__).parent / "cases"
 REGISTERED = default_registry().names
 # Parsers whose public cases have a suite of their own (more cases, other sources).
 OWN_SUITE = frozenset({"kimi_k2"})

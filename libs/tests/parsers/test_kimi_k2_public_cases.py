@@ -1,10 +1,11 @@
 """Kimi K2 / K2.5 cases drawn from the public suites of vLLM, SGLang and SMG, plus derived edge
 cases, replayed through ``replay`` (the parser's public contract, ``cli.replay_case``).
 
-Each line of ``cases/kimi_k2_public.jsonl`` is a replay case (``name``, ``model_output``,
-``stream_deltas``, ``thinking``, optional ``tools``: the request's OpenAI tools array) plus
-``source`` (where it comes from), ``expected`` (``reasoning``, ``content``, ``tool_calls``) and,
-where our contract differs from the public suite's expectation, a one-line ``note``.
+Each line of ``cases/kimi_k2_public.jsonl`` (package data of ``inferplane.conformance``) is a
+replay case (``name``, ``model_output``, ``stream_deltas``, ``thinking``, optional ``tools``: the
+request's OpenAI tools array) plus ``source`` (where it comes from), ``expected``
+(``reasoning``, ``content``, ``tool_calls``) and, where our contract differs from the public
+suite's expectation, a one-line ``note``.
 
 Every case is replayed whole, with its own ``stream_deltas`` when given, and in chunks of 1, 2,
 3, 5, 11 and 23 characters of the whole text; every split must give exactly ``expected``.
@@ -18,10 +19,12 @@ from typing import Any
 
 import pytest
 
+import inferplane.conformance
 from inferplane.parsers import Parser, build_parser
 from inferplane.parsers.cli import replay_case
 
-CASES_PATH = Path(__file__).parent / "cases" / "kimi_k2_public.jsonl"
+# The cases ship with the conformance library (package data), which replays them on replicas.
+CASES_PATH = Path(inferplane.conformance.__file__).parent / "cases" / "kimi_k2_public.jsonl"
 CHUNK_SIZES = (1, 2, 3, 5, 11, 23)
 COMPARED = ("reasoning", "content", "tool_calls")
 

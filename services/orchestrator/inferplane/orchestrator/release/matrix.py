@@ -2,14 +2,14 @@
 engine version, weights digest, chat template digest and parsers (`ReplicaArtifacts`), and the
 creates and updates that overrode a failed verdict (`force`).
 
-Tables (migration 0008), on the catalogue's engine, written through the leader's `fence`:
+Tables (migration 0007), on the catalogue's engine, written through the leader's `fence`:
 
 - `compatibility_verdicts`: one row per recorded verdict (history kept, a few rows per
   release). A combination's verdict is its newest row (highest id): `lookup` and `list` read
   only those.
 - `forced_changes`: one row per forced create or update (the audit trail).
 - `compatibility_grandfathered`: the (deployment, revision) pairs that existed when migration
-  0008 ran. When a ready replica of such a pair first reports artifacts for a combination that
+  0007 ran. When a ready replica of such a pair first reports artifacts for a combination that
   has no row, `grandfather` records it "unqualified" (the migration could not know digests).
 
 Verdicts: "qualified" (every gate passed), "failed" (a gate failed or could not run) and
@@ -65,7 +65,7 @@ class _Base(DeclarativeBase):
 
 
 class _VerdictRow(_Base):
-    """One recorded verdict of a combination (migration 0008)."""
+    """One recorded verdict of a combination (migration 0007)."""
 
     __tablename__ = "compatibility_verdicts"
 
@@ -84,7 +84,7 @@ class _VerdictRow(_Base):
 
 
 class _ForcedRow(_Base):
-    """One create or update that overrode a failed verdict (migration 0008)."""
+    """One create or update that overrode a failed verdict (migration 0007)."""
 
     __tablename__ = "forced_changes"
 
@@ -98,7 +98,7 @@ class _ForcedRow(_Base):
 
 
 class _GrandfatheredRow(_Base):
-    """A (deployment, revision) that existed when migration 0008 ran."""
+    """A (deployment, revision) that existed when migration 0007 ran."""
 
     __tablename__ = "compatibility_grandfathered"
 
@@ -323,7 +323,7 @@ class CompatibilityMatrix:
             return [_forced(r) for r in s.scalars(query)]
 
     def grandfathered(self) -> set[tuple[str, str]]:
-        """The (deployment, revision) pairs that existed when migration 0008 ran."""
+        """The (deployment, revision) pairs that existed when migration 0007 ran."""
         with self._sessions() as s:
             return {(r.deployment_id, r.revision) for r in s.scalars(select(_GrandfatheredRow))}
 
@@ -332,7 +332,7 @@ class CompatibilityMatrix:
     ) -> bool:
         """Records `artifacts` "unqualified" (measured on `deployment`/`revision`) when the
         combination has no verdict yet and the pair is grandfathered (existed when migration
-        0008 ran). Returns whether it recorded one.
+        0007 ran). Returns whether it recorded one.
 
         Raises:
             ValueError: an artifacts field longer than MAX_ARTIFACT_FIELD or with NUL.

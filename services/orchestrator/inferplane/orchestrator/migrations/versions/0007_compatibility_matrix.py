@@ -9,8 +9,8 @@ revision, actor, reason, the overridden verdict, time). `compatibility_grandfath
 are recorded "unqualified" when first reported (`release/matrix.py`), since digests are not
 known here.
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-29
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0008"
-down_revision: str | Sequence[str] | None = "0007"
+revision: str = "0007"
+down_revision: str | Sequence[str] | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

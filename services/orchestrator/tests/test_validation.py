@@ -192,7 +192,11 @@ def test_a_field_added_later_changes_no_existing_revision() -> None:
     del payload["sampling_defaults"]
     del payload["max_loras"]  # LoRA (issue 29): hashed when set
     del payload["max_lora_rank"]
+    del payload["num_speculative_tokens"]  # issue 30: hashed when set
+    del payload["speculative_prompt_lookup_max"]
+    del payload["speculative_prompt_lookup_min"]
     del payload["ttft_slo_seconds"]  # never hashed: the autoscaler's target (UNHASHED_FIELDS)
+    del payload["release_gates"]  # never hashed: what a release must pass (issue 30)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     assert PROFILE.revision() == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert dataclasses.replace(PROFILE, stream_interval=4).revision() != PROFILE.revision()

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 import re
 
+from inferplane import engine_features
 from inferplane import replica_contract as contract
 from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
+from inferplane.engine_features import FeatureError
 from inferplane.orchestrator.catalog.model import (
     CPU_ENGINE,
     DEFAULT_ENGINE,
@@ -360,18 +362,30 @@ def _validate_profile(deployment: Deployment) -> None:
             f"unknown transport {p.transport!r}; known: {', '.join(_listed(TRANSPORTS))}",
             "profile.transport",
         )
+    _validate_speculation(p)
+    _validate_engine_args(p)
+
+
+def _validate_speculation(p: DeploymentProfile) -> None:
+    """Speculative decoding (issue 30: it reaches the engine as `--speculative-config`), by
+    `inferplane.engine_features.Speculation.check`'s rules, naming the profile's field."""
     if p.speculative_method not in SPECULATIVE_METHODS:
         raise _fail(
             f"unknown speculative_method {p.speculative_method!r}; known: "
-            + ", ".join(m or '""' for m in SPECULATIVE_METHODS),
+            + ", ".join(m or '"" (off)' for m in SPECULATIVE_METHODS),
             "profile.speculative_method",
         )
-    if p.speculative_method == "eagle" and not p.speculative_model:
+    try:
+        p.speculation.check()
+    except FeatureError as exc:
+        field = engine_features.PROFILE_FIELDS[exc.field]
+        raise _fail(f"profile.{field}: {exc}", f"profile.{field}") from None
+    if p.speculative_method and (p.embeds or p.transcribes):
         raise _fail(
-            "speculative_method eagle needs profile.speculative_model (the draft head)",
-            "profile.speculative_model",
+            "speculative decoding serves chat and text generation (vLLM's decoder-only "
+            f"runner); task {p.task!r} takes none: leave profile.speculative_method empty",
+            "profile.speculative_method",
         )
-    _validate_engine_args(p)
 
 
 def _validate_lora(p: DeploymentProfile) -> None:
@@ -417,6 +431,16 @@ def _validate_engine_args(p: DeploymentProfile) -> None:
     try:
         args = check_engine_args(p.extra_engine_args)
     except EngineArgError as exc:
+        if exc.flag == "--speculative-config":  # typed fields since issue 30
+            raise _fail(
+                "engine argument --speculative-config is set by the profile's typed fields: "
+                + ", ".join(
+                    f"profile.{engine_features.PROFILE_FIELDS[name]}"
+                    for name in ("method", "model", "num_speculative_tokens")
+                )
+                + ", and for ngram profile.speculative_prompt_lookup_max/min",
+                "profile.extra_engine_args",
+            ) from None
         raise _fail(str(exc), "profile.extra_engine_args") from None
     for arg in args:
         if arg.name == "--kv-cache-dtype" and arg.value != KV_CACHE_DTYPES[p.kv_cache_dtype]:

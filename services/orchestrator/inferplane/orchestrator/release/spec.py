@@ -12,6 +12,7 @@ import hashlib
 import re
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.engine_features import speculation_to_proto
 from inferplane.orchestrator.catalog.model import Deployment, DeploymentProfile
 from inferplane.orchestrator.convert import sampling_to_proto, task_enum, transport_enum
 from inferplane.orchestrator.fleet.model import Node
@@ -60,6 +61,10 @@ def build_spec(
         lora_root: the orchestrator's adapter root, sent (with `max_loras` and
             `max_lora_rank`) when the profile serves LoRA adapters.
 
+    The KV cache dtype and speculative decoding (issue 30) are sent as typed fields, the
+    speculative defaults resolved (`inferplane.engine_features`); the engine gets
+    `--kv-cache-dtype` and `--speculative-config` from them.
+
     Task and transport are sent in both spellings, the deprecated strings (what node-agents
     older than the enums read) and `replica_task` / `replica_transport`.
     """
@@ -97,4 +102,6 @@ def build_spec(
         max_loras=profile.max_loras,
         max_lora_rank=profile.max_lora_rank if profile.max_loras else 0,
         lora_root=lora_root if profile.max_loras else "",
+        kv_cache_dtype=profile.kv_cache_dtype,
+        speculative=speculation_to_proto(profile.speculation),
     )

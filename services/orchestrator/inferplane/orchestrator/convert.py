@@ -39,7 +39,14 @@ from inferplane.orchestrator.catalog.model import (
     RolloutStrategy,
 )
 from inferplane.orchestrator.catalog.service import DeploymentView
-from inferplane.orchestrator.fleet.model import Gpu, GpuPartition, Node, ObservedReplica
+from inferplane.orchestrator.fleet.model import (
+    EngineInstall,
+    Gpu,
+    GpuPartition,
+    Node,
+    NodeCapabilities,
+    ObservedReplica,
+)
 from inferplane.orchestrator.placement.model import Placement, Unplaced
 from inferplane.runtime import InvalidArgumentError
 
@@ -233,6 +240,9 @@ PROFILE_FIELDS: tuple[WireField, ...] = (
     WireField("ttft_slo_seconds"),
     WireField("max_loras"),
     WireField("max_lora_rank"),
+    WireField("num_speculative_tokens"),
+    WireField("speculative_prompt_lookup_max"),
+    WireField("speculative_prompt_lookup_min"),
     WireField("release_gates", read=_read_gates, write=_write_gates),
 )
 #: Proto profile fields with no domain attribute, and why: a request that sets one is refused
@@ -386,6 +396,7 @@ def deployment_to_proto(view: DeploymentView) -> pb.Deployment:
             current_revision=s.current_revision,
             target_revision=s.target_revision,
             autoscaler=None if s.autoscaler is None else autoscaler_status_to_proto(s.autoscaler),
+            release=s.release,
         ),
         create_time=_ts(d.create_time),
         update_time=_ts(d.update_time),
@@ -444,6 +455,18 @@ def node_from_status(status: nodeagent_pb2.NodeStatus) -> Node:
         memory_bytes=status.memory_bytes,
         labels=tuple(sorted(status.labels.items())),
         agent_version=status.agent_version,
+        engines=tuple(
+            sorted(
+                (EngineInstall(e.engine, e.version, e.location, e.default) for e in status.engines),
+                key=lambda e: (e.engine, e.version, e.location),
+            )
+        ),
+        capabilities=NodeCapabilities(
+            cpu_features=tuple(sorted(set(status.capabilities.cpu_features))),
+            cpu_model=status.capabilities.cpu_model,
+            kv_cache_dtypes=tuple(sorted(set(status.capabilities.kv_cache_dtypes))),
+            speculative_methods=tuple(sorted(set(status.capabilities.speculative_methods))),
+        ),
     )
 
 
@@ -484,6 +507,20 @@ def node_to_proto(node: Node, replicas: list[nodeagent_pb2.Replica] | None = Non
         labels=dict(node.labels),
         replicas=replicas or [],
         agent_version=node.agent_version,
+        engines=[
+            nodeagent_pb2.EngineInstall(
+                engine=e.engine, version=e.version, location=e.location, default=e.default
+            )
+            for e in node.engines or ()
+        ],
+        capabilities=None
+        if node.capabilities is None
+        else nodeagent_pb2.NodeCapabilities(
+            cpu_features=list(node.capabilities.cpu_features),
+            cpu_model=node.capabilities.cpu_model,
+            kv_cache_dtypes=list(node.capabilities.kv_cache_dtypes),
+            speculative_methods=list(node.capabilities.speculative_methods),
+        ),
     )
     return pb.Node(
         name=node.resource_name,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.orchestrator.autoscale.model import AutoscalerStatus, ScaleDecision, Signals
 from inferplane.orchestrator.catalog.adapters import AdapterCatalogue
 from inferplane.orchestrator.catalog.model import (
@@ -64,7 +65,9 @@ _NESTED = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeploymentStatus:
-    """What is happening to a deployment (see the proto's phases)."""
+    """What is happening to a deployment (see the proto's phases). `release`: the release
+    pipeline's view (`inferplane.orchestrator.v1.ReleaseProgress`, issue 30; None: no release
+    ran), set by the reconciler's status."""
 
     phase: str
     message: str
@@ -72,6 +75,7 @@ class DeploymentStatus:
     current_revision: str
     target_revision: str = ""
     autoscaler: AutoscalerStatus | None = None
+    release: orchestrator_pb2.ReleaseProgress | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.catalog.model import DeploymentProfile
 from inferplane.orchestrator.fleet.model import MAX_NODE_ADDRESS, MAX_NODE_NAME
 from inferplane.orchestrator.migrations import MIGRATIONS
+from inferplane.orchestrator.release.progress import Progress
 from inferplane.orchestrator.store.lease import Fence
 from inferplane.storage import UtcDateTime, migrate
 
@@ -72,13 +73,15 @@ class ManagedReplica:
 class Release:
     """A deployment's release state: the revision serving (and its profile, for rollbacks), and
     the revision whose rollout failed (the reconciler holds at the serving one until the profile
-    changes again), with the reason."""
+    changes again), with the reason; `progress`: the release pipeline's state of the last
+    candidate revision (release/progress.py; None: no pipeline ran)."""
 
     deployment_id: str
     serving_revision: str = ""
     serving_profile: DeploymentProfile | None = None
     failed_revision: str = ""
     failure: str = ""
+    progress: Progress | None = None
 
 
 class ReleaseStore(Protocol):
@@ -166,6 +169,7 @@ class _ReleaseRow(_Base):
     serving_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     failed_revision: Mapped[str] = mapped_column(String(32))
     failure: Mapped[str] = mapped_column(Text)
+    pipeline: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 #: The tables this store maps: a target of the orchestrator database's migrations.
@@ -213,6 +217,7 @@ class SqlReleaseStore:
                     serving_profile=profile_from_json(r.serving_profile),
                     failed_revision=r.failed_revision,
                     failure=r.failure,
+                    progress=Progress.from_json(r.pipeline),
                 )
                 for r in s.scalars(select(_ReleaseRow))
             ]
@@ -253,12 +258,24 @@ class SqlReleaseStore:
                     # A message from an engine or node-agent may hold NULs; PostgreSQL text
                     # cannot (the whole row would be refused).
                     failure=release.failure.replace("\x00", "\ufffd"),
+                    pipeline=_pipeline_json(release.progress),
                 )
             )
 
     def delete_release(self, deployment_id: str) -> None:
         with self._write() as s:
             s.execute(delete(_ReleaseRow).where(_ReleaseRow.deployment_id == deployment_id))
+
+
+def _pipeline_json(progress: Progress | None) -> dict[str, Any] | None:
+    if progress is None:
+        return None
+    data = progress.to_json()
+    # Reasons and messages quote engines and node-agents: no NUL reaches PostgreSQL text.
+    data["message"] = data["message"].replace("\x00", "\ufffd")
+    for verdict in data["verdicts"]:
+        verdict["reason"] = verdict.get("reason", "").replace("\x00", "\ufffd")
+    return data
 
 
 @contextlib.contextmanager

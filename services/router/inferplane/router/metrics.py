@@ -32,6 +32,16 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
   the base model) and how they ended (`completed`, `failed`, `cancelled`). The adapter label is
   a catalogue name from the routing table, never the client's text: its values are bounded by
   the catalogue's adapters.
+- `inferplane_router_revision_requests_total{deployment,revision,status}` (counter) and
+  `inferplane_router_revision_ttft_seconds{deployment,revision}` (histogram, from the arrival
+  at the router, requests that produced output): requests routed to a deployment that ended,
+  by the profile revision of the replica that served them (issue 30; "" when none did or the
+  table names none) — a canary's live figures beside its stable revision's. A deployment
+  serves one revision, two during a rollout or canary: the label adds at most one series per
+  deployment and status;
+- `inferplane_router_canary_fallbacks_total{deployment,revision}` (counter): requests whose
+  canary revision (`revision`) had no usable endpoint, served by the split's other revision
+  instead of refused (`canary.py`).
 
 Gauges are read from `Admission` at scrape time (no work on the request path); the scrape
 runs on the metrics thread and only reads.
@@ -41,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -49,6 +59,8 @@ from inferplane.router.admission import Admission
 from inferplane.router.breaker import BreakerState
 
 BREAKER_STATES = tuple(s.value for s in BreakerState)
+# TTFT buckets (seconds): from a cached short prompt on a GPU to a long prefill on a CPU.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -72,6 +84,28 @@ class RouterMetrics:
             "Requests routed to a deployment that ended, by the LoRA adapter their route named "
             '("" for the base model) and how they ended.',
             ["deployment", "adapter", "status"],
+            registry=registry,
+        )
+        self.revision_requests = Counter(
+            "inferplane_router_revision_requests",
+            "Requests routed to a deployment that ended, by the profile revision of the "
+            'replica that served them ("" when none did) and how they ended.',
+            ["deployment", "revision", "status"],
+            registry=registry,
+        )
+        self.revision_ttft = Histogram(
+            "inferplane_router_revision_ttft_seconds",
+            "Time to first token from the arrival at the router, by the profile revision of "
+            "the replica that served the request (requests that produced output).",
+            ["deployment", "revision"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.canary_fallbacks = Counter(
+            "inferplane_router_canary_fallbacks",
+            "Requests whose canary revision had no usable endpoint, served by another "
+            "revision of the split instead of refused.",
+            ["deployment", "revision"],
             registry=registry,
         )
 

@@ -60,6 +60,7 @@ class RequestTrace:
     adapter: str = ""  # the route's LoRA adapter (catalogue name), "" for the base model
     replica: str = ""
     node: str = ""
+    revision: str = ""  # the profile revision of the endpoint that served it (issue 30)
     queue_seconds: float = 0.0
     first_token: float | None = None
     usage: Any = None  # inferplane.inference.v1.Usage, once the replica said
@@ -142,6 +143,7 @@ class RequestTrace:
             adapter=self.adapter,
             replica=self.replica,
             node=self.node,
+            revision=self.revision,
             start_time=self.start_wall,
             end_time=wall,
             queue_seconds=self.queue_seconds,
@@ -176,6 +178,9 @@ class ConcludedRequest:
         deployment / replica / node: what served it ("" when nothing was picked).
         adapter: the LoRA adapter its route named (a catalogue name from the routing table,
             never the client's text; "" for the base model).
+        revision: the profile revision of the endpoint that served it, from the routing
+            table (the primary's when no served endpoint was reported; "" when nothing was
+            picked or the table names none; issue 30).
         queue_seconds / ttft_seconds / duration_seconds: from the arrival at the router.
         prompt_tokens / completion_tokens / cached_tokens / reasoning_tokens: the replica's.
         gpu_seconds: attributed by the replica (`inferplane.wire.ResponseSummary`).
@@ -195,6 +200,7 @@ class ConcludedRequest:
     adapter: str = ""
     replica: str = ""
     node: str = ""
+    revision: str = ""
     start_time: float = 0.0
     end_time: float = 0.0
     queue_seconds: float = 0.0
@@ -267,6 +273,7 @@ class ConcludedRequest:
             status=self.status,
             api=self.api,
             adapter=self.adapter,
+            revision=self.revision,
         )
         if self.end_time > 0:
             msg.end_time.FromNanoseconds(int(self.end_time * 1e9))
@@ -300,4 +307,6 @@ class ConcludedRequest:
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
             reasoning_tokens=self.reasoning_tokens,
+            revision=self.revision,
+            adapter=self.adapter,
         )

@@ -207,6 +207,13 @@ class Concluder:
             if trace.deployment and self._metrics is not None:
                 status = records.LEDGER_STATUS.get(trace.status, records.FAILED)
                 self._metrics.adapter_requests.labels(trace.deployment, trace.adapter, status).inc()
+                self._metrics.revision_requests.labels(
+                    trace.deployment, trace.revision, status
+                ).inc()
+                if trace.first_token is not None:
+                    self._metrics.revision_ttft.labels(trace.deployment, trace.revision).observe(
+                        max(0.0, trace.first_token - trace.start)
+                    )
             conclusion.usage_position = position
             if trace.request_id:
                 self._remember(trace.request_id, position)
@@ -259,9 +266,15 @@ def _conclude(exchange: Exchange) -> None:
     """How the request ended, from what the response said (nothing = client gone)."""
     trace, response, conclusion = exchange.trace, exchange.response, exchange.conclusion
     address = served_address(exchange)
-    served = next((e for e in exchange.pick.endpoints if e.address == address), None)
+    endpoints = exchange.pick.endpoints
+    served = next((e for e in endpoints if e.address == address), None)
     if served is not None:
         trace.replica, trace.node = served.replica_id or served.address, served.node
+    # The revision whose figures it counts in (a canary's error rate): the served endpoint's,
+    # else the primary's, which the breakers' verdict also goes to.
+    revision_of = served if served is not None else (endpoints[0] if endpoints else None)
+    if revision_of is not None:
+        trace.revision = revision_of.revision
     trailers = conclusion.ended_in is Phase.RESPONSE_DONE
     if not trailers and conclusion.reported is not None:
         # The trailers never came (the client closed right after its last event): the

@@ -10,10 +10,11 @@ going away), so what a test of `decide` sees is what Envoy gets.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from inferplane.router.admission import Admission, Slot
+from inferplane.router.canary import CanaryChoice, CanarySplit, order_fallbacks
 from inferplane.router.features import FeatureExtractor, RequestFeatures
 from inferplane.router.picker.codec import Method, form_model
 from inferplane.router.replicas import ReplicaKey
@@ -71,15 +72,18 @@ class Routed:
         facts: the request.
         route: its model's route (deployment, endpoints, policy).
         features: what the routing policy reads of it.
-        exclude: replicas it may not go to (outside a gateway's subset).
+        exclude: replicas it may not go to (outside a gateway's subset; during a canary,
+            those of the revisions it was not split to: `router.canary`).
         fallbacks: how many endpoints to list after the primary (0 for a gateway).
+        canary: its revision during a canary (None: the route has no split).
     """
 
     facts: RequestFacts
     route: ModelRoute
     features: RequestFeatures
-    exclude: tuple[ReplicaKey, ...] = ()
+    exclude: Collection[ReplicaKey] = ()
     fallbacks: int = 0
+    canary: CanaryChoice | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,9 +116,11 @@ class Director:
         *,
         features: FeatureExtractor | None = None,
         fallbacks: int = 2,
+        canary: CanarySplit | None = None,
     ) -> None:
         self._table = table
         self._admission = admission
+        self._canary = canary or CanarySplit(admission.replicas)
         self._features = features or FeatureExtractor()
         self._schemas = SchemaCheck()
         self._fallbacks = fallbacks
@@ -171,9 +177,13 @@ class Director:
                 features = self._features.embedding(facts.request, metadata)
             else:
                 features = self._features.completion(facts.request, metadata, route.adapter)
+        # During a canary, the revision of the request's session (`router.canary`).
+        canary = self._canary.choose(route, features)
+        split: Collection[ReplicaKey] = () if canary is None else canary.exclude
         if outside is None:
-            return Routed(facts, route, features, fallbacks=self._fallbacks)
-        return Routed(facts, route, features, exclude=tuple(outside(route)))
+            return Routed(facts, route, features, split, self._fallbacks, canary)
+        subset = tuple(outside(route)) if canary is None else canary.exclude.union(outside(route))
+        return Routed(facts, route, features, subset, canary=canary)
 
     async def admit(self, routed: Routed) -> Decision:
         """A slot on the replica the policy chooses (queued while all are at their cap), then
@@ -202,9 +212,14 @@ class Director:
             routed.route, routed.features, exclude=routed.exclude, demand=demand
         )
         try:
-            fallbacks = self._admission.fallbacks(
-                routed.route, slot, routed.features, routed.fallbacks
-            )
+            canary, n = routed.canary, routed.fallbacks
+            if canary is None or n <= 0:
+                fallbacks = self._admission.fallbacks(routed.route, slot, routed.features, n)
+            else:  # never a dark revision's endpoint; the chosen revision's first
+                more = self._admission.fallbacks(
+                    routed.route, slot, routed.features, n + len(canary.dark)
+                )
+                fallbacks = order_fallbacks(more, canary, n)
         except BaseException:
             slot.release()
             raise

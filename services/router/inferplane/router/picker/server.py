@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from inferplane.apis import anthropic
 from inferplane.router.admission import Admission
+from inferplane.router.canary import CanarySplit
 from inferplane.router.features import FeatureExtractor
 from inferplane.router.keylimits import KeyLimiter
 from inferplane.router.keys import KeyTable, Principal
@@ -156,7 +157,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._key_limits = key_limits
         self._reporter = reporter
         self._clock = reporter.clock
-        self.director = Director(table, admission, features=features, fallbacks=settings.fallbacks)
+        canary = CanarySplit(  # the canary's split of live traffic (issue 30)
+            admission.replicas, fallbacks=metrics.canary_fallbacks if metrics else None
+        )
+        self.director = Director(
+            table, admission, features=features, fallbacks=settings.fallbacks, canary=canary
+        )
         self.concluder = Concluder(
             admission,
             reporter,

@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from sqlalchemy.orm import Session
 
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.release.agents import NodeAgents, ProbeResult
 from inferplane.orchestrator.routing import Grants, RoutingHub
@@ -389,7 +389,7 @@ class Leadership:
 class LeaderOnlyAgents:
     """`NodeAgents` that start, drain and stop replicas only while `leadership` leads (a leader
     that wakes up deposed calls nothing: NotLeaderError, which the reconciler treats as a failed
-    call); reads and warm-up probes pass through."""
+    call); reads, warm-up probes and conformance runs pass through."""
 
     def __init__(self, agents: NodeAgents, leadership: Leadership) -> None:
         self._agents = agents
@@ -426,6 +426,13 @@ class LeaderOnlyAgents:
         speech: bool = False,
     ) -> ProbeResult:
         return await self._agents.probe(address, replica_id, model, embed=embed, speech=speech)
+
+    async def conformance(
+        self, address: str, *, live_requests: int, timeout_seconds: float, seed: int
+    ) -> replica_pb2.ConformanceReport:
+        return await self._agents.conformance(
+            address, live_requests=live_requests, timeout_seconds=timeout_seconds, seed=seed
+        )
 
     async def close(self) -> None:
         await self._agents.close()

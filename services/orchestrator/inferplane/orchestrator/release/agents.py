@@ -3,7 +3,8 @@ adapter (one channel per node-agent address, reused).
 
 `probe` is the warm-up request: one short streamed chat completion through the node-agent's
 `InferenceService`, pinned to the replica with the `x-inferplane-replica` metadata, timed to
-its first chunk (TTFT).
+its first chunk (TTFT). `conformance` is the release's conformance gate (issue 30):
+`ReplicaProcessService.RunConformance` at the replica process's own address.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from google.api import httpbody_pb2
 from google.protobuf import struct_pb2
 
 from inferplane.api.inference.v1 import inference_pb2, inference_pb2_grpc
-from inferplane.api.nodeagent.v1 import nodeagent_pb2, nodeagent_pb2_grpc
+from inferplane.api.nodeagent.v1 import (
+    nodeagent_pb2,
+    nodeagent_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
 from inferplane.runtime.security.identity import NODE_AGENT, PeerSecurity
 
 PROBE_PROMPT = "Say OK."
@@ -92,6 +98,10 @@ class NodeAgents(Protocol):
         embed: bool = False,
         speech: bool = False,
     ) -> ProbeResult: ...
+
+    async def conformance(
+        self, address: str, *, live_requests: int, timeout_seconds: float, seed: int
+    ) -> replica_pb2.ConformanceReport: ...
 
     async def close(self) -> None: ...
 
@@ -258,6 +268,23 @@ class GrpcNodeAgents:
         if not answer:
             return ProbeResult(False, 0.0, "the transcription came back empty")
         return ProbeResult(True, time.monotonic() - started)
+
+    async def conformance(
+        self, address: str, *, live_requests: int, timeout_seconds: float, seed: int
+    ) -> replica_pb2.ConformanceReport:
+        """`RunConformance` on the replica process at `address` (`Replica.inference_address`):
+        `live_requests` live requests seeded by `seed`, the run bounded by `timeout_seconds`
+        (the call's deadline is that plus the control timeout: the replica reports what it
+        finished in time). Raises `grpc.aio.AioRpcError` (UNIMPLEMENTED from a replica that
+        predates the gate, FAILED_PRECONDITION when its engine is not ready)."""
+        stub = replica_pb2_grpc.ReplicaProcessServiceStub(self._channel(address))
+        response = await stub.RunConformance(
+            replica_pb2.RunConformanceRequest(
+                live_requests=live_requests, seed=seed, timeout_seconds=timeout_seconds
+            ),
+            timeout=timeout_seconds + self._timeout,
+        )
+        return response.report
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

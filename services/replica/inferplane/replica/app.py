@@ -36,6 +36,7 @@ from inferplane.replica.engines.lora import AdapterRegistry
 from inferplane.replica.hosts import EngineHost
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
+from inferplane.replica.server.conformance import ConformanceRunner
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.server.response_store import ResponseStoreClient
 from inferplane.replica.server.state_stream import (
@@ -74,6 +75,9 @@ from inferplane.runtime.tracing import Tracing, TracingSettings
 #: probe, operators, and the node-local Envoy of the gateway path (inferplane.edge
 #: NodeEnvoyConfig), which presents its node-agent's identity.
 INFERENCE_CALLERS: tuple[str, ...] = (EDGE, ORCHESTRATOR, ADMIN, NODE_AGENT)
+#: Who may run a replica's conformance checks (RunConformance, issue 30): the orchestrator's
+#: release gate and operators (`inferplane conformance`); never the edge (tenants' path).
+CONFORMANCE_CALLERS: tuple[str, ...] = (ORCHESTRATOR, ADMIN)
 
 log = structlog.get_logger("inferplane.replica")
 
@@ -186,6 +190,10 @@ class ReplicaProcess:
         # The platform's tracing (the node-agent's flags): each request's spans.
         self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
         self.inference.tracing = ReplicaTracing(self.tracing, clock)
+        # RunConformance (issue 30): replay and live requests through this process's own path.
+        self.conformance = ConformanceRunner(
+            self.state, self._assets, self.inference.CreateChatCompletion
+        )
         app = App(
             component="replica",
             registry=self.registry,
@@ -196,6 +204,8 @@ class ReplicaProcess:
                     f"/{REPLICA_SERVICE}/": [NODE_AGENT],
                     # The engine's state: the routers (issue 29), this method only.
                     f"/{REPLICA_SERVICE}/WatchReplicaState": [ROUTER],
+                    # The release's conformance gate (server/conformance.py).
+                    f"/{REPLICA_SERVICE}/RunConformance": list(CONFORMANCE_CALLERS),
                 }
             ),
             servicers=[
@@ -206,7 +216,12 @@ class ReplicaProcess:
                 ),
                 ServicerBinding(
                     REPLICA_SERVICE,
-                    ReplicaProcessServicer(self.state, self.start_drain, self.state_stream),
+                    ReplicaProcessServicer(
+                        self.state,
+                        self.start_drain,
+                        self.state_stream,
+                        conformance=self.conformance,
+                    ),
                     replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server,
                 ),
             ],

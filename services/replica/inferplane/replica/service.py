@@ -1,5 +1,6 @@
 """`inferplane.nodeagent.v1.ReplicaProcessService`: the node-agent reads the replica's load and
-drains it; routers watch its engine state (proto/inferplane/nodeagent/v1/replica.proto)."""
+drains it; routers watch its engine state; the release runs its conformance checks
+(proto/inferplane/nodeagent/v1/replica.proto)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
+from inferplane.replica.server.conformance import ConformanceRunner
 from inferplane.replica.server.state_stream import ReplicaStateStream
 from inferplane.replica.state import Phase, ReplicaState
 from inferplane.runtime import UnimplementedError
@@ -20,6 +22,8 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         drain: stops admission and turns health NOT_SERVING (idempotent).
         state_stream: the engine state's producer (`server/state_stream.py`; None:
             WatchReplicaState is UNIMPLEMENTED).
+        conformance: the conformance checks (`server/conformance.py`; None: RunConformance is
+            UNIMPLEMENTED).
     """
 
     def __init__(
@@ -27,10 +31,12 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         state: ReplicaState,
         drain: Callable[[], Awaitable[int]],
         state_stream: ReplicaStateStream | None = None,
+        conformance: ConformanceRunner | None = None,
     ) -> None:
         self._state = state
         self._drain = drain
         self._stream = state_stream
+        self._conformance = conformance
 
     async def GetReplicaLoad(
         self, request: replica_pb2.GetReplicaLoadRequest, context: Any
@@ -63,3 +69,17 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
             raise UnimplementedError("this replica process does not stream its engine state")
         async for update in self._stream.watch(request.router_id):
             yield update
+
+    async def RunConformance(
+        self, request: replica_pb2.RunConformanceRequest, context: Any
+    ) -> replica_pb2.RunConformanceResponse:
+        """The conformance checks on this replica (`ConformanceRunner.run`), bounded by the
+        request's `timeout_seconds`.
+
+        Raises:
+            UnimplementedError: this process has no conformance runner.
+            InvalidArgumentError, FailedPreconditionError: see `ConformanceRunner.run`.
+        """
+        if self._conformance is None:
+            raise UnimplementedError("this replica process does not run conformance checks")
+        return replica_pb2.RunConformanceResponse(report=await self._conformance.run(request))

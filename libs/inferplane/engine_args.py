@@ -18,8 +18,13 @@ Flags that a typed profile field or placement sets (`PROFILE_OWNED`) are refused
 to set instead: vLLM takes the last occurrence, so an extra `--gpu-memory-utilization` would
 override the share placement reserved on a GPU that other replicas use too.
 
-The list targets vLLM 0.32 (`vllm serve --help`, engine arguments only: the `inproc` transport
-parses them with `AsyncEngineArgs`). `--swap-space` is gone from vLLM 0.32's V1 engine.
+The list is per engine version (issue 30: `engine_version` selects the engine that runs):
+`ALLOWED_FLAGS_BY_VERSION`. vLLM 0.32's is defined (`vllm serve --help`, engine arguments
+only: the `inproc` transport parses them with `AsyncEngineArgs`; `--swap-space` is gone from
+its V1 engine); each other version's is derived from it by its stated differences
+(`VERSION_DIFFERENCES`, found by diffing `vllm/engine/arg_utils.py` of the two releases). An
+empty engine version means `DEFAULT_ENGINE_VERSION`, whose list `ALLOWED_FLAGS` is; a version
+is matched on its major.minor (vLLM's patch releases keep their flags).
 """
 
 from __future__ import annotations
@@ -95,8 +100,12 @@ KV_CACHE_DTYPES: Mapping[str, str] = MappingProxyType(
 
 _TOKENS = Integer(1, 1 << 24)
 
-#: The allow-list, by flag name (documented in services/orchestrator/README.md).
-ALLOWED_FLAGS: Mapping[str, AllowedFlag] = MappingProxyType(
+#: The engine version an empty `engine_version` (a profile's, a spec's) means: the default
+#: environment's vLLM (requirements.lock).
+DEFAULT_ENGINE_VERSION = "0.32.0"
+
+#: vLLM 0.32's allow-list, by flag name (documented in services/orchestrator/README.md).
+_V0_32: Mapping[str, AllowedFlag] = MappingProxyType(
     {
         flag.name: flag
         for flag in (
@@ -106,7 +115,6 @@ ALLOWED_FLAGS: Mapping[str, AllowedFlag] = MappingProxyType(
             AllowedFlag("--async-scheduling", Switch(), "overlap scheduling with execution"),
             AllowedFlag("--enable-expert-parallel", Switch(), "MoE experts across the TP ranks"),
             AllowedFlag("--disable-custom-all-reduce", Switch(), "NCCL's all-reduce only"),
-            AllowedFlag("--disable-cascade-attn", Switch(), "no cascade attention"),
             AllowedFlag("--max-num-batched-tokens", _TOKENS, "tokens per engine step"),
             AllowedFlag("--long-prefill-token-threshold", Integer(0, 1 << 24), "long-prompt cap"),
             AllowedFlag("--block-size", Integer(1, 1024), "tokens per KV cache block"),
@@ -132,6 +140,50 @@ ALLOWED_FLAGS: Mapping[str, AllowedFlag] = MappingProxyType(
         )
     }
 )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VersionDifferences:
+    """How one engine version's allow-list differs from `base`'s: flags it adds (or takes with
+    another rule) and flags it lacks, with the reason."""
+
+    base: str
+    added: tuple[AllowedFlag, ...] = ()
+    removed: tuple[str, ...] = ()
+    reason: str = ""
+
+
+#: The other versions, each as its differences from a defined one.
+VERSION_DIFFERENCES: Mapping[str, VersionDifferences] = MappingProxyType(
+    {
+        "0.31.0": VersionDifferences(
+            base="0.32.0",
+            # vLLM 0.31 still has cascade attention (ModelConfig.disable_cascade_attn, default
+            # True: `--no-disable-cascade-attn` turns it on); 0.32 removed it and keeps the
+            # flag as a deprecated no-op (gone in 0.33), so 0.32's list leaves it out.
+            added=(AllowedFlag("--disable-cascade-attn", Switch(), "no cascade attention"),),
+            reason="cascade attention exists in vLLM 0.31 only",
+        ),
+    }
+)
+
+
+def _derive(version: str) -> Mapping[str, AllowedFlag]:
+    if version == "0.32.0":
+        return _V0_32
+    diff = VERSION_DIFFERENCES[version]
+    flags = {name: flag for name, flag in _derive(diff.base).items() if name not in diff.removed}
+    flags.update((flag.name, flag) for flag in diff.added)
+    return MappingProxyType(dict(sorted(flags.items())))
+
+
+#: The allow-list of each engine version (issue 30), by version then flag name.
+ALLOWED_FLAGS_BY_VERSION: Mapping[str, Mapping[str, AllowedFlag]] = MappingProxyType(
+    {version: _derive(version) for version in ("0.31.0", "0.32.0")}
+)
+
+#: The allow-list of `DEFAULT_ENGINE_VERSION`, by flag name.
+ALLOWED_FLAGS: Mapping[str, AllowedFlag] = ALLOWED_FLAGS_BY_VERSION[DEFAULT_ENGINE_VERSION]
 
 #: Flags a typed profile field or placement sets, and what to set instead.
 PROFILE_OWNED: Mapping[str, str] = MappingProxyType(
@@ -180,17 +232,49 @@ class EngineArg:
     value: str | None = None
 
 
-def check_engine_args(args: Sequence[str]) -> tuple[EngineArg, ...]:
-    """Checks `args` (a profile's `extra_engine_args`) against `ALLOWED_FLAGS`.
-
-    Returns:
-        The arguments in order, one `EngineArg` per flag.
+def allowed_flags(engine_version: str = "") -> Mapping[str, AllowedFlag]:
+    """The allow-list of `engine_version` ("0.31.0"; "" means `DEFAULT_ENGINE_VERSION`),
+    matched on major.minor ("0.32.1" takes 0.32.0's list).
 
     Raises:
-        EngineArgError: the first argument at fault (not a flag, not allowed, owned by a
-            profile field, given twice, a value missing, unexpected or out of its rule),
-            naming it.
+        KeyError: a version without a list (its message names the known ones).
     """
+    version = engine_version or DEFAULT_ENGINE_VERSION
+    found = ALLOWED_FLAGS_BY_VERSION.get(version)
+    if found is not None:
+        return found
+    for known, flags in ALLOWED_FLAGS_BY_VERSION.items():
+        if _minor(known) == _minor(version):
+            return flags
+    raise KeyError(
+        f"engine_version {version!r} has no engine-argument allow-list; known: "
+        + ", ".join(ALLOWED_FLAGS_BY_VERSION)
+    )
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_engine_args(args: Sequence[str], engine_version: str = "") -> tuple[EngineArg, ...]:
+    """Checks `args` (a profile's `extra_engine_args`) against the allow-list of
+    `engine_version` (`allowed_flags`; "": `DEFAULT_ENGINE_VERSION`, `ALLOWED_FLAGS`).
+
+    Returns:
+        The arguments in order, one `EngineArg` per flag (() for no arguments, whatever the
+        version).
+
+    Raises:
+        EngineArgError: the first argument at fault (not a flag, not allowed for that engine
+            version, owned by a profile field, given twice, a value missing, unexpected or out
+            of its rule), naming it; or arguments for an engine version without a list.
+    """
+    if not args:
+        return ()
+    try:
+        allowed = allowed_flags(engine_version)
+    except KeyError as exc:
+        raise EngineArgError(str(exc.args[0]), _cut(args[0].partition("=")[0])) from None
     checked: list[EngineArg] = []
     seen: set[str] = set()
     items = iter(args)
@@ -201,11 +285,11 @@ def check_engine_args(args: Sequence[str]) -> tuple[EngineArg, ...]:
                 f"engine argument {_show(item)} is not a flag (expected --name or --name=value)",
                 _cut(flag),
             )
-        name, negated = _resolve(flag)
+        name, negated = _resolve(flag, allowed)
         if name in seen:
             raise EngineArgError(f"engine argument {flag} is given twice", flag)
         seen.add(name)
-        rule = ALLOWED_FLAGS[name].rule
+        rule = allowed[name].rule
         if isinstance(rule, Switch):
             if has_value:
                 raise EngineArgError(
@@ -227,13 +311,13 @@ def check_engine_args(args: Sequence[str]) -> tuple[EngineArg, ...]:
     return tuple(checked)
 
 
-def _resolve(flag: str) -> tuple[str, bool]:
+def _resolve(flag: str, allowed: Mapping[str, AllowedFlag]) -> tuple[str, bool]:
     """The allowed name `flag` spells and whether it is a switch's `--no-` form."""
-    allowed = ALLOWED_FLAGS.get(flag)
-    if allowed is not None:
-        return allowed.name, False
+    found = allowed.get(flag)
+    if found is not None:
+        return found.name, False
     if flag.startswith("--no-"):
-        positive = ALLOWED_FLAGS.get("--" + flag.removeprefix("--no-"))
+        positive = allowed.get("--" + flag.removeprefix("--no-"))
         if positive is not None and isinstance(positive.rule, Switch):
             return positive.name, True
     owner = PROFILE_OWNED.get(flag)
@@ -241,7 +325,7 @@ def _resolve(flag: str) -> tuple[str, bool]:
         raise EngineArgError(f"engine argument {flag} is set from {owner}; set that instead", flag)
     raise EngineArgError(
         f"engine argument {_show(flag)} is not allowed; allowed: "
-        + ", ".join(sorted(ALLOWED_FLAGS))
+        + ", ".join(sorted(allowed))
         + " (switches also as --no-<name>)",
         _cut(flag),
     )

@@ -7,11 +7,15 @@ import pytest
 
 from inferplane.engine_args import (
     ALLOWED_FLAGS,
+    ALLOWED_FLAGS_BY_VERSION,
+    DEFAULT_ENGINE_VERSION,
     PROFILE_OWNED,
+    VERSION_DIFFERENCES,
     EngineArg,
     EngineArgError,
     Integer,
     Switch,
+    allowed_flags,
     check_engine_args,
 )
 
@@ -114,17 +118,23 @@ def test_a_long_refused_item_is_cut_in_the_message() -> None:
 
 
 def test_every_listed_flag_is_one_vllm_takes() -> None:
-    """The list stays true to the engine: each allowed flag (and each switch's `--no-` form)
-    with a value its rule accepts parses with vLLM 0.32's engine-argument parser, the one the
-    `inproc` transport uses, and each flag a profile field owns exists there too."""
+    """The list stays true to the engine: each flag of the installed vLLM's list (and each
+    switch's `--no-` form) with a value its rule accepts parses with that vLLM's
+    engine-argument parser, the one the `inproc` transport uses, and each flag a profile field
+    owns exists there too. Run it with each engine's interpreter (engines/README.md)."""
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from inferplane.artifacts import engine_package_version
+
+    installed = engine_package_version()
+    assert installed is not None
+    _, version = installed
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="check"))
     known = {option for action in parser._actions for option in action.option_strings}
     assert set(PROFILE_OWNED) <= known
-    for flag in ALLOWED_FLAGS.values():
+    for flag in allowed_flags(version).values():
         rule = flag.rule
         if isinstance(rule, Switch):
             forms = [[flag.name], ["--no-" + flag.name.removeprefix("--")]]
@@ -133,8 +143,34 @@ def test_every_listed_flag_is_one_vllm_takes() -> None:
         else:
             forms = [[flag.name, value] for value in rule.values]
         for form in forms:
-            check_engine_args(form)
+            check_engine_args(form, version)
             parser.parse_args(["--model", "m", *form])
+
+
+def test_each_engine_version_has_its_list_derived_by_stated_differences() -> None:
+    """0.32.0's list is the default (ALLOWED_FLAGS, an empty version); 0.31.0's is 0.32.0's
+    plus `--disable-cascade-attn` (cascade attention exists in 0.31 only; a no-op in 0.32)."""
+    assert set(ALLOWED_FLAGS_BY_VERSION) == {"0.31.0", "0.32.0"}
+    assert allowed_flags("") is ALLOWED_FLAGS is allowed_flags(DEFAULT_ENGINE_VERSION)
+    v31, v32 = ALLOWED_FLAGS_BY_VERSION["0.31.0"], ALLOWED_FLAGS_BY_VERSION["0.32.0"]
+    assert set(v31) - set(v32) == {"--disable-cascade-attn"} and set(v32) <= set(v31)
+    assert VERSION_DIFFERENCES["0.31.0"].base == "0.32.0"
+    assert allowed_flags("0.32.4") is v32 and allowed_flags("0.31.1") is v31
+    assert check_engine_args(["--no-disable-cascade-attn"], "0.31.0") == (
+        EngineArg("--disable-cascade-attn", negated=True),
+    )
+    with pytest.raises(EngineArgError, match="'--disable-cascade-attn' is not allowed"):
+        check_engine_args(["--disable-cascade-attn"], "0.32.0")
+    with pytest.raises(EngineArgError, match="'--disable-cascade-attn' is not allowed"):
+        check_engine_args(["--disable-cascade-attn"])
+
+
+def test_an_engine_version_without_a_list_refuses_arguments_only() -> None:
+    assert check_engine_args((), "0.9.0") == ()
+    with pytest.raises(EngineArgError, match=r"engine_version .0\.9\.0. has no engine-argument"):
+        check_engine_args(["--seed", "1"], "0.9.0")
+    with pytest.raises(KeyError, match=r"known: 0\.31\.0, 0\.32\.0"):
+        allowed_flags("1.0.0")
 
 
 @pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras", "--max-lora-rank"])

@@ -429,7 +429,7 @@ def _validate_engine_args(p: DeploymentProfile) -> None:
     """`extra_engine_args` from the allow-list (`inferplane.engine_args`, issue 18), and a
     `--kv-cache-dtype` that is the type placement sized the KV cache for."""
     try:
-        args = check_engine_args(p.extra_engine_args)
+        args = check_engine_args(p.extra_engine_args, p.engine_version)
     except EngineArgError as exc:
         if exc.flag == "--speculative-config":  # typed fields since issue 30
             raise _fail(

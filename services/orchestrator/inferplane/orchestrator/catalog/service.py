@@ -16,6 +16,7 @@ import structlog
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.orchestrator.autoscale.model import AutoscalerStatus, ScaleDecision, Signals
 from inferplane.orchestrator.catalog.adapters import AdapterCatalogue
+from inferplane.orchestrator.catalog.compat_check import CompatibilityCheck, Forced, Override
 from inferplane.orchestrator.catalog.model import (
     Autoscaling,
     Deployment,
@@ -25,6 +26,7 @@ from inferplane.orchestrator.catalog.model import (
 from inferplane.orchestrator.catalog.sizing import estimate
 from inferplane.orchestrator.catalog.validation import validate_deployment
 from inferplane.orchestrator.fleet.model import NodeCondition
+from inferplane.orchestrator.placement.capabilities import capability_error
 from inferplane.orchestrator.placement.explain import explain_deployment
 from inferplane.orchestrator.placement.model import Placement, PlacementPlan, Unplaced
 from inferplane.orchestrator.placement.planner import static_fit_error
@@ -93,6 +95,7 @@ class Catalogue(AdapterCatalogue):
     (`catalog/adapters.py`)."""
 
     _status_provider: Callable[[Deployment, DeploymentStatus], DeploymentStatus] | None = None
+    _compat: CompatibilityCheck | None = None
 
     def set_status_provider(
         self, provider: Callable[[Deployment, DeploymentStatus], DeploymentStatus]
@@ -100,6 +103,11 @@ class Catalogue(AdapterCatalogue):
         """Lets the release logic (reconcile, rollouts) refine each deployment's status: it gets
         the deployment and the placement-only status and returns the status to show."""
         self._status_provider = provider
+
+    def set_compatibility_check(self, check: CompatibilityCheck) -> None:
+        """Enforces the compatibility matrix at create and at a revision-changing update
+        (`catalog/compat_check.py`); unset: not enforced."""
+        self._compat = check
 
     def resolve(self, name: str) -> Deployment:
         """The deployment for `deployments/{id-or-alias}` or a bare id/alias.
@@ -118,19 +126,29 @@ class Catalogue(AdapterCatalogue):
             )
         return deployment
 
-    def create(self, deployment: Deployment, *, validate_only: bool = False) -> DeploymentView:
+    def create(
+        self,
+        deployment: Deployment,
+        *,
+        validate_only: bool = False,
+        override: Override | None = None,
+    ) -> DeploymentView:
         """Creates a deployment and places its replicas (or, with `validate_only`, shows what
         would happen without writing anything).
 
         Raises:
-            InvalidArgumentError: a bad field (see `catalog.validation`).
+            InvalidArgumentError: a bad field (see `catalog.validation`), or a failed verdict
+                in the compatibility matrix not overridden (`catalog.compat_check`).
             AlreadyExistsError: the id or an alias is taken.
-            FailedPreconditionError: one replica cannot fit any node of the fleet, with numbers.
+            FailedPreconditionError: one replica cannot fit any node of the fleet, with numbers;
+                or no registered node has its engine, KV cache dtype or speculative method
+                (`param` names the field, `placement.capabilities.capability_error`).
         """
         self._guard()
         now = self._clock.now()
         candidate = dataclasses.replace(deployment.normalised(), create_time=now, update_time=now)
         validate_deployment(candidate)
+        forced = self._compat.admit(candidate, override) if self._compat else None
         with self._lock:
             self._check_names_free(candidate)
             self._check_free_of_adapters(candidate)
@@ -140,6 +158,8 @@ class Catalogue(AdapterCatalogue):
                 preview = self._plan_for(deployments, self._nodes)
                 return self._view(candidate, preview)
             self._commit(StateChange(create_deployments=(candidate,)), deployments, self._nodes)
+            if forced is not None and self._compat is not None:
+                self._compat.audit(forced)
             log.info(
                 "deployment_created",
                 deployment=candidate.deployment_id,
@@ -162,12 +182,15 @@ class Catalogue(AdapterCatalogue):
             page, token = paginate(ids, page_size, page_token)
             return Page(tuple(self._view(self._deployments[i], self._plan) for i in page), token)
 
-    def update(self, incoming: Deployment, paths: Sequence[str]) -> DeploymentView:
+    def update(
+        self, incoming: Deployment, paths: Sequence[str], *, override: Override | None = None
+    ) -> DeploymentView:
         """Sets the masked fields (`profile.precision`-style paths allowed; empty = all
         updatable fields). A profile change gives a new revision and re-places the replicas.
 
         Raises:
-            NotFoundError, InvalidArgumentError (unknown path or bad value), AlreadyExistsError
+            NotFoundError, InvalidArgumentError (unknown path, bad value, or a new revision
+            with a failed verdict not overridden: `catalog.compat_check`), AlreadyExistsError
             (alias taken), FailedPreconditionError (no longer fits the fleet).
         """
         self._guard()
@@ -186,10 +209,14 @@ class Catalogue(AdapterCatalogue):
             self._check_names_free(candidate, ignore=current.deployment_id)
             self._check_free_of_adapters(candidate)
             self._check_keeps_adapters(candidate)
+            forced: Forced | None = None
             if candidate.revision != current.revision:
                 self._check_fits(candidate)
+                forced = self._compat.admit(candidate, override) if self._compat else None
             deployments = {**self._deployments, candidate.deployment_id: candidate}
             self._commit(StateChange(put_deployments=(candidate,)), deployments, self._nodes)
+            if forced is not None and self._compat is not None:
+                self._compat.audit(forced)
             log.info(
                 "deployment_updated",
                 deployment=candidate.deployment_id,
@@ -316,7 +343,14 @@ class Catalogue(AdapterCatalogue):
                 )
 
     def _check_fits(self, candidate: Deployment) -> None:
-        error = static_fit_error(candidate.profile, list(self._nodes.values()), self._sizing)
+        nodes = list(self._nodes.values())
+        lack = capability_error(candidate.profile, nodes)  # issue 30: engine and features
+        if lack is not None:
+            field, message = lack
+            raise FailedPreconditionError(
+                message, reason="NO_NODE_CAN_RUN", param=f"deployment.profile.{field}"
+            )
+        error = static_fit_error(candidate.profile, nodes, self._sizing)
         if error is not None:
             raise FailedPreconditionError(
                 error, reason="DEPLOYMENT_DOES_NOT_FIT", param="deployment.profile"

@@ -67,10 +67,42 @@ class Gpu:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EngineInstall:
+    """One engine a node can run (`inferplane.nodeagent.v1.EngineInstall`): its kind
+    ("vllm-cpu", "vllm"), version ("0.32.0"), where it is, and whether a spec with an empty
+    `engine_version` runs it."""
+
+    engine: str
+    version: str = ""
+    location: str = ""
+    default: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeCapabilities:
+    """What a node can run beyond its inventory (`inferplane.nodeagent.v1.NodeCapabilities`):
+    CPU features and model, KV cache dtypes (profile names) and speculative methods; tuples
+    sorted so equal reports compare equal."""
+
+    cpu_features: tuple[str, ...] = ()
+    cpu_model: str = ""
+    kv_cache_dtypes: tuple[str, ...] = ()
+    speculative_methods: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Node:
     """A host run by a node-agent. `gpus` is empty on a CPU node; memory in bytes.
 
     `labels` are sorted (key, value) pairs so equal inventories compare equal.
+
+    `engines` and `capabilities` (issue 30) come with every registration and heartbeat and
+    are held in memory only: None means not reported since this orchestrator started (a node
+    read back from the store, until its next heartbeat); placement then keeps the node's
+    replicas where they are and places nothing there that needs an engine version or a
+    capability. A node-agent from before issue 30 reports an empty engine list and no
+    capabilities: it offers its kind's default engine, the "auto" KV cache and no speculation
+    (`placement.capabilities`).
     """
 
     name: str
@@ -84,6 +116,8 @@ class Node:
     unschedulable: bool = False
     last_heartbeat_time: datetime | None = None
     register_time: datetime | None = None
+    engines: tuple[EngineInstall, ...] | None = None
+    capabilities: NodeCapabilities | None = None
 
     @property
     def resource_name(self) -> str:
@@ -117,6 +151,8 @@ class Node:
             self.memory_bytes,
             self.labels,
             self.agent_version,
+            self.engines,
+            self.capabilities,
         )
 
 

@@ -5,6 +5,9 @@ deployment id, then ordinal) — first-/best-fit decreasing is the classic bin-p
 with a worst case of 11/9·OPT + 6/9 bins (Dósa 2007, "The Tight Bound of First Fit Decreasing
 Bin-Packing Algorithm Is FFD(I) ≤ 11/9·OPT(I) + 6/9").
 
+Candidates are the nodes of the replica's accelerator kind that have its engine and the
+capabilities it needs (`ReplicaRequest.eligible`, `placement.capabilities`).
+
 Spread caps, per deployment and node: 1 while replicas <= eligible nodes (strict spread), else
 ceil(skew × replicas / nodes) — the soft cap with `max_skew` (2: twice the even share), the hard
 cap with `max_skew_to_save_gpus` (3). While another node has room, losing one node thus loses
@@ -128,8 +131,15 @@ class BestFitSpreadPolicy:
         est = first.estimate
         devices, need, accelerator = est.devices, est.bytes_per_device, est.accelerator
         # A node is its position in `nodes` (rank order) in the heap keys and lists below.
+        eligible = first.eligible  # one deployment per batch: one list of capable nodes
         nodes = sorted(
-            (n for n in ledger.nodes if n.accelerator is accelerator and len(n.slots) >= devices),
+            (
+                n
+                for n in ledger.nodes
+                if n.accelerator is accelerator
+                and len(n.slots) >= devices
+                and (eligible is None or n.name in eligible)
+            ),
             key=attrgetter("rank"),
         )
         levels = [counts.get((deployment, n.name), 0) for n in nodes]

@@ -33,13 +33,17 @@ class Decision(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaRequest:
-    """One replica to place: `{deployment_id}-{ordinal}` with the memory it needs."""
+    """One replica to place: `{deployment_id}-{ordinal}` with the memory it needs.
+
+    `eligible` names the nodes that have the engine and capabilities it needs
+    (`placement.capabilities`); None: every node of its accelerator kind."""
 
     replica_id: str
     deployment_id: str
     ordinal: int
     revision: str
     estimate: MemoryEstimate
+    eligible: frozenset[str] | None = None
 
     @property
     def devices(self) -> int:

@@ -29,6 +29,11 @@ from inferplane.orchestrator.catalog.sizing import (
     human_bytes,
 )
 from inferplane.orchestrator.fleet.model import Node, NodeCondition
+from inferplane.orchestrator.placement.capabilities import (
+    Needs,
+    eligible_nodes,
+    summarize_lacks,
+)
 from inferplane.orchestrator.placement.model import (
     Decision,
     Ledger,
@@ -78,18 +83,28 @@ def plan(
     counts: dict[tuple[str, str], int] = {}
     kept: list[Placement] = []
     to_place: list[ReplicaRequest] = []
+    needs_of: dict[str, Needs] = {}
     for deployment in sorted(deployments, key=attrgetter("deployment_id")):
         est = estimate(deployment.profile, sizing)
+        needs = needs_of[deployment.deployment_id] = Needs.of(deployment.profile)
+        eligible = eligible_nodes(needs, nodes)
         on_node: dict[str, int] = {}  # this deployment's kept replicas per node
         for ordinal, replica_id in enumerate(deployment.replica_ids()):
             before = previous.get(replica_id)
             placement = (
-                None if before is None else _keep(before, deployment, est, ordinal, ledger, on_node)
+                None
+                if before is None or not _still_capable(before, needs, eligible, nodes)
+                else _keep(before, deployment, est, ordinal, ledger, on_node)
             )
             if placement is None:
                 to_place.append(
                     ReplicaRequest(
-                        replica_id, deployment.deployment_id, ordinal, deployment.revision, est
+                        replica_id,
+                        deployment.deployment_id,
+                        ordinal,
+                        deployment.revision,
+                        est,
+                        eligible,
                     )
                 )
             else:
@@ -102,7 +117,8 @@ def plan(
     unplaced: list[Unplaced] = []
     for request in result.unplaced:
         if request.deployment_id not in reasons:
-            reasons[request.deployment_id] = diagnose(request, nodes, ledger)
+            needs = needs_of[request.deployment_id]
+            reasons[request.deployment_id] = diagnose(request, nodes, ledger, needs)
         unplaced.append(
             Unplaced(request.replica_id, request.deployment_id, reasons[request.deployment_id])
         )
@@ -111,6 +127,17 @@ def plan(
         unplaced=tuple(sorted(unplaced, key=attrgetter("replica_id"))),
         policy=policy.name,
     )
+
+
+def _still_capable(
+    previous: Placement, needs: Needs, eligible: frozenset[str] | None, nodes: Sequence[Node]
+) -> bool:
+    """Whether the previous placement's node may keep the replica: it can run `needs`, or it
+    has not reported since the orchestrator started (its replica stays until it does)."""
+    if eligible is None or previous.node in eligible:
+        return True
+    node = next((n for n in nodes if n.name == previous.node), None)
+    return node is not None and node.engines is None
 
 
 def _keep(
@@ -160,8 +187,12 @@ def _keep(
     )
 
 
-def diagnose(request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger) -> str:
-    """Exactly why `request` cannot be placed now: node counts by cause, and the closest node."""
+def diagnose(
+    request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger, needs: Needs | None = None
+) -> str:
+    """Exactly why `request` cannot be placed now: node counts by cause (nodes that lack the
+    engine or a capability `needs` asks for first, naming what each lacks), and the closest
+    node."""
     est = request.estimate
     devices, need = est.devices, est.bytes_per_device
     gpu = est.accelerator is Accelerator.GPU
@@ -177,6 +208,13 @@ def diagnose(request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger) -> 
     )
     if not candidates:
         return f"{head}; no {kind} node is registered"
+    parts = []
+    if needs is not None and request.eligible is not None:
+        lacking = [n for n in candidates if n.name not in request.eligible]
+        count, shown = summarize_lacks(needs, lacking)
+        if count:
+            parts.append(f"{count} lack what it needs ({needs.describe()}): {shown}")
+        candidates = [n for n in candidates if n.name in request.eligible]
     not_ready = draining = too_few = too_small = full = 0
     closest: tuple[int, int, str] | None = None  # (-fitting devices, -kth free, node)
     for node in candidates:
@@ -200,7 +238,6 @@ def diagnose(request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger) -> 
         key = (-fitting, -frees[devices - 1], node.name)
         if closest is None or key < closest:
             closest = key
-    parts = []
     if not_ready:
         parts.append(f"{not_ready} NotReady")
     if draining:
@@ -224,7 +261,8 @@ def diagnose(request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger) -> 
         else:
             detail = f"closest: {name} has {human_bytes(kth_free)} free"
         parts.append(f"{full} lack free memory ({detail})")
-    return f"{head}; 0 of {len(candidates)} {kind} nodes can host it: " + ", ".join(parts)
+    total = sum(1 for n in nodes if n.accelerator is est.accelerator)
+    return f"{head}; 0 of {total} {kind} nodes can host it: " + ", ".join(parts)
 
 
 def static_fit_error(

@@ -140,3 +140,44 @@ def test_record_sink_delivers_to_the_real_service(harness: Harness) -> None:
     harness.loop.run(main())
     reply = harness.stub.QueryLatency(telemetry_pb2.QueryLatencyRequest(window_seconds=60))
     assert reply.request_count == 10
+
+
+def test_query_latency_by_revision_counts_only_that_revisions_records(harness: Harness) -> None:
+    """Issue 30: a canary's error rate, TTFT and tool-call validity against its stable
+    revision's, from the router's and the replicas' records of each revision."""
+    now = harness.clock.time()
+    sent = []
+    for revision, ttft, errors, valid in (("rev-canary", 0.9, 2, 1), ("rev-stable", 0.2, 0, 4)):
+        for i in range(4):
+            routed = record(
+                request_id=f"{revision}-{i}",
+                ttft=ttft,
+                error_code="server_error" if i < errors else "",
+                finished_at=now - 1,
+            )
+            routed.revision, routed.adapter = revision, "pirate"
+            parsed = record(
+                request_id=f"{revision}-{i}",
+                source="replica",
+                tool_calls=1,
+                tool_calls_valid=1 if i < valid else 0,
+                finished_at=now - 1,
+            )
+            parsed.revision = revision
+            sent += [routed, parsed]
+    assert harness.send(*sent) == 16
+
+    def query(revision: str) -> telemetry_pb2.QueryLatencyResponse:
+        return harness.stub.QueryLatency(
+            telemetry_pb2.QueryLatencyRequest(
+                window_seconds=60, deployment="kimi-tiny", revision=revision, percentiles=[99]
+            )
+        )
+
+    canary, stable, both = query("rev-canary"), query("rev-stable"), query("")
+    assert (canary.request_count, canary.error_count, canary.tool_call_validity) == (4, 2, 0.25)
+    assert (stable.request_count, stable.error_count, stable.tool_call_validity) == (4, 0, 1.0)
+    assert _pcts(stable.time_to_first_token_seconds) == {99: 0.2}
+    assert _pcts(canary.time_to_first_token_seconds) == {99: 0.9}  # the errors had TTFT too
+    assert (both.request_count, both.error_count) == (8, 2)
+    assert query("rev-none").request_count == 0

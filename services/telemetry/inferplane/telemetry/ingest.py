@@ -69,6 +69,8 @@ def sample_from_record(
         tool_calls_valid=record.tool_calls_valid,
         tool_call_invalid_reasons=tuple(record.tool_call_invalid_reasons),
         markers_leaked=record.markers_leaked,
+        revision=record.revision,
+        adapter=record.adapter,
     )
 
 

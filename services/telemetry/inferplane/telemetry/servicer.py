@@ -77,7 +77,8 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ig
     ) -> telemetry_pb2.QueryLatencyResponse:
         """Exact percentiles over the window's stored samples (see `summary.summarize`).
 
-        Percentiles default to 50, 90, 99. A latency with no samples has no entries.
+        Percentiles default to 50, 90, 99. A latency with no samples has no entries. With
+        `revision`, only that profile revision's records count (a canary, issue 30).
 
         Raises:
             InvalidArgumentError: window_seconds is 0 or above 7 days, or a percentile is
@@ -103,6 +104,7 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ig
             model=request.model,
             deployment=request.deployment,
             tenant=request.tenant,
+            revision=request.revision,
         )
         return telemetry_pb2.QueryLatencyResponse(
             request_count=summary.request_count,

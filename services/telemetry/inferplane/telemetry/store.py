@@ -23,7 +23,9 @@ class Sample:
     `time` is when the request finished (its start time + e2e latency, as the sender stamped
     it, never later than when the service received it), in seconds since the epoch. `itl` holds
     the inter-token gaps the sender kept (at most the store's `max_itl_gaps`, evenly thinned)
-    or, when it kept none, the request's mean gap as the single value.
+    or, when it kept none, the request's mean gap as the single value. `revision` is the
+    profile revision of the replica that served it and `adapter` its LoRA adapter ("" when the
+    sender named none; issue 30: a canary's figures are its revision's samples).
     """
 
     time: float
@@ -47,6 +49,8 @@ class Sample:
     tool_calls_valid: int = 0
     tool_call_invalid_reasons: tuple[str, ...] = ()
     markers_leaked: int = 0
+    revision: str = ""
+    adapter: str = ""
 
     @property
     def key(self) -> Key:
@@ -68,6 +72,7 @@ class Query:
     deployment: str = ""
     tenant: str = ""
     source: str = ""
+    revision: str = ""
 
 
 class SampleStore:
@@ -146,8 +151,10 @@ class SampleStore:
             if query.tenant and tenant != query.tenant:
                 continue
             for sample in bucket:
-                if query.since < sample.time <= query.until and (
-                    not query.source or sample.source == query.source
+                if (
+                    query.since < sample.time <= query.until
+                    and (not query.source or sample.source == query.source)
+                    and (not query.revision or sample.revision == query.revision)
                 ):
                     yield sample
 

@@ -63,8 +63,11 @@ def summarize(
     model: str = "",
     deployment: str = "",
     tenant: str = "",
+    revision: str = "",
 ) -> Summary:
-    """Summarizes samples that finished in (now - window, now] matching the filters.
+    """Summarizes samples that finished in (now - window, now] matching the filters
+    (`revision`: only the records of that profile revision, router's and replica's alike: a
+    canary against its stable revision, issue 30).
 
     Requests, errors, latency and tokens come from `sources.request`'s records; tool calls from
     `sources.tool_call`'s (see `Sources`).
@@ -73,7 +76,12 @@ def summarize(
         ValueError: a percentile outside (0, 100].
     """
     base = Query(
-        since=now - window_seconds, until=now, model=model, deployment=deployment, tenant=tenant
+        since=now - window_seconds,
+        until=now,
+        model=model,
+        deployment=deployment,
+        tenant=tenant,
+        revision=revision,
     )
     requests = [s for s in store.select(base) if sources.counts_request(s.source)]
     parses = (s for s in store.select(base) if sources.counts_tool_calls(s.source))

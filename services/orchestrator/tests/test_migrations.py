@@ -45,6 +45,7 @@ from inferplane.orchestrator.catalog.model import (
 from inferplane.orchestrator.fleet.model import Node, NodeCondition
 from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
+from inferplane.orchestrator.release import matrix as compatibility_matrix
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
 from inferplane.orchestrator.store import lease as lease_store
@@ -58,8 +59,13 @@ from inferplane.testing.databases import database_or_skip, version_rows
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 GB = 10**9
 UINT32_MAX = 2**32 - 1
-HEAD = "0006"
-METADATA = [state_store.METADATA, release_store.METADATA, lease_store.METADATA]
+HEAD = "0008"
+METADATA = [
+    state_store.METADATA,
+    release_store.METADATA,
+    lease_store.METADATA,
+    compatibility_matrix.METADATA,
+]
 
 
 def previous_schema(count: type[Integer]) -> MetaData:
@@ -345,6 +351,9 @@ def test_a_database_from_before_migrations_is_upgraded_in_place(
 
         assert store.load() == StateSnapshot((DEPLOYMENT,), (NODE,), (PLACEMENT,))
         assert releases.load() == ([REPLICA], [RELEASE])
+        # 0007: what existed is grandfathered (recorded "unqualified" once its replicas report).
+        matrix = compatibility_matrix.CompatibilityMatrix(store.engine)
+        assert matrix.grandfathered() == {(DEPLOYMENT.deployment_id, DEPLOYMENT.revision)}
 
         wide = dataclasses.replace(DEPLOYMENT, max_replicas=UINT32_MAX)
         big = dataclasses.replace(NODE, cpu_count=UINT32_MAX)

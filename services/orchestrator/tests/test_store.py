@@ -46,6 +46,7 @@ from inferplane.orchestrator.fleet.model import (
 )
 from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
+from inferplane.orchestrator.release import matrix as compatibility_matrix
 from inferplane.orchestrator.release import store as release_store
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
 from inferplane.orchestrator.store import lease as lease_store
@@ -74,8 +75,16 @@ ORCHESTRATOR_TABLES = {
     "router_grants",
     "autoscaler_decisions",
     "lora_adapters",
+    "compatibility_verdicts",
+    "forced_changes",
+    "compatibility_grandfathered",
 }
-_METADATAS = (state_store._Base.metadata, release_store._Base.metadata, lease_store.METADATA)
+_METADATAS = (
+    state_store._Base.metadata,
+    release_store._Base.metadata,
+    lease_store.METADATA,
+    compatibility_matrix.METADATA,
+)
 
 
 def drop_orchestrator_tables(url: str) -> None:

@@ -1,0 +1,289 @@
+"""Helpers of the release pipeline's scenario suite (`test_release_pipeline.py`): the
+orchestrator calls a release makes and waits on, the model-folder copies its candidates run
+(a broken chat template, the test fault switch's marker), and live traffic through the edge
+with the official `openai` client, counted by the revision that served each request."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import openai
+from google.protobuf import field_mask_pb2
+
+from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
+from inferplane.fixtures import kimi_tiny
+from inferplane.localstack import MODEL_NAME
+from inferplane.replica.server.faults import FAULT_MARKER
+from inferplane.wire.headers import SERVED_REVISION
+
+NAME = f"deployments/{MODEL_NAME}"
+#: ReleaseProgress.stage values a release ends in.
+PROMOTED, ROLLED_BACK = "Promoted", "RolledBack"
+ENDED = (PROMOTED, ROLLED_BACK)
+#: The fixture template's tool declarations; the broken template never renders them.
+TOOLS_BLOCK = "{%- if tools -%}"
+
+
+class Release:
+    """The orchestrator's DeploymentService, as an operator drives a release of kimi-tiny."""
+
+    def __init__(self, deployments: orchestrator_pb2_grpc.DeploymentServiceStub) -> None:
+        self.stub = deployments
+
+    def get(self) -> pb.Deployment:
+        return self.stub.GetDeployment(pb.GetDeploymentRequest(name=NAME), timeout=10).deployment
+
+    def update(
+        self,
+        profile: pb.DeploymentProfile,
+        rollout: pb.RolloutStrategy | None = None,
+        *,
+        force_reason: str = "",
+    ) -> str:
+        """Replaces the whole profile (and the rollout strategy, when given); returns the
+        candidate revision. `force_reason`: override a failed verdict (audited)."""
+        paths = ["profile"] + (["rollout"] if rollout is not None else [])
+        change = pb.Deployment(name=NAME, profile=profile, rollout=rollout)
+        response = self.stub.UpdateDeployment(
+            pb.UpdateDeploymentRequest(
+                deployment=change,
+                update_mask=field_mask_pb2.FieldMask(paths=paths),
+                force=bool(force_reason),
+                force_reason=force_reason,
+            ),
+            timeout=30,
+        )
+        revision = response.deployment.status.target_revision
+        assert revision, response.deployment.status
+        return revision
+
+    def wait(self, revision: str, stages: Iterable[str], timeout: float) -> pb.Deployment:
+        """Polls until the release of `revision` is in one of `stages` (or ended); returns the
+        deployment then.
+
+        Raises:
+            AssertionError: `timeout` seconds passed first (the last status in the message).
+        """
+        wanted = set(stages) | set(ENDED)
+        deadline = time.monotonic() + timeout
+        while True:
+            deployment = self.get()
+            release = deployment.status.release
+            if release.candidate_revision == revision and release.stage in wanted:
+                return deployment
+            assert time.monotonic() < deadline, (
+                f"release of {revision} not in {sorted(wanted)} after {timeout:.0f} s: "
+                f"{deployment.status}"
+            )
+            time.sleep(1.0)
+
+    def matrix(self, revision: str) -> list[pb.CompatibilityEntry]:
+        """The compatibility matrix's rows measured on kimi-tiny's `revision`."""
+        rows = self.stub.ListCompatibility(
+            pb.ListCompatibilityRequest(deployment=MODEL_NAME, page_size=1000), timeout=10
+        ).entries
+        return [row for row in rows if row.revision == revision]
+
+    def forced(self) -> list[pb.ForcedChange]:
+        return list(
+            self.stub.ListForcedChanges(
+                pb.ListForcedChangesRequest(deployment=MODEL_NAME), timeout=10
+            ).changes
+        )
+
+
+def verdicts(deployment: pb.Deployment) -> dict[str, pb.GateVerdict]:
+    """The release's gate verdicts by gate name (the last of each)."""
+    return {v.gate: v for v in deployment.status.release.verdicts}
+
+
+def describe(deployment: pb.Deployment) -> str:
+    """A one-line view of a release for assertion messages."""
+    release = deployment.status.release
+    gates = ", ".join(
+        f"{v.gate}={v.result} ({v.seconds:.1f} s: {v.reason})" for v in release.verdicts
+    )
+    return (
+        f"phase {deployment.status.phase}, stage {release.stage}, candidate "
+        f"{release.candidate_revision}, current {deployment.status.current_revision}: {gates}; "
+        f"{release.message}"
+    )
+
+
+# -- candidates' model folders ------------------------------------------------------------------
+
+
+def model_copy(folder: Path, replace: Mapping[str, str]) -> Path:
+    """A copy of kimi-tiny in `folder`: every file linked, those in `replace` (name → text)
+    written instead. A new folder is a new `model_source`, hence a new profile revision."""
+    folder.mkdir(parents=True)
+    source = kimi_tiny.model_path()
+    for item in source.iterdir():
+        if item.name not in replace:
+            (folder / item.name).symlink_to(item.resolve())
+    for name, text in replace.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def broken_template_model(folder: Path) -> Path:
+    """kimi-tiny with a chat template that drops the tool declarations (the model is never
+    told which tools it has), in `chat_template.jinja` and `tokenizer_config.json` alike."""
+    source = kimi_tiny.model_path()
+    template = (source / "chat_template.jinja").read_text()
+    assert template.count(TOOLS_BLOCK) == 1, "the fixture's template changed: update TOOLS_BLOCK"
+    broken = template.replace(TOOLS_BLOCK, "{%- if false and tools -%}")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    if "chat_template" in config:
+        config["chat_template"] = str(config["chat_template"]).replace(
+            TOOLS_BLOCK, "{%- if false and tools -%}"
+        )
+    return model_copy(
+        folder,
+        {"chat_template.jinja": broken, "tokenizer_config.json": json.dumps(config, indent=2)},
+    )
+
+
+def faulty_model(folder: Path, error_rate: float) -> Path:
+    """kimi-tiny with the test fault switch's marker: its replicas (in a stack whose engines
+    run with `INFERPLANE_TEST_FAULTS=1`) fail `error_rate` of their live requests."""
+    return model_copy(folder, {FAULT_MARKER: json.dumps({"error_rate": error_rate})})
+
+
+# -- traffic ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Served:
+    """What a batch of requests got: successes by served revision, failures as text."""
+
+    by_revision: Counter[str] = dataclasses.field(default_factory=Counter)
+    failed: list[str] = dataclasses.field(default_factory=list)
+    error_codes: Counter[str] = dataclasses.field(default_factory=Counter)
+
+    @property
+    def ok(self) -> int:
+        return sum(self.by_revision.values())
+
+
+def chat(client: openai.OpenAI, session: str, turn: int) -> str:
+    """One short chat completion in `session` (sent as `user`: the canary split's sticky key);
+    returns the revision that served it (`x-inferplane-revision-served`, else the response's
+    `system_fingerprint`, which the replica sets to its revision).
+
+    Raises:
+        openai.APIError: the request failed.
+    """
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": f"Turn {turn} of {session}: what is 2+2?"}],
+        max_tokens=2,
+        user=session,
+    )
+    revision = raw.headers.get(SERVED_REVISION) or raw.parse().system_fingerprint or ""
+    assert revision, "the response names no revision"
+    return revision
+
+
+def _record(
+    served: Served, lock: threading.Lock, client: openai.OpenAI, session: str, turn: int
+) -> None:
+    """One `chat`, counted in `served` (a failure with its HTTP status and error code)."""
+    try:
+        revision = chat(client, session, turn)
+    except openai.APIStatusError as exc:
+        code = ""
+        if isinstance(exc.body, dict):
+            code = str(exc.body.get("code") or exc.body.get("error", {}).get("code") or "")
+        with lock:
+            served.failed.append(f"HTTP {exc.status_code} {code}: {exc.message[:200]}")
+            served.error_codes[code] += 1
+        return
+    except openai.APIError as exc:
+        with lock:
+            served.failed.append(f"{type(exc).__name__}: {exc}")
+        return
+    with lock:
+        served.by_revision[revision] += 1
+
+
+def sessions_batch(client: openai.OpenAI, sessions: int, turns: int, workers: int) -> Served:
+    """`sessions` × `turns` requests (session s, turn t sent after every session's turn t-1 was
+    queued), `workers` at a time; waits for all."""
+    served, lock = Served(), threading.Lock()
+    with futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        jobs = [
+            pool.submit(_record, served, lock, client, f"batch-{s}", t)
+            for t in range(turns)
+            for s in range(sessions)
+        ]
+        futures.wait(jobs)
+    return served
+
+
+class Traffic:
+    """Live traffic in the background: `rate` chat completions per second over `sessions`
+    sessions (round robin), at most `max_in_flight` at once, until `stop()`."""
+
+    def __init__(
+        self,
+        client: openai.OpenAI,
+        *,
+        rate: float,
+        sessions: int,
+        prefix: str = "live",
+        max_in_flight: int = 8,
+    ) -> None:
+        self.served = Served()
+        self._client, self._rate, self._sessions, self._prefix = client, rate, sessions, prefix
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_in_flight)
+        self._slots = threading.Semaphore(max_in_flight)
+        self._pending: list[futures.Future[None]] = []
+        self._thread = threading.Thread(target=self._drive, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def _drive(self) -> None:
+        n, next_at = 0, time.monotonic()
+        while not self._stop.is_set():
+            if self._slots.acquire(timeout=1):
+                session = f"{self._prefix}-{n % self._sessions}"
+                self._pending.append(self._pool.submit(self._one, session, n // self._sessions))
+                n += 1
+            next_at += 1.0 / self._rate
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def _one(self, session: str, turn: int) -> None:
+        try:
+            _record(self.served, self._lock, self._client, session, turn)
+        finally:
+            self._slots.release()
+
+    def stop(self) -> Served:
+        """Stops sending, waits for the requests in flight; returns what was served."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(10)
+            futures.wait(self._pending, timeout=180)
+            self._pool.shutdown(wait=True)
+        return self.served
+
+
+def orchestrator_stub(channel: grpc.Channel) -> Release:
+    return Release(orchestrator_pb2_grpc.DeploymentServiceStub(channel))

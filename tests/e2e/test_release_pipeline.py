@@ -261,9 +261,8 @@ def test_a_canary_whose_error_rate_is_forced_up_is_rolled_back(
     with rel.Traffic(client, rate=4.0, sessions=60) as live:
         candidate = release.update(profile, FAULT_ROLLOUT)
         stable[candidate] = profile
-        done = release.wait(
-            candidate, rel.ENDED, GATES_TIMEOUT_S + FAULT_ROLLOUT.canary_window_seconds
-        )
+        window = FAULT_ROLLOUT.canary_window_seconds * 4  # extended up to three times
+        done = release.wait(candidate, rel.ENDED, GATES_TIMEOUT_S + window)
         time.sleep(3)
         after_rollback = rel.sessions_batch(client, 20, 1, 4)
     _report("forced-errors canary", done)

@@ -84,3 +84,19 @@ def test_sender_converts_and_hands_over() -> None:
     )
     on_outcome(_outcome())
     assert sent[0].deployment == "dep-r0"
+
+
+def test_records_carry_the_replicas_revision() -> None:
+    """Issue 30: the replica's records (tool-call validity) are attributable to the profile
+    revision it runs, so a canary's validity is compared with its stable revision's."""
+    sent = []
+    on_outcome = record_sender(
+        sent.append,
+        node="n",
+        deployment_of=lambda r: "dep",
+        wall_clock=lambda: 5.0,
+        revision="rev-7",
+    )
+    on_outcome(_outcome())
+    assert sent[0].revision == "rev-7"
+    assert _outcome().to_record(node="n", deployment="dep", now=5.0).revision == ""

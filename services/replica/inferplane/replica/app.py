@@ -245,6 +245,7 @@ class ReplicaProcess:
             node=self.settings.flags.node_name or socket.gethostname(),
             deployment_of=lambda _replica_id: deployment,
             wall_clock=time.time,
+            revision=self.settings.spec.revision,
         )
 
     async def _serving(self, serving: bool) -> None:

@@ -124,9 +124,13 @@ class RequestOutcome:
         """Calls whose verdict is valid (K2-Vendor-Verifier's schema accuracy numerator)."""
         return sum(1 for v in self.tool_call_verdicts if v.valid)
 
-    def to_record(self, *, node: str, deployment: str, now: float) -> telemetry_pb2.RequestRecord:
+    def to_record(
+        self, *, node: str, deployment: str, now: float, revision: str = ""
+    ) -> telemetry_pb2.RequestRecord:
         """Telemetry's `RequestRecord` of this request, which ended at wall-clock `now`
-        (seconds since the epoch), on `node`, for `deployment` ("": the model).
+        (seconds since the epoch), on `node`, for `deployment` ("": the model), served by the
+        profile `revision` the replica runs (its spec's: a canary's tool-call validity is its
+        revision's records, issue 30).
 
         The replica is the source of tool-call validity and leaked-marker facts (it parsed the
         output); latencies are measured from the request's arrival at the replica; the
@@ -159,6 +163,7 @@ class RequestOutcome:
             stream=self.stream,
             inter_token_latencies_seconds=thin(self.itl_seconds),
             api=self.api,
+            revision=revision,
         )
         if self.itl_seconds:
             record.inter_token_latency_mean_seconds = statistics.fmean(self.itl_seconds)
@@ -180,14 +185,19 @@ def record_sender(
     node: str,
     deployment_of: Callable[[str], str],
     wall_clock: Callable[[], float],
+    revision: str = "",
 ) -> OutcomeSink:
     """An OutcomeSink that turns each outcome into its record (`deployment_of(replica_id)`,
-    ended at `wall_clock()`) and hands it to `send` (a `RecordSink.record`)."""
+    the replica's profile `revision`, ended at `wall_clock()`) and hands it to `send` (a
+    `RecordSink.record`)."""
 
     def on_outcome(outcome: RequestOutcome) -> None:
         send(
             outcome.to_record(
-                node=node, deployment=deployment_of(outcome.replica_id), now=wall_clock()
+                node=node,
+                deployment=deployment_of(outcome.replica_id),
+                now=wall_clock(),
+                revision=revision,
             )
         )
 

@@ -28,6 +28,7 @@ OWN_STACK_MODULES = frozenset(
         "test_tracing.py",
         "test_autoscale.py",
         "test_lora.py",
+        "test_release_pipeline.py",
     }
 )
 

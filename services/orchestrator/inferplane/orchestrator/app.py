@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from inferplane.api.orchestrator.v1 import orchestrator_pb2_grpc
 from inferplane.edge import EdgeConfig
 from inferplane.orchestrator.autoscale.loop import Autoscaler, AutoscalerMetrics, AutoscaleSettings
+from inferplane.orchestrator.catalog.compat_check import CompatibilityCheck
 from inferplane.orchestrator.catalog.sizing import SizingPolicy
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.fleet.model import Liveness
@@ -35,6 +36,7 @@ from inferplane.orchestrator.placement.registry import (
 )
 from inferplane.orchestrator.release.agents import GrpcNodeAgents, NodeAgents
 from inferplane.orchestrator.release.gate import Gate, ProbeGate, TelemetryLatency
+from inferplane.orchestrator.release.matrix import CompatibilityMatrix
 from inferplane.orchestrator.release.observe import ReconcileSettings
 from inferplane.orchestrator.release.reconciler import Reconciler
 from inferplane.orchestrator.release.store import (
@@ -75,6 +77,8 @@ class OrchestratorComponents:
     control: ControlPlane
     agents: NodeAgents
     releases: ReleaseStore
+    # The compatibility matrix and its enforcement (issue 30): `compat.matrix`.
+    compat: CompatibilityCheck
     reconciler: Reconciler
     hub: RoutingHub
     xds_cache: SnapshotCache
@@ -207,12 +211,12 @@ class OrchestratorComponents:
             servicers=[
                 ServicerBinding(
                     "inferplane.orchestrator.v1.DeploymentService",
-                    DeploymentService(self.control),
+                    DeploymentService(self.control, self.compat),
                     orchestrator_pb2_grpc.add_DeploymentServiceServicer_to_server,
                 ),
                 ServicerBinding(
                     "inferplane.orchestrator.v1.NodeService",
-                    NodeService(self.control),
+                    NodeService(self.control, self.compat),
                     orchestrator_pb2_grpc.add_NodeServiceServicer_to_server,
                 ),
                 ServicerBinding(
@@ -305,6 +309,12 @@ def build_components(
         if isinstance(store, SqlStateStore)
         else MemoryReleaseStore()
     )
+    compat = CompatibilityCheck(
+        CompatibilityMatrix(store.engine, fence=leadership, clock=clock)
+        if isinstance(store, SqlStateStore)
+        else CompatibilityMatrix.in_memory(clock=clock)
+    )
+    control.set_compatibility_check(compat)
     # Router share leases run on real time, like the leader lease (see `lease_clock`).
     grants = GrantsJournal(
         SqlRouterGrants(lease_store.database, fence=leadership), lease, clock=clock
@@ -375,6 +385,7 @@ def build_components(
         control=control,
         agents=agents,
         releases=releases,
+        compat=compat,
         reconciler=reconciler,
         hub=hub,
         xds_cache=cache,

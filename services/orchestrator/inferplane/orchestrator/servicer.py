@@ -13,6 +13,7 @@ from typing import Any
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from inferplane.orchestrator.catalog.compat_check import CompatibilityCheck, Override
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.convert import (
     adapter_from_proto,
@@ -29,9 +30,10 @@ from inferplane.orchestrator.convert import (
 )
 from inferplane.orchestrator.fleet.model import ObservedReplica
 from inferplane.orchestrator.placement.model import Placement
+from inferplane.orchestrator.release.matrix import CompatibilityMatrix
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import RoutingHub
-from inferplane.runtime import InvalidArgumentError, PermissionDeniedError
+from inferplane.runtime import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
 from inferplane.runtime.security.identity import ROUTER, peer_identity
 
 pb = orchestrator_pb2
@@ -57,17 +59,22 @@ def _adapter_id(name: str) -> str:
 class DeploymentService(
     orchestrator_pb2_grpc.DeploymentServiceServicer  # type: ignore[misc]
 ):
-    """inferplane.orchestrator.v1.DeploymentService."""
+    """inferplane.orchestrator.v1.DeploymentService; `compat`: the compatibility matrix and
+    its check (None: ListCompatibility and ListForcedChanges answer FAILED_PRECONDITION)."""
 
-    def __init__(self, control: ControlPlane) -> None:
+    def __init__(self, control: ControlPlane, compat: CompatibilityCheck | None = None) -> None:
         self._control = control
+        self._compat = compat
 
     async def CreateDeployment(
         self, request: pb.CreateDeploymentRequest, context: Context
     ) -> pb.CreateDeploymentResponse:
         deployment = deployment_from_proto(request.deployment, request.deployment_id)
         view = await asyncio.to_thread(
-            self._control.create, deployment, validate_only=request.validate_only
+            self._control.create,
+            deployment,
+            validate_only=request.validate_only,
+            override=_override(request, context),
         )
         return pb.CreateDeploymentResponse(deployment=deployment_to_proto(view))
 
@@ -94,7 +101,10 @@ class DeploymentService(
         deployment_id = _deployment_id(request.deployment.name, "deployment.name")
         incoming = deployment_from_proto(request.deployment, deployment_id)
         view = await asyncio.to_thread(
-            self._control.update, incoming, domain_paths(list(request.update_mask.paths))
+            self._control.update,
+            incoming,
+            domain_paths(list(request.update_mask.paths)),
+            override=_override(request, context),
         )
         return pb.UpdateDeploymentResponse(deployment=deployment_to_proto(view))
 
@@ -173,6 +183,62 @@ class DeploymentService(
         left = await asyncio.to_thread(self._control.delete_adapter, _adapter_id(request.name))
         return pb.DeleteAdapterResponse(adapter=adapter_to_proto(left) if left else None)
 
+    async def ListCompatibility(
+        self, request: pb.ListCompatibilityRequest, context: Context
+    ) -> pb.ListCompatibilityResponse:
+        """Each combination's current verdict, newest first (`CompatibilityMatrix.list`).
+
+        Raises:
+            InvalidArgumentError: unknown `verdict`, or a bad `page_token`.
+            FailedPreconditionError: no matrix configured.
+        """
+        matrix = self._matrix()
+        entries, token = await asyncio.to_thread(
+            matrix.list,
+            deployment=request.deployment.removeprefix("deployments/"),
+            engine_version=request.engine_version,
+            model_digest=request.model_digest,
+            verdict=request.verdict,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListCompatibilityResponse(entries=entries, next_page_token=token)
+
+    async def ListForcedChanges(
+        self, request: pb.ListForcedChangesRequest, context: Context
+    ) -> pb.ListForcedChangesResponse:
+        """Creates and updates that overrode a failed verdict, newest first.
+
+        Raises:
+            FailedPreconditionError: no matrix configured.
+        """
+        matrix = self._matrix()
+        changes = await asyncio.to_thread(
+            matrix.list_forced,
+            deployment=request.deployment.removeprefix("deployments/"),
+            page_size=request.page_size,
+        )
+        return pb.ListForcedChangesResponse(changes=changes)
+
+    def _matrix(self) -> CompatibilityMatrix:
+        if self._compat is None:
+            raise FailedPreconditionError(
+                "this orchestrator keeps no compatibility matrix", reason="NO_COMPATIBILITY_MATRIX"
+            )
+        return self._compat.matrix
+
+
+def _override(
+    request: pb.CreateDeploymentRequest | pb.UpdateDeploymentRequest, context: Context
+) -> Override:
+    """The request's force and force_reason, and its caller: the peer's certificate identity
+    (`admin` for operators' CLIs), or "anonymous" on a plaintext server."""
+    return Override(
+        force=request.force,
+        reason=request.force_reason,
+        actor=peer_identity(context) or "anonymous",
+    )
+
 
 def _reported(
     observed: Mapping[str, Mapping[str, ObservedReplica]], placement: Placement
@@ -189,10 +255,16 @@ def _reported(
 class NodeService(
     orchestrator_pb2_grpc.NodeServiceServicer  # type: ignore[misc]
 ):
-    """inferplane.orchestrator.v1.NodeService."""
+    """inferplane.orchestrator.v1.NodeService; `compat` learns the replicas' artifacts from
+    every registration and heartbeat (`CompatibilityCheck.observe`)."""
 
-    def __init__(self, control: ControlPlane) -> None:
+    def __init__(self, control: ControlPlane, compat: CompatibilityCheck | None = None) -> None:
         self._control = control
+        self._compat = compat
+
+    async def _observe(self, status: nodeagent_pb2.NodeStatus) -> None:
+        if self._compat is not None:
+            await asyncio.to_thread(self._compat.observe, status.replicas)
 
     def _node_proto(self, name: str) -> pb.Node:
         node = self._control.node(name)
@@ -209,6 +281,7 @@ class NodeService(
         node = await asyncio.to_thread(
             self._control.register_node, node_from_status(status), observed_from_status(status)
         )
+        await self._observe(status)
         return pb.RegisterNodeResponse(
             node=self._node_proto(node.name),
             heartbeat_interval_seconds=max(1, round(self._control.heartbeat_interval_seconds)),
@@ -227,6 +300,7 @@ class NodeService(
                 node_from_status(beat.status),
                 observed_from_status(beat.status),
             )
+            await self._observe(beat.status)
             yield pb.StreamHeartbeatsResponse(condition=node.condition.value)
 
     async def GetNode(self, request: pb.GetNodeRequest, context: Context) -> pb.GetNodeResponse:

@@ -82,6 +82,9 @@ usage_ledger = Table(
     # The LoRA adapter that served it (catalogue name; issue 29); "" for the base model and
     # for rows from before migration 0005.
     Column("adapter", String(128), nullable=False),
+    # The profile revision of the replica that served it (issue 30: usage per revision during
+    # a canary); "" when none did, the sender is older, or for rows from before migration 0006.
+    Column("revision", String(128), nullable=False),
     Index("ix_usage_ledger_end_time", "end_time", "request_id"),
     Index("ix_usage_ledger_key_id_end_time", "key_id", "end_time"),
     Index("ix_usage_ledger_tenant_end_time", "tenant", "end_time"),
@@ -97,7 +100,7 @@ usage_monthly = Table(
 )
 
 STATUSES = ("completed", "failed", "cancelled")
-GROUPINGS = ("", "hour", "day", "model", "key", "tenant", "api", "adapter")
+GROUPINGS = ("", "hour", "day", "model", "key", "tenant", "api", "adapter", "revision")
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 
@@ -135,6 +138,7 @@ class LedgerRow:
     start_time: datetime | None = None
     api: str = ""
     adapter: str = ""
+    revision: str = ""
 
     @property
     def tokens(self) -> int:
@@ -404,7 +408,7 @@ class SqlUsageLedger:
 
     def _group_key(self, group_by: str) -> Any:
         c = usage_ledger.c
-        if group_by in ("model", "tenant", "api", "adapter"):
+        if group_by in ("model", "tenant", "api", "adapter", "revision"):
             return c[group_by]
         if group_by == "key":
             return c.key_id

@@ -94,6 +94,7 @@ def ledger_row(usage: usage_pb2.RequestUsage, tenant: str, now: datetime) -> Led
         start_time=usage.start_time.ToDatetime(UTC) if usage.HasField("start_time") else None,
         api=usage.api,
         adapter=usage.adapter,
+        revision=usage.revision,
     )
 
 
@@ -213,6 +214,7 @@ def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
         gpu_seconds=row.gpu_seconds,
         api=row.api,
         adapter=row.adapter,
+        revision=row.revision,
     )
     msg.end_time.FromDatetime(row.end_time)
     if row.start_time is not None:

@@ -35,7 +35,7 @@ _DURATION = re.compile(r"^(\d+)([mhd])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
 ROW_COLUMNS = (
     "end_time", "request_id", "key_id", "tenant", "api", "model", "adapter", "deployment",
-    "replica", "status",
+    "revision", "replica", "status",
     "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "ttft_seconds",
     "duration_seconds", "gpu_seconds",
 )  # fmt: skip
@@ -82,8 +82,8 @@ def usage(
     group_by: Annotated[
         str,
         typer.Option(
-            help='Totals per "hour", "day", "model", "key", "tenant", "api" or "adapter"; '
-            "empty: rows."
+            help='Totals per "hour", "day", "model", "key", "tenant", "api", "adapter" or '
+            '"revision"; empty: rows.'
         ),
     ] = "",
     since: Annotated[str, typer.Option(help="Ended at or after: ISO 8601 or 24h, 7d.")] = "",

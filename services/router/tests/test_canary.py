@@ -22,7 +22,7 @@ from inferplane.router.picker.director import Director, RequestFacts
 from inferplane.router.routes import Endpoint, ModelRoute, RouteTable
 from inferplane.wire import headers
 
-from .fakes import admission
+from .fakes import admission, set_load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,5 +211,52 @@ def test_the_director_picks_within_the_sessions_revision_and_never_lists_a_dark_
             decision.slot.release()
             again.slot.release()
         assert seen == {"canary", "stable"}
+
+    asyncio.run(scenario())
+
+
+def test_a_full_revision_falls_back_to_one_with_room_and_all_full_waits_for_any_live_slot() -> None:
+    route = _route(100)  # every session wants the canary
+    capped = dataclasses.replace(
+        route, endpoints=tuple(dataclasses.replace(e, max_concurrency=1) for e in route.endpoints)
+    )
+    control, _, _ = admission(RouteTable.of([capped]))
+    split = CanarySplit(control.replicas)
+    replicas = control.replicas("d")
+    assert replicas is not None
+    for i, endpoint in enumerate(replicas.endpoints):
+        if endpoint.revision == "canary":
+            set_load(replicas, i, 1)  # at its cap
+    choice = split.choose(capped, _session("z"))
+    assert choice is not None and (choice.revision, choice.fell_back) == ("stable", True)
+    for i in range(replicas.n):
+        set_load(replicas, i, 1)
+    queued = split.choose(capped, _session("z"))
+    assert queued is not None and (queued.revision, queued.wanted) == ("", "canary")
+    assert queued.exclude == queued.dark == frozenset()  # any live endpoint's first slot
+
+
+def test_a_queued_request_takes_the_first_live_slot_never_a_dark_one() -> None:
+    async def scenario() -> None:
+        route = _route(50, per_revision=1, dark=1)
+        capped = dataclasses.replace(
+            route,
+            endpoints=tuple(dataclasses.replace(e, max_concurrency=1) for e in route.endpoints),
+        )
+        table = RouteTable.of([capped])
+        control, _, _ = admission(table)
+        director = Director(lambda: table, control, fallbacks=2)
+        first = await director.decide(_facts("a"))
+        second = await director.decide(_facts("b"))  # the other live one (fallback if needed)
+        revisions = {first.slot.endpoint.revision, second.slot.endpoint.revision}
+        assert revisions == {"canary", "stable"}  # the dark candidate is free but never used
+        waiting = asyncio.ensure_future(director.decide(_facts("c")))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        second.slot.release()
+        granted = await asyncio.wait_for(waiting, 5)
+        assert granted.slot.endpoint.key == second.slot.endpoint.key
+        first.slot.release()
+        granted.slot.release()
 
     asyncio.run(scenario())

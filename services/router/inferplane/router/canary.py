@@ -20,15 +20,19 @@ first chooses a revision here, then its routing policy chooses among that revisi
 - **dark revisions**: an endpoint whose revision has no share takes no live traffic (a
   candidate under qualification: only operator requests pinned to it, `revision_pin`); it is
   also left out of the fallbacks Envoy may retry on;
-- **fallback**: when the chosen revision has no usable endpoint (none, all draining or their
-  breakers open), the request goes to the other shared revisions rather than being refused
-  (`inferplane_router_canary_fallbacks_total{deployment,revision}`, the revision that had
-  none). A revision whose endpoints are all at their caps is not a fallback: the request
-  waits in the deployment's queue for its own revision (the split holds under load).
+- **fallback**: when the chosen revision has no endpoint that can take a request now (none,
+  all draining, their breakers open, or all at their caps), the request goes to the other
+  shared revision that can, rather than waiting or being refused
+  (`inferplane_router_canary_fallbacks_total{deployment,revision}`, the revision that could
+  not). When no live endpoint can take it, it waits in the deployment's queue for the first
+  slot of any shared revision: a waiter restricted to one revision would hold the fair queue's
+  head (and every request behind it) until that revision freed a slot. So the split is exact
+  below saturation; at saturation each revision serves what its capacity frees (the
+  orchestrator sizes the canary's replicas by its percent).
 
 A route without shares is served as before: every non-draining endpoint, whatever its revision.
 Cost: O(1) per request when the route has no shares; with shares, O(endpoints of the chosen
-revision) to check they are usable (the exclusion sets are built once per routing table).
+revision) to find one that can take a request (the exclusion sets are built once per routing table).
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ class CanaryChoice:
     """One request's revision.
 
     Attributes:
-        revision: the revision chosen for it.
+        revision: the revision chosen for it; "" when every live endpoint was full or
+            blocked (it takes the first slot of any shared revision).
         exclude: the endpoints its pick may not use (those of every other revision, and
             of revisions without a share).
         dark: the endpoints of revisions without a share (never a fallback either).
-        fell_back: the hash chose `wanted`, which had no usable endpoint.
+        fell_back: the hash chose `wanted`, which could take no request, and another shared
+            revision could.
         wanted: the revision the session's hash chose.
     """
 
@@ -140,16 +146,20 @@ class CanarySplit:
             return None
         wanted = self.revision_of(plan, route.deployment_key, features)
         replicas = self._replicas(route.deployment_key)
-        revision = wanted
-        if replicas is not None and not _usable(replicas, plan.members[wanted]):
-            others = sorted(
-                (r for r in plan.revisions if r != wanted), key=plan.share, reverse=True
-            )
-            spare = next((r for r in others if _usable(replicas, plan.members[r])), None)
-            if spare is not None:
-                revision = spare
-                if self._fallbacks is not None:
-                    self._fallbacks.labels(route.deployment_key, wanted).inc()
+        if replicas is None or _free(replicas, plan.members[wanted]):
+            return self._choice(plan, wanted, wanted)
+        others = sorted((r for r in plan.revisions if r != wanted), key=plan.share, reverse=True)
+        spare = next((r for r in others if _free(replicas, plan.members[r])), None)
+        if spare is not None:
+            if self._fallbacks is not None:
+                self._fallbacks.labels(route.deployment_key, wanted).inc()
+            return self._choice(plan, spare, wanted)
+        # Every live endpoint is full or blocked: the request waits for the first live slot
+        # (waiting for its own revision's would stall the deployment's queue behind it).
+        return CanaryChoice(revision="", exclude=plan.dark, dark=plan.dark, wanted=wanted)
+
+    @staticmethod
+    def _choice(plan: _Plan, revision: str, wanted: str) -> CanaryChoice:
         return CanaryChoice(
             revision=revision,
             exclude=plan.exclude[revision],
@@ -183,9 +193,10 @@ def _point(deployment: str, features: RequestFeatures) -> int | None:
     return hash64(b"canary\x1f" + deployment.encode() + b"\x1f" + key.to_bytes(8, "big"))
 
 
-def _usable(replicas: ReplicaSet, keys: Sequence[ReplicaKey]) -> bool:
-    index, blocked = replicas.index, replicas.blocked
-    return any((i := index.get(k)) is not None and not blocked[i] for k in keys)
+def _free(replicas: ReplicaSet, keys: Sequence[ReplicaKey]) -> bool:
+    """Whether one of `keys` can take a request now (usable and under its cap)."""
+    index, can_take = replicas.index, replicas.can_take
+    return any((i := index.get(k)) is not None and can_take(i) for k in keys)
 
 
 def order_fallbacks(

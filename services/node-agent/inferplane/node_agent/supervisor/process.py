@@ -31,6 +31,7 @@ from typing import Protocol
 from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.engine_features import engine_feature_args
 from inferplane.node_agent.supervisor.cpus import BIND_ENV
 from inferplane.replica_contract import (
     DEFAULT_FLAGS,
@@ -161,6 +162,7 @@ def plan_engine(
         spec.served_model_name or spec.deployment or replica_id,
         *pooling_args(spec),
         *lora_args(spec),
+        *engine_feature_args(spec),  # --kv-cache-dtype, --speculative-config (issue 30)
     ]
     if spec.max_model_len:
         vllm_args += ["--max-model-len", str(spec.max_model_len)]

@@ -37,6 +37,7 @@ from typing import Any
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.engine_features import engine_feature_args
 from inferplane.replica.engines.base import (
     EngineError,
     EngineOutput,
@@ -80,6 +81,7 @@ def engine_argv(
         spec.served_model_name or spec.deployment or spec.model_source,
         *pooling_args(spec),
         *lora_args(spec),
+        *engine_feature_args(spec),  # --kv-cache-dtype, --speculative-config (issue 30)
     ]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]

@@ -38,6 +38,7 @@ from inferplane.wire.headers import (
     PICK_NAMESPACE,
     PICKER_AUTHENTICATED,
     PICKER_NAMESPACE,
+    REVISION,
     TRUSTED_PREFIX,
 )
 
@@ -319,18 +320,23 @@ def build_ext_proc_filter(config: EdgeConfig) -> Resource:
     guard right after fails new requests closed instead (no pick, or no authenticated mark).
     Only `x-envoy-max-retries` (the picker's list length - 1), the trusted `x-inferplane-`
     headers (auth's verdict on the request; the summary trailers, which the picker removes
-    before the client), the client's key headers (removed) and the per-key limits' response
-    headers (`x-ratelimit-*` on an allowed response, `retry-after`: `inferplane.wire.ratelimit`)
-    may be mutated.
+    before the client), the client's key headers and an operator's revision pin (`REVISION`;
+    removed), and the per-key limits' response headers (`x-ratelimit-*` on an allowed response,
+    `retry-after`: `inferplane.wire.ratelimit`) may be mutated.
     """
     namespaces = {"untyped": [PICK_NAMESPACE, PICKER_NAMESPACE]}
+    # Sorted: RE2 factors the common prefixes of adjacent alternatives (`x-`), which keeps
+    # the program under Envoy's size limit (100).
     mutable = "|".join(
-        (
-            ENVOY_MAX_RETRIES,
-            f"{TRUSTED_PREFIX}.*",
-            *CLIENT_KEY_HEADERS,
-            f"{ratelimit.PREFIX}.*",
-            ratelimit.RETRY_AFTER,
+        sorted(
+            (
+                ENVOY_MAX_RETRIES,
+                f"{TRUSTED_PREFIX}.*",
+                *CLIENT_KEY_HEADERS,
+                REVISION,
+                f"{ratelimit.PREFIX}.*",
+                ratelimit.RETRY_AFTER,
+            )
         )
     )
     return {

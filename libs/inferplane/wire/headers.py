@@ -97,11 +97,13 @@ ADAPTER_SOURCE: Final = "x-inferplane-adapter-source"
 catalogue; the replica refuses one outside its allow-listed root (`ReplicaSpec.lora_root`)."""
 
 # --- releases (client → picker request header; issue 30) ---------------------------------------
-REVISION: Final = "x-inferplane-revision"
+REVISION: Final = "inferplane-revision"
 """Request header an operator sends to pin a request to one profile revision of the model
 (the performance gate reaches a candidate that takes no live traffic this way). The picker
 honours it only for a key with the `admin` scope (else 403 in the API's shape) and picks among
-that revision's endpoints only; no such endpoint: 503. Stripped before the replica."""
+that revision's endpoints only; no such endpoint: 503. The picker removes it before the
+replica. Not under `TRUSTED_PREFIX`: a client sends it, and the edge strips every client copy
+of a trusted header before the picker could read it (its authority is the key's scope)."""
 SERVED_REVISION: Final = "x-inferplane-revision-served"
 """Response header (initial metadata): the profile revision of the replica that answered."""
 

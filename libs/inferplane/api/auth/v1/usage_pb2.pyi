@@ -192,7 +192,8 @@ class QueryUsageRequest(_message.Message):
     """Only requests for this model, when set."""
     group_by: _builtins.str
     """"" (one row per request), "hour", "day" (UTC buckets of the end time), "model", "key",
-    "tenant", "api" or "adapter" ("" groups the base model's requests).
+    "tenant", "api", "adapter" ("" groups the base model's requests) or "revision" (the
+    profile revision that served them).
     """
     page_size: _builtins.int
     """Maximum rows or groups per page (default 100, at most 1000)."""

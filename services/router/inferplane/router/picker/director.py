@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from inferplane.router import revision_pin
 from inferplane.router.admission import Admission, Slot
 from inferplane.router.canary import CanaryChoice, CanarySplit, order_fallbacks
 from inferplane.router.features import FeatureExtractor, RequestFeatures
@@ -153,8 +154,11 @@ class Director:
         Raises:
             InvalidArgumentError: no model, or a chat request's schema is invalid (400; before
                 it takes a slot).
-            PermissionDeniedError: the key may not use the model (403 model_not_allowed).
+            PermissionDeniedError: the key may not use the model (403 model_not_allowed), or
+                pins a revision without the admin scope (403 insufficient_scope).
             NotFoundError: no route serves the model (404 model_not_found).
+            UnavailableError: the pinned revision has no ready endpoint (503
+                revision_unavailable).
         """
         method, metadata = facts.method, facts.metadata
         if not facts.model:  # as OpenAI and Anthropic answer a body without one
@@ -177,8 +181,13 @@ class Director:
                 features = self._features.embedding(facts.request, metadata)
             else:
                 features = self._features.completion(facts.request, metadata, route.adapter)
-        # During a canary, the revision of the request's session (`router.canary`).
-        canary = self._canary.choose(route, features)
+        # During a canary, the revision of the request's session (`router.canary`); an
+        # operator's pin to one revision instead (`router.revision_pin`: admin keys only).
+        pinned = revision_pin.requested(metadata)
+        if pinned:
+            canary: CanaryChoice | None = revision_pin.pin(route, pinned, metadata)
+        else:
+            canary = self._canary.choose(route, features)
         split: Collection[ReplicaKey] = () if canary is None else canary.exclude
         if outside is None:
             return Routed(facts, route, features, split, self._fallbacks, canary)

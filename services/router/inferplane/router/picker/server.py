@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from inferplane.apis import anthropic
+from inferplane.router import revision_pin
 from inferplane.router.admission import Admission
 from inferplane.router.canary import CanarySplit
 from inferplane.router.features import FeatureExtractor
@@ -316,6 +317,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if exchange.phase is Phase.RECEIVED:
             exchange.phase = Phase.REQUEST_HEADERS_DONE
         self._authenticate(exchange)
+        if request.granted is not None:  # an operator's revision pin never reaches a replica
+            revision_pin.strip(request.granted, request.metadata)
         if exchange.gateway is not None:
             gateway_headers(exchange, message, authenticated=self._keys is not None)
             if request.duplex:
@@ -502,6 +505,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         mutation = codec.summary_removal(seen)
         for name, value in exchange.request.key.headers:  # the key's x-ratelimit-*
             codec.set_header(mutation, name, value)
+        revision_pin.mark_served(mutation, revision_pin.served(exchange.pick.endpoints, seen))
         return ext_pb.ProcessingResponse(
             response_headers=ext_pb.HeadersResponse(
                 response=ext_pb.CommonResponse(header_mutation=mutation)

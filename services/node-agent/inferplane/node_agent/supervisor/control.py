@@ -23,11 +23,14 @@ INFERENCE_SERVICE = "inferplane.inference.v1.InferenceService"
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     """A replica process's `GetReplicaLoad` answer: generation requests admitted and not yet
-    ended, whether it is draining (admits nothing new), whether its engine is ready."""
+    ended, whether it is draining (admits nothing new), whether its engine is ready, and what
+    it runs (`artifacts`, once its engine is ready; None before, or from a process that does
+    not report them)."""
 
     in_flight_requests: int
     draining: bool
     engine_ready: bool
+    artifacts: replica_pb2.ReplicaArtifacts | None = None
 
 
 class ReplicaControlError(Exception):
@@ -100,6 +103,7 @@ class ReplicaProcessClient:
             in_flight_requests=answer.in_flight_requests,
             draining=answer.draining,
             engine_ready=answer.engine_ready,
+            artifacts=answer.artifacts if answer.HasField("artifacts") else None,
         )
 
     async def start_drain(self) -> int:

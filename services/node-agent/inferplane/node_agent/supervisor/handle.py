@@ -43,7 +43,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.node_agent.supervisor.control import (
     ClientFactory,
     ReplicaControl,
@@ -168,6 +168,8 @@ class Replica:
         self.ready_time: dt.datetime | None = None
         self.metrics_url = ""
         self.inference_address = ""
+        # What the current replica process runs, as it reports once ready (issue 30).
+        self.artifacts: replica_pb2.ReplicaArtifacts | None = None
         self.engine_address = ""
         self._control: ReplicaControl | None = None
         self._drain_sent = False  # StartReplicaDrain answered by the current process
@@ -216,6 +218,8 @@ class Replica:
             in_flight_requests=self.in_flight,
             metrics_url=self.metrics_url if running else "",
         )
+        if running and self.artifacts is not None:
+            msg.artifacts.CopyFrom(self.artifacts)
         if self.start_time is not None:
             msg.start_time.FromDatetime(self.start_time)
         if self.ready_time is not None:
@@ -336,6 +340,7 @@ class Replica:
         self._drain_sent = False
         self.in_flight = 0
         self.inference_address = plan.inference_address
+        self.artifacts = None
         self.engine_address = plan.engine_address
         self.metrics_url = plan.metrics_url
         log.info(
@@ -458,6 +463,8 @@ class Replica:
             return False
         if control is self._control:  # not a process that was replaced meanwhile
             self.in_flight = load.in_flight_requests
+            if load.artifacts is not None:
+                self.artifacts = load.artifacts
         return load.engine_ready
 
     async def _send_drain(self, control: ReplicaControl) -> None:

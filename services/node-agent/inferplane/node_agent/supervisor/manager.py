@@ -1,8 +1,9 @@
 """`ReplicaManager`: the replicas of this node, by id. It refuses a spec before anything
 starts (no model, an unknown task or transport, embeddings or speech on a transport without
-them, an engine argument outside the allow-list), plans each launch (`process.plan_launch`
-with this node's cores, `cpus.CpuCorePool`) and hands each replica to its supervision
-(`handle.Replica`)."""
+them, an engine this node has not installed, an engine argument outside that engine version's
+allow-list), plans each launch (`process.plan_launch` with the selected engine's interpreter,
+`engines.EngineCatalog`, and this node's cores, `cpus.CpuCorePool`) and hands each replica to
+its supervision (`handle.Replica`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.engine_args import EngineArgError, check_engine_args
 from inferplane.node_agent.supervisor.control import ClientFactory, ReplicaProcessClient
 from inferplane.node_agent.supervisor.cpus import BIND_ENV, CpuCorePool
+from inferplane.node_agent.supervisor.engines import EngineCatalog, discover_engines
 from inferplane.node_agent.supervisor.handle import Replica, State, SupervisorConfig
 from inferplane.node_agent.supervisor.process import (
     LaunchPlan,
@@ -25,6 +27,8 @@ from inferplane.node_agent.supervisor.process import (
     plan_launch,
 )
 from inferplane.replica_contract import (
+    LAUNCHER_MODULE,
+    REPLICA_MODULE,
     has_nvidia_gpu,
     lora_args,
     replica_task,
@@ -54,11 +58,15 @@ class ReplicaManager:
         planner: Callable[[str, nodeagent_pb2.ReplicaSpec], LaunchPlan] | None = None,
         cores: CpuCorePool | None = None,
         environ: Mapping[str, str] = os.environ,
+        engines: EngineCatalog | None = None,
     ) -> None:
         """`client_factory` replaces `ReplicaProcessClient` and `planner` `plan_launch`
         (tests); `cores` is the pool of this node's cores; `environ` is the environment replica
-        processes inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND` there is left alone)."""
+        processes inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND` there is left alone);
+        `engines` the engines this node offers (default: this interpreter's only)."""
         self.config = config
+        self.cpu = (not has_nvidia_gpu()) if config.cpu is None else config.cpu
+        self.engines = engines or EngineCatalog(discover_engines((), cpu=self.cpu))
         self._clock = clock or SystemClock()
         self._spawner = spawner or ProcessSpawner()
         self._client_factory = client_factory or functools.partial(
@@ -73,16 +81,23 @@ class ReplicaManager:
         self._lock = asyncio.Lock()
 
     def _plan(self, replica_id: str, spec: nodeagent_pb2.ReplicaSpec) -> LaunchPlan:
-        cpu = (not has_nvidia_gpu()) if self.config.cpu is None else self.config.cpu
+        cpu = self.cpu
         bind = None
         if cpu and BIND_ENV not in self._environ:
             bind = self.cores.assign(replica_id, max(1, spec.tensor_parallel_size))
+        # The default engine runs the configured commands; another one runs our replica
+        # process and launcher in its own interpreter (its environment has its vLLM).
+        engine = self.engines.select(spec)
+        command, engine_command = self.config.replica_command, self.config.engine_command
+        if not engine.default:
+            command = (engine.python, "-m", REPLICA_MODULE)
+            engine_command = (engine.python, "-m", LAUNCHER_MODULE)
         return plan_launch(
             replica_id,
             spec,
             data_dir=self.config.data_dir,
-            command=self.config.replica_command,
-            engine_command=self.config.engine_command,
+            command=command,
+            engine_command=engine_command,
             options=self.config.replica,
             host=self.config.host,
             replica_host=self.config.replica_host,
@@ -116,8 +131,10 @@ class ReplicaManager:
         Raises:
             AlreadyExistsError: a live replica with that id runs a different spec.
             FailedPreconditionError: the spec has no model_source, names an unknown task or
-                transport, asks for embeddings on the `grpc` transport (which has none), or
-                has an engine argument outside the allow-list (`inferplane.engine_args`).
+                transport, asks for embeddings on the `grpc` transport (which has none), an
+                engine kind or version this node has not installed (`spec.engine`,
+                `spec.engine_version`: `EngineCatalog.select`), or has an engine argument
+                outside that engine version's allow-list (`inferplane.engine_args`).
         """
         if not spec.model_source:
             raise FailedPreconditionError(
@@ -146,10 +163,11 @@ class ReplicaManager:
             raise FailedPreconditionError(
                 str(exc), reason="INVALID_SPEC", param="spec.max_loras"
             ) from None
+        engine = self.engines.select(spec)  # FAILED_PRECONDITION naming the field
         try:
             # The orchestrator checked the profile already; this node runs only what the
-            # allow-list allows, whoever sent the spec (issue 18).
-            check_engine_args(spec.extra_engine_args)
+            # allow-list of the engine it runs allows, whoever sent the spec (issue 18).
+            check_engine_args(spec.extra_engine_args, engine.version)
         except EngineArgError as exc:
             log.warning("replica_refused", replica_id=replica_id, flag=exc.flag)
             raise FailedPreconditionError(

@@ -23,6 +23,7 @@ from inferplane.sdk._requests import (
     deployment_name,
     embedding_request,
     key_name,
+    list_compatibility_request,
     mask,
     node_name,
     usage_query,
@@ -111,9 +112,13 @@ class AsyncDeployments:
         deployment: orch.Deployment,
         *,
         validate_only: bool = False,
+        force: bool = False,
+        force_reason: str = "",
         timeout: float | None = None,
     ) -> orch.Deployment:
-        request = create_deployment_request(deployment_id, deployment, validate_only)
+        request = create_deployment_request(
+            deployment_id, deployment, validate_only, force, force_reason
+        )
         method = m.PREVIEW_DEPLOYMENT if validate_only else m.CREATE_DEPLOYMENT
         return (await self._t.unary(method, request, timeout=timeout)).deployment
 
@@ -136,12 +141,16 @@ class AsyncDeployments:
         deployment: orch.Deployment,
         update_mask: Iterable[str] | None = None,
         *,
+        force: bool = False,
+        force_reason: str = "",
         timeout: float | None = None,
     ) -> orch.Deployment:
         value = orch.Deployment()
         value.CopyFrom(deployment)
         value.name = deployment_name(deployment.name)
-        request = orch.UpdateDeploymentRequest(deployment=value, update_mask=mask(update_mask))
+        request = orch.UpdateDeploymentRequest(
+            deployment=value, update_mask=mask(update_mask), force=force, force_reason=force_reason
+        )
         return (await self._t.unary(m.UPDATE_DEPLOYMENT, request, timeout=timeout)).deployment
 
     async def delete(self, name: str, *, timeout: float | None = None) -> None:
@@ -174,6 +183,41 @@ class AsyncDeployments:
         )
         response = await self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
         return tuple(response.decisions)
+
+    def list_compatibility(
+        self,
+        *,
+        deployment: str = "",
+        engine_version: str = "",
+        model_digest: str = "",
+        verdict: str = "",
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncPaged[orch.CompatibilityEntry]:
+        request = list_compatibility_request(
+            deployment=deployment,
+            engine_version=engine_version,
+            model_digest=model_digest,
+            verdict=verdict,
+            page_size=page_size,
+        )
+
+        async def fetch(token: str) -> Page[orch.CompatibilityEntry]:
+            page = orch.ListCompatibilityRequest(page_token=token)
+            page.MergeFrom(request)
+            response = await self._t.unary(m.LIST_COMPATIBILITY, page, timeout=timeout)
+            return Page(tuple(response.entries), response.next_page_token)
+
+        return AsyncPaged(fetch)
+
+    async def list_forced_changes(
+        self, name: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> Sequence[orch.ForcedChange]:
+        request = orch.ListForcedChangesRequest(
+            deployment=name.removeprefix("deployments/"), page_size=page_size
+        )
+        response = await self._t.unary(m.LIST_FORCED_CHANGES, request, timeout=timeout)
+        return tuple(response.changes)
 
     async def create_adapter(
         self, adapter_id: str, adapter: orch.LoraAdapter, *, timeout: float | None = None

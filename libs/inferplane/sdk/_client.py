@@ -23,6 +23,7 @@ from inferplane.sdk._requests import (
     deployment_name,
     embedding_request,
     key_name,
+    list_compatibility_request,
     mask,
     node_name,
     usage_query,
@@ -125,12 +126,18 @@ class Deployments:
         deployment: orch.Deployment,
         *,
         validate_only: bool = False,
+        force: bool = False,
+        force_reason: str = "",
         timeout: float | None = None,
     ) -> orch.Deployment:
         """Creates a deployment (`deployment_id` is the `model` clients send) and returns it
         with its placement status; with `validate_only`, checks and previews it and creates
-        nothing (then, and only then, UNAVAILABLE is retried)."""
-        request = create_deployment_request(deployment_id, deployment, validate_only)
+        nothing (then, and only then, UNAVAILABLE is retried). `force` with a `force_reason`
+        overrides a failed verdict of the compatibility matrix (audited: `list_forced_changes`);
+        without it such a create is INVALID_ARGUMENT naming the profile field."""
+        request = create_deployment_request(
+            deployment_id, deployment, validate_only, force, force_reason
+        )
         method = m.PREVIEW_DEPLOYMENT if validate_only else m.CREATE_DEPLOYMENT
         return (self._t.unary(method, request, timeout=timeout)).deployment
 
@@ -155,14 +162,19 @@ class Deployments:
         deployment: orch.Deployment,
         update_mask: Iterable[str] | None = None,
         *,
+        force: bool = False,
+        force_reason: str = "",
         timeout: float | None = None,
     ) -> orch.Deployment:
         """Sets the fields named in `update_mask` (`profile.precision`-style paths; None:
-        every updatable field) of `deployment.name`; a profile change starts a rollout."""
+        every updatable field) of `deployment.name`; a profile change starts a rollout
+        (`force`/`force_reason`: as in `create`, for the new revision's combination)."""
         value = orch.Deployment()
         value.CopyFrom(deployment)
         value.name = deployment_name(deployment.name)
-        request = orch.UpdateDeploymentRequest(deployment=value, update_mask=mask(update_mask))
+        request = orch.UpdateDeploymentRequest(
+            deployment=value, update_mask=mask(update_mask), force=force, force_reason=force_reason
+        )
         return self._t.unary(m.UPDATE_DEPLOYMENT, request, timeout=timeout).deployment
 
     def delete(self, name: str, *, timeout: float | None = None) -> None:
@@ -202,6 +214,47 @@ class Deployments:
         )
         response = self._t.unary(m.LIST_AUTOSCALER_DECISIONS, request, timeout=timeout)
         return tuple(response.decisions)
+
+    def list_compatibility(
+        self,
+        *,
+        deployment: str = "",
+        engine_version: str = "",
+        model_digest: str = "",
+        verdict: str = "",
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Paged[orch.CompatibilityEntry]:
+        """Each combination's current verdict in the compatibility matrix (engine and version,
+        weights and chat template digests, parsers: `CompatibilityEntry`), newest first,
+        lazily page by page; every filter optional (`deployment`: id or name; `verdict`:
+        "qualified", "failed" or "unqualified")."""
+        request = list_compatibility_request(
+            deployment=deployment,
+            engine_version=engine_version,
+            model_digest=model_digest,
+            verdict=verdict,
+            page_size=page_size,
+        )
+
+        def fetch(token: str) -> Page[orch.CompatibilityEntry]:
+            page = orch.ListCompatibilityRequest(page_token=token)
+            page.MergeFrom(request)
+            response = self._t.unary(m.LIST_COMPATIBILITY, page, timeout=timeout)
+            return Page(tuple(response.entries), response.next_page_token)
+
+        return Paged(fetch)
+
+    def list_forced_changes(
+        self, name: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> Sequence[orch.ForcedChange]:
+        """Creates and updates that overrode a failed verdict (who, why, what), newest first:
+        of deployment `name` or of all; at most `page_size` (0: the orchestrator's 50)."""
+        request = orch.ListForcedChangesRequest(
+            deployment=name.removeprefix("deployments/"), page_size=page_size
+        )
+        response = self._t.unary(m.LIST_FORCED_CHANGES, request, timeout=timeout)
+        return tuple(response.changes)
 
     def create_adapter(
         self, adapter_id: str, adapter: orch.LoraAdapter, *, timeout: float | None = None

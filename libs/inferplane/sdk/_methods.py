@@ -185,6 +185,16 @@ DELETE_ADAPTER = _method(
     orch.DeleteAdapterRequest, orch.DeleteAdapterResponse,
     retry=False,  # a repeat after a lost answer may say NOT_FOUND (an adapter without drain)
 )  # fmt: skip
+LIST_COMPATIBILITY = _method(
+    _O, orch, "DeploymentService", "ListCompatibility",
+    orch.ListCompatibilityRequest, orch.ListCompatibilityResponse,
+    retry=True,  # a read
+)  # fmt: skip
+LIST_FORCED_CHANGES = _method(
+    _O, orch, "DeploymentService", "ListForcedChanges",
+    orch.ListForcedChangesRequest, orch.ListForcedChangesResponse,
+    retry=True,  # a read
+)  # fmt: skip
 
 # -- inferplane.orchestrator.v1.NodeService ----------------------------------------------------
 GET_NODE = _method(

@@ -81,10 +81,31 @@ def embedding_request(request: EmbeddingRequest) -> inference_pb2.EmbeddingReque
 
 
 def create_deployment_request(
-    deployment_id: str, deployment: orchestrator_pb2.Deployment, validate_only: bool
+    deployment_id: str,
+    deployment: orchestrator_pb2.Deployment,
+    validate_only: bool,
+    force: bool = False,
+    force_reason: str = "",
 ) -> orchestrator_pb2.CreateDeploymentRequest:
     return orchestrator_pb2.CreateDeploymentRequest(
-        deployment_id=deployment_id, deployment=deployment, validate_only=validate_only
+        deployment_id=deployment_id,
+        deployment=deployment,
+        validate_only=validate_only,
+        force=force,
+        force_reason=force_reason,
+    )
+
+
+def list_compatibility_request(
+    *, deployment: str, engine_version: str, model_digest: str, verdict: str, page_size: int
+) -> orchestrator_pb2.ListCompatibilityRequest:
+    """ListCompatibility's filters (the page token is set per page)."""
+    return orchestrator_pb2.ListCompatibilityRequest(
+        deployment=deployment.removeprefix("deployments/"),
+        engine_version=engine_version,
+        model_digest=model_digest,
+        verdict=verdict,
+        page_size=page_size,
     )
 
 

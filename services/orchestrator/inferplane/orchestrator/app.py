@@ -35,7 +35,8 @@ from inferplane.orchestrator.placement.registry import (
     default_policies,
 )
 from inferplane.orchestrator.release.agents import GrpcNodeAgents, NodeAgents
-from inferplane.orchestrator.release.gate import Gate, ProbeGate, TelemetryLatency
+from inferplane.orchestrator.release.gate import Gate, LatencyReader, ProbeGate, TelemetryLatency
+from inferplane.orchestrator.release.gates import PerformanceGate
 from inferplane.orchestrator.release.matrix import CompatibilityMatrix
 from inferplane.orchestrator.release.observe import ReconcileSettings
 from inferplane.orchestrator.release.reconciler import Reconciler
@@ -250,6 +251,14 @@ def sizing_policy(settings: OrchestratorSettings) -> SizingPolicy:
     )
 
 
+def release_telemetry(settings: OrchestratorSettings) -> TelemetryLatency | None:
+    """The canary's telemetry reader (`telemetry_address`, else the edge's), or None."""
+    telemetry = settings.telemetry_address or settings.edge_telemetry_address
+    if not telemetry:
+        return None
+    return TelemetryLatency(telemetry, security=settings.security("orchestrator"))
+
+
 def build_components(
     settings: OrchestratorSettings,
     *,
@@ -259,8 +268,14 @@ def build_components(
     policies: Mapping[str, PolicyFactory] | None = None,
     agents: NodeAgents | None = None,
     gate: Gate | None = None,
+    performance: PerformanceGate | None = None,
+    latency: LatencyReader | None = None,
 ) -> OrchestratorComponents:
     """Builds the parts (no I/O beyond creating the data dir).
+
+    The release pipeline's ports (issue 30): `performance`, the performance gate's runner
+    (None: none, a profile asking for the gate fails its release); `latency`, telemetry read
+    by revision for the canary (None: telemetry at the `telemetry_address` setting, or none).
 
     `lease_clock` times the leader lease (default: the system clock, also when `clock` is a
     fake one: a test that moves its fake clock by minutes must not depose the only
@@ -327,6 +342,9 @@ def build_components(
         hub,
         gate=gate or ProbeGate(agents, interval_seconds=settings.gate_probe_interval_seconds),
         clock=clock,
+        performance=performance,
+        latency=latency or release_telemetry(settings),
+        matrix=compat.matrix,
         settings=ReconcileSettings(
             interval_seconds=settings.reconcile_interval_seconds,
             propagation_seconds=settings.drain_propagation_seconds,

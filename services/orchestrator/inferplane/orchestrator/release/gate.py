@@ -4,8 +4,9 @@ deployment's rollout bounds (`max_error_rate`, `max_ttft_p99_seconds`, `gate_win
 `Gate` is the port; `ProbeGate` measures with probe requests pinned to the replica through the
 node-agent (works with nothing else running). `TelemetryLatency` is the platform's one reader of
 a deployment's TTFT p99 and error counts from telemetry (`QueryLatency` over a window, what the
-routers' request records show): the autoscaler's TTFT signal (issue 29) reads it, and it can
-back the gate's port too once telemetry records per replica.
+routers' request records show): the autoscaler's TTFT signal (issue 29) reads it, and the
+release's canary (release/canary.py) reads it per revision, the canary's against the stable
+one's (issue 30).
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ class GateTarget:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GateReading:
-    """What a window showed: request and error counts, TTFT p99 in seconds (0 = no data)."""
+    """What a window showed: request and error counts, TTFT p99 in seconds (0 = no data),
+    and tool-call validity (valid / emitted tool calls, 1.0 when none: telemetry's
+    `tool_call_validity`; probes make no tool calls)."""
 
     requests: int
     errors: int
     ttft_p99_seconds: float
     detail: str = ""
+    tool_call_validity: float = 1.0
 
     @property
     def error_rate(self) -> float:
@@ -137,10 +141,13 @@ class ProbeGate:
 
 
 class LatencyReader(Protocol):
-    """A deployment's requests, errors and TTFT p99 over the last `window_seconds` (None when
-    unknown: the source cannot be read)."""
+    """A deployment's requests, errors, TTFT p99 and tool-call validity over the last
+    `window_seconds` (None when unknown: the source cannot be read); `revision`: only the
+    requests that profile revision served ("": all; the canary's comparison, issue 30)."""
 
-    async def read(self, deployment_id: str, window_seconds: float) -> GateReading | None: ...
+    async def read(
+        self, deployment_id: str, window_seconds: float, *, revision: str = ""
+    ) -> GateReading | None: ...
 
 
 class TelemetryLatency:
@@ -160,7 +167,9 @@ class TelemetryLatency:
         self._timeout = timeout_seconds
         self._channel: grpc.aio.Channel | None = None
 
-    async def read(self, deployment_id: str, window_seconds: float) -> GateReading | None:
+    async def read(
+        self, deployment_id: str, window_seconds: float, *, revision: str = ""
+    ) -> GateReading | None:
         if self._channel is None:
             self._channel = self._security.aio_channel(
                 self._address, self._security.server_options(TELEMETRY)
@@ -172,6 +181,7 @@ class TelemetryLatency:
                     deployment=deployment_id,
                     window_seconds=max(1, round(window_seconds)),
                     percentiles=[99],
+                    revision=revision,
                 ),
                 timeout=self._timeout,
             )
@@ -180,7 +190,12 @@ class TelemetryLatency:
         ttft = next(
             (p.value for p in response.time_to_first_token_seconds if p.percentile == 99), 0.0
         )
-        return GateReading(response.request_count, response.error_count, ttft)
+        return GateReading(
+            response.request_count,
+            response.error_count,
+            ttft,
+            tool_call_validity=response.tool_call_validity,
+        )
 
     async def close(self) -> None:
         channel, self._channel = self._channel, None

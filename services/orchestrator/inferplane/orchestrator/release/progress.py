@@ -16,6 +16,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from inferplane.api.nodeagent.v1 import replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 
 QUALIFYING = "Qualifying"
@@ -37,7 +38,8 @@ class Progress:
     `verdicts`: the gates' verdicts in the order they ran. `canary_since`: when the canary's
     current window started (timezone-aware UTC; None outside the canary); `extensions`: how
     many times the window was extended for too few requests (at most `MAX_CANARY_EXTENSIONS`,
-    canary.py). `message`: a sentence a person can act on.
+    canary.py). `message`: a sentence a person can act on. `artifacts`: what the candidate
+    replica runs (the compatibility matrix's key), once known.
     """
 
     candidate_revision: str
@@ -47,6 +49,7 @@ class Progress:
     message: str = ""
     canary_since: datetime | None = None
     extensions: int = 0
+    artifacts: replica_pb2.ReplicaArtifacts | None = None
 
     @property
     def qualified(self) -> bool:
@@ -79,6 +82,9 @@ class Progress:
             "message": self.message,
             "canary_since": self.canary_since.isoformat() if self.canary_since else None,
             "extensions": self.extensions,
+            "artifacts": (
+                json_format.MessageToDict(self.artifacts) if self.artifacts is not None else None
+            ),
         }
 
     @classmethod
@@ -86,6 +92,7 @@ class Progress:
         if not data:
             return None
         since = data.get("canary_since")
+        artifacts = data.get("artifacts")
         return cls(
             candidate_revision=str(data.get("candidate_revision", "")),
             stage=str(data.get("stage", QUALIFYING)),
@@ -97,4 +104,11 @@ class Progress:
             message=str(data.get("message", "")),
             canary_since=datetime.fromisoformat(since) if since else None,
             extensions=int(data.get("extensions", 0)),
+            artifacts=(
+                json_format.ParseDict(
+                    artifacts, replica_pb2.ReplicaArtifacts(), ignore_unknown_fields=True
+                )
+                if artifacts
+                else None
+            ),
         )

@@ -13,7 +13,10 @@ Per desired replica (a "slot", `{deployment}-{ordinal}`), the *target* is the no
    (`Gate` over `gate_window_seconds`); then it SERVES (enters the routing table) and every other
    replica of the slot is retired: marked draining in the table, `DrainReplica` after
    `propagation_seconds` (routers have seen the table by then), `StopReplica` when nothing is in
-   flight or the grace period is over.
+   flight or the grace period is over. A rollout of a new revision goes through the release
+   pipeline first (release/pipeline.py): qualifying gates on one candidate replica that takes
+   no live traffic (conformance, performance), then an optional canary share of live traffic,
+   then the rolling replacement above.
 3. A failed warm-up or gate (or a new replica that FAILED) during a rollout records the revision
    as failed and rolls back: the goal becomes the serving revision again (its profile is kept
    for this), the new replicas are retired, old ones are restarted where they were already gone.
@@ -29,14 +32,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.orchestrator.control import ControlPlane
 from inferplane.orchestrator.release.agents import NodeAgents
-from inferplane.orchestrator.release.gate import Gate
+from inferplane.orchestrator.release.gate import Gate, LatencyReader, TelemetryLatency
+from inferplane.orchestrator.release.gates import Matrix, PerformanceGate
 from inferplane.orchestrator.release.observe import NodeBackoff, ReconcileSettings
+from inferplane.orchestrator.release.pipeline import Qualification
 from inferplane.orchestrator.release.rollout import Rollout
 from inferplane.orchestrator.release.store import ManagedReplica, Release, ReleaseStore
 from inferplane.orchestrator.routing import RoutingHub
@@ -49,8 +55,13 @@ log = structlog.get_logger("inferplane.orchestrator.reconcile")
 class Reconciler(Rollout):
     """See the module docstring. One event loop; `wake()` may be called from any thread.
 
+    `performance`: the performance gate's runner (None: a profile asking for the gate fails
+    its release); `latency`: telemetry by revision, the canary's judge (None: a canary cannot
+    be judged and rolls back); `matrix`: the compatibility matrix (None: nothing recorded).
+
     The loop's parts are its bases: `Rollout` (release/rollout.py: one deployment's
-    convergence, warm-up, gate, rollback, status), `ReplicaOperations` (release/replicas.py:
+    convergence, warm-up, gate, rollback, status), `Pipeline` (release/pipeline.py: the
+    release's qualifying gates, canary, matrix records), `ReplicaOperations` (release/replicas.py:
     start, adopt, retire, drain, stop, records, routing table) and `Observation`
     (release/observe.py: what node-agents run, backoff).
     """
@@ -65,12 +76,18 @@ class Reconciler(Rollout):
         gate: Gate,
         clock: Clock,
         settings: ReconcileSettings | None = None,
+        performance: PerformanceGate | None = None,
+        latency: LatencyReader | None = None,
+        matrix: Matrix | None = None,
     ) -> None:
         self._control = control
         self._agents = agents
         self._store = store
         self._hub = hub
         self._gate = gate
+        self._performance = performance
+        self._latency = latency
+        self._matrix = matrix
         self._clock = clock
         self._settings = settings or ReconcileSettings()
         self._backoff = NodeBackoff(
@@ -81,6 +98,7 @@ class Reconciler(Rollout):
         self._observed: dict[str, dict[str, nodeagent_pb2.Replica]] = {}
         self._reachable: set[str] = set()
         self._checks: dict[tuple[str, str], asyncio.Task[str]] = {}
+        self._qualifying: dict[tuple[str, str], asyncio.Task[Qualification]] = {}
         self._problems: dict[str, str] = {}
         self._ticker = Ticker(
             self.reconcile_once, self._settings.interval_seconds, "reconcile_failed", log
@@ -102,13 +120,18 @@ class Reconciler(Rollout):
         self._ticker.wake()
 
     async def close(self) -> None:
-        """Cancels warm-up and gate checks in progress."""
-        for task in self._checks.values():
+        """Cancels warm-up, gate and qualifying checks in progress (a restarted loop runs a
+        QUALIFYING replica's gates again)."""
+        tasks: list[asyncio.Task[Any]] = [*self._checks.values(), *self._qualifying.values()]
+        for task in tasks:
             task.cancel()
-        for task in list(self._checks.values()):
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._checks.clear()
+        self._qualifying.clear()
+        if isinstance(self._latency, TelemetryLatency):
+            await self._latency.close()
 
     async def reconcile_once(self) -> None:
         """One pass: observe, converge every deployment, progress retirements, publish."""

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 import structlog
 
@@ -36,6 +37,7 @@ class ReplicaOperations(Observation):
     _records: dict[tuple[str, str], ManagedReplica]
     _releases: dict[str, Release]
     _checks: dict[tuple[str, str], asyncio.Task[str]]
+    _qualifying: dict[tuple[str, str], asyncio.Task[Any]]
 
     def managed(self) -> tuple[ManagedReplica, ...]:
         """The managed replicas, by (node, replica id)."""
@@ -127,13 +129,15 @@ class ReplicaOperations(Observation):
     ) -> None:
         """Takes a replica out of service: a SERVING one is marked draining in the routing table
         first; one that never served is stopped at once."""
-        task = self._checks.pop(record.key, None)
-        if task is not None:
-            task.cancel()
+        for tasks in (self._checks, self._qualifying):
+            task = tasks.pop(record.key, None)
+            if task is not None:
+                task.cancel()
         if record.stage is Stage.SERVING:
             self._put(dataclasses.replace(record, stage=Stage.RETIRING, stage_since=now))
             log.info("replica_retiring", replica=record.replica_id, node=record.node)
-        elif record.stage is Stage.STARTING:
+        elif record.stage in (Stage.STARTING, Stage.QUALIFYING):
+            # Never took live traffic (a qualifying one only requests pinned to its revision).
             await self._stop(record, now, nodes, grace=0)
 
     async def _progress(
@@ -185,19 +189,26 @@ class ReplicaOperations(Observation):
     def _delete(self, record: ManagedReplica) -> None:
         self._store.delete_replica(record.node, record.replica_id)
         self._records.pop(record.key, None)
-        task = self._checks.pop(record.key, None)
-        if task is not None:
-            task.cancel()
+        for tasks in (self._checks, self._qualifying):
+            task = tasks.pop(record.key, None)
+            if task is not None:
+                task.cancel()
 
     def _put_release(self, release: Release) -> None:
         self._store.put_release(release)
         self._releases[release.deployment_id] = release
 
+    def _revision_shares(self, deployment: Deployment) -> list[pb.RevisionShare]:
+        """The route's live-traffic split by revision (none here; the release pipeline's
+        `Pipeline` sets it during a release)."""
+        return []
+
     def routing_table(
         self, deployments: Sequence[Deployment] | object
     ) -> pb.WatchRoutingTableResponse:
-        """Model (deployment id and aliases) → SERVING replicas observed READY, and retiring
-        ones marked draining; versioned by content."""
+        """Model (deployment id and aliases) → SERVING (and QUALIFYING) replicas observed
+        READY, and retiring ones marked draining, with the release's revision shares;
+        versioned by content."""
         routes = []
         for deployment in deployments:
             endpoints = []
@@ -207,7 +218,10 @@ class ReplicaOperations(Observation):
                 seen = self._seen(record)
                 if seen is None:
                     continue
-                if record.stage is Stage.SERVING and seen.state == S.STATE_READY:
+                if (
+                    record.stage in (Stage.SERVING, Stage.QUALIFYING)
+                    and seen.state == S.STATE_READY
+                ):
                     draining = False
                 elif record.stage in (Stage.RETIRING, Stage.DRAINING) and seen.state in (
                     S.STATE_READY,
@@ -250,6 +264,7 @@ class ReplicaOperations(Observation):
                         ),
                         # Routers tokenize prompts for precise_prefix from where replicas do.
                         tokenizer=deployment.profile.model_source,
+                        revision_shares=self._revision_shares(deployment),
                     )
                 )
         routes.extend(adapter_routes(routes, self._control.adapters()))

@@ -18,14 +18,17 @@ from inferplane.orchestrator.fleet.model import Node
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.release.gate import Gate, GateTarget, gate_enabled, gate_verdict
 from inferplane.orchestrator.release.observe import S
-from inferplane.orchestrator.release.replicas import ReplicaOperations
+from inferplane.orchestrator.release.pipeline import Pipeline
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.release.store import ManagedReplica, Release, Stage
 
 log = structlog.get_logger("inferplane.orchestrator.reconcile")
 
+#: Stages of a replica that is not on its way out.
+_ACTIVE = (Stage.STARTING, Stage.QUALIFYING, Stage.SERVING)
 
-class Rollout(ReplicaOperations):
+
+class Rollout(Pipeline):
     """Converges one deployment at a time (a base of `Reconciler`, which sets the
     attributes)."""
 
@@ -37,8 +40,16 @@ class Rollout(ReplicaOperations):
         """The deployment's status with the release's view (a `ControlPlane` status provider).
 
         Phases: Available, Progressing (target_revision set during a rollout), RolledBack (the
-        last rollout failed its warm-up or gate; message says why), Degraded, Unplaceable.
+        last rollout failed its warm-up or a gate; message says why), Degraded, Unplaceable.
+        `release`: the release pipeline's stage and verdicts (the last release's once ended).
         """
+        status = self._phase(deployment, base)
+        rel = self.release(deployment.deployment_id)
+        if rel.progress is None:
+            return status
+        return dataclasses.replace(status, release=rel.progress.to_proto())
+
+    def _phase(self, deployment: Deployment, base: DeploymentStatus) -> DeploymentStatus:
         rel = self.release(deployment.deployment_id)
         mine = [r for r in self._records.values() if r.deployment_id == deployment.deployment_id]
         ready = sum(1 for r in mine if r.stage is Stage.SERVING and self._ready(r))
@@ -61,6 +72,14 @@ class Rollout(ReplicaOperations):
                 **common,
             )
         if rel.serving_revision and rel.serving_revision != target:
+            prog = rel.progress
+            if prog is not None and prog.candidate_revision == target and not prog.ended:
+                return DeploymentStatus(
+                    "Progressing",
+                    f"{prog.stage}: {prog.message}",
+                    target_revision=target,
+                    **common,
+                )
             return DeploymentStatus(
                 "Progressing",
                 f"rolling out revision {target}: {updated} of {deployment.replicas} replicas "
@@ -113,7 +132,12 @@ class Rollout(ReplicaOperations):
         nodes: Mapping[str, Node],
         now: datetime,
     ) -> None:
+        await self._canary_step(deployment, now)  # may roll back: before the goal is chosen
         goal, profile, rel = self._goal(deployment)
+        prog = self._progress_for(deployment, goal, rel)
+        rel = self.release(deployment.deployment_id)
+        held = self._held(prog)
+        allowed = self._pipeline_slots(deployment, prog, [p.replica_id for p in placements])
         self._adopt(deployment, placements, goal, nodes)
         mine = [r for r in self._records.values() if r.deployment_id == deployment.deployment_id]
         slots = {p.replica_id: p for p in placements}
@@ -140,6 +164,11 @@ class Rollout(ReplicaOperations):
             others = self._serving_others(slot, target, deployment.deployment_id)
             if target is None:
                 complete = False
+                if held:
+                    # Qualifying and canary replicas run on top of the stable ones.
+                    if slot in allowed:
+                        await self._start(deployment, profile, goal, placement, nodes, now)
+                    continue
                 if not others:
                     await self._start(deployment, profile, goal, placement, nodes, now)
                 elif strategy.max_surge > 0:
@@ -156,6 +185,13 @@ class Rollout(ReplicaOperations):
             if target.stage is Stage.STARTING:
                 await self._check(deployment, target, rel, now, nodes)
                 checked = self._records.get(target.key)
+                if checked is None or checked.stage not in (Stage.SERVING, Stage.QUALIFYING):
+                    complete = False
+                    continue
+                target = checked
+            if target.stage is Stage.QUALIFYING:
+                await self._qualify(deployment, profile, target, now, nodes)
+                checked = self._records.get(target.key)
                 if checked is None or checked.stage is not Stage.SERVING:
                     complete = False
                     continue
@@ -166,11 +202,18 @@ class Rollout(ReplicaOperations):
                     self._delete(target)
                     complete = False
                     continue
+                release = self.release(deployment.deployment_id)
                 for other in self._slot_records(deployment.deployment_id, slot):
-                    if other is not target and other.stage in (Stage.STARTING, Stage.SERVING):
-                        await self._retire(other, now, nodes)
+                    if other is target or other.stage not in _ACTIVE:
+                        continue
+                    if self._held(release.progress) and other.revision == rel.serving_revision:
+                        complete = False  # the stable replica serves beside the candidate
+                        continue
+                    await self._retire(other, now, nodes)
             else:
                 complete = False  # retiring from an earlier goal: started again once gone
+        if held and self._held(self.release(deployment.deployment_id).progress):
+            complete = False  # the release is qualifying or in its canary
         if complete and (rel.serving_revision != goal or rel.serving_profile != profile):
             if rel.serving_revision != goal:
                 log.info(
@@ -252,10 +295,17 @@ class Rollout(ReplicaOperations):
         except Exception as exc:  # a bug or an unexpected error in a gate source
             verdict = f"check error: {exc!r}"
         if verdict:
-            await self._failed(deployment, target, rel, verdict, now, nodes)
+            await self._failed(
+                deployment, target, self.release(target.deployment_id), verdict, now, nodes
+            )
+            return
+        self._problems.pop(deployment.deployment_id, None)
+        if self._needs_qualifying(target):
+            # In the routing table with no revision share: the gates run on it next.
+            self._put(dataclasses.replace(target, stage=Stage.QUALIFYING, stage_since=now))
+            log.info("replica_qualifying", replica=target.replica_id, node=target.node)
             return
         self._put(dataclasses.replace(target, stage=Stage.SERVING, stage_since=now))
-        self._problems.pop(deployment.deployment_id, None)
         log.info("replica_serving", replica=target.replica_id, node=target.node)
 
     async def _warm_and_gate(
@@ -303,34 +353,3 @@ class Rollout(ReplicaOperations):
             passed=not verdict,
         )
         return f"gate failed on {target.replica_id}: {verdict}" if verdict else ""
-
-    async def _failed(
-        self,
-        deployment: Deployment,
-        target: ManagedReplica,
-        rel: Release,
-        reason: str,
-        now: datetime,
-        nodes: Mapping[str, Node],
-    ) -> None:
-        await self._retire(target, now, nodes)
-        rollout = (
-            bool(rel.serving_revision)
-            and rel.serving_revision != target.revision
-            and rel.serving_profile is not None
-        )
-        if rollout:
-            log.warning(
-                "rollout_rolled_back",
-                deployment=deployment.deployment_id,
-                failed_revision=target.revision,
-                serving_revision=rel.serving_revision,
-                reason=reason,
-            )
-            self._put_release(
-                dataclasses.replace(rel, failed_revision=target.revision, failure=reason)
-            )
-        else:
-            log.warning("replica_start_failed", deployment=deployment.deployment_id, reason=reason)
-            self._problems[deployment.deployment_id] = reason
-            self._backoff.failed(target.node, now)

@@ -31,12 +31,16 @@ class Stage(enum.Enum):
     """Where a managed replica is in its life, as the orchestrator drives it.
 
     STARTING: StartReplica sent; routable only after READY + warm-up (+ gate in a rollout).
-    SERVING: in the routing table. RETIRING: marked draining in the routing table; DrainReplica
-    follows after the propagation delay. DRAINING: DrainReplica sent; StopReplica when nothing is
-    in flight or the grace period is over; then the record is deleted.
+    QUALIFYING: a release's candidate replica under its qualifying gates (release/gates.py):
+    in the routing table, but its revision has no share of live traffic (only requests pinned
+    to the revision reach it). SERVING: in the routing table. RETIRING: marked draining in the
+    routing table; DrainReplica follows after the propagation delay. DRAINING: DrainReplica
+    sent; StopReplica when nothing is in flight or the grace period is over; then the record
+    is deleted.
     """
 
     STARTING = "starting"
+    QUALIFYING = "qualifying"
     SERVING = "serving"
     RETIRING = "retiring"
     DRAINING = "draining"

@@ -1,8 +1,8 @@
 """The routing table routers watch and the routers' shares of each replica's cap.
 
 - `table.py`: the table (model → ready replicas; LoRA adapters' routes on their base's
-  replicas), content versions, per-model filtering, a router's view with its shares and lease
-  epoch.
+  replicas; a release's revision shares), content versions, per-model filtering, a router's
+  view with its shares and lease epoch.
 - `shares.py`: the shared-caps rule (what routers may hold never sums past a cap; leases,
   acknowledged shrinks, hand-over between leaders), the per-router lease state, the split.
 - `hub.py`: `RoutingHub`, the latest table, its watchers, renewals, lease expiry and the grants
@@ -22,6 +22,7 @@ from inferplane.orchestrator.routing.table import (
     adapter_routes,
     filter_table,
     make_table,
+    revision_shares,
     table_version,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "adapter_routes",
     "filter_table",
     "make_table",
+    "revision_shares",
     "table_version",
 ]

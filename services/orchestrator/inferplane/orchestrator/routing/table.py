@@ -28,6 +28,17 @@ def table_version(routes: Sequence[pb.ModelRoute]) -> str:
     return digest.hexdigest()[:16]
 
 
+def revision_shares(stable: str, candidate: str, candidate_percent: int) -> list[pb.RevisionShare]:
+    """A route's live-traffic split during a release (issue 30, `ModelRoute.revision_shares`):
+    the stable revision 100 - p percent, the candidate p (0: the candidate is dark: only
+    requests pinned to its revision reach it, while it qualifies). Shares sum to 100."""
+    percent = max(0, min(100, candidate_percent))
+    shares = [pb.RevisionShare(revision=stable, percent=100 - percent)]
+    if percent:
+        shares.append(pb.RevisionShare(revision=candidate, percent=percent))
+    return shares
+
+
 def make_table(routes: Iterable[pb.ModelRoute]) -> pb.WatchRoutingTableResponse:
     """A table with routes sorted by model and endpoints by replica id, versioned by content."""
     ordered = []

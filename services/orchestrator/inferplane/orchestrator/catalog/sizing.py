@@ -6,7 +6,8 @@ memory per device = weights / TP + KV cache budget per device + overhead, where
   mixture-of-experts model every expert must be resident, so the TOTAL parameter count sizes
   memory; the active count (e.g. Kimi K2.5's 32B of 1T) sets compute per token, not memory.
   vLLM shards weights evenly over tensor-parallel ranks (column/row-parallel linears and the
-  vocab-parallel embedding, Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053).
+  vocab-parallel embedding, Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053). An EAGLE
+  profile adds its draft model's weights, whole on every rank (`catalog.draft`).
 - **KV cache budget** = max concurrent sequences × expected context tokens × 2 (K and V) ×
   layers × KV heads × head dim × KV dtype bytes (Kwon et al. 2023, "Efficient Memory Management
   for LLM Serving with PagedAttention", arXiv:2309.06180 §2–3). Per tensor-parallel rank a
@@ -14,7 +15,10 @@ memory per device = weights / TP + KV cache budget per device + overhead, where
   them when TP > KV heads (vLLM `ModelConfig.get_num_kv_heads`). Multi-head latent attention
   (DeepSeek-V3, Kimi K2) caches one 576-element latent per token per layer (kv_lora_rank 512 +
   rope dim 64, DeepSeek-V3 config.json), replicated on every rank: give `num_kv_heads=1,
-  head_dim=288` so 2 × 1 × 288 = 576.
+  head_dim=288` so 2 × 1 × 288 = 576. The KV dtype is the one the engine runs: the profile's
+  `kv_cache_dtype` reaches it as `--kv-cache-dtype` (issue 30); "auto" is vLLM's default, the
+  model's dtype (`ModelConfig.dtype`: 16 bit for every precision here but fp32). Speculative
+  drafts (EAGLE, MTP) add their layers (`catalog.draft`).
 - **overhead** per device = `overhead_bytes_per_device` + `overhead_fraction` × (weights + KV)
   on that device: CUDA context, cuBLAS/NCCL workspaces and the CUDA graphs vLLM captures
   (vLLM logs "Graph capturing finished … took 0.3–1.5 GiB"; its profiler counts them with the
@@ -48,6 +52,7 @@ import dataclasses
 import math
 from fractions import Fraction
 
+from inferplane.orchestrator.catalog.draft import DraftShape, draft_shape
 from inferplane.orchestrator.catalog.model import Accelerator, DeploymentProfile
 
 GB = 10**9
@@ -181,7 +186,8 @@ class MemoryEstimate:
 
 
 def kv_bytes_per_token(profile: DeploymentProfile, heads: int | None = None) -> int:
-    """2 × layers × KV heads × head dim × KV dtype bytes (K and V of one token, all layers).
+    """2 × layers × KV heads × head dim × KV dtype bytes (K and V of one token, all layers,
+    the speculative draft's layers included: `catalog.draft`).
 
     Raises:
         KeyError: unknown `kv_cache_dtype` (validation rejects it first).
@@ -191,7 +197,28 @@ def kv_bytes_per_token(profile: DeploymentProfile, heads: int | None = None) -> 
     dtype_bytes = KV_CACHE_DTYPE_BYTES[dtype]
     if dtype == "auto" and profile.precision.lower() == "fp32":
         dtype_bytes = AUTO_KV_BYTES_FP32
-    return 2 * profile.num_layers * heads * profile.head_dim * dtype_bytes
+    draft = _draft(profile)
+    layers = profile.num_layers + (draft.layers if draft is not None else 0)
+    return 2 * layers * heads * profile.head_dim * dtype_bytes
+
+
+def _draft(profile: DeploymentProfile) -> DraftShape | None:
+    return draft_shape(
+        profile.speculative_method,
+        profile.speculative_model,
+        profile.parameter_count,
+        profile.num_layers,
+    )
+
+
+def draft_bytes(profile: DeploymentProfile) -> int:
+    """Bytes of the speculative draft's weights (`catalog.draft`): its parameters at the
+    target's unquantized dtype (fp32 4 bytes, else 2: a quantized target's draft is 16 bit);
+    0 without a draft."""
+    draft = _draft(profile)
+    if draft is None:
+        return 0
+    return draft.parameter_count * (4 if profile.precision.lower() == "fp32" else 2)
 
 
 def min_kv_cache_bytes(profile: DeploymentProfile, heads: int | None = None) -> int:
@@ -231,7 +258,10 @@ def estimate(profile: DeploymentProfile, policy: SizingPolicy = SizingPolicy()) 
     precision = PRECISIONS[profile.precision]
     accelerator = profile.accelerator
     tp = 1 if accelerator is Accelerator.CPU else max(1, profile.tensor_parallel_size)
-    weights = math.ceil(profile.parameter_count * precision.bytes_per_parameter)
+    target = math.ceil(profile.parameter_count * precision.bytes_per_parameter)
+    # A speculative draft is counted whole on every rank: an upper bound where vLLM shards it.
+    draft = draft_bytes(profile)
+    weights = target + draft
     tokens = profile.max_num_seqs * profile.context_tokens
     kv_total = max(tokens * kv_bytes_per_token(profile), min_kv_cache_bytes(profile))
     heads_per_rank = math.ceil(profile.num_kv_heads / tp) if profile.num_kv_heads else 0
@@ -239,7 +269,7 @@ def estimate(profile: DeploymentProfile, policy: SizingPolicy = SizingPolicy()) 
         tokens * kv_bytes_per_token(profile, heads_per_rank),
         min_kv_cache_bytes(profile, heads_per_rank),
     )
-    weights_device = math.ceil(weights / tp)
+    weights_device = math.ceil(target / tp) + draft
     overhead = policy.overhead_bytes_per_device + math.ceil(
         policy.overhead_fraction * (weights_device + kv_device)
     )

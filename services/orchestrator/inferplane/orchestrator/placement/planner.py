@@ -188,10 +188,10 @@ def _keep(
 
 
 def diagnose(
-    request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger, needs: Needs | None = None
+    request: ReplicaRequest, nodes: Sequence[Node], ledger: Ledger, wanted: Needs | None = None
 ) -> str:
     """Exactly why `request` cannot be placed now: node counts by cause (nodes that lack the
-    engine or a capability `needs` asks for first, naming what each lacks), and the closest
+    engine or a capability `wanted` asks for first, naming what each lacks), and the closest
     node."""
     est = request.estimate
     devices, need = est.devices, est.bytes_per_device
@@ -209,11 +209,11 @@ def diagnose(
     if not candidates:
         return f"{head}; no {kind} node is registered"
     parts = []
-    if needs is not None and request.eligible is not None:
+    if wanted is not None and request.eligible is not None:
         lacking = [n for n in candidates if n.name not in request.eligible]
-        count, shown = summarize_lacks(needs, lacking)
+        count, shown = summarize_lacks(wanted, lacking)
         if count:
-            parts.append(f"{count} lack what it needs ({needs.describe()}): {shown}")
+            parts.append(f"{count} lack what it needs ({wanted.describe()}): {shown}")
         candidates = [n for n in candidates if n.name in request.eligible]
     not_ready = draining = too_few = too_small = full = 0
     closest: tuple[int, int, str] | None = None  # (-fitting devices, -kth free, node)

@@ -5,7 +5,9 @@ orchestrator directly (`--address`, env `INFERPLANE_ORCHESTRATOR_ADDRESS`, defau
 127.0.0.1:50053) through the SDK (`inferplane.sdk`).
 
 `create --file deployment.yaml` reads a `Deployment` in the proto's field names plus
-`deployment_id`:
+`deployment_id` (`update --file` the same, setting only the fields the file names;
+`--force --force-reason "..."` on both overrides a failed verdict of the compatibility matrix,
+which `compat list` and `compat forced` show):
 
 ```yaml
 deployment_id: llama-3.3-70b
@@ -28,13 +30,14 @@ profile:
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import yaml
-from google.protobuf import json_format
+from google.protobuf import json_format, timestamp_pb2
 from rich.console import Console
 from rich.table import Table
 
@@ -154,6 +157,19 @@ def autoscale(
     console.print(table)
 
 
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Go ahead although the compatibility matrix holds a failed verdict (audited; "
+        "needs --force-reason).",
+    ),
+]
+ForceReason = Annotated[
+    str, typer.Option("--force-reason", help="Why the failed verdict is overridden.")
+]
+
+
 def _read_deployment(path: Path) -> tuple[str, pb.Deployment]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -184,12 +200,20 @@ def create(
     validate_only: Annotated[
         bool, typer.Option("--validate-only", help="Check and preview; create nothing.")
     ] = False,
+    force: Force = False,
+    force_reason: ForceReason = "",
     address: Address = DEFAULT_ADDRESS,
 ) -> None:
     """Create a deployment from a YAML file and print where its replicas go."""
     deployment_id, message = _read_deployment(file)
     with _deployments(address) as client:
-        created = client.create(deployment_id, message, validate_only=validate_only)
+        created = client.create(
+            deployment_id,
+            message,
+            validate_only=validate_only,
+            force=force,
+            force_reason=force_reason,
+        )
         verb = "valid (nothing created)" if validate_only else "created"
         typer.echo(
             f"{created.name} {verb}: revision {created.status.current_revision}, "
@@ -198,6 +222,125 @@ def create(
         if not validate_only:
             for line in client.explain(created.name):
                 typer.echo(line)
+
+
+def _paths(data: dict[str, object], prefix: str = "") -> list[str]:
+    """The update mask a YAML file means: every field it sets (nested profile/rollout/
+    autoscaling fields one by one), ids and names left out."""
+    paths = []
+    for key, value in data.items():
+        if not prefix and key in ("deployment_id", "name"):
+            continue
+        if isinstance(value, dict) and not prefix:
+            paths.extend(_paths(value, f"{key}."))
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
+@app.command()
+def update(
+    file: Annotated[Path, typer.Option("--file", "-f", help="The fields to set, as YAML.")],
+    force: Force = False,
+    force_reason: ForceReason = "",
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Set the fields a YAML file names (deployment_id plus e.g. profile.engine_version); a
+    profile change is a new revision, rolled out."""
+    deployment_id, message = _read_deployment(file)
+    message.name = deployment_id
+    paths = _paths(yaml.safe_load(file.read_text()) or {})
+    if not paths:
+        typer.echo(f"error: {file} sets no field", err=True)
+        raise typer.Exit(2)
+    with _deployments(address) as client:
+        updated = client.update(message, paths, force=force, force_reason=force_reason)
+    typer.echo(
+        f"{updated.name} updated ({', '.join(paths)}): {updated.status.phase}: "
+        f"{updated.status.message}"
+    )
+
+
+compat = typer.Typer(
+    help="The compatibility matrix: release verdicts per engine version, weights, chat "
+    "template and parsers; and the changes that overrode a failed one (issue 30).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.add_typer(compat, name="compat")
+
+
+def _time(stamp: timestamp_pb2.Timestamp) -> str:
+    return stamp.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if stamp.seconds else "-"
+
+
+@compat.command("list")
+def compat_list(
+    deployment: Annotated[
+        str, typer.Option("--deployment", help="Only verdicts measured on it.")
+    ] = "",
+    engine_version: Annotated[
+        str, typer.Option("--engine-version", help="Only this engine version.")
+    ] = "",
+    verdict: Annotated[
+        str, typer.Option("--verdict", help="qualified, failed or unqualified.")
+    ] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per entry.")] = False,
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Each combination's current verdict, newest first."""
+    with _deployments(address) as client:
+        entries = list(
+            client.list_compatibility(
+                deployment=deployment, engine_version=engine_version, verdict=verdict
+            )
+        )
+    if as_json:
+        for e in entries:
+            typer.echo(json.dumps(json_format.MessageToDict(e), sort_keys=True))
+        return
+    table = Table(title="compatibility (newest first)", title_justify="left")
+    for column in ("ENGINE", "WEIGHTS", "CHAT TEMPLATE", "PARSERS", "VERDICT", "MEASURED ON"):
+        table.add_column(column, overflow="fold")
+    table.add_column("REASON / TIME", overflow="fold")
+    for e in entries:
+        a = e.artifacts
+        failing = [g for g in e.gates if g.result != "passed"]
+        reason = f"{failing[0].gate}: {failing[0].reason}" if failing else ""
+        table.add_row(
+            f"{a.engine} {a.engine_version}",
+            a.model_digest,
+            a.chat_template_digest,
+            a.parser,
+            e.verdict,
+            f"{e.deployment}@{e.revision}",
+            f"{reason} ({_time(e.update_time)})" if reason else _time(e.update_time),
+        )
+    Console(width=200).print(table)
+
+
+@compat.command("forced")
+def compat_forced(
+    deployment: Annotated[str, typer.Option("--deployment", help="Only this deployment.")] = "",
+    limit: Annotated[int, typer.Option("--limit", help="Most recent changes to show.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per change.")] = False,
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Creates and updates that overrode a failed verdict: who, why, what; newest first."""
+    with _deployments(address) as client:
+        changes = client.list_forced_changes(deployment, page_size=limit)
+    if as_json:
+        for c in changes:
+            typer.echo(json.dumps(json_format.MessageToDict(c), sort_keys=True))
+        return
+    table = Table(title="forced changes (newest first)", title_justify="left")
+    for column in ("TIME", "DEPLOYMENT", "ACTOR", "REASON", "OVERRIDDEN"):
+        table.add_column(column, overflow="fold")
+    for c in changes:
+        table.add_row(
+            _time(c.create_time), f"{c.deployment}@{c.revision}", c.actor, c.reason, c.overridden
+        )
+    Console(width=200).print(table)
 
 
 adapters = typer.Typer(

@@ -210,6 +210,7 @@ def test_health_is_not_serving_until_the_engine_is_ready_then_serving() -> None:
         assert await client.status() == NOT_SERVING
         assert await client.status("inferplane.inference.v1.InferenceService") == NOT_SERVING
         assert not (await client.load()).engine_ready
+        assert not (await client.load()).HasField("artifacts")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in client.events():
                 pass
@@ -220,6 +221,9 @@ def test_health_is_not_serving_until_the_engine_is_ready_then_serving() -> None:
         await until(lambda: _is(client.status(), SERVING))
         load = await client.load()
         assert (load.replica_id, load.engine_ready, load.draining) == ("r1", True, False)
+        # What it runs, reported with the load once ready (issue 30; server/artifacts.py).
+        assert load.artifacts.engine_version and load.artifacts.parser == "kimi_k2/kimi_k2"
+        assert load.artifacts.model_digest.startswith("sha256:")
         assert last_event([b async for b in client.events()]) == b"data: [DONE]"
         stop.set()
 

@@ -30,12 +30,13 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from inferplane.api.inference.v1 import inference_pb2_grpc
-from inferplane.api.nodeagent.v1 import replica_pb2_grpc
+from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.replica.engines.base import EngineClient
 from inferplane.replica.engines.lora import AdapterRegistry
 from inferplane.replica.hosts import EngineHost
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
+from inferplane.replica.server.artifacts import ArtifactsInfo, replica_artifacts, template_text
 from inferplane.replica.server.conformance import ConformanceRunner
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.server.response_store import ResponseStoreClient
@@ -48,7 +49,7 @@ from inferplane.replica.service import ReplicaProcessServicer
 from inferplane.replica.settings import ReplicaSettings
 from inferplane.replica.state import Phase, ReplicaState, TrackedEngine
 from inferplane.replica.tracing import ReplicaTracing
-from inferplane.replica_contract import Transport
+from inferplane.replica_contract import Transport, runs_on_cpu
 from inferplane.routing_client import OutcomeReporter, OutcomeReporterSettings
 from inferplane.runtime import (
     App,
@@ -191,8 +192,14 @@ class ReplicaProcess:
         self.tracing = Tracing(TracingSettings.of(settings, REPLICA_SERVICE_NAME))
         self.inference.tracing = ReplicaTracing(self.tracing, clock)
         # RunConformance (issue 30): replay and live requests through this process's own path.
+        # What this replica runs (issue 30), known once the engine is ready (`_load_artifacts`).
+        self.artifacts: replica_pb2.ReplicaArtifacts | None = None
+        self._artifacts_info = ArtifactsInfo(self.registry)
         self.conformance = ConformanceRunner(
-            self.state, self._assets, self.inference.CreateChatCompletion
+            self.state,
+            self._assets,
+            self.inference.CreateChatCompletion,
+            artifacts=lambda: self.artifacts,
         )
         app = App(
             component="replica",
@@ -221,6 +228,7 @@ class ReplicaProcess:
                         self.start_drain,
                         self.state_stream,
                         conformance=self.conformance,
+                        artifacts=lambda: self.artifacts,
                     ),
                     replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server,
                 ),
@@ -268,7 +276,25 @@ class ReplicaProcess:
             with contextlib.suppress(Exception):
                 await assets
         await self._assets.get(self.settings.spec)  # a failed load fails the start
+        await self._load_artifacts()
         return engine
+
+    async def _load_artifacts(self) -> None:
+        """`self.artifacts` and the `inferplane_replica_info` series (`server/artifacts.py`);
+        a failure is logged and leaves them unknown (the replica still serves)."""
+        spec = self.settings.spec
+        try:
+            assets = await self._assets.get(spec)
+            self.artifacts = await asyncio.to_thread(
+                replica_artifacts,
+                spec,
+                cpu=runs_on_cpu(self.settings.flags.device),
+                chat_template=template_text(assets.tokenizer),
+            )
+        except Exception:
+            log.exception("replica_artifacts_failed")
+            return
+        self._artifacts_info.set(self.artifacts, spec.revision)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serves until `stop` is set (graceful, exit 0), the engine dies (exit 1) or does

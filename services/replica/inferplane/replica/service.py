@@ -24,6 +24,8 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
             WatchReplicaState is UNIMPLEMENTED).
         conformance: the conformance checks (`server/conformance.py`; None: RunConformance is
             UNIMPLEMENTED).
+        artifacts: what the replica runs (`server/artifacts.py`), None while unknown; reported
+            in GetReplicaLoad.
     """
 
     def __init__(
@@ -32,22 +34,25 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         drain: Callable[[], Awaitable[int]],
         state_stream: ReplicaStateStream | None = None,
         conformance: ConformanceRunner | None = None,
+        artifacts: Callable[[], replica_pb2.ReplicaArtifacts | None] = lambda: None,
     ) -> None:
         self._state = state
         self._drain = drain
         self._stream = state_stream
         self._conformance = conformance
+        self._artifacts = artifacts
 
     async def GetReplicaLoad(
         self, request: replica_pb2.GetReplicaLoadRequest, context: Any
     ) -> replica_pb2.GetReplicaLoadResponse:
-        """Requests in flight, draining, engine ready."""
+        """Requests in flight, draining, engine ready, and what the replica runs once known."""
         state = self._state
         return replica_pb2.GetReplicaLoadResponse(
             replica_id=state.replica_id,
             in_flight_requests=state.in_flight,
             draining=state.phase is Phase.DRAINING,
             engine_ready=state.engine_ready,
+            artifacts=self._artifacts(),
         )
 
     async def StartReplicaDrain(

@@ -120,13 +120,25 @@ def test_the_acceptance_target_1000_requests_over_200_sessions_at_10_percent() -
     assert sum(0.07 <= x <= 0.13 for x in large) >= 48
 
 
-def test_growing_the_first_listed_share_keeps_its_sessions() -> None:
-    small, large = _route(10), _route(50)
-    split = _split(small)
+@pytest.mark.parametrize("canary_first", [True, False])
+def test_a_growing_canary_keeps_its_sessions(canary_first: bool) -> None:
+    """Whichever end of the range the orchestrator lists the canary at, its interval only
+    widens as its percent grows (10 → 25 → 50): no canary session moves back to stable."""
+
+    def shares(percent: int) -> ModelRoute:
+        route = _route(percent)
+        listed = route.revision_shares if canary_first else route.revision_shares[::-1]
+        return dataclasses.replace(route, revision_shares=listed)
+
+    steps = [shares(p) for p in (10, 25, 50)]
+    split = _split(steps[0])
     names = [f"grow-{i}" for i in range(2000)]
-    on_canary = [n for n in names if split.choose(small, _session(n)).revision == "canary"]  # type: ignore[union-attr]
-    assert on_canary
-    assert all(split.choose(large, _session(n)).revision == "canary" for n in on_canary)  # type: ignore[union-attr]
+    before: set[str] = set()
+    for step in steps:
+        on_canary = {n for n in names if split.choose(step, _session(n)).revision == "canary"}  # type: ignore[union-attr]
+        assert before <= on_canary
+        assert len(on_canary) > len(before)
+        before = on_canary
 
 
 def test_a_conversation_without_a_session_is_sticky_by_its_root() -> None:
@@ -258,5 +270,27 @@ def test_a_queued_request_takes_the_first_live_slot_never_a_dark_one() -> None:
         assert granted.slot.endpoint.key == second.slot.endpoint.key
         first.slot.release()
         granted.slot.release()
+
+    asyncio.run(scenario())
+
+
+def test_a_gateways_subset_and_the_split_both_restrict_the_pick() -> None:
+    async def scenario() -> None:
+        route = _route(50, per_revision=2)
+        table = RouteTable.of([route])
+        control, _, _ = admission(table)
+        director = Director(lambda: table, control, fallbacks=2)
+
+        def outside(served: ModelRoute) -> list[tuple[str, str]]:  # only the "-0" replicas
+            return [e.key for e in served.endpoints if not e.replica_id.endswith("-0")]
+
+        for i in range(20):
+            facts = _facts(f"gw-{i}")
+            routed = director.route(facts, outside)
+            assert routed.canary is not None
+            decision = await director.admit(routed)
+            (endpoint,) = decision.endpoints  # a gateway lists no fallbacks
+            assert endpoint.replica_id == f"{routed.canary.revision}-0"
+            decision.slot.release()
 
     asyncio.run(scenario())

@@ -12,9 +12,9 @@ first chooses a revision here, then its routing policy chooses among that revisi
   none of these (an embedding without `user`) is split per request. The hash is salted with
   the deployment, so where a session falls is independent of the replica it hashes to;
 - **weighted**: the 64-bit point is mapped onto the cumulative percents in the order the
-  orchestrator lists them: a session stays on its revision while the shares are unchanged,
-  and when the first listed revision's percent grows the sessions it had keep it (so the
-  orchestrator lists the canary first);
+  orchestrator lists them: a session stays on its revision while the shares are unchanged;
+  with two revisions (stable and canary) each holds one end of the range, so when either's
+  percent grows its interval only widens and the sessions it had keep it;
 - **percents**: normalized by their sum (100 from the orchestrator); a revision listed at 0 %
   takes no session but is live (a fallback); shares summing to 0 are no split;
 - **dark revisions**: an endpoint whose revision has no share takes no live traffic (a

@@ -198,6 +198,7 @@ class Launcher:
                 "--engine-startup-timeout-seconds",
                 str(cfg.startup_timeout_seconds),
                 *_fake_engine_args(cfg),
+                *_engine_env_args(),
                 env=dict(cfg.engine_env),
             )
         # Usage goes to auth (token limits, concurrency slots) and one record per request to
@@ -387,6 +388,15 @@ def _fake_engine_args(cfg: StackConfig) -> list[str]:
         "--token-delay", f"{cfg.fake_engine_token_delay:g}",
     )  # fmt: skip
     return ["--engine-command", ",".join(command)]
+
+
+def _engine_env_args() -> list[str]:
+    """The node-agent's `--engine-envs`: every engine environment setup built beside the
+    default one (`.venv-engines/<name>`, from engines/<name>.lock: engines/README.md), so a
+    profile's `engine_version` can select it; none when there is none."""
+    root = MODELS_DIR.parent / ".venv-engines"
+    envs = sorted(env for env in root.glob("*") if (env / "bin" / "python").is_file())
+    return ["--engine-envs", ",".join(str(env) for env in envs)] if envs else []
 
 
 def _tracing_args(cfg: StackConfig) -> list[str]:

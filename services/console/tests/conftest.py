@@ -19,7 +19,7 @@ from inferplane.api.auth.v1 import auth_pb2, usage_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
 from inferplane.api.telemetry.v1 import telemetry_pb2
 from inferplane.console.app import build_app
-from inferplane.console.platform import DeploymentView
+from inferplane.console.platform import CompatibilityView, DeploymentView
 from inferplane.console.sessions import Identity
 from inferplane.console.settings import ConsoleSettings
 from inferplane.runtime import NotFoundError, PermissionDeniedError, UnauthenticatedError
@@ -44,6 +44,8 @@ class FakePlatform:
     revoked_secrets: set[str] = dataclasses.field(default_factory=set)
     # Set: the orchestrator refuses ListAutoscalerDecisions with this message.
     decisions_error: str = ""
+    # What ListCompatibility / ListForcedChanges answer (issue 30).
+    compatibility: CompatibilityView = dataclasses.field(default_factory=CompatibilityView)
 
     def __post_init__(self) -> None:
         for key_id, tenant in (("k-acme", "acme"), ("k-globex", "globex")):
@@ -150,6 +152,9 @@ class FakeSession:
             DeploymentView(deployment, [placement], ["placed on gpu-node-7: most free"]),
             auto,
         ]
+
+    async def compatibility(self) -> CompatibilityView:
+        return self.p.compatibility
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:
         return [telemetry_pb2.Alert(kind="ttft_p99", deployment="kimi-tiny", message="slow")]

@@ -51,6 +51,21 @@ class DeploymentView:
     decisions_error: str = ""
 
 
+#: The compatibility matrix's entries and forced changes the deployments page shows (admins).
+COMPATIBILITY_SHOWN = 100
+FORCED_CHANGES_SHOWN = 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompatibilityView:
+    """The compatibility matrix (issue 30): each combination's current verdict and the changes
+    that overrode a failed one, newest first; `error` says why they could not be read."""
+
+    entries: Sequence[orchestrator_pb2.CompatibilityEntry] = ()
+    forced: Sequence[orchestrator_pb2.ForcedChange] = ()
+    error: str = ""
+
+
 class PlatformSession(Protocol):
     """What a page may ask the platform, as the signed-in key (see `SdkSession`)."""
 
@@ -78,6 +93,8 @@ class PlatformSession(Protocol):
         """Every deployment (with its autoscaler's recent decisions when autoscaling is
         enabled: the catalogue's, for every key); with `placements`, its replicas'
         placements and explanation."""
+
+    async def compatibility(self) -> CompatibilityView: ...
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]: ...
 
@@ -194,6 +211,24 @@ class SdkSession:
                 DeploymentView(deployment, replicas, explanation, decisions, decisions_error)
             )
         return views
+
+    async def compatibility(self) -> CompatibilityView:
+        """The newest COMPATIBILITY_SHOWN entries and FORCED_CHANGES_SHOWN forced changes; a
+        refused call (e.g. an orchestrator without the matrix) is the view's `error`."""
+        entries: list[orchestrator_pb2.CompatibilityEntry] = []
+        try:
+            async for entry in self._client.deployments.list_compatibility(
+                page_size=COMPATIBILITY_SHOWN
+            ):
+                entries.append(entry)
+                if len(entries) >= COMPATIBILITY_SHOWN:
+                    break
+            forced = await self._client.deployments.list_forced_changes(
+                page_size=FORCED_CHANGES_SHOWN
+            )
+        except InferplaneError as exc:
+            return CompatibilityView(entries, (), exc.message)
+        return CompatibilityView(entries, forced)
 
     async def alerts(self, *, include_resolved: bool) -> Sequence[telemetry_pb2.Alert]:
         if not self._telemetry_address:

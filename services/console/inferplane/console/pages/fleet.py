@@ -61,7 +61,8 @@ class FleetPages:
         """Every deployment's model, phase, replica count and release, and for an autoscaled
         one its bounds, desired replicas, scale to zero, last decision, signals and recent
         decisions (with a step chart of its replicas); for an admin key also each replica's
-        node, GPUs and health and the placement explanation (the fleet's layout is the
+        node, GPUs and health, the placement explanation and the compatibility matrix with its
+        forced changes (the fleet's layout is the
         operators', not a tenant's: a console key sees the catalogue only)."""
         _, identity, client = self.console.signed_in(request)
         try:
@@ -76,7 +77,11 @@ class FleetPages:
                 error=f"The orchestrator is unreachable: {exc.code().name}",  # type: ignore[attr-defined]
             )  # fmt: skip
         charts = replica_charts(views, time.time())
-        return self.console.render(request, "deployments.html", views=views, charts=charts)
+        # The compatibility matrix: release verdicts and overrides are the operators' view.
+        compat = await client.compatibility() if identity.is_admin else None
+        return self.console.render(
+            request, "deployments.html", views=views, charts=charts, compat=compat
+        )
 
     async def alerts_page(self, request: web.Request) -> web.StreamResponse:
         """Telemetry's alerts: platform operations, for admin keys only (403 otherwise)."""

@@ -95,7 +95,7 @@ class ReplicaArtifacts(_message.Message):
     engine_version: _builtins.str
     """The engine version that actually runs (the engine package's own version)."""
     model_digest: _builtins.str
-    """Digest of the weights ("sha256:..."; `inferplane.release_digests`)."""
+    """Digest of the weights ("sha256:..."; `inferplane.artifacts.weights_digest`)."""
     chat_template_digest: _builtins.str
     """Digest of the chat template the renderer uses ("sha256:...")."""
     parser: _builtins.str

@@ -377,7 +377,8 @@ class Pipeline(ReplicaOperations):
         """A target failed (its replica FAILED, its warm-up, or a gate): it is retired; in a
         rollout the revision is recorded as failed (the goal returns to the serving revision)
         and the pipeline says RolledBack; else the deployment is Degraded and the node backs
-        off."""
+        off. `rel` is read again (a check that ran during the tick may have moved it)."""
+        rel = self.release(rel.deployment_id)
         await self._retire(target, now, nodes)
         rollout = (
             bool(rel.serving_revision)

@@ -214,6 +214,7 @@ class Rollout(Pipeline):
                 complete = False  # retiring from an earlier goal: started again once gone
         if held and self._held(self.release(deployment.deployment_id).progress):
             complete = False  # the release is qualifying or in its canary
+        rel = self.release(deployment.deployment_id)  # the pipeline may have moved on
         if complete and (rel.serving_revision != goal or rel.serving_profile != profile):
             if rel.serving_revision != goal:
                 log.info(

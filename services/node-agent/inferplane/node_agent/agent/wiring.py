@@ -126,7 +126,6 @@ class NodeAgentParts:
     def node_status(self) -> nodeagent_pb2.NodeStatus:
         """This node as the orchestrator sees it: inventory, replicas, the engines it offers
         and its capabilities (`agent/capabilities.py`)."""
-        engines = self.manager.engines.to_proto()
         return nodeagent_pb2.NodeStatus(
             node=self.settings.node_name or socket.gethostname(),
             address=self.address(),
@@ -135,11 +134,15 @@ class NodeAgentParts:
             memory_bytes=self.inventory.memory_bytes,
             replicas=[r.to_proto() for r in self.manager.list()],
             agent_version=AGENT_VERSION,
-            engines=engines,
-            capabilities=node_capabilities(
-                cpu_node=self.manager.cpu, engines=engines, cpuinfo=self.cpuinfo
-            ),
+            engines=self.manager.engines.to_proto(),
+            capabilities=self.capabilities(),
         )
+
+    def capabilities(self) -> nodeagent_pb2.NodeCapabilities:
+        """What this node runs (`agent/capabilities.py`): reported to the orchestrator and
+        checked by the manager before a start."""
+        engines = self.manager.engines.to_proto()
+        return node_capabilities(cpu_node=self.manager.cpu, engines=engines, cpuinfo=self.cpuinfo)
 
     async def start(self) -> None:
         """Starts the configured replicas (returns at once; they come up in the background)
@@ -188,6 +191,7 @@ def build_node_agent(
         registrar=None,
     )
     parts.servicer = NodeAgentServicer(manager, parts.node_status)
+    manager.capabilities = parts.capabilities
     if settings.orchestrator_address:
         parts.registrar = Registrar(
             settings.orchestrator_address,

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.engine_args import EngineArgError, check_engine_args
+from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
+from inferplane.engine_features import SPECULATIVE_METHODS, FeatureError, check_spec_features
 from inferplane.node_agent.supervisor.control import ClientFactory, ReplicaProcessClient
 from inferplane.node_agent.supervisor.cpus import BIND_ENV, CpuCorePool
 from inferplane.node_agent.supervisor.engines import EngineCatalog, discover_engines
@@ -79,6 +80,9 @@ class ReplicaManager:
         )
         self._replicas: dict[str, Replica] = {}
         self._lock = asyncio.Lock()
+        #: This node's capabilities (set by the wiring: `NodeAgentParts.capabilities`); a start
+        #: whose KV cache dtype or speculative method it lacks is refused (issue 30).
+        self.capabilities: Callable[[], nodeagent_pb2.NodeCapabilities] | None = None
 
     def _plan(self, replica_id: str, spec: nodeagent_pb2.ReplicaSpec) -> LaunchPlan:
         cpu = self.cpu
@@ -117,6 +121,22 @@ class ReplicaManager:
         except KeyError:
             raise NotFoundError(
                 f"replica {replica_id!r} not found on this node", reason="REPLICA_NOT_FOUND"
+            ) from None
+
+    def _check_features(self, replica_id: str, spec: nodeagent_pb2.ReplicaSpec) -> None:
+        """FAILED_PRECONDITION naming `spec.kv_cache_dtype` or `spec.speculative.<field>` for
+        settings out of their rules or that this node's `capabilities` do not list
+        (`inferplane.engine_features.check_spec_features`); without a capabilities source
+        (a bare manager) the rules only."""
+        caps = self.capabilities() if self.capabilities is not None else None
+        kv_dtypes = caps.kv_cache_dtypes if caps is not None else KV_CACHE_DTYPES
+        methods = caps.speculative_methods if caps is not None else SPECULATIVE_METHODS
+        try:
+            check_spec_features(spec, kv_dtypes, methods)
+        except FeatureError as exc:
+            log.warning("replica_refused", replica_id=replica_id, field=exc.field)
+            raise FailedPreconditionError(
+                str(exc), reason="UNSUPPORTED_FEATURE", param=exc.field
             ) from None
 
     def list(self) -> list[Replica]:
@@ -164,6 +184,7 @@ class ReplicaManager:
                 str(exc), reason="INVALID_SPEC", param="spec.max_loras"
             ) from None
         engine = self.engines.select(spec)  # FAILED_PRECONDITION naming the field
+        self._check_features(replica_id, spec)  # issue 30: KV cache dtype, speculation
         try:
             # The orchestrator checked the profile already; this node runs only what the
             # allow-list of the engine it runs allows, whoever sent the spec (issue 18).

@@ -39,6 +39,7 @@ from inferplane.orchestrator.release.gate import Gate, LatencyReader, ProbeGate,
 from inferplane.orchestrator.release.gates import PerformanceGate
 from inferplane.orchestrator.release.matrix import CompatibilityMatrix
 from inferplane.orchestrator.release.observe import ReconcileSettings
+from inferplane.orchestrator.release.performance import build_gate as performance_gate
 from inferplane.orchestrator.release.reconciler import Reconciler
 from inferplane.orchestrator.release.store import (
     MemoryReleaseStore,
@@ -274,7 +275,8 @@ def build_components(
     """Builds the parts (no I/O beyond creating the data dir).
 
     The release pipeline's ports (issue 30): `performance`, the performance gate's runner
-    (None: none, a profile asking for the gate fails its release); `latency`, telemetry read
+    (None: GuideLLM through the edge when the `benchmark_*` settings are set, else none: a
+    profile asking for the gate fails its release); `latency`, telemetry read
     by revision for the canary (None: telemetry at the `telemetry_address` setting, or none).
 
     `lease_clock` times the leader lease (default: the system clock, also when `clock` is a
@@ -342,7 +344,7 @@ def build_components(
         hub,
         gate=gate or ProbeGate(agents, interval_seconds=settings.gate_probe_interval_seconds),
         clock=clock,
-        performance=performance,
+        performance=performance if performance is not None else performance_gate(settings),
         latency=latency or release_telemetry(settings),
         matrix=compat.matrix,
         settings=ReconcileSettings(

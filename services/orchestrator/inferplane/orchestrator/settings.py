@@ -72,6 +72,14 @@ class OrchestratorSettings(ServiceSettings):
             `~` expanded, symlinks resolved); sent to LoRA replicas as `ReplicaSpec.lora_root`
             (the same path on the nodes). "" = `<data_dir>/lora`; the local stack passes its
             `models/` folder.
+        benchmark_edge_url / benchmark_api_key_file: the performance gate's way in (issue 30,
+            `release/performance.py`): the edge's OpenAI base URL and a file holding an API
+            key with the `inference` and `admin` scopes (read at each run); either empty: no
+            performance gate (a profile asking for it fails its release).
+        benchmark_ca_path: the CA bundle of an https edge with a private CA ("" = the
+            system's).
+        benchmark_reports_dir: where the gate stores each run's report (environment and
+            GuideLLM's JSON); "" = `<data_dir>/bench-reports`.
     """
 
     port: int = 50053
@@ -112,6 +120,10 @@ class OrchestratorSettings(ServiceSettings):
     autoscale_ttft_interval_seconds: float = 15.0
     telemetry_address: str = ""
     lora_root: str = ""
+    benchmark_edge_url: str = ""
+    benchmark_api_key_file: str = ""
+    benchmark_ca_path: str = ""
+    benchmark_reports_dir: str = ""
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -465,3 +465,56 @@ def test_canary_decision_rules() -> None:
         ("a", 75),
         ("b", 25),
     ]
+
+
+def test_a_canary_of_three_replicas_runs_one_candidate_on_top_then_rolls_the_rest(
+    world: World, fx: Any
+) -> None:
+    proto = fx.tiny_cpu_proto(replicas=3)
+    proto.rollout.CopyFrom(pb.RolloutStrategy(max_surge=1, canary_percent=20))
+    world.control.create(deployment_from_proto(proto, "kimi-tiny"))
+    world.tick(3)
+    stable = world.status().current_revision
+    olds = {agent_replica_id(f"kimi-tiny-{i}", stable) for i in range(3)}
+    assert world.endpoints() == {(o, False) for o in olds}
+    revision = new_revision(world)
+    news = [agent_replica_id(f"kimi-tiny-{i}", revision) for i in range(3)]
+    world.tick(6)
+    # ceil(20% of 3) = 1 candidate, beside all three stable replicas.
+    assert world.endpoints() == {(o, False) for o in olds} | {(news[0], False)}
+    assert world.shares() == [(stable, 80), (revision, 20)]
+    assert world.agents.live() == olds | {news[0]}
+    world.telemetry.readings = {stable: GateReading(300, 0, 0.2), revision: GateReading(70, 0, 0.2)}
+    world.clock.advance(60)
+    world.tick()
+    assert world.shares() == []
+    for _ in range(12):  # the rest rolls one surge replica at a time
+        world.clock.advance(1.0)
+        world.tick(2)
+    status = world.status()
+    assert (status.phase, status.current_revision) == ("Available", revision)
+    assert world.endpoints() == {(n, False) for n in news}
+    assert world.agents.live() == set(news)
+    assert len(world.agents.conformance_calls) == 1  # the gates ran on the first candidate only
+
+
+def test_a_combination_already_qualified_skips_conformance(world: World, fx: Any) -> None:
+    old = serve_first(world, fx)
+    revision = new_revision(world)
+    known = pb.CompatibilityEntry(
+        artifacts=rp.ReplicaArtifacts(engine_version=revision[:6], **ARTIFACTS),
+        verdict="qualified",
+        gates=[pb.GateVerdict(gate="conformance", result="passed", reason="ok")],
+        deployment="elsewhere",
+        revision="0123456789abcdef",
+    )
+    world.components.compat.matrix.record(known)
+    world.tick(5)
+    assert world.agents.conformance_calls == []
+    status = world.status()
+    (verdict,) = status.release.verdicts
+    assert (verdict.gate, verdict.result) == ("conformance", "passed")
+    assert "already qualified" in verdict.reason and "elsewhere" in verdict.reason
+    assert status.release.stage == "Promoted"
+    assert (agent_replica_id("kimi-tiny-0", revision), False) in world.endpoints()
+    assert (old, True) in world.endpoints()

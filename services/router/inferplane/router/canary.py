@@ -6,7 +6,8 @@ first chooses a revision here, then its routing policy chooses among that revisi
 (the others are excluded from the pick, `CanarySplit.choose`):
 
 - **sticky**: the revision is a stable hash of the request's session — `x-session-id`, else
-  the request's `user` (`RequestFeatures.session`, as `session_affinity` uses), else the
+  the request's `user` (a Responses request's `prompt_cache_key`, an Anthropic request's
+  `metadata.user_id`: `RequestFeatures.session`, as `session_affinity` uses), else the
   conversation's root (tools, system turns and the first user turn: `RequestFeatures.root`,
   the same for every turn of one conversation, as `prefix_affinity` uses); a request with
   none of these (an embedding without `user`) is split per request. The hash is salted with
@@ -48,6 +49,8 @@ from inferplane.router.replicas import ReplicaKey, ReplicaSet
 from inferplane.router.routes import Endpoint, ModelRoute
 
 _POINTS = float(1 << 64)
+# Plans kept per model name; past this many (names that left the table) they are rebuilt.
+_MAX_PLANS = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,8 +121,8 @@ class CanarySplit:
     """Chooses each request's revision on routes with `revision_shares` (module docstring).
 
     `replicas(deployment)` returns admission's current `ReplicaSet` of a deployment (which
-    endpoints are usable now); `fallbacks`, a counter labelled (deployment, revision), counts
-    the requests whose revision had no usable endpoint (`RouterMetrics.canary_fallbacks`);
+    endpoints can take a request now); `fallbacks`, a counter labelled (deployment, revision),
+    counts the requests whose revision could take none (`RouterMetrics.canary_fallbacks`);
     `rng` draws the point of a request without a session.
     """
 
@@ -180,6 +183,9 @@ class CanarySplit:
     def _plan(self, route: ModelRoute) -> _Plan | None:
         # One plan per route object: a new table brings new route objects (identity check).
         if self._plan_routes.get(route.model) is not route:
+            if len(self._plan_routes) >= _MAX_PLANS:
+                self._plan_routes.clear()
+                self._plans.clear()
             self._plan_routes[route.model] = route
             self._plans[route.model] = _plan(route)
         return self._plans[route.model]

@@ -313,14 +313,14 @@ class CompatibilityMatrix:
 
     def list_forced(
         self, *, deployment: str = "", page_size: int = 0
-    ) -> list[orchestrator_pb2.ForcedChange]:
+    ) -> tuple[orchestrator_pb2.ForcedChange, ...]:
         """Forced changes, newest first (`deployment` "": all; `page_size` 0:
         DEFAULT_PAGE_SIZE, at most MAX_PAGE_SIZE)."""
         query = select(_ForcedRow).order_by(_ForcedRow.id.desc()).limit(_page_size(page_size))
         if deployment:
             query = query.where(_ForcedRow.deployment == deployment)
         with self._sessions() as s:
-            return [_forced(r) for r in s.scalars(query)]
+            return tuple(_forced(r) for r in s.scalars(query))
 
     def grandfathered(self) -> set[tuple[str, str]]:
         """The (deployment, revision) pairs that existed when migration 0007 ran."""

@@ -12,16 +12,19 @@ error rate; too few canary requests extend the window three times, then roll bac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2 as na
 from inferplane.api.nodeagent.v1 import replica_pb2 as rp
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.orchestrator import cli
 from inferplane.orchestrator.app import OrchestratorComponents, build_components
 from inferplane.orchestrator.catalog.model import RolloutStrategy
 from inferplane.orchestrator.convert import deployment_from_proto, node_from_status
@@ -518,3 +521,42 @@ def test_a_combination_already_qualified_skips_conformance(world: World, fx: Any
     assert status.release.stage == "Promoted"
     assert (agent_replica_id("kimi-tiny-0", revision), False) in world.endpoints()
     assert (old, True) in world.endpoints()
+
+
+def test_cli_status_prints_the_stage_and_the_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = pb.GateVerdict(
+        gate="conformance",
+        result="failed",
+        reason="conformance failed: tool calls returned 3/10 (30% < 95%).",
+        seconds=12.25,
+    )
+    verdict.decide_time.FromSeconds(1_800_000_000)
+    deployment = pb.Deployment(
+        name="deployments/kimi-tiny",
+        replicas=1,
+        status=pb.DeploymentStatus(
+            phase="RolledBack",
+            message="revision b was rolled back",
+            ready_replicas=1,
+            current_revision="a",
+            release=pb.ReleaseProgress(
+                stage="RolledBack",
+                candidate_revision="b",
+                verdicts=[verdict],
+                message="conformance gate failed",
+            ),
+        ),
+    )
+
+    class Client:
+        def get(self, name: str) -> pb.Deployment:
+            assert name == "kimi-tiny"
+            return deployment
+
+    monkeypatch.setattr(cli, "_deployments", lambda address: contextlib.nullcontext(Client()))
+    result = CliRunner().invoke(cli.app, ["status", "kimi-tiny"])
+    assert result.exit_code == 0, result.output
+    assert "deployments/kimi-tiny: RolledBack (1/1 ready), revision a" in result.output
+    assert "release of b: RolledBack: conformance gate failed" in result.output
+    assert "conformance" in result.output and "12.2" in result.output
+    assert "3/10" in result.output and "2027-01-15" in result.output

@@ -157,6 +157,46 @@ def autoscale(
     console.print(table)
 
 
+@app.command()
+def status(
+    name: Annotated[str, typer.Argument(help="Deployment id or alias.")],
+    address: Address = DEFAULT_ADDRESS,
+) -> None:
+    """Print a deployment's phase and its release: stage, candidate revision, canary share and
+    the gates' verdicts (conformance, performance, canary) with their numbers."""
+    with _deployments(address) as client:
+        d = client.get(name)
+    console = Console(width=160)
+    st = d.status
+    target = f" -> {st.target_revision}" if st.target_revision else ""
+    console.print(
+        f"{d.name}: {st.phase} ({st.ready_replicas}/{d.replicas} ready), revision "
+        f"{st.current_revision}{target}: {st.message}",
+        markup=False,
+    )
+    release = st.release
+    if not release.stage:
+        console.print("release: none yet (a deployment's first revision runs no gates)")
+        return
+    share = f", canary {release.canary_percent}% of live traffic" if release.canary_percent else ""
+    console.print(
+        f"release of {release.candidate_revision}: {release.stage}{share}: {release.message}",
+        markup=False,
+    )
+    table = Table(title="gate verdicts (in the order they ran)", title_justify="left")
+    for column in ("GATE", "RESULT", "SECONDS", "DECIDED", "REASON"):
+        table.add_column(column, overflow="fold")
+    for v in release.verdicts:
+        table.add_row(
+            v.gate,
+            v.result,
+            f"{v.seconds:.1f}",
+            _time(v.decide_time) if v.HasField("decide_time") else "-",
+            v.reason,
+        )
+    console.print(table)
+
+
 Force = Annotated[
     bool,
     typer.Option(

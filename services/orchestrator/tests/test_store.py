@@ -127,11 +127,17 @@ def store(open_store: Callable[[], SqlStateStore]) -> SqlStateStore:
     return open_store()
 
 
+#: Fields deliberately not stored: a node's engines and capabilities come with every
+#: heartbeat and are held in memory (issue 30, `fleet/model.py`).
+NOT_STORED = {"Node": ("engines", "capabilities")}
+
+
 def assert_no_defaults(value: Any) -> None:
     """Every field of the dataclass `value` differs from its default, so a round trip shows it
-    is stored (a field added later without a column fails here first)."""
+    is stored (a field added later without a column fails here first), except `NOT_STORED`."""
+    skipped = NOT_STORED.get(type(value).__name__, ())
     for field in dataclasses.fields(value):
-        if field.default is not dataclasses.MISSING:
+        if field.default is not dataclasses.MISSING and field.name not in skipped:
             assert getattr(value, field.name) != field.default, (
                 f"{type(value).__name__}.{field.name} is left at its default"
             )
@@ -157,6 +163,9 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         tool_parser="qwen3",
         speculative_method="eagle",
         speculative_model="yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+        num_speculative_tokens=3,  # the store keeps what it is given (validation is apart)
+        speculative_prompt_lookup_max=6,
+        speculative_prompt_lookup_min=2,
         transport="grpc",
         stream_interval=4,
         constrain_tool_choice_auto=True,
@@ -166,6 +175,7 @@ def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
         max_loras=4,
         max_lora_rank=64,
         ttft_slo_seconds=0.75,
+        release_gates=(("min_tool_call_rate", 0.9), ("performance", True)),
     )
     return dataclasses.replace(p, **changes)
 
@@ -186,6 +196,12 @@ def deployment(deployment_id: str, *aliases: str, **changes: Any) -> Deployment:
             max_ttft_p99_seconds=1.25,
             gate_window_seconds=60,
             drain_grace_period_seconds=45,
+            canary_percent=10,
+            canary_window_seconds=90,
+            canary_min_requests=30,
+            max_canary_error_rate_increase=0.01,
+            max_canary_ttft_p99_ratio=1.25,
+            max_canary_tool_call_validity_drop=0.02,
         ),
         owned_by="team-ä/research",
         routing_policy="prefix_affinity",

@@ -56,6 +56,12 @@ def ensure_auth_pepper(auth_dir: Path) -> Path:
     return path
 
 
+def benchmark_key_file(data_dir: Path) -> Path:
+    """Where the stack keeps the performance gate's operator key (scopes inference and admin;
+    mode 0600), which the orchestrator reads at each gate run."""
+    return data_dir / "orchestrator" / "benchmark-api-key"
+
+
 @dataclasses.dataclass(slots=True)
 class Launcher:
     """A stack's processes and how each starts and is waited for (`Stack` adds the order,
@@ -173,6 +179,13 @@ class Launcher:
             # Its open streams (heartbeats, table watches) would hold the default 10 s grace.
             "--grace-period-seconds",
             "2",
+            # The performance gate's way in (issue 30): the edge, with an operator key the
+            # stack writes once auth is up (`Stack._ensure_benchmark_key`).
+            "--benchmark-edge-url",
+            cfg.base_url,
+            "--benchmark-api-key-file",
+            str(benchmark_key_file(data).resolve()),
+            *(["--benchmark-ca-path", str(cfg.ca_path.resolve())] if cfg.ca_path else []),
         )
         # Node-agents and routers connect to it at once (their retries back off).
         self._wait_healthy("orchestrator", progress)

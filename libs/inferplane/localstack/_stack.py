@@ -70,7 +70,7 @@ from inferplane.localstack._deployments import (
     qwen3_tiny_deployment,
     whisper_tiny_deployment,
 )
-from inferplane.localstack._launch import Launcher
+from inferplane.localstack._launch import Launcher, benchmark_key_file
 from inferplane.localstack._prometheus import engine_sd_file
 from inferplane.runtime import AlreadyExistsError, ConfigError, InferplaneError
 from inferplane.runtime.processes.ports import free_port
@@ -114,6 +114,7 @@ class Stack(Launcher):
         self.console_port = cfg.console_port or free_port()
         try:
             self._start_services(progress)
+            self._ensure_benchmark_key()
             self._ensure_deployment(progress)
             endpoints = self._wait_routable(progress)
             # Telemetry scrapes the replicas the routing table lists (the metrics URLs their
@@ -431,6 +432,18 @@ class Stack(Launcher):
                     if exc.code() != grpc.StatusCode.NOT_FOUND or agent == agents[-1]:
                         raise
         raise AssertionError("unreachable: config.nodes is never empty")
+
+    def _ensure_benchmark_key(self) -> None:
+        """The performance gate's operator key (scopes inference and admin: the edge honours
+        its revision pin), created once and kept in `benchmark_key_file` (0600), which the
+        orchestrator reads when a release runs the gate."""
+        path = benchmark_key_file(self.config.data_dir)
+        if path.exists() or not self.admin_key:
+            return
+        secret = self.create_api_key("performance gate", scopes=("inference", "admin"))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(secret + "\n")
 
     def create_api_key(
         self, display_name: str = "local", scopes: tuple[str, ...] = ("inference",), **fields: Any

@@ -4,11 +4,18 @@ said in the section without breaking the page."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from inferplane.api.nodeagent.v1 import replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
-from inferplane.console.platform import CompatibilityView
+from inferplane.console.platform import CompatibilityView, SdkSession
+from inferplane.orchestrator.app import build_components
+from inferplane.orchestrator.settings import OrchestratorSettings
+from inferplane.runtime import RunningServer
+from inferplane.runtime.security.identity import PeerSecurity
+from inferplane.testing.clock import FakeClock
 
 ADMIN_KEY = "ip-admin-key-0000000000000000000000000000000"
 ACME_KEY = "ip-acme-console-00000000000000000000000000000"
@@ -76,3 +83,44 @@ def test_an_unreadable_matrix_is_said_in_the_section(run_console: Any, sign_in: 
         assert "No verdicts yet." in page and "None." in page
 
     run_console(scenario)
+
+
+def test_the_sdk_session_reads_the_matrix_of_a_real_orchestrator(tmp_path: Path) -> None:
+    """`SdkSession.compatibility` against an in-process orchestrator (plaintext): entries
+    newest first and the forced changes, as the page gets them."""
+    settings = OrchestratorSettings(
+        host="127.0.0.1", port=0, data_dir=tmp_path, sweep_interval_seconds=3600.0,
+        grace_period_seconds=0.2, plaintext=True,
+    )  # fmt: skip
+    components = build_components(settings, clock=FakeClock())
+    matrix = components.compat.matrix
+
+    async def scenario() -> CompatibilityView:
+        server = RunningServer(components.app(), settings)
+        await server.start()  # migrates the database
+        for verdict in ("qualified", "failed"):
+            entry = view().entries[0]
+            entry.verdict = verdict
+            entry.artifacts.engine_version = f"0.3{len(verdict)}.0"
+            entry.ClearField("update_time")
+            matrix.record(entry)
+        matrix.record_forced(
+            deployment="kimi", revision="r3", actor="admin", reason="hotfix", overridden="failed"
+        )
+        session = SdkSession(
+            ADMIN_KEY, auth="", orchestrator=f"127.0.0.1:{server.port}", telemetry="",
+            security=PeerSecurity.plaintext("admin"), timeout=10.0,
+        )  # fmt: skip
+        try:
+            return await session.compatibility()
+        finally:
+            await session.close()
+            await server.stop()
+
+    got = asyncio.run(scenario())
+    assert got.error == ""
+    assert [(e.verdict, e.artifacts.engine_version) for e in got.entries] == [
+        ("failed", "0.36.0"),
+        ("qualified", "0.39.0"),
+    ]
+    assert [(c.deployment, c.reason) for c in got.forced] == [("kimi", "hotfix")]

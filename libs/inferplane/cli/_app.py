@@ -6,6 +6,7 @@ from importlib.metadata import entry_points
 
 import typer
 
+from inferplane.cli._bench import bench
 from inferplane.cli._conformance import conformance
 from inferplane.cli._up import status, up
 from inferplane.parsers.cli import app as parsers_app
@@ -18,6 +19,7 @@ app = typer.Typer(
 )
 app.command()(up)
 app.command()(status)
+app.command()(bench)
 app.command()(conformance)
 app.add_typer(parsers_app, name="parsers", help="Run the reasoning and tool-call parsers.")
 

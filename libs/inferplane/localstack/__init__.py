@@ -32,6 +32,7 @@ from inferplane.localstack._deployments import (
     qwen3_tiny_deployment,
     whisper_tiny_deployment,
 )
+from inferplane.localstack._launch import benchmark_key_file
 from inferplane.localstack._prometheus import engine_sd_file, render_prometheus_config
 from inferplane.localstack._stack import Stack, running_stack
 
@@ -47,6 +48,7 @@ __all__ = [
     "StackConfig",
     "StackError",
     "StackHost",
+    "benchmark_key_file",
     "embed_tiny_deployment",
     "engine_sd_file",
     "kimi_tiny_deployment",

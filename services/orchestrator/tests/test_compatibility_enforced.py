@@ -9,11 +9,14 @@ from typing import Any
 
 import grpc
 import pytest
-from sqlalchemy import insert
+from alembic import command
+from sqlalchemy import create_engine, insert
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
+from inferplane.orchestrator.migrations import MIGRATIONS
 from inferplane.orchestrator.release import matrix as matrix_module
+from inferplane.testing.clock import FakeClock
 
 SOURCE = "/models/kimi-tiny"  # tiny_cpu_proto's model_source (no engine_version pinned)
 
@@ -213,3 +216,27 @@ def test_list_compatibility_filters_pages_and_refuses_a_bad_verdict(fleet: Any) 
     assert failed.entries[0].gates[0].reason == "tool_call_rate 0.91 < 0.98"
     err = refused(lambda: deployments.ListCompatibility(pb.ListCompatibilityRequest(verdict="ok")))
     assert param(err) == "verdict"
+
+
+def test_a_deployment_from_before_migration_0007_is_grandfathered(tmp_path: Any, fx: Any) -> None:
+    """The whole path: a deployment served before the matrix existed (its database taken back
+    to 0006), the orchestrator restarted on it (0007 runs), then its replica's first ready
+    report records its combination "unqualified"; a deployment created afterwards is not."""
+    settings = fx.make_settings(tmp_path)
+    with fx.running(settings, FakeClock()) as orch:
+        orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.cpu_status("laptop")), timeout=10)
+        create(orch, fx, "old")
+        before = revision(orch, "old")
+    engine = create_engine(settings.resolved_database_url)
+    try:
+        with engine.begin() as conn:
+            command.downgrade(MIGRATIONS.config(conn), "0006")
+    finally:
+        engine.dispose()
+    with fx.running(settings, FakeClock()) as orch:
+        create(orch, fx, "new")
+        report(orch, fx, deployment="new", revision=revision(orch, "new"))
+        assert not orch.deployments.ListCompatibility(pb.ListCompatibilityRequest()).entries
+        report(orch, fx, deployment="old", revision=before)
+        (entry,) = orch.deployments.ListCompatibility(pb.ListCompatibilityRequest()).entries
+        assert (entry.verdict, entry.deployment, entry.revision) == ("unqualified", "old", before)

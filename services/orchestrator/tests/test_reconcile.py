@@ -303,7 +303,7 @@ def test_failed_gate_rolls_back_and_status_says_why(tmp_path: Path, fx: Any) -> 
     assert world.agents.count("Start") == 2
     fixed = change_profile(world, "--seed", "2")  # a new profile tries again
     world.gate.reading = GateReading(10, 0, 0.1)
-    world.tick(4)
+    world.tick(5)  # warm-up and probe gate, the release's conformance gate, then it serves
     world.clock.advance(1.0)
     world.tick(3)
     assert world.endpoints() == [(agent_replica_id("kimi-tiny-0", fixed), False)]

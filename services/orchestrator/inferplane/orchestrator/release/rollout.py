@@ -104,12 +104,16 @@ class Rollout(Pipeline):
         )
 
     def ready_replicas(self, deployment_id: str) -> int:
-        """The deployment's replicas that serve and are observed READY (the autoscaler's
-        count of what its last scale-up brought)."""
-        return sum(
-            1
-            for r in self._records.values()
-            if r.deployment_id == deployment_id and r.stage is Stage.SERVING and self._ready(r)
+        """The deployment's slots with a replica that serves and is observed READY (the
+        autoscaler's count of what its last scale-up brought). Per slot: a canary's candidate
+        on top of a stable replica, or a surge replica beside the one it replaces, is not a
+        replica more."""
+        return len(
+            {
+                r.slot or r.replica_id
+                for r in self._records.values()
+                if r.deployment_id == deployment_id and r.stage is Stage.SERVING and self._ready(r)
+            }
         )
 
     def _goal(self, deployment: Deployment) -> tuple[str, DeploymentProfile, Release]:
@@ -136,14 +140,15 @@ class Rollout(Pipeline):
         goal, profile, rel = self._goal(deployment)
         prog = self._progress_for(deployment, goal, rel)
         rel = self.release(deployment.deployment_id)
-        held = self._held(prog)
-        allowed = self._pipeline_slots(deployment, prog, [p.replica_id for p in placements])
         self._adopt(deployment, placements, goal, nodes)
         mine = [r for r in self._records.values() if r.deployment_id == deployment.deployment_id]
         slots = {p.replica_id: p for p in placements}
         for record in mine:
             if record.slot not in slots:
                 await self._retire(record, now, nodes)
+        if self._held(prog) and rel.serving_profile is not None:
+            await self._converge_held(deployment, slots, goal, profile, rel, nodes, now)
+            return
         targets: dict[str, ManagedReplica | None] = {}
         for slot, placement in slots.items():
             targets[slot] = self._records.get((placement.node, agent_replica_id(slot, goal)))
@@ -164,11 +169,6 @@ class Rollout(Pipeline):
             others = self._serving_others(slot, target, deployment.deployment_id)
             if target is None:
                 complete = False
-                if held:
-                    # Qualifying and canary replicas run on top of the stable ones.
-                    if slot in allowed:
-                        await self._start(deployment, profile, goal, placement, nodes, now)
-                    continue
                 if not others:
                     await self._start(deployment, profile, goal, placement, nodes, now)
                 elif strategy.max_surge > 0:
@@ -202,18 +202,11 @@ class Rollout(Pipeline):
                     self._delete(target)
                     complete = False
                     continue
-                release = self.release(deployment.deployment_id)
                 for other in self._slot_records(deployment.deployment_id, slot):
-                    if other is target or other.stage not in _ACTIVE:
-                        continue
-                    if self._held(release.progress) and other.revision == rel.serving_revision:
-                        complete = False  # the stable replica serves beside the candidate
-                        continue
-                    await self._retire(other, now, nodes)
+                    if other is not target and other.stage in _ACTIVE:
+                        await self._retire(other, now, nodes)
             else:
                 complete = False  # retiring from an earlier goal: started again once gone
-        if held and self._held(self.release(deployment.deployment_id).progress):
-            complete = False  # the release is qualifying or in its canary
         rel = self.release(deployment.deployment_id)  # the pipeline may have moved on
         if complete and (rel.serving_revision != goal or rel.serving_profile != profile):
             if rel.serving_revision != goal:
@@ -227,6 +220,60 @@ class Rollout(Pipeline):
                 dataclasses.replace(rel, serving_revision=goal, serving_profile=profile)
             )
             self._problems.pop(deployment.deployment_id, None)
+
+    async def _converge_held(
+        self,
+        deployment: Deployment,
+        slots: Mapping[str, Placement],
+        goal: str,
+        profile: DeploymentProfile,
+        rel: Release,
+        nodes: Mapping[str, Node],
+        now: datetime,
+    ) -> None:
+        """A release that qualifies or runs its canary: every slot keeps (or gets back) its
+        stable replica; the slots `_pipeline_slots` allows run a candidate on top (started,
+        warmed up, qualified, served); a candidate in a slot no longer allowed (the autoscaler
+        scaled down) and replicas of any other revision are retired. Nothing completes here:
+        promotion (or rollback) ends the hold."""
+        assert rel.serving_profile is not None
+        stable_revision = rel.serving_revision
+        allowed = self._pipeline_slots(deployment, rel.progress, list(slots))
+        for slot, placement in sorted(slots.items()):
+            records = self._slot_records(deployment.deployment_id, slot)
+            stable = self._records.get((placement.node, agent_replica_id(slot, stable_revision)))
+            serving_stable = any(
+                r.revision == stable_revision and r.stage is Stage.SERVING for r in records
+            )
+            if stable is None and not serving_stable:
+                await self._start(
+                    deployment, rel.serving_profile, stable_revision, placement, nodes, now
+                )
+            elif stable is not None and stable.stage is Stage.STARTING:
+                await self._check(deployment, stable, self.release(rel.deployment_id), now, nodes)
+            elif stable is not None and stable.stage is Stage.SERVING and self._gone(stable):
+                log.warning("replica_lost", replica=stable.replica_id, node=stable.node)
+                self._delete(stable)
+            for other in records:
+                if other.revision not in (goal, stable_revision) and other.stage in _ACTIVE:
+                    await self._retire(other, now, nodes)
+            target = self._records.get((placement.node, agent_replica_id(slot, goal)))
+            if slot not in allowed:
+                if target is not None and target.stage in _ACTIVE:
+                    await self._retire(target, now, nodes)
+                continue
+            if target is None:
+                # Qualifying and canary replicas run on top of the stable ones.
+                await self._start(deployment, profile, goal, placement, nodes, now)
+                continue
+            if target.stage is Stage.STARTING:
+                await self._check(deployment, target, self.release(rel.deployment_id), now, nodes)
+                target = self._records.get(target.key) or target
+            if target.stage is Stage.QUALIFYING:
+                await self._qualify(deployment, profile, target, now, nodes)
+            elif target.stage is Stage.SERVING and self._gone(target):
+                log.warning("replica_lost", replica=target.replica_id, node=target.node)
+                self._delete(target)
 
     def _slot_records(self, deployment_id: str, slot: str) -> list[ManagedReplica]:
         return sorted(

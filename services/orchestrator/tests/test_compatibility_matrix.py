@@ -222,3 +222,17 @@ def test_an_in_memory_matrix_is_ready_at_once() -> None:
     m.record(entry("qualified"))
     assert m.lookup(artifacts()) is not None
     m.close()
+
+
+def test_a_release_qualifies_only_when_every_gate_passed() -> None:
+    passed = pb.GateVerdict(gate="conformance", result="passed")
+    assert matrix_module.verdict_of([passed, pb.GateVerdict(gate="canary", result="passed")]) == (
+        "qualified"
+    )
+    assert matrix_module.verdict_of([passed, pb.GateVerdict(gate="canary", result="failed")]) == (
+        "failed"
+    )
+    assert matrix_module.verdict_of([pb.GateVerdict(gate="performance", result="error")]) == (
+        "failed"
+    )
+    assert matrix_module.verdict_of([]) == "failed"  # nothing measured qualifies nothing

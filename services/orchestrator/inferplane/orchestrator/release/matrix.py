@@ -19,7 +19,7 @@ Verdicts: "qualified" (every gate passed), "failed" (a gate failed or could not 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -58,6 +58,13 @@ def parser_of(tool_parser: str, reasoning_parser: str) -> str:
     """`ReplicaArtifacts.parser` of a profile: "<tool_parser>/<reasoning_parser>" (the shape
     the replica reports, replica.proto)."""
     return f"{tool_parser}/{reasoning_parser}"
+
+
+def verdict_of(gates: Sequence[orchestrator_pb2.GateVerdict]) -> str:
+    """A release's verdict from its gates': QUALIFIED when there are some and every one
+    "passed", else FAILED (a gate that "error"ed counts as failed: the release stopped,
+    orchestrator.proto `GateVerdict.result`)."""
+    return QUALIFIED if gates and all(g.result == "passed" for g in gates) else FAILED
 
 
 class _Base(DeclarativeBase):

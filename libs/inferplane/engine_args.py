@@ -5,9 +5,10 @@ flags run code or widen what a replica can touch: `--trust-remote-code` (the mod
 Python), `--worker-cls`, `--logits-processors`, `--scheduler-cls` (import any class),
 `--kv-transfer-config`, `--otlp-traces-endpoint` (connect out), `--download-dir`,
 `--allowed-local-media-path` (paths), `--enable-log-requests` (tenants' prompts in the logs).
-So only the flags of `ALLOWED_FLAGS` pass, each with its value checked. The orchestrator checks
-a profile when a deployment is created or updated (INVALID_ARGUMENT naming the flag); the
-node-agent checks again before it starts a replica, whoever sent the spec.
+So only the flags of the engine version's list pass, each with its value checked. The
+orchestrator checks a profile (with its `engine_version`) when a deployment is created or
+updated (INVALID_ARGUMENT naming the flag); the node-agent checks again, against the list of
+the engine it selected, before it starts a replica, whoever sent the spec.
 
 Syntax: `--flag value` (two items) or `--flag=value`; a switch takes no value and has its
 `--no-` form; a flag may appear once. Spellings are exact: vLLM's parser also takes
@@ -211,7 +212,8 @@ PROFILE_OWNED: Mapping[str, str] = MappingProxyType(
 
 
 class EngineArgError(ValueError):
-    """An engine argument outside `ALLOWED_FLAGS`, or a value its rule refuses.
+    """An engine argument outside its engine version's list (`allowed_flags`), a value its rule
+    refuses, or arguments for an engine version without a list.
 
     Attributes:
         flag: the flag at fault, as written (without `=value`).

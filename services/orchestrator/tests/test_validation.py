@@ -331,3 +331,21 @@ def test_the_speech_warm_up_is_a_form_the_replica_reads() -> None:
     assert form.get("model") == "whisper-tiny" and form.get("response_format") == "verbose_json"
     with wave.open(io.BytesIO(form.files["file"].data)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 1, 8000)
+
+
+def test_engine_arguments_are_checked_against_the_profiles_engine_version() -> None:
+    """Issue 30: the allow-list is the profile's engine version's (`engine_args`): vLLM 0.31
+    still has cascade attention, 0.32 (and an empty version, the default) made the flag a
+    no-op; a version without a list refuses any argument, naming extra_engine_args."""
+    cascade = ("--disable-cascade-attn",)
+    validate_deployment(
+        Deployment(
+            "llama",
+            dataclasses.replace(PROFILE, engine_version="0.31.0", extra_engine_args=cascade),
+        ).normalised()
+    )
+    for version in ("0.32.0", ""):
+        error = invalid(engine_version=version, extra_engine_args=cascade)
+        assert error.param == "deployment.profile.extra_engine_args"
+    error = invalid(engine_version="0.9.0", extra_engine_args=("--seed", "1"))
+    assert "engine_version '0.9.0' has no engine-argument allow-list" in str(error.message)

@@ -562,3 +562,58 @@ def test_cli_status_prints_the_stage_and_the_verdicts(monkeypatch: pytest.Monkey
     assert "release of b: RolledBack: conformance gate failed" in result.output
     assert "conformance" in result.output and "12.2" in result.output
     assert "3/10" in result.output and "2027-01-15" in result.output
+
+
+def test_a_restarted_orchestrator_resumes_the_canary(world: World, fx: Any, tmp_path: Path) -> None:
+    old, stable, candidate, revision = start_canary(world, fx)
+    world.clock.advance(30)
+    asyncio.run(world.components.reconciler.close())
+    world.components.store.close()
+    again = build_components(
+        fx.make_settings(tmp_path, reconcile=False),
+        clock=world.clock,
+        agents=world.agents,
+        gate=PassingProbes(),
+        performance=world.performance,
+        latency=world.telemetry,
+    )
+    again.control.load()
+    again.reconciler.load()
+    again.control.set_status_provider(again.reconciler.status)
+    world.components = again
+    world.tick()
+    assert world.shares() == [(stable, 90), (revision, 10)]  # the window goes on from where it was
+    assert world.endpoints() == {(old, False), (candidate, False)}
+    assert world.telemetry.reads == []
+    world.telemetry.readings = {stable: GateReading(500, 0, 0.2), revision: GateReading(50, 0, 0.2)}
+    world.clock.advance(30)
+    world.tick()
+    assert world.status().release.stage == "Promoted"
+    assert world.telemetry.reads[0][1] == pytest.approx(60)
+
+
+def test_scaling_during_a_canary_keeps_its_share(world: World, fx: Any) -> None:
+    proto = fx.tiny_cpu_proto(replicas=3)
+    proto.rollout.CopyFrom(pb.RolloutStrategy(max_surge=1, canary_percent=20))
+    world.control.create(deployment_from_proto(proto, "kimi-tiny"))
+    world.tick(3)
+    stable = world.status().current_revision
+    revision = new_revision(world)
+    world.tick(6)
+    assert world.shares() == [(stable, 80), (revision, 20)]
+    current = world.control.resolve("kimi-tiny")
+    world.control.update(dataclasses.replace(current, replicas=6), ["replicas"])
+    world.tick(4)
+    # Six stable replicas (the new slots start the serving revision), ceil(20% of 6) = 2
+    # candidates on top.
+    stable_ids = {agent_replica_id(f"kimi-tiny-{i}", stable) for i in range(6)}
+    candidates = {agent_replica_id(f"kimi-tiny-{i}", revision) for i in range(2)}
+    assert world.endpoints() == {(r, False) for r in stable_ids | candidates}
+    assert world.components.reconciler.ready_replicas("kimi-tiny") == 6
+    world.control.update(dataclasses.replace(current, replicas=2), ["replicas"])
+    world.tick(2)
+    # Scaled down: ceil(20% of 2) = 1 candidate; the second one is retired.
+    live = {(r, d) for r, d in world.endpoints() if not d}
+    assert live == {(agent_replica_id(f"kimi-tiny-{i}", stable), False) for i in range(2)} | {
+        (agent_replica_id("kimi-tiny-0", revision), False)
+    }

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf import json_format
@@ -209,7 +209,7 @@ class CompatibilityMatrix:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; got {entry.verdict!r}")
         combination = _combination(entry.artifacts)
         when = (
-            entry.update_time.ToDatetime(tzinfo=self._clock.now().tzinfo)
+            entry.update_time.ToDatetime(tzinfo=UTC)
             if entry.HasField("update_time")
             else self._clock.now()
         )

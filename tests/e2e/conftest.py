@@ -5,14 +5,17 @@ orchestrator), on free loopback ports in a temporary data directory."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
-from inferplane.localstack import Stack, StackConfig, running_stack
+from inferplane.api.nodeagent.v1 import nodeagent_pb2
+from inferplane.localstack import Stack, StackConfig, StackError, running_stack
 from inferplane.runtime.processes.ports import free_port, free_port_run
 
 # Modules that start a stack of their own (their fixture is module-scoped).
@@ -29,6 +32,7 @@ OWN_STACK_MODULES = frozenset(
         "test_autoscale.py",
         "test_lora.py",
         "test_release_pipeline.py",
+        "test_speculative.py",
     }
 )
 
@@ -66,6 +70,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     with running_stack(config, print) as started:
         yield started
+
+
+_restarts_seen: dict[str, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def _session_stack_serving(request: pytest.FixtureRequest) -> None:
+    """Before each test on the session stack: its kimi-tiny replica serves (waits up to 300 s,
+    a replica restarting after an engine death included), and a restart since the last test
+    is printed with its last error, so a test that fails after one says why."""
+    if "stack" not in request.fixturenames or request.path.name in OWN_STACK_MODULES:
+        return
+    stack: Stack = request.getfixturevalue("stack")
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            replica = stack.serving_replica()
+        except (StackError, grpc.RpcError) as exc:
+            replica, problem = None, str(exc)
+        if replica is not None and replica.state == nodeagent_pb2.Replica.STATE_READY:
+            break
+        if replica is not None:
+            problem = f"replica {replica.name} is {nodeagent_pb2.Replica.State.Name(replica.state)}"
+        assert time.monotonic() < deadline, f"the session stack does not serve: {problem}"
+        time.sleep(1)
+    seen = _restarts_seen.setdefault(replica.name, replica.restart_count)
+    if replica.restart_count != seen:
+        _restarts_seen[replica.name] = replica.restart_count
+        print(
+            f"session stack: {replica.name} restarted ({seen} -> {replica.restart_count}) "
+            f"before {request.node.nodeid}; last error: {replica.last_error}"
+        )
 
 
 @pytest.fixture(scope="session")

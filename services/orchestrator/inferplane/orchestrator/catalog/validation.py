@@ -172,6 +172,43 @@ def validate_deployment(deployment: Deployment) -> None:
             f"{rollout.canary_percent}",
             "rollout.canary_percent",
         )
+    for name in ("max_canary_error_rate_increase", "max_canary_tool_call_validity_drop"):
+        if not 0.0 <= getattr(rollout, name) <= 1.0:
+            raise _fail(
+                f"rollout.{name} is an absolute share between 0 and 1 (0: the default); got "
+                f"{getattr(rollout, name)}",
+                f"rollout.{name}",
+            )
+    if rollout.max_canary_ttft_p99_ratio and rollout.max_canary_ttft_p99_ratio < 1.0:
+        raise _fail(
+            "rollout.max_canary_ttft_p99_ratio is a factor of at least 1 (0: the default); got "
+            f"{rollout.max_canary_ttft_p99_ratio}",
+            "rollout.max_canary_ttft_p99_ratio",
+        )
+    _validate_release_gates(dict(deployment.profile.release_gates))
+
+
+#: `ReleaseGates` fields that are shares between 0 and 1 (0: the default).
+_GATE_SHARES = (
+    "min_tool_call_rate",
+    "min_schema_valid_rate",
+    "min_replay_pass_rate",
+    "max_ttft_p99_regression",
+    "max_itl_p99_regression",
+    "max_throughput_regression",
+)
+
+
+def _validate_release_gates(gates: dict[str, object]) -> None:
+    """The profile's release gates (issue 30): rates and regressions are shares in [0, 1]."""
+    for name in _GATE_SHARES:
+        value = gates.get(name, 0.0)
+        if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise _fail(
+                f"profile.release_gates.{name} is a share between 0 and 1 (0: the default); "
+                f"got {value}",
+                f"profile.release_gates.{name}",
+            )
 
 
 def _validate_parsers(reasoning_parser: str, tool_parser: str) -> None:

@@ -33,6 +33,7 @@ from inferplane.orchestrator.release.agents import ProbeResult
 from inferplane.orchestrator.release.gate import GateReading, GateTarget
 from inferplane.orchestrator.release.spec import agent_replica_id
 from inferplane.orchestrator.routing import revision_shares
+from inferplane.runtime import InvalidArgumentError
 from inferplane.testing.clock import FakeClock
 
 S = na.Replica.State
@@ -617,3 +618,27 @@ def test_scaling_during_a_canary_keeps_its_share(world: World, fx: Any) -> None:
     assert live == {(agent_replica_id(f"kimi-tiny-{i}", stable), False) for i in range(2)} | {
         (agent_replica_id("kimi-tiny-0", revision), False)
     }
+
+
+@pytest.mark.parametrize(
+    ("rollout", "gates", "param"),
+    [
+        ({"canary_percent": 51}, {}, "deployment.rollout.canary_percent"),
+        (
+            {"max_canary_error_rate_increase": 1.5},
+            {},
+            "deployment.rollout.max_canary_error_rate_increase",
+        ),
+        ({"max_canary_ttft_p99_ratio": 0.5}, {}, "deployment.rollout.max_canary_ttft_p99_ratio"),
+        ({}, {"min_tool_call_rate": 2.0}, "deployment.profile.release_gates.min_tool_call_rate"),
+    ],
+)
+def test_bad_canary_and_gate_settings_name_their_field(
+    world: World, fx: Any, rollout: dict[str, Any], gates: dict[str, Any], param: str
+) -> None:
+    proto = fx.tiny_cpu_proto()
+    proto.rollout.CopyFrom(pb.RolloutStrategy(max_surge=1, **rollout))
+    proto.profile.release_gates.CopyFrom(pb.ReleaseGates(**gates))
+    with pytest.raises(InvalidArgumentError) as raised:
+        world.control.create(deployment_from_proto(proto, "kimi-tiny"))
+    assert raised.value.param == param

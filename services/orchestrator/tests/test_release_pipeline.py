@@ -490,6 +490,7 @@ def test_a_canary_of_three_replicas_runs_one_candidate_on_top_then_rolls_the_res
     assert world.agents.live() == olds | {news[0]}
     # The autoscaler counts slots: the candidate on top is not a fourth replica.
     assert world.components.reconciler.ready_replicas("kimi-tiny") == 3
+    assert world.status().ready_replicas == 3
     world.telemetry.readings = {stable: GateReading(300, 0, 0.2), revision: GateReading(70, 0, 0.2)}
     world.clock.advance(60)
     world.tick()

@@ -52,7 +52,7 @@ class Rollout(Pipeline):
     def _phase(self, deployment: Deployment, base: DeploymentStatus) -> DeploymentStatus:
         rel = self.release(deployment.deployment_id)
         mine = [r for r in self._records.values() if r.deployment_id == deployment.deployment_id]
-        ready = sum(1 for r in mine if r.stage is Stage.SERVING and self._ready(r))
+        ready = self.ready_replicas(deployment.deployment_id)  # per slot (a canary is on top)
         target = deployment.revision
         current = rel.serving_revision or target
         updated = sum(

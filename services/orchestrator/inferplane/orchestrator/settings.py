@@ -67,7 +67,9 @@ class OrchestratorSettings(ServiceSettings):
             from telemetry over this window, at most this often per deployment (only for
             profiles with `ttft_slo_seconds`).
         telemetry_address: the telemetry service (`host:port`) the autoscaler reads TTFT p99
-            from (`QueryLatency`); "" = `edge_telemetry_address`; both empty: no TTFT signal.
+            from (`QueryLatency`), and a release's canary its revisions' figures; "" =
+            `edge_telemetry_address`; both empty: no TTFT signal, and a canary cannot be
+            judged (it rolls back).
         lora_root: the folder every LoRA adapter's source must lie in (`catalog/adapters.py`;
             `~` expanded, symlinks resolved); sent to LoRA replicas as `ReplicaSpec.lora_root`
             (the same path on the nodes). "" = `<data_dir>/lora`; the local stack passes its

@@ -3,15 +3,21 @@
 `live_requests(n, seed)` draws `n` chat requests, each with 1 to 3 function tools of random
 names and random object schemas (integer with bounds, number, boolean, bounded string, string
 enum, a nested object, a short array; a random `required` list), asking a weather question,
-with `tool_choice` "auto", "required" and a named function in turn. The same seed gives the
-same requests (`random.Random(seed)`; no global state). Free strings are at most 16
-characters: a longer one could hold a call marker, which a constrained grammar allows inside
-JSON strings and the parser then takes for the end of the arguments
-(`inferplane.parsers._constrain`).
+with `tool_choice` "auto", "required" and a named function in turn. Thinking (where the family
+has a switch: `thinking_kwarg`) is on for every other "auto" request and off for "required" and
+named ones: a forced call is measured as the answer's first output (a model that reasons
+without end before it, as the fixture model does on tools it was not trained on, is then not
+cut by `max_tokens` before its call), reasoning separation and leaked markers where the model
+writes freely. The same seed gives the same requests (`random.Random(seed)`; no global
+state). Free strings are at most 16 characters: a longer one could hold a call marker, which a
+constrained grammar allows inside JSON strings and the parser then takes for the end of the
+arguments (`inferplane.parsers._constrain`); numbers and integers have both bounds (a model
+that writes digits without end is cut by `max_tokens`).
 
 `LiveTally` scores each answer (an OpenAI chat completion as JSON) as
 github.com/MoonshotAI/K2-Vendor-Verifier counts: calls expected (required / named) and
-returned, calls schema-valid (a declared name, the named one under a named `tool_choice`;
+returned, calls schema-valid (the last call of an answer cut by `max_tokens` is returned but
+not checked: it cannot be complete) (a declared name, the named one under a named `tool_choice`;
 arguments a JSON object valid against its `parameters`: `inferplane.parsers.
 validate_tool_calls`), finish reasons that disagree with the output, the family's markers
 leaked into content or reasoning, and reasoning markers left in content (reasoning not
@@ -35,7 +41,7 @@ JSON = dict[str, Any]
 
 TOOL_CHOICES = ("auto", "required", "named")
 """The `tool_choice` of request i is `TOOL_CHOICES[i % 3]` ("named": one of its functions)."""
-MAX_TOKENS = 256
+MAX_TOKENS = 1024
 """Completion tokens per live request."""
 MAX_STRING_LENGTH = 16
 CITIES = ("Tokyo", "Paris", "Rome", "Oslo", "Lima", "Berlin", "Madrid", "Cairo", "Seoul")
@@ -52,12 +58,14 @@ class LiveRequest:
             `temperature` 0); `model` is left to the sender.
         tool_choice: "auto", "required" or "named".
         named: the function a named `tool_choice` names ("" otherwise).
+        thinking: reasoning asked for (set in the body only for a family with a switch).
     """
 
     index: int
     body: JSON
     tool_choice: str
     named: str = ""
+    thinking: bool = True
 
     @property
     def expects_call(self) -> bool:
@@ -73,22 +81,15 @@ def _name(rng: random.Random, length: int) -> str:
 def _leaf(rng: random.Random) -> JSON:
     kind = rng.randrange(5)
     if kind == 0:
-        schema: JSON = {"type": "integer"}
-        if rng.random() < 0.5:
-            lo = rng.randint(-100, 100)
-            schema["minimum"] = lo
-            if rng.random() < 0.5:
-                schema["maximum"] = lo + rng.randint(0, 1000)
-        return schema
+        lo = rng.randint(-100, 100)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 1000)}
     if kind == 1:
-        schema = {"type": "number"}
-        if rng.random() < 0.5:
-            schema["minimum"] = rng.randint(-50, 50)
-        return schema
+        lo = rng.randint(-50, 50)
+        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 100)}
     if kind == 2:
         return {"type": "boolean"}
     if kind == 3:
-        schema = {"type": "string", "maxLength": rng.randint(1, MAX_STRING_LENGTH)}
+        schema: JSON = {"type": "string", "maxLength": rng.randint(1, MAX_STRING_LENGTH)}
         if rng.random() < 0.5:
             schema["description"] = " ".join(rng.sample(_WORDS, rng.randint(1, 3)))
         return schema
@@ -140,9 +141,11 @@ def random_tools(rng: random.Random, max_tools: int = 3) -> list[JSON]:
     return tools
 
 
-def live_requests(n: int, seed: int) -> list[LiveRequest]:
+def live_requests(n: int, seed: int, thinking_kwarg: str | None = None) -> list[LiveRequest]:
     """`n` live requests for `seed` (same seed, same requests); `tool_choice` auto, required,
-    named in turn.
+    named in turn; thinking on for every other auto request, off otherwise, set as
+    `chat_template_kwargs[thinking_kwarg]` (the family's switch, `ChatFamily.thinking_kwarg`;
+    None: the family has none and the body leaves it to the template).
 
     Raises:
         ValueError: `n` is negative.
@@ -168,7 +171,12 @@ def live_requests(n: int, seed: int) -> list[LiveRequest]:
             "max_tokens": MAX_TOKENS,
             "temperature": 0,
         }
-        out.append(LiveRequest(index=i, body=body, tool_choice=kind, named=named))
+        thinking = kind == "auto" and (i // len(TOOL_CHOICES)) % 2 == 0
+        if thinking_kwarg:
+            body["chat_template_kwargs"] = {thinking_kwarg: thinking}
+        out.append(
+            LiveRequest(index=i, body=body, tool_choice=kind, named=named, thinking=thinking)
+        )
     return out
 
 
@@ -228,19 +236,30 @@ class LiveTally:
             )
             for c in raw_calls
         ]
+        finish = choice.get("finish_reason") or ""
         if request.expects_call:
             self.tool_calls_expected += 1
             self.tool_calls_returned += bool(calls)
-        self.tool_calls += len(calls)
+            if not calls:
+                self.problems.append(
+                    f"live {request.index}: no call under {request.tool_choice}, finish {finish!r}"
+                    f", {len(content)} content and {len(reasoning)} reasoning characters"
+                )
+        checked = calls
+        if finish == "length" and calls:
+            # The budget ended inside the last call: it cannot be complete, and says nothing
+            # of the format (tests/e2e/test_tool_call_validity.py counts it apart too).
+            checked = calls[:-1]
+            self.problems.append(f"live {request.index}: last call cut by max_tokens")
+        self.tool_calls += len(checked)
         tools = request.body["tools"]
         if request.named:  # a named tool_choice declares only the named function
             tools = [t for t in tools if t["function"]["name"] == request.named]
-        verdicts = validate_tool_calls(calls, tools)
+        verdicts = validate_tool_calls(checked, tools)
         self.tool_calls_schema_valid += sum(1 for v in verdicts if v.valid)
         for v in verdicts:
             if not v.valid:
                 self.problems.append(f"live {request.index}: call {v.name}: {v.reason} {v.message}")
-        finish = choice.get("finish_reason") or ""
         if (finish == "tool_calls") != bool(calls) and finish != "length":
             self.finish_reason_mismatches += 1
             self.problems.append(f"live {request.index}: finish {finish!r}, {len(calls)} calls")

@@ -168,7 +168,9 @@ class ConformanceRunner:
             family_markers(assets.parser.config.terminals) if assets.parser else ([], [])
         )
         tally = LiveTally(markers=markers, reasoning_markers=reasoning)
-        await self._live(live_requests(request.live_requests, request.seed), tally, deadline, spec)
+        thinking_kwarg = assets.chat_family.thinking_kwarg
+        drawn = live_requests(request.live_requests, request.seed, thinking_kwarg)
+        await self._live(drawn, tally, deadline, spec)
         tally.fill(report)
         report.seconds = self._clock() - started
         log.info(

@@ -74,7 +74,7 @@ def decide(
             )
         return CanaryDecision(
             ROLL_BACK,
-            f"canary failed: too few requests after {MAX_CANARY_EXTENSIONS} extensions: {why} "
+            f"too few requests after {MAX_CANARY_EXTENSIONS} extensions: {why} "
             f"in {window_seconds:.0f} s",
             measurements,
         )
@@ -115,7 +115,7 @@ def decide(
             f"{stable.tool_call_validity:.3f}: -{drop:.3f} > -{max_drop:g}"
         )
     if problems:
-        return CanaryDecision(ROLL_BACK, "canary failed: " + "; ".join(problems), measurements)
+        return CanaryDecision(ROLL_BACK, "; ".join(problems), measurements)
     return CanaryDecision(
         PROMOTE,
         f"canary passed over {window_seconds:.0f} s: error rate {canary.error_rate:.3f} vs "

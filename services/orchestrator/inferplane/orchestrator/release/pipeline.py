@@ -145,7 +145,7 @@ class Pipeline(ReplicaOperations):
             address = seen.inference_address or target.address
             artifacts = seen.artifacts if seen.HasField("artifacts") else None
             task = asyncio.create_task(
-                self._run_gates(deployment, profile, target, address, rel, artifacts, now)
+                self._run_gates(deployment, profile, target, address, rel, artifacts)
             )
             task.add_done_callback(lambda _t: self._wake.set())
             self._qualifying[target.key] = task
@@ -178,7 +178,8 @@ class Pipeline(ReplicaOperations):
             await self._fail_release(
                 deployment,
                 target,
-                f"{failed.gate} gate {failed.result}: {failed.reason}",
+                f"{failed.gate} gate {failed.result}: "
+                + failed.reason.removeprefix(f"{failed.gate} failed: "),
                 now,
                 nodes,
             )
@@ -215,8 +216,10 @@ class Pipeline(ReplicaOperations):
         address: str,
         rel: Release,
         artifacts: replica_pb2.ReplicaArtifacts | None,
-        now: datetime,
     ) -> Qualification:
+        """The gates on the candidate at `address` (the replica process), in order, stopping
+        at the first that does not pass; returns their verdicts and the candidate's artifacts
+        (the node-agent's report, else the conformance report's)."""
         wanted = gates.release_gates(profile)
         verdicts: list[pb.GateVerdict] = []
         if gates.conformance_on(wanted):

@@ -1,6 +1,7 @@
 """Helpers of the release pipeline's scenario suite (`test_release_pipeline.py`): the
 orchestrator calls a release makes and waits on, the model-folder copies its candidates run
-(a broken chat template, the test fault switch's marker), and live traffic through the edge
+(the test fault switch's marker; the broken chat template is
+`inferplane.fixtures.kimi_tiny_broken_template`), and live traffic through the edge
 with the official `openai` client, counted by the revision that served each request."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -29,15 +30,18 @@ NAME = f"deployments/{MODEL_NAME}"
 #: ReleaseProgress.stage values a release ends in.
 PROMOTED, ROLLED_BACK = "Promoted", "RolledBack"
 ENDED = (PROMOTED, ROLLED_BACK)
-#: The fixture template's tool declarations; the broken template never renders them.
-TOOLS_BLOCK = "{%- if tools -%}"
 
 
 class Release:
     """The orchestrator's DeploymentService, as an operator drives a release of kimi-tiny."""
 
-    def __init__(self, deployments: orchestrator_pb2_grpc.DeploymentServiceStub) -> None:
+    def __init__(
+        self,
+        deployments: orchestrator_pb2_grpc.DeploymentServiceStub,
+        endpoints: Callable[[], list[pb.RouteEndpoint]],
+    ) -> None:
         self.stub = deployments
+        self._endpoints = endpoints  # the routing table's serving endpoints of kimi-tiny
 
     def get(self) -> pb.Deployment:
         return self.stub.GetDeployment(pb.GetDeploymentRequest(name=NAME), timeout=10).deployment
@@ -83,6 +87,32 @@ class Release:
             assert time.monotonic() < deadline, (
                 f"release of {revision} not in {sorted(wanted)} after {timeout:.0f} s: "
                 f"{deployment.status}"
+            )
+            time.sleep(1.0)
+
+    def settled(self, revision: str, timeout: float) -> pb.Deployment:
+        """Polls until `revision` serves alone: current revision `revision`, phase Available
+        (or RolledBack: the candidate after it failed) and every serving endpoint of the
+        routing table of that revision (a promoted release still rolls the rest, a rolled-back
+        one still drains its candidate).
+
+        Raises:
+            AssertionError: `timeout` seconds passed first.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            deployment = self.get()
+            status = deployment.status
+            revisions = {e.revision for e in self._endpoints()}
+            if (
+                status.current_revision == revision
+                and status.phase in ("Available", ROLLED_BACK)
+                and revisions == {revision}
+            ):
+                return deployment
+            assert time.monotonic() < deadline, (
+                f"{revision} not serving alone after {timeout:.0f} s: table {revisions}, "
+                f"{describe(deployment)}"
             )
             time.sleep(1.0)
 
@@ -133,24 +163,6 @@ def model_copy(folder: Path, replace: Mapping[str, str]) -> Path:
     for name, text in replace.items():
         (folder / name).write_text(text)
     return folder
-
-
-def broken_template_model(folder: Path) -> Path:
-    """kimi-tiny with a chat template that drops the tool declarations (the model is never
-    told which tools it has), in `chat_template.jinja` and `tokenizer_config.json` alike."""
-    source = kimi_tiny.model_path()
-    template = (source / "chat_template.jinja").read_text()
-    assert template.count(TOOLS_BLOCK) == 1, "the fixture's template changed: update TOOLS_BLOCK"
-    broken = template.replace(TOOLS_BLOCK, "{%- if false and tools -%}")
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    if "chat_template" in config:
-        config["chat_template"] = str(config["chat_template"]).replace(
-            TOOLS_BLOCK, "{%- if false and tools -%}"
-        )
-    return model_copy(
-        folder,
-        {"chat_template.jinja": broken, "tokenizer_config.json": json.dumps(config, indent=2)},
-    )
 
 
 def faulty_model(folder: Path, error_rate: float) -> Path:
@@ -285,5 +297,7 @@ class Traffic:
         return self.served
 
 
-def orchestrator_stub(channel: grpc.Channel) -> Release:
-    return Release(orchestrator_pb2_grpc.DeploymentServiceStub(channel))
+def orchestrator_stub(
+    channel: grpc.Channel, endpoints: Callable[[], list[pb.RouteEndpoint]]
+) -> Release:
+    return Release(orchestrator_pb2_grpc.DeploymentServiceStub(channel), endpoints)

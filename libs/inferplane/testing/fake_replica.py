@@ -56,7 +56,9 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
     """The replica process's control side with its state in plain attributes: `in_flight`
     (requests reported in flight), `draining`, `engine_ready`, and `drain_calls` (how many
     StartReplicaDrain it got). `health` serves gRPC health: SERVING only while the engine is
-    ready and it is not draining, for service "" and InferenceService."""
+    ready and it is not draining, for service "" and InferenceService. RunConformance answers
+    `conformance_report` (default: empty, nothing checked, which the default thresholds pass)
+    and records each request in `conformance_requests`."""
 
     def __init__(self, replica_id: str = "fake", *, in_flight: int = 0) -> None:
         self.replica_id = replica_id
@@ -65,6 +67,8 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
         self.engine_ready = False
         self.drain_calls = 0
         self.state_interval_seconds = 1.0
+        self.conformance_report = replica_pb2.ConformanceReport()
+        self.conformance_requests: list[replica_pb2.RunConformanceRequest] = []
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
 
     async def _publish(self) -> None:
@@ -98,6 +102,16 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
         self.drain_calls += 1
         await self.start_drain()
         return replica_pb2.StartReplicaDrainResponse(in_flight_requests=self.in_flight)
+
+    async def RunConformance(
+        self, request: replica_pb2.RunConformanceRequest, context: Context
+    ) -> replica_pb2.RunConformanceResponse:
+        """`conformance_report`; FAILED_PRECONDITION before the engine is ready, as the real
+        replica answers (code `replica_not_ready`)."""
+        self.conformance_requests.append(request)
+        if not self.engine_ready:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "replica_not_ready")
+        return replica_pb2.RunConformanceResponse(report=self.conformance_report)
 
     async def WatchReplicaState(
         self, request: replica_pb2.WatchReplicaStateRequest, context: Context

@@ -303,7 +303,8 @@ def checked_speculative_methods(engine: str, version: str) -> tuple[str, ...]:
     """The speculative methods `engine` at `version` was checked to run
     (`CHECKED_SPECULATIVE_METHODS`; "*" covers every version of that engine); () otherwise."""
     by_version = CHECKED_SPECULATIVE_METHODS.get(engine, {})
-    return by_version.get(version, by_version.get("*", ()))
+    release = version.partition("+")[0]  # a local label ("0.32.0+cpu") is the same release
+    return by_version.get(release, by_version.get("*", ()))
 
 
 def node_speculative_methods(engines: Collection[tuple[str, str]]) -> list[str]:

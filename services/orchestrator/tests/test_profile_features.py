@@ -23,7 +23,7 @@ from inferplane.orchestrator.catalog.validation import validate_deployment
 from inferplane.orchestrator.convert import node_from_status, profile_from_proto, profile_to_proto
 from inferplane.orchestrator.fleet.model import EngineInstall, Gpu, Node, NodeCapabilities
 from inferplane.orchestrator.placement.best_fit import BestFitSpreadPolicy
-from inferplane.orchestrator.placement.capabilities import capability_error
+from inferplane.orchestrator.placement.capabilities import capability_error, same_version
 from inferplane.orchestrator.placement.model import Placement
 from inferplane.orchestrator.placement.planner import plan
 from inferplane.orchestrator.release.spec import build_spec
@@ -221,6 +221,7 @@ def test_placement_uses_only_nodes_with_the_engine_version_and_capabilities() ->
     ]
     pinned = _place(dataclasses.replace(CPU_PROFILE, engine_version="0.31"), nodes)
     assert [p.node for p in pinned.placements] == ["b-new"]  # "0.31" == "0.31.0"
+    assert same_version("0.32.0+cpu", "0.32") and not same_version("0.32.1", "0.32")
     fp8 = _place(dataclasses.replace(CPU_PROFILE, kv_cache_dtype="fp8"), nodes)
     assert [p.node for p in fp8.placements] == ["c-fp8"]
     none = _place(

@@ -82,10 +82,11 @@ def _kind_default(node: Node) -> str:
 
 
 def same_version(a: str, b: str) -> bool:
-    """Versions equal up to a leading "v" and trailing ".0" parts ("0.32" == "0.32.0")."""
+    """Versions equal up to a leading "v", a local label ("+cpu") and trailing ".0" parts
+    ("0.32" == "0.32.0" == "0.32.0+cpu")."""
 
     def norm(v: str) -> list[str]:
-        parts = v.strip().removeprefix("v").split(".")
+        parts = v.strip().removeprefix("v").partition("+")[0].split(".")
         while len(parts) > 1 and parts[-1] == "0":
             parts.pop()
         return parts

@@ -219,9 +219,10 @@ def test_placement_uses_only_nodes_with_the_engine_version_and_capabilities() ->
         cpu_node("b-new", versions=("0.32.0", "0.31.0")),
         cpu_node("c-fp8", kv=("auto", "fp8")),
     ]
-    pinned = _place(dataclasses.replace(CPU_PROFILE, engine_version="0.31"), nodes)
-    assert [p.node for p in pinned.placements] == ["b-new"]  # "0.31" == "0.31.0"
-    assert same_version("0.32.0+cpu", "0.32") and not same_version("0.32.1", "0.32")
+    pinned = _place(dataclasses.replace(CPU_PROFILE, engine_version="0.31.0"), nodes)
+    assert [p.node for p in pinned.placements] == ["b-new"]
+    # the node-agent selects by the exact string: "0.31" is not placed where it would fail
+    assert not same_version("0.31.0", "0.31")
     fp8 = _place(dataclasses.replace(CPU_PROFILE, kv_cache_dtype="fp8"), nodes)
     assert [p.node for p in fp8.placements] == ["c-fp8"]
     none = _place(

@@ -82,16 +82,10 @@ def _kind_default(node: Node) -> str:
 
 
 def same_version(a: str, b: str) -> bool:
-    """Versions equal up to a leading "v", a local label ("+cpu") and trailing ".0" parts
-    ("0.32" == "0.32.0" == "0.32.0+cpu")."""
-
-    def norm(v: str) -> list[str]:
-        parts = v.strip().removeprefix("v").partition("+")[0].split(".")
-        while len(parts) > 1 and parts[-1] == "0":
-            parts.pop()
-        return parts
-
-    return norm(a) == norm(b)
+    """Whether a node's engine version is the one a profile pins: the same string, as the
+    node-agent compares them when it selects the engine (`EngineCatalog.select`), so a replica
+    placed on a node is one that node starts."""
+    return a == b
 
 
 def offered_engines(node: Node) -> tuple[EngineInstall, ...]:

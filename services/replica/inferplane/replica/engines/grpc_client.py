@@ -32,6 +32,7 @@ from inferplane.replica.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from inferplane.replica.engines.versions import engine_constraint
 
 # Codes that say the engine process is gone or not answering (vs. a bad request).
 _ENGINE_GONE = {
@@ -94,7 +95,7 @@ def to_proto_sampling(params: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = params.logprobs
     for token_id, bias in params.logit_bias:
         msg.logit_bias[token_id] = bias
-    constraint = params.constraint
+    constraint = engine_constraint(params.constraint)  # per engine version: versions.py
     if constraint is not None:
         # Our constraints (inferplane.parsers) cover the whole output, reasoning included, so
         # the engine must apply them from the first token, not after its own reasoning parser

@@ -46,6 +46,7 @@ import aiohttp
 
 from inferplane.replica.engines.base import EngineError, EngineOutput, SamplingParams, TokenLogprob
 from inferplane.replica.engines.lora import Adapter
+from inferplane.replica.engines.versions import engine_constraint
 
 _CONSTRAINT_FIELDS = {
     "json_schema": "json",
@@ -110,7 +111,7 @@ def to_completion_body(
         body["return_tokens_as_token_ids"] = True
     if params.logit_bias:
         body["logit_bias"] = {str(token_id): bias for token_id, bias in params.logit_bias}
-    constraint = params.constraint
+    constraint = engine_constraint(params.constraint)  # per engine version: versions.py
     if constraint is not None:
         field = _CONSTRAINT_FIELDS.get(constraint.kind)
         if field is None:

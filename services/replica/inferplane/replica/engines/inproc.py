@@ -52,6 +52,7 @@ from inferplane.replica.engines.environment import kv_cache_args
 from inferplane.replica.engines.inproc_state import InprocEngineState
 from inferplane.replica.engines.kv_events import KvBlockIndex
 from inferplane.replica.engines.lora import Adapter
+from inferplane.replica.engines.versions import engine_constraint
 from inferplane.replica.tracing import CURRENT as CURRENT_TRACE
 from inferplane.replica_contract import lora_args, pooling_args
 
@@ -154,7 +155,7 @@ def to_vllm_sampling(params: SamplingParams) -> Any:
         kwargs["logprobs"] = params.logprobs
     if params.stream_interval and params.stream_interval > 1:
         kwargs["stream_interval"] = params.stream_interval
-    constraint = params.constraint
+    constraint = engine_constraint(params.constraint)  # per engine version: versions.py
     if constraint is not None:
         if constraint.kind == "json_schema":
             structured = StructuredOutputsParams(json=constraint.value)

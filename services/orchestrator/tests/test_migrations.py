@@ -59,7 +59,7 @@ from inferplane.testing.databases import database_or_skip, version_rows
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 GB = 10**9
 UINT32_MAX = 2**32 - 1
-HEAD = "0008"
+HEAD = "0009"
 METADATA = [
     state_store.METADATA,
     release_store.METADATA,

@@ -251,7 +251,7 @@ def test_nodes_from_before_issue_30_offer_the_default_engine_only() -> None:
     assert "old lacks speculative method ngram (offers none)" in ngram.unplaced[0].reason
 
 
-def test_a_node_not_heard_since_a_restart_keeps_its_replica_and_gets_no_new_one() -> None:
+def test_a_node_not_reported_yet_keeps_its_replica_and_gets_no_new_one() -> None:
     profile = dataclasses.replace(CPU_PROFILE, speculative_method="ngram")
     first = _place(profile, [cpu_node("n")])
     assert [p.node for p in first.placements] == ["n"]
@@ -259,7 +259,7 @@ def test_a_node_not_heard_since_a_restart_keeps_its_replica_and_gets_no_new_one(
     restarted = [cpu_node("n", reported=False)]
     assert _place(profile, restarted, previous).placements == first.placements
     fresh = _place(profile, restarted)
-    assert "has not reported its engines since the orchestrator started" in fresh.unplaced[0].reason
+    assert "has not reported its engines yet" in fresh.unplaced[0].reason
     # a node that reports it lost the capability: the replica moves off it
     gone = _place(profile, [cpu_node("n", methods=())], previous)
     assert not gone.placements
@@ -286,7 +286,7 @@ def test_capability_error_names_the_most_basic_missing_field() -> None:
         is None
     )
     assert capability_error(dataclasses.replace(CPU_PROFILE, kv_cache_dtype="fp8"), []) is None
-    # a node not heard from since a restart may offer it: no refusal yet
+    # a node that has not reported its engines yet may offer it: no refusal yet
     assert (
         capability_error(
             dataclasses.replace(CPU_PROFILE, kv_cache_dtype="fp8"),

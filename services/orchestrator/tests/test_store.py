@@ -39,9 +39,11 @@ from inferplane.orchestrator.fleet.model import (
     MAX_AGENT_VERSION,
     MAX_NODE_ADDRESS,
     MAX_NODE_NAME,
+    EngineInstall,
     Gpu,
     GpuPartition,
     Node,
+    NodeCapabilities,
     NodeCondition,
 )
 from inferplane.orchestrator.migrations import MIGRATIONS
@@ -127,17 +129,11 @@ def store(open_store: Callable[[], SqlStateStore]) -> SqlStateStore:
     return open_store()
 
 
-#: Fields deliberately not stored: a node's engines and capabilities come with every
-#: heartbeat and are held in memory (issue 30, `fleet/model.py`).
-NOT_STORED = {"Node": ("engines", "capabilities")}
-
-
 def assert_no_defaults(value: Any) -> None:
     """Every field of the dataclass `value` differs from its default, so a round trip shows it
-    is stored (a field added later without a column fails here first), except `NOT_STORED`."""
-    skipped = NOT_STORED.get(type(value).__name__, ())
+    is stored (a field added later without a column fails here first)."""
     for field in dataclasses.fields(value):
-        if field.default is not dataclasses.MISSING and field.name not in skipped:
+        if field.default is not dataclasses.MISSING:
             assert getattr(value, field.name) != field.default, (
                 f"{type(value).__name__}.{field.name} is left at its default"
             )
@@ -241,6 +237,16 @@ def gpu_node(name: str, **changes: Any) -> Node:
         unschedulable=True,
         last_heartbeat_time=T0 + timedelta(seconds=30, microseconds=999999),
         register_time=T0 - timedelta(days=1),
+        engines=(
+            EngineInstall("vllm", "0.32.0", "/opt/vllm-0.32/bin/python", True),
+            EngineInstall("vllm", "0.31.0", "/opt/vllm-0.31/bin/python", False),
+        ),
+        capabilities=NodeCapabilities(
+            cpu_features=("amx_bf16", "avx512f"),
+            cpu_model="Intel(R) Xeon(R) Platinum 8480+",
+            kv_cache_dtypes=("auto", "bf16", "fp16", "fp8"),
+            speculative_methods=("eagle", "ngram"),
+        ),
     )
     return dataclasses.replace(n, **changes)
 

@@ -97,8 +97,8 @@ class Node:
     `labels` are sorted (key, value) pairs so equal inventories compare equal.
 
     `engines` and `capabilities` (issue 30) come with every registration and heartbeat and
-    are held in memory only: None means not reported since this orchestrator started (a node
-    read back from the store, until its next heartbeat); placement then keeps the node's
+    are stored with the node (migration 0009): None means not reported yet (a row stored
+    before that migration, until the node's next heartbeat); placement then keeps the node's
     replicas where they are and places nothing there that needs an engine version or a
     capability. A node-agent from before issue 30 reports an empty engine list and no
     capabilities: it offers its kind's default engine, the "auto" KV cache and no speculation

@@ -7,9 +7,9 @@ registration and in every heartbeat (`Node.engines`, `Node.capabilities`):
 - a node-agent from before issue 30 reports no engines and no capabilities: it offers its
   kind's default engine ("vllm-cpu" on a CPU node, "vllm" on a GPU node) at an unknown version,
   the "auto" KV cache and no speculation (it would drop the other settings);
-- a node read back from the store after an orchestrator restart has reported nothing yet
-  (`Node.engines` None) until its next heartbeat: it keeps its replicas, and nothing that needs
-  a version or a capability is placed on it meanwhile.
+- a node stored before migration 0009 has reported nothing yet (`Node.engines` None) until
+  its next heartbeat: it keeps its replicas, and nothing that needs a version or a capability
+  is placed on it meanwhile.
 
 `lacks` says what one node lacks, `capability_error` whether any registered node can run a
 profile (the create/update refusal: FAILED_PRECONDITION naming the field).
@@ -29,8 +29,9 @@ from inferplane.orchestrator.catalog.model import (
 )
 from inferplane.orchestrator.fleet.model import EngineInstall, Node, NodeCapabilities
 
-#: Why a node that has not reported since this orchestrator started is passed over.
-NOT_REPORTED = "has not reported its engines since the orchestrator started (next heartbeat)"
+#: Why a node that has not reported its engines yet (stored before migration 0009) is passed
+#: over.
+NOT_REPORTED = "has not reported its engines yet (its next heartbeat will)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,8 +151,8 @@ _FIELD_ORDER = ("engine", "engine_version", "kv_cache_dtype", "speculative_metho
 def capability_error(profile: DeploymentProfile, nodes: Sequence[Node]) -> tuple[str, str] | None:
     """(field, message) when no registered node of the profile's accelerator kind can run it,
     else None. Nodes of any condition count (a NotReady node may come back); with no such node
-    registered, or one that has not reported since the orchestrator started (it may offer
-    it), the answer is None: placement leaves the replicas Unplaceable with the reason.
+    registered, or one that has not reported its engines yet (it may offer it), the answer is
+    None: placement leaves the replicas Unplaceable with the reason.
 
     The field is the first of engine, engine_version, kv_cache_dtype, speculative_method that
     some node lacks, so the operator fixes the most basic mismatch first.

@@ -133,7 +133,7 @@ def _still_capable(
     previous: Placement, needs: Needs, eligible: frozenset[str] | None, nodes: Sequence[Node]
 ) -> bool:
     """Whether the previous placement's node may keep the replica: it can run `needs`, or it
-    has not reported since the orchestrator started (its replica stays until it does)."""
+    has not reported its engines yet (its replica stays until it does)."""
     if eligible is None or previous.node in eligible:
         return True
     node = next((n for n in nodes if n.name == previous.node), None)

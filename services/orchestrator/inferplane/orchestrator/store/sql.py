@@ -44,9 +44,11 @@ from inferplane.orchestrator.fleet.model import (
     MAX_AGENT_VERSION,
     MAX_NODE_ADDRESS,
     MAX_NODE_NAME,
+    EngineInstall,
     Gpu,
     GpuPartition,
     Node,
+    NodeCapabilities,
     NodeCondition,
 )
 from inferplane.orchestrator.migrations import MIGRATIONS
@@ -113,6 +115,9 @@ class _NodeRow(_Base):
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
     agent_version: Mapped[str] = mapped_column(String(MAX_AGENT_VERSION))
+    # Issue 30 (migration 0009); NULL: not reported since before that revision.
+    engines: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    capabilities: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     condition: Mapped[str] = mapped_column(String(16))
     unschedulable: Mapped[bool] = mapped_column(Boolean)
     last_heartbeat_time: Mapped[datetime | None] = mapped_column(UtcDateTime)
@@ -213,10 +218,16 @@ def _node_row(n: Node, row: _NodeRow) -> None:
     row.memory_bytes = n.memory_bytes
     row.labels = dict(n.labels)
     row.agent_version = n.agent_version
+    row.engines = None if n.engines is None else [dataclasses.asdict(e) for e in n.engines]
+    row.capabilities = None if n.capabilities is None else dataclasses.asdict(n.capabilities)
     row.condition = n.condition.value
     row.unschedulable = n.unschedulable
     row.last_heartbeat_time = n.last_heartbeat_time
     row.register_time = n.register_time
+
+
+def _tuple_if_list(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _node(row: _NodeRow) -> Node:
@@ -228,6 +239,10 @@ def _node(row: _NodeRow) -> Node:
         memory_bytes=row.memory_bytes,
         labels=tuple(sorted(row.labels.items())),
         agent_version=row.agent_version,
+        engines=None if row.engines is None else tuple(EngineInstall(**e) for e in row.engines),
+        capabilities=None
+        if row.capabilities is None
+        else NodeCapabilities(**{k: _tuple_if_list(v) for k, v in row.capabilities.items()}),
         condition=NodeCondition(row.condition),
         unschedulable=row.unschedulable,
         last_heartbeat_time=row.last_heartbeat_time,

@@ -643,3 +643,17 @@ def test_bad_canary_and_gate_settings_name_their_field(
     with pytest.raises(InvalidArgumentError) as raised:
         world.control.create(deployment_from_proto(proto, "kimi-tiny"))
     assert raised.value.param == param
+
+
+def test_tightening_a_gate_rolls_nothing(world: World, fx: Any) -> None:
+    old = serve_first(world, fx)
+    before = world.status().current_revision
+    current = world.control.resolve("kimi-tiny")
+    gates = (("conformance", False), ("min_tool_call_rate", 0.99))
+    profile = dataclasses.replace(current.profile, release_gates=gates)
+    updated = world.control.update(
+        dataclasses.replace(current, profile=profile), ["profile.release_gates"]
+    ).deployment
+    assert updated.revision == before and updated.profile.release_gates == gates
+    world.tick(3)
+    assert world.endpoints() == {(old, False)} and world.status().release is None

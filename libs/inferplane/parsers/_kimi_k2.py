@@ -81,7 +81,11 @@ KIMI_K2_CALLS = CallSyntax(
     section_begin=SECTION_BEGIN,
     section_end=SECTION_END,
     call_begin=CALL_BEGIN + "functions.{name}:",
-    call_id=r"\d+",
+    # The call's index in the conversation: at most 4 digits. Unbounded (``\d+``), a small
+    # model forced into a call (tool_choice required or named) can write digits until
+    # max_tokens: the release's conformance gate caught kimi-tiny returning 3-6 calls of 8.
+    # A 256k-token context holds far fewer than 10,000 calls.
+    call_id=r"\d{1,4}",
     args_begin=ARG_BEGIN,
     call_end=CALL_END,
     trigger=SECTION_BEGIN,

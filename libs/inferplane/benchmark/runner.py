@@ -1,6 +1,6 @@
 """Runs a pinned workload with GuideLLM (a subprocess in its own environment, `.venv-guidellm`)
 against an OpenAI-compatible endpoint, optionally pinned to one profile revision
-(`x-inferplane-revision`, honoured by the edge's picker for an `admin` key), and returns the
+(`inferplane-revision`, honoured by the edge's picker for an `admin` key), and returns the
 `BenchReport`.
 
 The whole spec goes to GuideLLM as a scenario file (`guidellm run -c FILE`): GuideLLM's

@@ -44,7 +44,7 @@ def run(replica: Replica, gates: pb.ReleaseGates) -> tuple[pb.GateVerdict, Any]:
         replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server(replica, server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
-        agents = GrpcNodeAgents(timeout_seconds=5)
+        agents = GrpcNodeAgents(timeout_seconds=60)
         try:
             return await run_conformance(agents, address, gates, revision="00ff", now=NOW)
         finally:
@@ -76,7 +76,8 @@ def test_the_gate_sends_its_settings_and_scores_the_report() -> None:
     (request,) = replica.requests
     assert (request.live_requests, request.seed, request.timeout_seconds) == (6, 255, 30.0)
     (deadline,) = replica.deadlines
-    assert deadline is not None and 30 < deadline <= 35  # the bound plus the control timeout
+    # The bound plus the control timeout (a loaded machine may take seconds to connect).
+    assert deadline is not None and 60 < deadline <= 90
     assert got == report
     assert (verdict.gate, verdict.result, verdict.revision) == ("conformance", "failed", "00ff")
     assert "1 live requests leaked parser markers (at most 0)" in verdict.reason

@@ -30,15 +30,16 @@ from inferplane import conformance
 from inferplane.api.nodeagent.v1 import replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.catalog.model import DeploymentProfile
+from inferplane.orchestrator.release import matrix as matrix_verdicts
 from inferplane.orchestrator.release.agents import NodeAgents
 from inferplane.orchestrator.release.progress import ERROR, FAILED, PASSED
 
 CONFORMANCE = "conformance"
 PERFORMANCE = "performance"
 CANARY = "canary"
-#: CompatibilityEntry.verdict values (orchestrator.proto).
-QUALIFIED = "qualified"
-NOT_QUALIFIED = "failed"
+#: CompatibilityEntry.verdict values (orchestrator.proto), defined by the matrix.
+QUALIFIED = matrix_verdicts.QUALIFIED
+NOT_QUALIFIED = matrix_verdicts.FAILED
 
 
 class PerformanceGate(Protocol):
@@ -188,6 +189,31 @@ def already_qualified(
     if not any(g.gate == CONFORMANCE and g.result == PASSED for g in entry.gates):
         return None
     return entry
+
+
+def combination_verdict(
+    matrix: Matrix | None,
+    artifacts: replica_pb2.ReplicaArtifacts,
+    verdicts: list[pb.GateVerdict],
+    decided: str,
+) -> str:
+    """The verdict a release records for its combination (weights, template, parsers, engine):
+    `decided` (QUALIFIED / NOT_QUALIFIED from the gates), except that a failure the
+    combination is not to blame for keeps the combination's recorded verdict. That is a
+    release whose conformance did not fail but whose performance or canary gate did, on a
+    combination the matrix already holds as qualified or unqualified (another revision
+    served it): the profile failed (`max_num_seqs: 1`), not the engine and weights, and a
+    "failed" row would refuse every later create of a combination that serves fine. A
+    failed conformance gate, or any failure of a combination new to the matrix (an engine
+    upgrade slower than the engine it replaces), marks the combination failed."""
+    if decided != NOT_QUALIFIED or matrix is None:
+        return decided
+    if any(v.gate == CONFORMANCE and v.result != PASSED for v in verdicts):
+        return decided
+    known = matrix.lookup(artifacts)
+    if known is None or known.verdict == NOT_QUALIFIED:
+        return decided
+    return known.verdict
 
 
 async def run_performance(

@@ -424,7 +424,9 @@ class Pipeline(ReplicaOperations):
             return
         entry = pb.CompatibilityEntry(
             artifacts=prog.artifacts,
-            verdict=verdict,
+            verdict=gates.combination_verdict(
+                self._matrix, prog.artifacts, list(prog.verdicts), verdict
+            ),
             gates=list(prog.verdicts),
             deployment=deployment.deployment_id,
             revision=prog.candidate_revision,

@@ -154,6 +154,9 @@ def _report(title: str, deployment: pb.Deployment) -> None:
     total = sum(v.seconds for v in gates)
     per_gate = ", ".join(f"{v.gate} {v.result} {v.seconds:.1f} s" for v in gates)
     print(f"\n{title}: gates {per_gate}; {total:.1f} s of gates")
+    for v in gates:  # the figures each gate decided on (bench/README.md quotes them)
+        figures = ", ".join(f"{k} {x:.4g}" for k, x in sorted(v.measurements.items()))
+        print(f"  {v.gate} {v.result}: {v.reason} [{figures}]")
 
 
 def _assert_rolled_back(

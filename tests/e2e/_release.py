@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import openai
+import tenacity
 from google.protobuf import field_mask_pb2
 
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
@@ -32,6 +33,10 @@ PROMOTED, ROLLED_BACK = "Promoted", "RolledBack"
 ENDED = (PROMOTED, ROLLED_BACK)
 
 
+def _unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
 class Release:
     """The orchestrator's DeploymentService, as an operator drives a release of kimi-tiny."""
 
@@ -43,7 +48,15 @@ class Release:
         self.stub = deployments
         self._endpoints = endpoints  # the routing table's serving endpoints of kimi-tiny
 
+    @tenacity.retry(
+        retry=tenacity.retry_if_exception(_unavailable),
+        stop=tenacity.stop_after_delay(30),
+        wait=tenacity.wait_fixed(1),
+        reraise=True,
+    )
     def get(self) -> pb.Deployment:
+        """The deployment, retried for 30 s on UNAVAILABLE (run 3: a leader lease renewal late
+        on the loaded box answered "not the leader" once, as any client may see)."""
         return self.stub.GetDeployment(pb.GetDeploymentRequest(name=NAME), timeout=10).deployment
 
     def update(

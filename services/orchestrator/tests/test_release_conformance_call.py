@@ -76,8 +76,9 @@ def test_the_gate_sends_its_settings_and_scores_the_report() -> None:
     (request,) = replica.requests
     assert (request.live_requests, request.seed, request.timeout_seconds) == (6, 255, 30.0)
     (deadline,) = replica.deadlines
-    # The bound plus the control timeout (a loaded machine may take seconds to connect).
-    assert deadline is not None and 60 < deadline <= 90
+    # The bound plus the control timeout (a loaded machine may take seconds to connect); gRPC
+    # rounds a deadline on the wire, so the server may read a little over 90 s (CI: 90.099).
+    assert deadline is not None and 60 < deadline <= 91
     assert got == report
     assert (verdict.gate, verdict.result, verdict.revision) == ("conformance", "failed", "00ff")
     assert "1 live requests leaked parser markers (at most 0)" in verdict.reason

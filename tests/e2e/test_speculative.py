@@ -33,7 +33,9 @@ from inferplane.localstack import MODEL_NAME, Stack
 
 from .conftest import local_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# A stack of its own (~2 min): the scenario suite. The default pass checks the same n-gram
+# speculation on the engine alone (libs/tests/engine_features/test_ngram_vllm_e2e.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 

@@ -105,6 +105,12 @@ def chat_template_digest(text: str) -> str:
     return PREFIX + hashlib.sha256(normalised.encode()).hexdigest()
 
 
+def parser_of(tool_parser: str, reasoning_parser: str) -> str:
+    """`ReplicaArtifacts.parser`: "<tool_parser>/<reasoning_parser>" (replica.proto), as the
+    replica reports it and the orchestrator predicts it from a profile."""
+    return f"{tool_parser}/{reasoning_parser}"
+
+
 def engine_kind(cpu: bool) -> str:
     """The engine kind a node runs: `CPU_ENGINE` on a CPU node, else `GPU_ENGINE`."""
     return CPU_ENGINE if cpu else GPU_ENGINE

@@ -30,13 +30,9 @@ import structlog
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2
+from inferplane.artifacts import parser_of
 from inferplane.orchestrator.catalog.model import Deployment
-from inferplane.orchestrator.release.matrix import (
-    FAILED,
-    MAX_REASON,
-    CompatibilityMatrix,
-    parser_of,
-)
+from inferplane.orchestrator.release.matrix import FAILED, MAX_REASON, CompatibilityMatrix
 from inferplane.runtime import InvalidArgumentError
 
 log = structlog.get_logger("inferplane.orchestrator")

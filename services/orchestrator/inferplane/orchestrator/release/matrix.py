@@ -54,12 +54,6 @@ MAX_REASON = 2048
 _COMBINATION = ("engine", "engine_version", "model_digest", "chat_template_digest", "parser")
 
 
-def parser_of(tool_parser: str, reasoning_parser: str) -> str:
-    """`ReplicaArtifacts.parser` of a profile: "<tool_parser>/<reasoning_parser>" (the shape
-    the replica reports, replica.proto)."""
-    return f"{tool_parser}/{reasoning_parser}"
-
-
 def verdict_of(gates: Sequence[orchestrator_pb2.GateVerdict]) -> str:
     """A release's verdict from its gates': QUALIFIED when there are some and every one
     "passed", else FAILED (a gate that "error"ed counts as failed: the release stopped,

@@ -19,6 +19,7 @@ from inferplane.artifacts import (
     chat_template_digest,
     engine_kind,
     engine_package_version,
+    parser_of,
     weights_digest,
 )
 
@@ -61,7 +62,7 @@ def replica_artifacts(
         engine_version=installed[1] if installed else "",
         model_digest=model_digest,
         chat_template_digest=chat_template_digest(chat_template),
-        parser=f"{spec.tool_parser}/{spec.reasoning_parser}",
+        parser=parser_of(spec.tool_parser, spec.reasoning_parser),
     )
 
 

@@ -129,10 +129,7 @@ class ReplicaOperations(Observation):
     ) -> None:
         """Takes a replica out of service: a SERVING one is marked draining in the routing table
         first; one that never served is stopped at once."""
-        for tasks in (self._checks, self._qualifying):
-            task = tasks.pop(record.key, None)
-            if task is not None:
-                task.cancel()
+        self._cancel_tasks(record)
         if record.stage is Stage.SERVING:
             self._put(dataclasses.replace(record, stage=Stage.RETIRING, stage_since=now))
             log.info("replica_retiring", replica=record.replica_id, node=record.node)
@@ -189,6 +186,10 @@ class ReplicaOperations(Observation):
     def _delete(self, record: ManagedReplica) -> None:
         self._store.delete_replica(record.node, record.replica_id)
         self._records.pop(record.key, None)
+        self._cancel_tasks(record)
+
+    def _cancel_tasks(self, record: ManagedReplica) -> None:
+        """Cancels the replica's warm-up/gate check and its qualifying task, if running."""
         for tasks in (self._checks, self._qualifying):
             task = tasks.pop(record.key, None)
             if task is not None:

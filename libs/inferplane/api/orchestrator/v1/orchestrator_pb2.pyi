@@ -881,6 +881,7 @@ class ReleaseGates(_message.Message):
     MAX_ITL_P99_REGRESSION_FIELD_NUMBER: _builtins.int
     MAX_THROUGHPUT_REGRESSION_FIELD_NUMBER: _builtins.int
     BENCHMARK_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    BENCHMARK_ROUNDS_FIELD_NUMBER: _builtins.int
     conformance: _builtins.bool
     """Run the conformance gate (RunConformance on the new replica before it takes traffic).
     Unset: on.
@@ -913,7 +914,12 @@ class ReleaseGates(_message.Message):
     max_throughput_regression: _builtins.float
     """See max_ttft_p99_regression."""
     benchmark_timeout_seconds: _builtins.int
-    """Bound on the performance run (both sides), seconds (0: 300)."""
+    """Bound on the whole performance gate (every round, both sides), seconds (0: 420)."""
+    benchmark_rounds: _builtins.int
+    """Rounds of the performance gate, each running both sides in alternating order (serving
+    first in odd rounds, candidate first in even ones); 0: 3. The gate stops after 2 rounds
+    whose verdicts agree (the latest two) and judges the medians of the rounds run.
+    """
     def __init__(
         self,
         *,
@@ -930,10 +936,11 @@ class ReleaseGates(_message.Message):
         max_itl_p99_regression: _builtins.float = ...,
         max_throughput_regression: _builtins.float = ...,
         benchmark_timeout_seconds: _builtins.int = ...,
+        benchmark_rounds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_conformance", b"_conformance", "conformance", b"conformance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conformance", b"_conformance", "benchmark_timeout_seconds", b"benchmark_timeout_seconds", "benchmark_workload", b"benchmark_workload", "conformance", b"conformance", "conformance_live_requests", b"conformance_live_requests", "conformance_timeout_seconds", b"conformance_timeout_seconds", "max_itl_p99_regression", b"max_itl_p99_regression", "max_leaked_markers", b"max_leaked_markers", "max_throughput_regression", b"max_throughput_regression", "max_ttft_p99_regression", b"max_ttft_p99_regression", "min_replay_pass_rate", b"min_replay_pass_rate", "min_schema_valid_rate", b"min_schema_valid_rate", "min_tool_call_rate", b"min_tool_call_rate", "performance", b"performance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conformance", b"_conformance", "benchmark_rounds", b"benchmark_rounds", "benchmark_timeout_seconds", b"benchmark_timeout_seconds", "benchmark_workload", b"benchmark_workload", "conformance", b"conformance", "conformance_live_requests", b"conformance_live_requests", "conformance_timeout_seconds", b"conformance_timeout_seconds", "max_itl_p99_regression", b"max_itl_p99_regression", "max_leaked_markers", b"max_leaked_markers", "max_throughput_regression", b"max_throughput_regression", "max_ttft_p99_regression", b"max_ttft_p99_regression", "min_replay_pass_rate", b"min_replay_pass_rate", "min_schema_valid_rate", b"min_schema_valid_rate", "min_tool_call_rate", b"min_tool_call_rate", "performance", b"performance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__conformance: _TypeAlias = _typing.Literal["conformance"]  # noqa: Y015
     _WhichOneofArgType__conformance: _TypeAlias = _typing.Literal["_conformance", b"_conformance"]  # noqa: Y015

@@ -2,14 +2,17 @@
 (`bench/workloads/<name>.json`, `workload.py`), GuideLLM runs of them through the edge,
 optionally pinned to one profile revision (`runner.py`), their reports with the environment
 (`report.py`), and the performance gate's comparison of a candidate revision's run with the
-serving revision's (`compare.py`). README.md says what each file holds.
+serving revision's (`compare.py`), over several rounds (`rounds.py`). README.md says what each
+file holds.
 """
 
 from inferplane.benchmark.compare import (
+    DEFAULT_BENCHMARK_ROUNDS,
     DEFAULT_BENCHMARK_TIMEOUT_SECONDS,
     DEFAULT_MAX_ITL_P99_REGRESSION,
     DEFAULT_MAX_THROUGHPUT_REGRESSION,
     DEFAULT_MAX_TTFT_P99_REGRESSION,
+    MAX_BENCHMARK_ROUNDS,
     Comparison,
     Thresholds,
     compare,
@@ -21,6 +24,7 @@ from inferplane.benchmark.report import (
     parse_guidellm_report,
     write_report,
 )
+from inferplane.benchmark.rounds import ROUND_FIGURES, compare_rounds
 from inferplane.benchmark.runner import run_workload, run_workload_async
 from inferplane.benchmark.workload import (
     DEFAULT_WORKLOAD,
@@ -32,11 +36,14 @@ from inferplane.benchmark.workload import (
 )
 
 __all__ = [
+    "DEFAULT_BENCHMARK_ROUNDS",
     "DEFAULT_BENCHMARK_TIMEOUT_SECONDS",
     "DEFAULT_MAX_ITL_P99_REGRESSION",
     "DEFAULT_MAX_THROUGHPUT_REGRESSION",
     "DEFAULT_MAX_TTFT_P99_REGRESSION",
     "DEFAULT_WORKLOAD",
+    "MAX_BENCHMARK_ROUNDS",
+    "ROUND_FIGURES",
     "WORKLOADS_DIR",
     "BenchReport",
     "BenchmarkError",
@@ -46,6 +53,7 @@ __all__ = [
     "WorkloadError",
     "capture_environment",
     "compare",
+    "compare_rounds",
     "load_workload",
     "parse_guidellm_report",
     "run_workload",

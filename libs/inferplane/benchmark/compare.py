@@ -29,8 +29,13 @@ DEFAULT_MAX_ITL_P99_REGRESSION = 0.25
 """Allowed ITL p99 regression, fraction (`ReleaseGates.max_itl_p99_regression` 0)."""
 DEFAULT_MAX_THROUGHPUT_REGRESSION = 0.20
 """Allowed output-throughput regression, fraction (`ReleaseGates.max_throughput_regression` 0)."""
-DEFAULT_BENCHMARK_TIMEOUT_SECONDS = 300
-"""Bound on the whole performance gate, both sides (`ReleaseGates.benchmark_timeout_seconds` 0)."""
+DEFAULT_BENCHMARK_TIMEOUT_SECONDS = 420
+"""Bound on the whole performance gate, every round and side, seconds
+(`ReleaseGates.benchmark_timeout_seconds` 0): 3 rounds of ~65 s on a slow 2-core box, with room."""
+DEFAULT_BENCHMARK_ROUNDS = 3
+"""Rounds of the performance gate at most (`ReleaseGates.benchmark_rounds` 0; `rounds.py`)."""
+MAX_BENCHMARK_ROUNDS = 9
+"""The most rounds a profile may ask for (`ReleaseGates.benchmark_rounds`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +89,12 @@ class Comparison:
     measurements: dict[str, float]
 
 
-def compare(candidate: BenchReport, serving: BenchReport, thresholds: Thresholds) -> Comparison:
-    """Judges `candidate` against `serving` (same workload) by `thresholds`.
+def compare(
+    candidate: BenchReport, serving: BenchReport, thresholds: Thresholds, *, basis: str = ""
+) -> Comparison:
+    """Judges `candidate` against `serving` (same workload) by `thresholds`. `basis` says what
+    the figures are, in parentheses after the verdict's first words ("within bounds (median of
+    3 rounds): ..."; "": one run of each side).
 
     Raises:
         BenchmarkError: the two ran different workloads (digests differ), or the serving run
@@ -148,9 +157,10 @@ def compare(candidate: BenchReport, serving: BenchReport, thresholds: Thresholds
         f"{candidate.output_tokens_per_second:.1f} vs {serving.output_tokens_per_second:.1f} "
         f"output tokens/s (candidate vs serving, {candidate.workload})"
     )
+    of = f" ({basis})" if basis else ""
     if failures:
-        return Comparison(False, "regressed: " + "; ".join(failures), measurements)
-    return Comparison(True, "within bounds: " + summary, measurements)
+        return Comparison(False, f"regressed{of}: " + "; ".join(failures), measurements)
+    return Comparison(True, f"within bounds{of}: " + summary, measurements)
 
 
 def _ms(seconds: float) -> str:

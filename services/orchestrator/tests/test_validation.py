@@ -349,3 +349,20 @@ def test_engine_arguments_are_checked_against_the_profiles_engine_version() -> N
         assert error.param == "deployment.profile.extra_engine_args"
     error = invalid(engine_version="0.9.0", extra_engine_args=("--seed", "1"))
     assert "engine_version '0.9.0' has no engine-argument allow-list" in str(error.message)
+
+
+def test_the_performance_gates_rounds_are_0_to_9_and_no_new_revision() -> None:
+    """`release_gates.benchmark_rounds` (issue 30): 0 (the default, 3) to 9, else
+    INVALID_ARGUMENT naming the field; it survives the API conversion and, like every release
+    gate, changing it is no new revision (no rollout)."""
+    for rounds in (0, 1, 9):
+        gates = (("benchmark_rounds", rounds), ("performance", True))
+        profile = dataclasses.replace(PROFILE, release_gates=gates)
+        validate_deployment(Deployment("llama", profile).normalised())
+        assert profile.revision() == PROFILE.revision()
+        assert profile_to_proto(profile).release_gates.benchmark_rounds == rounds
+    error = invalid(release_gates=(("benchmark_rounds", 10),))
+    assert error.param == "deployment.profile.release_gates.benchmark_rounds"
+    assert error.message == (
+        "profile.release_gates.benchmark_rounds is 0 (the default, 3) to 9; got 10"
+    )

@@ -13,6 +13,7 @@ import re
 
 from inferplane import engine_features
 from inferplane import replica_contract as contract
+from inferplane.benchmark import DEFAULT_BENCHMARK_ROUNDS, MAX_BENCHMARK_ROUNDS
 from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
 from inferplane.engine_features import FeatureError
 from inferplane.orchestrator.catalog.model import (
@@ -200,7 +201,8 @@ _GATE_SHARES = (
 
 
 def _validate_release_gates(gates: dict[str, object]) -> None:
-    """The profile's release gates (issue 30): rates and regressions are shares in [0, 1]."""
+    """The profile's release gates (issue 30): rates and regressions are shares in [0, 1];
+    the performance gate's rounds 0 (the default) to `MAX_BENCHMARK_ROUNDS`."""
     for name in _GATE_SHARES:
         value = gates.get(name, 0.0)
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -209,6 +211,13 @@ def _validate_release_gates(gates: dict[str, object]) -> None:
                 f"got {value}",
                 f"profile.release_gates.{name}",
             )
+    rounds = gates.get("benchmark_rounds", 0)
+    if not isinstance(rounds, int) or not 0 <= rounds <= MAX_BENCHMARK_ROUNDS:
+        raise _fail(
+            f"profile.release_gates.benchmark_rounds is 0 (the default, "
+            f"{DEFAULT_BENCHMARK_ROUNDS}) to {MAX_BENCHMARK_ROUNDS}; got {rounds}",
+            "profile.release_gates.benchmark_rounds",
+        )
 
 
 def _validate_parsers(reasoning_parser: str, tool_parser: str) -> None:

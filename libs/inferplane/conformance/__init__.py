@@ -14,7 +14,8 @@ Pure Python over the protos (no grpc server, no engine): the replica process run
 
 from inferplane.conformance._cases import case_families, cases_file_name, public_cases
 from inferplane.conformance._live import (
-    MAX_TOKENS,
+    AUTO_MAX_TOKENS,
+    FORCED_MAX_TOKENS,
     TOOL_CHOICES,
     LiveRequest,
     LiveTally,
@@ -46,14 +47,15 @@ from inferplane.conformance._thresholds import (
 )
 
 __all__ = [
+    "AUTO_MAX_TOKENS",
     "DEFAULT_LIVE_REQUESTS",
     "DEFAULT_MAX_LEAKED_MARKERS",
     "DEFAULT_MIN_REPLAY_PASS_RATE",
     "DEFAULT_MIN_SCHEMA_VALID_RATE",
     "DEFAULT_MIN_TOOL_CALL_RATE",
     "DEFAULT_TIMEOUT_SECONDS",
+    "FORCED_MAX_TOKENS",
     "MAX_FAILURES",
-    "MAX_TOKENS",
     "TOOL_CHOICES",
     "ConformanceThresholds",
     "LiveRequest",

@@ -14,6 +14,18 @@ constrained grammar allows inside JSON strings and the parser then takes for the
 arguments (`inferplane.parsers._constrain`); numbers and integers have both bounds (a model
 that writes digits without end is cut by `max_tokens`).
 
+`max_tokens` is what a complete answer needs with a margin, so that the live phase is bounded
+by the answers that never end (the gate's run time is its slowest answer): `FORCED_MAX_TOKENS`
+(512) for "required" / named, `AUTO_MAX_TOKENS` (256) for "auto". Measured on kimi-tiny
+(`bench/conformance_cost.py`, seeds 1-80: 640 forced and 320 "auto" answers), the largest
+complete forced call took 187 completion tokens and the largest complete "auto" answer 101;
+the only answers that reached the old 1,024 were "auto" ones repeating a word. A forced call
+cannot run on inside its arguments (the constraint bounds them: strings of at most 16
+characters, bounded numbers, at most 8 whitespace characters between tokens,
+`inferplane.parsers._constrain.MAX_WHITESPACE`, arrays of at most 3 items), so 512 leaves a
+real model's call room; 12 requests write at most 4 x 256 + 8 x 512 = 5,120 completion tokens
+(12,288 before), each at most 512.
+
 `LiveTally` scores each answer (an OpenAI chat completion as JSON) as
 github.com/MoonshotAI/K2-Vendor-Verifier counts: calls expected (required / named) and
 returned, calls schema-valid (the last call of an answer cut by `max_tokens` is returned but
@@ -22,7 +34,10 @@ arguments a JSON object valid against its `parameters`: `inferplane.parsers.
 validate_tool_calls`), finish reasons that disagree with the output, the family's markers
 leaked into content or reasoning, and reasoning markers left in content (reasoning not
 separated). A request that failed or did not finish counts as a live error (and, when a call
-was expected, as a call not returned).
+was expected, as a call not returned). A forced answer cut by `max_tokens` before any call
+counts as a call not returned (a problem line says so); an "auto" answer cut by `max_tokens`
+counts against nothing (it may ramble; the model was free not to call), and a problem line
+says so.
 """
 
 from __future__ import annotations
@@ -41,8 +56,12 @@ JSON = dict[str, Any]
 
 TOOL_CHOICES = ("auto", "required", "named")
 """The `tool_choice` of request i is `TOOL_CHOICES[i % 3]` ("named": one of its functions)."""
-MAX_TOKENS = 1024
-"""Completion tokens per live request."""
+FORCED_MAX_TOKENS = 512
+"""`max_tokens` of a "required" / named request: ~2.7x the largest complete forced call
+measured on kimi-tiny (187 tokens; module docstring)."""
+AUTO_MAX_TOKENS = 256
+"""`max_tokens` of an "auto" request: ~2.5x the largest complete "auto" answer measured on
+kimi-tiny (101 tokens); one cut there counts against nothing (`LiveTally.add`)."""
 MAX_STRING_LENGTH = 16
 CITIES = ("Tokyo", "Paris", "Rome", "Oslo", "Lima", "Berlin", "Madrid", "Cairo", "Seoul")
 _WORDS = ("alpha", "beta", "gamma", "delta", "omega", "north", "south", "fast", "slow", "red")
@@ -54,8 +73,9 @@ class LiveRequest:
 
     Attributes:
         index: its position (0-based) in the drawn list.
-        body: the OpenAI chat request (`messages`, `tools`, `tool_choice`, `max_tokens`,
-            `temperature` 0); `model` is left to the sender.
+        body: the OpenAI chat request (`messages`, `tools`, `tool_choice`, `max_tokens`
+            `FORCED_MAX_TOKENS` or `AUTO_MAX_TOKENS`, `temperature` 0); `model` is left to the
+            sender.
         tool_choice: "auto", "required" or "named".
         named: the function a named `tool_choice` names ("" otherwise).
         thinking: reasoning asked for (set in the body only for a family with a switch).
@@ -143,9 +163,10 @@ def random_tools(rng: random.Random, max_tools: int = 3) -> list[JSON]:
 
 def live_requests(n: int, seed: int, thinking_kwarg: str | None = None) -> list[LiveRequest]:
     """`n` live requests for `seed` (same seed, same requests); `tool_choice` auto, required,
-    named in turn; thinking on for every other auto request, off otherwise, set as
-    `chat_template_kwargs[thinking_kwarg]` (the family's switch, `ChatFamily.thinking_kwarg`;
-    None: the family has none and the body leaves it to the template).
+    named in turn, `max_tokens` `AUTO_MAX_TOKENS` / `FORCED_MAX_TOKENS`; thinking on for every
+    other auto request, off otherwise, set as `chat_template_kwargs[thinking_kwarg]` (the
+    family's switch, `ChatFamily.thinking_kwarg`; None: the family has none and the body leaves
+    it to the template).
 
     Raises:
         ValueError: `n` is negative.
@@ -168,7 +189,7 @@ def live_requests(n: int, seed: int, thinking_kwarg: str | None = None) -> list[
             ],
             "tools": tools,
             "tool_choice": choice,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": AUTO_MAX_TOKENS if kind == "auto" else FORCED_MAX_TOKENS,
             "temperature": 0,
         }
         thinking = kind == "auto" and (i // len(TOOL_CHOICES)) % 2 == 0
@@ -245,6 +266,11 @@ class LiveTally:
                     f"live {request.index}: no call under {request.tool_choice}, finish {finish!r}"
                     f", {len(content)} content and {len(reasoning)} reasoning characters"
                 )
+        elif finish == "length":
+            # "auto" may ramble: the model was free not to call, so a cut answer fails nothing.
+            self.problems.append(
+                f"live {request.index}: auto answer cut by max_tokens ({len(calls)} calls)"
+            )
         checked = calls
         if finish == "length" and calls:
             # The budget ended inside the last call: it cannot be complete, and says nothing

@@ -11,7 +11,8 @@ import pytest
 
 from inferplane.api.nodeagent.v1 import replica_pb2
 from inferplane.conformance import (
-    MAX_TOKENS,
+    AUTO_MAX_TOKENS,
+    FORCED_MAX_TOKENS,
     LiveRequest,
     LiveTally,
     family_markers,
@@ -56,7 +57,19 @@ def test_choices_in_turn_with_declared_names_and_valid_bounded_schemas() -> None
             assert all(0 < s["maxLength"] <= 16 for s in _leaves(params, ("string",)))
             for n in _leaves(params, ("integer", "number")):
                 assert n["minimum"] <= n["maximum"]
-        assert r.body["max_tokens"] == MAX_TOKENS and r.body["temperature"] == 0
+        assert r.body["temperature"] == 0
+
+
+def test_max_tokens_is_bounded_forced_calls_above_auto() -> None:
+    """Every drawn body's `max_tokens` is the cap of its choice, so 12 requests write at most
+    4 x 256 + 8 x 512 completion tokens (the live phase's bound, module docstring)."""
+    assert (AUTO_MAX_TOKENS, FORCED_MAX_TOKENS) == (256, 512)
+    for seed in range(20):
+        requests = live_requests(12, seed, "thinking")
+        for r in requests:
+            cap = FORCED_MAX_TOKENS if r.expects_call else AUTO_MAX_TOKENS
+            assert r.body["max_tokens"] == cap
+        assert sum(r.body["max_tokens"] for r in requests) == 5120
 
 
 def test_thinking_on_every_other_auto_round_off_for_forced_calls() -> None:
@@ -191,6 +204,31 @@ def test_a_call_cut_by_max_tokens_is_returned_but_not_checked() -> None:
     assert (report.tool_calls_expected, report.tool_calls_returned) == (1, 1)
     assert (report.tool_calls, report.tool_calls_schema_valid) == (1, 1)
     assert report.finish_reason_mismatches == 0
+
+
+def test_a_forced_answer_cut_before_its_call_is_a_call_not_returned() -> None:
+    """A forced call the model never finished (cut by max_tokens inside its arguments, where
+    the parser returns nothing) stays visible: a call not returned, and a problem line."""
+    tally = _tally()
+    tally.add(_request("required"), _answer(content="", finish="length"))
+    tally.add(_request("named"), _answer([GOOD_CALL], "tool_calls"))
+    report = _report(tally)
+    assert (report.tool_calls_expected, report.tool_calls_returned) == (2, 1)
+    assert report.live_errors == 0 and report.finish_reason_mismatches == 0
+    assert any("no call under required, finish 'length'" in p for p in tally.problems)
+
+
+def test_an_auto_answer_cut_by_max_tokens_counts_against_nothing() -> None:
+    tally = _tally()
+    tally.add(_request("auto"), _answer(content="jazz " * 50, finish="length"))
+    report = _report(tally)
+    assert (report.tool_calls_expected, report.tool_calls_returned, report.tool_calls) == (
+        0,
+        0,
+        0,
+    )
+    assert report.live_errors == 0 and report.finish_reason_mismatches == 0
+    assert tally.problems == ["live 0: auto answer cut by max_tokens (0 calls)"]
 
 
 def test_markers_in_content_or_reasoning_leak_and_think_markers_in_content_unseparate() -> None:

@@ -118,6 +118,7 @@ def test_equal_revisions_pass_after_two_agreeing_rounds(tmp_path: Path) -> None:
     assert {c["base_url"] for c in runner.calls} == {EDGE}
     assert runner.calls[0]["workload"].name == "agentic-v1"
     assert [c["timeout"] for c in runner.calls] == [420.0, 390.0, 360.0, 330.0]
+    assert [c["environment"]["gate_round"] for c in runner.calls] == [1, 1, 2, 2]
     assert verdict.measurements["ttft_p99_seconds.candidate"] == 0.2
     assert verdict.measurements["ttft_p99_seconds.serving"] == 0.2
     assert verdict.measurements["ttft_p99_seconds.serving.round2"] == 0.2

@@ -30,7 +30,8 @@ allowed regressions (`inferplane.benchmark.compare`).
    `requests_successful.*`, `requests_errored.*`: sums; `rounds`; per round i
    `<figure>.candidate.round<i>` / `.serving.round<i>` and `passed.round<i>`).
 
-Each side's full report (environment and GuideLLM's raw JSON) is stored under `reports_dir`
+Each side's full report (environment, with the deployment, revision and `gate_round`, and
+GuideLLM's raw JSON) is stored under `reports_dir`
 (`<deployment>/<time>-<workload>-<model>-<revision>.json`) when one is set.
 
 Settings (`OrchestratorSettings`): `benchmark_edge_url` (the edge's OpenAI base URL),
@@ -152,7 +153,7 @@ class GuideLLMPerformanceGate:
         except (ValueError, WorkloadError, BenchmarkError) as exc:
             return finish(ERROR, f"error: {exc}", {})
 
-        async def side(revision: str) -> BenchReport:
+        async def side(revision: str, number: int) -> BenchReport:
             left = budget - (self._monotonic() - started)
             if left <= 0:
                 raise BenchmarkError(f"the gate's {budget:.0f} s ran out before {revision}")
@@ -164,7 +165,11 @@ class GuideLLMPerformanceGate:
                 revision,
                 left,
                 ca_path=self._ca_path,
-                environment={"deployment": deployment_id, "revision": revision},
+                environment={
+                    "deployment": deployment_id,
+                    "revision": revision,
+                    "gate_round": number,
+                },
             )
             self._store(deployment_id, report)
             return report
@@ -184,11 +189,11 @@ class GuideLLMPerformanceGate:
                     break
                 round_started = self._monotonic()
                 if number % 2:
-                    serving = await side(serving_revision)
-                    candidate = await side(candidate_revision)
+                    serving = await side(serving_revision, number)
+                    candidate = await side(candidate_revision, number)
                 else:
-                    candidate = await side(candidate_revision)
-                    serving = await side(serving_revision)
+                    candidate = await side(candidate_revision, number)
+                    serving = await side(serving_revision, number)
                 own.append(compare(candidate, serving, thresholds).passed)
                 pairs.append((candidate, serving))
                 longest = max(longest, self._monotonic() - round_started)

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
-from inferplane.node_agent.supervisor.cpus import BIND_ENV, NOBIND, CpuCorePool, format_cpu_list
+from inferplane.node_agent.supervisor.cpus import (
+    BIND_ENV,
+    NOBIND,
+    PASSIVE,
+    WAIT_POLICY_ENV,
+    CpuCorePool,
+    format_cpu_list,
+    thread_environment,
+)
 from inferplane.node_agent.supervisor.manager import ReplicaManager, SupervisorConfig
 from inferplane.node_agent.supervisor.process import LaunchPlan
 from inferplane.testing.clock import FakeClock
@@ -129,6 +137,7 @@ async def test_an_explicit_bind_in_the_agent_environment_wins(tmp_path: Path) ->
     )
     await replica.wait_for_state(State.STATE_READY, timeout=5)
     assert binds(plans) == [None]  # the inherited value reaches the engine unchanged
+    assert plans[0].env[WAIT_POLICY_ENV] == PASSIVE  # an inherited nobind shares cores too
     assert manager.cores.held("r1") == []
     await manager.close()
 
@@ -147,3 +156,24 @@ async def test_the_started_engine_process_gets_its_cores(tmp_path: Path) -> None
         assert f"{BIND_ENV}=1-2".encode() in environ
     finally:
         await manager.close()
+
+
+def test_engines_sharing_cores_wait_passively_unless_the_agent_says_otherwise() -> None:
+    assert thread_environment("1-2", {}) == {BIND_ENV: "1-2"}  # own cores: vLLM's settings
+    assert thread_environment(NOBIND, {}) == {BIND_ENV: NOBIND, WAIT_POLICY_ENV: PASSIVE}
+    assert thread_environment(None, {BIND_ENV: NOBIND}) == {WAIT_POLICY_ENV: PASSIVE}
+    assert thread_environment(NOBIND, {WAIT_POLICY_ENV: "ACTIVE"}) == {BIND_ENV: NOBIND}
+    assert thread_environment(None, {}) == {}
+
+
+async def test_a_replica_beyond_the_free_cores_shares_them_and_waits_passively(
+    tmp_path: Path,
+) -> None:
+    manager, plans = fake_manager(tmp_path, environ={})
+    manager.cores = CpuCorePool(range(2), cores_per_rank=2, reserved=1)
+    spec = nodeagent_pb2.ReplicaSpec(model_source="/m", transport="grpc")
+    for rid in ("r1", "r2"):
+        await (await manager.start(rid, spec)).wait_for_state(State.STATE_READY, timeout=5)
+    assert binds(plans) == ["1", NOBIND]
+    assert [p.env.get(WAIT_POLICY_ENV) for p in plans] == [None, PASSIVE]
+    await manager.close()

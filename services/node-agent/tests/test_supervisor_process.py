@@ -296,7 +296,9 @@ def test_the_inproc_plan_has_no_engine_command_and_serves_metrics_itself(
         kv_cache_bytes=1 << 30,
         gpu_indices=[2, 3],
     )
-    plan = plan_launch("r1", spec, data_dir=tmp_path, cpu=False, cpu_bind="1")
+    plan = plan_launch(
+        "r1", spec, data_dir=tmp_path, cpu=False, cpu_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    )
     assert "--" not in plan.argv and plan.engine_address == ""
     ours = list(plan.argv)
     metrics_port = flag(ours, "--metrics-port")
@@ -316,7 +318,7 @@ def test_cpu_plans_carry_the_bind_and_niceness_and_the_agent_pid(tmp_path: Path)
         SPEC,
         data_dir=tmp_path,
         cpu=True,
-        cpu_bind="1-2",
+        cpu_env={"VLLM_CPU_OMP_THREADS_BIND": "1-2"},
         engine_core_niceness=19,
         engine_autogroup_niceness=10,
     )

@@ -18,7 +18,7 @@ from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.engine_args import KV_CACHE_DTYPES, EngineArgError, check_engine_args
 from inferplane.engine_features import SPECULATIVE_METHODS, FeatureError, check_spec_features
 from inferplane.node_agent.supervisor.control import ClientFactory, ReplicaProcessClient
-from inferplane.node_agent.supervisor.cpus import BIND_ENV, CpuCorePool
+from inferplane.node_agent.supervisor.cpus import BIND_ENV, CpuCorePool, thread_environment
 from inferplane.node_agent.supervisor.engines import EngineCatalog, discover_engines
 from inferplane.node_agent.supervisor.handle import Replica, State, SupervisorConfig
 from inferplane.node_agent.supervisor.process import (
@@ -63,8 +63,9 @@ class ReplicaManager:
     ) -> None:
         """`client_factory` replaces `ReplicaProcessClient` and `planner` `plan_launch`
         (tests); `cores` is the pool of this node's cores; `environ` is the environment replica
-        processes inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND` there is left alone);
-        `engines` the engines this node offers (default: this interpreter's only)."""
+        processes inherit (an explicit `VLLM_CPU_OMP_THREADS_BIND` or `OMP_WAIT_POLICY` there
+        is left alone); `engines` the engines this node offers (default: this interpreter's
+        only)."""
         self.config = config
         self.cpu = (not has_nvidia_gpu()) if config.cpu is None else config.cpu
         self.engines = engines or EngineCatalog(discover_engines((), cpu=self.cpu))
@@ -107,7 +108,7 @@ class ReplicaManager:
             replica_host=self.config.replica_host,
             advertise_host=self.config.replica_advertise_host,
             cpu=cpu,
-            cpu_bind=bind,
+            cpu_env=thread_environment(bind, self._environ) if cpu else None,
             engine_core_niceness=self.config.cpu_engine_core_niceness,
             engine_autogroup_niceness=self.config.cpu_engine_autogroup_niceness,
         )

@@ -32,7 +32,6 @@ from google.protobuf import json_format
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.engine_features import engine_feature_args
-from inferplane.node_agent.supervisor.cpus import BIND_ENV
 from inferplane.replica_contract import (
     DEFAULT_FLAGS,
     LAUNCHER_MODULE,
@@ -197,7 +196,7 @@ def plan_launch(
     replica_host: str = "127.0.0.1",
     advertise_host: str = "",
     cpu: bool | None = None,
-    cpu_bind: str | None = None,
+    cpu_env: Mapping[str, str] | None = None,
     engine_core_niceness: int = 0,
     engine_autogroup_niceness: int = 0,
 ) -> LaunchPlan:
@@ -215,9 +214,10 @@ def plan_launch(
     launcher would take (`--cache-root`, `--device`, `--kv-cache-bytes`) and
     `--metrics-port`/`--metrics-host` for vLLM's registry, served by the replica process on
     `host`; the engine arguments come from the spec file. GPU nodes get `CUDA_VISIBLE_DEVICES`
-    from `gpu_indices`; CPU nodes get `cpu_bind`, when given, as `VLLM_CPU_OMP_THREADS_BIND`
-    (supervisor/cpus.py), `engine_core_niceness` and `engine_autogroup_niceness`
-    (supervisor/priority.py; the supervisor applies them once ready). The environment carries this
+    from `gpu_indices`; CPU nodes get `cpu_env` (supervisor/cpus.py, `thread_environment`: the
+    core set `VLLM_CPU_OMP_THREADS_BIND` and, for engines sharing cores, the OpenMP wait
+    policy), `engine_core_niceness` and `engine_autogroup_niceness` (supervisor/priority.py;
+    the supervisor applies them once ready). The environment carries this
     process's pid for the replica process's `procguard.guard_parent`.
 
     Raises:
@@ -269,8 +269,8 @@ def plan_launch(
     if engine_argv:
         argv += ["--", *engine_argv]
     env: dict[str, str] = {procguard.PARENT_PID_ENV: str(os.getpid())}
-    if cpu and cpu_bind:
-        env[BIND_ENV] = cpu_bind
+    if cpu and cpu_env:
+        env.update(cpu_env)
     if not cpu and spec.gpu_indices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
     return LaunchPlan(

@@ -1,6 +1,6 @@
 """What the conformance gate's live phase costs on kimi-tiny, and where its time goes.
 
-    .venv/bin/python bench/conformance_cost.py [--seeds 1,2,3,4,5] [--requests 12]
+    .venv/bin/python bench/conformance_cost.py [--seeds 1-5,7] [--requests 12] [--max-tokens N]
 
 For each seed, the gate's live requests (`inferplane.conformance.live_requests`, the family's
 thinking switch) are sent through the replica's own pipeline and a real in-process vLLM engine
@@ -10,6 +10,8 @@ scored by `LiveTally`. Per request: tool_choice, thinking, `max_tokens`, complet
 finish reason, calls returned, and for an answer cut by `max_tokens` the tail of what it wrote
 (reasoning, content or the last call's arguments: where in the grammar it ran on). Per seed:
 the live phase's wall seconds and the tally (calls returned / expected, schema-valid).
+`--max-tokens` sends every request with that `max_tokens` instead of the gate's caps
+(`FORCED_MAX_TOKENS`, `AUTO_MAX_TOKENS`): 1024 is the gate before they were set.
 
 Last lines: `conformance_live_seconds_median`, `conformance_live_seconds_max`,
 `conformance_forced_calls_returned N/M` and `conformance_largest_complete_forced_call_tokens`
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 from google.protobuf import json_format
@@ -55,9 +58,17 @@ def _seeds(text: str) -> list[int]:
 
 
 async def run_seed(
-    stub: Any, model: str, seed: int, n: int, thinking_kwarg: str | None, tally: LiveTally
+    stub: Any,
+    model: str,
+    seed: int,
+    n: int,
+    thinking_kwarg: str | None,
+    tally: LiveTally,
+    max_tokens: int = 0,
 ) -> tuple[float, list[tuple[LiveRequest, dict[str, Any], float]]]:
     drawn = live_requests(n, seed, thinking_kwarg)
+    if max_tokens:
+        drawn = [replace(r, body={**r.body, "max_tokens": max_tokens}) for r in drawn]
     gate = asyncio.Semaphore(LIVE_CONCURRENCY)
 
     async def one(live: LiveRequest) -> tuple[LiveRequest, dict[str, Any], float]:
@@ -93,7 +104,13 @@ async def main_async(args: argparse.Namespace) -> None:
         for seed in seeds:
             tally = LiveTally(markers=markers, reasoning_markers=reasoning)
             took, results = await run_seed(
-                stub, spec.served_model_name, seed, args.requests, thinking_kwarg, tally
+                stub,
+                spec.served_model_name,
+                seed,
+                args.requests,
+                thinking_kwarg,
+                tally,
+                args.max_tokens,
             )
             walls.append(took)
             returned += tally.tool_calls_returned
@@ -134,6 +151,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", default="1,2,3,4,5")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument(
+        "--max-tokens", type=int, default=0, help="every request's max_tokens (0: the gate's)"
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -22,8 +22,8 @@ unless the node-agent's environment sets a policy: the CPU wheels' OpenMP runtim
 spins a finished parallel region's threads for a while before they sleep, and two unbound
 engines on the same cores then spend their turns spinning against each other. Measured on
 kimi-tiny, vLLM 0.32 in-process, agent-like turns, with another engine and a stack busy on the
-same 2 cores (issue 30): ITL p99 101-816 ms spinning vs 11-68 ms passive, TTFT max
-0.15-1.55 s vs 0.02-0.77 s, and 30-50 % less CPU a round. A bound engine owns its cores and
+same 2 cores (issue 30; bench/README.md, "Engine 0.31 vs 0.32"): median ITL p99 197 ms
+spinning vs 16 ms passive, median TTFT max 0.285 s vs 0.030 s, about half the CPU a round. A bound engine owns its cores and
 keeps vLLM's own settings.
 """
 

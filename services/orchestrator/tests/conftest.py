@@ -1,6 +1,8 @@
-"""Fixtures for the orchestrator tests: the shared fake clock, fleets and profiles, and a real
+"""Fixtures for the orchestrator tests: the shared fake clock, fleets and profiles, a real
 in-process orchestrator (grpc.aio on a background loop, loopback, free port, SQLite in a tmp
-dir) reached through the generated sync stubs."""
+dir) reached through the generated sync stubs, and the release pipeline's `world`
+(`release_world.py`; test_reconcile.py, test_adapters.py and test_autoscaling_policy.py define
+a `world` of their own)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from inferplane.orchestrator.settings import OrchestratorSettings
 from inferplane.runtime import RunningServer
 from inferplane.testing.clock import FakeClock
 from inferplane.testing.loop import LoopThread
+
+from .release_world import World, open_world
 
 GB = 10**9
 
@@ -158,7 +162,7 @@ def cpu_status(
 
 def llama8b_proto(**overrides: Any) -> orchestrator_pb2.Deployment:
     """Llama-3.1-8B bf16: 16.06 GB weights; KV 131,072 B/token × 8 seqs × 8192 = 8.6 GB."""
-    profile = dict(
+    profile: dict[str, Any] = dict(
         model_source="meta-llama/Llama-3.1-8B-Instruct",
         engine_version="0.32.0",
         precision="bf16",
@@ -212,3 +216,10 @@ class Helpers:
 @pytest.fixture
 def fx() -> Helpers:
     return Helpers()
+
+
+@pytest.fixture
+def world(tmp_path: Path, fx: Helpers) -> Iterator[World]:
+    """The release pipeline's world (`release_world.open_world`) in the test's tmp dir."""
+    with open_world(tmp_path, fx) as w:
+        yield w

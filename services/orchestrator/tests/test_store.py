@@ -6,94 +6,48 @@ can be shared with other services' store tests (auth's).
 Invariants: everything committed is loaded back equal (every field, aware UTC times with
 microseconds, fractional GPU shares, byte counts past 2^32, the longest names validation
 allows), by this store and by a new store on the same URL; a change that fails (a taken
-deployment id or alias) writes nothing; the service keeps its state across a restart on
-PostgreSQL as on SQLite.
+deployment id or alias) writes nothing. The service on each database is in
+`test_store_service.py`, the builders in `store_data.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-from google.protobuf import field_mask_pb2
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect, make_url
 from sqlalchemy.exc import DBAPIError
 
 from inferplane.api.nodeagent.v1 import nodeagent_pb2, replica_pb2
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
-from inferplane.orchestrator.catalog.model import (
-    MAX_OWNED_BY,
-    Accelerator,
-    Autoscaling,
-    Deployment,
-    DeploymentProfile,
-    RolloutStrategy,
-)
-from inferplane.orchestrator.fleet.model import (
-    MAX_AGENT_VERSION,
-    MAX_NODE_ADDRESS,
-    MAX_NODE_NAME,
-    EngineInstall,
-    Gpu,
-    GpuPartition,
-    Node,
-    NodeCapabilities,
-    NodeCondition,
-)
-from inferplane.orchestrator.migrations import MIGRATIONS
-from inferplane.orchestrator.placement.model import Decision, Placement
-from inferplane.orchestrator.release import matrix as compatibility_matrix
-from inferplane.orchestrator.release import store as release_store
+from inferplane.orchestrator.catalog.model import Accelerator
+from inferplane.orchestrator.fleet.model import MAX_NODE_NAME, NodeCondition
+from inferplane.orchestrator.placement.model import Decision
 from inferplane.orchestrator.release.progress import Progress
 from inferplane.orchestrator.release.store import ManagedReplica, Release, SqlReleaseStore, Stage
-from inferplane.orchestrator.store import lease as lease_store
-from inferplane.orchestrator.store import sql as state_store
 from inferplane.orchestrator.store.base import StateChange, StateSnapshot
 from inferplane.orchestrator.store.sql import SqlStateStore
 from inferplane.runtime import AlreadyExistsError
-from inferplane.testing.clock import FakeClock
-from inferplane.testing.databases import drop_schema
 
-POSTGRES_URL = os.environ.get("INFERPLANE_TEST_POSTGRES_URL", "")
-GB = 10**9
-# Microseconds, and a zone other than UTC going in: the store must give back the same instant
-# as aware UTC.
-T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=5, minutes=30)))
-UINT32_MAX = 2**32 - 1  # counts are uint32 in the contract (replicas, max_replicas, cpu_count)
-ORCHESTRATOR_TABLES = {
-    "deployments",
-    "deployment_aliases",
-    "nodes",
-    "placements",
-    "managed_replicas",
-    "releases",
-    "leader_leases",
-    "routing_tables",
-    "router_grants",
-    "autoscaler_decisions",
-    "lora_adapters",
-    "compatibility_verdicts",
-    "forced_changes",
-    "compatibility_grandfathered",
-}
-_METADATAS = (
-    state_store._Base.metadata,
-    release_store._Base.metadata,
-    lease_store.METADATA,
-    compatibility_matrix.METADATA,
+from .store_data import (
+    METADATAS,
+    ORCHESTRATOR_TABLES,
+    POSTGRES_URL,
+    T0,
+    assert_no_defaults,
+    commit_all,
+    cpu_node,
+    deployment,
+    drop_orchestrator_tables,
+    full_state,
+    placement,
+    profile,
+    sorted_snapshot,
 )
-
-
-def drop_orchestrator_tables(url: str) -> None:
-    """Drops the orchestrator's tables and migration state only (other services' tables in the
-    database stay)."""
-    drop_schema(url, MIGRATIONS, _METADATAS)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -129,215 +83,6 @@ def store(open_store: Callable[[], SqlStateStore]) -> SqlStateStore:
     return open_store()
 
 
-def assert_no_defaults(value: Any) -> None:
-    """Every field of the dataclass `value` differs from its default, so a round trip shows it
-    is stored (a field added later without a column fails here first)."""
-    for field in dataclasses.fields(value):
-        if field.default is not dataclasses.MISSING:
-            assert getattr(value, field.name) != field.default, (
-                f"{type(value).__name__}.{field.name} is left at its default"
-            )
-
-
-def profile(n: int = 0, **changes: Any) -> DeploymentProfile:
-    p = DeploymentProfile(
-        model_source=f"/models/Llama-3.1-8B-Instruct-{n}",
-        engine="vllm-cpu",
-        engine_version="0.32.0",
-        precision="fp32",
-        parameter_count=8_030_000_000 + n,
-        active_parameter_count=1_000_000_000,
-        num_layers=32,
-        num_kv_heads=8,
-        head_dim=128,
-        kv_cache_dtype="fp8",
-        tensor_parallel_size=2,
-        max_model_len=8192,
-        max_num_seqs=16,
-        expected_context_tokens=4096,
-        reasoning_parser="kimi_k2",
-        tool_parser="qwen3",
-        speculative_method="eagle",
-        speculative_model="yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
-        num_speculative_tokens=3,  # the store keeps what it is given (validation is apart)
-        speculative_prompt_lookup_max=6,
-        speculative_prompt_lookup_min=2,
-        transport="grpc",
-        stream_interval=4,
-        constrain_tool_choice_auto=True,
-        extra_engine_args=("--enforce-eager", "--seed=7", '--json={"a": [1, 2]}'),
-        task="embed",
-        sampling_defaults=(("repetition_penalty", 1.3), ("top_k", 20)),
-        max_loras=4,
-        max_lora_rank=64,
-        ttft_slo_seconds=0.75,
-        release_gates=(("min_tool_call_rate", 0.9), ("performance", True)),
-    )
-    return dataclasses.replace(p, **changes)
-
-
-def deployment(deployment_id: str, *aliases: str, **changes: Any) -> Deployment:
-    p = changes.pop("profile", profile())
-    d = Deployment(
-        deployment_id=deployment_id,
-        profile=p,
-        replicas=3,
-        min_replicas=2,
-        max_replicas=5,
-        aliases=aliases,
-        rollout=RolloutStrategy(
-            max_surge=2,
-            max_unavailable=1,
-            max_error_rate=0.05,
-            max_ttft_p99_seconds=1.25,
-            gate_window_seconds=60,
-            drain_grace_period_seconds=45,
-            canary_percent=10,
-            canary_window_seconds=90,
-            canary_min_requests=30,
-            max_canary_error_rate_increase=0.01,
-            max_canary_ttft_p99_ratio=1.25,
-            max_canary_tool_call_validity_drop=0.02,
-        ),
-        owned_by="team-ä/research",
-        routing_policy="prefix_affinity",
-        revision=p.revision(),
-        create_time=T0,
-        update_time=T0 + timedelta(seconds=1, microseconds=1),
-        autoscaling=Autoscaling(True, True, 90, 600, 30, 6.5, 0.85),
-    )
-    return dataclasses.replace(d, **changes)
-
-
-def gpu_node(name: str, **changes: Any) -> Node:
-    n = Node(
-        name=name,
-        address="10.0.0.7:50052",
-        gpus=(
-            Gpu(0, 80 * GB, True, "NVIDIA H100 80GB HBM3", f"GPU-{name}-0", 3 * GB),
-            Gpu(1, 80 * GB, True, "NVIDIA H100 80GB HBM3", f"GPU-{name}-1", 0),
-            Gpu(
-                2,
-                80 * GB,
-                False,
-                "NVIDIA H100 80GB HBM3",
-                f"GPU-{name}-2",
-                1,
-                (
-                    GpuPartition(f"MIG-{name}-2-0", "3g.40gb", 40 * GB),
-                    GpuPartition(f"MIG-{name}-2-1", "1g.10gb", 10 * GB),
-                ),
-            ),
-        ),
-        cpu_count=224,
-        memory_bytes=2 * 10**12,
-        labels=(("tier", "prod"), ("topology.kubernetes.io/zone", "eu-west-1a")),  # sorted
-        agent_version="0.1.0+abcdef",
-        condition=NodeCondition.DRAINING,
-        unschedulable=True,
-        last_heartbeat_time=T0 + timedelta(seconds=30, microseconds=999999),
-        register_time=T0 - timedelta(days=1),
-        engines=(
-            EngineInstall("vllm", "0.32.0", "/opt/vllm-0.32/bin/python", True),
-            EngineInstall("vllm", "0.31.0", "/opt/vllm-0.31/bin/python", False),
-        ),
-        capabilities=NodeCapabilities(
-            cpu_features=("amx_bf16", "avx512f"),
-            cpu_model="Intel(R) Xeon(R) Platinum 8480+",
-            kv_cache_dtypes=("auto", "bf16", "fp16", "fp8"),
-            speculative_methods=("eagle", "ngram"),
-        ),
-    )
-    return dataclasses.replace(n, **changes)
-
-
-def cpu_node(name: str) -> Node:
-    """A CPU node as first registered: no GPUs, no labels, no times yet."""
-    return Node(name=name, address="127.0.0.1:50052", cpu_count=2, memory_bytes=32 * GB)
-
-
-def placement(replica_id: str, deployment_id: str, node: str, **changes: Any) -> Placement:
-    p = Placement(
-        replica_id=replica_id,
-        deployment_id=deployment_id,
-        revision=profile().revision(),
-        node=node,
-        accelerator=Accelerator.CPU,
-        gpu_indices=(0, 2),
-        memory_bytes_per_device=34_567_890_123,
-        memory_fraction=0.4321,
-        kv_cache_bytes=8_589_934_592,
-        decision=Decision.KEPT,
-        free_before_bytes=79_999_999_999,
-        spread_rank=2,
-    )
-    return dataclasses.replace(p, **changes)
-
-
-def full_state() -> StateSnapshot:
-    """Three deployments (aliases in a non-sorted order; the longest id, alias and owner
-    validation allows; the largest max_replicas), GPU nodes (one with the longest name, address
-    and agent version registration allows and the largest CPU count) and a CPU node, and
-    placements sharing GPU 0 of a GPU node."""
-    long_id = "L" + "x" * 127
-    long_alias = "moonshotai/" + "k" * 245
-    deployments = (
-        deployment("Model-B", "zz/last", "org/Model-B:v2", "a@1+x"),
-        deployment(
-            long_id,
-            long_alias,
-            profile=profile(1),
-            owned_by="o" * MAX_OWNED_BY,
-            max_replicas=UINT32_MAX,  # "no real bound" as a client may say it
-        ),
-        deployment("model-a", "a-alias", update_time=T0 + timedelta(hours=1)),
-    )
-    nodes = (
-        gpu_node("gpu-a"),
-        cpu_node("cpu-b"),
-        gpu_node(
-            "n" * MAX_NODE_NAME,
-            address="a" * MAX_NODE_ADDRESS,
-            agent_version="v" * MAX_AGENT_VERSION,
-            cpu_count=UINT32_MAX,
-            condition=NodeCondition.READY,
-        ),
-    )
-    placements = (
-        placement("Model-B-0", "Model-B", "gpu-a"),
-        placement(
-            "Model-B-1",
-            "Model-B",
-            "gpu-a",
-            accelerator=Accelerator.GPU,
-            gpu_indices=(0,),
-            memory_fraction=0.25,
-            decision=Decision.PLACED,
-            spread_rank=1,
-        ),
-        placement(f"{long_id}-0", long_id, "cpu-b", gpu_indices=(), memory_fraction=0.8),
-    )
-    return StateSnapshot(deployments, nodes, placements)
-
-
-def sorted_snapshot(s: StateSnapshot) -> StateSnapshot:
-    return StateSnapshot(
-        tuple(sorted(s.deployments, key=lambda d: d.deployment_id)),
-        tuple(sorted(s.nodes, key=lambda n: n.name)),
-        tuple(sorted(s.placements, key=lambda p: p.replica_id)),
-    )
-
-
-def commit_all(store: SqlStateStore, state: StateSnapshot) -> None:
-    store.commit(
-        StateChange(
-            create_deployments=state.deployments,
-            put_nodes=state.nodes,
-            put_placements=state.placements,
-        )
-    )
-
-
 def test_only_the_orchestrator_tables_are_created_and_dropped(url: str) -> None:
     """The orchestrator's table names are its own, and dropping them (as these tests do before
     each test) leaves another service's tables in a shared database alone."""
@@ -351,7 +96,7 @@ def test_only_the_orchestrator_tables_are_created_and_dropped(url: str) -> None:
         s.close()
         tables = set(inspect(engine).get_table_names())
         assert tables >= ORCHESTRATOR_TABLES
-        assert {t for m in _METADATAS for t in m.tables} == ORCHESTRATOR_TABLES
+        assert {t for m in METADATAS for t in m.tables} == ORCHESTRATOR_TABLES
         drop_orchestrator_tables(url)
         assert set(inspect(engine).get_table_names()) & ORCHESTRATOR_TABLES == set()
         assert "not_the_orchestrators" in inspect(engine).get_table_names()
@@ -698,141 +443,3 @@ def test_release_store_round_trip_updates_and_deletions(
     expected = sorted_releases(([moved_on, replicas[2], replicas[3]], [failed, releases[2], shown]))
     assert sorted_releases(store.load()) == expected
     assert sorted_releases(open_releases().load()) == expected
-
-
-# ---- the service on PostgreSQL -------------------------------------------------------------
-
-
-@pytest.mark.skipif(
-    not POSTGRES_URL,
-    reason="set INFERPLANE_TEST_POSTGRES_URL to run the orchestrator service on PostgreSQL",
-)
-def test_service_keeps_its_state_across_a_restart_on_postgresql(tmp_path: Path, fx: Any) -> None:
-    drop_orchestrator_tables(POSTGRES_URL)
-    settings = fx.make_settings(tmp_path, database_url=POSTGRES_URL, reconcile=False)
-    clock = FakeClock()
-    request = pb.CreateDeploymentRequest(
-        deployment_id="Llama-8B",
-        deployment=fx.llama8b_proto(
-            replicas=3, max_replicas=UINT32_MAX, aliases=["meta-llama/Llama-3.1-8B-Instruct"]
-        ),
-    )
-
-    def state(orch: Any) -> tuple[Any, ...]:
-        return (
-            orch.deployments.GetDeployment(
-                pb.GetDeploymentRequest(name="deployments/meta-llama/Llama-3.1-8B-Instruct"),
-                timeout=10,
-            ),
-            orch.deployments.ListDeploymentReplicas(
-                pb.ListDeploymentReplicasRequest(parent="deployments/Llama-8B"), timeout=10
-            ),
-            orch.nodes.ListNodes(pb.ListNodesRequest(), timeout=10),
-        )
-
-    with fx.running(settings, clock) as orch:
-        for name in ("gpu-a", "gpu-b"):
-            orch.nodes.RegisterNode(
-                pb.RegisterNodeRequest(status=fx.gpu_status(name, gpus=2)), timeout=10
-            )
-        orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=fx.cpu_status("cpu-c")), timeout=10)
-        orch.nodes.DrainNode(pb.DrainNodeRequest(name="nodes/gpu-b"), timeout=10)
-        created = orch.deployments.CreateDeployment(request, timeout=10).deployment
-        clock.advance(0.000123)
-        orch.deployments.CreateDeployment(
-            pb.CreateDeploymentRequest(deployment_id="tiny", deployment=fx.tiny_cpu_proto()),
-            timeout=10,
-        )
-        before = state(orch)
-        placements = before[1].placements
-        assert created.status.phase != "Unplaceable"
-        assert [p.node for p in placements] == ["gpu-a"] * 3  # gpu-b is drained
-        gpus = [i for p in placements for i in p.gpu_indices]
-        assert len(gpus) > len(set(gpus))  # two replicas share one GPU
-        assert all(0 < p.memory_fraction < 0.5 for p in placements)
-    assert not list(tmp_path.glob("orchestrator.db*"))  # it ran on PostgreSQL, not SQLite
-
-    clock.advance(3600)
-    with fx.running(settings, clock) as orch:
-        assert state(orch) == before
-        assert orch.components.control.sweep() == []  # nodes get a fresh heartbeat timeout
-
-
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_values_a_column_cannot_hold_are_refused_alike(
-    database: str, tmp_path: Path, fx: Any
-) -> None:
-    """A node name, address or agent version, or a deployment owner, longer than its column or
-    with a NUL character is INVALID_ARGUMENT naming the field on every database (SQLite kept
-    it; PostgreSQL refused it and the call failed with INTERNAL); values at the limit are
-    kept."""
-    if database == "sqlite":
-        url = f"sqlite:///{tmp_path / 'orchestrator.db'}"
-    elif not POSTGRES_URL:
-        pytest.skip("set INFERPLANE_TEST_POSTGRES_URL to run the service on PostgreSQL")
-    else:
-        url = POSTGRES_URL
-        drop_orchestrator_tables(url)
-    settings = fx.make_settings(tmp_path, database_url=url, reconcile=False)
-
-    def refused(call: Callable[[str], Any], value: str, field: str, limit: int) -> None:
-        with pytest.raises(grpc.RpcError) as info:
-            call(value)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        if "\x00" in value:
-            assert info.value.details() == f"{field} must not contain NUL characters"
-        else:
-            assert info.value.details().startswith(f"{field} must be at most {limit} characters")
-
-    with fx.running(settings, FakeClock()) as orch:
-
-        def register(**changes: str) -> Any:
-            status = fx.gpu_status("gpu-a")
-            for name, value in changes.items():
-                setattr(status, name, value)
-            return orch.nodes.RegisterNode(pb.RegisterNodeRequest(status=status), timeout=10)
-
-        def heartbeat(**changes: str) -> Any:
-            status = fx.gpu_status("gpu-a")
-            for name, value in changes.items():
-                setattr(status, name, value)
-            beats = iter([pb.StreamHeartbeatsRequest(status=status)])
-            return list(orch.nodes.StreamHeartbeats(beats, timeout=10))
-
-        limits = (
-            ("node", MAX_NODE_NAME),
-            ("address", MAX_NODE_ADDRESS),
-            ("agent_version", MAX_AGENT_VERSION),
-        )
-        for field, limit in limits:
-            too_long = "x" * (limit + 1)
-            refused(lambda v, f=field: register(**{f: v}), too_long, f"status.{field}", limit)
-            refused(lambda v, f=field: heartbeat(**{f: v}), too_long, f"status.{field}", limit)
-            refused(lambda v, f=field: register(**{f: v}), "a\x00b", f"status.{field}", limit)
-            register(**{field: "x" * limit})
-        heartbeat(address="y" * MAX_NODE_ADDRESS, agent_version="y" * MAX_AGENT_VERSION)
-
-        def create(owned_by: str) -> Any:
-            deployment = fx.llama8b_proto(owned_by=owned_by)
-            request = pb.CreateDeploymentRequest(deployment_id="m", deployment=deployment)
-            return orch.deployments.CreateDeployment(request, timeout=10)
-
-        def set_owner(owned_by: str) -> Any:
-            request = pb.UpdateDeploymentRequest(
-                deployment=pb.Deployment(name="deployments/m", owned_by=owned_by),
-                update_mask=field_mask_pb2.FieldMask(paths=["owned_by"]),
-            )
-            return orch.deployments.UpdateDeployment(request, timeout=10)
-
-        refused(create, "o" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
-        create("o" * MAX_OWNED_BY)
-        refused(set_owner, "p" * (MAX_OWNED_BY + 1), "owned_by", MAX_OWNED_BY)
-        refused(set_owner, "acme\x00", "owned_by", MAX_OWNED_BY)
-        nodes = {n.name for n in orch.components.store.load().nodes}
-    assert nodes == {"gpu-a", "x" * MAX_NODE_NAME}
-    with fx.running(settings, FakeClock()) as orch:
-        got = orch.deployments.GetDeployment(pb.GetDeploymentRequest(name="deployments/m"))
-        assert got.deployment.owned_by == "o" * MAX_OWNED_BY
-        node = orch.nodes.GetNode(pb.GetNodeRequest(name="nodes/gpu-a"), timeout=10).node
-        assert node.status.address == "y" * MAX_NODE_ADDRESS
-        assert node.status.agent_version == "y" * MAX_AGENT_VERSION

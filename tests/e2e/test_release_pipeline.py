@@ -51,7 +51,7 @@ CANARY_WINDOW_SECONDS = 150
 SESSIONS, TURNS, WORKERS = 250, 4, 8
 CANARY_SHARE = (0.07, 0.13)
 #: Gates run before the canary: conformance, then the pinned GuideLLM workload on both sides.
-GATES_TIMEOUT_S = 900.0
+GATES_TIMEOUT_S = 1200.0
 RELEASE_TIMEOUT_S = 1200.0
 #: A promoted revision replacing the rest, or a rolled-back candidate draining.
 SETTLE_TIMEOUT_S = 300.0
@@ -67,7 +67,7 @@ GATES = pb.ReleaseGates(
     max_ttft_p99_regression=1.0,
     max_itl_p99_regression=1.0,
     max_throughput_regression=0.5,
-    benchmark_timeout_seconds=300,
+    benchmark_timeout_seconds=600,  # up to 3 interleaved rounds of ~65-90 s on a busy box
 )
 ROLLOUT = pb.RolloutStrategy(
     max_surge=1,
@@ -189,12 +189,6 @@ def _assert_rolled_back(
     return verdict
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="issue 30, open: on the 2-core box the performance gate stops the 0.31 -> 0.32 "
-    "upgrade in every run (0.32's TTFT p99 3.7-6x, ITL p99 2.6-2.9x 0.31's, both orders, "
-    "engines unbound); with the gate off the canary part passed (100 of 1,000 on the canary)",
-)
 def test_engine_upgrade_rolls_out_through_the_gates_and_a_ten_percent_canary(
     release: rel.Release, client: openai.OpenAI, stable: dict[str, pb.DeploymentProfile]
 ) -> None:
@@ -269,11 +263,6 @@ def test_a_broken_chat_template_is_stopped_at_the_conformance_gate(
     assert set(live.served.by_revision) == {stable_revision}, live.served.by_revision
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="issue 30, open: passed 2 of 5 runs on the 2-core box (a forced call unfinished in "
-    "conformance; one 'not the leader' answer, now retried): not yet stable enough for CI",
-)
 def test_a_canary_whose_error_rate_is_forced_up_is_rolled_back(
     release: rel.Release,
     client: openai.OpenAI,
@@ -303,11 +292,6 @@ def test_a_canary_whose_error_rate_is_forced_up_is_rolled_back(
     assert verdict.measurements, verdict
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="issue 30, open: the performance gate's one passing round let max_num_seqs 1 "
-    "through once in 5 runs (the serving side read 3.35 s TTFT p99 on the loaded box)",
-)
 def test_a_slow_candidate_is_stopped_at_the_performance_gate(
     release: rel.Release, stable: dict[str, pb.DeploymentProfile]
 ) -> None:

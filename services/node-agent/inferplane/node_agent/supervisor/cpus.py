@@ -23,8 +23,8 @@ spins a finished parallel region's threads for a while before they sleep, and tw
 engines on the same cores then spend their turns spinning against each other. Measured on
 kimi-tiny, vLLM 0.32 in-process, agent-like turns, with another engine and a stack busy on the
 same 2 cores (issue 30; bench/README.md, "Engine 0.31 vs 0.32"): median ITL p99 197 ms
-spinning vs 16 ms passive, median TTFT max 0.285 s vs 0.030 s, about half the CPU a round. A bound engine owns its cores and
-keeps vLLM's own settings.
+spinning vs 16 ms passive, median TTFT max 0.285 s vs 0.030 s, about half the CPU a round. A
+bound engine owns its cores and keeps vLLM's own settings.
 """
 
 from __future__ import annotations

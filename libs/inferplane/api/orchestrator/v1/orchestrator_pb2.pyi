@@ -916,9 +916,9 @@ class ReleaseGates(_message.Message):
     benchmark_timeout_seconds: _builtins.int
     """Bound on the whole performance gate (every round, both sides), seconds (0: 420)."""
     benchmark_rounds: _builtins.int
-    """Rounds of the performance gate, each running both sides at once; 0: 3. The gate stops
-    after 2 rounds whose verdicts agree (the latest two) and judges the medians of the rounds
-    run.
+    """Rounds of the performance gate, each running both sides in alternating order (serving
+    first in odd rounds, candidate first in even ones); 0: 3. The gate stops after 2 rounds
+    whose verdicts agree (the latest two) and judges the medians of the rounds run.
     """
     def __init__(
         self,

@@ -8,14 +8,10 @@ allowed regressions (`inferplane.benchmark.compare`).
 1. loads the workload (`ReleaseGates.benchmark_workload`, "" = `agentic-v1`), the thresholds
    (0 fields take `inferplane.benchmark`'s defaults) and the operator key (read from its file
    at each run: the local stack writes it once auth is up, after the orchestrator started);
-2. runs rounds, each both sides at once, each side its own GuideLLM run: on a node the two
-   replicas share (the CPU fixture's cores, a fractional GPU) whatever else runs there, the
-   serving revision's live traffic above all, then weighs on both sides alike. One side after
-   the other, the candidate was measured while the serving replica served live traffic beside
-   it, and the serving side while the candidate idled: on the 2-core box a 0.31 → 0.32
-   upgrade read 4.4x the TTFT p99 and 3.5x the ITL p99 in both rounds, between two engine
-   versions that serve kimi-tiny alike side by side (bench/README.md, "Engine 0.31 vs 0.32").
-   On dedicated GPUs the two runs share only the edge, the picker and this process;
+2. runs rounds, each both sides one after the other (one side at a time: on a small node two
+   GuideLLM runs at once would measure each other), in alternating order: serving first in
+   odd rounds, candidate first in even ones (S C, C S, S C, ...), so neither side always
+   runs on a node still busy with the other;
 3. stops once the latest two rounds' own verdicts (`compare` of that round) agree, both pass
    or both fail; otherwise runs another, up to `benchmark_rounds` (0 = 3: two rounds when
    they agree, a third when they do not; 1 = one round, nothing confirmed). The whole gate
@@ -47,9 +43,8 @@ None): a profile asking for it fails its release with "no benchmark runner confi
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +188,12 @@ class GuideLLMPerformanceGate:
                     cut = f"; the {budget:.0f} s budget allowed {len(pairs)} of {rounds} rounds"
                     break
                 round_started = self._monotonic()
-                serving, candidate = await _both(
-                    side(serving_revision, number), side(candidate_revision, number)
-                )
+                if number % 2:
+                    serving = await side(serving_revision, number)
+                    candidate = await side(candidate_revision, number)
+                else:
+                    candidate = await side(candidate_revision, number)
+                    serving = await side(serving_revision, number)
                 own.append(compare(candidate, serving, thresholds).passed)
                 pairs.append((candidate, serving))
                 longest = max(longest, self._monotonic() - round_started)
@@ -227,22 +225,6 @@ class GuideLLMPerformanceGate:
             log.warning("benchmark_report_not_stored", error=str(exc))
         else:
             log.info("benchmark_report_stored", path=str(path), revision=report.revision)
-
-
-async def _both(
-    serving: Coroutine[Any, Any, BenchReport], candidate: Coroutine[Any, Any, BenchReport]
-) -> tuple[BenchReport, BenchReport]:
-    """Runs the two sides of a round at once; the first failure cancels the other (its
-    GuideLLM is killed) and is raised itself, not in an exception group (a `BenchmarkError`
-    first, when there is one)."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            first = group.create_task(serving)
-            second = group.create_task(candidate)
-    except BaseExceptionGroup as failed:
-        errors = failed.exceptions
-        raise next((e for e in errors if isinstance(e, BenchmarkError)), errors[0]) from None
-    return first.result(), second.result()
 
 
 def build_gate(settings: OrchestratorSettings, **options: Any) -> GuideLLMPerformanceGate | None:

@@ -257,7 +257,8 @@ def sessions_batch(client: openai.OpenAI, sessions: int, turns: int, workers: in
 
 class Traffic:
     """Live traffic in the background: `rate` chat completions per second over `sessions`
-    sessions (round robin), at most `max_in_flight` at once, until `stop()`."""
+    sessions (round robin), at most `max_in_flight` at once, until `stop()`; `pause()` stops
+    sending (and waits for the requests in flight) until `resume()`."""
 
     def __init__(
         self,
@@ -276,6 +277,8 @@ class Traffic:
         self._slots = threading.Semaphore(max_in_flight)
         self._pending: list[futures.Future[None]] = []
         self._thread = threading.Thread(target=self._drive, daemon=True)
+        self._sending = threading.Event()
+        self._sending.set()
 
     def __enter__(self) -> Traffic:
         self._thread.start()
@@ -287,6 +290,10 @@ class Traffic:
     def _drive(self) -> None:
         n, next_at = 0, time.monotonic()
         while not self._stop.is_set():
+            if not self._sending.is_set():
+                self._sending.wait(1)
+                next_at = time.monotonic()
+                continue
             if self._slots.acquire(timeout=1):
                 session = f"{self._prefix}-{n % self._sessions}"
                 self._pending.append(self._pool.submit(self._one, session, n // self._sessions))
@@ -299,6 +306,14 @@ class Traffic:
             _record(self.served, self._lock, self._client, session, turn)
         finally:
             self._slots.release()
+
+    def pause(self) -> None:
+        """Stops sending and waits (up to 180 s) for the requests in flight."""
+        self._sending.clear()
+        futures.wait(self._pending, timeout=180)
+
+    def resume(self) -> None:
+        self._sending.set()
 
     def stop(self) -> Served:
         """Stops sending, waits for the requests in flight; returns what was served."""

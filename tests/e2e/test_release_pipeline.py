@@ -57,17 +57,17 @@ RELEASE_TIMEOUT_S = 1200.0
 SETTLE_TIMEOUT_S = 300.0
 
 #: Conformance with few live requests; the performance gate's allowed regressions generous
-#: (0.31 and 0.32 side by side on a busy 2-core box vary) yet far below what one sequence at a
-#: time costs under the workload's 8 concurrent requests.
+#: (two replicas on 2 shared cores vary from round to round) yet far below what one sequence at
+#: a time costs the workload's bursts (TTFT p99 260 vs 26 ms in one run).
 GATES = pb.ReleaseGates(
     conformance=True,
     conformance_live_requests=6,
-    conformance_timeout_seconds=300,  # a busy 2-core box: live requests of up to 1,024 tokens
+    conformance_timeout_seconds=300,  # a busy 2-core box
     performance=True,
     max_ttft_p99_regression=1.0,
     max_itl_p99_regression=1.0,
     max_throughput_regression=0.5,
-    benchmark_timeout_seconds=600,  # up to 3 interleaved rounds of ~65-90 s on a busy box
+    benchmark_timeout_seconds=600,  # up to 3 rounds of ~60-90 s on a busy box
 )
 ROLLOUT = pb.RolloutStrategy(
     max_surge=1,
@@ -198,10 +198,18 @@ def test_engine_upgrade_rolls_out_through_the_gates_and_a_ten_percent_canary(
     profile.engine_version = NEW_ENGINE
     with rel.Traffic(client, rate=2.0, sessions=40) as live:
         started = time.monotonic()
+        # The live traffic pauses while the candidate qualifies (the gates take no live
+        # traffic): on 2 shared cores the serving replica's live traffic slows the candidate's
+        # side of the performance gate, measured beside it (TTFT p99 176 vs 40 ms, ITL p99 36
+        # vs 10 ms, both rounds, on engines that serve alike: bench/README.md, "Engine 0.31 vs
+        # 0.32"); on GPU nodes each replica has its own GPU.
+        time.sleep(2)
+        live.pause()
         candidate = release.update(profile)
         stable[candidate] = profile
         assert candidate != old_revision
         canary = release.wait(candidate, ["Canary"], GATES_TIMEOUT_S)
+        live.resume()
         assert canary.status.release.stage == "Canary", rel.describe(canary)
         assert [v.gate for v in canary.status.release.verdicts] == ["conformance", "performance"]
         assert all(v.result == "passed" for v in canary.status.release.verdicts)

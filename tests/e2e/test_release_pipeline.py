@@ -5,7 +5,8 @@ One stack serves kimi-tiny, created on engine 0.31.0; the four releases run in t
 from the revision the previous one left serving:
 
 1. an engine upgrade 0.31.0 → 0.32.0 rolls out through the conformance gate, the performance
-   gate and a 10 % canary with zero failed requests while live traffic runs; 1,000 requests
+   gate and a 10 % canary with zero failed requests while live traffic runs (paused while the
+   candidate qualifies: on 2 shared cores it would slow the candidate's benchmark); 1,000 requests
    over 250 sessions sent during the canary see 7-13 % served by the canary (counted by the
    revision each response names); promoted, "qualified" in the compatibility matrix;
 2. a candidate whose chat template drops the tool declarations (a copy of kimi-tiny) is

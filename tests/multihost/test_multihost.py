@@ -22,6 +22,7 @@ within seconds. Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -144,6 +145,26 @@ def _new_key(stack: Stack, admin: dict[str, str], name: str) -> tuple[str, str]:
     assert answer.status_code == 200, answer.text
     created = answer.json()
     return created["secret"], created["api_key"]["name"].removeprefix("api-keys/")
+
+
+def _known(stack: Stack, secret: str, seconds: float = 60) -> None:
+    """Waits until the edge accepts `secret` (`GET /v1/models` answers 200): a key created a
+    moment ago reaches the pickers' key table by its stream, which a loaded box can hold back
+    for seconds (the picker answers 503 `auth_unavailable` for a key it does not know yet)."""
+
+    def accepted() -> bool | None:
+        with contextlib.suppress(httpx.HTTPError):
+            answer = httpx.get(
+                f"{stack.config.base_url}/models",
+                headers={"authorization": f"Bearer {secret}"},
+                timeout=10,
+                trust_env=False,
+            )
+            if answer.status_code == 200:
+                return True
+        return None
+
+    _poll("a new key to be accepted", seconds, accepted, every=0.5)
 
 
 def _poll(what: str, seconds: float, read: Callable[[], T | None], every: float = 0.25) -> T:
@@ -301,6 +322,8 @@ def test_a_worker_cut_off_and_back(stack: Stack, hosts: Hosts, admin: dict[str, 
     (cut_replica,) = [r for r, n in before.items() if n == CUT]
     stream_secret, stream_key = _new_key(stack, admin, "streams")
     after_secret, after_key = _new_key(stack, admin, "after-cut")
+    _known(stack, stream_secret)
+    _known(stack, after_secret)
     streams = [Stream() for _ in range(4)]
     # A generous read timeout: the kept worker's streams slow down while its second engine
     # starts; a stream on the cut worker must still end by STREAM_END_BOUND_S.

@@ -18,25 +18,9 @@ from inferplane.benchmark import (
     compare_rounds,
 )
 
-BASE = BenchReport(
-    workload="agentic-v1",
-    workload_digest="sha256:w",
-    seed=1,
-    model="m",
-    revision="stable",
-    base_url="http://edge/v1",
-    ttft_p50_seconds=0.1,
-    ttft_p99_seconds=0.4,
-    itl_p50_seconds=0.02,
-    itl_p99_seconds=0.05,
-    output_tokens_per_second=100.0,
-    requests_successful=30,
-    requests_errored=0,
-    requests_incomplete=0,
-    requests_total=30,
-    duration_seconds=15.0,
-    wall_seconds=30.0,
-)
+from .test_compare import SERVING
+
+BASE = dataclasses.replace(SERVING, requests_successful=30, requests_total=30)
 
 
 def _side(revision: str = "stable", **changes: Any) -> BenchReport:

@@ -184,8 +184,8 @@ def gpu_node(name: str, **changes: Any) -> Node:
         last_heartbeat_time=T0 + timedelta(seconds=30, microseconds=999999),
         register_time=T0 - timedelta(days=1),
         engines=(
-            EngineInstall("vllm", "0.32.0", "/opt/vllm-0.32/bin/python", True),
-            EngineInstall("vllm", "0.31.0", "/opt/vllm-0.31/bin/python", False),
+            EngineInstall("vllm", "0.32.0", ".venv-engines/vllm-0.32.0/bin/python", True),
+            EngineInstall("vllm", "0.31.0", ".venv-engines/vllm-0.31.0/bin/python", False),
         ),
         capabilities=NodeCapabilities(
             cpu_features=("amx_bf16", "avx512f"),

@@ -336,6 +336,7 @@ class Load:
 
 
 _ACCOUNTED = re.compile(r"usage_accounted\b.*?request_id[\"'=:\s]+([0-9A-Za-z_.:-]+)")
+_REPLACED = re.compile(r"replaced[\"'=:\s]+(?:True|true)\b")
 
 
 class UsageLedger:
@@ -349,7 +350,9 @@ class UsageLedger:
         counts: collections.Counter[str] = collections.Counter()
         with contextlib.suppress(OSError), self._path.open(errors="replace") as log:
             for line in log:
-                if "usage_accounted" in line and (match := _ACCOUNTED.search(line)):
+                if "usage_accounted" not in line or _REPLACED.search(line):
+                    continue  # a provisional row replaced by the late report: not a copy
+                if match := _ACCOUNTED.search(line):
                     counts[match.group(1)] += 1
         return counts
 

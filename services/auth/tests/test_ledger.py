@@ -16,7 +16,14 @@ import pytest
 from google.protobuf import timestamp_pb2
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
-from inferplane.auth.ledger import LedgerRow, SqlUsageLedger, UsageQuery, month_end, month_of
+from inferplane.auth.ledger import (
+    LedgerRow,
+    SqlUsageLedger,
+    UsageQuery,
+    Written,
+    month_end,
+    month_of,
+)
 from inferplane.runtime import InvalidArgumentError
 from inferplane.testing.databases import database_or_skip
 
@@ -60,16 +67,46 @@ def test_month_helpers() -> None:
 
 def test_a_batch_is_written_once_however_often_it_is_sent(ledger: SqlUsageLedger) -> None:
     batch = [_row(n) for n in range(5)]
-    assert ledger.record(batch) == [r.request_id for r in batch]
+    assert list(ledger.record(batch)) == [r.request_id for r in batch]
     # A re-send (the router's call failed after the commit), and one overlapping it.
-    assert ledger.record(batch) == []
-    assert ledger.record([batch[4], _row(5)]) == ["r0005"]
+    assert ledger.record(batch) == {}
+    assert ledger.record([batch[4], _row(5)]) == {"r0005": Written(15, replaced=False)}
     page = ledger.query(UsageQuery(page_size=100))
     assert [r.request_id for r in page.rows] == [f"r{n:04d}" for n in range(6)]
     assert page.rows[0] == batch[0]  # every field round-trips
     # 90 minutes from 22:30 on Nov 30: r0000..r0001 end in November, the rest too (< 24:00).
     assert ledger.month_tokens("k1", T0) == 6 * 15
     assert ledger.month_tokens("k2", T0) == 0
+
+
+def test_a_provisional_row_is_replaced_once_by_the_request_s_report(
+    ledger: SqlUsageLedger,
+) -> None:
+    """A router that concluded a request without hearing how it ended wrote it provisional
+    (cancelled, no tokens); the replica's late report replaces it once, moving the month's
+    tokens; a copy of either report, or a second provisional one, changes nothing."""
+    guessed = _row(1, status="cancelled", prompt_tokens=0, completion_tokens=0, provisional=True)
+    assert ledger.record([guessed]) == {"r0001": Written(0, replaced=False)}
+    assert ledger.month_tokens("k1", T0) == 0
+    # The report ended in the next month (its end time is the router's, later).
+    heard = _row(1, end_time=T0 + timedelta(hours=3), prompt_tokens=30, completion_tokens=100)
+    assert ledger.record([guessed, heard, _row(2)]) == {
+        "r0001": Written(130, replaced=True),
+        "r0002": Written(15, replaced=False),
+    }
+    assert ledger.record([heard, guessed]) == {}
+    rows = {r.request_id: r for r in ledger.query(UsageQuery(page_size=10)).rows}
+    assert rows["r0001"] == heard and not rows["r0001"].provisional
+    assert ledger.month_tokens("k1", T0) == 15
+    assert ledger.month_tokens("k1", T0 + timedelta(hours=3)) == 130
+    # A provisional row that had tokens: the replacement adds only the difference, and a
+    # batch holding both adds their sum once.
+    both = [
+        _row(3, status="cancelled", completion_tokens=2, provisional=True),
+        _row(3, completion_tokens=9),
+    ]
+    assert ledger.record(both) == {"r0003": Written(19, replaced=True)}
+    assert ledger.month_tokens("k1", T0) == 15 + 19
 
 
 def test_monthly_totals_follow_each_request_s_end_time(ledger: SqlUsageLedger) -> None:
@@ -276,6 +313,35 @@ def test_a_spent_monthly_budget_is_insufficient_quota_until_the_month_ends(auth:
         auth_pb2.GetApiKeyRequest(name=f"api-keys/{key_id}"), metadata=auth.admin_md()
     )
     assert got.api_key.limits.monthly_token_budget == 100
+
+
+def test_a_late_report_replaces_the_provisional_row_and_its_tokens_count(auth: Any) -> None:
+    """A router that concluded a request without hearing how it ended reports it provisional
+    (cancelled, no tokens); the replica's late report, sent again by the router, replaces the
+    row and its tokens reach the key's monthly budget; a copy of it is a duplicate."""
+    secret, key_id = _key(auth, monthly_token_budget=100)
+    ledger = usage_pb2_grpc.UsageLedgerServiceStub(auth.channel)
+
+    def row() -> usage_pb2.UsageRow:
+        query = usage_pb2.QueryUsageRequest(key_id=key_id)
+        (only,) = ledger.QueryUsage(query, metadata=auth.admin_md(), timeout=5).rows
+        return only
+
+    _report(auth, _usage(key_id, "p", 0, status="cancelled", provisional=True))
+    assert (row().status, row().provisional) == ("cancelled", True)
+    assert auth.check(secret, extra={"x-request-id": "q"}).status.code == 0
+    heard = _usage(key_id, "p", 120, status="completed")
+    _report(auth, heard)
+    _report(auth, heard)
+    refused = auth.check(secret, extra={"x-request-id": "r"})
+    assert refused.status.code == RESOURCE_EXHAUSTED  # 120 of 100
+    amended = row()
+    assert (amended.status, amended.prompt_tokens + amended.completion_tokens) == ("completed", 120)
+    assert not amended.provisional
+    sample = auth.components.registry.get_sample_value
+    assert sample("inferplane_auth_usage_requests_total", {"outcome": "accounted"}) == 1.0
+    assert sample("inferplane_auth_usage_requests_total", {"outcome": "amended"}) == 1.0
+    assert sample("inferplane_auth_usage_requests_total", {"outcome": "duplicate"}) == 1.0
 
 
 # --- inferplane usage ----------------------------------------------------------------------

@@ -43,7 +43,7 @@ from inferplane.storage import schema_differences
 from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-HEAD = "0006"
+HEAD = "0007"
 PEPPER = "pepper-for-the-migration-tests"
 SECRET = "ip-" + "a" * 43
 METADATA = list(schema.METADATA)

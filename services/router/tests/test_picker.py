@@ -901,7 +901,9 @@ def test_a_report_that_comes_first_is_used_when_the_trailers_never_come() -> Non
 
 def test_without_trailers_or_report_the_request_is_an_abort_after_the_wait() -> None:
     """No trailers and no report within `outcome_wait_seconds` (the replica died with its
-    report): the request is recorded as an abort, once."""
+    report, or is slow to send it): the request is recorded as an abort, once, its usage
+    marked provisional. The replica's report coming later amends the usage once (the tokens,
+    how it really ended, no longer provisional); a copy of that report changes nothing."""
 
     async def scenario() -> None:
         async with picker_rig(1, picker=REPORTING) as rig:
@@ -912,7 +914,23 @@ def test_without_trailers_or_report_the_request_is_an_abort_after_the_wait() -> 
             await _until(lambda: rig.records, "the record")
             (record,) = rig.records
             assert (record.finish_reason, record.error_code) == ("abort", "")
+            (first,) = rig.usage.reports
+            assert first.provisional and first.usage().provisional
+            assert (first.status, first.completion_tokens) == ("cancelled", 0)
+            assert rig.metrics.provisional_conclusions._value.get() == 1
+
+            assert rig.picker.report_outcomes([("req-1", DONE)]) == 0  # nothing in flight
+            first_again, amended = rig.usage.reports
+            assert first_again is first
+            assert amended.request_id == first.request_id and not amended.usage().provisional
+            assert (amended.status, amended.finish_reason) == ("completed", DONE.finish_reason)
+            assert amended.completion_tokens == DONE.completion_tokens
+            assert amended.replica == first.replica
+            assert rig.metrics.provisional_amended._value.get() == 1
+            assert len(rig.records) == 1  # telemetry keeps its one record per request
+
             assert rig.picker.report_outcomes([("req-1", DONE)]) == 0
+            assert len(rig.usage.reports) == 2
 
     asyncio.run(scenario())
 

@@ -7,8 +7,15 @@ transaction, each row inserted only if its `request_id` is not there yet
 rows' tokens to their key's month in the same transaction. So a batch is either all written or
 not at all (an auth process killed mid-batch leaves nothing half-written; the router re-sends
 it), and a re-sent batch, to this instance or another one on the same database, writes nothing
-twice. It returns which request ids were new, so the caller accounts rate-limit tokens only
-for those.
+twice. It returns the request ids written now and the tokens that added, so the caller accounts
+rate-limit tokens only for those.
+
+One copy may replace a row: a row the router wrote as *provisional* (it concluded the request
+as cancelled without hearing how it ended, `RequestUsage.provisional`) is replaced by the first
+non-provisional report of the same request id (the replica's report, arriving late), in the
+same transaction as the months' totals: the old row's tokens leave its month, the new row's
+join theirs. `UPDATE ... WHERE provisional` makes the replacement happen once however many
+auth instances receive a copy.
 
 GPU-seconds come from the replica (`inferplane.wire.ResponseSummary.gpu_seconds`): while `n`
 requests are in flight on a replica holding `g` GPUs (fractional for a shared GPU), each is
@@ -26,10 +33,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     Engine,
     Float,
@@ -85,6 +93,9 @@ usage_ledger = Table(
     # The profile revision of the replica that served it (issue 30: usage per revision during
     # a canary); "" when none did, the sender is older, or for rows from before migration 0006.
     Column("revision", String(128), nullable=False),
+    # Written by a router that had not heard how the request ended (`RequestUsage.provisional`):
+    # the first non-provisional report of the request id replaces the row (migration 0007).
+    Column("provisional", Boolean, nullable=False),
     Index("ix_usage_ledger_end_time", "end_time", "request_id"),
     Index("ix_usage_ledger_key_id_end_time", "key_id", "end_time"),
     Index("ix_usage_ledger_tenant_end_time", "tenant", "end_time"),
@@ -108,6 +119,12 @@ DEFAULT_PAGE_SIZE = 100
 def month_of(when: datetime) -> str:
     """The ledger's month key of `when` ("2026-11"), in UTC."""
     return when.astimezone(UTC).strftime("%Y-%m")
+
+
+def _add(months: dict[tuple[str, str], int], key_id: str, when: datetime, tokens: int) -> None:
+    """Adds `tokens` (may be negative) to `key_id`'s month of `when` in `months`."""
+    ident = (key_id, month_of(when))
+    months[ident] = months.get(ident, 0) + tokens
 
 
 def month_end(when: datetime) -> datetime:
@@ -139,11 +156,21 @@ class LedgerRow:
     api: str = ""
     adapter: str = ""
     revision: str = ""
+    provisional: bool = False
 
     @property
     def tokens(self) -> int:
         """Prompt + completion tokens: what limits and budgets count."""
         return self.prompt_tokens + self.completion_tokens
+
+
+class Written(NamedTuple):
+    """What `SqlUsageLedger.record` wrote for one request id: the tokens that added to its
+    key (negative when a replacement counts fewer than the provisional row did) and whether
+    it replaced a provisional row."""
+
+    tokens: int
+    replaced: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,37 +248,73 @@ class SqlUsageLedger:
     def _insert(self) -> Any:
         return postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
 
-    def record(self, rows: Sequence[LedgerRow]) -> list[str]:
-        """Writes `rows` in one transaction, skipping request ids already in the ledger;
-        returns the request ids written now (in order). Adds the written rows' tokens to
-        their keys' months in the same transaction."""
+    def record(self, rows: Sequence[LedgerRow]) -> dict[str, Written]:
+        """Writes `rows` in one transaction: a request id not in the ledger yet is inserted, a
+        provisional row is replaced by a non-provisional `row` (module docstring), any other
+        copy is skipped. Returns the request ids written now, in order, with the tokens that
+        added (a replacement adds its tokens minus the provisional row's). Adds those tokens
+        to their keys' months in the same transaction."""
         if not rows:
-            return []
+            return {}
         insert = self._insert()
-        written: list[LedgerRow] = []
+        written: dict[str, Written] = {}
+        months: dict[tuple[str, str], int] = {}
         try:
             with self.engine.begin() as conn:
                 for row in rows:
-                    values = dataclasses.asdict(row)
-                    statement = (
-                        insert(usage_ledger)
-                        .values(**values)
-                        .on_conflict_do_nothing(index_elements=["request_id"])
-                        .returning(usage_ledger.c.request_id)
+                    replaced = None
+                    if self._insert_row(conn, insert, row):
+                        added = row.tokens
+                    elif (replaced := self._replace_provisional(conn, row)) is not None:
+                        added = row.tokens - replaced.tokens
+                        _add(months, replaced.key_id, replaced.end_time, -replaced.tokens)
+                    else:
+                        continue
+                    # A batch may hold a provisional row and its replacement: their sum.
+                    tokens, replaced_before = written.get(row.request_id, (0, False))
+                    written[row.request_id] = Written(
+                        tokens + added, replaced_before or replaced is not None
                     )
-                    if conn.execute(statement).first() is not None:
-                        written.append(row)
-                self._add_monthly(conn, written, insert)
+                    _add(months, row.key_id, row.end_time, row.tokens)
+                self._add_monthly(conn, months, insert)
         except OperationalError as exc:
             raise self._db.unavailable(exc) from exc
-        return [row.request_id for row in written]
+        return written
 
     @staticmethod
-    def _add_monthly(conn: Connection, rows: Sequence[LedgerRow], insert: Any) -> None:
-        totals: dict[tuple[str, str], int] = {}
-        for row in rows:
-            ident = (row.key_id, month_of(row.end_time))
-            totals[ident] = totals.get(ident, 0) + row.tokens
+    def _insert_row(conn: Connection, insert: Any, row: LedgerRow) -> bool:
+        statement = (
+            insert(usage_ledger)
+            .values(**dataclasses.asdict(row))
+            .on_conflict_do_nothing(index_elements=["request_id"])
+            .returning(usage_ledger.c.request_id)
+        )
+        return conn.execute(statement).first() is not None
+
+    @staticmethod
+    def _replace_provisional(conn: Connection, row: LedgerRow) -> LedgerRow | None:
+        """Replaces the provisional row of `row.request_id` by `row` (not provisional itself);
+        the row replaced, or None (no provisional row: a plain copy)."""
+        if row.provisional:
+            return None
+        c = usage_ledger.c
+        found = conn.execute(
+            select(usage_ledger).where(c.request_id == row.request_id, c.provisional.is_(True))
+        ).first()
+        if found is None:
+            return None
+        values = dataclasses.asdict(row)
+        del values["request_id"]
+        updated = conn.execute(
+            usage_ledger.update()
+            .where(c.request_id == row.request_id, c.provisional.is_(True))
+            .values(**values)
+        )
+        # Another instance replaced it in between (READ COMMITTED re-checks the WHERE).
+        return LedgerRow(**dict(found._mapping)) if updated.rowcount == 1 else None
+
+    @staticmethod
+    def _add_monthly(conn: Connection, totals: dict[tuple[str, str], int], insert: Any) -> None:
         for (key_id, month), tokens in sorted(totals.items()):
             if not tokens:
                 continue

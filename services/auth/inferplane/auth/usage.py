@@ -16,7 +16,9 @@ Each batch is first written to the usage ledger (`inferplane.auth.ledger`) in on
 transaction, idempotently by request id, and only the requests written now have their tokens
 accounted to the rate windows: a re-sent batch counts nothing twice, whichever auth instance
 it reaches, and the response (which makes the router trim the batch from its outbox) comes
-only after the rows are committed.
+only after the rows are committed. A provisional row (`RequestUsage.provisional`: the router
+concluded the request without hearing how it ended) is replaced once by the request's first
+non-provisional report, which then accounts the tokens the provisional row lacked.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ log = structlog.get_logger("inferplane.auth.usage")
 class UsageMetrics:
     """`inferplane_auth_usage_requests_total{outcome}`: reported requests by what happened."""
 
-    OUTCOMES = ("accounted", "duplicate", "invalid")
+    OUTCOMES = ("accounted", "amended", "duplicate", "invalid")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "inferplane_auth_usage_requests",
             "Finished requests reported by routers: accounted (written and tokens added), "
-            "duplicate (already accounted: a re-sent batch), invalid (no key_id).",
+            "amended (a provisional row replaced by the request's late report, its tokens "
+            "added), duplicate (already accounted: a re-sent batch), invalid (no key_id).",
             ["outcome"],
             registry=registry,
         )
@@ -95,6 +98,7 @@ def ledger_row(usage: usage_pb2.RequestUsage, tenant: str, now: datetime) -> Led
         api=usage.api,
         adapter=usage.adapter,
         revision=usage.revision,
+        provisional=usage.provisional,
     )
 
 
@@ -158,23 +162,28 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
                 tenants[usage.key_id] = await asyncio.to_thread(self._tenant_of, usage.key_id)
         now = self._clock.now()
         rows = [ledger_row(usage, tenants[usage.key_id], now) for usage in entries]
-        written = set(await asyncio.to_thread(self._ledger.record, rows))
+        written = await asyncio.to_thread(self._ledger.record, rows)
         if written and self._on_usage is not None:
             self._on_usage({r.key_id for r in rows if r.request_id in written})
         windows_failed = 0
+        new_ids = {r.request_id for r in rows}
         for usage, row in zip(entries, rows, strict=True):
-            if row.request_id in written:
+            if row.request_id in written and row.request_id in new_ids:
+                new_ids.discard(row.request_id)  # a batch holding the id twice counts it once
+                tokens, replaced = written[row.request_id]
                 # The ledger row is the record, written exactly once above; the minute's token
                 # window is best effort: a re-send would find the row and never add the tokens,
                 # so a counter store failure here must not fail the batch.
-                if not windows_failed:
+                if tokens <= 0:
+                    pass
+                elif not windows_failed:
                     try:
-                        await self._limiter.record_usage(usage.key_id, row.tokens)
+                        await self._limiter.record_usage(usage.key_id, tokens)
                     except UnavailableError:
                         windows_failed = 1
                 else:
                     windows_failed += 1
-                self._accounted(usage, row.tokens)
+                self._accounted(usage, tokens, replaced=replaced)
             else:
                 # Already in the ledger (a re-sent batch): its tokens were accounted then.
                 self._metrics.requests.labels("duplicate").inc()
@@ -186,12 +195,17 @@ class UsageService(usage_pb2_grpc.UsageServiceServicer):  # type: ignore[misc]
                 note="in the ledger; their tokens are missing from this minute's rate window",
             )
 
-    def _accounted(self, usage: usage_pb2.RequestUsage, tokens: int) -> None:
-        self._metrics.requests.labels("accounted").inc()
+    def _accounted(self, usage: usage_pb2.RequestUsage, tokens: int, *, replaced: bool) -> None:
+        self._metrics.requests.labels("amended" if replaced else "accounted").inc()
         # One line per accounted request (at debug: an audit trail by request id, which
         # bench/chaos.py matches against what its clients saw across auth restarts).
         log.debug(
-            "usage_accounted", key_id=usage.key_id, request_id=usage.request_id, tokens=tokens
+            "usage_accounted",
+            key_id=usage.key_id,
+            request_id=usage.request_id,
+            tokens=tokens,
+            provisional=usage.provisional,
+            replaced=replaced,
         )
 
 
@@ -215,6 +229,7 @@ def usage_row_to_proto(row: LedgerRow) -> usage_pb2.UsageRow:
         api=row.api,
         adapter=row.adapter,
         revision=row.revision,
+        provisional=row.provisional,
     )
     msg.end_time.FromDatetime(row.end_time)
     if row.start_time is not None:

@@ -27,6 +27,10 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
   attempts and what its retry budget refused);
 - `inferplane_router_orphan_outcomes_total` (counter): replicas' reports of requests this
   address picked before it restarted, whose usage it reported from the report;
+- `inferplane_router_provisional_conclusions_total` and
+  `inferplane_router_provisional_amended_total` (counters): requests concluded without hearing
+  how they ended (response started, no trailers, no replica report within
+  `outcome_wait_seconds`), and those of them whose replica's late report amended the usage;
 - `inferplane_router_adapter_requests_total{deployment,adapter,status}` (counter): requests
   routed to a deployment that ended, by the LoRA adapter their route named (issue 29; "" for
   the base model) and how they ended (`completed`, `failed`, `cancelled`). The adapter label is
@@ -77,6 +81,17 @@ class RouterMetrics:
             "inferplane_router_orphan_outcomes",
             "Replicas' reports of requests picked before this router restarted, whose usage "
             "was reported from the report.",
+            registry=registry,
+        )
+        self.provisional_conclusions = Counter(
+            "inferplane_router_provisional_conclusions",
+            "Requests concluded as cancelled without hearing how they ended (no trailers, no "
+            "replica report within outcome_wait_seconds).",
+            registry=registry,
+        )
+        self.provisional_amended = Counter(
+            "inferplane_router_provisional_amended",
+            "Provisionally concluded requests whose replica's late report amended the usage.",
             registry=registry,
         )
         self.adapter_requests = Counter(

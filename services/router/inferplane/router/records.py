@@ -121,9 +121,12 @@ class RequestTrace:
         ttft = self.first_token - self.start if self.first_token is not None else 0.0
         return max(0.0, ttft), max(0.0, now - self.start)
 
-    def conclude(self, now: float, wall: float, *, model: str) -> ConcludedRequest:
+    def conclude(
+        self, now: float, wall: float, *, model: str, provisional: bool = False
+    ) -> ConcludedRequest:
         """The request's facts, it having ended at monotonic `now` (Unix `wall`); `model`: what
-        usage groups it by (its served name, or `headers.UNKNOWN_MODEL`)."""
+        usage groups it by (its served name, or `headers.UNKNOWN_MODEL`); `provisional`: how
+        it ended was not heard (`ConcludedRequest.provisional`)."""
         ttft, e2e = self.timings(now)
         usage = self.usage
         finish = self.finish_reason
@@ -159,6 +162,7 @@ class RequestTrace:
             finish_reason=finish,
             status=LEDGER_STATUS.get(self.status, FAILED),
             error_code=self.error_code,
+            provisional=provisional,
         )
 
 
@@ -187,6 +191,9 @@ class ConcludedRequest:
         finish_reason: "stop", "length", ...; "error" for a failure, "abort" for a cancel.
         status: `COMPLETED`, `FAILED` or `CANCELLED` (the client went away).
         error_code: the OpenAI error code of a failure ("" when none).
+        provisional: concluded without hearing how it ended (the response had started; no
+            trailers, no replica report in time): `CANCELLED` until the replica's late report
+            replaces it (auth's ledger, `RequestUsage.provisional`).
     """
 
     request_id: str
@@ -214,6 +221,7 @@ class ConcludedRequest:
     finish_reason: str = ""
     status: str = COMPLETED
     error_code: str = ""
+    provisional: bool = False
 
     @classmethod
     def reported(
@@ -274,6 +282,7 @@ class ConcludedRequest:
             api=self.api,
             adapter=self.adapter,
             revision=self.revision,
+            provisional=self.provisional,
         )
         if self.end_time > 0:
             msg.end_time.FromNanoseconds(int(self.end_time * 1e9))

@@ -48,19 +48,26 @@ class Reporter:
             model, stream, metadata, self.clock.monotonic(), self.wall_clock()
         )
 
-    def finish(self, trace: RequestTrace, *, model: str) -> int:
+    def finish(
+        self, trace: RequestTrace, *, model: str, provisional: bool = False, amends: bool = False
+    ) -> int:
         """The request ended now: its `ConcludedRequest` (`model`: what usage groups it by,
         `headers.UNKNOWN_MODEL` for a name no route serves) goes to the usage outbox when it
-        carried a key (tokens may be 0) and to telemetry as one record. Returns the usage
+        carried a key (tokens may be 0) and to telemetry as one record. `provisional`: how it
+        ended was not heard (`ConcludedRequest.provisional`); `amends`: the replica's late
+        report of a request concluded provisionally, whose usage replaces the provisional row
+        (no second telemetry record: telemetry keeps one per request id). Returns the usage
         report's position for `durable` (0: none). Never raises: reporting must not fail a
         request."""
         try:
-            concluded = trace.conclude(self.clock.monotonic(), self.wall_clock(), model=model)
+            concluded = trace.conclude(
+                self.clock.monotonic(), self.wall_clock(), model=model, provisional=provisional
+            )
         except Exception:
             log.exception("request_conclusion_failed", request_id=trace.request_id)
             return 0
         position = self.usage.record(concluded) if concluded.key_id else 0
-        if self.records is not None:
+        if self.records is not None and not amends:
             try:
                 self.records(concluded.record())
             except Exception:  # telemetry must never fail a request

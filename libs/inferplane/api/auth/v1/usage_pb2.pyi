@@ -70,6 +70,7 @@ class RequestUsage(_message.Message):
     API_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    PROVISIONAL_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """The API key's id (the edge's `x-inferplane-key-id`)."""
     request_id: _builtins.str
@@ -114,6 +115,13 @@ class RequestUsage(_message.Message):
     """The profile revision of the replica that served it ("" when none did or the sender is
     older): usage per revision during a canary (issue 30).
     """
+    provisional: _builtins.bool
+    """The router concluded the request without hearing how it ended: the response had started,
+    then its stream closed before the trailers and no report of the replica came within the
+    picker's `outcome_wait_seconds` (status "cancelled", tokens as far as known). A later report
+    of the same request id that is not provisional (the replica's report, arriving late)
+    replaces the row once, and its tokens are accounted then; any other copy is dropped.
+    """
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the request ended."""
@@ -143,10 +151,11 @@ class RequestUsage(_message.Message):
         api: _builtins.str = ...,
         adapter: _builtins.str = ...,
         revision: _builtins.str = ...,
+        provisional: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "provisional", b"provisional", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -255,6 +264,7 @@ class UsageRow(_message.Message):
     API_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    PROVISIONAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The edge's request id (`x-request-id`): the row's identity."""
     key_id: _builtins.str
@@ -291,6 +301,10 @@ class UsageRow(_message.Message):
     """
     revision: _builtins.str
     """The profile revision that served the request ("" when none did)."""
+    provisional: _builtins.bool
+    """The router wrote the row without hearing how the request ended (`RequestUsage.provisional`:
+    "cancelled", tokens as far as known); the replica's late report may still replace it.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When it arrived at the router (unset when not reported)."""
@@ -321,10 +335,11 @@ class UsageRow(_message.Message):
         api: _builtins.str = ...,
         adapter: _builtins.str = ...,
         revision: _builtins.str = ...,
+        provisional: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "api", b"api", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "deployment", b"deployment", "duration_seconds", b"duration_seconds", "end_time", b"end_time", "gpu_seconds", b"gpu_seconds", "key_id", b"key_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "provisional", b"provisional", "reasoning_tokens", b"reasoning_tokens", "replica", b"replica", "request_id", b"request_id", "revision", b"revision", "start_time", b"start_time", "status", b"status", "tenant", b"tenant", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,6 +4,12 @@ the durable outbox, its record to telemetry), from the response's trailers, the 
 out-of-band report (`OutcomeService`), or neither (an abort); and the accounting of a report
 for a request this process never saw (an orphan: picked before a restart). Nothing here waits
 for auth: the response's end is answered at once.
+
+A request concluded without hearing how it ended (its response had started, its stream closed
+before the trailers, and no report came within `outcome_wait_seconds`: a replica slow to
+report on a loaded node) is *provisional*: recorded as cancelled, its usage marked so. The
+replica's report, when it comes later, amends it: the usage report is sent again without the
+mark, and auth's ledger replaces the provisional row with it once (tokens accounted then).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ log = structlog.get_logger("inferplane.router.picker")
 # How many concluded request ids the picker remembers (a replica's report lands within seconds
 # of the request's end; a few minutes of traffic at 1,000 requests/s, ~10 MB).
 _CONCLUDED_MEMORY = 200_000
+# How many provisionally concluded requests it keeps for a late report (each holds its
+# exchange, a few KB; they are rare: a stream without trailers whose report is late).
+_PROVISIONAL_MEMORY = 10_000
 
 
 class Concluder:
@@ -61,6 +70,9 @@ class Concluder:
         # trailers said, acknowledged once that position is durable; an id in neither map is
         # an orphan.
         self._concluded: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Requests concluded provisionally (no trailers, no report in time), oldest first: a
+        # late report of one amends its usage (`_amend`).
+        self._provisional: collections.OrderedDict[str, Exchange] = collections.OrderedDict()
 
     def picked(self, exchange: Exchange) -> None:
         """The request was picked: a replica's report of it matches it from now on."""
@@ -155,7 +167,9 @@ class Concluder:
         for request_id, summary in outcomes:
             exchange = self._active.get(request_id)
             if exchange is None:
-                if request_id in self._concluded:
+                if request_id in self._provisional:
+                    positions.append(self._amend(request_id, summary))
+                elif request_id in self._concluded:
                     positions.append(self._concluded[request_id])
                 elif summary.key_id:
                     positions.append(self._account_orphan(request_id, summary))
@@ -179,12 +193,37 @@ class Concluder:
         log.info("orphan_outcome_accounted", request_id=request_id, key_id=summary.key_id)
         return position
 
+    def _amend(self, request_id: str, summary: ResponseSummary) -> int:
+        """The replica's late report of a request concluded provisionally: concludes it again
+        from the report and sends its usage (not provisional: auth replaces the row); the
+        key's tokens are accounted now. Returns the usage report's position."""
+        exchange = self._provisional.pop(request_id)
+        trace = exchange.trace
+        exchange.conclusion.reported = summary
+        trace.status, trace.error_code = records.STATUS_OK, ""
+        _conclude(exchange)
+        if trace.usage is not None:
+            exchange.request.key.account(trace.usage.total_tokens)
+        position = self._reporter.finish(trace, model=self._usage_model(exchange), amends=True)
+        exchange.conclusion.usage_position = position
+        self._remember(request_id, position)
+        if self._metrics is not None:
+            self._metrics.provisional_amended.inc()
+        log.info(
+            "provisional_conclusion_amended",
+            request_id=request_id,
+            finish_reason=trace.finish_reason,
+            status=records.LEDGER_STATUS.get(trace.status, records.FAILED),
+        )
+        return position
+
     def _report(self, exchange: Exchange) -> None:
         """Concludes the request and hands its trace over (usage + record), exactly once
-        (→ `Phase.CONCLUDED`)."""
+        (→ `Phase.CONCLUDED`); provisionally when its wait for the replica's report ran out."""
         trace, conclusion = exchange.trace, exchange.conclusion
         if self._active.get(trace.request_id) is exchange:
             del self._active[trace.request_id]
+        provisional = conclusion.waiting is not None and conclusion.reported is None
         conclusion.waiting = None
         exchange.phase = Phase.CONCLUDED
         try:
@@ -203,7 +242,9 @@ class Concluder:
                 reported=conclusion.reported is not None,
                 finish_reason=trace.finish_reason,
             )
-            position = self._reporter.finish(trace, model=self._usage_model(exchange))
+            position = self._reporter.finish(
+                trace, model=self._usage_model(exchange), provisional=provisional
+            )
             if trace.deployment and self._metrics is not None:
                 status = records.LEDGER_STATUS.get(trace.status, records.FAILED)
                 self._metrics.adapter_requests.labels(trace.deployment, trace.adapter, status).inc()
@@ -217,6 +258,8 @@ class Concluder:
             conclusion.usage_position = position
             if trace.request_id:
                 self._remember(trace.request_id, position)
+                if provisional:
+                    self._keep_provisional(exchange)
             if conclusion.concluded is not None and not conclusion.concluded.done():
                 conclusion.concluded.set_result(position)
 
@@ -230,6 +273,13 @@ class Concluder:
         if name == headers.UNKNOWN_MODEL and exchange.trace.deployment:
             return model
         return name
+
+    def _keep_provisional(self, exchange: Exchange) -> None:
+        self._provisional[exchange.trace.request_id] = exchange
+        if len(self._provisional) > _PROVISIONAL_MEMORY:
+            self._provisional.popitem(last=False)
+        if self._metrics is not None:
+            self._metrics.provisional_conclusions.inc()
 
     def _remember(self, request_id: str, position: int) -> None:
         self._concluded[request_id] = position

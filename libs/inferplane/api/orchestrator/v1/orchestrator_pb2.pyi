@@ -2444,6 +2444,7 @@ class RenewRouterLeaseRequest(_message.Message):
     OVER_SHARE_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     DEMAND_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     router_id: _builtins.str
     """The router's id, as in its WatchRoutingTableRequest (it must have that stream open)."""
     lease_epoch: _builtins.str
@@ -2466,6 +2467,15 @@ class RenewRouterLeaseRequest(_message.Message):
         A router sends a renewal at once when a request starts waiting for a deployment at zero.
         """
 
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldShare]:
+        """Sent while the router has no lease of lease_epoch yet but still admits on the shares of an
+        earlier lease (an orchestrator restart or a new leader: services/router/README.md, "When
+        the orchestrator is away"): per replica, what it may still have in flight under them (its
+        share there, or its requests in flight if more). The orchestrator counts them as this
+        router's before it grants that room to any other router.
+        """
+
     def __init__(
         self,
         *,
@@ -2475,14 +2485,45 @@ class RenewRouterLeaseRequest(_message.Message):
         over_share: _abc.Iterable[Global___ReplicaRef] | None = ...,
         release: _builtins.bool = ...,
         demand: _abc.Iterable[Global___DeploymentDemand] | None = ...,
+        held: _abc.Iterable[Global___HeldShare] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "lease_epoch", b"lease_epoch", "over_share", b"over_share", "release", b"release", "router_id", b"router_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "held", b"held", "lease_epoch", b"lease_epoch", "over_share", b"over_share", "release", b"release", "router_id", b"router_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RenewRouterLeaseRequest: _TypeAlias = RenewRouterLeaseRequest  # noqa: Y015
+
+@_typing.final
+class HeldShare(_message.Message):
+    """What a router may have in flight to one replica under the shares of an earlier lease
+    (RenewRouterLeaseRequest.held).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    requests: _builtins.int
+    """Requests, at least 1."""
+    @_builtins.property
+    def replica(self) -> Global___ReplicaRef:
+        """The replica."""
+
+    def __init__(
+        self,
+        *,
+        replica: Global___ReplicaRef | None = ...,
+        requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldShare: _TypeAlias = HeldShare  # noqa: Y015
 
 @_typing.final
 class DeploymentDemand(_message.Message):
@@ -2547,18 +2588,26 @@ class RenewRouterLeaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    HOLD_SECONDS_FIELD_NUMBER: _builtins.int
     lease_seconds: _builtins.float
     """How long the router may admit on its shares, counted from when it sent the request; 0:
     the request named another lease_epoch (wait for the next table, then renew).
+    """
+    hold_seconds: _builtins.float
+    """How long after its lease ran out without a renewal (orchestrator unreachable, restarting,
+    failing over) the router still admits on the shares of its last lease, seconds; the
+    orchestrator gives those shares to no other router before lease_seconds + hold_seconds
+    (plus its margin) have passed. 0: it stops admitting when the lease runs out.
     """
     def __init__(
         self,
         *,
         lease_seconds: _builtins.float = ...,
+        hold_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_seconds", b"hold_seconds", "lease_seconds", b"lease_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,7 @@ ERROR_CODE_KEY = "x-inferplane-error-code"
 KEY_ID_KEY = "x-inferplane-summary-key-id"
 MODEL_KEY = "x-inferplane-summary-model"
 API_KEY = "x-inferplane-summary-api"
+DURATION_KEY = "x-inferplane-summary-duration-seconds"
 
 SUMMARY_KEYS: tuple[str, ...] = (
     headers.SERVED_BY,
@@ -48,6 +49,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     KEY_ID_KEY,
     MODEL_KEY,
     API_KEY,
+    DURATION_KEY,
 )
 """Every trailer key a summary may write (the picker removes them all before the client)."""
 
@@ -79,6 +81,10 @@ class ResponseSummary:
             it came through (`inferplane.wire.apis`); set only in the replica's out-of-band
             report to its picker (a restarted router that never saw the request accounts its
             usage from them), never in the response's trailers.
+        duration_seconds: time from the request's arrival at the replica to its end, seconds
+            (0: unknown); set only in the out-of-band report: a picker that concluded the
+            request before the report came compares it with when the client's stream ended
+            (`inferplane.router.picker.conclusion`).
     """
 
     replica_id: str = ""
@@ -93,6 +99,7 @@ class ResponseSummary:
     key_id: str = ""
     model: str = ""
     api: str = ""
+    duration_seconds: float = 0.0
 
     def to_metadata(self) -> tuple[tuple[str, str], ...]:
         """The trailing metadata pairs (empty strings and zeros are left out)."""
@@ -117,6 +124,8 @@ class ResponseSummary:
             out.append((MODEL_KEY, self.model))
         if self.api:
             out.append((API_KEY, self.api))
+        if self.duration_seconds > 0:
+            out.append((DURATION_KEY, f"{self.duration_seconds:.6f}"))
         return tuple(out)
 
     @classmethod
@@ -141,6 +150,7 @@ class ResponseSummary:
             key_id=seen.get(KEY_ID_KEY, ""),
             model=seen.get(MODEL_KEY, ""),
             api=seen.get(API_KEY, ""),
+            duration_seconds=_float(seen.get(DURATION_KEY, "")),
             **ints,
         )
 

@@ -18,6 +18,7 @@ from inferplane.replica.testing.pipeline import (
     script,
 )
 from inferplane.runtime import InvalidArgumentError, UnavailableError
+from inferplane.wire import ResponseSummary
 
 ENDS = ("completed", "error_before_output", "error_after_output", "cancelled", "bug")
 EXPECTED = {
@@ -39,7 +40,8 @@ def _views_agree(facts: RequestFacts, expected: Ending) -> None:
         expected.finish_reason,
         expected.error_code,
     )
-    reported = facts.reported(summary, "key-1")
+    reported = facts.reported(summary, "key-1", duration_seconds=0.5)
+    assert ResponseSummary.from_metadata(reported.to_metadata()).duration_seconds == 0.5
     assert (reported.finish_reason, reported.error_code) == (
         summary.finish_reason,
         summary.error_code,

@@ -935,6 +935,31 @@ def test_without_trailers_or_report_the_request_is_an_abort_after_the_wait() -> 
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(("took", "status"), [(0.01, "completed"), (600.0, "cancelled")])
+def test_a_late_report_of_an_end_after_the_client_left_keeps_the_request_cancelled(
+    took: float, status: str
+) -> None:
+    """The replica's late report says how long it took: an end within the client's stream
+    (0.01 s after the pick) was delivered; one long after the stream ended (600 s: a replica
+    cut off from the edge generating on) was not, so the request stays cancelled, its tokens
+    accounted all the same."""
+
+    async def scenario() -> None:
+        async with picker_rig(1, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            await stream.body(_chat_body())
+            await stream.response_headers(_replica_headers())
+            await stream.close()
+            await _until(lambda: rig.usage.reports, "the provisional usage")
+            late = dataclasses.replace(DONE, duration_seconds=took)
+            rig.picker.report_outcomes([("req-1", late)])
+            _, amended = rig.usage.reports
+            assert (amended.status, amended.provisional) == (status, False)
+            assert amended.completion_tokens == DONE.completion_tokens
+
+    asyncio.run(scenario())
+
+
 def test_trailers_conclude_at_once_and_a_late_report_is_ignored() -> None:
     """When the trailers arrive they conclude the request; the replica's report that follows
     matches nothing (exactly one record and one usage report per request)."""

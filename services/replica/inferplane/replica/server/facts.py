@@ -178,10 +178,19 @@ class RequestFacts:
             error_code=ending.error_code,
         )
 
-    def reported(self, summary: ResponseSummary, key_id: str) -> ResponseSummary:
+    def reported(
+        self, summary: ResponseSummary, key_id: str, *, duration_seconds: float
+    ) -> ResponseSummary:
         """The picker report's summary: the trailers' `summary` plus the calling key's id, the
-        model and the API (a restarted router accounts with them a request it never saw)."""
-        return dataclasses.replace(summary, key_id=key_id, model=self.model, api=self.api)
+        model and the API (a restarted router accounts with them a request it never saw) and
+        `duration_seconds` (arrival → end at this replica)."""
+        return dataclasses.replace(
+            summary,
+            key_id=key_id,
+            model=self.model,
+            api=self.api,
+            duration_seconds=duration_seconds,
+        )
 
     def outcome(
         self, ending: Ending, *, e2e_seconds: float, request_header_id: str

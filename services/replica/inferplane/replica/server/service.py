@@ -418,7 +418,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             log.debug("picker_report_metadata_unreadable", exc_info=True)
             return
         if picker and request_id:
-            reported = facts.reported(summary, key_id)
+            took = self._clock.monotonic() - facts.started
+            reported = facts.reported(summary, key_id, duration_seconds=took)
             asyncio.get_running_loop().call_soon(_report_to, report, picker, request_id, reported)
 
     def _emit(self, facts: RequestFacts, ending: Ending, context: Context) -> None:

@@ -10,6 +10,11 @@ before the trailers, and no report came within `outcome_wait_seconds`: a replica
 report on a loaded node) is *provisional*: recorded as cancelled, its usage marked so. The
 replica's report, when it comes later, amends it: the usage report is sent again without the
 mark, and auth's ledger replaces the provisional row with it once (tokens accounted then).
+The amendment keeps the request cancelled when the replica ended it more than
+`LATE_END_TOLERANCE_SECONDS` after the client's stream had ended (pick time + the replica's
+`duration_seconds`, against the stream's end, on this router's clock): the client cannot have
+received that end (a replica cut off from the edge keeps generating until it notices); its
+tokens are still accounted, the engine produced them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ _CONCLUDED_MEMORY = 200_000
 # How many provisionally concluded requests it keeps for a late report (each holds its
 # exchange, a few KB; they are rare: a stream without trailers whose report is late).
 _PROVISIONAL_MEMORY = 10_000
+# How much later than the client's stream a replica may say it ended a request and still be
+# believed to have delivered that end (clock rates and the hop's latency; a cut-off replica
+# ends tens of seconds later).
+LATE_END_TOLERANCE_SECONDS = 1.0
 
 
 class Concluder:
@@ -121,6 +130,7 @@ class Concluder:
             return  # a stream that never carried a request, or already ended
         conclusion = exchange.conclusion
         conclusion.ended_in, exchange.phase = exchange.phase, Phase.ENDED
+        conclusion.ended_at = self._reporter.clock.monotonic()
         try:
             _release(exchange)
         finally:
@@ -198,14 +208,19 @@ class Concluder:
         from the report and sends its usage (not provisional: auth replaces the row); the
         key's tokens are accounted now. Returns the usage report's position."""
         exchange = self._provisional.pop(request_id)
-        trace = exchange.trace
-        exchange.conclusion.reported = summary
+        trace, conclusion = exchange.trace, exchange.conclusion
+        conclusion.reported = summary
         trace.status, trace.error_code = records.STATUS_OK, ""
         _conclude(exchange)
+        replica_end = exchange.pick.picked + summary.duration_seconds
+        if summary.duration_seconds and replica_end > (
+            conclusion.ended_at + LATE_END_TOLERANCE_SECONDS
+        ):
+            trace.cancel()  # it ended after the client was gone: never delivered
         if trace.usage is not None:
             exchange.request.key.account(trace.usage.total_tokens)
         position = self._reporter.finish(trace, model=self._usage_model(exchange), amends=True)
-        exchange.conclusion.usage_position = position
+        conclusion.usage_position = position
         self._remember(request_id, position)
         if self._metrics is not None:
             self._metrics.provisional_amended.inc()
@@ -214,6 +229,7 @@ class Concluder:
             request_id=request_id,
             finish_reason=trace.finish_reason,
             status=records.LEDGER_STATUS.get(trace.status, records.FAILED),
+            replica_end_after_stream_seconds=round(replica_end - conclusion.ended_at, 3),
         )
         return position
 

@@ -145,6 +145,7 @@ class ConclusionPart:
 
     Attributes:
         ended_in: the phase the stream was in when it ended (None until then).
+        ended_at: when it ended (the reporter's monotonic seconds; 0 until then).
         reported: the replica's out-of-band report of the summary (`OutcomeService`).
         waiting: the timer that concludes without a report, once the stream ended.
         usage_position: the usage report's position in the outbox (`Reporter.durable`; 0:
@@ -154,6 +155,7 @@ class ConclusionPart:
     """
 
     ended_in: Phase | None = None
+    ended_at: float = 0.0
     reported: ResponseSummary | None = None
     waiting: asyncio.TimerHandle | None = None
     usage_position: int = 0

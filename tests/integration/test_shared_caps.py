@@ -111,7 +111,9 @@ def test_two_routers_share_a_replicas_cap_and_a_gone_routers_share_returns_after
 ):
     async def scenario() -> None:
         hub_clock = FakeClock()
-        hub = RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN)
+        hub = RoutingHub(
+            clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, hold_seconds=0
+        )
         table = _one_replica_table()
         await hub.publish(table)
         hub_clock.advance(LEASE + MARGIN)  # the start-up wait is over
@@ -202,7 +204,11 @@ def test_a_restarted_orchestrator_adopts_the_grants_and_routers_keep_admitting(
                 SqlRouterGrants(store.database, fence=lease), lease, clock=clock
             )
             hub = RoutingHub(
-                clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=journal
+                clock=clock,
+                lease_seconds=LEASE,
+                lease_margin_seconds=MARGIN,
+                hold_seconds=0,
+                journal=journal,
             )
             return hub, journal
 
@@ -295,7 +301,13 @@ def test_a_router_follows_the_leader_and_keeps_admitting_through_a_failover(tmp_
         ]
         hub_clock = FakeClock()
         hubs = [
-            RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=j)
+            RoutingHub(
+                clock=hub_clock,
+                lease_seconds=LEASE,
+                lease_margin_seconds=MARGIN,
+                hold_seconds=0,
+                journal=j,
+            )
             for j in journals
         ]
         table = _one_replica_table()

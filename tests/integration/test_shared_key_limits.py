@@ -37,7 +37,9 @@ def _admitted(limiter: KeyLimiter, tries: int) -> int:
 def test_three_routers_admit_a_keys_limit_between_them_and_two_after_one_left() -> None:
     async def scenario() -> None:
         hub_clock = FakeClock()
-        hub = RoutingHub(clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN)
+        hub = RoutingHub(
+            clock=hub_clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, hold_seconds=0
+        )
         await hub.publish(_one_replica_table())
         hub_clock.advance(LEASE + MARGIN)  # the start-up wait is over
         server, address = await _serve(hub)

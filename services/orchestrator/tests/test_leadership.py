@@ -335,7 +335,8 @@ def test_a_new_leader_adopts_only_the_grants_of_the_term_just_before_its_own(
     """The hand-over rule (`inferplane.orchestrator.routing`): grants are adoptable only when
     the term that wrote them is the one just before the new leader's; a term in between may
     have granted without writing (an older orchestrator, or one that died before its first
-    write), so then the new leader waits out the leases instead."""
+    write), so then the new leader waits out the leases instead; the database's first leader
+    has nothing to adopt and nothing to wait for."""
     clocks = {h: FakeClock() for h in "abc"}
     a, b, c = (contender(leases, h, clocks[h]) for h in "abc")
     journals = {
@@ -346,7 +347,8 @@ def test_a_new_leader_adopts_only_the_grants_of_the_term_just_before_its_own(
 
     async def scenario() -> None:
         assert a.try_acquire() and a.term() == 1
-        assert await journals["a"].adoptable() is None  # nothing stored: a first start
+        # The database's first leader: nothing stored and term 1, so nobody granted before it.
+        assert await journals["a"].adoptable() == {}
         await journals["a"](held)
         assert not b.try_acquire()  # first sight of a's version
         clocks["b"].advance(D)

@@ -45,7 +45,9 @@ def _table(caps: dict[str, int], model: str = "m") -> pb.WatchRoutingTableRespon
 
 
 def _hub(clock: FakeClock) -> RoutingHub:
-    return RoutingHub(clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, epoch="e")
+    return RoutingHub(
+        clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, hold_seconds=0, epoch="e"
+    )
 
 
 class Router:
@@ -314,7 +316,11 @@ def test_a_grown_share_is_shown_only_once_the_journal_wrote_it(
         journal = Journal()
         journal.open.clear()
         hub = RoutingHub(
-            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=journal
+            clock=clock,
+            lease_seconds=LEASE,
+            lease_margin_seconds=MARGIN,
+            hold_seconds=0,
+            journal=journal,
         )
         await hub.publish(_table({"r0": 4}))
         clock.advance(LEASE + MARGIN)
@@ -345,7 +351,11 @@ def test_a_new_leader_adopting_the_grants_keeps_the_routers_admitting() -> None:
         clock = FakeClock()
         old_journal, new_journal = Journal(), Journal()
         old = RoutingHub(
-            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=old_journal
+            clock=clock,
+            lease_seconds=LEASE,
+            lease_margin_seconds=MARGIN,
+            hold_seconds=0,
+            journal=old_journal,
         )
         await old.publish(_table({"r0": 4}))
         clock.advance(LEASE + MARGIN)
@@ -357,7 +367,11 @@ def test_a_new_leader_adopting_the_grants_keeps_the_routers_admitting() -> None:
         await b.close()  # the old leader is gone; b does not come back
 
         new = RoutingHub(
-            clock=clock, lease_seconds=LEASE, lease_margin_seconds=MARGIN, journal=new_journal
+            clock=clock,
+            lease_seconds=LEASE,
+            lease_margin_seconds=MARGIN,
+            hold_seconds=0,
+            journal=new_journal,
         )
         await new.publish(_table({"r0": 4}))
         new.set_granting(True, adopted=old_journal.last)

@@ -62,13 +62,14 @@ def _table(cap: int, share: int, epoch: str = "e.1", version: str = "") -> Any:
 
 class FakeOrchestrator(orchestrator_pb2_grpc.RoutingServiceServicer):  # type: ignore[misc]
     """Sends each router the tables the test pushes (`send`) and answers renewals with
-    `lease_seconds` (or `refuse` as the status code)."""
+    `lease_seconds` and `hold_seconds` (or `refuse` as the status code)."""
 
     def __init__(self) -> None:
         self.queues: dict[str, asyncio.Queue[Any]] = {}
         self.watches: list[Any] = []
         self.renewals: dict[str, list[Any]] = {}
         self.lease_seconds = LEASE
+        self.hold_seconds = 0.0
         self.refuse: grpc.StatusCode | None = None
 
     def _queue(self, router_id: str) -> asyncio.Queue[Any]:
@@ -87,7 +88,9 @@ class FakeOrchestrator(orchestrator_pb2_grpc.RoutingServiceServicer):  # type: i
         self.renewals.setdefault(request.router_id, []).append(request)
         if self.refuse is not None:
             await context.abort(self.refuse, "refused by the test")
-        return opb.RenewRouterLeaseResponse(lease_seconds=self.lease_seconds)
+        return opb.RenewRouterLeaseResponse(
+            lease_seconds=self.lease_seconds, hold_seconds=self.hold_seconds
+        )
 
 
 class Router:
@@ -238,9 +241,10 @@ def test_a_newcomer_waits_until_the_first_router_reports_it_fits_its_smaller_sha
 
 
 def test_without_a_lease_nothing_new_is_admitted() -> None:
-    """Invariant: shares are admitted on only under a lease of the table's epoch: before the
-    first renewal, after the lease ran out (lease seconds after the renewal was sent) or
-    under a table of a new epoch, requests wait; a renewal lets them go at once."""
+    """Invariant: shares are admitted on only under a lease: before the first renewal, after
+    the lease ran out (lease seconds after the renewal was sent, the orchestrator granting no
+    hold) or under a table of a new epoch once the last lease ended, requests wait; a
+    renewal lets them go at once."""
 
     async def scenario() -> None:
         fake, server, address = await _rig()
@@ -271,13 +275,18 @@ def test_without_a_lease_nothing_new_is_admitted() -> None:
             assert late.done()
             fake.send("a", _table(cap=4, share=4, epoch="e.2"))  # the orchestrator restarted
             await a.receive("cap4-share4-e.2")
-            fresh = a.acquire()
+            fresh = a.acquire()  # before e.2's lease: on e.1's shares while that lease lasts
             await _settle()
-            assert not fresh.done()
+            assert fresh.done()
+            fresh.result().release()
+            a.clock.advance(LEASE)  # e.1's lease ended (no hold): nothing new
+            later = a.acquire()
+            await _settle()
+            assert not later.done()
             assert fake.renewals["a"][-1].lease_epoch == "e.1"
             assert await a.lease.renew()
             await _settle()
-            assert fresh.done() and fake.renewals["a"][-1].lease_epoch == "e.2"
+            assert later.done() and fake.renewals["a"][-1].lease_epoch == "e.2"
         finally:
             await a.stop()
             await server.stop(0)

@@ -522,9 +522,14 @@ class GrantsJournal:
 
     async def adoptable(self) -> Grants | None:
         """What the previous term's leader wrote last, when that term is the one just before
-        this leader's (so every grant of it was written before it was shown); None otherwise
-        (nothing stored, or a term in between that may have granted without writing)."""
+        this leader's (so every grant of it was written before it was shown); nothing (`{}`)
+        for the database's first leader (term 1, nothing stored: no orchestrator granted
+        before it); None otherwise (nothing stored after term 1, or a term in between that
+        may have granted without writing)."""
         stored = await asyncio.to_thread(self._grants.load, self._name)
-        if stored is None or stored.term != self._lease.term() - 1:
+        term = self._lease.term()
+        if stored is None:
+            return {} if term == 1 else None
+        if stored.term != term - 1:
             return None
         return stored.held

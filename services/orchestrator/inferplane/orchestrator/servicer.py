@@ -374,8 +374,11 @@ class RoutingService(
             [(r.address, r.replica_id) for r in request.over_share],
             release=request.release,
             demand=[(d.deployment, demand_from_proto(d)) for d in request.demand],
+            held=[((h.replica.address, h.replica.replica_id), h.requests) for h in request.held],
         )
-        return pb.RenewRouterLeaseResponse(lease_seconds=seconds)
+        return pb.RenewRouterLeaseResponse(
+            lease_seconds=seconds, hold_seconds=self._hub.hold_seconds
+        )
 
 
 def _check_router(router_id: str, context: Context) -> None:

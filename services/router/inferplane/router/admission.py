@@ -25,6 +25,10 @@ is admitted unless the router holds a lease of that epoch (`set_lease`, kept by
 `leases.CapLease`): without one, requests wait in the queue as if every replica were full.
 `over_share` lists the replicas with more requests in flight than the share (after the share
 shrank), which the lease keeper reports; `on_drained` is called when one of them fits again.
+When the lease runs out unrenewed, or a table of a new epoch comes before its lease (an
+orchestrator restart, a new leader, a standby's view), the router keeps admitting on the
+shares of its last lease for the lease's `hold` (issue 31; the bound is the lease keeper's
+module docstring): a new table's own shares apply once a lease of its epoch is granted.
 
 Everything runs on the event loop thread; time comes from the injected clock and scheduler.
 """
@@ -115,6 +119,11 @@ class Admission:
         # time until which it may admit (inf without sharing), the replicas over their share.
         self._shares: dict[ReplicaKey, int] | None = None
         self._lease: tuple[str, float] = ("", -math.inf)
+        self._hold = 0.0  # after the lease's end, admitted on its shares for this long
+        self._granted: dict[ReplicaKey, int] = {}  # the lease epoch's latest shares
+        self._built: RouteTable | None = None  # what the replica sets follow (`_effective`)
+        self._admitting: dict[ReplicaKey, int] = {}  # its shares (`_built`'s)
+        self._held_over_since = math.inf  # a new epoch's table came before its lease
         self._admit_until = math.inf
         self._over: set[ReplicaKey] = set()
         self.on_drained: Callable[[], None] | None = None
@@ -146,6 +155,43 @@ class Admission:
         """
         if table is self._table:
             return
+        self._table = table
+        if table.lease_epoch and table.lease_epoch == self._lease[0]:
+            self._granted = table.shares() or {}
+        self._build(self._effective(table))
+
+    def _effective(self, table: RouteTable) -> RouteTable:
+        """`table`, or, when it is of another epoch than the lease while the lease (or its
+        hold) lasts, `table` with the lease's shares (a replica not in them: 0)."""
+        epoch = self._lease[0]
+        now = self.clock.monotonic()
+        if not (table.lease_epoch and epoch and table.lease_epoch != epoch):
+            self._held_over_since = math.inf
+            return table
+        if now >= self._lease[1] + self._hold:
+            return table
+        if self._held_over_since == math.inf:
+            self._held_over_since = now
+        granted = self._granted
+        routes = [
+            dataclasses.replace(
+                route,
+                endpoints=tuple(
+                    e if e.share is None else dataclasses.replace(e, share=granted.get(e.key, 0))
+                    for e in route.endpoints
+                ),
+            )
+            for route in table.routes.values()
+        ]
+        return RouteTable.of(
+            routes,
+            table.version,
+            epoch,
+            router_count=table.router_count,
+            router_rank=table.router_rank,
+        )
+
+    def _build(self, table: RouteTable) -> None:
         now = self.clock.monotonic()
         wanted: dict[str, ModelRoute] = {}
         for route in table.routes.values():
@@ -192,7 +238,7 @@ class Admission:
         for deployment in fresh.values():
             deployment.replicas.attach()
         self._deployments = fresh
-        self._table = table
+        self._built = table
         self._refused = {k: v for k, v in self._refused.items() if k[0] in fresh}
         self._demand.keep(fresh)
         live = {k for d in fresh.values() for k in d.replicas.keys}
@@ -202,7 +248,9 @@ class Admission:
             self._replica_keys.setdefault(k[1], []).append(k)
         if self._kv is not None:
             self._kv.forget(set(self._replica_keys))
-        shares = self._shares = table.shares()
+        raw = self._table
+        shares = self._shares = raw.shares() if raw is not None else None
+        self._admitting = table.shares() or {}
         self._over = set()
         if shares is not None:  # over its share, or still running on a replica that left
             for k, s in self._states.items():
@@ -220,10 +268,17 @@ class Admission:
         """The routing table applied last."""
         return self._table
 
-    def set_lease(self, epoch: str, until: float) -> None:
+    def set_lease(self, epoch: str, until: float, hold: float = 0.0) -> None:
         """This router may admit on the shares of tables of `epoch` until `until` (monotonic
-        seconds); queued requests are re-examined at once."""
+        seconds), and on them or the last ones of `epoch` for `hold` seconds more while no
+        lease of a newer table comes; queued requests are re-examined at once."""
         self._lease = (epoch, until)
+        self._hold = hold
+        table = self._table
+        if table is not None and table.lease_epoch == epoch:
+            self._granted = table.shares() or {}
+            if self._built is not table:  # it ran on held-over shares: the table's own now
+                self._build(self._effective(table))
         self._admit_until = self._lease_until()
         if self.clock.monotonic() < self._admit_until:
             for deployment in self._deployments.values():
@@ -234,18 +289,49 @@ class Admission:
         if table is None or not table.lease_epoch:
             return math.inf
         epoch, until = self._lease
-        return until if epoch == table.lease_epoch else -math.inf
+        if epoch == table.lease_epoch or self._built is not table:
+            return until + self._hold  # its lease, then its hold; or held over to a new epoch
+        return -math.inf
 
     def lease_valid(self) -> bool | None:
-        """Whether this router may admit now: None when caps are not shared."""
+        """Whether this router may admit now (under its lease, or on its last lease's shares
+        during the hold): None when caps are not shared."""
         if self._shares is None:
             return None
         return self.clock.monotonic() < self._admit_until
 
+    def held_over_seconds(self) -> float | None:
+        """How long this router has admitted on its last lease's shares without a lease of
+        its table (the lease ran out unrenewed, or a new epoch's table has no lease yet),
+        seconds; 0 when it holds one or admits nothing; None when caps are not shared."""
+        table = self._table
+        if self._shares is None or table is None:
+            return None
+        now = self.clock.monotonic()
+        if now >= self._admit_until:
+            return 0.0
+        since = self._lease[1]
+        if self._built is not table:
+            since = min(since, self._held_over_since)
+        return max(0.0, now - since)
+
+    def held_over(self) -> list[tuple[ReplicaKey, int]]:
+        """While the table's epoch has no lease and the router admits on its last lease's
+        shares: (replica, its share there or its requests in flight if more), for the
+        renewal (`RenewRouterLeaseRequest.held`); else empty."""
+        table = self._table
+        if table is None or self._built is table or not self.lease_valid():
+            return []
+        out = dict(self._granted)
+        for key, state in self._states.items():
+            if state.in_flight > out.get(key, 0):
+                out[key] = state.in_flight
+        return [(k, n) for k, n in sorted(out.items()) if n > 0]
+
     def share(self, key: ReplicaKey) -> int | None:
-        """This router's share of the replica's cap (None when caps are not shared, or the
-        replica has no cap to share)."""
-        return None if self._shares is None else self._shares.get(key)
+        """This router's share of the replica's cap it admits on (its last lease's while it
+        holds them over; None when caps are not shared, or the replica has no cap to share)."""
+        return None if self._shares is None else self._admitting.get(key)
 
     def over_share(self, *, release: bool = False) -> list[ReplicaKey]:
         """Replicas with more requests in flight from here than this router's share of them

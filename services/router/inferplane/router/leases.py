@@ -134,6 +134,15 @@ class CapLease:
             ],
             release=release,
             demand=[] if release else self.demand(),
+            held=[
+                opb.HeldShare(
+                    replica=opb.ReplicaRef(address=address, replica_id=replica_id),
+                    requests=requests,
+                )
+                for (address, replica_id), requests in self._admission.held_over()
+            ]
+            if not release
+            else [],
         )
         if release:
             self._admission.set_lease("", -float("inf"))
@@ -154,7 +163,7 @@ class CapLease:
             return False
         self._interval = seconds / RENEWALS_PER_LEASE
         if epoch:
-            self._admission.set_lease(epoch, sent + seconds)
+            self._admission.set_lease(epoch, sent + seconds, response.hold_seconds)
         return True
 
     def demand(self) -> list[opb.DeploymentDemand]:

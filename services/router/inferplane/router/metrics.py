@@ -18,9 +18,12 @@ is what only the router knows: its queues, breakers, slots and fallbacks.
 - `inferplane_router_circuit_breaker_state{deployment,replica,state}` (gauge, a state set:
   1 for the replica's current state among closed, open, half_open, else 0);
 - with shared caps (issue 20), `inferplane_router_cap_share_requests{deployment,replica}`
-  (gauge): this router's share of the replica's cap, and `inferplane_router_cap_lease_valid`
-  (gauge, 1 or 0): whether it holds the lease to admit on its shares (0: it admits nothing
-  new; requests queue);
+  (gauge): this router's share of the replica's cap it admits on,
+  `inferplane_router_cap_lease_valid` (gauge, 1 or 0): whether it may admit on its shares,
+  under its lease or during the lease's hold (0: it admits nothing new; requests queue), and
+  `inferplane_router_cap_shares_held_over_seconds` (gauge): how long it has admitted on its
+  last lease's shares without a lease of its table (the orchestrator away, restarting or
+  failing over: issue 31), 0 while it holds one;
 - `inferplane_router_fallbacks_served_total` (counter): requests a fallback of the pick
   served because the endpoints before it failed before their first byte (Envoy retried down
   the list; Envoy's own `cluster.inferplane_replicas.upstream_rq_retry*` stats count the
@@ -205,6 +208,13 @@ class AdmissionCollector(Collector):
             )
             lease.add_metric([], 1.0 if valid else 0.0)
             yield lease
+            held = GaugeMetricFamily(
+                "inferplane_router_cap_shares_held_over_seconds",
+                "Seconds this router has admitted on its last lease's shares without a lease "
+                "of its routing table (0 while it holds one).",
+            )
+            held.add_metric([], self._admission.held_over_seconds() or 0.0)
+            yield held
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

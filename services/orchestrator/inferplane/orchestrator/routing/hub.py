@@ -16,6 +16,7 @@ import structlog
 from inferplane.api.orchestrator.v1 import orchestrator_pb2 as pb
 from inferplane.orchestrator.autoscale.demand import DemandAggregate, DemandBook, RouterDemand
 from inferplane.orchestrator.routing.shares import (
+    DEFAULT_HOLD_SECONDS,
     DEFAULT_LEASE_MARGIN_SECONDS,
     DEFAULT_LEASE_SECONDS,
     JOURNAL_RETRY_SECONDS,
@@ -45,9 +46,14 @@ class RoutingHub:
         lease_seconds: how long a renewal lets a router admit on its shares (> 0).
         lease_margin_seconds: added on the hub's side before a silent router's shares are
             given to the others (clock-rate differences, processing).
+        hold_seconds: how long a router whose lease ran out unrenewed still admits on its
+            last shares (>= 0; told to routers in each renewal's answer): a silent router's
+            `held` is kept, and a hub that starts without a complete hand-over grants no room,
+            for `lease_seconds + hold_seconds + lease_margin_seconds` (`routing.shares`).
         epoch: this hub's lease epoch prefix (random by default; tests pin it).
         journal: where `held` is written before a grown share is shown (`routing.shares`);
-            None: nothing is written, and a hub that starts granting waits out every lease.
+            None: nothing is written, and a hub that starts granting waits out every lease
+            (and hold).
     """
 
     def __init__(
@@ -56,18 +62,22 @@ class RoutingHub:
         clock: Clock | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         lease_margin_seconds: float = DEFAULT_LEASE_MARGIN_SECONDS,
+        hold_seconds: float = DEFAULT_HOLD_SECONDS,
         epoch: str | None = None,
         journal: GrantsJournal | None = None,
     ) -> None:
-        if lease_seconds <= 0 or lease_margin_seconds < 0:
-            raise ValueError("lease_seconds must be > 0 and lease_margin_seconds >= 0")
+        if lease_seconds <= 0 or lease_margin_seconds < 0 or hold_seconds < 0:
+            raise ValueError(
+                "lease_seconds must be > 0, lease_margin_seconds and hold_seconds >= 0"
+            )
         self._table = make_table(())
         self._clock = clock or SystemClock()
         self._lease = lease_seconds
         self._margin = lease_margin_seconds
+        self._hold = hold_seconds
         self._epoch = epoch if epoch is not None else secrets.token_hex(6)
         self._incarnations = itertools.count(1)
-        self._grants_from = self._clock.monotonic() + lease_seconds + lease_margin_seconds
+        self._grants_from = self._clock.monotonic() + self._grace()
         self._quiet = True
         self._granting = True
         self._routers: dict[str, RouterLease] = {}
@@ -109,6 +119,16 @@ class RoutingHub:
     def lease_seconds(self) -> float:
         return self._lease
 
+    @property
+    def hold_seconds(self) -> float:
+        """How long a router still admits on its last shares once its lease ran out."""
+        return self._hold
+
+    def _grace(self) -> float:
+        """From a router's last renewal here (or this hub's start) until no share of it (or
+        granted before) can still be admitted on: lease, hold and margin, seconds."""
+        return self._lease + self._hold + self._margin
+
     async def publish(self, table: pb.WatchRoutingTableResponse) -> bool:
         """Makes `table` current; returns whether its version differs from the last one."""
         if table.version == self._table.version:
@@ -127,7 +147,8 @@ class RoutingHub:
         on starts a new epoch. `adopted`: the `held` the previous term wrote, complete
         (`routing.shares`, hand-over): each router keeps it and room nobody held is granted at
         once.
-        None: nothing is granted for `lease_seconds + lease_margin_seconds`.
+        None: no room is granted for `lease_seconds + hold_seconds + lease_margin_seconds`
+        (only the shares routers report they still hold over: `renew(held=...)`).
         """
         if granting == self._granting and adopted is None:
             return
@@ -135,7 +156,7 @@ class RoutingHub:
         now = self._clock.monotonic()
         if granting:
             self._epoch = secrets.token_hex(6)
-            self._grants_from = now if adopted is not None else now + self._lease + self._margin
+            self._grants_from = now if adopted is not None else now + self._grace()
             self._quiet = adopted is None
         for router in self._routers.values():  # no lease of before can be renewed
             router.reset(self._new_epoch())
@@ -148,8 +169,9 @@ class RoutingHub:
                 if router is None:
                     router = self._routers[router_id] = RouterLease(router_id, self._new_epoch())
                 router.held, router.sent = dict(held), dict(held)
-                # Its old lease ends by then at the latest; a renewal here extends it.
+                # Its old lease (and hold) ends by then at the latest; a renewal here extends it.
                 router.expires = now + self._lease + self._margin
+                router.forget_at = now + self._grace()
                 router.generation += 1
             self._dirty = True  # this term writes them: its successor can adopt in turn
         self._rebalance()
@@ -276,14 +298,18 @@ class RoutingHub:
         *,
         release: bool = False,
         demand: Iterable[tuple[str, RouterDemand]] = (),
+        held: Iterable[tuple[ReplicaKey, int]] = (),
     ) -> float:
         """One renewal of `router_id`'s lease; returns the lease in seconds (counted from
         when the router sent it), 0 when `lease_epoch` is not the router's current one (it
-        must wait for its next table). `version` acknowledges the table the router enforces:
+        must wait for its next table) or when `held` added to its shares (it must wait for
+        the view that shows them). `version` acknowledges the table the router enforces:
         when it is the last one shown, the router's `held` drops to its shares except on
         `over_share`. `release`: the router admits nothing more (`over_share` then names the
         replicas it still has requests in flight to). `demand`: the router's view of each
         deployment's demand (deployment id, report), kept for the autoscaler (`demand`).
+        `held`: (replica, requests) the router still admits on under an earlier lease
+        (`routing.shares`, held-over shares): counted as its own before any room is granted.
 
         Raises:
             FailedPreconditionError: the router has no watch stream open here, or this hub is
@@ -309,7 +335,8 @@ class RoutingHub:
             self._on_cold_demand()
         was_member = router.member(now)
         covered = lease_epoch == router.epoch
-        held = dict(router.held)
+        before = dict(router.held)
+        adopted = covered and not release and self._hold_over(router, held)
         if covered and release:  # it admits nothing more: only what still runs counts
             over = set(over_share)
             router.held = {k: v for k, v in router.held.items() if k in over}
@@ -324,19 +351,50 @@ class RoutingHub:
                     router.held[key] = value
                 else:
                     del router.held[key]
-        if router.held != held:
+        if router.held != before:
             self._dirty = True
-            if any(n > held.get(k, 0) for k, n in router.held.items()):
+            if any(n > before.get(k, 0) for k, n in router.held.items()):
                 self._held_seq += 1
         router.expires = now + self._lease + self._margin
+        router.forget_at = now + self._grace()
         router.released = covered and release
         # Membership or room changed: the split moves (steady renewals change nothing).
-        if (router.member(now) != was_member or router.held != held) and self._rebalance():
+        moved = router.member(now) != was_member or router.held != before
+        if (moved and self._rebalance()) or adopted:
             self._notify()
         self._arm()
-        if not covered:  # membership counts (its next table has shares), the old lease not
+        if not covered or adopted:  # it waits for its next view (membership counts)
             return 0.0
         return 0.0 if release else self._lease
+
+    def _hold_over(self, router: RouterLease, reported: Iterable[tuple[ReplicaKey, int]]) -> bool:
+        """Adds `router`'s held-over shares to its `held` and next view's shares, each within
+        the room nobody else holds (`routing.shares`); returns whether its shares grew."""
+        caps = self._caps()
+        grew = False
+        for key, requests in reported:
+            mine = router.held.get(key, 0)
+            cap = caps.get(key)
+            if cap is None:  # left the table: nothing new goes there, what runs counts
+                want = max(mine, requests)
+            else:
+                others = sum(r.held.get(key, 0) for r in self._routers.values()) - mine
+                want = max(mine, min(requests, cap - others))
+                if want < requests:
+                    log.warning(
+                        "router_held_share_clamped",
+                        router=router.router_id,
+                        replica=key[1],
+                        reported=requests,
+                        kept=want,
+                    )
+            if want > mine:
+                router.held[key] = want
+            if cap is not None and want > router.sent.get(key, 0):
+                router.sent[key] = want
+                router.generation += 1
+                grew = True
+        return grew
 
     def expire_leases(self) -> None:
         """Forgets the shares of routers whose lease ran out (hub's clock) and gives them to
@@ -350,9 +408,12 @@ class RoutingHub:
         for router_id, router in list(self._routers.items()):
             if now < router.expires:
                 continue
+            if now < router.forget_at:  # in its hold: out of the split, its `held` stays
+                changed = changed or bool(router.sent)
+                continue
             if router.expires > -math.inf or router.held or router.sent:
-                # Its lease has ended on its own clock too: start over under a new epoch, so
-                # that no lease of the old one can be renewed.
+                # Its lease and hold have ended on its own clock too: start over under a new
+                # epoch, so that no lease of the old one can be renewed.
                 self._dirty = self._dirty or bool(router.held)
                 router.reset(self._new_epoch())
                 changed = True
@@ -364,7 +425,8 @@ class RoutingHub:
 
     def _arm(self) -> None:
         """Schedules `expire_leases` at the next deadline (a wake-up only: it checks time)."""
-        deadlines = [r.expires for r in self._routers.values() if r.expires > -math.inf]
+        now = self._clock.monotonic()
+        deadlines = [t for r in self._routers.values() for t in (r.expires, r.forget_at) if t > now]
         if self._quiet and self._granting:
             deadlines.append(self._grants_from)
         if not deadlines:
@@ -407,20 +469,17 @@ class RoutingHub:
         peers = tuple(r.router_id for r in members)
         peers_changed = peers != self._peers
         self._peers = peers
-        caps: dict[ReplicaKey, int] = {}
         seen_by: dict[ReplicaKey, set[str]] = {}
         for route in self._table.routes:
             for endpoint in route.endpoints:
-                key = endpoint_key(endpoint)
-                cap = endpoint.max_concurrency
-                caps[key] = min(caps.get(key, cap), cap)
-                seen_by.setdefault(key, set()).add(route.model)
+                seen_by.setdefault(endpoint_key(endpoint), set()).add(route.model)
+        caps = self._caps()
         before = [dict(r.sent) for r in routers]
         for key, cap in caps.items():
             models = seen_by[key]
             sharing = [r for r in members if not r.models or models.intersection(r.models)]
             self._held_seq += split_cap(
-                key, cap, sharing, routers, granting=self._granting and not self._quiet
+                key, cap, sharing, routers, granting=self._granting, frozen=self._quiet
             )
         changed = False
         for router, sent in zip(routers, before, strict=True):
@@ -430,3 +489,13 @@ class RoutingHub:
                 router.generation += 1
                 changed = True
         return changed
+
+    def _caps(self) -> dict[ReplicaKey, int]:
+        """Each replica's cap in the table (the smallest, when several routes list it)."""
+        caps: dict[ReplicaKey, int] = {}
+        for route in self._table.routes:
+            for endpoint in route.endpoints:
+                key = endpoint_key(endpoint)
+                cap = endpoint.max_concurrency
+                caps[key] = min(caps.get(key, cap), cap)
+        return caps

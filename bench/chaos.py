@@ -77,13 +77,10 @@ import argparse
 import datetime
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # chaoslib, when loaded by path
 
 from chaoslib.faults import DATABASE_AWAY_S, FAULTS, QUICK_FAULTS, Context, Fault
 from chaoslib.ledger import UsageLedger, settle_usage

@@ -60,7 +60,13 @@ def _load_bench() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    # Its machinery, bench/chaoslib, imports as it does when the script runs; bench/ stays on
+    # sys.path only while it loads (its other scripts must not shadow anyone's modules).
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 

@@ -88,7 +88,42 @@ def render_static_bootstrap(config: EdgeConfig, *, fmt: str = "yaml") -> str:
     )
 
 
+#: The one typed_config the xds-protos wheel lacks (Envoy's body size limit filter, newer than
+#: the wheel), as Envoy's own `body_size_limit.proto` defines it.
+_BODY_SIZE_LIMIT_PROTO = "envoy/extensions/filters/http/body_size_limit/v3/body_size_limit.proto"
+
+
+def _register_body_size_limit() -> None:
+    """Adds `BodySizeLimit` (`max_request_bytes`: UInt32Value, field 1) to the default pool,
+    so json_format can parse it inside an `Any`; a no-op when the pool has it."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, wrappers_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(_BODY_SIZE_LIMIT_PROTO)
+        return
+    except KeyError:
+        pass
+    uint32 = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name=_BODY_SIZE_LIMIT_PROTO,
+        package="envoy.extensions.filters.http.body_size_limit.v3",
+        syntax="proto3",
+        dependency=[wrappers_pb2.DESCRIPTOR.name],
+    )
+    file.message_type.add(name="BodySizeLimit").field.add(
+        name="max_request_bytes",
+        json_name="maxRequestBytes",
+        number=1,
+        label=uint32.LABEL_OPTIONAL,
+        type=uint32.TYPE_MESSAGE,
+        type_name=".google.protobuf.UInt32Value",
+    )
+    pool.Add(file)
+
+
 def _message_types() -> dict[str, type[Message]]:
+    _register_body_size_limit()
     # Importing these registers every typed_config type in the default pool, which
     # json_format needs to parse the `Any` fields.
     from envoy.config.bootstrap.v3 import bootstrap_pb2

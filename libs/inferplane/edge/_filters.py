@@ -58,10 +58,16 @@ _TRANSCODER = (
 )
 _ROUTER = TYPE_URL_PREFIX + "envoy.extensions.filters.http.router.v3.Router"
 _EXT_PROC = TYPE_URL_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_BODY_SIZE_LIMIT = (
+    TYPE_URL_PREFIX + "envoy.extensions.filters.http.body_size_limit.v3.BodySizeLimit"
+)
+#: The filter counting a request body as it streams in (`body_size_limit_filter`).
+BODY_LIMIT_FILTER = "envoy.filters.http.body_size_limit"
 
 #: Filter names in chain order (pinned by a test; order is behaviour here).
 FILTER_ORDER: tuple[str, ...] = (
     "inferplane.error_shaper",
+    "envoy.filters.http.body_size_limit",
     "inferplane.auth_failure_guard",
     "envoy.filters.http.ext_authz",
     "envoy.filters.http.ext_proc",
@@ -73,7 +79,10 @@ FILTER_ORDER: tuple[str, ...] = (
     "envoy.filters.http.router",
 )
 
-#: Filters that run only on generation routes (off for admin, models and the 404 route).
+#: Filters that run only on generation routes (off for admin, models and the 404 route);
+#: ext_proc is also disabled in the chain (`_off_by_default`) and turned on by those routes
+#: (`_routes.with_picker`). The picker guard has no response hook, so it stays on by default
+#: (Lua has no empty per-route config that enables a filter).
 PICKER_FILTERS: tuple[str, ...] = ("envoy.filters.http.ext_proc", "inferplane.picker_guard")
 #: The one authenticator of the routes the picker does not run on; off where it runs (the
 #: picker authenticates there, in its first exchange).
@@ -229,6 +238,31 @@ def _transcoder(config: EdgeConfig, descriptor: bytes) -> Resource:
     }
 
 
+def body_limit_filter(config: EdgeConfig) -> Resource:
+    """Envoy's body size limit at `max_request_bytes`: it counts the body as it streams in and
+    answers 413 (`_replies.py` shapes it) the moment the count passes the limit, before
+    anything buffers the rest. error_shaper.lua refuses a declared Content-Length over the
+    limit from the headers; this filter is what stops a body without one (chunked HTTP/1.1,
+    HTTP/2 without content-length): a Lua filter cannot answer once it has let the headers
+    through, so the script's own chunk counter never could (measured on Envoy 1.40: a 10 MiB
+    chunked chat body reached the replica). Off on the audio route (`_routes.py`), whose
+    uploads Envoy's buffer limit (`buffer_limit_bytes`, the audio limit) bounds instead."""
+    return {
+        "name": BODY_LIMIT_FILTER,
+        "typed_config": {"@type": _BODY_SIZE_LIMIT, "max_request_bytes": config.max_request_bytes},
+    }
+
+
+def _off_by_default(http_filter: Resource) -> Resource:
+    """`http_filter` (ext_proc) disabled unless a route turns it on (`_routes.with_picker`:
+    the generation routes only). Off on a request no route matches and on Envoy's reply to a
+    request its codec refused (a NUL in a header, an unknown method): ext_proc would
+    otherwise open a picker stream for that reply's headers, and the codec closes the
+    connection before the picker answers, so the client got no bytes at all (measured on
+    Envoy 1.40; `libs/tests/edge/test_edge_hostile.py`)."""
+    return {**http_filter, "disabled": True}
+
+
 def build_http_filters(config: EdgeConfig) -> list[Resource]:
     """The HCM's http_filters in `FILTER_ORDER`.
 
@@ -263,6 +297,7 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
     )
     return [
         lua_filter("inferplane.error_shaper", _error_shaper(config)),
+        body_limit_filter(config),
         lua_filter("inferplane.auth_failure_guard", guard),
         {
             "name": "envoy.filters.http.ext_authz",
@@ -280,7 +315,7 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
                 "include_peer_certificate": False,
             },
         },
-        build_ext_proc_filter(config),
+        _off_by_default(build_ext_proc_filter(config)),
         lua_filter(
             "inferplane.picker_guard",
             render_lua(

@@ -19,6 +19,7 @@ from typing import Any
 from inferplane.apis import anthropic
 from inferplane.edge._base import AUDIO_PREFIX, CEL_FILTER_TYPE, Resource
 from inferplane.edge._config import EdgeConfig
+from inferplane.edge._routes import ALLOWED_METHODS, allow_header
 from inferplane.wire import apis
 
 
@@ -78,6 +79,21 @@ class _Reply:
     openai_type: str
     code: str
     status: int
+    #: Set `status` on the reply (Envoy's own status differs: CONNECT's 403) and add these
+    #: response headers.
+    rewrite: bool = False
+    headers: tuple[dict[str, Any], ...] = ()
+
+
+def _shaped(reply: _Reply, filter_: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """The mapper giving replies matching `filter_` `body`, and `reply`'s status and headers
+    when it rewrites them."""
+    result = mapper(filter_, body)
+    if reply.rewrite:
+        result["status_code"] = reply.status
+    if reply.headers:
+        result["headers_to_add"] = list(reply.headers)
+    return result
 
 
 def _anthropic_path() -> dict[str, Any]:
@@ -102,7 +118,8 @@ def _and(*filters: dict[str, Any]) -> dict[str, Any]:
 
 def _anthropic_mapper(reply: _Reply) -> dict[str, Any]:
     """`reply` on an Anthropic path: Anthropic's body, and 529 where OpenAI's status is 503."""
-    result = mapper(
+    result = _shaped(
+        reply,
         _and(_anthropic_path(), reply.filter_),
         anthropic.error_body(reply.status, reply.message),
     )
@@ -125,6 +142,11 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
     filter.
     """
     invalid = "invalid_request_error"
+    not_allowed = (
+        "Method %REQ(:METHOD)% is not allowed; the API's methods are "
+        + ", ".join(ALLOWED_METHODS)
+        + "."
+    )
     passed = [
         _and(_UAEX, _status_filter("LE", 499)),
         # The endpoint picker's refusals (ext_proc immediate responses, details `picker_…`),
@@ -154,6 +176,18 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
             "service_unavailable",
             503,
         ),
+        # The HTTP codec refused the request (details `http1.…` / `http2.…`: an unknown
+        # method, a NUL or a malformed line in a header, a bad chunk): before the generic 400.
+        _Reply(
+            cel(
+                "response.code_details.startsWith('http1.') || "
+                "response.code_details.startsWith('http2.')"
+            ),
+            "The request is not valid HTTP (%RESPONSE_CODE_DETAILS%).",
+            invalid,
+            "invalid_http_request",
+            400,
+        ),
         # The transcoder's parse errors, e.g. "Unexpected end of string. Expected an object
         # key or }." or "messages: invalid value "oops" for type ...".
         _Reply(
@@ -170,6 +204,20 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
             "unknown_url",
             404,
         ),
+        # `CONNECT`: no upgrade config allows it, so Envoy refuses it at once with 403
+        # `upgrade_failed` and an empty body (the route table never sees it); it is a method
+        # no route serves, like the route table's own 405 below.
+        _Reply(
+            cel("response.code_details == 'upgrade_failed'"),
+            not_allowed,
+            invalid,
+            "method_not_allowed",
+            405,
+            rewrite=True,
+            headers=(allow_header(),),
+        ),
+        # Methods outside `ALLOWED_METHODS` (`_routes.method_not_allowed_routes`).
+        _Reply(_status_is(405), not_allowed, invalid, "method_not_allowed", 405),
         # Audio uploads have their own limit (error_shaper.lua's request guard, by path).
         _Reply(
             _and(_status_is(413), _audio_path()),
@@ -215,6 +263,6 @@ def build_local_reply_config(config: EdgeConfig) -> Resource:
         *anthropic_passed,
         *(_anthropic_mapper(r) for r in replies),
         *(mapper(f, None) for f in passed),
-        *(mapper(r.filter_, _error_json(r.message, r.openai_type, r.code)) for r in replies),
+        *(_shaped(r, r.filter_, _error_json(r.message, r.openai_type, r.code)) for r in replies),
     ]
     return {"mappers": mappers}

@@ -107,12 +107,14 @@ def test_public_api_is_pinned() -> None:
 
 
 def test_filters_are_in_the_recipe_order() -> None:
-    """Error shaper first (sees the transcoded response last), then the auth failure guard
+    """Error shaper first (sees the transcoded response last), the body size limit (counts a
+    body without a length before anything buffers it), then the auth failure guard
     (sees both authenticators' 401s), the authenticators (ext_authz where the picker does not
     run; the picker, authenticating on the headers before anything buffers or reads the body),
     the picker guard right after the picker, then what reads the body, router last."""
     assert FILTER_ORDER == (
         "inferplane.error_shaper",
+        "envoy.filters.http.body_size_limit",
         "inferplane.auth_failure_guard",
         "envoy.filters.http.ext_authz",
         "envoy.filters.http.ext_proc",
@@ -173,6 +175,7 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
     routes = {
         r["match"].get("prefix") or r["match"]["path"]: r
         for r in edge.build_route_config(CONFIG)["virtual_hosts"][0]["routes"]
+        if r.get("direct_response", {}).get("status") != 405  # test_hostile_config.py
     }
     for prefix in ("/v1/", "/internal/events/"):
         route = routes[prefix]
@@ -182,8 +185,12 @@ def test_generations_go_to_the_picked_replica_and_retry_before_the_first_byte() 
             "num_retries": 2,
         }
         per_filter = route["typed_per_filter_config"]
-        assert set(per_filter) == {"envoy.filters.http.ext_authz"}
+        assert set(per_filter) == {"envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"}
         assert per_filter["envoy.filters.http.ext_authz"]["disabled"] is True
+        # ext_proc is off in the chain: the generation routes turn it on.
+        ext_proc = per_filter["envoy.filters.http.ext_proc"]
+        assert ext_proc["@type"].endswith(".ext_proc.v3.ExtProcPerRoute")
+        assert ext_proc == {"@type": ext_proc["@type"], "overrides": {}}
     assert routes["/v1/models"]["route"]["cluster"] == edge.ROUTER_CLUSTER
     for prefix in ("/v1/admin/", "/v1/models", "/v1/responses/", "/"):
         per_filter = routes[prefix]["typed_per_filter_config"]

@@ -87,3 +87,30 @@ def test_chat_keeps_its_own_limit(edge: Edge) -> None:
     )
     assert answer.status_code == 413
     assert str(edge.config.max_request_bytes) in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("size", "status"), [(20 * MiB, 200), (27 * MiB, 413)])
+def test_a_chunked_upload_has_the_audio_limit(edge: Edge, size: int, status: int) -> None:
+    """Without Content-Length (chunked), the chat body's limit filter is off on the audio
+    route, and Envoy's buffer limit (the audio limit) refuses a larger upload with the 413."""
+    request = httpx.Request(
+        "POST",
+        f"{edge.url}/v1/audio/transcriptions",
+        headers=AUTH,
+        data={"model": "whisper", "response_format": "text"},
+        files={"file": ("a.wav", b"\x01" * size, "audio/wav")},
+    )
+    whole = request.read()
+    pieces = (whole[i : i + MiB] for i in range(0, len(whole), MiB))
+    chunked = httpx.Request(
+        "POST",
+        request.url,
+        headers={**AUTH, "content-type": request.headers["content-type"]},
+        content=pieces,
+    )
+    with httpx.Client(timeout=60) as client:
+        answer = client.send(chunked)
+    assert "content-length" not in chunked.headers
+    assert answer.status_code == status, answer.text
+    if status == 413:
+        assert str(edge.config.max_audio_request_bytes) in answer.json()["error"]["message"]

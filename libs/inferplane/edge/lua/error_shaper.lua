@@ -37,7 +37,10 @@
 -- window the buffer crosses the limit, the connection stops reading, and json_to_metadata (which
 -- buffers without watermarks) then waits for the rest of the body forever — no 413, just a
 -- hung request until the stream idle timeout. The declared content-length is checked in
--- constant time; bodies without one (chunked, HTTP/2) are counted chunk by chunk.
+-- constant time. A body without one (chunked, HTTP/2) cannot be refused here: once a Lua
+-- script lets the headers through to read body chunks, it can no longer respond (measured on
+-- Envoy 1.40: "respond() cannot be called if headers have been continued", and the body went
+-- on), so the body size limit filter right after this one counts those (edge/_filters.py).
 
 local MAX_REQUEST_BYTES = __MAX_REQUEST_BYTES__
 -- Audio uploads (multipart/form-data, files up to 25 MB as OpenAI) have their own limit.
@@ -176,19 +179,8 @@ function envoy_on_request(handle)
     limit = MAX_AUDIO_REQUEST_BYTES
   end
   local length = headers:get("content-length")
-  if length ~= nil then
-    if (tonumber(length) or 0) > limit then
-      too_large(handle, anthropic)
-    end
-    return
-  end
-  local seen = 0
-  for chunk in handle:bodyChunks() do
-    seen = seen + chunk:length()
-    if seen > limit then
-      too_large(handle, anthropic)
-      return
-    end
+  if length ~= nil and (tonumber(length) or 0) > limit then
+    too_large(handle, anthropic)
   end
 end
 

@@ -7,14 +7,38 @@ with `RoutingService.RenewRouterLease`: every fifth of the lease, at once after 
 table, and when a replica whose share shrank has drained to it (`Admission.on_drained`). One
 renewal at a time; never per request.
 
-The bound: a renewal sent at `t` (this router's monotonic clock) that grants `L` seconds lets
-the router admit until `t + L`. The orchestrator received it after `t`, and forgets this
-router's shares `L + margin` after it did, so by then this router has stopped admitting on
-them (clock rates may differ by less than margin/L). A router that cannot renew (orchestrator
-down, its stream lost) therefore admits nothing new from `t + L` on: requests wait in the
-queue (then 429) rather than exceed a cap; the next table and renewal resume admission.
-Requests already admitted run on; shares that shrank are reported until the requests above
-them ended (`over_share`), and only then given to other routers.
+The bound: a renewal sent at `t` (this router's monotonic clock) that grants `L` seconds, with
+the hold `H` (`RenewRouterLeaseResponse.hold_seconds`), lets the router admit on its shares
+until `t + L`, and, if no renewal comes (the orchestrator down, restarting, failing over, its
+stream lost), on the last shares of that lease's epoch until `t + L + H` (`Admission`: the
+"held-over" shares; the gauge `inferplane_router_cap_shares_held_over_seconds` says since
+when). A table of a new epoch (an orchestrator restart, a new leader, a standby's view with
+shares of 0) does not replace them before a lease of its epoch is granted: until then the
+router admits on the last lease's shares, within that same `t + L + H`, and names them in each
+renewal (`RenewRouterLeaseRequest.held`: per replica its share, or its requests in flight
+there if more). After `t + L + H` it admits nothing new (requests wait, then 429) until its
+next table and renewal. Why no cap is exceeded (the orchestrator's `routing.shares`):
+
+- The shares one orchestrator grants (the `held` of all routers of one replica) sum to at most
+  its cap, and a share grows only out of room nobody holds.
+- That orchestrator received the renewal after `t` and keeps this router's `held` until
+  `L + H + margin` after it did (margin: clock-rate differences), whether or not the router
+  comes back, so no other router is given this router's room while it may still admit on it.
+- An orchestrator that starts, or starts leading, either adopts its predecessor's `held` (the
+  journal, written before any share is shown; each adopted router keeps its `held` for
+  `L + H + margin`), or, without a complete hand-over, grants no room for `L + H + margin`
+  from its start: every share granted before it has ended by then, held-over ones included.
+  During that grace the only shares it shows are the held-over ones routers name, each
+  clamped to the room nobody else holds; as they were granted by earlier orchestrators
+  under the same rule, together they fit in the cap.
+- The database's first leader (term 1, no grants written) knows no orchestrator granted
+  before it: nothing to adopt, nothing to wait for.
+
+So `H` trades availability during a control-plane outage (up to `L + H`, 15 + 30 s by
+default, of admission without the orchestrator) against how long a router that died or is
+cut off keeps its room from the others (`L + H + margin`, 46 s). Requests already admitted
+run on; shares that shrank are reported until the requests above them ended (`over_share`),
+and only then given to other routers.
 
 Every renewal also carries this router's demand per deployment of its table (issue 29,
 `DeploymentDemand`: the autoscaler's input): admission's queue, waits, 429s, requests in

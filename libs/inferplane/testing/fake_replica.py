@@ -113,6 +113,13 @@ class FakeReplicaControl(replica_pb2_grpc.ReplicaProcessServiceServicer):  # typ
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "replica_not_ready")
         return replica_pb2.RunConformanceResponse(report=self.conformance_report)
 
+    async def ContinueGeneration(
+        self, request: replica_pb2.ContinueGenerationRequest, context: Context
+    ) -> AsyncIterator[replica_pb2.ContinueGenerationResponse]:
+        """UNIMPLEMENTED: a fake replica has no engine to continue a stream on."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a fake replica generates nothing")
+        yield replica_pb2.ContinueGenerationResponse()  # never reached: makes this a stream
+
     async def WatchReplicaState(
         self, request: replica_pb2.WatchReplicaStateRequest, context: Context
     ) -> AsyncIterator[replica_pb2.WatchReplicaStateResponse]:

@@ -70,6 +70,10 @@ PICKER: Final = "x-inferplane-picker"
 """Request header the picker adds: the `host:port` of its `inferplane.router.v1.OutcomeService`,
 where the serving replica reports the request's summary (the trailers alone can be lost when a
 client closes right after `data: [DONE]`)."""
+SIBLINGS: Final = "x-inferplane-siblings"
+"""Request header the picker adds: the replicas of the pick (primary and fallbacks, from the
+routing table) a replica may move a stream to when its engine dies mid-way (issue 31), in
+`inferplane.wire.siblings`' format."""
 REPLICA_ADDRESS: Final = "x-inferplane-replica-address"
 """Request header the picker adds in gateway mode: the picked replica process's address, which
 the node-local Envoy dials (and refuses when it is not on its node)."""

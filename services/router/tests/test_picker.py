@@ -36,8 +36,9 @@ from inferplane.router.settings import RouterSettings
 from inferplane.router.sources import StaticRouteSource
 from inferplane.runtime import ErrorInterceptor, RunningServer
 from inferplane.testing.clock import FakeClock
-from inferplane.wire import SUMMARY_KEYS, ResponseSummary
+from inferplane.wire import SUMMARY_KEYS, ResponseSummary, headers
 from inferplane.wire.headers import UNKNOWN_MODEL
+from inferplane.wire.siblings import decode_siblings
 
 from .fakes import (
     ExtProcStream,
@@ -171,7 +172,10 @@ def test_pick_is_the_least_loaded_replica_then_fallbacks_with_max_retries() -> N
             assert answer.HasField("request_body")
             assert _endpoint_list(answer) == ["10.0.0.2:50054", "10.0.0.1:50054", "10.0.0.0:50054"]
             mutation = answer.request_body.response.header_mutation
-            assert _set_headers(mutation) == {"x-envoy-max-retries": "2"}
+            assert _set_headers(mutation) == {
+                "x-envoy-max-retries": "2",
+                headers.SIBLINGS: "r2||10.0.0.2:50054,r1||10.0.0.1:50054,r0||10.0.0.0:50054",
+            }
             assert rig.in_flight() == 4  # the pick holds a slot on its primary
             await stream.close()
             for slot in busy:
@@ -850,6 +854,22 @@ def test_the_pick_tells_the_replica_where_to_report() -> None:
                 "x-envoy-max-retries": "0",
                 "x-inferplane-picker": "10.1.2.3:50052",
             }
+            await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_pick_names_its_replicas_to_the_serving_one_as_siblings() -> None:
+    """With fallbacks, the pick lists its replicas (id, revision, address) in
+    `x-inferplane-siblings`: where a replica whose engine dies mid-stream moves the stream."""
+
+    async def scenario() -> None:
+        async with picker_rig(2, picker=REPORTING) as rig:
+            stream = await _pick(rig, KEYED)
+            mutation = (await stream.body(_chat_body())).request_body.response.header_mutation
+            named = decode_siblings(_set_headers(mutation)[headers.SIBLINGS])
+            assert sorted(s.replica_id for s in named) == ["r0", "r1"]
+            assert {s.address for s in named} == {"10.0.0.0:50054", "10.0.0.1:50054"}
             await stream.close()
 
     asyncio.run(scenario())

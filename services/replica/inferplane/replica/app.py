@@ -33,11 +33,13 @@ from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.replica.engines.base import EngineClient
 from inferplane.replica.engines.lora import AdapterRegistry
+from inferplane.replica.engines.migration import Migrator, Origin
 from inferplane.replica.hosts import EngineHost
 from inferplane.replica.pipeline import ModelAssetsCache
 from inferplane.replica.server import InferenceServicer, StreamMetrics
 from inferplane.replica.server.artifacts import ArtifactsInfo, replica_artifacts, template_text
 from inferplane.replica.server.conformance import ConformanceRunner
+from inferplane.replica.server.continuation import Continuations
 from inferplane.replica.server.outcome import OutcomeSink, discard_outcome, record_sender
 from inferplane.replica.server.response_store import ResponseStoreClient
 from inferplane.replica.server.state_stream import (
@@ -91,6 +93,9 @@ EXIT_ENGINE_DIED = 1
 EXIT_START_FAILED = 3
 ABORTED_WAIT_SECONDS = 5.0  # for the aborted streams to write their error events
 DEAD_WAIT_SECONDS = 5.0  # for streams of a dead engine to end with their error events
+# For streams of a dead engine that moved to siblings (issue 31) to end: the process serves
+# them (it owns their client's stream) and exits when they did, or after this.
+MIGRATED_WAIT_SECONDS = 600.0
 
 
 class _Server(RunningServer):
@@ -169,6 +174,18 @@ class ReplicaProcess:
         # LoRA adapters (issue 29): the request's adapter checked and given an id; what the
         # engine holds, for routers (WatchReplicaState's loaded_adapters).
         self.adapters = AdapterRegistry(settings.spec, transport=settings.flags.transport)
+        # Mid-stream migration (issue 31): a stream whose engine dies moves to a sibling of the
+        # pick; siblings are replica processes, whose certificates are the node-agent's.
+        self.migrator = Migrator(
+            Origin(
+                settings.flags.replica_id,
+                settings.spec.revision,
+                settings.spec.served_model_name,
+            ),
+            self.security,
+            self.registry,
+            channel_options=[*grpc_options(settings), *self.security.server_options(NODE_AGENT)],
+        )
         self.inference = InferenceServicer(
             self.state,
             self._assets,
@@ -180,6 +197,7 @@ class ReplicaProcess:
             report_to_picker=self.outcomes.report,
             response_store=self.response_store,
             adapters=self.adapters,
+            migrator=self.migrator,
         )
         # The engine's state for routers (WatchReplicaState): engine stats, KV blocks, queue.
         self.state_stream = ReplicaStateStream(
@@ -213,6 +231,8 @@ class ReplicaProcess:
                     f"/{REPLICA_SERVICE}/WatchReplicaState": [ROUTER],
                     # The release's conformance gate (server/conformance.py).
                     f"/{REPLICA_SERVICE}/RunConformance": list(CONFORMANCE_CALLERS),
+                    # A sibling replica process moving a stream here (issue 31).
+                    f"/{REPLICA_SERVICE}/ContinueGeneration": [NODE_AGENT],
                 }
             ),
             servicers=[
@@ -229,6 +249,7 @@ class ReplicaProcess:
                         self.state_stream,
                         conformance=self.conformance,
                         artifacts=lambda: self.artifacts,
+                        continuations=Continuations(self.state, self.adapters),
                     ),
                     replica_pb2_grpc.add_ReplicaProcessServiceServicer_to_server,
                 ),
@@ -369,6 +390,9 @@ class ReplicaProcess:
         self.state.mark_dead()
         await self.server.health.enter_graceful_shutdown()
         await self.state.wait_idle(DEAD_WAIT_SECONDS)
+        if self.migrator.active:  # streams moved to siblings: serve them to their end
+            log.info("engine_died_streams_migrated", streams=self.migrator.active)
+            await self.state.wait_idle(MIGRATED_WAIT_SECONDS)
         return await self._close(EXIT_ENGINE_DIED)
 
     async def _close(self, code: int) -> int:
@@ -385,6 +409,8 @@ class ReplicaProcess:
             log.exception("engine_shutdown_failed")
         with contextlib.suppress(Exception):
             await self.outcomes.close()
+        with contextlib.suppress(Exception):
+            await self.migrator.close()
         if self.response_store is not None:
             with contextlib.suppress(Exception):
                 await self.response_store.close()

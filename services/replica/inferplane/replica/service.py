@@ -9,6 +9,7 @@ from typing import Any
 
 from inferplane.api.nodeagent.v1 import replica_pb2, replica_pb2_grpc
 from inferplane.replica.server.conformance import ConformanceRunner
+from inferplane.replica.server.continuation import Continuations
 from inferplane.replica.server.state_stream import ReplicaStateStream
 from inferplane.replica.state import Phase, ReplicaState
 from inferplane.runtime import UnimplementedError
@@ -26,6 +27,8 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
             UNIMPLEMENTED).
         artifacts: what the replica runs (`server/artifacts.py`), None while unknown; reported
             in GetReplicaLoad.
+        continuations: continues siblings' streams (`server/continuation.py`; None:
+            ContinueGeneration is UNIMPLEMENTED).
     """
 
     def __init__(
@@ -35,7 +38,9 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         state_stream: ReplicaStateStream | None = None,
         conformance: ConformanceRunner | None = None,
         artifacts: Callable[[], replica_pb2.ReplicaArtifacts | None] = lambda: None,
+        continuations: Continuations | None = None,
     ) -> None:
+        self._continuations = continuations
         self._state = state
         self._drain = drain
         self._stream = state_stream
@@ -88,3 +93,18 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         if self._conformance is None:
             raise UnimplementedError("this replica process does not run conformance checks")
         return replica_pb2.RunConformanceResponse(report=await self._conformance.run(request))
+
+    async def ContinueGeneration(
+        self, request: replica_pb2.ContinueGenerationRequest, context: Any
+    ) -> AsyncIterator[replica_pb2.ContinueGenerationResponse]:
+        """A sibling's stream continued on this replica's engine (`Continuations.serve`).
+
+        Raises:
+            UnimplementedError: this process continues no streams.
+            FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError,
+            UnavailableError: see `Continuations.serve`.
+        """
+        if self._continuations is None:
+            raise UnimplementedError("this replica process does not continue streams")
+        async for message in self._continuations.serve(request):
+            yield message

@@ -24,35 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%inferplane/nodeagent/v1/replica.proto\x12\x17inferplane.nodeagent.v1\"\x17\n\x15GetReplicaLoadRequest\"\xae\x01\n\x16GetReplicaLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x14\n\x0c\x65ngine_ready\x18\x04 \x01(\x08\x12<\n\tartifacts\x18\x05 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\"~\n\x10ReplicaArtifacts\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x03 \x01(\t\x12\x1c\n\x14\x63hat_template_digest\x18\x04 \x01(\t\x12\x0e\n\x06parser\x18\x05 \x01(\t\"U\n\x15RunConformanceRequest\x12\x15\n\rlive_requests\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"T\n\x16RunConformanceResponse\x12:\n\x06report\x18\x01 \x01(\x0b\x32*.inferplane.nodeagent.v1.ConformanceReport\"\x9c\x03\n\x11\x43onformanceReport\x12<\n\tartifacts\x18\x01 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\x12\x14\n\x0creplay_cases\x18\x02 \x01(\r\x12\x15\n\rreplay_passed\x18\x03 \x01(\r\x12\x17\n\x0freplay_failures\x18\x04 \x03(\t\x12\x15\n\rlive_requests\x18\x05 \x01(\r\x12\x13\n\x0blive_errors\x18\x06 \x01(\r\x12\x1b\n\x13tool_calls_expected\x18\x07 \x01(\r\x12\x1b\n\x13tool_calls_returned\x18\x08 \x01(\r\x12\x12\n\ntool_calls\x18\t \x01(\r\x12\x1f\n\x17tool_calls_schema_valid\x18\n \x01(\r\x12 \n\x18\x66inish_reason_mismatches\x18\x0b \x01(\r\x12\x16\n\x0eleaked_markers\x18\x0c \x01(\r\x12\x1d\n\x15reasoning_unseparated\x18\r \x01(\r\x12\x0f\n\x07seconds\x18\x0e \x01(\x01\"\x1a\n\x18StartReplicaDrainRequest\"7\n\x19StartReplicaDrainResponse\x12\x1a\n\x12in_flight_requests\x18\x01 \x01(\r\"-\n\x18WatchReplicaStateRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\x95\x03\n\x19WatchReplicaStateResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\r\x12\x33\n\x06stored\x18\t \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x34\n\x07removed\x18\n \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x17\n\x0floaded_adapters\x18\x0b \x03(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x19\n\x11preemptions_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"-\n\nKvBlockSet\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\x32\xf7\x03\n\x15ReplicaProcessService\x12q\n\x0eGetReplicaLoad\x12..inferplane.nodeagent.v1.GetReplicaLoadRequest\x1a/.inferplane.nodeagent.v1.GetReplicaLoadResponse\x12z\n\x11StartReplicaDrain\x12\x31.inferplane.nodeagent.v1.StartReplicaDrainRequest\x1a\x32.inferplane.nodeagent.v1.StartReplicaDrainResponse\x12|\n\x11WatchReplicaState\x12\x31.inferplane.nodeagent.v1.WatchReplicaStateRequest\x1a\x32.inferplane.nodeagent.v1.WatchReplicaStateResponse0\x01\x12q\n\x0eRunConformance\x12..inferplane.nodeagent.v1.RunConformanceRequest\x1a/.inferplane.nodeagent.v1.RunConformanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%inferplane/nodeagent/v1/replica.proto\x12\x17inferplane.nodeagent.v1\"\xef\x01\n\x19\x43ontinueGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12;\n\x06params\x18\x06 \x01(\x0b\x32+.inferplane.nodeagent.v1.ContinuationParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_source\x18\x08 \x01(\t\"\x9b\x05\n\x12\x43ontinuationParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x06 \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x36\n\nlogit_bias\x18\x0f \x03(\x0b\x32\".inferplane.nodeagent.v1.TokenBias\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x1c\n\x0fstream_interval\x18\x11 \x01(\rH\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_stream_interval\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"\xb0\x01\n\x1a\x43ontinueGenerationResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12;\n\x08logprobs\x18\x05 \x03(\x0b\x32).inferplane.nodeagent.v1.GeneratedLogprob\"f\n\x10GeneratedLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12/\n\x03top\x18\x03 \x03(\x0b\x32\".inferplane.nodeagent.v1.TokenBias\"\x17\n\x15GetReplicaLoadRequest\"\xae\x01\n\x16GetReplicaLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x14\n\x0c\x65ngine_ready\x18\x04 \x01(\x08\x12<\n\tartifacts\x18\x05 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\"~\n\x10ReplicaArtifacts\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x03 \x01(\t\x12\x1c\n\x14\x63hat_template_digest\x18\x04 \x01(\t\x12\x0e\n\x06parser\x18\x05 \x01(\t\"U\n\x15RunConformanceRequest\x12\x15\n\rlive_requests\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"T\n\x16RunConformanceResponse\x12:\n\x06report\x18\x01 \x01(\x0b\x32*.inferplane.nodeagent.v1.ConformanceReport\"\x9c\x03\n\x11\x43onformanceReport\x12<\n\tartifacts\x18\x01 \x01(\x0b\x32).inferplane.nodeagent.v1.ReplicaArtifacts\x12\x14\n\x0creplay_cases\x18\x02 \x01(\r\x12\x15\n\rreplay_passed\x18\x03 \x01(\r\x12\x17\n\x0freplay_failures\x18\x04 \x03(\t\x12\x15\n\rlive_requests\x18\x05 \x01(\r\x12\x13\n\x0blive_errors\x18\x06 \x01(\r\x12\x1b\n\x13tool_calls_expected\x18\x07 \x01(\r\x12\x1b\n\x13tool_calls_returned\x18\x08 \x01(\r\x12\x12\n\ntool_calls\x18\t \x01(\r\x12\x1f\n\x17tool_calls_schema_valid\x18\n \x01(\r\x12 \n\x18\x66inish_reason_mismatches\x18\x0b \x01(\r\x12\x16\n\x0eleaked_markers\x18\x0c \x01(\r\x12\x1d\n\x15reasoning_unseparated\x18\r \x01(\r\x12\x0f\n\x07seconds\x18\x0e \x01(\x01\"\x1a\n\x18StartReplicaDrainRequest\"7\n\x19StartReplicaDrainResponse\x12\x1a\n\x12in_flight_requests\x18\x01 \x01(\r\"-\n\x18WatchReplicaStateRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\x95\x03\n\x19WatchReplicaStateResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\r\x12\x33\n\x06stored\x18\t \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x34\n\x07removed\x18\n \x03(\x0b\x32#.inferplane.nodeagent.v1.KvBlockSet\x12\x17\n\x0floaded_adapters\x18\x0b \x03(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x19\n\x11preemptions_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"-\n\nKvBlockSet\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\x32\xf8\x04\n\x15ReplicaProcessService\x12q\n\x0eGetReplicaLoad\x12..inferplane.nodeagent.v1.GetReplicaLoadRequest\x1a/.inferplane.nodeagent.v1.GetReplicaLoadResponse\x12z\n\x11StartReplicaDrain\x12\x31.inferplane.nodeagent.v1.StartReplicaDrainRequest\x1a\x32.inferplane.nodeagent.v1.StartReplicaDrainResponse\x12|\n\x11WatchReplicaState\x12\x31.inferplane.nodeagent.v1.WatchReplicaStateRequest\x1a\x32.inferplane.nodeagent.v1.WatchReplicaStateResponse0\x01\x12q\n\x0eRunConformance\x12..inferplane.nodeagent.v1.RunConformanceRequest\x1a/.inferplane.nodeagent.v1.RunConformanceResponse\x12\x7f\n\x12\x43ontinueGeneration\x12\x32.inferplane.nodeagent.v1.ContinueGenerationRequest\x1a\x33.inferplane.nodeagent.v1.ContinueGenerationResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferplane.nodeagent.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETREPLICALOADREQUEST']._serialized_start=66
-  _globals['_GETREPLICALOADREQUEST']._serialized_end=89
-  _globals['_GETREPLICALOADRESPONSE']._serialized_start=92
-  _globals['_GETREPLICALOADRESPONSE']._serialized_end=266
-  _globals['_REPLICAARTIFACTS']._serialized_start=268
-  _globals['_REPLICAARTIFACTS']._serialized_end=394
-  _globals['_RUNCONFORMANCEREQUEST']._serialized_start=396
-  _globals['_RUNCONFORMANCEREQUEST']._serialized_end=481
-  _globals['_RUNCONFORMANCERESPONSE']._serialized_start=483
-  _globals['_RUNCONFORMANCERESPONSE']._serialized_end=567
-  _globals['_CONFORMANCEREPORT']._serialized_start=570
-  _globals['_CONFORMANCEREPORT']._serialized_end=982
-  _globals['_STARTREPLICADRAINREQUEST']._serialized_start=984
-  _globals['_STARTREPLICADRAINREQUEST']._serialized_end=1010
-  _globals['_STARTREPLICADRAINRESPONSE']._serialized_start=1012
-  _globals['_STARTREPLICADRAINRESPONSE']._serialized_end=1067
-  _globals['_WATCHREPLICASTATEREQUEST']._serialized_start=1069
-  _globals['_WATCHREPLICASTATEREQUEST']._serialized_end=1114
-  _globals['_WATCHREPLICASTATERESPONSE']._serialized_start=1117
-  _globals['_WATCHREPLICASTATERESPONSE']._serialized_end=1522
-  _globals['_KVBLOCKSET']._serialized_start=1524
-  _globals['_KVBLOCKSET']._serialized_end=1569
-  _globals['_REPLICAPROCESSSERVICE']._serialized_start=1572
-  _globals['_REPLICAPROCESSSERVICE']._serialized_end=2075
+  _globals['_CONTINUEGENERATIONREQUEST']._serialized_start=67
+  _globals['_CONTINUEGENERATIONREQUEST']._serialized_end=306
+  _globals['_CONTINUATIONPARAMS']._serialized_start=309
+  _globals['_CONTINUATIONPARAMS']._serialized_end=976
+  _globals['_TOKENBIAS']._serialized_start=978
+  _globals['_TOKENBIAS']._serialized_end=1021
+  _globals['_CONTINUEGENERATIONRESPONSE']._serialized_start=1024
+  _globals['_CONTINUEGENERATIONRESPONSE']._serialized_end=1200
+  _globals['_GENERATEDLOGPROB']._serialized_start=1202
+  _globals['_GENERATEDLOGPROB']._serialized_end=1304
+  _globals['_GETREPLICALOADREQUEST']._serialized_start=1306
+  _globals['_GETREPLICALOADREQUEST']._serialized_end=1329
+  _globals['_GETREPLICALOADRESPONSE']._serialized_start=1332
+  _globals['_GETREPLICALOADRESPONSE']._serialized_end=1506
+  _globals['_REPLICAARTIFACTS']._serialized_start=1508
+  _globals['_REPLICAARTIFACTS']._serialized_end=1634
+  _globals['_RUNCONFORMANCEREQUEST']._serialized_start=1636
+  _globals['_RUNCONFORMANCEREQUEST']._serialized_end=1721
+  _globals['_RUNCONFORMANCERESPONSE']._serialized_start=1723
+  _globals['_RUNCONFORMANCERESPONSE']._serialized_end=1807
+  _globals['_CONFORMANCEREPORT']._serialized_start=1810
+  _globals['_CONFORMANCEREPORT']._serialized_end=2222
+  _globals['_STARTREPLICADRAINREQUEST']._serialized_start=2224
+  _globals['_STARTREPLICADRAINREQUEST']._serialized_end=2250
+  _globals['_STARTREPLICADRAINRESPONSE']._serialized_start=2252
+  _globals['_STARTREPLICADRAINRESPONSE']._serialized_end=2307
+  _globals['_WATCHREPLICASTATEREQUEST']._serialized_start=2309
+  _globals['_WATCHREPLICASTATEREQUEST']._serialized_end=2354
+  _globals['_WATCHREPLICASTATERESPONSE']._serialized_start=2357
+  _globals['_WATCHREPLICASTATERESPONSE']._serialized_end=2762
+  _globals['_KVBLOCKSET']._serialized_start=2764
+  _globals['_KVBLOCKSET']._serialized_end=2809
+  _globals['_REPLICAPROCESSSERVICE']._serialized_start=2812
+  _globals['_REPLICAPROCESSSERVICE']._serialized_end=3444
 # @@protoc_insertion_point(module_scope)

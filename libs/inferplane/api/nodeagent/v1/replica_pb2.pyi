@@ -23,6 +23,305 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ContinueGenerationRequest(_message.Message):
+    """ContinueGeneration's request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_SOURCE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The caller's engine request id (the client's completion id): logs name the continuation by
+    it, and this replica runs it as `{request_id}-cont-{replica}`.
+    """
+    revision: _builtins.str
+    """The profile revision the caller runs (`ReplicaSpec.revision`): must be this replica's."""
+    served_model_name: _builtins.str
+    """The served model name the caller runs: must be this replica's."""
+    generated_tokens: _builtins.int
+    """How many of `token_ids` (at the end) were generated."""
+    adapter: _builtins.str
+    """The LoRA adapter the request runs with (catalogue name and folder, as the picker sent
+    them); "" for the base model.
+    """
+    adapter_source: _builtins.str
+    """The adapter's folder."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt's token ids followed by the generated ones."""
+
+    @_builtins.property
+    def params(self) -> Global___ContinuationParams:
+        """What to generate with (what is left of the request's limits)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        served_model_name: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        generated_tokens: _builtins.int = ...,
+        params: Global___ContinuationParams | None = ...,
+        adapter: _builtins.str = ...,
+        adapter_source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_source", b"adapter_source", "generated_tokens", b"generated_tokens", "params", b"params", "request_id", b"request_id", "revision", b"revision", "served_model_name", b"served_model_name", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContinueGenerationRequest: _TypeAlias = ContinueGenerationRequest  # noqa: Y015
+
+@_typing.final
+class ContinuationParams(_message.Message):
+    """The sampling parameters of a continued generation (the replica's engine `SamplingParams`; an
+    absent optional field is the engine's default). Limits count from the continuation's start.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    max_tokens: _builtins.int
+    """Tokens to generate at most (> 0)."""
+    temperature: _builtins.float
+    """Sampling temperature."""
+    top_p: _builtins.float
+    """Nucleus sampling mass."""
+    top_k: _builtins.int
+    """Top-k sampling."""
+    min_p: _builtins.float
+    """Min-p sampling."""
+    min_tokens: _builtins.int
+    """Tokens to generate before a stop may end the output."""
+    presence_penalty: _builtins.float
+    """Presence penalty."""
+    frequency_penalty: _builtins.float
+    """Frequency penalty."""
+    repetition_penalty: _builtins.float
+    """Repetition penalty."""
+    seed: _builtins.int
+    """Sampling seed."""
+    ignore_eos: _builtins.bool
+    """Generate past the end-of-sequence token."""
+    logprobs: _builtins.int
+    """Log probabilities with this many alternatives per token (0: the sampled token's only)."""
+    skip_special_tokens: _builtins.bool
+    """Leave special tokens out of the engine's text (the caller decodes ids itself)."""
+    stream_interval: _builtins.int
+    """Generated tokens per streamed increment at least."""
+    include_stop_str_in_output: _builtins.bool
+    """Keep a matched stop string at the end of the output."""
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Stop strings."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Stop token ids."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenBias]:
+        """Logit biases."""
+
+    def __init__(
+        self,
+        *,
+        max_tokens: _builtins.int = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int | None = ...,
+        min_p: _builtins.float | None = ...,
+        min_tokens: _builtins.int | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
+        logit_bias: _abc.Iterable[Global___TokenBias] | None = ...,
+        skip_special_tokens: _builtins.bool = ...,
+        stream_interval: _builtins.int | None = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stream_interval", b"stream_interval", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream_interval", b"_stream_interval", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
+    _WhichOneofReturnType__min_tokens: _TypeAlias = _typing.Literal["min_tokens"]  # noqa: Y015
+    _WhichOneofArgType__min_tokens: _TypeAlias = _typing.Literal["_min_tokens", b"_min_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
+    _WhichOneofArgType__stream_interval: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_tokens) -> _WhichOneofReturnType__min_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream_interval) -> _WhichOneofReturnType__stream_interval | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___ContinuationParams: _TypeAlias = ContinuationParams  # noqa: Y015
+
+@_typing.final
+class TokenBias(_message.Message):
+    """One logit bias."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    BIAS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token id."""
+    bias: _builtins.float
+    """The bias added to its logit."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        bias: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bias", b"bias", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenBias: _TypeAlias = TokenBias  # noqa: Y015
+
+@_typing.final
+class ContinueGenerationResponse(_message.Message):
+    """One increment of a continued generation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    finished: _builtins.bool
+    """The generation finished with this increment."""
+    finish_reason: _builtins.str
+    """"stop", "length" or "abort" on the last increment."""
+    completion_tokens: _builtins.int
+    """Tokens generated by this replica so far (cumulative, exact on the last increment)."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The new token ids of this increment."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___GeneratedLogprob]:
+        """With `ContinuationParams.logprobs`: one per id of `token_ids`, in order."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        finished: _builtins.bool = ...,
+        finish_reason: _builtins.str = ...,
+        completion_tokens: _builtins.int = ...,
+        logprobs: _abc.Iterable[Global___GeneratedLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "finished", b"finished", "logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContinueGenerationResponse: _TypeAlias = ContinueGenerationResponse  # noqa: Y015
+
+@_typing.final
+class GeneratedLogprob(_message.Message):
+    """The log probability of one generated token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The generated token."""
+    logprob: _builtins.float
+    """Its natural-log probability."""
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenBias]:
+        """The most likely tokens at its position, most likely first."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[Global___TokenBias] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GeneratedLogprob: _TypeAlias = GeneratedLogprob  # noqa: Y015
+
+@_typing.final
 class GetReplicaLoadRequest(_message.Message):
     """GetReplicaLoad's request."""
 

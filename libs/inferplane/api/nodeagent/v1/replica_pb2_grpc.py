@@ -55,6 +55,11 @@ class ReplicaProcessServiceStub:
                 request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.SerializeToString,
                 response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.FromString,
                 _registered_method=True)
+        self.ContinueGeneration = channel.unary_stream(
+                '/inferplane.nodeagent.v1.ReplicaProcessService/ContinueGeneration',
+                request_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationRequest.SerializeToString,
+                response_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaProcessServiceServicer:
@@ -97,6 +102,20 @@ class ReplicaProcessServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ContinueGeneration(self, request, context):
+        """Continues a generation whose engine died on a sibling replica of the same revision (issue
+        31, mid-stream migration): the caller, a replica process (the node-agent identity), sends
+        the prompt followed by the tokens its engine had generated, as token ids, and the sampling
+        parameters left; this replica's engine generates the rest, streamed back as token ids (the
+        caller keeps the client's stream, its detokenizer and its parser session). Counted as one
+        request in flight here. UNAVAILABLE when this replica does not admit (not ready, draining,
+        its engine dead); FAILED_PRECONDITION when the revision or the model differs; EngineError's
+        codes after that, as for a chat completion.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaProcessServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +138,11 @@ def add_ReplicaProcessServiceServicer_to_server(servicer, server):
                     servicer.RunConformance,
                     request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.FromString,
                     response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.SerializeToString,
+            ),
+            'ContinueGeneration': grpc.unary_stream_rpc_method_handler(
+                    servicer.ContinueGeneration,
+                    request_deserializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationRequest.FromString,
+                    response_serializer=inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +254,33 @@ class ReplicaProcessService:
             '/inferplane.nodeagent.v1.ReplicaProcessService/RunConformance',
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceRequest.SerializeToString,
             inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.RunConformanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.nodeagent.v1.ReplicaProcessService/ContinueGeneration',
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationRequest.SerializeToString,
+            inferplane_dot_nodeagent_dot_v1_dot_replica__pb2.ContinueGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,

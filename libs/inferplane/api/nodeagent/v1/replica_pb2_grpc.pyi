@@ -56,6 +56,16 @@ class ReplicaProcessServiceStub:
     replayed through the replica's own renderer and parser, then live requests with random
     tool schemas through render -> engine -> parse. Bounded by the request's timeout.
     """
+    ContinueGeneration: _grpc.UnaryStreamMultiCallable[_replica_pb2.ContinueGenerationRequest, _replica_pb2.ContinueGenerationResponse]
+    """Continues a generation whose engine died on a sibling replica of the same revision (issue
+    31, mid-stream migration): the caller, a replica process (the node-agent identity), sends
+    the prompt followed by the tokens its engine had generated, as token ids, and the sampling
+    parameters left; this replica's engine generates the rest, streamed back as token ids (the
+    caller keeps the client's stream, its detokenizer and its parser session). Counted as one
+    request in flight here. UNAVAILABLE when this replica does not admit (not ready, draining,
+    its engine dead); FAILED_PRECONDITION when the revision or the model differs; EngineError's
+    codes after that, as for a chat completion.
+    """
 
 @_typing.type_check_only
 class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
@@ -80,6 +90,16 @@ class ReplicaProcessServiceAsyncStub(ReplicaProcessServiceStub):
     """Runs the conformance check on this replica (issue 30): the parser family's public cases
     replayed through the replica's own renderer and parser, then live requests with random
     tool schemas through render -> engine -> parse. Bounded by the request's timeout.
+    """
+    ContinueGeneration: _aio.UnaryStreamMultiCallable[_replica_pb2.ContinueGenerationRequest, _replica_pb2.ContinueGenerationResponse]  # type: ignore[assignment]
+    """Continues a generation whose engine died on a sibling replica of the same revision (issue
+    31, mid-stream migration): the caller, a replica process (the node-agent identity), sends
+    the prompt followed by the tokens its engine had generated, as token ids, and the sampling
+    parameters left; this replica's engine generates the rest, streamed back as token ids (the
+    caller keeps the client's stream, its detokenizer and its parser session). Counted as one
+    request in flight here. UNAVAILABLE when this replica does not admit (not ready, draining,
+    its engine dead); FAILED_PRECONDITION when the revision or the model differs; EngineError's
+    codes after that, as for a chat completion.
     """
 
 class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -126,6 +146,22 @@ class ReplicaProcessServiceServicer(metaclass=_abc_1.ABCMeta):
         """Runs the conformance check on this replica (issue 30): the parser family's public cases
         replayed through the replica's own renderer and parser, then live requests with random
         tool schemas through render -> engine -> parse. Bounded by the request's timeout.
+        """
+
+    @_abc_1.abstractmethod
+    def ContinueGeneration(
+        self,
+        request: _replica_pb2.ContinueGenerationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_replica_pb2.ContinueGenerationResponse], _abc.AsyncIterator[_replica_pb2.ContinueGenerationResponse]]:
+        """Continues a generation whose engine died on a sibling replica of the same revision (issue
+        31, mid-stream migration): the caller, a replica process (the node-agent identity), sends
+        the prompt followed by the tokens its engine had generated, as token ids, and the sampling
+        parameters left; this replica's engine generates the rest, streamed back as token ids (the
+        caller keeps the client's stream, its detokenizer and its parser session). Counted as one
+        request in flight here. UNAVAILABLE when this replica does not admit (not ready, draining,
+        its engine dead); FAILED_PRECONDITION when the revision or the model differs; EngineError's
+        codes after that, as for a chat completion.
         """
 
 def add_ReplicaProcessServiceServicer_to_server(servicer: ReplicaProcessServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -319,7 +319,7 @@ class Bodies:
         if choice:
             params = dataclasses.replace(params, seed=seed_of_choice(params.seed, choice))
         gen = Generation(
-            engine=engine if engine is not None else replica.engine,
+            engine=engine if engine is not None else facts.engine_of(replica),
             request_id=request_id or prefix + self.new_id(),
             prompt_ids=plan.prompt.token_ids if chat else plan.prompt_ids,
             params=params,

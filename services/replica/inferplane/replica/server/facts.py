@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from inferplane.parsers import ToolCallVerdict
-from inferplane.replica.engines.base import Admitted
+from inferplane.replica.engines.base import Admitted, EngineClient, LocalReplica
 from inferplane.replica.engines.lora import Adapter
 from inferplane.replica.pipeline.generate import Generation
 from inferplane.replica.server.outcome import End, Ending, RequestOutcome
@@ -71,6 +72,7 @@ class RequestFacts:
         "framing",
         "gen",
         "messages",
+        "migrate",
         "model",
         "prompt_tokens",
         "replica",
@@ -98,8 +100,16 @@ class RequestFacts:
         self.verdicts: tuple[ToolCallVerdict, ...] = ()
         self.admitted: Admitted | None = None  # its GPU-seconds once it left the replica
         self.adapter: Adapter | None = None  # the LoRA adapter the request names (headers)
+        # Wraps the replica's engine for mid-stream migration when the pick named siblings
+        # (`engines/migration.py`); None: the engine as it is.
+        self.migrate: Callable[[EngineClient], EngineClient] | None = None
         self._status = "ok"
         self._code = ""
+
+    def engine_of(self, replica: LocalReplica) -> EngineClient:
+        """The engine the request's generations run on: the replica's, wrapped for mid-stream
+        migration when its pick named siblings (`migrate`)."""
+        return replica.engine if self.migrate is None else self.migrate(replica.engine)
 
     def fail(self, exc: BaseException) -> None:
         """Records the request's failure: an `InferplaneError` (its code), a cancellation

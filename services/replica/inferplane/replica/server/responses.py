@@ -89,7 +89,7 @@ class ResponsesBody:
                 )
             cap = min(request.max_tool_calls, plan.max_tool_calls or request.max_tool_calls)
             plan = dataclasses.replace(plan, max_tool_calls=cap)
-        recorder = _Recording(replica.engine)
+        recorder = _Recording(facts.engine_of(replica))
         gen = self.bodies.chat_generation(replica, assets, plan, "resp_", facts, engine=recorder)
         store_it = request.store if request.HasField("store") else True
         store_it = store_it and self.store is not None and bool(tenant)

@@ -42,8 +42,9 @@ from inferplane.api.inference.v1 import anthropic_pb2 as apb
 from inferplane.api.inference.v1 import inference_pb2 as pb
 from inferplane.api.inference.v1 import inference_pb2_grpc
 from inferplane.api.inference.v1 import responses_pb2 as rpb
-from inferplane.replica.engines.base import LocalReplica
+from inferplane.replica.engines.base import EngineClient, LocalReplica
 from inferplane.replica.engines.lora import Adapter, AdapterRegistry
+from inferplane.replica.engines.migration import Migrator
 from inferplane.replica.pipeline.assets import ModelAssets, ModelAssetsCache
 from inferplane.replica.pipeline.speech import TRANSCRIBE as TRANSCRIBE_ENDPOINT
 from inferplane.replica.pipeline.speech import TRANSLATE as TRANSLATE_ENDPOINT
@@ -68,8 +69,10 @@ from inferplane.wire.headers import (
     PICKER,
     REQUEST_ID,
     SERVED_BY,
+    SIBLINGS,
     TENANT,
 )
+from inferplane.wire.siblings import decode_siblings
 
 log = structlog.get_logger("inferplane.replica.server")
 
@@ -154,7 +157,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         report_to_picker: ReportToPicker | None = None,
         response_store: ResponseStore | None = None,
         adapters: AdapterRegistry | None = None,
+        migrator: Migrator | None = None,
     ) -> None:
+        self._migrator = migrator
         self._replica = replica
         self._adapters = adapters if adapters is not None else AdapterRegistry(replica.spec)
         self._assets = assets
@@ -336,6 +341,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             facts.adapter = self._adapter(context)
             if facts.adapter is not None:  # the adapter's public name, as the client sent it
                 facts.model = f"{facts.model}:{facts.adapter.name}"
+            facts.migrate = self._migration(context, facts.adapter)
             async with replica.admit() as admitted, aclosing(body(replica, assets)) as messages:
                 facts.admitted = admitted
                 if self._faults is not None:  # a live (picker-routed) request
@@ -384,6 +390,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         facts.model = replica.spec.served_model_name or facts.model
         _check_task(replica, task, facts.model)
         return await self._assets.get(replica.spec)
+
+    def _migration(
+        self, context: Context, adapter: Adapter | None
+    ) -> Callable[[EngineClient], EngineClient] | None:
+        """How the request's engine is wrapped for mid-stream migration (issue 31): with the
+        siblings its pick named (`x-inferplane-siblings`), None without any or without a
+        migrator."""
+        if self._migrator is None:
+            return None
+        siblings = decode_siblings(_metadata(context, SIBLINGS))
+        if not siblings:
+            return None
+        named = (adapter.name, adapter.path) if adapter is not None else ("", "")
+        migrator = self._migrator
+        return lambda engine: migrator.wrap(engine, siblings, named)
 
     def _adapter(self, context: Context) -> Adapter | None:
         """The LoRA adapter the request's headers name (`AdapterRegistry.resolve`), None

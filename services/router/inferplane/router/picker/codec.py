@@ -403,16 +403,22 @@ def immediate_response(
     )
 
 
-def pick_response(addresses: Sequence[str], outcome_address: str = "") -> ext_pb.ProcessingResponse:
+def pick_response(
+    addresses: Sequence[str], outcome_address: str = "", siblings: str = ""
+) -> ext_pb.ProcessingResponse:
     """The answer to the request body: the ordered endpoint list (primary first) in the
     `envoy.lb` namespace that the `override_host` policy reads, `x-envoy-max-retries`
     capping Envoy's retries at the list (beyond it the fallback policy would pick any host),
-    and, with `outcome_address`, `x-inferplane-picker` telling the replica where to report."""
+    with `outcome_address`, `x-inferplane-picker` telling the replica where to report, and
+    with `siblings` (`inferplane.wire.siblings`), `x-inferplane-siblings`: where the serving
+    replica may move the stream if its engine dies mid-way."""
     response = ext_pb.ProcessingResponse()
     mutation = response.request_body.response.header_mutation
     set_header(mutation, headers.ENVOY_MAX_RETRIES, str(len(addresses) - 1))
     if outcome_address:
         set_header(mutation, headers.PICKER, outcome_address)
+    if siblings:
+        set_header(mutation, headers.SIBLINGS, siblings)
     lb = response.dynamic_metadata.fields[headers.PICK_NAMESPACE].struct_value
     lb.fields[headers.DESTINATION_ENDPOINT].string_value = ",".join(addresses)
     return response

@@ -49,6 +49,7 @@ from inferplane.runtime import (
     NotFoundError,
 )
 from inferplane.wire import SUMMARY_KEYS, ResponseSummary, apis, headers
+from inferplane.wire.siblings import Sibling, encode_siblings
 
 log = structlog.get_logger("inferplane.router.picker")
 
@@ -392,8 +393,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         with self.tracing.pick(exchange):
             async for keepalive in self._decide(exchange, method, decoded, reader):
                 yield keepalive
-        addresses = [e.address for e in exchange.pick.endpoints]
-        response = codec.pick_response(addresses, self._settings.outcome_address)
+        endpoints = exchange.pick.endpoints
+        addresses = [e.address for e in endpoints]
+        siblings = encode_siblings(
+            Sibling(e.replica_id, e.revision, e.address) for e in endpoints if len(endpoints) > 1
+        )
+        response = codec.pick_response(addresses, self._settings.outcome_address, siblings)
         codec.adapter_headers(
             response.request_body.response.header_mutation,
             exchange.pick.adapter,

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from inferplane.promptsize import TokenBounds, check_prompt_size
 from inferplane.router import revision_pin
 from inferplane.router.admission import Admission, Slot
 from inferplane.router.canary import CanaryChoice, CanarySplit, order_fallbacks
@@ -124,6 +125,8 @@ class Director:
         self._canary = canary or CanarySplit(admission.replicas)
         self._features = features or FeatureExtractor()
         self._schemas = SchemaCheck()
+        # Each route's tokenizer bound, for refusing a prompt too large to fit by its size.
+        self.token_bounds = TokenBounds()
         self._fallbacks = fallbacks
         # Set by the composition root when the replica state watch runs: adds the prompt's
         # KV block hashes for precise_prefix routes before admission (`router.tokenize`).
@@ -157,6 +160,8 @@ class Director:
             PermissionDeniedError: the key may not use the model (403 model_not_allowed), or
                 pins a revision without the admin scope (403 insufficient_scope).
             NotFoundError: no route serves the model (404 model_not_found).
+            InvalidArgumentError: the prompt's size alone proves it cannot fit the route's
+                `max_model_len` (400 context_length_exceeded, `inferplane.promptsize`).
             UnavailableError: the pinned revision has no ready endpoint (503
                 revision_unavailable).
         """
@@ -174,6 +179,10 @@ class Director:
             if method.chat:
                 self._schemas.check_chat(facts.request)  # a client's bad schema never takes a slot
             route = self._resolve(facts.model, metadata)
+            # A prompt whose size alone exceeds the context: 400 before anything tokenizes it.
+            check_prompt_size(
+                facts.request, route.max_model_len, self.token_bounds.get(route.tokenizer)
+            )
             # A LoRA adapter's prefixes are its own (`features.adapter_salt`, issue 29).
             if method.chat:
                 features = self._features.chat(facts.request, metadata, route.adapter)

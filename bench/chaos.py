@@ -74,6 +74,7 @@ report); this module re-exports what `tests/e2e/test_chaos.py` uses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import shutil
 import subprocess
@@ -191,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--http2", action="store_true", help="the load on HTTP/2 (h2c)")
     parser.add_argument("--replicas", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--routers", type=int, choices=(1, 2), default=1)
     parser.add_argument("--transport", default="inproc")
     parser.add_argument("--database", choices=("postgresql", "sqlite"), default="")
     parser.add_argument("--keep", action="store_true", help="keep the data directory")
@@ -235,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print("the database fault needs --database postgresql: skipped")
             faults = [f for f in faults if not f.needs_postgres]
         config = stack_config(data_dir / "stack", args.transport, urls, args.replicas)
+        config = dataclasses.replace(config, routers=args.routers)  # sharing each replica's cap
         print(
             f"chaos {date}: {len(faults)} faults, {phase.workers} streams of "
             f"{phase.max_tokens} tokens (+ a probe) on HTTP/{'2' if args.http2 else '1.1'}, "
@@ -254,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rows.append(row)
                 print(f"  {table_row(row)}  ({row.wall_s:.0f} s)", flush=True)
                 print(f"  streams in flight at the fault: {row.in_flight()}")
+                print(f"  responses on {row.protocols()}")
                 for line in evidence(row):
                     print(line)
                 dead = stack.dead_component()

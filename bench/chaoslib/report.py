@@ -56,6 +56,11 @@ class Row:
         outcomes = collections.Counter(r.outcome for r in cut)
         return f"{len(cut)}: " + ", ".join(f"{o} ×{n}" for o, n in outcomes.most_common())
 
+    def protocols(self) -> str:
+        """The HTTP versions the responses came on, e.g. `HTTP/2 ×40`."""
+        versions = collections.Counter(r.http_version for r in self.requests if r.http_version)
+        return ", ".join(f"{v} ×{n}" for v, n in versions.most_common())
+
     def refusals(self) -> str:
         codes = collections.Counter(r.error_code for r in self.outcomes(FAILED_BEFORE_FIRST_TOKEN))
         return ", ".join(f"{code} ×{n}" for code, n in codes.most_common())

@@ -4,7 +4,8 @@ of the whole local stack.
 
     .venv/bin/python bench/chaos.py [--quick] [--faults router,auth,...] [--workers 4]
                                     [--max-tokens 300] [--database postgresql|sqlite]
-                                    [--http2] [--replicas 1|2] [--transport inproc] [--keep]
+                                    [--http2] [--replicas 1|2] [--routers 1|2]
+                                    [--transport inproc] [--keep]
 
 Starts the local stack (`inferplane.localstack.Stack`: Envoy, auth, router, orchestrator,
 telemetry, one node-agent and `--replicas` kimi-tiny replicas on the CPU engine; with one,

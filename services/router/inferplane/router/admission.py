@@ -155,10 +155,15 @@ class Admission:
         """
         if table is self._table:
             return
+        previous, granted = self._table, self._granted
         self._table = table
         if table.lease_epoch and table.lease_epoch == self._lease[0]:
             self._granted = table.shares() or {}
-        self._build(self._effective(table))
+        try:
+            self._build(self._effective(table))
+        except BaseException:  # not applied: the previous table stays current
+            self._table, self._granted = previous, granted
+            raise
 
     def _effective(self, table: RouteTable) -> RouteTable:
         """`table`, or, when it is of another epoch than the lease while the lease (or its
@@ -169,6 +174,7 @@ class Admission:
             self._held_over_since = math.inf
             return table
         if now >= self._lease[1] + self._hold:
+            self._held_over_since = math.inf
             return table
         if self._held_over_since == math.inf:
             self._held_over_since = now

@@ -93,7 +93,7 @@ def test_orchestrator_sigkill_under_load_with_two_routers_refuses_nothing(
         # Both routers back on a lease of the new leader (the load's end leaves them time).
         deadline = time.monotonic() + 60
         while True:
-            texts = {n: _router_metrics(stack, n) for n in config.router_names()}
+            texts = {n: _router_metrics(stack, n) for n in config.router_names}
             held = {n: _HELD_OVER.search(t) for n, t in texts.items()}
             valid = {n: _VALID.search(t) for n, t in texts.items()}
             if all(

@@ -45,6 +45,7 @@ from inferplane.router.breaker import CircuitBreaker
 from inferplane.router.demand import DemandBook, DemandSnapshot
 from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
+from inferplane.router.heldover import ShareLease
 from inferplane.router.kvfit import KV_CACHE_FULL, KvDemand, KvFit, Reservation, kv_cache_full
 from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.refusals import (
@@ -118,12 +119,9 @@ class Admission:
         # Shared caps: this router's share per replica (None: caps not shared), its lease, the
         # time until which it may admit (inf without sharing), the replicas over their share.
         self._shares: dict[ReplicaKey, int] | None = None
-        self._lease: tuple[str, float] = ("", -math.inf)
-        self._hold = 0.0  # after the lease's end, admitted on its shares for this long
-        self._granted: dict[ReplicaKey, int] = {}  # the lease epoch's latest shares
-        self._built: RouteTable | None = None  # what the replica sets follow (`_effective`)
+        self._lease = ShareLease()  # and the shares it holds over (`heldover`)
+        self._built: RouteTable | None = None  # what the replica sets follow
         self._admitting: dict[ReplicaKey, int] = {}  # its shares (`_built`'s)
-        self._held_over_since = math.inf  # a new epoch's table came before its lease
         self._admit_until = math.inf
         self._over: set[ReplicaKey] = set()
         self.on_drained: Callable[[], None] | None = None
@@ -155,47 +153,14 @@ class Admission:
         """
         if table is self._table:
             return
-        previous, granted = self._table, self._granted
+        previous, granted = self._table, self._lease.granted
         self._table = table
-        if table.lease_epoch and table.lease_epoch == self._lease[0]:
-            self._granted = table.shares() or {}
+        self._lease.noted(table)
         try:
-            self._build(self._effective(table))
+            self._build(self._lease.effective(table, self.clock.monotonic()))
         except BaseException:  # not applied: the previous table stays current
-            self._table, self._granted = previous, granted
+            self._table, self._lease.granted = previous, granted
             raise
-
-    def _effective(self, table: RouteTable) -> RouteTable:
-        """`table`, or, when it is of another epoch than the lease while the lease (or its
-        hold) lasts, `table` with the lease's shares (a replica not in them: 0)."""
-        epoch = self._lease[0]
-        now = self.clock.monotonic()
-        if not (table.lease_epoch and epoch and table.lease_epoch != epoch):
-            self._held_over_since = math.inf
-            return table
-        if now >= self._lease[1] + self._hold:
-            self._held_over_since = math.inf
-            return table
-        if self._held_over_since == math.inf:
-            self._held_over_since = now
-        granted = self._granted
-        routes = [
-            dataclasses.replace(
-                route,
-                endpoints=tuple(
-                    e if e.share is None else dataclasses.replace(e, share=granted.get(e.key, 0))
-                    for e in route.endpoints
-                ),
-            )
-            for route in table.routes.values()
-        ]
-        return RouteTable.of(
-            routes,
-            table.version,
-            epoch,
-            router_count=table.router_count,
-            router_rank=table.router_rank,
-        )
 
     def _build(self, table: RouteTable) -> None:
         now = self.clock.monotonic()
@@ -278,26 +243,20 @@ class Admission:
         """This router may admit on the shares of tables of `epoch` until `until` (monotonic
         seconds), and on them or the last ones of `epoch` for `hold` seconds more while no
         lease of a newer table comes; queued requests are re-examined at once."""
-        self._lease = (epoch, until)
-        self._hold = hold
+        lease = self._lease
+        lease.epoch, lease.until, lease.hold = epoch, until, hold
         table = self._table
         if table is not None and table.lease_epoch == epoch:
-            self._granted = table.shares() or {}
+            lease.noted(table)
             if self._built is not table:  # it ran on held-over shares: the table's own now
-                self._build(self._effective(table))
+                self._build(lease.effective(table, self.clock.monotonic()))
         self._admit_until = self._lease_until()
         if self.clock.monotonic() < self._admit_until:
             for deployment in self._deployments.values():
                 self._pump(deployment)
 
     def _lease_until(self) -> float:
-        table = self._table
-        if table is None or not table.lease_epoch:
-            return math.inf
-        epoch, until = self._lease
-        if epoch == table.lease_epoch or self._built is not table:
-            return until + self._hold  # its lease, then its hold; or held over to a new epoch
-        return -math.inf
+        return self._lease.admit_until(self._table, held_over=self._built is not self._table)
 
     def lease_valid(self) -> bool | None:
         """Whether this router may admit now (under its lease, or on its last lease's shares
@@ -316,10 +275,7 @@ class Admission:
         now = self.clock.monotonic()
         if now >= self._admit_until:
             return 0.0
-        since = self._lease[1]
-        if self._built is not table:
-            since = min(since, self._held_over_since)
-        return max(0.0, now - since)
+        return self._lease.held_over_seconds(now, held_over=self._built is not table)
 
     def held_over(self) -> list[tuple[ReplicaKey, int]]:
         """While the table's epoch has no lease and the router admits on its last lease's
@@ -328,7 +284,7 @@ class Admission:
         table = self._table
         if table is None or self._built is table or not self.lease_valid():
             return []
-        out = dict(self._granted)
+        out = dict(self._lease.granted)
         for key, state in self._states.items():
             if state.in_flight > out.get(key, 0):
                 out[key] = state.in_flight

@@ -15,7 +15,10 @@ the official `openai` client (or raw httpx where the SSE bytes matter). Invarian
   resets, then served again;
 - killing one replica's engine under streaming load fails no request that had not started
   streaming (Envoy retries it down the pick on the other replica), and the streams in flight
-  on the killed replica end with an explicit SSE error event, never a silent truncation.
+  on the killed replica move to the other one (mid-stream migration, issue 31): each ends
+  with its finish reason and `[DONE]`, never an error event or a silent truncation, and its
+  text is exactly the tokens the killed engine generated followed by those the sibling
+  generated (both replicas log them by token id).
 
 The kill test runs last: the killed replica is being restarted when the module ends.
 """
@@ -42,6 +45,7 @@ import pytest
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.fixtures import kimi_tiny
 from inferplane.localstack import MODEL_NAME, Stack, running_stack
+from inferplane.replica.testing.pipeline import kimi_tiny_assets
 
 from .conftest import engine_core_pid, local_config
 
@@ -52,6 +56,7 @@ MAX_NUM_SEQS = 4  # per replica: the router admits at most 8 requests at once
 QUEUE_TIMEOUT_S = 1.0
 RATE_WINDOW_S = 10
 AFTER_KILL = 9  # requests that start after the kill, all of which must succeed
+KILL_TOKENS = 250  # per stream of the kill test (ignore_eos: every one is generated)
 TOOLS = ("get_weather", "get_time", "web_search")  # declared first: a long shared prefix
 
 T = TypeVar("T")
@@ -479,6 +484,24 @@ class StreamingLoad:
         self._http.close()
 
 
+def _migrations(data_dir: Path) -> dict[str, tuple[list[int], list[int]]]:
+    """Streams that moved (request id → the token ids the killed engine generated, those the
+    sibling generated), from the replicas' logs: the origin's `stream_migrated` and the
+    sibling's `continuation_ended`."""
+    before: dict[str, list[int]] = {}
+    after: dict[str, list[int]] = {}
+    for log in data_dir.rglob("replica.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            entry = json.loads(line)
+            if entry.get("event") == "stream_migrated":
+                before[entry["request_id"]] = list(entry["generated_ids"])
+            elif entry.get("event") == "continuation_ended":
+                after[entry["request_id"]] = list(entry["continued_ids"])
+    return {rid: (ids, after.get(rid, [])) for rid, ids in before.items()}
+
+
 def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_started(
     two_replicas: Stack, key: str
 ) -> None:
@@ -490,7 +513,7 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
     # Three streams at a time fit the surviving replica's cap (MAX_NUM_SEQS) without queueing
     # into 429s; ~250 tokens each keep streams in flight when the engine dies (with 100, a
     # loaded machine sometimes finished them between the metrics poll and the kill).
-    load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=250)
+    load = StreamingLoad(two_replicas.config.base_url, key, workers=3, max_tokens=KILL_TOKENS)
     # Engine core pids first: the kill then follows the observation of running streams at once.
     pids = {rid: engine_core_pid(two_replicas.replica(rid).engine_pid) for rid in replicas}
     load.start()
@@ -535,21 +558,33 @@ def test_killing_a_replica_under_streaming_load_fails_no_request_that_had_not_st
     ]
     after_kill = [r for r in results if r.started_at > killed_at]
     fallbacks = _metrics(router_metrics).get(fallbacks_metric, 0.0) - fallbacks_before
+    moved = _migrations(two_replicas.config.data_dir)
     print(
         f"\nkilled {victim}: {len(results)} requests, {len(after_kill)} started after the kill; "
         f"failed before streaming {len(failed)}, ended by an error event {len(ended_by_error)}, "
-        f"truncated {len(truncated)}; served by a fallback of the pick {fallbacks:.0f}"
+        f"truncated {len(truncated)}; served by a fallback of the pick {fallbacks:.0f}; "
+        f"moved to the sibling {len(moved)}"
     )
     assert failed == [], [(r.status, r.body, r.error) for r in failed[:5]]
     assert truncated == [], [(r.events[-2:], r.error) for r in truncated[:5]]
-    # The streams in flight on the killed engine ended with an explicit error event, whose
-    # SSE stream then closed cleanly (no transport error, no [DONE] after it).
-    assert ended_by_error, "no stream was in flight on the killed replica"
-    for r in ended_by_error:
-        assert r.first_event_at is not None and r.first_event_at < killed_at + 1
-        error = r.error_event["error"]  # type: ignore[index]
-        assert error["message"], error  # type: ignore[index]
-        assert not r.error and r.events[-1] != "data: [DONE]"
+    # The streams in flight on the killed engine moved to the other replica and ended there
+    # like any other: finish reason, [DONE], no error event.
+    assert ended_by_error == [], [r.error_event for r in ended_by_error]
+    assert moved, "no stream was in flight on the killed replica"
+    by_id = {str(r.chunks[0].get("id")): r for r in results if r.chunks}
+    backend = kimi_tiny_assets().backend
+    for request_id, (before, after) in moved.items():
+        r = by_id[request_id]
+        assert r.complete and r.first_event_at is not None and r.first_event_at < killed_at
+        # No token repeated or lost: the killed engine's tokens, then the sibling's, all of
+        # max_tokens (ignore_eos), and the client's text is exactly their decoding.
+        assert len(before) + len(after) == KILL_TOKENS, (len(before), len(after))
+        text = "".join(
+            str(c.get("text") or "")
+            for chunk in r.chunks
+            for c in chunk["choices"]  # type: ignore[attr-defined]
+        )
+        assert text == backend.decode([*before, *after], skip_special_tokens=False), request_id
     assert len(after_kill) >= AFTER_KILL and all(r.complete for r in after_kill), [
         (r.status, r.events[-2:]) for r in after_kill if not r.complete
     ]

@@ -33,6 +33,7 @@ OWN_STACK_MODULES = frozenset(
         "test_lora.py",
         "test_release_pipeline.py",
         "test_speculative.py",
+        "test_orchestrator_loss.py",
     }
 )
 

@@ -3,13 +3,18 @@ the load's end, the usage reports' settling) → a `Row`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+
+import grpc
+
+from inferplane.localstack import Stack
 
 from .faults import Context, Fault
 from .ledger import UsageLedger, settle_usage
 from .load import Load
-from .processes import envoy_retries
+from .processes import Log, envoy_retries
 from .report import Row
 
 
@@ -26,10 +31,26 @@ class Phase:
     http2: bool = False  # the load's streams on HTTP/2 (one connection), else HTTP/1.1
 
 
+def _all_serving(stack: Stack, log: Log, timeout_s: float) -> None:
+    """Waits (up to `timeout_s`) until the routing table lists every replica of the stack as
+    serving: a replica killed by the previous fault may still be restarting once the other
+    one served the recovery probe, and the next fault must find the stack whole."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(grpc.RpcError):
+            if len(stack.serving_endpoints()) >= stack.config.replicas:
+                return
+        if time.monotonic() > deadline:
+            log(f"  fewer than {stack.config.replicas} replicas serve after {timeout_s:.0f} s")
+            return
+        time.sleep(0.5)
+
+
 def run_fault(fault: Fault, ctx: Context, key: str, phase: Phase, ledger: UsageLedger) -> Row:
     """Runs the load, injects `fault` once every load stream is mid-way, waits for recovery,
     keeps the load on for `phase.after_s`, stops it and lets the usage reports settle."""
     stack, log = ctx.stack, ctx.log
+    _all_serving(stack, log, fault.recovery_timeout_s)
     started = time.monotonic()
     max_tokens = phase.long_max_tokens if fault.long_streams else phase.max_tokens
     trigger, follow_up = fault.prepare(ctx)

@@ -25,6 +25,7 @@ import structlog
 from inferplane.api.nodeagent.v1 import nodeagent_pb2
 from inferplane.chat import ChatFamily, UnknownChatFamilyError, chat_family
 from inferplane.parsers import Parser, ParserError, build_parser
+from inferplane.promptsize import TokenBound, token_bound_of
 from inferplane.replica_contract import Task, replica_task
 from inferplane.runtime import UnavailableError
 
@@ -62,6 +63,9 @@ class ModelAssets:
             same on every transport. A value outside the request's own range is left out.
             A spec's `sampling_defaults` (its deployment profile's) win over these field by
             field (`ModelAssetsCache.get`).
+        token_bound: the most prompt text bytes one token stands for (`inferplane.promptsize`,
+            from the tokenizer's own JSON), or None when the tokenizer has no such bound: a
+            prompt over `max_model_len` times it is refused before it is rendered.
     """
 
     model_source: str
@@ -75,6 +79,7 @@ class ModelAssets:
     matryoshka_dimensions: tuple[int, ...] = ()
     marker_texts: tuple[str, ...] = ()
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    token_bound: TokenBound | None = None
 
 
 def parser_name(spec: nodeagent_pb2.ReplicaSpec) -> str | None:
@@ -168,6 +173,7 @@ def load_model_assets(spec: nodeagent_pb2.ReplicaSpec) -> ModelAssets:
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
         matryoshka_dimensions=_matryoshka_dimensions(config) if embed else (),
         marker_texts=marker_texts(added, parser),
+        token_bound=token_bound_of(json.loads(backend.to_str())),
         sampling_defaults=() if embed else sampling_defaults(generation),
     )
 

@@ -46,6 +46,7 @@ from inferplane.parsers import (
     build_tool_constraint,
     unenforced_keyword,
 )
+from inferplane.promptsize import check_prompt_size
 from inferplane.replica.engines.base import EngineConstraint, SamplingParams
 from inferplane.replica.pipeline import structured
 from inferplane.replica.pipeline.assets import ModelAssets
@@ -456,9 +457,12 @@ def plan_chat(
 
     Raises:
         InvalidArgumentError: the request is invalid or asks for something unsupported
-            (`param` names the field).
+            (`param` names the field); a prompt whose size alone exceeds the context
+            (`context_length_exceeded`, `inferplane.promptsize`).
         UnavailableError: the model has no chat template (a deployment error).
     """
+    # Before anything renders or tokenizes it: a prompt too large to fit by its size alone.
+    check_prompt_size(request, assets.max_model_len, assets.token_bound)
     body = chat_request_to_dict(request)
     n = _common_checks(body, CHAT_FIELDS)
     logprobs: int | None = None

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from inferplane.api.inference.v1 import inference_pb2 as pb
+from inferplane.promptsize import check_prompt_size
 from inferplane.replica.engines.base import EngineConstraint, SamplingParams
 from inferplane.replica.pipeline import structured
 from inferplane.replica.pipeline.assets import ModelAssets
@@ -89,8 +90,11 @@ def plan_completion(request: pb.CompletionRequest, assets: ModelAssets) -> Compl
     """Validates a text completion request for `assets`' model.
 
     Raises:
-        InvalidArgumentError: the request is invalid or asks for something unsupported.
+        InvalidArgumentError: the request is invalid or asks for something unsupported; a
+            prompt whose size alone exceeds the context (`context_length_exceeded`, before
+            it is tokenized: `inferplane.promptsize`).
     """
+    check_prompt_size(request, assets.max_model_len, assets.token_bound)
     body = completion_request_to_dict(request)
     n = _common_checks(body, COMPLETION_FIELDS)
     logprobs = body.get("logprobs")

@@ -40,6 +40,7 @@ from inferplane.replica.pipeline.requests import ChatPlan, plan_chat
 from inferplane.replica.pipeline.sse import sse_bodies
 from inferplane.replica.pipeline.text_requests import CompletionPlan, plan_completion
 from inferplane.replica.server.facts import RequestFacts
+from inferplane.replica.server.planning import planned
 from inferplane.runtime import InternalError
 from inferplane.runtime.time.clock import Clock
 
@@ -72,8 +73,11 @@ class Bodies:
         """A chat completion's typed chunks: per choice the role, one per visible step (with
         its logprobs when asked for); the usage (on every chunk with
         `continuous_usage_stats`, and last with `include_usage`)."""
-        plan = plan_chat(
-            req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+        plan = await planned(
+            req.ByteSize(),
+            lambda: plan_chat(
+                req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+            ),
         )
         report = plan.report
         gens = self._generations(replica, assets, plan, "chatcmpl-", facts, chat=True)
@@ -120,8 +124,11 @@ class Bodies:
         assets: ModelAssets,
     ) -> AsyncIterator[pb.CreateChatCompletionResponse]:
         """A whole chat completion (usage always included, summed over choices)."""
-        plan = plan_chat(
-            req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+        plan = await planned(
+            req.ByteSize(),
+            lambda: plan_chat(
+                req, assets, constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto
+            ),
         )
         report = plan.report
         gens = self._generations(replica, assets, plan, "chatcmpl-", facts, chat=True)
@@ -163,7 +170,7 @@ class Bodies:
     ) -> AsyncIterator[pb.StreamCompletionResponse]:
         """A text completion's typed chunks (per choice the echo before its first text, its
         logprobs when asked for), the usage (see `chat_chunks`)."""
-        plan = plan_completion(req, assets)
+        plan = await planned(req.ByteSize(), lambda: plan_completion(req, assets), param="prompt")
         report = plan.report
         gens = self._generations(replica, assets, plan, "cmpl-", facts, chat=False)
         out = chunks.CompletionChunks(
@@ -200,7 +207,7 @@ class Bodies:
         assets: ModelAssets,
     ) -> AsyncIterator[pb.CreateCompletionResponse]:
         """A whole text completion (no chat template, no parsing)."""
-        plan = plan_completion(req, assets)
+        plan = await planned(req.ByteSize(), lambda: plan_completion(req, assets), param="prompt")
         report = plan.report
         gens = self._generations(replica, assets, plan, "cmpl-", facts, chat=False)
         entries = await _drain_all(gens, report.logprobs)

@@ -24,6 +24,7 @@ from inferplane.replica.pipeline.requests import ChatPlan, plan_chat
 from inferplane.replica.pipeline.sse import JSON_CONTENT_TYPE
 from inferplane.replica.server.bodies import Bodies
 from inferplane.replica.server.facts import RequestFacts
+from inferplane.replica.server.planning import planned
 
 
 def _plan(request: apb.MessagesRequest, replica: LocalReplica, assets: ModelAssets) -> ChatPlan:
@@ -54,7 +55,7 @@ async def message_body(
         InvalidArgumentError: the request is refused (conversion or chat planning; 400).
         InferplaneError: the engine failed before the first byte (streamed) or at all (whole).
     """
-    plan = _plan(request, replica, assets)
+    plan = await planned(request.ByteSize(), lambda: _plan(request, replica, assets))
     gen = bodies.chat_generation(replica, assets, plan, anthropic.MESSAGE_ID_PREFIX, facts)
     thinking = anthropic.thinking_on(request)
     show = anthropic.thinking_shown(request)
@@ -132,7 +133,9 @@ async def count_body(
             context (`context_length_exceeded`, which states the count).
     """
     started = time.perf_counter()
-    plan = plan_chat(anthropic.count_to_chat(request), assets)
+    plan = await planned(
+        request.ByteSize(), lambda: plan_chat(anthropic.count_to_chat(request), assets)
+    )
     facts.request_id = "count-" + bodies.new_id()
     facts.ttft_seconds = time.perf_counter() - started
     yield apb.CountMessageTokensResponse(input_tokens=len(plan.prompt.token_ids))

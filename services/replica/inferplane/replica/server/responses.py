@@ -37,6 +37,7 @@ from inferplane.replica.pipeline.responses_events import ResponseWriter, sse, us
 from inferplane.replica.pipeline.responses_replay import probe_messages, splice
 from inferplane.replica.server.bodies import Bodies
 from inferplane.replica.server.facts import RequestFacts
+from inferplane.replica.server.planning import planned
 from inferplane.replica.server.response_store import ResponseStore
 from inferplane.runtime import InferplaneError, InvalidArgumentError, UnavailableError
 from inferplane.wire import chat_request_from_dict, chat_request_to_dict
@@ -74,10 +75,14 @@ class ResponsesBody:
         """The response: one `HttpBody` (JSON) or SSE events (`request.stream`)."""
         history, stored = await self._history(request, tenant)
         converted = api.convert(request, history)
-        plan = plan_chat(
-            converted.chat,
-            assets,
-            constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto,
+        plan = await planned(
+            converted.chat.ByteSize(),
+            lambda: plan_chat(
+                converted.chat,
+                assets,
+                constrain_tool_choice_auto=replica.spec.constrain_tool_choice_auto,
+            ),
+            param="input",
         )
         render_key = _render_key(converted.body, plan)
         if stored is not None and stored.render_key == render_key:

@@ -157,8 +157,13 @@ def token_bound(folder: str | Path) -> TokenBound | None:
     return token_bound_of(parsed) if isinstance(parsed, dict) else None
 
 
+def _utf8_bytes(text: str) -> int:
+    """`text`'s UTF-8 length; ASCII text (CPython knows it without a scan) is not encoded."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def _stripped_bytes(text: str) -> int:
-    return len(text.strip().encode("utf-8", "surrogatepass"))
+    return _utf8_bytes(text.strip())
 
 
 def _content_bytes(content: Any) -> int:
@@ -192,7 +197,7 @@ def prompt_text_bytes(request: Any) -> tuple[int, int]:
         prompt = request.prompt
         kind = prompt.WhichOneof("kind")
         if kind == "string_value":
-            return len(prompt.string_value.encode("utf-8", "surrogatepass")), 0
+            return _utf8_bytes(prompt.string_value), 0
         if kind != "list_value":
             return 0, 0
         values = prompt.list_value.values
@@ -202,7 +207,7 @@ def prompt_text_bytes(request: Any) -> tuple[int, int]:
         for value in values:
             inner = value.WhichOneof("kind")
             if inner == "string_value":
-                size = len(value.string_value.encode("utf-8", "surrogatepass"))
+                size = _utf8_bytes(value.string_value)
                 longest_text = max(longest_text, size)
             elif inner == "list_value":
                 longest_ids = max(longest_ids, len(value.list_value.values))

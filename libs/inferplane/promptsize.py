@@ -8,7 +8,8 @@ whole context holds: it can never be served, whatever the output length. Countin
 costs one pass over the request's strings; tokenizing an 8 MiB body costs the replica's CPU
 for seconds (the issue measured 19 s for ~10 MiB).
 
-`L` comes from the tokenizer itself (`token_bound`, read once from its `tokenizer.json`):
+`L` comes from the tokenizer itself (`token_bound`, read once from its `tokenizer.json`, or
+from a tiktoken vocabulary such as Kimi's `tiktoken.model`: `tiktoken_bound`):
 the longest token in bytes (vocabulary and added tokens; a byte-level BPE token is one byte
 per character, any other token its UTF-8 length, an upper bound of what it decodes to),
 times 4 when the tokenizer normalizes Unicode (NFC/NFKC/NFD/NFKD, lowercase: one character
@@ -35,6 +36,7 @@ tokens, exactly.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import json
@@ -144,14 +146,40 @@ def token_bound_of(tokenizer: Mapping[str, Any]) -> TokenBound | None:
     return TokenBound(longest, NORMALIZATION_FACTOR if normalized else 1)
 
 
+#: A tiktoken vocabulary (Kimi's `tiktoken.model`): one `base64(token bytes) rank` per line.
+TIKTOKEN_FILE = "tiktoken.model"
+
+
+def tiktoken_bound(folder: Path) -> TokenBound | None:
+    """The bound of a tiktoken tokenizer (`TIKTOKEN_FILE`, byte-level BPE: every byte is a
+    token, nothing is normalized or dropped): its longest token, or a special token of
+    `tokenizer_config.json`'s `added_tokens_decoder` when longer; None without the file."""
+    try:
+        lines = (folder / TIKTOKEN_FILE).read_bytes().splitlines()
+        longest = max((len(base64.b64decode(line.split()[0])) for line in lines if line), default=0)
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_bytes())
+    except (OSError, ValueError):
+        config = {}
+    added = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+    for token in (added or {}).values():
+        if isinstance(token, dict):
+            longest = max(longest, len(str(token.get("content", "")).encode()))
+    return TokenBound(longest) if longest > 0 else None
+
+
 def token_bound(folder: str | Path) -> TokenBound | None:
-    """The bound of the tokenizer in model folder `folder` (its `tokenizer.json`); None when
-    there is none there or it has no bound. Reads and parses the file (tens of MB for a
-    large vocabulary: call it once per folder, off the event loop)."""
+    """The bound of the tokenizer in model folder `folder` (its `tokenizer.json`, else its
+    `TIKTOKEN_FILE`); None when there is neither or it has no bound. Reads and parses the
+    file (tens of MB for a large vocabulary: call it once per folder, off the event loop)."""
     path = Path(folder) / "tokenizer.json"
     try:
         with path.open("rb") as f:
             parsed = json.load(f)
+    except FileNotFoundError:
+        return tiktoken_bound(Path(folder))
     except (OSError, ValueError):
         return None
     return token_bound_of(parsed) if isinstance(parsed, dict) else None

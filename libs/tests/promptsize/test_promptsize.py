@@ -22,6 +22,7 @@ from inferplane.promptsize import (
     TokenBounds,
     check_prompt_size,
     prompt_text_bytes,
+    tiktoken_bound,
     token_bound,
     token_bound_of,
 )
@@ -201,3 +202,20 @@ def test_fixture_tokenizer_json_is_what_is_read(tmp_path: Path) -> None:
     source = json.loads((qwen3_tiny.model_path() / "tokenizer.json").read_text())
     (tmp_path / "tokenizer.json").write_text(json.dumps(source))
     assert token_bound(tmp_path) == token_bound(qwen3_tiny.model_path())
+
+
+def test_a_tiktoken_vocabulary_is_bounded_by_its_longest_token(tmp_path: Path) -> None:
+    """Kimi's form: `tiktoken.model` (base64 token, rank) and special tokens in
+    tokenizer_config.json; read when the folder has no tokenizer.json."""
+    import base64
+
+    tokens = [b"a", b" the", b"=" * 40]
+    (tmp_path / "tiktoken.model").write_bytes(
+        b"\n".join(base64.b64encode(t) + b" %d" % i for i, t in enumerate(tokens)) + b"\n"
+    )
+    assert token_bound(tmp_path) == TokenBound(40)
+    config = {"added_tokens_decoder": {"100": {"content": "<|" + "x" * 60 + "|>"}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tiktoken_bound(tmp_path) == TokenBound(64)
+    (tmp_path / "tiktoken.model").write_text("not base64 at all!\n")
+    assert token_bound(tmp_path) is None

@@ -145,9 +145,11 @@ class Fabric:
         replicas: int = 1,
         dead_replica: bool = False,
         edge: dict[str, Any] | None = None,
+        route: dict[str, Any] | None = None,
     ) -> None:
         self.tmp_path = tmp_path
         self.edge_overrides = edge or {}
+        self.route_overrides = route or {}  # ModelRoute fields (max_model_len, tokenizer)
         self.clock = FakeClock()
         self.outcomes = OutcomeReporter(CollectorRegistry())
         self.replicas = [FakeReplica(f"replica-{i}", self.outcomes) for i in range(replicas)]
@@ -193,6 +195,7 @@ class Fabric:
                         RouteEndpoint(a, rid, node="node-a")
                         for a, rid in zip(addresses, ids, strict=True)
                     ),
+                    **self.route_overrides,
                 )
             ]
         )

@@ -332,6 +332,26 @@ async def test_a_replica_process_that_stops_answering_is_replaced(
     await manager.close()
 
 
+async def test_a_dead_engine_s_process_serving_moved_streams_is_left_to_finish(
+    tmp_path: Path,
+) -> None:
+    """Invariant: a replica process whose engine died but which still serves streams it moved
+    to sibling replicas (engine not ready, draining, requests in flight: issue 31) is not
+    replaced as unhealthy; once those ended it is (here: still not ready, nothing in flight)."""
+    manager, spawner, _clock = make_manager(tmp_path, ["ok", "ok"], unhealthy_threshold=2)
+    replica = await manager.start("r1", SPEC)
+    await replica.wait_for_state(State.STATE_READY, timeout=5)
+    process = spawner.processes["127.0.0.1:1"]
+    process.ready, process.draining, process.in_flight = False, True, 2
+    for _ in range(50):  # many health intervals: still the same process
+        await asyncio.sleep(0)
+    await wait_until(lambda: replica.to_proto().in_flight_requests == 2)
+    assert replica.pid == 100 and spawner.handles[0].signals == []
+    process.in_flight = 0
+    await wait_until(lambda: replica.state == State.STATE_READY and replica.pid == 101)
+    assert "unhealthy for 2 consecutive checks" in replica.last_error
+
+
 async def test_in_flight_requests_come_from_the_polled_load(tmp_path: Path) -> None:
     """Invariant: the reported in_flight_requests is the replica process's own count
     (GetReplicaLoad, polled every health interval): the orchestrator stops a drained replica

@@ -55,7 +55,9 @@ class ReplicaProcessServicer(replica_pb2_grpc.ReplicaProcessServiceServicer):  #
         return replica_pb2.GetReplicaLoadResponse(
             replica_id=state.replica_id,
             in_flight_requests=state.in_flight,
-            draining=state.phase is Phase.DRAINING,
+            # A dead engine's process still serving streams it moved to siblings drains them.
+            draining=state.phase is Phase.DRAINING
+            or (state.phase is Phase.DEAD and state.in_flight > 0),
             engine_ready=state.engine_ready,
             artifacts=self._artifacts(),
         )

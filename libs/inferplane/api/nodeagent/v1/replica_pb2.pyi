@@ -354,7 +354,11 @@ class GetReplicaLoadResponse(_message.Message):
     in_flight_requests: _builtins.int
     """Generation requests admitted and not yet ended."""
     draining: _builtins.bool
-    """StartReplicaDrain was called: no new request is admitted."""
+    """StartReplicaDrain was called: no new request is admitted. Also true when the engine died
+    while requests are still in flight (streams moved to sibling replicas, issue 31: the
+    process serves them to their end, then exits); the node-agent then waits for it instead of
+    replacing it as unhealthy.
+    """
     engine_ready: _builtins.bool
     """The engine is started and answers (the process is ready to serve)."""
     @_builtins.property

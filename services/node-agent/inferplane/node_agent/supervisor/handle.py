@@ -453,7 +453,9 @@ class Replica:
 
     async def _poll_load(self, control: ReplicaControl) -> bool:
         """Reads the load into `in_flight` (and re-sends a drain that did not get through);
-        True when the replica process answered with its engine ready."""
+        True when the replica process answered with its engine ready, or draining requests
+        still in flight after its engine died (streams it moved to sibling replicas, issue 31:
+        it exits once they ended, and is restarted then)."""
         if self._draining and not self._drain_sent:
             await self._send_drain(control)
         try:
@@ -465,7 +467,7 @@ class Replica:
             self.in_flight = load.in_flight_requests
             if load.artifacts is not None:
                 self.artifacts = load.artifacts
-        return load.engine_ready
+        return load.engine_ready or (load.draining and load.in_flight_requests > 0)
 
     async def _send_drain(self, control: ReplicaControl) -> None:
         try:

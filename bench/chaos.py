@@ -64,9 +64,11 @@ Recovery: from the fault until a probe request started after it completes.
 
 Last lines: per fault `silent_truncations <fault>: N`, `reset_streams <fault>: N`,
 `lost_usage_records <fault>: N`, `failed_after_first_byte <fault>: N` (error events, resets
-and silent cuts of HTTP 200 streams); then `doubled_usage_records: D` and the totals
-`silent_truncations: N` (goal 0), `reset_streams: R`, `lost_usage_records: M` (goal 0),
-`failed_after_first_byte: F`.
+and silent cuts of HTTP 200 streams), `migrated_streams <fault>: N` (streams a replica moved
+to a sibling when its engine died: the replicas' `stream_migrated` log lines; with
+`--replicas 2`); then `doubled_usage_records: D` and the totals `silent_truncations: N` (goal
+0), `reset_streams: R`, `lost_usage_records: M` (goal 0), `failed_after_first_byte: F`,
+`migrated_streams: G`.
 
 The machinery lives in `bench/chaoslib/` (streams, load, ledger, processes, faults, phase,
 report); this module re-exports what `tests/e2e/test_chaos.py` uses.

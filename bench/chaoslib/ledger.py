@@ -1,4 +1,5 @@
-"""What auth accounted: its `usage_accounted` debug lines, by the edge's request id."""
+"""What auth accounted: its `usage_accounted` debug lines, by the edge's request id; and the
+streams replicas moved to a sibling when their engine died (`moved_streams`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ class UsageLedger:
                 if match := _ACCOUNTED.search(line):
                     counts[match.group(1)] += 1
         return counts
+
+
+def moved_streams(data_dir: Path) -> int:
+    """How many streams the replicas under `data_dir` moved to a sibling so far: their
+    `stream_migrated` log lines (mid-stream migration, issue 31)."""
+    moved = 0
+    for log in data_dir.rglob("replica.log"):
+        with contextlib.suppress(OSError), log.open(errors="replace") as lines:
+            moved += sum(1 for line in lines if '"stream_migrated"' in line)
+    return moved
 
 
 def settle_usage(

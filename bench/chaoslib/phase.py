@@ -12,7 +12,7 @@ import grpc
 from inferplane.localstack import Stack
 
 from .faults import Context, Fault
-from .ledger import UsageLedger, settle_usage
+from .ledger import UsageLedger, moved_streams, settle_usage
 from .load import Load
 from .processes import Log, envoy_retries
 from .report import Row
@@ -62,6 +62,7 @@ def run_fault(fault: Fault, ctx: Context, key: str, phase: Phase, ledger: UsageL
         http2=phase.http2,
     )
     retries_before = envoy_retries(stack)
+    moved_before = moved_streams(stack.config.data_dir)
     load.start()
     recovery: float | None = None
     fault_at = 0.0
@@ -103,4 +104,5 @@ def run_fault(fault: Fault, ctx: Context, key: str, phase: Phase, ledger: UsageL
         fault_at=fault_at,
         recovery_s=recovery,
         wall_s=time.monotonic() - started,
+        migrated=moved_streams(stack.config.data_dir) - moved_before,
     )

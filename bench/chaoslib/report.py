@@ -31,6 +31,7 @@ class Row:
     fault_at: float  # monotonic
     recovery_s: float | None  # fault → the first probe started after it completed
     wall_s: float
+    migrated: int = 0  # streams the replicas moved to a sibling during the phase
 
     def outcomes(self, *outcomes: str) -> list[Request]:
         """The requests that ended as any of `outcomes` (streams.py's constants)."""
@@ -72,6 +73,7 @@ class Row:
             "reset_streams": len(self.outcomes(RESET_AFTER_FIRST_BYTE)),
             "lost_usage_records": len(self.lost),
             "failed_after_first_byte": len(self.outcomes(*AFTER_FIRST_BYTE)),
+            "migrated_streams": self.migrated,
         }
 
 
@@ -113,7 +115,7 @@ def evidence(row: Row, limit: int = 3) -> Iterable[str]:
 def last_lines(rows: Sequence[Row]) -> list[str]:
     """`<figure> <fault>: N` per fault, then `doubled_usage_records` and the totals:
     `silent_truncations` (goal 0), `reset_streams`, `lost_usage_records` (goal 0),
-    `failed_after_first_byte`."""
+    `failed_after_first_byte`, `migrated_streams` (moved to a sibling when their engine died)."""
     lines = [
         f"{name} {row.fault.name}: {value}" for row in rows for name, value in row.figures().items()
     ]
@@ -123,6 +125,7 @@ def last_lines(rows: Sequence[Row]) -> list[str]:
         "reset_streams",
         "lost_usage_records",
         "failed_after_first_byte",
+        "migrated_streams",
     ):
         lines.append(f"{name}: {sum(r.figures()[name] for r in rows)}")
     return lines

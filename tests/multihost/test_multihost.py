@@ -459,3 +459,11 @@ def test_a_worker_cut_off_and_back(stack: Stack, hosts: Hosts, admin: dict[str, 
     assert len(serving) == 2 and {e.node for e in serving} == {KEPT}, serving
     # Still served end to end.
     assert _chat(_client(stack, after_secret), 999).choices[0].message.content
+    # The cut replica generated on while cut off, and may report its streams once the cable is
+    # back (before its node-agent stops it): a report of an end after the client's stream had
+    # ended amends the tokens only, so those streams stay cancelled in the ledger.
+    cut_ids = {r["request_id"] for r in stream_rows if r["replica"] == cut_replica}
+    rows = _ledger(stack, admin, stream_key, len(streams))
+    ends = [(r["status"], r.get("provisional", False)) for r in rows]
+    print(f"stream ledger rows after the restore (status, provisional): {ends}")
+    assert all(r["status"] == "cancelled" for r in rows if r["request_id"] in cut_ids), rows

@@ -955,20 +955,30 @@ def test_without_trailers_or_report_the_request_is_an_abort_after_the_wait() -> 
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("took", "status"), [(0.01, "completed"), (600.0, "cancelled")])
-def test_a_late_report_of_an_end_after_the_client_left_keeps_the_request_cancelled(
-    took: float, status: str
+@pytest.mark.parametrize(
+    ("took", "stream_seconds", "status"),
+    [
+        (0.01, 0.0, "completed"),
+        (29.5, 30.0, "completed"),
+        (600.0, 0.0, "cancelled"),
+        (0.01, 30.0, "cancelled"),
+    ],
+)
+def test_a_late_report_of_an_end_the_client_cannot_have_seen_keeps_the_request_cancelled(
+    took: float, stream_seconds: float, status: str
 ) -> None:
-    """The replica's late report says how long it took: an end within the client's stream
-    (0.01 s after the pick) was delivered; one long after the stream ended (600 s: a replica
-    cut off from the edge generating on) was not, so the request stays cancelled, its tokens
-    accounted all the same."""
+    """The replica's late report says how long it took; the client's stream ended
+    `stream_seconds` after the pick. Ends that match (within 2 s) were delivered. A replica's
+    end long after the stream's (600 s: cut off from the edge, generating on), or long before
+    it (the stream reset 30 s later: its last bytes never arrived), was not: the request stays
+    cancelled, its tokens accounted all the same."""
 
     async def scenario() -> None:
         async with picker_rig(1, picker=REPORTING) as rig:
             stream = await _pick(rig, KEYED)
             await stream.body(_chat_body())
             await stream.response_headers(_replica_headers())
+            rig.clock.advance(stream_seconds)
             await stream.close()
             await _until(lambda: rig.usage.reports, "the provisional usage")
             late = dataclasses.replace(DONE, duration_seconds=took)

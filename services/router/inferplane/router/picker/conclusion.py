@@ -10,11 +10,12 @@ before the trailers, and no report came within `outcome_wait_seconds`: a replica
 report on a loaded node) is *provisional*: recorded as cancelled, its usage marked so. The
 replica's report, when it comes later, amends it: the usage report is sent again without the
 mark, and auth's ledger replaces the provisional row with it once (tokens accounted then).
-The amendment keeps the request cancelled when the replica ended it more than
-`LATE_END_TOLERANCE_SECONDS` after the client's stream had ended (pick time + the replica's
-`duration_seconds`, against the stream's end, on this router's clock): the client cannot have
-received that end (a replica cut off from the edge keeps generating until it notices); its
-tokens are still accounted, the engine produced them.
+The amendment says the request completed only when the replica's end and the end of the
+client's stream are within `END_MATCH_SECONDS` of each other (the replica's end: pick time + its
+`duration_seconds`, on this router's clock): a client that read the last event closes at once,
+while the stream of a replica cut off from the edge is reset by Envoy's keepalive (≥ 5 s after
+the last byte it got) or ends before the replica does. Otherwise the request stays cancelled;
+its tokens are still accounted, the engine produced them.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ _CONCLUDED_MEMORY = 200_000
 # How many provisionally concluded requests it keeps for a late report (each holds its
 # exchange, a few KB; they are rare: a stream without trailers whose report is late).
 _PROVISIONAL_MEMORY = 10_000
-# How much later than the client's stream a replica may say it ended a request and still be
-# believed to have delivered that end (clock rates and the hop's latency; a cut-off replica
-# ends tens of seconds later).
-LATE_END_TOLERANCE_SECONDS = 1.0
+# How far apart a replica's end of a request and the end of its client's stream may be for that
+# end to have reached the client: the hop from the pick to the replica and the client's close
+# after its last event (ms; seconds on a loaded node). A cut-off replica's stream is reset by
+# Envoy's keepalive at least 5 s after the last byte (inferplane.edge REPLICA_KEEPALIVE), or
+# ends before the replica does.
+END_MATCH_SECONDS = 2.0
 
 
 class Concluder:
@@ -213,10 +216,8 @@ class Concluder:
         trace.status, trace.error_code = records.STATUS_OK, ""
         _conclude(exchange)
         replica_end = exchange.pick.picked + summary.duration_seconds
-        if summary.duration_seconds and replica_end > (
-            conclusion.ended_at + LATE_END_TOLERANCE_SECONDS
-        ):
-            trace.cancel()  # it ended after the client was gone: never delivered
+        if summary.duration_seconds and abs(conclusion.ended_at - replica_end) > END_MATCH_SECONDS:
+            trace.cancel()  # the client's stream did not end with it: never delivered
         if trace.usage is not None:
             exchange.request.key.account(trace.usage.total_tokens)
         position = self._reporter.finish(trace, model=self._usage_model(exchange), amends=True)

@@ -4,7 +4,7 @@ for a deployment with no replica past Envoy's 1 s ext_proc message timeout (its 
 soon as the routing table brings a replica, and past the route's cold-start budget answers
 the client a 503 with Retry-After and `deployment_cold_start` in OpenAI's error shape.
 
-The pieces are `test_picker_reports.py`'s (real auth, telemetry, router and Envoy; fake
+The pieces are `fabric.py`'s (real auth, telemetry, router and Envoy; fake
 replica processes), with a routing table the test swaps as the orchestrator would.
 """
 
@@ -24,7 +24,7 @@ from inferplane.router.sources import Listener
 from inferplane.runtime import RunningServer
 from inferplane.wire import SSE_DONE
 
-from .test_picker_reports import MODEL, Fabric, _body, _eventually
+from .fabric import MODEL, Fabric, _body, _eventually
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = "kimi-tiny-short"  # the same deployment's budget cut to 2 s (another deployment id)

@@ -1,5 +1,5 @@
 """Hostile requests through the real data path (a real Envoy edge, the real router as its
-endpoint picker, real auth and telemetry, a fake replica; `test_picker_reports.Fabric`), for a
+endpoint picker, real auth and telemetry, a fake replica; `fabric.Fabric`), for a
 model with a 2,048-token context, as the issue's probe sent them: prompts too large to fit are
 refused by the picker in milliseconds, sent chunked (no Content-Length), and never reach the
 replica; a body over the edge's limit is its 413; CONNECT is an immediate 405."""
@@ -17,7 +17,7 @@ import pytest
 
 from inferplane.fixtures import kimi_tiny
 
-from .test_picker_reports import MODEL, Fabric, _body, _run
+from .fabric import MODEL, Fabric, _body, _run
 
 pytestmark = pytest.mark.timeout(120)
 CONTEXT = 2048

@@ -41,8 +41,9 @@ import math
 from collections.abc import Callable, Iterable
 
 from inferplane.router.adapter_affinity import AdapterAffinity
+from inferplane.router.admission_views import AdmissionViews
 from inferplane.router.breaker import CircuitBreaker
-from inferplane.router.demand import DemandBook, DemandSnapshot
+from inferplane.router.demand import DemandBook
 from inferplane.router.fairqueue import FairQueue, Refusal, Ticket
 from inferplane.router.features import RequestFeatures
 from inferplane.router.heldover import ShareLease
@@ -51,8 +52,6 @@ from inferplane.router.policies import PolicyRegistry, RoutingPolicy
 from inferplane.router.refusals import (
     COLD_START,
     COLD_START_CODE,
-    OVERLOAD_REASONS,
-    REFUSAL_REASONS,
     TIMEOUT,
     cold_start,
     overloaded,
@@ -92,8 +91,9 @@ class _Deployment:
     queue: FairQueue[_Waiter]
 
 
-class Admission:
-    """Slots, queues and breakers for every deployment of the current routing table."""
+class Admission(AdmissionViews):
+    """Slots, queues and breakers for every deployment of the current routing table (what
+    its queues and demand look like from outside: `AdmissionViews`)."""
 
     def __init__(
         self,
@@ -596,61 +596,3 @@ class Admission:
         else:
             state.breaker.on_failure(now)
         state.changed(now)
-
-    def queue_length(self, deployment: str) -> int:
-        """Requests waiting for a slot in `deployment` (a cancelled one counts until its task
-        runs again, within the same loop iteration)."""
-        d = self._deployments.get(deployment)
-        return 0 if d is None else len(d.queue)
-
-    def queued_flows(self, deployment: str) -> int:
-        """Flows (API keys; keyless requests form one) with a request waiting in `deployment`."""
-        d = self._deployments.get(deployment)
-        return 0 if d is None else d.queue.flows
-
-    def refused(self, deployment: str) -> dict[str, int]:
-        """Refusals of `deployment`'s queue so far by reason, every one of `REFUSAL_REASONS`
-        (429s, and the 503s of `cold_start`; a counter; restarts if the deployment leaves
-        the table and comes back)."""
-        refused = self._refused
-        return {reason: refused.get((deployment, reason), 0) for reason in REFUSAL_REASONS}
-
-    def cold_waiting(self, deployment: str) -> int:
-        """Requests held for a cold start of `deployment` now (scale from zero)."""
-        return self._demand.cold_waiting(deployment)
-
-    def wait_seconds(self, route: ModelRoute) -> float:
-        """The longest a request of `route` may wait for a slot now: the queue timeout, or
-        the route's cold-start budget when it scales to zero and its deployment has no
-        usable replica or still holds requests for one (the picker's message-timer
-        extension)."""
-        wait = self._settings.queue_timeout_seconds
-        if route.scale_to_zero:
-            d = self._deployments.get(route.deployment_key)
-            if d is not None and (
-                not d.replicas.usable or self._demand.cold_waiting(route.deployment_key)
-            ):
-                return max(wait, self._cold_budget(route))
-        return wait
-
-    def _cold_budget(self, route: ModelRoute) -> float:
-        # The route's budget, at most what the edge's one timer extension can cover.
-        return min(route.cold_start_budget, self._settings.max_cold_start_budget_seconds)
-
-    def demand(self) -> list[DemandSnapshot]:
-        """Each deployment's demand as this router sees it now (`demand.DemandSnapshot`;
-        engine state is the lease keeper's to add). O(deployments)."""
-        now = self.clock.monotonic()
-        refused, out = self._refused, []
-        for name, d in self._deployments.items():
-            rejections = sum(refused.get((name, reason), 0) for reason in OVERLOAD_REASONS)
-            out.append(
-                self._demand.snapshot(
-                    name,
-                    now,
-                    queued=len(d.queue),
-                    rejections=rejections,
-                    in_flight=d.replicas.total_in_flight,
-                )
-            )
-        return out

@@ -1,6 +1,6 @@
 """Hosts made of Linux network namespaces, and the platform spread over them (issue 20).
 
-Topology (one run; names carry a random run id so a crashed run never blocks the next)::
+Topology (one run; `inferplane.localstack.netns` makes the namespaces)::
 
     root namespace (the test: the client side)        10.77.N.1  ─┐
     <run>-net: a bridge, nothing else                              ├─ bridge
@@ -8,12 +8,8 @@ Topology (one run; names carry a random run id so a crashed run never blocks the
     <run>-w1:  node-agent "w1" and its replica processes       10.77.N.3  ─┤
     <run>-w2:  node-agent "w2" and its replica processes       10.77.N.4  ─┘
 
-Each namespace has its own loopback (engines talk to their replica process there) and one
-veth into the bridge namespace; the bridge sits in a namespace of its own so the machine's
-firewall (br_netfilter, a FORWARD policy) never sees the traffic between hosts. Services bind
-their host's address only, so the hosts reach each other through the bridge and nothing else.
-`Hosts.cut(host)` sets the host's bridge port down (the cable pulled: its packets vanish, no
-reset reaches anyone); `Hosts.restore(host)` sets it up again.
+Services bind their host's address only, so the hosts reach each other through the bridge and
+nothing else. `Hosts.cut(host)` pulls the host's cable; `Hosts.restore(host)` plugs it back.
 
 Needs root and iproute2's `ip`; without them (or when the kernel refuses a namespace) the
 module skips, saying which.
@@ -21,132 +17,14 @@ module skips, saying which.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import ipaddress
-import os
-import secrets
-import shutil
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from inferplane.localstack import StackHost
+from inferplane.localstack.netns import Hosts, NamespaceError, namespaces_unavailable
 
 CONTROL = "ctl"
 WORKERS = ("w1", "w2")
-
-
-class NamespaceError(Exception):
-    """An `ip` command failed; the message holds the command and its stderr."""
-
-
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
-    if done.returncode != 0:
-        raise NamespaceError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A 10.77.N.0/24 that no interface of this namespace uses."""
-    used = subprocess.run(
-        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False
-    ).stdout
-    for _ in range(64):
-        third = secrets.randbelow(250) + 1
-        if f"inet 10.77.{third}." not in used:
-            return ipaddress.IPv4Network(f"10.77.{third}.0/24")
-    raise NamespaceError("no free 10.77.N.0/24 subnet")
-
-
-@dataclasses.dataclass
-class Hosts:
-    """The namespaces of one run: `host(name)` gives a `StackHost` (namespace and address)."""
-
-    run: str
-    subnet: ipaddress.IPv4Network
-    _made_netns: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def bridge_netns(self) -> str:
-        return f"ipm-{self.run}-net"
-
-    @property
-    def client_address(self) -> str:
-        return str(self.subnet.network_address + 1)
-
-    def host(self, name: str) -> StackHost:
-        index = (CONTROL, *WORKERS).index(name)
-        return StackHost(
-            netns=f"ipm-{self.run}-{name}", address=str(self.subnet.network_address + 2 + index)
-        )
-
-    def _port(self, name: str) -> str:
-        """The bridge-side end of host `name`'s cable (`ipm<run><name>`, ≤ 15 characters)."""
-        return f"ipm{self.run}{name}"
-
-    def create(self) -> None:
-        """Builds the bridge namespace, the client's cable and one namespace per host.
-
-        Raises: NamespaceError (the caller skips or fails on it), after removing what it made.
-        """
-        try:
-            bridge, prefix = "br0", self.subnet.prefixlen
-            self._add_netns(self.bridge_netns)
-            _ip("-n", self.bridge_netns, "link", "add", bridge, "type", "bridge")
-            _ip("-n", self.bridge_netns, "link", "set", bridge, "up")
-            # The client's cable: this namespace's end holds the client address.
-            client = f"ipm{self.run}cli"
-            _ip("link", "add", client, "type", "veth", "peer", "name", "cli", "netns",
-                self.bridge_netns)  # fmt: skip
-            _ip("-n", self.bridge_netns, "link", "set", "cli", "master", bridge, "up")
-            _ip("addr", "add", f"{self.client_address}/{prefix}", "dev", client)
-            _ip("link", "set", client, "up")
-            for name in (CONTROL, *WORKERS):
-                host = self.host(name)
-                self._add_netns(host.netns)
-                _ip("-n", host.netns, "link", "set", "lo", "up")
-                _ip("-n", self.bridge_netns, "link", "add", self._port(name), "type", "veth",
-                    "peer", "name", "eth0", "netns", host.netns)  # fmt: skip
-                _ip("-n", self.bridge_netns, "link", "set", self._port(name), "master", bridge)
-                _ip("-n", self.bridge_netns, "link", "set", self._port(name), "up")
-                _ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", "eth0")
-                _ip("-n", host.netns, "link", "set", "eth0", "up")
-        except BaseException:
-            self.delete()
-            raise
-
-    def _add_netns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._made_netns.append(name)
-
-    def cut(self, name: str) -> None:
-        """Pulls host `name`'s cable: its bridge port goes down, its packets are dropped."""
-        _ip("-n", self.bridge_netns, "link", "set", self._port(name), "down")
-
-    def restore(self, name: str) -> None:
-        """Plugs host `name`'s cable back in."""
-        _ip("-n", self.bridge_netns, "link", "set", self._port(name), "up")
-
-    def delete(self) -> None:
-        """Removes every namespace this run made (their veths go with them; the client's
-        cable too: deleted at once rather than when the kernel frees the bridge namespace)."""
-        with contextlib.suppress(NamespaceError):
-            _ip("link", "del", f"ipm{self.run}cli")
-        for name in reversed(self._made_netns):
-            with contextlib.suppress(NamespaceError):
-                _ip("netns", "del", name)
-        self._made_netns.clear()
-
-
-def namespaces_unavailable() -> str:
-    """Why this machine cannot make network namespaces, or "" when it can."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root (ip netns add); run as root, as scripts/test.sh in CI"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed (apt-get install iproute2)"
-    return ""
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +32,7 @@ def hosts() -> Iterator[Hosts]:
     reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
-    made = Hosts(run=secrets.token_hex(2), subnet=_free_subnet())
+    made = Hosts.fresh((CONTROL, *WORKERS))
     try:
         made.create()
     except NamespaceError as exc:

@@ -10,7 +10,9 @@ Modules (private; import from here):
 - `_process`: `ManagedProcess` (one child process, stopped with its group), Envoy in a host;
 - `_launch`: each process's command line, certificates, and the waits between starts;
 - `_stack`: `Stack` (start-up order, stop, the deployments, queries) and `running_stack`;
-- `_prometheus`: deploy/'s Prometheus configuration, pointed at a stack's ports.
+- `_prometheus`: deploy/'s Prometheus configuration, pointed at a stack's ports;
+- `netns` (public, imported as `inferplane.localstack.netns`): hosts made of Linux network
+  namespaces, for the multi-host and regions tests and benches.
 """
 
 from inferplane.localstack._config import (

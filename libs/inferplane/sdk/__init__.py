@@ -25,6 +25,11 @@
   answers), OpenAI's `openai_type` / `code` / `param`, `message`, `reason` (ErrorInfo).
 - `usage` reads the usage ledger (auth): request rows, or totals per hour, day, model, key or
   tenant, filtered by time, key, tenant and model.
+- `MultiRegionUsage` / `AsyncMultiRegionUsage` read several regions' ledgers (region name →
+  auth address or client) and `merge_usage` them: each request id once (`MERGE_RULE`), each
+  row labelled with its region, totals and groups summed from the merged rows; a region that
+  cannot be read raises `UnavailableError` with reason `USAGE_INCOMPLETE` (or, with
+  `partial=True`, is named in `MergedUsage.missing`).
 """
 
 from inferplane.runtime import (
@@ -52,15 +57,26 @@ from inferplane.sdk._async_client import (
 )
 from inferplane.sdk._client import Client, Deployments, Inference, Keys, Nodes, Usage
 from inferplane.sdk._pages import AsyncPaged, Page, Paged
+from inferplane.sdk._regions import (
+    MERGE_RULE,
+    AsyncMultiRegionUsage,
+    MergedUsage,
+    MultiRegionUsage,
+    RegionRow,
+    incomplete_usage_error,
+    merge_usage,
+)
 from inferplane.sdk._requests import KeyWithSecret
 from inferplane.sdk._transport import RetryPolicy
 
 __all__ = [
+    "MERGE_RULE",
     "AlreadyExistsError",
     "AsyncClient",
     "AsyncDeployments",
     "AsyncInference",
     "AsyncKeys",
+    "AsyncMultiRegionUsage",
     "AsyncNodes",
     "AsyncPaged",
     "AsyncUsage",
@@ -75,15 +91,20 @@ __all__ = [
     "InvalidArgumentError",
     "KeyWithSecret",
     "Keys",
+    "MergedUsage",
+    "MultiRegionUsage",
     "Nodes",
     "NotFoundError",
     "Page",
     "Paged",
     "PermissionDeniedError",
+    "RegionRow",
     "ResourceExhaustedError",
     "RetryPolicy",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
     "Usage",
+    "incomplete_usage_error",
+    "merge_usage",
 ]

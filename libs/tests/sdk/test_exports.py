@@ -6,6 +6,13 @@ import inferplane.runtime as runtime
 import inferplane.sdk as sdk
 
 EXPORTS = {
+    "MERGE_RULE",
+    "AsyncMultiRegionUsage",
+    "MergedUsage",
+    "MultiRegionUsage",
+    "RegionRow",
+    "incomplete_usage_error",
+    "merge_usage",
     "AlreadyExistsError",
     "AsyncClient",
     "AsyncDeployments",

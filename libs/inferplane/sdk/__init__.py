@@ -59,6 +59,7 @@ from inferplane.sdk._client import Client, Deployments, Inference, Keys, Nodes, 
 from inferplane.sdk._pages import AsyncPaged, Page, Paged
 from inferplane.sdk._regions import (
     MERGE_RULE,
+    MERGED_GROUPINGS,
     AsyncMultiRegionUsage,
     MergedUsage,
     MultiRegionUsage,
@@ -70,6 +71,7 @@ from inferplane.sdk._requests import KeyWithSecret
 from inferplane.sdk._transport import RetryPolicy
 
 __all__ = [
+    "MERGED_GROUPINGS",
     "MERGE_RULE",
     "AlreadyExistsError",
     "AsyncClient",

@@ -7,6 +7,7 @@ import inferplane.sdk as sdk
 
 EXPORTS = {
     "MERGE_RULE",
+    "MERGED_GROUPINGS",
     "AsyncMultiRegionUsage",
     "MergedUsage",
     "MultiRegionUsage",

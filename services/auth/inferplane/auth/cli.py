@@ -49,10 +49,11 @@ _STATE_NAMES = {
 
 
 @contextlib.contextmanager
-def admin_client(address: str, admin_key: str) -> Iterator[Client]:
+def admin_client(address: str, admin_key: str, *, timeout: float = 30.0) -> Iterator[Client]:
     """The SDK's client of auth at `address` as the operator (`operator_security`) with the
-    admin key, for the `keys` and `usage` commands: no key or no operator identity → a one-line
-    error, exit 2; failed calls → `error: CODE: details` (the gRPC code), exit 1."""
+    admin key, for the `keys` and `usage` commands (`timeout`: each call's deadline, seconds):
+    no key or no operator identity → a one-line error, exit 2; failed calls → `error: CODE:
+    details` (the gRPC code), exit 1."""
     if not admin_key:
         typer.echo(
             "error: no admin key; pass --admin-key or set INFERPLANE_ADMIN_KEY "
@@ -61,7 +62,7 @@ def admin_client(address: str, admin_key: str) -> Iterator[Client]:
         )
         raise typer.Exit(2)
     try:
-        client = Client(auth=address, admin_key=admin_key)
+        client = Client(auth=address, admin_key=admin_key, timeout=timeout)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

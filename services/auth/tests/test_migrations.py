@@ -43,7 +43,7 @@ from inferplane.storage import schema_differences
 from inferplane.testing.databases import database_or_skip, version_rows
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-HEAD = "0007"
+HEAD = "0008"
 PEPPER = "pepper-for-the-migration-tests"
 SECRET = "ip-" + "a" * 43
 METADATA = list(schema.METADATA)
@@ -201,6 +201,7 @@ def test_a_fresh_database_has_exactly_the_models_schema(url: str) -> None:
             "usage_ledger",
             "usage_monthly",
             "stored_responses",
+            "peer_key_entries",
             MIGRATIONS.version_table,
         }
     finally:

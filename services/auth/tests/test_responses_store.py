@@ -173,7 +173,7 @@ def test_migration_applies_on_an_empty_database_and_at_the_previous_head(tmp_pat
     fresh = SqlResponseStore(empty)
     fresh.create_schema()
     fresh.close()
-    assert version_rows(empty, MIGRATIONS) == [("0007",)]  # head (0007: the provisional column)
+    assert version_rows(empty, MIGRATIONS) == [("0008",)]  # head (0008: regions)
 
     # At 0003, with a ledger row: upgraded in place, the row kept.
     url = f"sqlite:///{tmp_path / 'previous.db'}"
@@ -196,7 +196,7 @@ def test_migration_applies_on_an_empty_database_and_at_the_previous_head(tmp_pat
     store.save(_row())
     assert store.get("t1", "resp_1", T0) is not None
     store.close()
-    assert version_rows(url, MIGRATIONS) == [("0007",)]
+    assert version_rows(url, MIGRATIONS) == [("0008",)]
     engine = create_engine(url)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM usage_ledger")).scalar() == 1

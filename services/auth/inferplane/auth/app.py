@@ -22,6 +22,8 @@ from inferplane.auth.key_table_service import KeyTableService
 from inferplane.auth.keys import BOOTSTRAP_KEY_FILE, ApiKeyManager
 from inferplane.auth.ledger import SqlUsageLedger
 from inferplane.auth.limits import RateLimiter
+from inferplane.auth.peer_store import SqlPeerKeyStore
+from inferplane.auth.peers import PeerKeyTable, PeerMetrics, PeerSettings, parse_peers
 from inferplane.auth.responses_service import ResponsesService, ResponseStoreService
 from inferplane.auth.responses_store import SqlResponseStore
 from inferplane.auth.settings import AuthSettings, resolve_pepper
@@ -30,7 +32,14 @@ from inferplane.auth.store import ApiKeyStore
 from inferplane.auth.usage import UsageLedgerService, UsageMetrics, UsageService
 from inferplane.auth.verifier import KeyVerifier, LastUsedRecorder
 from inferplane.runtime import App, ConfigError, ServicerBinding
-from inferplane.runtime.security.identity import ADMIN, EDGE, NODE_AGENT, ROUTER, PeerPolicy
+from inferplane.runtime.security.identity import (
+    ADMIN,
+    AUTH,
+    EDGE,
+    NODE_AGENT,
+    ROUTER,
+    PeerPolicy,
+)
 from inferplane.runtime.security.internal import InternalCallerGuard
 from inferplane.runtime.time.clock import Clock, SystemClock
 
@@ -55,6 +64,9 @@ class AuthComponents:
     responses: SqlResponseStore | None = None
     # The key table routers watch (None: not served); built by `build_components`.
     key_table: KeyTableFeed | None = None
+    # The other regions' keys and month totals (None: no peers configured).
+    peers: PeerKeyTable | None = None
+    peer_store: SqlPeerKeyStore | None = None
     _usage: UsageService | None = None
     _flusher: asyncio.Task[None] | None = None
     _purger: asyncio.Task[None] | None = None
@@ -76,6 +88,8 @@ class AuthComponents:
                 note="readable by this user only; create named admin keys, then revoke it",
             )
         self._flusher = asyncio.create_task(self._flush_forever())
+        if self.peers is not None:
+            await self.peers.start()
         if self.responses is not None:
             await asyncio.to_thread(self.responses.create_schema)
             self._purger = asyncio.create_task(self._purge_forever())
@@ -122,6 +136,8 @@ class AuthComponents:
         """Stops the flusher, writes what is pending, closes the database."""
         if self.key_table is not None:
             await self.key_table.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         for task in (self._flusher, self._purger):
             if task is not None:
                 task.cancel()
@@ -136,6 +152,8 @@ class AuthComponents:
             await asyncio.to_thread(self.ledger.close)
             if self.responses is not None:
                 await asyncio.to_thread(self.responses.close)
+            if self.peer_store is not None:
+                await asyncio.to_thread(self.peer_store.close)
 
     def usage_service(self) -> UsageService | None:
         """The UsageService servicer (one per components; None without a rate limiter)."""
@@ -175,7 +193,9 @@ class AuthComponents:
                     "/inferplane.auth.v1.ApiKeyService/": [EDGE, ADMIN],
                     # Token usage from the routers, and the key table they authenticate with.
                     "/inferplane.auth.v1.UsageService/": [ROUTER],
-                    "/inferplane.auth.v1.KeyTableService/": [ROUTER],
+                    # ... and the other regions' auths (their copy of this region's keys,
+                    # its month totals: inferplane.auth.peers).
+                    "/inferplane.auth.v1.KeyTableService/": [ROUTER, AUTH],
                     # The usage ledger: the edge's /v1/admin/usage, or an operator's CLI.
                     "/inferplane.auth.v1.UsageLedgerService/": [EDGE, ADMIN],
                     # Stored responses: the edge's /v1/responses/{id} routes; the replica
@@ -229,6 +249,9 @@ class AuthComponents:
                     self.key_table,
                     InternalCallerGuard(self.settings.internal_token),
                     self.key_table.metrics,
+                    ledger=self.ledger,
+                    clock=self.clock,
+                    region=self.settings.region,
                 ),
                 key_table_pb2_grpc.add_KeyTableServiceServicer_to_server,
             )
@@ -263,7 +286,8 @@ def build_components(
     """Builds the parts (no I/O beyond reading or creating the pepper file).
 
     Raises:
-        ConfigError: a bad pepper, or a `rate_window_seconds` below 1.
+        ConfigError: a bad pepper, a `rate_window_seconds` below 1, a bad `region` or
+            `peers` (or peers without a region).
     """
     if settings.rate_window_seconds < 1:
         raise ConfigError("setting 'rate_window_seconds' must be at least 1")
@@ -279,7 +303,11 @@ def build_components(
         max_entries=settings.cache_max_entries,
         last_used=last_used,
     )
-    manager = ApiKeyManager(store, hasher, verifier, clock)
+    try:
+        manager = ApiKeyManager(store, hasher, verifier, clock, region=settings.region)
+        peer_addresses = parse_peers(f"{k}={v}" for k, v in settings.peers.items())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     counters = counter_store(settings)
     # The ledger lives in the auth database (its migrations are the store's).
     ledger = SqlUsageLedger(_database_url(settings))
@@ -291,6 +319,28 @@ def build_components(
         monthly_tokens=ledger.month_tokens,
     )
     registry = CollectorRegistry()
+    peers = peer_store = None
+    if peer_addresses:
+        if not settings.region:
+            raise ConfigError("setting 'peers' needs 'region' (this auth's own region)")
+        peer_store = SqlPeerKeyStore(_database_url(settings))
+        try:
+            peers = PeerKeyTable(
+                settings.region,
+                peer_addresses,
+                peer_store,
+                ledger,
+                clock,
+                PeerMetrics(registry),
+                security=settings.security("auth"),
+                token=settings.internal_token,
+                settings=PeerSettings(
+                    budget_sync_seconds=settings.budget_sync_seconds,
+                    local_budget_seconds=settings.key_table_budget_seconds,
+                ),
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     # The key table routers watch: this instance's key writes are pushed at once.
     key_table = KeyTableFeed(
         store,
@@ -302,6 +352,7 @@ def build_components(
             resync_seconds=settings.key_table_resync_seconds,
             budget_seconds=settings.key_table_budget_seconds,
         ),
+        peers=peers,
     )
     manager.on_change(key_table.key_changed, key_table.settled)
     return AuthComponents(
@@ -318,6 +369,8 @@ def build_components(
         # Stored responses live in the auth database too (the same migrations).
         responses=SqlResponseStore(_database_url(settings)),
         key_table=key_table,
+        peers=peers,
+        peer_store=peer_store,
     )
 
 

@@ -25,7 +25,16 @@ _STATE = {
     KeyState.EXPIRED: auth_pb2.ApiKey.STATE_EXPIRED,
 }
 _OUTPUT_ONLY = frozenset(
-    {"name", "key_prefix", "state", "create_time", "update_time", "last_used_time", "revoke_time"}
+    {
+        "name",
+        "key_prefix",
+        "state",
+        "create_time",
+        "update_time",
+        "last_used_time",
+        "revoke_time",
+        "home_region",
+    }
 )
 _LIMIT_FIELDS = (
     "requests_per_minute",
@@ -64,6 +73,8 @@ def key_to_proto(key: ApiKey, now: datetime) -> auth_pb2.ApiKey:
         key_prefix=key.key_prefix,
         state=_STATE[key.state(now)],
         tier=key.tier,
+        region_pinned=key.region_pinned,
+        home_region=key.home_region,
     )
     for field, value in (
         ("expire_time", key.expire_time),
@@ -93,6 +104,7 @@ def spec_from_proto(msg: auth_pb2.ApiKey) -> KeySpec:
             msg.limits.monthly_token_budget,
         ),
         tier=msg.tier,
+        region_pinned=msg.region_pinned,
     )
 
 
@@ -131,6 +143,8 @@ def fields_from_mask(paths: Iterable[str], msg: auth_pb2.ApiKey) -> frozenset[st
             problems.append(f"{p!r} is output only")
         elif p == "tenant":
             problems.append("'tenant' cannot be changed (create a key for the other tenant)")
+        elif p == "region_pinned":
+            problems.append("'region_pinned' is set at create only (create a pinned key)")
         else:
             problems.append(f"{p!r} is not a field of ApiKey")
     if problems:

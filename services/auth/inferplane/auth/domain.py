@@ -15,6 +15,8 @@ import secrets
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
+from inferplane import regions
+from inferplane.regions import SECRET_PREFIX, region_of_secret
 from inferplane.runtime import InvalidArgumentError
 from inferplane.runtime.security.api_keys import (
     SCOPE_ADMIN,
@@ -39,9 +41,9 @@ KNOWN_TIERS = ("standard", "priority")
 DEFAULT_TIER = "standard"
 DEFAULT_TENANT = "default"
 
-SECRET_PREFIX = "ip-"
 SECRET_BYTES = 32  # 256 bits: brute force is out of reach, hence a fast hash (see SecretHasher)
 KEY_PREFIX_CHARS = 8  # what `key_prefix` shows: "ip-" + 5 characters of the random part
+MAX_KEY_PREFIX_CHARS = 16  # ... after a region's prefix, cut to the stored column's width
 MAX_GRACE_PERIOD = timedelta(days=30)
 
 # Values that end up in edge headers and comma lists: no commas, spaces or control characters.
@@ -94,6 +96,10 @@ class ApiKey:
     revoke_time: datetime | None = None
     previous_secret_hash: str | None = None
     previous_secret_expire_time: datetime | None = None
+    # The region whose auth created the key ("" without regions) and whether the key is
+    # pinned there (data residency: never replicated, never failed over; docs/regions.md).
+    home_region: str = ""
+    region_pinned: bool = False
 
     @property
     def name(self) -> str:
@@ -161,6 +167,7 @@ class KeySpec:
     expire_time: datetime | None = None
     limits: Limits = Limits()
     tier: str = ""
+    region_pinned: bool = False  # create only: pin the key to the creating auth's region
 
 
 UPDATABLE_FIELDS = frozenset(
@@ -168,10 +175,13 @@ UPDATABLE_FIELDS = frozenset(
 )
 
 
-def new_secret() -> str:
-    """A fresh secret: `ip-` + base64url of 32 random bytes (46 characters)."""
+def new_secret(prefix: str = SECRET_PREFIX) -> str:
+    """A fresh secret: `prefix` + base64url of 32 random bytes (43 characters).
+
+    `prefix` is `ip-` (no region) or a region's `inferplane.regions.secret_prefix`
+    (`ip-<region>.`, pinned `ip-<region>~`), which the global tier routes by."""
     raw = base64.urlsafe_b64encode(secrets.token_bytes(SECRET_BYTES)).rstrip(b"=").decode()
-    return SECRET_PREFIX + raw
+    return prefix + raw
 
 
 def new_key_id() -> str:
@@ -180,8 +190,14 @@ def new_key_id() -> str:
 
 
 def key_prefix(secret: str) -> str:
-    """The first characters of a secret, shown in listings so people can recognise it."""
-    return secret[:KEY_PREFIX_CHARS]
+    """The first characters of a secret, shown in listings so people can recognise it: `ip-`
+    and 5 random characters, or with a region's prefix (`ip-eu1.`) its 5 random characters
+    too, at most `MAX_KEY_PREFIX_CHARS` in all (the column's width)."""
+    found = region_of_secret(secret)
+    if found is None:
+        return secret[:KEY_PREFIX_CHARS]
+    head = len(regions.secret_prefix(found[0], pinned=found[1]))
+    return secret[: min(head + KEY_PREFIX_CHARS - len(SECRET_PREFIX), MAX_KEY_PREFIX_CHARS)]
 
 
 def validate_spec(spec: KeySpec, fields: frozenset[str], now: datetime) -> KeySpec:

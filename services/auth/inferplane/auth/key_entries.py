@@ -1,6 +1,7 @@
 """The key table's entries and per-router state (`inferplane.auth.key_table`): the `KeyEntry`
 messages of one stored key (`key_entries`), a router's pending change (`Change`: latest entry
-per secret hash, removed hashes) and its stream's state (`Watcher`)."""
+per secret hash, removed hashes), its stream's state (`Watcher`), the feed's settings
+(`KeyTableSettings`) and metrics (`KeyTableMetrics`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from google.protobuf import timestamp_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
@@ -45,6 +47,8 @@ def key_entries(key: ApiKey, month_tokens: int, now: datetime) -> list[kpb.KeyEn
             monthly_token_budget=budget,
         ),
         "revoked": key.revoke_time is not None,
+        "home_region": key.home_region,
+        "region_pinned": key.region_pinned,
     }
     if budget:
         common["month_tokens"] = max(0, month_tokens)
@@ -149,3 +153,62 @@ class Watcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event.wait(), max(0.0, timeout))
         self._event.clear()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyTableSettings:
+    """How the feed follows the database (seconds).
+
+    Attributes:
+        poll_seconds: how often the audit log is read for other instances' writes (and due
+            budget refreshes, ended grace periods).
+        resync_seconds: how often the whole table is read again.
+        budget_seconds: how often every key with a monthly budget has its month re-read.
+        heartbeat_seconds: the heartbeat interval of a router that asks for none.
+        fresh_seconds: heartbeats stop once reads have failed for this long.
+        stall_seconds: ... or when no read succeeded for this long (a database that hangs;
+            longer than the slowest resync).
+        gap_seconds: how long a hole in the audit log's ids is waited for.
+        audit_batch: audit events read per poll at most (more: a full resync).
+    """
+
+    poll_seconds: float = 0.25
+    resync_seconds: float = 30.0
+    budget_seconds: float = 1.0
+    heartbeat_seconds: float = 1.0
+    fresh_seconds: float = 2.0
+    stall_seconds: float = 10.0
+    gap_seconds: float = 10.0
+    audit_batch: int = 1000
+
+
+class KeyTableMetrics:
+    """`inferplane_auth_key_table_watchers`, `_entries` (read at scrape),
+    `_updates_total{kind=snapshot|change|heartbeat}` and `_poll_errors_total`."""
+
+    KINDS = ("snapshot", "change", "heartbeat")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.watchers = Gauge(
+            "inferplane_auth_key_table_watchers",
+            "Routers watching this instance's key table (WatchKeyTable streams open).",
+            registry=registry,
+        )
+        self.entries = Gauge(
+            "inferplane_auth_key_table_entries",
+            "Secret hashes in this instance's key table (current and in-grace previous).",
+            registry=registry,
+        )
+        self.updates = Counter(
+            "inferplane_auth_key_table_updates",
+            "WatchKeyTable messages sent to routers, by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in self.KINDS:
+            self.updates.labels(kind)
+        self.poll_errors = Counter(
+            "inferplane_auth_key_table_poll_errors",
+            "Reads of the database by the key table that failed (it retries every poll).",
+            registry=registry,
+        )

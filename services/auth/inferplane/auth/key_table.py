@@ -40,6 +40,11 @@ Changes a router has not read yet are merged per router (latest entry per hash),
 router costs memory bounded by the table, never a queue. One feed per process serves every
 watch; it starts with the first watch. Secrets never leave auth: entries carry their
 HMAC-SHA256 under the pepper auth and routers share.
+
+With regions (`peers`, `inferplane.auth.peers.PeerKeyTable`), the table also holds the other
+regions' own keys (under `peers.peer_key` ids; this region's own secret hash wins a clash),
+pushed as soon as a peer's change is stored, and every budget is decided over every region's
+month totals.
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import ApiKey
@@ -65,7 +69,10 @@ from inferplane.auth.key_entries import (
     grace_end,
     timestamp,
 )
+from inferplane.auth.key_entries import KeyTableMetrics as KeyTableMetrics
+from inferplane.auth.key_entries import KeyTableSettings as KeyTableSettings
 from inferplane.auth.ledger import SqlUsageLedger, month_end
+from inferplane.auth.peers import PEER_KEY_PREFIX, PeerKeyTable
 from inferplane.auth.store import ApiKeyStore
 from inferplane.runtime import UnavailableError
 from inferplane.runtime.time.clock import Clock
@@ -84,33 +91,6 @@ MIN_HEARTBEAT_SECONDS = 0.05
 MAX_HEARTBEAT_SECONDS = 60.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class KeyTableSettings:
-    """How the feed follows the database (seconds).
-
-    Attributes:
-        poll_seconds: how often the audit log is read for other instances' writes (and due
-            budget refreshes, ended grace periods).
-        resync_seconds: how often the whole table is read again.
-        budget_seconds: how often every key with a monthly budget has its month re-read.
-        heartbeat_seconds: the heartbeat interval of a router that asks for none.
-        fresh_seconds: heartbeats stop once reads have failed for this long.
-        stall_seconds: ... or when no read succeeded for this long (a database that hangs;
-            longer than the slowest resync).
-        gap_seconds: how long a hole in the audit log's ids is waited for.
-        audit_batch: audit events read per poll at most (more: a full resync).
-    """
-
-    poll_seconds: float = 0.25
-    resync_seconds: float = 30.0
-    budget_seconds: float = 1.0
-    heartbeat_seconds: float = 1.0
-    fresh_seconds: float = 2.0
-    stall_seconds: float = 10.0
-    gap_seconds: float = 10.0
-    audit_batch: int = 1000
-
-
 @dataclasses.dataclass(slots=True)
 class _Read:
     """What one poll read (in a worker thread)."""
@@ -121,38 +101,6 @@ class _Read:
     built: dict[str, Built]  # key id → its entries now (every key in `keys` or `months`)
 
 
-class KeyTableMetrics:
-    """`inferplane_auth_key_table_watchers`, `_entries` (read at scrape),
-    `_updates_total{kind=snapshot|change|heartbeat}` and `_poll_errors_total`."""
-
-    KINDS = ("snapshot", "change", "heartbeat")
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.watchers = Gauge(
-            "inferplane_auth_key_table_watchers",
-            "Routers watching this instance's key table (WatchKeyTable streams open).",
-            registry=registry,
-        )
-        self.entries = Gauge(
-            "inferplane_auth_key_table_entries",
-            "Secret hashes in this instance's key table (current and in-grace previous).",
-            registry=registry,
-        )
-        self.updates = Counter(
-            "inferplane_auth_key_table_updates",
-            "WatchKeyTable messages sent to routers, by kind.",
-            ["kind"],
-            registry=registry,
-        )
-        for kind in self.KINDS:
-            self.updates.labels(kind)
-        self.poll_errors = Counter(
-            "inferplane_auth_key_table_poll_errors",
-            "Reads of the database by the key table that failed (it retries every poll).",
-            registry=registry,
-        )
-
-
 class KeyTableFeed:
     """The table of this auth instance and the routers watching it (module docstring).
 
@@ -160,6 +108,7 @@ class KeyTableFeed:
 
     Args:
         store, ledger: the auth database (keys and audit log; monthly usage).
+        peers: the other regions' keys and month totals (None: no regions).
         clock: wall time of `as_of`, grace ends and the budget month.
         timer: monotonic seconds of the poll cadence and freshness (real time, also in
             tests that fake `clock`).
@@ -173,10 +122,13 @@ class KeyTableFeed:
         metrics: KeyTableMetrics,
         settings: KeyTableSettings | None = None,
         *,
+        peers: PeerKeyTable | None = None,
         timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._ledger = ledger
+        self._peers = peers
+        self._peer_version = -1
         self._clock = clock
         self.metrics = metrics
         self.settings = settings or KeyTableSettings()
@@ -202,6 +154,10 @@ class KeyTableFeed:
         self._watchers: set[Watcher] = set()
         self._io = asyncio.Lock()
         self._wake = asyncio.Event()
+        if peers is not None:
+            # A peer's change wakes the feed.
+            peers.on_change = self._wake.set
+            peers.local_budgeted = lambda: list(self._months)
         # Writes through this instance (`key_changed`) and how many of them the feed has read
         # and pushed to its watchers (`settled`).
         self._change_seq = 0
@@ -409,7 +365,8 @@ class KeyTableFeed:
             raise
         change = Change()
         for key_id in set(self._by_key) - set(built):
-            self._set(key_id, None, {}, change, as_of)
+            if not key_id.startswith(PEER_KEY_PREFIX):
+                self._set(key_id, None, {}, change, as_of)
         for key in keys:
             self._months.pop(key.key_id, None)
             if key.limits.monthly_token_budget:
@@ -422,6 +379,7 @@ class KeyTableFeed:
             self._seen.clear()
             self._holes.clear()
             self._loaded = True
+        self._merge_peers(change, as_of, force=True)
         self._done(as_of, change)
 
     def _read_all(
@@ -430,7 +388,7 @@ class KeyTableFeed:
         last = self._store.last_audit_id()  # first: a write after it is followed by the poll
         keys = list(self._store.all_keys())
         budgeted = [k.key_id for k in keys if k.limits.monthly_token_budget]
-        months = self._ledger.month_tokens_of(budgeted, now) if budgeted else {}
+        months = self._months_of(budgeted, now) if budgeted else {}
         # Entries are built again only for keys that differ from what the table holds (the
         # table is only changed under the lock this read runs under).
         before = self._as_of
@@ -498,6 +456,7 @@ class KeyTableFeed:
                 key = self._keys[key_id]
                 month = self._months.get(key_id, 0)
                 self._set(key_id, key, build_entries(key, month, as_of), change, as_of)
+        self._merge_peers(change, as_of, force=rolled)
         self._done(as_of, change)
 
     def _read_changes(
@@ -518,7 +477,7 @@ class KeyTableFeed:
             keys.update((k.key_id, k) for k in self._store.get_many(wanted))
         months_of = set(budgeted)
         months_of.update(k for k, key in keys.items() if key and key.limits.monthly_token_budget)
-        months = self._ledger.month_tokens_of(months_of, now) if months_of else {}
+        months = self._months_of(months_of, now) if months_of else {}
         built: dict[str, Built] = {}
         for key_id, found in keys.items():
             built[key_id] = (
@@ -578,6 +537,40 @@ class KeyTableFeed:
             self._graces.pop(key_id, None)
         else:
             self._graces[key_id] = end
+
+    def _months_of(self, key_ids: Collection[str], now: datetime) -> dict[str, int]:
+        """The month tokens of `key_ids`: this region's ledger plus, with peers, what the
+        other regions last reported (absent: none)."""
+        found = self._ledger.month_tokens_of(key_ids, now)
+        if self._peers is not None:
+            self._peers.add_others(found, key_ids, now)
+        return found
+
+    def _merge_peers(self, change: Change, now: datetime, *, force: bool) -> None:
+        """Makes the peers' keys in the table what `PeerKeyTable.built` says, when they may
+        have changed since the last merge (or `force`), and notes what differs in `change`."""
+        peers = self._peers
+        if peers is None or (peers.version == self._peer_version and not force):
+            return
+        self._peer_version = peers.version
+        own = {h for k, b in self._by_key.items() if not k.startswith(PEER_KEY_PREFIX) for h in b}
+        tables = peers.built(now, own)
+        for key_id in [k for k in self._by_key if k.startswith(PEER_KEY_PREFIX)]:
+            if key_id not in tables:
+                tables[key_id] = {}
+        for key_id, built in tables.items():
+            old = self._by_key.get(key_id, {})
+            for secret_hash, (raw, entry) in built.items():
+                before = old.get(secret_hash)
+                if before is None or before[0] != raw:
+                    change.put(secret_hash, entry)
+            for secret_hash in old.keys() - built.keys():
+                change.drop(secret_hash)
+            self._size += len(built) - len(old)
+            if built:
+                self._by_key[key_id] = built
+            else:
+                self._by_key.pop(key_id, None)
 
     def _done(self, as_of: datetime, change: Change) -> None:
         self._read_at = self._timer()

@@ -1,5 +1,7 @@
 """`inferplane.auth.v1.KeyTableService`: streams the `KeyTableFeed` (`inferplane.auth.key_table`)
-to each watching router: its snapshot, its merged changes, heartbeats."""
+to each watching router (and each other region's auth: `inferplane.auth.peers`): its snapshot,
+its merged changes, heartbeats; and answers `RegionMonthTokens`, this region's own month
+totals, to the other regions' auths."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from inferplane.auth.key_table import (
     KeyTableFeed,
     KeyTableMetrics,
 )
+from inferplane.auth.ledger import SqlUsageLedger
+from inferplane.auth.peers import region_month_tokens
 from inferplane.runtime.security.identity import peer_identity
 from inferplane.runtime.security.internal import InternalCallerGuard
+from inferplane.runtime.time.clock import Clock
 
 if TYPE_CHECKING:
     import grpc
@@ -29,16 +34,38 @@ else:
 class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: ignore[misc]
     """inferplane.auth.v1.KeyTableService: `WatchKeyTable` streams the `KeyTableFeed`.
 
+    `RegionMonthTokens` answers from `ledger` (this region's own usage only) in `clock`'s
+    month; `region` names this auth's region in the answer.
+
     Errors: UNAUTHENTICATED / PERMISSION_DENIED for a caller the guard refuses, UNAVAILABLE
-    while the database cannot be read or auth is stopping.
+    while the database cannot be read or auth is stopping, INVALID_ARGUMENT for more than
+    `peers.MAX_MONTH_KEYS` key ids.
     """
 
     def __init__(
-        self, feed: KeyTableFeed, guard: InternalCallerGuard, metrics: KeyTableMetrics
+        self,
+        feed: KeyTableFeed,
+        guard: InternalCallerGuard,
+        metrics: KeyTableMetrics,
+        *,
+        ledger: SqlUsageLedger,
+        clock: Clock,
+        region: str = "",
     ) -> None:
         self._feed = feed
         self._guard = guard
         self._metrics = metrics
+        self._ledger = ledger
+        self._clock = clock
+        self._region = region
+
+    async def RegionMonthTokens(
+        self, request: kpb.RegionMonthTokensRequest, context: Context
+    ) -> kpb.RegionMonthTokensResponse:
+        self._guard.check(
+            dict(context.invocation_metadata() or ()), context.peer() or "", peer_identity(context)
+        )
+        return await region_month_tokens(self._ledger, self._clock, self._region, request)
 
     async def WatchKeyTable(
         self, request: kpb.WatchKeyTableRequest, context: Context

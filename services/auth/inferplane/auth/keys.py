@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from inferplane import regions
 from inferplane.auth.domain import (
     MAX_GRACE_PERIOD,
     SCOPE_ADMIN,
@@ -65,11 +66,26 @@ class Page:
 
 
 class ApiKeyManager:
-    """API key use cases. `actor` arguments are the key id of the admin making the call."""
+    """API key use cases. `actor` arguments are the key id of the admin making the call.
+
+    `region` (`inferplane.regions`; "" = no regions): created keys are homed there and their
+    secrets, and rotated ones, carry the region's prefix (`ip-<region>.`, or `ip-<region>~`
+    for a key pinned to it), which the global tier routes by (docs/regions.md).
+
+    Raises:
+        ValueError: `region` is not a valid region name.
+    """
 
     def __init__(
-        self, store: ApiKeyStore, hasher: SecretHasher, verifier: KeyVerifier, clock: Clock
+        self,
+        store: ApiKeyStore,
+        hasher: SecretHasher,
+        verifier: KeyVerifier,
+        clock: Clock,
+        *,
+        region: str = "",
     ) -> None:
+        self.region = regions.validate_region(region) if region else ""
         self._store = store
         self._hasher = hasher
         self._verifier = verifier
@@ -116,7 +132,12 @@ class ApiKeyManager:
         """
         now = self._clock.now()
         spec = validate_spec(spec, _CREATE_FIELDS, now)
-        secret = new_secret()
+        if spec.region_pinned and not self.region:
+            raise InvalidArgumentError(
+                "region_pinned needs an auth started with a region (--region)",
+                param="api_key.region_pinned",
+            )
+        secret = self._secret(self.region, pinned=spec.region_pinned)
         key = self._new_key(spec, secret, now)
         event = AuditEvent(
             now,
@@ -129,6 +150,11 @@ class ApiKeyManager:
         await asyncio.to_thread(self._store.insert, key, event)
         await self._changed(key.key_id)
         return key, secret
+
+    @staticmethod
+    def _secret(region: str, *, pinned: bool) -> str:
+        """A new secret, with `region`'s prefix when there is one."""
+        return new_secret(regions.secret_prefix(region, pinned=pinned)) if region else new_secret()
 
     def _new_key(self, spec: KeySpec, secret: str, now: datetime) -> ApiKey:
         return ApiKey(
@@ -144,6 +170,8 @@ class ApiKeyManager:
             secret_hash=self._hasher.hash(secret),
             create_time=now,
             update_time=now,
+            home_region=self.region,
+            region_pinned=spec.region_pinned and bool(self.region),
         )
 
     async def get(self, key_id: str) -> ApiKey:
@@ -261,7 +289,7 @@ class ApiKeyManager:
                 param="grace_period_seconds",
             )
         now = self._clock.now()
-        secret = new_secret()
+        minted: dict[str, str] = {}
 
         def change(key: ApiKey) -> tuple[ApiKey, AuditEvent | None]:
             if key.revoke_time is not None:
@@ -269,8 +297,13 @@ class ApiKeyManager:
                     f"{key.name} is revoked; create a new key instead of rotating it",
                     reason="API_KEY_REVOKED",
                 )
+            # The key's home region names the new secret (a key from before regions is
+            # adopted by this auth's region).
+            home = key.home_region or self.region
+            secret = minted["secret"] = self._secret(home, pinned=key.region_pinned)
             new = dataclasses.replace(
                 key,
+                home_region=home,
                 secret_hash=self._hasher.hash(secret),
                 key_prefix=key_prefix(secret),
                 previous_secret_hash=key.secret_hash if grace else None,
@@ -282,7 +315,7 @@ class ApiKeyManager:
 
         key = await asyncio.to_thread(self._store.update, key_id, change)
         await self._changed(key_id)
-        return key, secret
+        return key, minted["secret"]
 
     async def bootstrap_admin(self, configured_secret: str, data_dir: Path) -> str | None:
         """Makes sure an admin key exists; returns the secret when one was generated.
@@ -324,7 +357,7 @@ class ApiKeyManager:
             return None
         if await asyncio.to_thread(self._store.has_active_admin, now):
             return None
-        secret = new_secret()
+        secret = self._secret(self.region, pinned=False)
         key = self._new_key(spec, secret, now)
         event = AuditEvent(
             now, AuditAction.CREATE, key.key_id, BOOTSTRAP_ACTOR, key.tenant, {"from": "generated"}

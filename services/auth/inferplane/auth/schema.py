@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from sqlalchemy import MetaData
 
-from inferplane.auth import counters, ledger, responses_store, sql_store
+from inferplane.auth import counters, ledger, peer_store, responses_store, sql_store
 
 METADATA: tuple[MetaData, ...] = (
     sql_store.METADATA,
     counters.METADATA,
     ledger.METADATA,
     responses_store.METADATA,
+    peer_store.METADATA,
 )
 """API keys and their audit log, rate counters and leases, the usage ledger, stored
-responses."""
+responses, the other regions' keys."""

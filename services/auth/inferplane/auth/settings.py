@@ -8,6 +8,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from inferplane.auth.peers import parse_peers
+from inferplane.regions import BUDGET_SYNC_SECONDS, validate_region
 from inferplane.runtime import ConfigError, ServiceSettings, load_settings
 
 BOOTSTRAP_ENV = "INFERPLANE_BOOTSTRAP_ADMIN_KEY"
@@ -55,6 +57,15 @@ class AuthSettings(ServiceSettings):
         key_table_resync_seconds: how often the key table is read whole again.
         key_table_budget_seconds: how often the monthly token totals of every key with a
             budget are read again (usage reported to other instances).
+        region: this auth's region (`inferplane.regions`; docs/regions.md): keys created
+            here are homed in it and their secrets carry its prefix. Empty: one cell, no
+            regions (no peers, no pinning).
+        peers: the other regions' auth gRPC addresses, region -> host:port (flag `--peer
+            REGION=HOST:PORT`, repeatable, or `--peers R1=H:P,R2=H:P`): this auth follows
+            their key tables and month totals (`inferplane.auth.peers`) as an internal
+            caller (the `auth` identity under mutual TLS, `internal_token` when set).
+        budget_sync_seconds: how often each peer's month totals are read
+            (`regions.BUDGET_SYNC_SECONDS`).
     """
 
     port: int = 50051
@@ -76,6 +87,9 @@ class AuthSettings(ServiceSettings):
     key_table_poll_seconds: float = 0.25
     key_table_resync_seconds: float = 30.0
     key_table_budget_seconds: float = 1.0
+    region: str = ""
+    peers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    budget_sync_seconds: float = BUDGET_SYNC_SECONDS
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -95,10 +109,38 @@ def load_auth_settings(
         ConfigError: see `load_settings`.
     """
     environ = os.environ if environ is None else environ
-    settings = load_settings(AuthSettings, service="auth", argv=argv, environ=environ)
+    settings = load_settings(
+        AuthSettings, service="auth", argv=_join_peer_flags(argv or ()), environ=environ
+    )
+    try:
+        if settings.region:
+            validate_region(settings.region)
+        peers = parse_peers(f"{k}={v}" for k, v in settings.peers.items())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if peers and not settings.region:
+        raise ConfigError("setting 'peers' needs 'region' (this auth's own region)")
+    if settings.region in peers:
+        raise ConfigError(f"peer {settings.region!r} is this auth's own region")
     if not settings.bootstrap_admin_key and environ.get(BOOTSTRAP_ENV):
         settings = dataclasses.replace(settings, bootstrap_admin_key=environ[BOOTSTRAP_ENV])
     return settings
+
+
+def _join_peer_flags(argv: Sequence[str]) -> list[str]:
+    """`--peer A=H:P --peer B=H:P` (repeatable) as the one `--peers A=H:P,B=H:P` the loader
+    reads; an explicit `--peers` joins them."""
+    rest: list[str] = []
+    peers: list[str] = []
+    items = iter(argv)
+    for arg in items:
+        if arg in ("--peer", "--peers"):
+            peers.extend(p for p in next(items, "").split(",") if p)
+        elif arg.startswith(("--peer=", "--peers=")):
+            peers.extend(p for p in arg.split("=", 1)[1].split(",") if p)
+        else:
+            rest.append(arg)
+    return [*rest, "--peers", ",".join(peers)] if peers else rest
 
 
 def resolve_pepper(settings: AuthSettings) -> bytes:

@@ -68,6 +68,9 @@ class _KeyRow(_Base):
     update_time: Mapped[datetime] = mapped_column(UtcDateTime)
     last_used_time: Mapped[datetime | None] = mapped_column(UtcDateTime)
     revoke_time: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Regions (migration 0008): the creating auth's region ("" before regions) and the pin.
+    home_region: Mapped[str] = mapped_column(String(16), default="")
+    region_pinned: Mapped[bool] = mapped_column(Boolean, default=False)
 
     __table_args__ = (Index("ix_api_keys_create_time_key_id", "create_time", "key_id"),)
 
@@ -117,6 +120,8 @@ def _to_domain(row: Any) -> ApiKey:
         revoke_time=row.revoke_time,
         previous_secret_hash=row.previous_secret_hash,
         previous_secret_expire_time=row.previous_secret_expire_time,
+        home_region=row.home_region,
+        region_pinned=row.region_pinned,
     )
 
 
@@ -142,6 +147,8 @@ def _fill_row(row: _KeyRow, key: ApiKey, *, with_last_used: bool = True) -> None
     if with_last_used:  # updates leave it to record_last_used, so neither clobbers the other
         row.last_used_time = key.last_used_time
     row.revoke_time = key.revoke_time
+    row.home_region = key.home_region
+    row.region_pinned = key.region_pinned
 
 
 def _audit_row(ev: AuditEvent) -> _AuditRow:

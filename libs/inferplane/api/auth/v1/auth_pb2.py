@@ -28,7 +28,7 @@ from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mas
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinferplane/auth/v1/auth.proto\x12\x12inferplane.auth.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a google/protobuf/field_mask.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdd\x04\n\x06\x41piKey\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x08\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\x12\x16\n\x0e\x61llowed_models\x18\x05 \x03(\t\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x06limits\x18\x07 \x01(\x0b\x32\x1a.inferplane.auth.v1.Limits\x12\x18\n\nkey_prefix\x18\x08 \x01(\tB\x04\xe2\x41\x01\x03\x12\x35\n\x05state\x18\t \x01(\x0e\x32 .inferplane.auth.v1.ApiKey.StateB\x04\xe2\x41\x01\x03\x12\x35\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x35\n\x0bupdate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x38\n\x0elast_used_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x35\n\x0brevoke_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x0c\n\x04tier\x18\x0e \x01(\t\"V\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_ACTIVE\x10\x01\x12\x11\n\rSTATE_REVOKED\x10\x02\x12\x11\n\rSTATE_EXPIRED\x10\x03\"\x7f\n\x06Limits\x12\x1b\n\x13requests_per_minute\x18\x01 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x02 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x03 \x01(\r\x12\x1c\n\x14monthly_token_budget\x18\x04 \x01(\x04\"H\n\x13\x43reateApiKeyRequest\x12\x31\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKeyB\x04\xe2\x41\x01\x02\"S\n\x14\x43reateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t\"&\n\x10GetApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"@\n\x11GetApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\"b\n\x12ListApiKeysRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x15\n\rshow_inactive\x18\x04 \x01(\x08\"\\\n\x13ListApiKeysResponse\x12,\n\x08\x61pi_keys\x18\x01 \x03(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"y\n\x13UpdateApiKeyRequest\x12\x31\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKeyB\x04\xe2\x41\x01\x02\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"C\n\x14UpdateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\")\n\x13RevokeApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"C\n\x14RevokeApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\")\n\x13\x44\x65leteApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"\x16\n\x14\x44\x65leteApiKeyResponse\"G\n\x13RotateApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\r\"S\n\x14RotateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t2\xdc\x07\n\rApiKeyService\x12\x86\x01\n\x0c\x43reateApiKey\x12\'.inferplane.auth.v1.CreateApiKeyRequest\x1a(.inferplane.auth.v1.CreateApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d\"\x12/v1/admin/api-keys:\x07\x61pi_key\x12}\n\tGetApiKey\x12$.inferplane.auth.v1.GetApiKeyRequest\x1a%.inferplane.auth.v1.GetApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d\x12\x1b/v1/admin/{name=api-keys/*}\x12z\n\x0bListApiKeys\x12&.inferplane.auth.v1.ListApiKeysRequest\x1a\'.inferplane.auth.v1.ListApiKeysResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\x12\x12/v1/admin/api-keys\x12\x97\x01\n\x0cUpdateApiKey\x12\'.inferplane.auth.v1.UpdateApiKeyRequest\x1a(.inferplane.auth.v1.UpdateApiKeyResponse\"4\x82\xd3\xe4\x93\x02.2#/v1/admin/{api_key.name=api-keys/*}:\x07\x61pi_key\x12\x90\x01\n\x0cRevokeApiKey\x12\'.inferplane.auth.v1.RevokeApiKeyRequest\x1a(.inferplane.auth.v1.RevokeApiKeyResponse\"-\x82\xd3\xe4\x93\x02\'\"\"/v1/admin/{name=api-keys/*}:revoke:\x01*\x12\x86\x01\n\x0c\x44\x65leteApiKey\x12\'.inferplane.auth.v1.DeleteApiKeyRequest\x1a(.inferplane.auth.v1.DeleteApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d*\x1b/v1/admin/{name=api-keys/*}\x12\x90\x01\n\x0cRotateApiKey\x12\'.inferplane.auth.v1.RotateApiKeyRequest\x1a(.inferplane.auth.v1.RotateApiKeyResponse\"-\x82\xd3\xe4\x93\x02\'\"\"/v1/admin/{name=api-keys/*}:rotate:\x01*b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinferplane/auth/v1/auth.proto\x12\x12inferplane.auth.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a google/protobuf/field_mask.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x95\x05\n\x06\x41piKey\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x08\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\x12\x16\n\x0e\x61llowed_models\x18\x05 \x03(\t\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x06limits\x18\x07 \x01(\x0b\x32\x1a.inferplane.auth.v1.Limits\x12\x18\n\nkey_prefix\x18\x08 \x01(\tB\x04\xe2\x41\x01\x03\x12\x35\n\x05state\x18\t \x01(\x0e\x32 .inferplane.auth.v1.ApiKey.StateB\x04\xe2\x41\x01\x03\x12\x35\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x35\n\x0bupdate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x38\n\x0elast_used_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x35\n\x0brevoke_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x0c\n\x04tier\x18\x0e \x01(\t\x12\x1b\n\rregion_pinned\x18\x0f \x01(\x08\x42\x04\xe2\x41\x01\x05\x12\x19\n\x0bhome_region\x18\x10 \x01(\tB\x04\xe2\x41\x01\x03\"V\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_ACTIVE\x10\x01\x12\x11\n\rSTATE_REVOKED\x10\x02\x12\x11\n\rSTATE_EXPIRED\x10\x03\"\x7f\n\x06Limits\x12\x1b\n\x13requests_per_minute\x18\x01 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x02 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x03 \x01(\r\x12\x1c\n\x14monthly_token_budget\x18\x04 \x01(\x04\"H\n\x13\x43reateApiKeyRequest\x12\x31\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKeyB\x04\xe2\x41\x01\x02\"S\n\x14\x43reateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t\"&\n\x10GetApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"@\n\x11GetApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\"b\n\x12ListApiKeysRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x15\n\rshow_inactive\x18\x04 \x01(\x08\"\\\n\x13ListApiKeysResponse\x12,\n\x08\x61pi_keys\x18\x01 \x03(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"y\n\x13UpdateApiKeyRequest\x12\x31\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKeyB\x04\xe2\x41\x01\x02\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"C\n\x14UpdateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\")\n\x13RevokeApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"C\n\x14RevokeApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\")\n\x13\x44\x65leteApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"\x16\n\x14\x44\x65leteApiKeyResponse\"G\n\x13RotateApiKeyRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\r\"S\n\x14RotateApiKeyResponse\x12+\n\x07\x61pi_key\x18\x01 \x01(\x0b\x32\x1a.inferplane.auth.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t2\xdc\x07\n\rApiKeyService\x12\x86\x01\n\x0c\x43reateApiKey\x12\'.inferplane.auth.v1.CreateApiKeyRequest\x1a(.inferplane.auth.v1.CreateApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d\"\x12/v1/admin/api-keys:\x07\x61pi_key\x12}\n\tGetApiKey\x12$.inferplane.auth.v1.GetApiKeyRequest\x1a%.inferplane.auth.v1.GetApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d\x12\x1b/v1/admin/{name=api-keys/*}\x12z\n\x0bListApiKeys\x12&.inferplane.auth.v1.ListApiKeysRequest\x1a\'.inferplane.auth.v1.ListApiKeysResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\x12\x12/v1/admin/api-keys\x12\x97\x01\n\x0cUpdateApiKey\x12\'.inferplane.auth.v1.UpdateApiKeyRequest\x1a(.inferplane.auth.v1.UpdateApiKeyResponse\"4\x82\xd3\xe4\x93\x02.2#/v1/admin/{api_key.name=api-keys/*}:\x07\x61pi_key\x12\x90\x01\n\x0cRevokeApiKey\x12\'.inferplane.auth.v1.RevokeApiKeyRequest\x1a(.inferplane.auth.v1.RevokeApiKeyResponse\"-\x82\xd3\xe4\x93\x02\'\"\"/v1/admin/{name=api-keys/*}:revoke:\x01*\x12\x86\x01\n\x0c\x44\x65leteApiKey\x12\'.inferplane.auth.v1.DeleteApiKeyRequest\x1a(.inferplane.auth.v1.DeleteApiKeyResponse\"#\x82\xd3\xe4\x93\x02\x1d*\x1b/v1/admin/{name=api-keys/*}\x12\x90\x01\n\x0cRotateApiKey\x12\'.inferplane.auth.v1.RotateApiKeyRequest\x1a(.inferplane.auth.v1.RotateApiKeyResponse\"-\x82\xd3\xe4\x93\x02\'\"\"/v1/admin/{name=api-keys/*}:rotate:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,6 +49,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APIKEY'].fields_by_name['last_used_time']._serialized_options = b'\342A\001\003'
   _globals['_APIKEY'].fields_by_name['revoke_time']._loaded_options = None
   _globals['_APIKEY'].fields_by_name['revoke_time']._serialized_options = b'\342A\001\003'
+  _globals['_APIKEY'].fields_by_name['region_pinned']._loaded_options = None
+  _globals['_APIKEY'].fields_by_name['region_pinned']._serialized_options = b'\342A\001\005'
+  _globals['_APIKEY'].fields_by_name['home_region']._loaded_options = None
+  _globals['_APIKEY'].fields_by_name['home_region']._serialized_options = b'\342A\001\003'
   _globals['_CREATEAPIKEYREQUEST'].fields_by_name['api_key']._loaded_options = None
   _globals['_CREATEAPIKEYREQUEST'].fields_by_name['api_key']._serialized_options = b'\342A\001\002'
   _globals['_GETAPIKEYREQUEST'].fields_by_name['name']._loaded_options = None
@@ -76,39 +80,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APIKEYSERVICE'].methods_by_name['RotateApiKey']._loaded_options = None
   _globals['_APIKEYSERVICE'].methods_by_name['RotateApiKey']._serialized_options = b'\202\323\344\223\002\'\"\"/v1/admin/{name=api-keys/*}:rotate:\001*'
   _globals['_APIKEY']._serialized_start=184
-  _globals['_APIKEY']._serialized_end=789
-  _globals['_APIKEY_STATE']._serialized_start=703
-  _globals['_APIKEY_STATE']._serialized_end=789
-  _globals['_LIMITS']._serialized_start=791
-  _globals['_LIMITS']._serialized_end=918
-  _globals['_CREATEAPIKEYREQUEST']._serialized_start=920
-  _globals['_CREATEAPIKEYREQUEST']._serialized_end=992
-  _globals['_CREATEAPIKEYRESPONSE']._serialized_start=994
-  _globals['_CREATEAPIKEYRESPONSE']._serialized_end=1077
-  _globals['_GETAPIKEYREQUEST']._serialized_start=1079
-  _globals['_GETAPIKEYREQUEST']._serialized_end=1117
-  _globals['_GETAPIKEYRESPONSE']._serialized_start=1119
-  _globals['_GETAPIKEYRESPONSE']._serialized_end=1183
-  _globals['_LISTAPIKEYSREQUEST']._serialized_start=1185
-  _globals['_LISTAPIKEYSREQUEST']._serialized_end=1283
-  _globals['_LISTAPIKEYSRESPONSE']._serialized_start=1285
-  _globals['_LISTAPIKEYSRESPONSE']._serialized_end=1377
-  _globals['_UPDATEAPIKEYREQUEST']._serialized_start=1379
-  _globals['_UPDATEAPIKEYREQUEST']._serialized_end=1500
-  _globals['_UPDATEAPIKEYRESPONSE']._serialized_start=1502
-  _globals['_UPDATEAPIKEYRESPONSE']._serialized_end=1569
-  _globals['_REVOKEAPIKEYREQUEST']._serialized_start=1571
-  _globals['_REVOKEAPIKEYREQUEST']._serialized_end=1612
-  _globals['_REVOKEAPIKEYRESPONSE']._serialized_start=1614
-  _globals['_REVOKEAPIKEYRESPONSE']._serialized_end=1681
-  _globals['_DELETEAPIKEYREQUEST']._serialized_start=1683
-  _globals['_DELETEAPIKEYREQUEST']._serialized_end=1724
-  _globals['_DELETEAPIKEYRESPONSE']._serialized_start=1726
-  _globals['_DELETEAPIKEYRESPONSE']._serialized_end=1748
-  _globals['_ROTATEAPIKEYREQUEST']._serialized_start=1750
-  _globals['_ROTATEAPIKEYREQUEST']._serialized_end=1821
-  _globals['_ROTATEAPIKEYRESPONSE']._serialized_start=1823
-  _globals['_ROTATEAPIKEYRESPONSE']._serialized_end=1906
-  _globals['_APIKEYSERVICE']._serialized_start=1909
-  _globals['_APIKEYSERVICE']._serialized_end=2897
+  _globals['_APIKEY']._serialized_end=845
+  _globals['_APIKEY_STATE']._serialized_start=759
+  _globals['_APIKEY_STATE']._serialized_end=845
+  _globals['_LIMITS']._serialized_start=847
+  _globals['_LIMITS']._serialized_end=974
+  _globals['_CREATEAPIKEYREQUEST']._serialized_start=976
+  _globals['_CREATEAPIKEYREQUEST']._serialized_end=1048
+  _globals['_CREATEAPIKEYRESPONSE']._serialized_start=1050
+  _globals['_CREATEAPIKEYRESPONSE']._serialized_end=1133
+  _globals['_GETAPIKEYREQUEST']._serialized_start=1135
+  _globals['_GETAPIKEYREQUEST']._serialized_end=1173
+  _globals['_GETAPIKEYRESPONSE']._serialized_start=1175
+  _globals['_GETAPIKEYRESPONSE']._serialized_end=1239
+  _globals['_LISTAPIKEYSREQUEST']._serialized_start=1241
+  _globals['_LISTAPIKEYSREQUEST']._serialized_end=1339
+  _globals['_LISTAPIKEYSRESPONSE']._serialized_start=1341
+  _globals['_LISTAPIKEYSRESPONSE']._serialized_end=1433
+  _globals['_UPDATEAPIKEYREQUEST']._serialized_start=1435
+  _globals['_UPDATEAPIKEYREQUEST']._serialized_end=1556
+  _globals['_UPDATEAPIKEYRESPONSE']._serialized_start=1558
+  _globals['_UPDATEAPIKEYRESPONSE']._serialized_end=1625
+  _globals['_REVOKEAPIKEYREQUEST']._serialized_start=1627
+  _globals['_REVOKEAPIKEYREQUEST']._serialized_end=1668
+  _globals['_REVOKEAPIKEYRESPONSE']._serialized_start=1670
+  _globals['_REVOKEAPIKEYRESPONSE']._serialized_end=1737
+  _globals['_DELETEAPIKEYREQUEST']._serialized_start=1739
+  _globals['_DELETEAPIKEYREQUEST']._serialized_end=1780
+  _globals['_DELETEAPIKEYRESPONSE']._serialized_start=1782
+  _globals['_DELETEAPIKEYRESPONSE']._serialized_end=1804
+  _globals['_ROTATEAPIKEYREQUEST']._serialized_start=1806
+  _globals['_ROTATEAPIKEYREQUEST']._serialized_end=1877
+  _globals['_ROTATEAPIKEYRESPONSE']._serialized_start=1879
+  _globals['_ROTATEAPIKEYRESPONSE']._serialized_end=1962
+  _globals['_APIKEYSERVICE']._serialized_start=1965
+  _globals['_APIKEYSERVICE']._serialized_end=2953
 # @@protoc_insertion_point(module_scope)

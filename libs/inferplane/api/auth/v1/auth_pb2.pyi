@@ -71,6 +71,8 @@ class ApiKey(_message.Message):
     LAST_USED_TIME_FIELD_NUMBER: _builtins.int
     REVOKE_TIME_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    REGION_PINNED_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `api-keys/{key_id}`."""
     display_name: _builtins.str
@@ -83,6 +85,15 @@ class ApiKey(_message.Message):
     """The key's state."""
     tier: _builtins.str
     """Priority tier for admission queues ("standard", "priority")."""
+    region_pinned: _builtins.bool
+    """Pinned to its home region for data residency: its secrets start `ip-<region>~`, it is
+    never replicated to other regions and the global tier never fails it over out of its
+    region (503 `region_unavailable` instead). Set at create only; ignored by updates.
+    """
+    home_region: _builtins.str
+    """The region whose auth created the key (its secrets start `ip-<region>.`, or `~` when
+    pinned); "" for a key made by an auth without a region (single-cell deployments).
+    """
     @_builtins.property
     def scopes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Scopes: "inference" (the OpenAI API) and "admin" (this service)."""
@@ -132,10 +143,12 @@ class ApiKey(_message.Message):
         last_used_time: _timestamp_pb2.Timestamp | None = ...,
         revoke_time: _timestamp_pb2.Timestamp | None = ...,
         tier: _builtins.str = ...,
+        region_pinned: _builtins.bool = ...,
+        home_region: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "expire_time", b"expire_time", "last_used_time", b"last_used_time", "limits", b"limits", "revoke_time", b"revoke_time", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "create_time", b"create_time", "display_name", b"display_name", "expire_time", b"expire_time", "key_prefix", b"key_prefix", "last_used_time", b"last_used_time", "limits", b"limits", "name", b"name", "revoke_time", b"revoke_time", "scopes", b"scopes", "state", b"state", "tenant", b"tenant", "tier", b"tier", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "create_time", b"create_time", "display_name", b"display_name", "expire_time", b"expire_time", "home_region", b"home_region", "key_prefix", b"key_prefix", "last_used_time", b"last_used_time", "limits", b"limits", "name", b"name", "region_pinned", b"region_pinned", "revoke_time", b"revoke_time", "scopes", b"scopes", "state", b"state", "tenant", b"tenant", "tier", b"tier", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

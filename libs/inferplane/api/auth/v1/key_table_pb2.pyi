@@ -25,6 +25,90 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class RegionMonthTokensRequest(_message.Message):
+    """Request for RegionMonthTokens."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_IDS_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's region (logs only)."""
+    @_builtins.property
+    def key_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The key ids (at most 10,000)."""
+
+    def __init__(
+        self,
+        *,
+        key_ids: _abc.Iterable[_builtins.str] | None = ...,
+        region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_ids", b"key_ids", "region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegionMonthTokensRequest: _TypeAlias = RegionMonthTokensRequest  # noqa: Y015
+
+@_typing.final
+class RegionMonthTokensResponse(_message.Message):
+    """Response of RegionMonthTokens."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TokensEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    MONTH_END_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The answering region's name ("" without one)."""
+    @_builtins.property
+    def tokens(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Key id -> tokens (prompt + completion) this region served this calendar month (UTC)."""
+
+    @_builtins.property
+    def month_end(self) -> _timestamp_pb2.Timestamp:
+        """The end of the month the totals belong to (the start of the next, UTC): totals of
+        another month than the caller's are ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        region: _builtins.str = ...,
+        month_end: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["month_end", b"month_end"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["month_end", b"month_end", "region", b"region", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegionMonthTokensResponse: _TypeAlias = RegionMonthTokensResponse  # noqa: Y015
+
+@_typing.final
 class WatchKeyTableRequest(_message.Message):
     """Request for WatchKeyTable."""
 
@@ -120,6 +204,8 @@ class KeyEntry(_message.Message):
     BUDGET_EXHAUSTED_FIELD_NUMBER: _builtins.int
     BUDGET_RESETS_FIELD_NUMBER: _builtins.int
     MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
+    REGION_PINNED_FIELD_NUMBER: _builtins.int
     secret_hash: _builtins.str
     """Hex HMAC-SHA256(pepper, secret), as auth stores it (64 characters)."""
     key_id: _builtins.str
@@ -142,6 +228,12 @@ class KeyEntry(_message.Message):
     """Tokens the key used this calendar month as auth's ledger knew at `WatchKeyTableResponse.as_of`
     (for the budget's overshoot bound; 0 for a key without a budget).
     """
+    home_region: _builtins.str
+    """The region whose auth owns the key ("" for an auth without a region). Other regions'
+    auths copy the entries homed in a peer (never pinned ones) into their own tables.
+    """
+    region_pinned: _builtins.bool
+    """The key is pinned to `home_region` (data residency): never replicated to another region."""
     @_builtins.property
     def scopes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The key's scopes (`inference`, `admin`, `console`)."""
@@ -180,10 +272,12 @@ class KeyEntry(_message.Message):
         budget_exhausted: _builtins.bool = ...,
         budget_resets: _timestamp_pb2.Timestamp | None = ...,
         month_tokens: _builtins.int = ...,
+        home_region: _builtins.str = ...,
+        region_pinned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget_resets", b"budget_resets", "limits", b"limits", "valid_until", b"valid_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "budget_exhausted", b"budget_exhausted", "budget_resets", b"budget_resets", "key_id", b"key_id", "limits", b"limits", "month_tokens", b"month_tokens", "previous_secret", b"previous_secret", "revoked", b"revoked", "scopes", b"scopes", "secret_hash", b"secret_hash", "tenant", b"tenant", "tier", b"tier", "valid_until", b"valid_until"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "budget_exhausted", b"budget_exhausted", "budget_resets", b"budget_resets", "home_region", b"home_region", "key_id", b"key_id", "limits", b"limits", "month_tokens", b"month_tokens", "previous_secret", b"previous_secret", "region_pinned", b"region_pinned", "revoked", b"revoked", "scopes", b"scopes", "secret_hash", b"secret_hash", "tenant", b"tenant", "tier", b"tier", "valid_until", b"valid_until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -41,6 +41,11 @@ class KeyTableServiceStub:
                 request_serializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableRequest.SerializeToString,
                 response_deserializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableResponse.FromString,
                 _registered_method=True)
+        self.RegionMonthTokens = channel.unary_unary(
+                '/inferplane.auth.v1.KeyTableService/RegionMonthTokens',
+                request_serializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensRequest.SerializeToString,
+                response_deserializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensResponse.FromString,
+                _registered_method=True)
 
 
 class KeyTableServiceServicer:
@@ -57,6 +62,15 @@ class KeyTableServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegionMonthTokens(self, request, context):
+        """This region's own month totals (its usage ledger only, never what it learnt from other
+        regions) of the named keys: what another region's auth adds to its own ledger to decide
+        a monthly budget over every region (docs/regions.md). Keys without usage are absent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KeyTableServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -64,6 +78,11 @@ def add_KeyTableServiceServicer_to_server(servicer, server):
                     servicer.WatchKeyTable,
                     request_deserializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableRequest.FromString,
                     response_serializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableResponse.SerializeToString,
+            ),
+            'RegionMonthTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegionMonthTokens,
+                    request_deserializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensRequest.FromString,
+                    response_serializer=inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +114,33 @@ class KeyTableService:
             '/inferplane.auth.v1.KeyTableService/WatchKeyTable',
             inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableRequest.SerializeToString,
             inferplane_dot_auth_dot_v1_dot_key__table__pb2.WatchKeyTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegionMonthTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.auth.v1.KeyTableService/RegionMonthTokens',
+            inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensRequest.SerializeToString,
+            inferplane_dot_auth_dot_v1_dot_key__table__pb2.RegionMonthTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,11 @@ class KeyTableServiceStub:
     `WatchKeyTableRequest.heartbeat_seconds` (an update with no entries) so a router knows how
     old its table is. Ends only when the caller cancels or auth stops.
     """
+    RegionMonthTokens: _grpc.UnaryUnaryMultiCallable[_key_table_pb2.RegionMonthTokensRequest, _key_table_pb2.RegionMonthTokensResponse]
+    """This region's own month totals (its usage ledger only, never what it learnt from other
+    regions) of the named keys: what another region's auth adds to its own ledger to decide
+    a monthly budget over every region (docs/regions.md). Keys without usage are absent.
+    """
 
 @_typing.type_check_only
 class KeyTableServiceAsyncStub(KeyTableServiceStub):
@@ -56,6 +61,11 @@ class KeyTableServiceAsyncStub(KeyTableServiceStub):
     """A snapshot of the table, then its changes as they happen, then a heartbeat at least every
     `WatchKeyTableRequest.heartbeat_seconds` (an update with no entries) so a router knows how
     old its table is. Ends only when the caller cancels or auth stops.
+    """
+    RegionMonthTokens: _aio.UnaryUnaryMultiCallable[_key_table_pb2.RegionMonthTokensRequest, _key_table_pb2.RegionMonthTokensResponse]  # type: ignore[assignment]
+    """This region's own month totals (its usage ledger only, never what it learnt from other
+    regions) of the named keys: what another region's auth adds to its own ledger to decide
+    a monthly budget over every region (docs/regions.md). Keys without usage are absent.
     """
 
 class KeyTableServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -72,6 +82,17 @@ class KeyTableServiceServicer(metaclass=_abc_1.ABCMeta):
         """A snapshot of the table, then its changes as they happen, then a heartbeat at least every
         `WatchKeyTableRequest.heartbeat_seconds` (an update with no entries) so a router knows how
         old its table is. Ends only when the caller cancels or auth stops.
+        """
+
+    @_abc_1.abstractmethod
+    def RegionMonthTokens(
+        self,
+        request: _key_table_pb2.RegionMonthTokensRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_key_table_pb2.RegionMonthTokensResponse, _abc.Awaitable[_key_table_pb2.RegionMonthTokensResponse]]:
+        """This region's own month totals (its usage ledger only, never what it learnt from other
+        regions) of the named keys: what another region's auth adds to its own ledger to decide
+        a monthly budget over every region (docs/regions.md). Keys without usage are absent.
         """
 
 def add_KeyTableServiceServicer_to_server(servicer: KeyTableServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

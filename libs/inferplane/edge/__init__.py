@@ -7,6 +7,8 @@
         ...
     build_xds_resources(config)                       # the same edge for an ADS server
     render_node_bootstrap(NodeEnvoyConfig(...))       # the node-local Envoy (gateway path)
+    EnvoyProcess.from_global_config(GlobalTierConfig(regions={"eu": [...], "us": [...]}),
+                                    data_dir)         # the global tier before the regions
     known_request_fields(config.descriptor_set, config.services)  # the field guard's tables
 
 Which module builds what: this folder's README; why each non-obvious Envoy setting is there,
@@ -63,6 +65,13 @@ from inferplane.edge._filters import (
     build_http_filters,
     prune_descriptor_set,
 )
+from inferplane.edge._global import (
+    GlobalTierConfig,
+    build_global_bootstrap,
+    home_cluster,
+    pinned_cluster,
+    render_global_bootstrap,
+)
 from inferplane.edge._listener import LISTENER_NAME, build_http_connection_manager, build_listener
 from inferplane.edge._node import (
     NODE_FILTER_ORDER,
@@ -73,6 +82,7 @@ from inferplane.edge._node import (
     render_node_bootstrap,
 )
 from inferplane.edge._process import EnvoyProcess, envoy_binary, validate_bootstrap
+from inferplane.edge._region import REGION_FILTERS
 from inferplane.edge._replies import build_local_reply_config
 from inferplane.edge._routes import ROUTE_CONFIG_NAME, build_route_config
 from inferplane.wire.headers import DESTINATION_ENDPOINT as PICK_KEY
@@ -94,6 +104,7 @@ __all__ = [
     "PICKER_FILTERS",
     "PICK_KEY",
     "PICK_NAMESPACE",
+    "REGION_FILTERS",
     "REPLICAS_CLUSTER",
     "REPLICA_ADDRESS_HEADER",
     "ROUTER_CLUSTER",
@@ -108,6 +119,7 @@ __all__ = [
     "EnvoyProcess",
     "EnvoyStartError",
     "FieldKind",
+    "GlobalTierConfig",
     "KnownFields",
     "MiB",
     "Nested",
@@ -117,6 +129,7 @@ __all__ = [
     "build_clusters",
     "build_endpoints",
     "build_ext_proc_filter",
+    "build_global_bootstrap",
     "build_http_connection_manager",
     "build_http_filters",
     "build_listener",
@@ -125,11 +138,14 @@ __all__ = [
     "build_route_config",
     "build_xds_resources",
     "envoy_binary",
+    "home_cluster",
     "known_request_fields",
     "load_descriptor_set",
     "lua_source",
+    "pinned_cluster",
     "prune_descriptor_set",
     "render_ads_bootstrap",
+    "render_global_bootstrap",
     "render_lua_tables",
     "render_node_bootstrap",
     "render_static_bootstrap",

@@ -138,6 +138,12 @@ def _message_types() -> dict[str, type[Message]]:
     from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2  # noqa: F401
     from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
     from envoy.extensions.filters.http.grpc_json_transcoder.v3 import transcoder_pb2  # noqa: F401
+    from envoy.extensions.filters.http.header_mutation.v3 import (  # noqa: F401
+        header_mutation_pb2 as _header_mutation_pb2,
+    )
+    from envoy.extensions.filters.http.health_check.v3 import (  # noqa: F401
+        health_check_pb2,
+    )
     from envoy.extensions.filters.http.json_to_metadata.v3 import (  # noqa: F401
         json_to_metadata_pb2,
     )

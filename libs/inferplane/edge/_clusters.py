@@ -16,6 +16,7 @@ from inferplane.edge._base import (
     duration,
 )
 from inferplane.edge._config import EdgeConfig, Endpoint
+from inferplane.edge._region import picker_health_check
 from inferplane.wire.headers import DESTINATION_ENDPOINT, PICK_NAMESPACE
 
 ROUTER_CLUSTER = "inferplane_router"
@@ -221,6 +222,9 @@ def build_clusters(config: EdgeConfig, *, eds: bool = False) -> list[Resource]:
         else:
             # Generations and picks vary from ms to minutes: balance on active requests.
             cluster["lb_policy"] = "LEAST_REQUEST"
+        if name == ROUTER_CLUSTER and config.region:
+            # The region's ready route counts the healthy routers (`_region.py`).
+            cluster["health_checks"] = [picker_health_check()]
         if eds:
             cluster["type"] = "EDS"
             cluster["eds_cluster_config"] = {

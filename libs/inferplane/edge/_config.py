@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from importlib import resources
 
 from inferplane.edge._errors import EdgeConfigError
+from inferplane.regions import validate_region
 
 MiB = 1024 * 1024
 
@@ -153,6 +154,11 @@ class EdgeConfig:
         trace_sampling_percent: the share (0..100 %) of requests whose trace is recorded:
             Envoy decides for every request, also one with a client's sampled `traceparent`
             (whose trace id and parent it continues); the hops behind follow its decision.
+        region: the region this edge serves (`inferplane.regions` name rules), behind the
+            global tier: the edge then answers `GET regions.REGION_READY_PATH` itself (200
+            while a router is healthy by its active gRPC health check, else 503), adds
+            `SERVED_REGION` to every response (`_region.py`); "" (default): neither, the
+            bootstrap is the single-cell edge's.
     """
 
     router_endpoints: tuple[Endpoint, ...]
@@ -191,6 +197,7 @@ class EdgeConfig:
     services: tuple[str, ...] = DEFAULT_SERVICES
     otlp_traces_endpoint: Endpoint | None = None
     trace_sampling_percent: float = 1.0
+    region: str = ""
 
     @property
     def buffer_limit_bytes(self) -> int:
@@ -267,3 +274,8 @@ class EdgeConfig:
             )
         if not self.services:
             raise EdgeConfigError("services is empty: the transcoder would expose nothing")
+        if self.region:
+            try:
+                validate_region(self.region)
+            except ValueError as exc:
+                raise EdgeConfigError(str(exc)) from exc

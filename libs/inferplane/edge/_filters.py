@@ -29,6 +29,7 @@ from inferplane.edge._base import (
 from inferplane.edge._clusters import AUTH_CLUSTER, ROUTER_CLUSTER
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._fields import known_request_fields, render_lua_tables
+from inferplane.edge._region import region_filters
 from inferplane.runtime import OPENAI_ERROR_CODE_KEY, OPENAI_ERROR_PARAM_KEY, OPENAI_ERROR_TYPE_KEY
 from inferplane.wire import apis, ratelimit
 from inferplane.wire.headers import (
@@ -264,7 +265,8 @@ def _off_by_default(http_filter: Resource) -> Resource:
 
 
 def build_http_filters(config: EdgeConfig) -> list[Resource]:
-    """The HCM's http_filters in `FILTER_ORDER`.
+    """The HCM's http_filters in `FILTER_ORDER`, after `_region.REGION_FILTERS` when
+    `config.region` is set (the served-region header and the region's ready route).
 
     Order matters: the error shaper is first so its response hook sees the transcoded response
     last (its request hook also turns away bodies over `max_request_bytes` before anything
@@ -295,7 +297,9 @@ def build_http_filters(config: EdgeConfig) -> list[Resource]:
         METADATA_NAMESPACE=METADATA_NAMESPACE,
         ANTHROPIC_MARK=ANTHROPIC_MARK,
     )
+    region = region_filters(config.region, ROUTER_CLUSTER) if config.region else []
     return [
+        *region,
         lua_filter("inferplane.error_shaper", _error_shaper(config)),
         body_limit_filter(config),
         lua_filter("inferplane.auth_failure_guard", guard),

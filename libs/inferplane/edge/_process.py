@@ -18,6 +18,7 @@ from types import TracebackType
 from inferplane.edge._bootstrap import render_static_bootstrap
 from inferplane.edge._config import EdgeConfig
 from inferplane.edge._errors import EdgeConfigError, EnvoyStartError
+from inferplane.edge._global import GlobalTierConfig, render_global_bootstrap
 from inferplane.runtime.processes import procguard
 from inferplane.runtime.security.private_files import open_private_log, write_private_file
 
@@ -125,6 +126,20 @@ class EnvoyProcess:
         host = config.admin_host if ":" not in config.admin_host else f"[{config.admin_host}]"
         return cls(
             render_static_bootstrap(config),
+            data_dir=data_dir,
+            admin_url=f"http://{host}:{config.admin_port}",
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_global_config(
+        cls, config: GlobalTierConfig, data_dir: Path, **kwargs: object
+    ) -> EnvoyProcess:
+        """An `EnvoyProcess` for the global tier, `render_global_bootstrap(config)`; kwargs
+        go to `__init__`."""
+        host = config.admin_host if ":" not in config.admin_host else f"[{config.admin_host}]"
+        return cls(
+            render_global_bootstrap(config),
             data_dir=data_dir,
             admin_url=f"http://{host}:{config.admin_port}",
             **kwargs,  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ Groups:
 - the endpoint picker (Gateway API Inference Extension, protocol v1.0): the ordered endpoint
   list, the subset hint, the served endpoint a gateway reports, and the picker's own headers;
 - served-by: the replica that answered (a response header, never a request header);
+- regions: the region whose edge served (a response header the region's edge adds);
 - internal: the shared secret internal callers present to auth's usage endpoint.
 
 The summary trailers a replica ends every response with are defined beside their codec in
@@ -114,6 +115,11 @@ SERVED_REVISION: Final = "x-inferplane-revision-served"
 # --- served-by (response) ----------------------------------------------------------------------
 SERVED_BY: Final = "x-inferplane-replica"
 """Response header (initial metadata) and summary trailer: the replica that answered."""
+
+# --- regions (response; issue 31) -----------------------------------------------------------
+SERVED_REGION: Final = "x-inferplane-region"
+"""Response header a region's edge adds to every response it sends (its `EdgeConfig.region`):
+the region that served the request (behind the global tier, the home region or a fallback)."""
 
 # --- internal ----------------------------------------------------------------------------------
 INTERNAL_TOKEN: Final = "x-inferplane-internal-token"

@@ -48,6 +48,12 @@ def test_public_api_is_pinned() -> None:
         [
             "AUTH_CLUSTER",
             "BOOTSTRAP_TYPE",
+            "GlobalTierConfig",
+            "REGION_FILTERS",
+            "build_global_bootstrap",
+            "home_cluster",
+            "pinned_cluster",
+            "render_global_bootstrap",
             "CLUSTER_TYPE",
             "NODE_FILTER_ORDER",
             "NODE_REPLICAS_CLUSTER",

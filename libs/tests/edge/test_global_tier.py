@@ -1,0 +1,224 @@
+"""The global tier (`inferplane.edge._global`) as a real Envoy in front of two fake region
+edges (`_region_fakes.FakeRegionEdge`): routing by the key's home region in both key headers,
+failover when a region's ready route fails or its edge refuses connections, pinned keys'
+`region_unavailable`, the return home, and a stream cut by its region's loss.
+
+Run with `-s` to see the measured failover and restore times (health checks every 1 s, 2
+failures to fail over, 2 passes to return)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from inferplane.edge import EnvoyProcess
+from inferplane.edge._global import GlobalTierConfig, render_global_bootstrap
+from inferplane.edge._process import validate_bootstrap
+from inferplane.regions import REGION_UNAVAILABLE, secret_prefix
+from inferplane.wire.headers import API_KEY, AUTHORIZATION, REQUEST_ID, SERVED_REGION
+
+from ._fakes import free_port
+from ._region_fakes import STREAM_PATH, FakeRegionEdge
+
+EU_KEY = secret_prefix("eu", pinned=False) + "AAAA"
+US_KEY = secret_prefix("us", pinned=False) + "BBBB"
+EU_PINNED = secret_prefix("eu", pinned=True) + "CCCC"
+CHAT = "/v1/chat/completions"
+#: Health checks every 1 s, 2 in a row to change state: a change shows within ~2-3 s; more
+#: allows for a loaded test machine.
+CHANGE_BOUND_S = 8.0
+
+
+class Tier:
+    def __init__(self, eu: FakeRegionEdge, us: FakeRegionEdge, url: str) -> None:
+        self.eu, self.us, self.url = eu, us, url
+        self.client = httpx.Client(base_url=url, timeout=10)
+
+    def served_by(self, key: str, *, header: str = AUTHORIZATION, path: str = CHAT) -> str:
+        """The region that answered a POST with `key` in `header` ("" for a non-200)."""
+        value = f"Bearer {key}" if header == AUTHORIZATION else key
+        reply = self.client.post(path, headers={header: value}, json={"model": "m"})
+        return reply.headers.get(SERVED_REGION, "") if reply.status_code == 200 else ""
+
+    def wait_served_by(self, key: str, region: str) -> float:
+        """Seconds until a request with `key` is served by `region` (sent every 50 ms)."""
+        start = time.monotonic()
+        while self.served_by(key) != region:
+            assert time.monotonic() - start < CHANGE_BOUND_S, f"{key} never reached {region}"
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
+    eu, us = FakeRegionEdge("eu", free_port()), FakeRegionEdge("us", free_port())
+    eu.start()
+    us.start()
+    config = GlobalTierConfig(
+        regions={"eu": [eu.address], "us": [us.address]},
+        listen_port=free_port(),
+        admin_port=free_port(),
+    )
+    envoy = EnvoyProcess.from_global_config(config, tmp_path_factory.mktemp("global"))
+    envoy.start()
+    tier = Tier(eu, us, f"http://127.0.0.1:{config.listen_port}")
+    try:
+        tier.wait_served_by(EU_KEY, "eu")
+        tier.wait_served_by(US_KEY, "us")
+        yield tier
+    finally:
+        tier.client.close()
+        envoy.stop()
+        eu.stop()
+        us.stop()
+
+
+def test_the_bootstrap_validates_for_both_upstream_protocols() -> None:
+    for protocol in ("http1", "h2c"):
+        config = GlobalTierConfig(
+            regions={"eu": ["127.0.0.1:1", "127.0.0.1:2"], "us": ["edge.us.example:443"]},
+            fallbacks={"us": ()},
+            upstream_protocol=protocol,
+        )
+        validate_bootstrap(render_global_bootstrap(config))
+
+
+def test_home_routing_by_both_key_headers(tier: Tier) -> None:
+    assert tier.served_by(EU_KEY) == "eu"
+    assert tier.served_by(US_KEY) == "us"
+    assert tier.served_by(US_KEY, header=API_KEY) == "us"
+    assert tier.served_by(EU_PINNED, header=API_KEY) == "eu"
+    assert tier.served_by(secret_prefix("us", pinned=True) + "D") == "us"
+    # No region in the secret, or no key at all: the default region (the first listed).
+    assert tier.served_by("ip-AAAAplain") == "eu"
+    assert tier.client.get("/v1/models").headers[SERVED_REGION] == "eu"
+
+
+def test_everything_passes_through_unchanged(tier: Tier) -> None:
+    before = len(tier.us.requests)
+    reply = tier.client.post(
+        "/v1/x?y=1",
+        headers={AUTHORIZATION: f"bearer {US_KEY}", REQUEST_ID: "client-id-1"},
+        content=b"{}",
+    )
+    assert reply.status_code == 200
+    method, path, headers = tier.us.requests[before]
+    assert (method, path) == ("POST", "/v1/x?y=1")
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert lower[AUTHORIZATION] == f"bearer {US_KEY}"
+    # The client's request id reaches the region's edge as the client sent it, and the tier
+    # adds none when the client sent none (the region's edge issues the id).
+    assert lower[REQUEST_ID] == "client-id-1"
+    tier.client.post(CHAT, headers={AUTHORIZATION: f"Bearer {US_KEY}"})
+    assert REQUEST_ID not in {k.lower() for k in tier.us.requests[-1][2]}
+    assert not any(k.lower().startswith("x-envoy-") for k in tier.us.requests[-1][2])
+
+
+def _assert_region_unavailable(tier: Tier) -> None:
+    served = len(tier.us.requests)
+    reply = tier.client.post(CHAT, headers={AUTHORIZATION: f"Bearer {EU_PINNED}"}, json={})
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == REGION_UNAVAILABLE
+    assert error["type"] == "server_error"
+    assert "eu" in error["message"]
+    anthropic = tier.client.post("/v1/messages", headers={API_KEY: EU_PINNED}, json={})
+    assert anthropic.status_code == 529, anthropic.text
+    body = anthropic.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error"
+    assert REGION_UNAVAILABLE in body["error"]["message"]
+    assert len(tier.us.requests) == served, "a pinned key was served out of its region"
+
+
+def test_a_region_that_is_not_ready_fails_over_and_returns(tier: Tier) -> None:
+    tier.eu.ready = False
+    try:
+        failover = tier.wait_served_by(EU_KEY, "us")
+        print(f"\nready 503 -> fallback serves: {failover:.2f} s")
+        _assert_region_unavailable(tier)
+        assert tier.served_by(EU_KEY) == "us"
+    finally:
+        tier.eu.ready = True
+    restore = tier.wait_served_by(EU_KEY, "eu")
+    print(f"ready 200 again -> home serves: {restore:.2f} s")
+
+
+def test_a_stopped_region_is_retried_before_any_byte_and_its_streams_end_visibly(
+    tier: Tier,
+) -> None:
+    streams_in_us = tier.us.served(STREAM_PATH)
+    with tier.client.stream(
+        "POST", STREAM_PATH, headers={AUTHORIZATION: f"Bearer {EU_KEY}"}, json={"stream": True}
+    ) as stream:
+        assert stream.headers[SERVED_REGION] == "eu"
+        chunks = stream.iter_bytes()
+        first = next(chunks)
+        assert b'"n": 1' in first
+        tier.eu.stop()
+        try:
+            # The region's edge refuses connections; its health check has not noticed yet:
+            # the request is retried on the fallback before any byte, the client sees a 200.
+            started = time.monotonic()
+            assert tier.served_by(EU_KEY) == "us"
+            retried = time.monotonic() - started
+            print(f"\nconnect refused -> served by the fallback in {retried:.3f} s")
+            _assert_region_unavailable(tier)
+            # The stream that had started in eu ends with a transport error, not a clean
+            # end, and was never replayed into us.
+            with pytest.raises(httpx.TransportError):
+                for _ in chunks:
+                    pass
+            assert tier.us.served(STREAM_PATH) == streams_in_us
+        finally:
+            tier.eu.start()
+    restore = tier.wait_served_by(EU_KEY, "eu")
+    print(f"edge back -> home serves: {restore:.2f} s")
+
+
+def test_pinned_key_is_served_by_its_region_when_it_is_up(tier: Tier) -> None:
+    assert tier.served_by(EU_PINNED) == "eu"
+
+
+def test_the_rendered_tier_keeps_its_promises() -> None:
+    """The settings the behaviour above rests on, as rendered."""
+    config = GlobalTierConfig(regions={"eu": ["127.0.0.1:1"], "us": ["127.0.0.1:2"]})
+    from inferplane.edge._global import build_global_bootstrap
+
+    bootstrap = build_global_bootstrap(config)
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    home = clusters["global_home_eu"]
+    assert home["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
+    assert [e["priority"] for e in home["load_assignment"]["endpoints"]] == [0, 1]
+    assert len(clusters["global_pinned_eu"]["load_assignment"]["endpoints"]) == 1
+    check = home["health_checks"][0]
+    assert (check["interval"], check["timeout"], check["no_traffic_interval"]) == ("1s",) * 3
+    assert (check["unhealthy_threshold"], check["healthy_threshold"]) == (2, 2)
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    by_name = {r.get("name"): r for r in routes}
+    assert by_name["default"]["route"]["timeout"] == "0s"
+    home_retry = by_name["home-eu-authorization"]["route"]["retry_policy"]
+    assert "retry_priority" in home_retry and home_retry["num_retries"] == 1
+    assert by_name["pinned-eu-x-api-key"]["route"]["retry_policy"]["num_retries"] == 0
+    assert "retry_priority" not in by_name["pinned-eu-x-api-key"]["route"]["retry_policy"]
+
+
+def test_config_errors() -> None:
+    from inferplane.edge import EdgeConfigError
+
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={})
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={"eu": []})
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={"EU": ["127.0.0.1:1"]})
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={"eu": ["127.0.0.1:1"]}, fallbacks={"eu": ("eu",)})
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={"eu": ["127.0.0.1:1"]}, default_region="us")
+    with pytest.raises(EdgeConfigError):
+        GlobalTierConfig(regions={"eu": ["127.0.0.1:1"]}, upstream_protocol="h3")

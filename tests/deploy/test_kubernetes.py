@@ -32,7 +32,7 @@ from inferplane.runtime.security.identity import IDENTITIES
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 SCHEMAS = KUBE / "schemas"
-OVERLAYS = ("dev", "b200", "gateway-api")
+OVERLAYS = ("dev", "b200", "gateway-api", "regions/eu", "regions/us")  # regions: deploy/regions.md
 KUBERNETES_VERSION = "1.33"
 IDENTITY = "inferplane.dev/identity"
 # Which identities may reach each service's gRPC port (docs/architecture.md, identity table).

@@ -171,7 +171,10 @@ class AuthComponents:
 
     def _tenant_of(self, key_id: str) -> str:
         key = self.store.get(key_id)
-        return key.tenant if key is not None else ""
+        if key is not None:
+            return key.tenant
+        # A key of another region this region served (its copy of the peers' keys).
+        return self.peers.tenant_of(key_id) if self.peers is not None else ""
 
     def app(self) -> App:
         """The runtime `App` serving ApiKeyService, Authorization and UsageService."""

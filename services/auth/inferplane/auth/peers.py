@@ -195,6 +195,7 @@ class PeerKeyTable:
         self._updated: dict[str, float] = {}
         self._connected: dict[str, bool] = dict.fromkeys(self.peers, False)
         self.version = 0
+        self._tenants: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         for name in self.peers:
             self._gauges(name)
@@ -207,6 +208,12 @@ class PeerKeyTable:
     def entries(self, region: str) -> Entries:
         """The entries held of `region` (secret hash -> entry as the peer sent it)."""
         return self._entries[region]
+
+    def tenant_of(self, key_id: str) -> str:
+        """The tenant of a peer's key ("" when no peer's key has that id): the usage ledger's
+        tenant of a request this region served with another region's key. Safe off the
+        event loop (one read of an index replaced whole)."""
+        return self._tenants.get(key_id, "")
 
     def others_month_tokens(self, key_id: str, now: datetime) -> int:
         """What the peers last reported serving of `key_id` in `now`'s month."""
@@ -286,6 +293,9 @@ class PeerKeyTable:
             self._metrics.budget_syncs.labels(name, outcome)
 
     def _changed(self) -> None:
+        self._tenants = {
+            e.key_id: e.tenant for entries in self._entries.values() for e in entries.values()
+        }
         self.version += 1
         self.on_change()
 

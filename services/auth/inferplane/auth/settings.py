@@ -105,14 +105,17 @@ def load_auth_settings(
 ) -> AuthSettings:
     """`load_settings` for auth, plus `INFERPLANE_BOOTSTRAP_ADMIN_KEY` when the setting is unset.
 
+    `--peer REGION=HOST:PORT` may repeat (`_join_peer_flags`).
+
     Raises:
-        ConfigError: see `load_settings`.
+        ConfigError: see `load_settings`; also a bad `region`, a malformed or self-naming
+            peer, or peers without a region.
     """
     environ = os.environ if environ is None else environ
-    settings = load_settings(
-        AuthSettings, service="auth", argv=_join_peer_flags(argv or ()), environ=environ
-    )
     try:
+        settings = load_settings(
+            AuthSettings, service="auth", argv=_join_peer_flags(argv or ()), environ=environ
+        )
         if settings.region:
             validate_region(settings.region)
         peers = parse_peers(f"{k}={v}" for k, v in settings.peers.items())
@@ -140,6 +143,7 @@ def _join_peer_flags(argv: Sequence[str]) -> list[str]:
             peers.extend(p for p in arg.split("=", 1)[1].split(",") if p)
         else:
             rest.append(arg)
+    parse_peers(peers)  # ValueError naming a malformed item before the generic parse
     return [*rest, "--peers", ",".join(peers)] if peers else rest
 
 

@@ -1,10 +1,14 @@
 """`python -m inferplane.edge render`: writes (and optionally validates) a static edge bootstrap;
-`render-node`: the node-local Envoy's (the Gateway API path, `NodeEnvoyConfig`).
+`render-node`: the node-local Envoy's (the Gateway API path, `NodeEnvoyConfig`); `global`: the
+global tier's in front of the regions' edges (`GlobalTierConfig`, docs/regions.md).
 
     python -m inferplane.edge render --router 127.0.0.1:50052 --auth 127.0.0.1:50051 \
         --telemetry 127.0.0.1:50055 --replica 127.0.0.1:50061 --listen-port 8080 \
         --admin-port 9901 --validate -o deploy/envoy/edge.example.yaml
     python -m inferplane.edge render-node --listen-port 8000 --tls-dir /etc/inferplane/tls
+    python -m inferplane.edge global --region eu=10.0.1.5:8080,10.0.1.6:8080 \
+        --region us=10.1.1.5:8080 --fallback us=eu --default-region eu --listen-port 8443 \
+        --admin-port 9903 --validate -o global.yaml
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from inferplane.edge._bootstrap import render_static_bootstrap
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.edge._errors import EdgeError
+from inferplane.edge._global import UPSTREAM_PROTOCOLS, GlobalTierConfig, render_global_bootstrap
 from inferplane.edge._node import NodeEnvoyConfig, render_node_bootstrap
 from inferplane.edge._process import validate_bootstrap
 
@@ -69,6 +74,31 @@ def parser() -> argparse.ArgumentParser:
         "--validate", action="store_true", help="check it with envoy --mode validate"
     )
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    glob = sub.add_parser(
+        "global", help="write the global tier's bootstrap (Envoy in front of the regions)"
+    )
+    glob.add_argument(
+        "--region",
+        action="append",
+        required=True,
+        metavar="NAME=HOST:PORT[,HOST:PORT]",
+        help="a region and its edges (repeatable; the listed order is the default fallback order)",
+    )
+    glob.add_argument(
+        "--fallback",
+        action="append",
+        default=[],
+        metavar="NAME=OTHER[,OTHER]",
+        help="the regions NAME's keys fail over to, in order (default: every other region)",
+    )
+    glob.add_argument("--default-region", default="", help="home of keys naming no region")
+    glob.add_argument("--listen-host", default="127.0.0.1")
+    glob.add_argument("--listen-port", type=int, default=8080)
+    glob.add_argument("--admin-port", type=int, default=9901)
+    glob.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS, default="http1")
+    glob.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    glob.add_argument("--validate", action="store_true", help="check it with envoy --mode validate")
+    glob.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     node = sub.add_parser(
         "render-node", help="write the node-local Envoy's bootstrap (Gateway API path)"
     )
@@ -84,7 +114,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pairs(values: list[str], flag: str) -> dict[str, list[str]]:
+    """`NAME=A,B` values → {NAME: [A, B]} (an empty right side: no items).
+
+    Raises: ValueError naming `flag` for a value without `=` or a name given twice.
+    """
+    result: dict[str, list[str]] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{flag} {value!r} is not NAME=ITEM[,ITEM]")
+        if name in result:
+            raise ValueError(f"{flag} names {name!r} twice")
+        result[name] = [item for item in rest.split(",") if item]
+    return result
+
+
+def global_config_from_args(args: argparse.Namespace) -> GlobalTierConfig:
+    return GlobalTierConfig(
+        regions=_pairs(args.region, "--region"),
+        fallbacks=_pairs(args.fallback, "--fallback"),
+        default_region=args.default_region,
+        listen_host=args.listen_host,
+        listen_port=args.listen_port,
+        admin_port=args.admin_port,
+        upstream_protocol=args.upstream_protocol,
+    )
+
+
 def _render(args: argparse.Namespace) -> str:
+    if args.command == "global":
+        return render_global_bootstrap(global_config_from_args(args), fmt=args.format)
     if args.command == "render-node":
         config = NodeEnvoyConfig(
             listen_host=args.listen_host,

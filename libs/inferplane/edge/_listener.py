@@ -179,6 +179,11 @@ def build_http_connection_manager(config: EdgeConfig, *, rds: bool = False) -> R
         "local_reply_config": build_local_reply_config(config),
         "http_filters": build_http_filters(config),
     }
+    if config.region:
+        # A region's edge sits behind the global tier, which appends the client's address to
+        # x-forwarded-for: that entry is the client (the auth failure guard counts by it),
+        # not the tier's address shared by every client. Reach it through the tier only.
+        hcm["xff_num_trusted_hops"] = 1
     if rds:
         hcm["rds"] = {
             "route_config_name": ROUTE_CONFIG_NAME,

@@ -55,6 +55,9 @@ def test_without_region_the_edge_is_unchanged() -> None:
     names, router = _filters_and_router(_config())
     assert tuple(names) == FILTER_ORDER
     assert "health_checks" not in router
+    assert build_bootstrap(_config()) == build_bootstrap(_config(""))
+    listener = build_bootstrap(_config())["static_resources"]["listeners"][0]
+    assert "xff_num_trusted_hops" not in listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
 def test_a_region_edge_renders_its_ready_route_and_header_and_envoy_accepts_it() -> None:
@@ -70,6 +73,8 @@ def test_a_region_edge_renders_its_ready_route_and_header_and_envoy_accepts_it()
     assert ready["pass_through_mode"] is False
     assert ready["headers"][0]["string_match"] == {"exact": REGION_READY_PATH}
     assert ready["cluster_min_healthy_percentages"] == {ROUTER_CLUSTER: {"value": 1.0}}
+    # Behind the global tier the client's address is the tier's x-forwarded-for entry.
+    assert hcm["xff_num_trusted_hops"] == 1
     header = hcm["http_filters"][0]["typed_config"]["mutations"]["response_mutations"][0]
     assert header["append"]["header"] == {"key": SERVED_REGION, "value": "eu"}
     validate_bootstrap(render_static_bootstrap(config))

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inferplane.edge import EnvoyProcess
+from inferplane.edge import EdgeConfig, Endpoint, EnvoyProcess
+from inferplane.edge import __main__ as edge_cli
 from inferplane.edge._global import GlobalTierConfig, render_global_bootstrap
 from inferplane.edge._process import validate_bootstrap
 from inferplane.regions import REGION_UNAVAILABLE, secret_prefix
@@ -222,3 +228,81 @@ def test_config_errors() -> None:
         GlobalTierConfig(regions={"eu": ["127.0.0.1:1"]}, default_region="us")
     with pytest.raises(EdgeConfigError):
         GlobalTierConfig(regions={"eu": ["127.0.0.1:1"]}, upstream_protocol="h3")
+
+
+def test_the_cli_renders_and_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "global.yaml"
+    argv = [
+        "global",
+        "--region", "eu=127.0.0.1:8081,127.0.0.1:8082",
+        "--region", "us=edge.us.example:8080",
+        "--fallback", "us=",
+        "--default-region", "us",
+        "--listen-port", "8443",
+        "--admin-port", "9903",
+        "--upstream-protocol", "h2c",
+        "--validate",
+        "-o", str(out),
+    ]  # fmt: skip
+    assert edge_cli.main(argv) == 0
+    bootstrap = yaml.safe_load(out.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    assert set(clusters) == {
+        "global_home_eu",
+        "global_pinned_eu",
+        "global_home_us",
+        "global_pinned_us",
+    }
+    assert len(clusters["global_home_eu"]["load_assignment"]["endpoints"]) == 2
+    assert len(clusters["global_home_us"]["load_assignment"]["endpoints"]) == 1
+    assert edge_cli.main(["global", "--region", "eu"]) == 1
+    assert "NAME=ITEM" in capsys.readouterr().err
+
+
+def test_h2c_through_a_real_region_edge(tmp_path: Path) -> None:
+    """The tier over h2c to a region's real edge (`EdgeConfig.region`): the tier's health check
+    reads the edge's ready route (the edge's routers healthy by gRPC health), and a request
+    comes back naming the region."""
+    servicer = health.HealthServicer()
+    router = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, router)
+    router_port = router.add_insecure_port("127.0.0.1:0")
+    router.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    region = EdgeConfig(
+        router_endpoints=(Endpoint("127.0.0.1", router_port),),
+        auth_endpoint=Endpoint("127.0.0.1", free_port()),
+        listen_port=free_port(),
+        admin_port=free_port(),
+        region="eu",
+    )
+    config = GlobalTierConfig(
+        regions={"eu": [f"127.0.0.1:{region.listen_port}"]},
+        upstream_protocol="h2c",
+        listen_port=free_port(),
+        admin_port=free_port(),
+    )
+    try:
+        with (
+            EnvoyProcess.from_config(region, tmp_path / "region", concurrency=1),
+            EnvoyProcess.from_global_config(config, tmp_path / "global", concurrency=1),
+            httpx.Client(base_url=f"http://127.0.0.1:{config.listen_port}", timeout=5) as client,
+        ):
+            start = time.monotonic()
+            while (reply := client.get("/health")).status_code != 200:
+                assert time.monotonic() - start < CHANGE_BOUND_S, reply.text
+                time.sleep(0.05)
+            assert reply.headers[SERVED_REGION] == "eu"
+            assert reply.json() == {"status": "ok"}
+            # The routers gone, the region is not ready: the tier has no region to send to.
+            router.stop(grace=None)
+            start = time.monotonic()
+            while (reply := client.get("/health")).status_code != 503:
+                assert time.monotonic() - start < CHANGE_BOUND_S
+                time.sleep(0.05)
+            gone = time.monotonic() - start
+            print(f"\nrouters gone -> the tier stops routing to the region in {gone:.2f} s")
+            assert reply.json()["error"]["code"] == "service_unavailable"
+            assert SERVED_REGION not in reply.headers
+    finally:
+        router.stop(grace=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from typer.testing import CliRunner
 
 from inferplane import regions
 from inferplane.api.auth.v1 import (
@@ -31,6 +33,7 @@ from inferplane.api.auth.v1 import (
     usage_pb2_grpc,
 )
 from inferplane.auth import schema
+from inferplane.auth.cli import app as keys_cli
 from inferplane.auth.domain import KeySpec, Limits
 from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.peer_store import SqlPeerKeyStore
@@ -325,6 +328,19 @@ def test_the_peer_store_replaces_and_applies(tmp_path: Path, database: str) -> N
     store.replace("eu1", [], now)
     assert store.load(["eu1"]) == {"eu1": {}}
     store.close()
+
+
+def test_the_cli_creates_a_pinned_key(tmp_path: Path, make_settings: Any, start_auth: Any) -> None:
+    env = {"INFERPLANE_ADMIN_KEY": "", "COLUMNS": "200", "INFERPLANE_PLAINTEXT": "1"}
+    with start_auth(make_settings(tmp_path, region="eu1")) as auth:
+        env["INFERPLANE_ADMIN_KEY"] = auth.admin_key
+        address = ["--address", f"127.0.0.1:{auth.server.port}"]
+        created = CliRunner().invoke(
+            keys_cli, ["create", "--tenant", "acme", "--region-pinned", *address], env=env
+        )
+        assert created.exit_code == 0, created.output
+        assert re.search(r"^ip-eu1~[A-Za-z0-9_-]{43}$", created.output, re.M)
+        assert "eu1 (pinned)" in created.output
 
 
 # -- replication -------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def _when(value: timestamp_pb2.Timestamp) -> str:
 def _table(keys: list[auth_pb2.ApiKey], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("ID", no_wrap=True, min_width=16)  # what revoke/rotate take
-    for column in ("NAME", "TENANT", "SCOPES", "MODELS", "TIER", "PREFIX", "STATE"):
+    for column in ("NAME", "TENANT", "SCOPES", "MODELS", "TIER", "REGION", "PREFIX", "STATE"):
         table.add_column(column, overflow="fold")
     for column in ("CREATED", "LAST USED", "EXPIRES"):
         table.add_column(column)
@@ -101,6 +101,7 @@ def _table(keys: list[auth_pb2.ApiKey], title: str) -> Table:
             ",".join(k.scopes),
             ",".join(k.allowed_models) or "all",
             k.tier,
+            (k.home_region or "-") + (" (pinned)" if k.region_pinned else ""),
             k.key_prefix + "…",
             _STATE_NAMES.get(k.state, "?"),
             _when(k.create_time),
@@ -133,6 +134,13 @@ def create(
     rpm: Annotated[int, typer.Option(help="Requests per minute; 0 = unlimited.")] = 0,
     tpm: Annotated[int, typer.Option(help="Tokens per minute; 0 = unlimited.")] = 0,
     max_concurrent: Annotated[int, typer.Option(help="Requests in flight; 0 = unlimited.")] = 0,
+    region_pinned: Annotated[
+        bool,
+        typer.Option(
+            help="Pin the key to the region of this auth (data residency: never served "
+            "elsewhere; needs an auth with --region)."
+        ),
+    ] = False,
     address: Address = DEFAULT_ADDRESS,
     admin_key: AdminKey = "",
 ) -> None:
@@ -146,6 +154,7 @@ def create(
         limits=auth_pb2.Limits(
             requests_per_minute=rpm, tokens_per_minute=tpm, max_concurrent_requests=max_concurrent
         ),
+        region_pinned=region_pinned,
     )
     if expires_in_days is not None:
         key.expire_time.FromDatetime(datetime.now(UTC) + timedelta(days=expires_in_days))

@@ -91,7 +91,7 @@ def test_the_usage_cli_merges_every_regions_ledger_each_request_once(
     ]  # fmt: skip
     (dup,) = [r for r in found if r["request_id"] == "r-dup"]
     assert dup["status"] == "completed" and not dup["provisional"]
-    assert "4 requests, 192 tokens from regions eu, us; 1 copies" in rows.stderr
+    assert "4 requests, 192 tokens from regions eu, us; duplicates dropped: 1" in rows.stderr
 
     table = _cli(eu, *_region_args(regions))
     assert table.exit_code == 0, table.output

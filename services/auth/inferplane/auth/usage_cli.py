@@ -217,8 +217,8 @@ def _summary(merged: MergedUsage) -> None:
     read = [r for r in merged.regions if r not in merged.missing]
     typer.echo(
         f"{totals.requests} requests, {totals.prompt_tokens + totals.completion_tokens} tokens "
-        f"from regions {', '.join(read) or '(none)'}; {merged.duplicates} copies of a request "
-        "held by two regions counted once",
+        f"from regions {', '.join(read) or '(none)'}; duplicates dropped: {merged.duplicates} "
+        "(a request held by two regions counts once)",
         err=True,
     )
     if merged.missing:

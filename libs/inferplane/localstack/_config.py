@@ -157,6 +157,10 @@ class StackConfig:
             service, each replica process (through its node-agent) and the edge (through the
             orchestrator) export their spans to, at `trace_sampling_ratio` (0..1) of the traces
             they start; "" (the default): no tracing (docs/tracing.md).
+        region: the region this stack is (a cell behind the global tier, docs/regions.md);
+            its edge serves it (passed to the orchestrator as `--edge-region`:
+            `EdgeConfig.region`, the edge's ready route `regions.REGION_READY_PATH` and its
+            `x-inferplane-region` header); "" (the default): a single-cell stack.
     """
 
     data_dir: Path
@@ -195,6 +199,7 @@ class StackConfig:
     otlp_traces_endpoint: str = ""
     trace_sampling_ratio: float = DEFAULT_SAMPLING_RATIO
     fake_engine_token_delay: float = 0.0
+    region: str = ""
 
     @property
     def ports(self) -> dict[str, int]:

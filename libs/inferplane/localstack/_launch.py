@@ -171,6 +171,7 @@ class Launcher:
             str(cfg.http_port),
             "--edge-node-id",
             EDGE_NODE_ID,
+            *(["--edge-region", cfg.region] if cfg.region else []),
             "--warmup-timeout-seconds",
             str(cfg.warmup_timeout_seconds),
             # LoRA adapters' sources must lie here (the fixture adapter is in models/).

@@ -388,6 +388,7 @@ def build_components(
                 tls_key_path=settings.edge_tls_key_path,
                 upstream_tls_dir=settings.edge_upstream_tls_dir,
                 node_id=settings.edge_node_id,
+                region=settings.edge_region,
                 telemetry_endpoint=settings.edge_telemetry_address or None,
                 telemetry_internal_token=settings.edge_telemetry_internal_token,
                 # The platform's tracing settings (the orchestrator's own) for the edge too.

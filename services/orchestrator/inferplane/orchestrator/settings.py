@@ -40,6 +40,9 @@ class OrchestratorSettings(ServiceSettings):
             empty: no console route.
         edge_node_id: Envoy node id of the edge (its bootstrap must use the same).
         edge_listen_host / edge_listen_port: where the edge's listener binds.
+        edge_region: the region the edge serves behind the global tier (`EdgeConfig.region`:
+            its ready route for the tier, the served-region response header); "": a
+            single-cell edge.
         edge_tls_cert_path / edge_tls_key_path: PEM certificate chain and key files (on the
             edge's machine: Envoy reads them) the edge's listener serves HTTPS with; both
             empty: plain HTTP. `inferplane up --tls` issues them from its local CA.
@@ -107,6 +110,7 @@ class OrchestratorSettings(ServiceSettings):
     edge_node_id: str = "inferplane-edge"
     edge_listen_host: str = "127.0.0.1"
     edge_listen_port: int = 8080
+    edge_region: str = ""
     edge_tls_cert_path: str = ""
     edge_tls_key_path: str = ""
     edge_upstream_tls_dir: str = ""

@@ -123,12 +123,12 @@ def test_a_region_that_cannot_be_read_fails_the_report_or_marks_it_incomplete(
 ) -> None:
     eu = regions["eu"]
     args = ["--region", f"eu={_address(eu)}", "--region", f"us=127.0.0.1:{_closed_port()}"]
-    failed = _cli(eu, *args, "--timeout", "2", "--format", "csv")
+    failed = _cli(eu, *args, "--timeout", "10", "--format", "csv")
     assert failed.exit_code == 1
     assert failed.stdout == ""  # nothing printed: no partial total passes as complete
     assert "usage report incomplete: could not read region us (UNAVAILABLE" in failed.stderr
 
-    partial = _cli(eu, *args, "--timeout", "2", "--format", "csv", "--partial")
+    partial = _cli(eu, *args, "--timeout", "10", "--format", "csv", "--partial")
     assert partial.exit_code == 3
     assert [line.split(",")[0] for line in partial.stdout.splitlines()] == ["region", "eu", "eu"]
     assert "INCOMPLETE: could not read region us (UNAVAILABLE" in partial.stderr
@@ -142,7 +142,7 @@ def test_the_async_sdk_merges_regions_and_names_the_missing_one(
     eu, us = regions["eu"], regions["us"]
 
     async def read(**addresses: str) -> Any:
-        async with AsyncMultiRegionUsage(addresses, admin_key=eu.admin_key, timeout=2) as usage:
+        async with AsyncMultiRegionUsage(addresses, admin_key=eu.admin_key, timeout=10) as usage:
             partial = await usage.rows(tenant="acme", partial=True)
             try:
                 return partial, await usage.rows(tenant="acme"), None

@@ -96,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     glob.add_argument("--listen-port", type=int, default=8080)
     glob.add_argument("--admin-port", type=int, default=9901)
     glob.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS, default="http1")
+    glob.add_argument("--tls-cert", default="", help="PEM certificate chain: serve HTTPS")
+    glob.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     glob.add_argument("--format", choices=("yaml", "json"), default="yaml")
     glob.add_argument("--validate", action="store_true", help="check it with envoy --mode validate")
     glob.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
@@ -139,6 +141,8 @@ def global_config_from_args(args: argparse.Namespace) -> GlobalTierConfig:
         listen_port=args.listen_port,
         admin_port=args.admin_port,
         upstream_protocol=args.upstream_protocol,
+        tls_cert_path=args.tls_cert,
+        tls_key_path=args.tls_key,
     )
 
 

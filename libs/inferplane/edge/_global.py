@@ -53,7 +53,7 @@ from inferplane.edge._clusters import REPLICA_KEEPALIVE, lb_endpoints
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.edge._errors import EdgeConfigError
 from inferplane.edge._global_replies import build_global_local_replies, pinned_route_prefix
-from inferplane.edge._listener import access_log
+from inferplane.edge._listener import access_log, downstream_tls
 from inferplane.edge._routes import method_not_allowed_routes
 from inferplane.regions import REGION_READY_PATH, secret_prefix
 from inferplane.regions import validate_region as _validate_region
@@ -100,7 +100,10 @@ class GlobalTierConfig:
             region in `regions` order; an empty tuple means no fallback.
         default_region: the home of keys whose secret names no region (bootstrap keys,
             secrets from before regions); "" = the first listed region.
-        listen_host / listen_port: where clients connect (HTTP/1.1 or h2c, plain text).
+        listen_host / listen_port: where clients connect (HTTP/1.1 or h2c).
+        tls_cert_path / tls_key_path: PEM certificate chain and key of the listener: both set,
+            clients connect over TLS only (1.2+, ALPN h2 and http/1.1, as the edge's
+            listener); both empty: plain text (a load balancer in front terminates TLS).
         admin_host / admin_port: Envoy's admin API (keep it on loopback).
         upstream_protocol: how the tier speaks to the regions' edges: "http1" or "h2c"
             (both served by the edge's listener, `codec_type: AUTO`); the health checks use
@@ -132,6 +135,8 @@ class GlobalTierConfig:
     default_region: str = ""
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
+    tls_cert_path: str = ""
+    tls_key_path: str = ""
     admin_host: str = "127.0.0.1"
     admin_port: int = 9901
     upstream_protocol: str = "http1"
@@ -191,6 +196,8 @@ class GlobalTierConfig:
             port = getattr(self, port_name)
             if not 0 < port < 65536:
                 raise EdgeConfigError(f"{port_name}={port} is outside 1..65535")
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            raise EdgeConfigError("tls_cert_path and tls_key_path must be set together")
         if self.listen_port == self.admin_port and self.listen_host == self.admin_host:
             raise EdgeConfigError(f"listen_port and admin_port are both {self.listen_port}")
         for positive in (
@@ -436,7 +443,8 @@ def _global_access_log() -> list[Resource]:
 
 
 def build_global_listener(config: GlobalTierConfig) -> Resource:
-    """The client-facing Listener: an HCM (HTTP/1.1 or h2c) with the router only."""
+    """The client-facing Listener: an HCM (HTTP/1.1 or h2, over TLS with `tls_cert_path`)
+    with the router only."""
     hcm: Resource = {
         "@type": _HCM,
         "stat_prefix": "global",
@@ -460,6 +468,11 @@ def build_global_listener(config: GlobalTierConfig) -> Resource:
     }
     if config.access_log:
         hcm["access_log"] = _global_access_log()
+    chain: Resource = {
+        "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]
+    }
+    if config.tls_cert_path:
+        chain["transport_socket"] = downstream_tls(config.tls_cert_path, config.tls_key_path)
     return {
         "name": GLOBAL_LISTENER,
         "address": {
@@ -467,13 +480,7 @@ def build_global_listener(config: GlobalTierConfig) -> Resource:
         },
         "per_connection_buffer_limit_bytes": config.max_request_bytes,
         "enable_reuse_port": False,
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
+        "filter_chains": [chain],
     }
 
 

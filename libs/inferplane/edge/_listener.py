@@ -210,6 +210,12 @@ def build_downstream_tls(config: EdgeConfig) -> Resource:
     only for SDS-delivered secrets), so a renewed certificate needs an edge restart or a new
     listener push.
     """
+    return downstream_tls(config.tls_cert_path, config.tls_key_path)
+
+
+def downstream_tls(cert_path: str, key_path: str) -> Resource:
+    """A client-facing listener's TLS transport socket (the edge's, the global tier's): TLS
+    1.2+, ALPN h2 then http/1.1, the PEM certificate chain `cert_path` and key `key_path`."""
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
@@ -219,8 +225,8 @@ def build_downstream_tls(config: EdgeConfig) -> Resource:
                 "alpn_protocols": ["h2", "http/1.1"],
                 "tls_certificates": [
                     {
-                        "certificate_chain": {"filename": config.tls_cert_path},
-                        "private_key": {"filename": config.tls_key_path},
+                        "certificate_chain": {"filename": cert_path},
+                        "private_key": {"filename": key_path},
                     }
                 ],
             },

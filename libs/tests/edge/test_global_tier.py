@@ -24,6 +24,7 @@ from inferplane.edge import __main__ as edge_cli
 from inferplane.edge._global import GlobalTierConfig, render_global_bootstrap
 from inferplane.edge._process import validate_bootstrap
 from inferplane.regions import REGION_UNAVAILABLE, secret_prefix
+from inferplane.runtime.security.pki import LocalCA
 from inferplane.wire.headers import API_KEY, AUTHORIZATION, REQUEST_ID, SERVED_REGION
 
 from ._fakes import free_port
@@ -318,3 +319,29 @@ def test_h2c_through_a_real_region_edge(tmp_path: Path) -> None:
             assert SERVED_REGION not in reply.headers
     finally:
         router.stop(grace=None)
+
+
+def test_the_tier_terminates_tls(tier: Tier, tmp_path: Path) -> None:
+    ca = LocalCA.ensure(tmp_path / "pki")
+    leaf = ca.issue("edge", dns_names=("localhost",), ip_addresses=("127.0.0.1",), days=1)
+    config = GlobalTierConfig(
+        regions={"eu": [tier.eu.address], "us": [tier.us.address]},
+        listen_port=free_port(),
+        admin_port=free_port(),
+        tls_cert_path=str(leaf.cert_path),
+        tls_key_path=str(leaf.key_path),
+    )
+    url = f"https://127.0.0.1:{config.listen_port}"
+    with (
+        EnvoyProcess.from_global_config(config, tmp_path / "envoy", concurrency=1),
+        httpx.Client(base_url=url, verify=str(ca.cert_path), timeout=5, http2=True) as client,
+    ):
+        start = time.monotonic()
+        while True:
+            reply = client.post(CHAT, headers={API_KEY: US_KEY}, json={})
+            if reply.status_code == 200:
+                break
+            assert time.monotonic() - start < CHANGE_BOUND_S, reply.text
+            time.sleep(0.05)
+        assert reply.http_version == "HTTP/2"
+        assert reply.headers[SERVED_REGION] == "us"

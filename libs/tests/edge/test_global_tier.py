@@ -8,6 +8,7 @@ failures to fail over, 2 passes to return)."""
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -332,9 +333,10 @@ def test_the_tier_terminates_tls(tier: Tier, tmp_path: Path) -> None:
         tls_key_path=str(leaf.key_path),
     )
     url = f"https://127.0.0.1:{config.listen_port}"
+    trust = ssl.create_default_context(cafile=str(ca.cert_path))
     with (
         EnvoyProcess.from_global_config(config, tmp_path / "envoy", concurrency=1),
-        httpx.Client(base_url=url, verify=str(ca.cert_path), timeout=5, http2=True) as client,
+        httpx.Client(base_url=url, verify=trust, timeout=5, http2=True) as client,
     ):
         start = time.monotonic()
         while True:

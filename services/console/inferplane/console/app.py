@@ -86,6 +86,7 @@ def build_app(
             telemetry=settings.telemetry_address,
             security=settings.security("console"),
             timeout=settings.request_timeout_seconds,
+            usage_regions=settings.usage_regions,
         )
     console = Console(
         settings=settings,

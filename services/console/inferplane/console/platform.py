@@ -8,12 +8,19 @@ per-RPC policy admits that identity only with a valid key, and the orchestrator 
 reads are read-only: every signed-in key sees the catalogue (deployments, phase, replica
 counts), and only an admin key sees where replicas run (placements, their explanation) and
 the alerts; the console offers no write on them.
+
+With regions (`ConsoleSettings.usage_regions`), the usage page and its CSV read every region's
+ledger and merge them (`inferplane.sdk.AsyncMultiRegionUsage`, `merge_usage`: each request
+once, totals from the merged rows); a region that cannot be read fails the page with
+`UnavailableError` (reason `USAGE_INCOMPLETE`, naming the region) rather than showing a
+partial total.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -25,12 +32,15 @@ from inferplane.api.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from inferplane.console.sessions import Identity
 from inferplane.runtime import InferplaneError, PermissionDeniedError
 from inferplane.runtime.security.identity import PeerSecurity
-from inferplane.sdk import AsyncClient, KeyWithSecret
+from inferplane.sdk import AsyncClient, AsyncMultiRegionUsage, KeyWithSecret, MergedUsage
 
 # A tenant name no key can have (tenants start with a letter or digit): asking for it tells
 # an admin (allowed, empty answer) from a console key (refused: another tenant).
 _PROBE_TENANT = "."
 MAX_USAGE_ROWS = 10_000  # CSV export and per-page tables stop here
+#: How long a merged multi-region read is reused for the same filters: the usage page asks for
+#: three groupings of one period, which one read of every region answers.
+MERGED_USAGE_REUSE_SECONDS = 5.0
 
 
 #: The autoscaler decisions the deployments page shows per deployment (newest first).
@@ -124,7 +134,16 @@ class SdkSession:
         telemetry: str,
         security: PeerSecurity,
         timeout: float,
+        usage_regions: Mapping[str, str] | None = None,
     ) -> None:
+        self._regions = (
+            AsyncMultiRegionUsage(
+                usage_regions, security=security, admin_key=api_key, timeout=timeout
+            )
+            if usage_regions
+            else None
+        )
+        self._merged: tuple[tuple[datetime, str], float, MergedUsage] | None = None
         self._client = AsyncClient(
             auth=auth,
             orchestrator=orchestrator or None,
@@ -172,14 +191,33 @@ class SdkSession:
     async def update_key(self, key: auth_pb2.ApiKey, fields: Sequence[str]) -> auth_pb2.ApiKey:
         return await self._client.keys.update(key, fields)
 
+    async def _merged_usage(
+        self, regions: AsyncMultiRegionUsage, start: datetime, key: str
+    ) -> MergedUsage:
+        """Every region's rows since `start` (of `key` when set), merged; reused for
+        `MERGED_USAGE_REUSE_SECONDS` for the same filters."""
+        now = time.monotonic()
+        if self._merged is not None:
+            filters, when, merged = self._merged
+            if filters == (start, key) and now - when < MERGED_USAGE_REUSE_SECONDS:
+                return merged
+        merged = await regions.rows(start=start, key=key)
+        self._merged = ((start, key), now, merged)
+        return merged
+
     async def usage_groups(
         self, by: str, *, start: datetime, key: str = ""
     ) -> Sequence[usage_pb2.UsageGroup]:
+        if self._regions is not None:
+            return (await self._merged_usage(self._regions, start, key)).groups(by)
         return [g async for g in self._client.usage.groups(by, start=start, key=key)]
 
     async def usage_rows(
         self, *, start: datetime, key: str = "", limit: int = MAX_USAGE_ROWS
     ) -> Sequence[usage_pb2.UsageRow]:
+        if self._regions is not None:
+            merged = await self._merged_usage(self._regions, start, key)
+            return [r.row for r in merged.rows[:limit]]
         rows: list[usage_pb2.UsageRow] = []
         async for row in self._client.usage.rows(start=start, key=key, page_size=1000):
             rows.append(row)
@@ -244,6 +282,8 @@ class SdkSession:
 
     async def close(self) -> None:
         await self._client.close()
+        if self._regions is not None:
+            await self._regions.close()
         if self._telemetry_channel is not None:
             await self._telemetry_channel.close(None)
             self._telemetry_channel = None
@@ -251,13 +291,16 @@ class SdkSession:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SdkPlatform:
-    """`Platform` over the SDK: the services' addresses and the identity to present."""
+    """`Platform` over the SDK: the services' addresses and the identity to present
+    (`usage_regions`: region → auth address whose ledgers the usage pages merge; empty: `auth`
+    only)."""
 
     auth: str
     orchestrator: str
     telemetry: str
     security: PeerSecurity
     timeout: float = 10.0
+    usage_regions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def open(self, api_key: str) -> PlatformSession:
         return SdkSession(
@@ -267,4 +310,5 @@ class SdkPlatform:
             telemetry=self.telemetry,
             security=self.security,
             timeout=self.timeout,
+            usage_regions=self.usage_regions,
         )

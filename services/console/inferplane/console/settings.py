@@ -4,8 +4,10 @@ defaults < `--config` file < `INFERPLANE_CONSOLE_<FIELD>` < flags)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
+from inferplane.regions import validate_region
 from inferplane.runtime import ConfigError, ServiceSettings
 from inferplane.runtime.security.identity import ADMIN
 
@@ -30,6 +32,10 @@ class ConsoleSettings(ServiceSettings):
         session_max_age_seconds: and at most this long after sign-in.
         max_sessions: sessions kept in memory at most (least recently used evicted).
         request_timeout_seconds: deadline of each platform call.
+        usage_regions: with regions (docs/regions.md), region → its auth's `host:port`
+            (`--usage-regions eu=H:P,us=H:P`): the usage page and its CSV read and merge
+            every region's ledger (a region that cannot be read fails the page); empty:
+            `auth_address`'s ledger only.
     """
 
     port: int = 8090
@@ -44,8 +50,16 @@ class ConsoleSettings(ServiceSettings):
     session_max_age_seconds: float = 12 * 3600.0
     max_sessions: int = 10_000
     request_timeout_seconds: float = 10.0
+    usage_regions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for region, address in self.usage_regions.items():
+            try:
+                validate_region(region)
+            except ValueError as exc:
+                raise ConfigError(f"usage_regions: {exc}") from None
+            if not address:
+                raise ConfigError(f"usage_regions: region {region!r} has no auth address")
         if not self.edge_url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"edge_url must start with http:// or https://, got {self.edge_url!r}"

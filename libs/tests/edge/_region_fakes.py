@@ -19,7 +19,8 @@ STREAM_PATH = "/v1/stream"
 
 
 class FakeRegionEdge:
-    """One region's edge. `ready` drives the ready route; `requests` lists every request
+    """One region's edge. `ready` drives the ready route, `busy` answers 503 to the rest;
+    `requests` lists every request
     served other than the ready route (`(method, path, headers)`); `stream_started` is set
     once a stream's first event was written."""
 
@@ -27,6 +28,8 @@ class FakeRegionEdge:
         self.region = region
         self.port = port
         self.ready = True
+        #: Answer every request but the ready route 503 (a region without capacity).
+        self.busy = False
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.stream_started = threading.Event()
         self.stream_release = threading.Event()
@@ -82,6 +85,11 @@ class FakeRegionEdge:
                     return
                 with edge._lock:
                     edge.requests.append((self.command, self.path, dict(self.headers.items())))
+                if edge.busy:
+                    self._answer(
+                        503, {"error": {"code": "model_overloaded", "region": edge.region}}
+                    )
+                    return
                 if self.path == STREAM_PATH:
                     self._stream()
                     return

@@ -198,6 +198,25 @@ def test_a_stopped_region_is_retried_before_any_byte_and_its_streams_end_visibly
     print(f"edge back -> home serves: {restore:.2f} s")
 
 
+def test_a_region_answering_503_is_retried_in_the_fallback_but_not_for_a_pinned_key(
+    tier: Tier,
+) -> None:
+    """A region without capacity answers 503 while its ready route says 200: the request is
+    tried in the next region (before any byte reached the client); a pinned key gets its
+    region's own 503, untouched."""
+    tier.eu.busy = True
+    try:
+        eu_seen = len(tier.eu.requests)
+        assert tier.served_by(EU_KEY) == "us"
+        assert len(tier.eu.requests) == eu_seen + 1  # tried at home first
+        reply = tier.client.post(CHAT, headers={API_KEY: EU_PINNED}, json={})
+        assert reply.status_code == 503
+        assert reply.headers[SERVED_REGION] == "eu"
+        assert reply.json()["error"] == {"code": "model_overloaded", "region": "eu"}
+    finally:
+        tier.eu.busy = False
+
+
 def test_pinned_key_is_served_by_its_region_when_it_is_up(tier: Tier) -> None:
     tier.wait_served_by(EU_PINNED, "eu")
     assert tier.served_by(EU_PINNED, header=API_KEY) == "eu"

@@ -1,13 +1,13 @@
 """A tenant's usage across regions: every region's ledger read and merged, each request once
 (issue 31; docs/regions.md, "Usage").
 
-Each region's auth keeps its own usage ledger, one row per request id. A request is normally
-served, and so recorded, in one region only; the same id can appear in two regions when a
-request was retried into a second region (the global tier retries only before any response
-byte) after the first region's router had already written a row for it (typically a
-provisional or failed one). `merge_usage` keeps one row per request id, chosen by
-`MERGE_RULE`, labels it with the region whose ledger held it, and sums the totals from the
-merged rows, so a report's totals always equal the sum of the rows it lists.
+Each region's auth keeps its own usage ledger, one row per request id (issued by the region's
+edge). A request is recorded in the region that served it; a request the global tier retried
+into a second region (only before any response byte) may also have a failed attempt's row,
+under the first region's own id, in the first. Should one id reach two ledgers all the same (a
+ledger restored or replayed into another region), `merge_usage` keeps one row per request id,
+chosen by `MERGE_RULE`; it labels each row with the region whose ledger held it and sums the
+totals from the merged rows, so a report's totals always equal the sum of the rows it lists.
 
 `MultiRegionUsage` (blocking) and `AsyncMultiRegionUsage` (asyncio) read every region's rows
 for one filter (all pages, the regions queried concurrently) and merge them. A region that

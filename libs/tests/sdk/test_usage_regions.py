@@ -50,7 +50,7 @@ def test_rows_of_distinct_requests_are_all_kept_labelled_and_ordered_by_end_time
 
 
 def test_a_request_in_two_regions_counts_once_and_the_final_copy_wins() -> None:
-    # Retried into us before its first byte: eu's router wrote a provisional, tokenless row.
+    # One id in both ledgers: a provisional, tokenless row in eu, the served request in us.
     provisional = _row("r1", 1, tokens=0, status="cancelled", provisional=True)
     served = _row("r1", 2, tokens=90)
     for regions in ({"eu": [provisional], "us": [served]}, {"us": [served], "eu": [provisional]}):

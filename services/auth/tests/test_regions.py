@@ -360,9 +360,16 @@ def test_keys_replicate_revocation_within_the_bound_and_pins_stay_home(
         key_id, secret = create(eu1, limits=Limits(requests_per_minute=5))
         _, pinned = create(eu1, region_pinned=True)
         us1_key, us1_secret = create(us1)
+        _, admin_secret = create(eu1, scopes=("admin",))
         entry = eventually(
             lambda: us1_table.read().get(h.hash(secret)), what="eu1's key in us1's table"
         )
+        # us1's ext_authz (the routes the picker does not serve) knows it too, as an
+        # inference key only: administration stays at home.
+        assert us1.check(secret, "/v1/models").status.code == 0
+        assert us1.check(pinned, "/v1/models").denied_response.status.code == 401
+        eventually(lambda: h.hash(admin_secret) in us1.components.peers.entries("eu1"))
+        assert us1.check(admin_secret, "/v1/admin/api-keys").denied_response.status.code == 403
         assert (entry.key_id, entry.tenant, entry.home_region) == (key_id, "acme", "eu1")
         assert entry.limits.requests_per_minute == 5 and not entry.revoked
         assert eventually(lambda: eu1_table.read().get(h.hash(us1_secret))).key_id == us1_key
@@ -375,6 +382,8 @@ def test_keys_replicate_revocation_within_the_bound_and_pins_stay_home(
         eventually(lambda: us1_table.read(0.02)[h.hash(secret)].revoked, what="revoked in us1")
         took = time.monotonic() - started
         assert took < regions.KEY_REPLICATION_SECONDS, took
+        refused = us1.check(secret, "/v1/models").denied_response
+        assert refused.status.code == 401 and "revoked" in refused.body
         print(f"\nrevocation eu1 -> us1's key table: {took * 1000:.0f} ms")
         held = us1.components.peers.entries("eu1")
         assert h.hash(secret) in held and h.hash(pinned) not in held

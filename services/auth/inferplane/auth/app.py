@@ -174,7 +174,8 @@ class AuthComponents:
         if key is not None:
             return key.tenant
         # A key of another region this region served (its copy of the peers' keys).
-        return self.peers.tenant_of(key_id) if self.peers is not None else ""
+        tenant: str = self.peers.tenant_of(key_id) if self.peers is not None else ""
+        return tenant
 
     def app(self) -> App:
         """The runtime `App` serving ApiKeyService, Authorization and UsageService."""
@@ -344,6 +345,9 @@ def build_components(
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if peers is not None:
+        # ext_authz (admin API, /v1/models, stored responses) knows the peers' keys too.
+        verifier.peer_entry = peers.entry_of
     # The key table routers watch: this instance's key writes are pushed at once.
     key_table = KeyTableFeed(
         store,

@@ -541,7 +541,7 @@ class KeyTableFeed:
     def _months_of(self, key_ids: Collection[str], now: datetime) -> dict[str, int]:
         """The month tokens of `key_ids`: this region's ledger plus, with peers, what the
         other regions last reported (absent: none)."""
-        found = self._ledger.month_tokens_of(key_ids, now)
+        found: dict[str, int] = self._ledger.month_tokens_of(key_ids, now)
         if self._peers is not None:
             self._peers.add_others(found, key_ids, now)
         return found

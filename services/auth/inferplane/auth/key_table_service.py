@@ -65,7 +65,10 @@ class KeyTableService(key_table_pb2_grpc.KeyTableServiceServicer):  # type: igno
         self._guard.check(
             dict(context.invocation_metadata() or ()), context.peer() or "", peer_identity(context)
         )
-        return await region_month_tokens(self._ledger, self._clock, self._region, request)
+        reply: kpb.RegionMonthTokensResponse = await region_month_tokens(
+            self._ledger, self._clock, self._region, request
+        )
+        return reply
 
     async def WatchKeyTable(
         self, request: kpb.WatchKeyTableRequest, context: Context

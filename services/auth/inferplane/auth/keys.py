@@ -154,7 +154,10 @@ class ApiKeyManager:
     @staticmethod
     def _secret(region: str, *, pinned: bool) -> str:
         """A new secret, with `region`'s prefix when there is one."""
-        return new_secret(regions.secret_prefix(region, pinned=pinned)) if region else new_secret()
+        secret: str = (
+            new_secret(regions.secret_prefix(region, pinned=pinned)) if region else new_secret()
+        )
+        return secret
 
     def _new_key(self, spec: KeySpec, secret: str, now: datetime) -> ApiKey:
         return ApiKey(

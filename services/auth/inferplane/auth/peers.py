@@ -196,6 +196,7 @@ class PeerKeyTable:
         self._connected: dict[str, bool] = dict.fromkeys(self.peers, False)
         self.version = 0
         self._tenants: dict[str, str] = {}
+        self._by_hash: dict[str, kpb.KeyEntry] = {}
         self._tasks: list[asyncio.Task[None]] = []
         for name in self.peers:
             self._gauges(name)
@@ -214,6 +215,10 @@ class PeerKeyTable:
         tenant of a request this region served with another region's key. Safe off the
         event loop (one read of an index replaced whole)."""
         return self._tenants.get(key_id, "")
+
+    def entry_of(self, secret_hash: str) -> kpb.KeyEntry | None:
+        """The peers' entry of `secret_hash`, or None (ext_authz's `KeyVerifier.peer_entry`)."""
+        return self._by_hash.get(secret_hash)
 
     def others_month_tokens(self, key_id: str, now: datetime) -> int:
         """What the peers last reported serving of `key_id` in `now`'s month."""
@@ -296,6 +301,7 @@ class PeerKeyTable:
         self._tenants = {
             e.key_id: e.tenant for entries in self._entries.values() for e in entries.values()
         }
+        self._by_hash = {h: e for entries in self._entries.values() for h, e in entries.items()}
         self.version += 1
         self.on_change()
 

@@ -3,6 +3,10 @@
 Used by Envoy's ext_authz `Check` on every request and by `ApiKeyService` for callers that
 present a bearer key. All methods run on the event loop thread; store lookups go to a worker
 thread so a slow database never blocks other Checks.
+
+With regions, a secret this region's store does not know is looked up in its copy of the other
+regions' keys (`peer_entry`, `inferplane.auth.peers`): such a key authenticates here with its
+`inference` scope only (its administration stays in its home region).
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-from datetime import datetime, timedelta
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
+from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import (
+    SCOPE_INFERENCE,
     ApiKey,
     KeyState,
+    Limits,
     Principal,
     SecretHasher,
     is_well_formed_secret,
@@ -98,6 +106,8 @@ class KeyVerifier:
         # (possibly stale) result.
         self._generation = 0
         self._last_used = last_used
+        # Secret hash -> another region's entry (None: no regions); set by the composition root.
+        self.peer_entry: Callable[[str], kpb.KeyEntry | None] | None = None
 
     async def verify(self, secret: str) -> Principal:
         """The principal of `secret` if it authenticates now.
@@ -121,9 +131,43 @@ class KeyVerifier:
                 self._remember(secret_hash, found)
             key = found
         if key is None:
-            raise _incorrect(secret)
+            entry = self.peer_entry(secret_hash) if self.peer_entry is not None else None
+            if entry is None:
+                raise _incorrect(secret)
+            return self._admit_peer(entry, secret)
         assert isinstance(key, ApiKey)
         return self._admit(key, secret_hash, secret)
+
+    def _admit_peer(self, entry: kpb.KeyEntry, secret: str) -> Principal:
+        """Another region's key, by its replicated entry: revoked, expired or a rotated secret
+        past its grace are refused as at home; admitted with its inference scope only."""
+        if entry.revoked:
+            raise UnauthenticatedError(
+                f"The API key {redact(secret)} has been revoked.", code=_INVALID_API_KEY
+            )
+        if entry.HasField("valid_until") and self._clock.now() >= entry.valid_until.ToDatetime(
+            tzinfo=UTC
+        ):
+            raise UnauthenticatedError(
+                "This API key was rotated and its old secret no longer works; use the new secret."
+                if entry.previous_secret
+                else f"The API key {redact(secret)} has expired.",
+                code=_INVALID_API_KEY,
+            )
+        limits = entry.limits
+        return Principal(
+            entry.key_id,
+            entry.tenant,
+            tuple(s for s in entry.scopes if s == SCOPE_INFERENCE),
+            tuple(entry.allowed_models),
+            entry.tier,
+            Limits(
+                limits.requests_per_minute,
+                limits.tokens_per_minute,
+                limits.max_concurrent_requests,
+                limits.monthly_token_budget,
+            ),
+        )
 
     def _admit(self, key: ApiKey, secret_hash: str, secret: str) -> Principal:
         now = self._clock.now()

@@ -194,6 +194,7 @@ class PeerKeyTable:
         self._local: dict[str, int] = {}
         self._updated: dict[str, float] = {}
         self._connected: dict[str, bool] = dict.fromkeys(self.peers, False)
+        self._failing: dict[str, bool] = {}
         self.version = 0
         self._tenants: dict[str, str] = {}
         self._by_hash: dict[str, kpb.KeyEntry] = {}
@@ -354,11 +355,20 @@ class PeerKeyTable:
                         log.info("peer_key_table_connected", peer=region, address=address)
                     snapshot = True
                     self._connected[region] = True
+                    self._failing[region] = False
                 elif snapshot and (message.entries or message.removed):
                     await self._apply(region, message.entries, message.removed)
         except (grpc.aio.AioRpcError, TimeoutError, OSError) as exc:
-            if self._connected[region]:
-                log.warning("peer_key_table_lost", peer=region, error=str(exc)[:200])
+            # Once per outage: the link was lost, or the first try of a series failed (a peer
+            # down at start, or refusing this auth: a wrong token or certificate says so here).
+            if self._connected[region] or not self._failing.get(region):
+                said = (
+                    f"{exc.code().name}: {exc.details()}"
+                    if isinstance(exc, grpc.aio.AioRpcError)
+                    else repr(exc)
+                )
+                log.warning("peer_key_table_unreachable", peer=region, error=said[:300])
+            self._failing[region] = not snapshot
         except Exception:  # the database: keep the last copy, try again
             log.exception("peer_key_table_failed", peer=region)
         finally:

@@ -39,7 +39,9 @@ from inferplane.auth.migrations import MIGRATIONS
 from inferplane.auth.peer_store import SqlPeerKeyStore
 from inferplane.auth.settings import load_auth_settings, resolve_pepper
 from inferplane.runtime import ConfigError, InvalidArgumentError
+from inferplane.runtime.processes.ports import free_port
 from inferplane.runtime.security.api_keys import SecretHasher
+from inferplane.runtime.security.pki import LocalCA
 from inferplane.testing.databases import drop_schema
 from inferplane.testing.loop import LoopThread
 
@@ -421,6 +423,53 @@ def test_a_region_keeps_its_copy_through_a_cut_and_a_restart(
             eventually(lambda: h.hash(deleted_secret) not in t.read(0.05), what="deletion")
             assert t.entries[h.hash(kept_secret)].key_id == kept
             assert connected(us1, "eu1")
+
+
+def test_auths_follow_each_other_under_mutual_tls_with_the_internal_token(
+    tmp_path: Path, make_settings: Any, start_auth: Any
+) -> None:
+    """The `auth` identity's certificate and the internal token: a peer presenting the
+    right token is followed; one whose token differs is refused (and says why)."""
+    pki = tmp_path / "pki"
+    ca = LocalCA.ensure(pki)
+    ca.issue("auth", dns_names=("auth",), ip_addresses=("127.0.0.1",))
+    ports = {"eu1": free_port(), "us1": free_port()}
+
+    def settings(name: str, other: str, token: str) -> Any:
+        return make_settings(
+            tmp_path / name,
+            port=ports[name],
+            tls_dir=pki,
+            internal_token=token,
+            region=name,
+            peers={other: f"127.0.0.1:{ports[other]}"},
+            pepper="one-pepper-shared-by-every-region",
+            budget_sync_seconds=0.2,
+        )
+
+    with (
+        start_auth(settings("eu1", "us1", "token-of-every-region")) as eu1,
+        start_auth(settings("us1", "eu1", "another-token")) as us1,
+    ):
+        _, secret = create(eu1, limits=Limits(monthly_token_budget=BUDGET))
+        hashed = _hasher(eu1).hash(secret)
+        # us1 presents "another-token" to eu1: refused; eu1 presents its own to us1: refused.
+        time.sleep(1.0)
+        assert not connected(us1, "eu1") and not connected(eu1, "us1")
+        assert hashed not in us1.components.peers.entries("eu1")
+    with (
+        start_auth(settings("eu1", "us1", "token-of-every-region")) as eu1,
+        start_auth(settings("us1", "eu1", "token-of-every-region")) as us1,
+    ):
+        eventually(lambda: hashed in us1.components.peers.entries("eu1"), what="replicated")
+        eventually(lambda: connected(us1, "eu1") and connected(eu1, "us1"), what="both ways")
+        ok = {"region": "eu1", "outcome": "ok"}
+        eventually(
+            lambda: us1.components.registry.get_sample_value(
+                "inferplane_auth_peer_budget_syncs_total", ok
+            ),
+            what="a month-totals read under mutual TLS",
+        )
 
 
 # -- budgets -----------------------------------------------------------------------------------

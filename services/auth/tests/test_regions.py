@@ -378,6 +378,23 @@ def test_keys_replicate_revocation_within_the_bound_and_pins_stay_home(
         us1_table.read(0.5)
         assert h.hash(pinned) not in us1_table.entries  # never replicated
         assert h.hash(pinned) in eu1_table.read()  # served at home
+        # A limit change and a rotation (with grace) in eu1 reach us1's table too.
+        manager = eu1.components.manager
+        eu1.run(
+            manager.update(
+                key_id,
+                KeySpec(limits=Limits(requests_per_minute=9)),
+                frozenset({"limits"}),
+                "test-admin",
+            )
+        )
+        eventually(
+            lambda: us1_table.read(0.02)[h.hash(secret)].limits.requests_per_minute == 9,
+            what="the limit change in us1",
+        )
+        _, rotated = eu1.run(manager.rotate(key_id, timedelta(hours=1), "test-admin"))
+        eventually(lambda: h.hash(rotated) in us1_table.read(0.02), what="the rotation in us1")
+        assert us1_table.entries[h.hash(secret)].previous_secret
         # Revocation in eu1 -> us1's routers' table, timed.
         started = time.monotonic()
         eu1.run(eu1.components.manager.revoke(key_id, "test-admin"))

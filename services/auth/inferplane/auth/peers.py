@@ -222,9 +222,11 @@ class PeerKeyTable:
         return self._by_hash.get(secret_hash)
 
     def others_month_tokens(self, key_id: str, now: datetime) -> int:
-        """What the peers last reported serving of `key_id` in `now`'s month."""
+        """What the peers last reported serving of `key_id` in `now`'s month. Safe off the
+        event loop (the key table's reads): the totals are copied in one step, and each
+        region's are replaced whole, never changed in place."""
         end = month_end(now)
-        return sum(t.get(key_id, 0) for e, t in self._remote.values() if e == end)
+        return sum(t.get(key_id, 0) for e, t in tuple(self._remote.values()) if e == end)
 
     def add_others(self, found: dict[str, int], key_ids: Iterable[str], now: datetime) -> None:
         """Adds to `found` (this region's month totals, key id -> tokens) what the peers last

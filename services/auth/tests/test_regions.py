@@ -327,6 +327,13 @@ def test_the_peer_store_replaces_and_applies(tmp_path: Path, database: str) -> N
     loaded = store.load(["eu1", "us1", "ap1"])
     assert sorted(loaded["eu1"]) == ["a", "c"] and loaded["us1"]["a"].key_id == "other"
     assert loaded["ap1"] == {}
+    # Another auth instance of the region, following the same peer, writes the same rows
+    # (upserts: no conflict), and a change replaces an entry in place.
+    twin = SqlPeerKeyStore(url)
+    twin.replace("eu1", [entry(secret_hash="a", key_id="k1"), entry(secret_hash="c")], now)
+    twin.apply("eu1", [entry(secret_hash="a", key_id="k1", revoked=True)], (), now)
+    twin.close()
+    assert store.load(["eu1"])["eu1"]["a"].revoked
     store.replace("eu1", [], now)
     assert store.load(["eu1"]) == {"eu1": {}}
     store.close()

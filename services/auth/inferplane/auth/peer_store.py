@@ -9,8 +9,9 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 
 from sqlalchemy import LargeBinary, String, delete, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.migrations import MIGRATIONS
@@ -35,7 +36,7 @@ class _PeerEntryRow(_Base):
 #: The table this store maps (a target of the auth database's migrations).
 METADATA = _Base.metadata
 _ENTRIES = _PeerEntryRow.__table__
-# Secret hashes per `DELETE ... IN (...)`.
+# Secret hashes per `DELETE ... IN (...)`, rows per multi-row upsert.
 _IN_CHUNK = 500
 
 # A peer region's entries: secret hash -> entry.
@@ -52,6 +53,7 @@ class SqlPeerKeyStore:
         self._db = SqlDatabase(
             url, what="peer key table", reason="AUTH_STORE_UNAVAILABLE", echo=echo
         )
+        self._postgres = self._db.engine.dialect.name == "postgresql"
 
     def create_schema(self) -> None:
         """Migrates the auth database to the latest schema revision (`migrations/`)."""
@@ -76,9 +78,13 @@ class SqlPeerKeyStore:
 
     def replace(self, region: str, entries: Iterable[kpb.KeyEntry], now: datetime) -> None:
         """Makes `entries` all that is stored of `region` (a snapshot), in one transaction."""
+        entries = list(entries)
+        keep = {e.secret_hash for e in entries}
         with self._db.transaction() as s:
-            s.execute(delete(_PeerEntryRow).where(_PeerEntryRow.region == region))
-            s.add_all(_row(region, e, now) for e in entries)
+            held = s.execute(
+                select(_ENTRIES.c.secret_hash).where(_ENTRIES.c.region == region)
+            ).scalars()
+            self._write(s, region, entries, set(held) - keep, now)
 
     def apply(
         self,
@@ -89,27 +95,51 @@ class SqlPeerKeyStore:
     ) -> None:
         """Adds or replaces `put` and drops `removed` secret hashes of `region` (a change),
         in one transaction."""
-        put = list(put)
-        gone = sorted(set(removed) | {e.secret_hash for e in put})
         with self._db.transaction() as s:
-            for start in range(0, len(gone), _IN_CHUNK):
-                s.execute(
-                    delete(_PeerEntryRow).where(
-                        _PeerEntryRow.region == region,
-                        _PeerEntryRow.secret_hash.in_(gone[start : start + _IN_CHUNK]),
-                    )
+            self._write(s, region, list(put), set(removed), now)
+
+    def _write(
+        self,
+        s: Session,
+        region: str,
+        put: list[kpb.KeyEntry],
+        removed: Collection[str],
+        now: datetime,
+    ) -> None:
+        """Deletes `removed` and upserts `put`: several auth instances of one region, each
+        following the same peer, may write the same rows at once without a conflict."""
+        gone = sorted(set(removed) - {e.secret_hash for e in put})
+        for start in range(0, len(gone), _IN_CHUNK):
+            s.execute(
+                delete(_PeerEntryRow).where(
+                    _PeerEntryRow.region == region,
+                    _PeerEntryRow.secret_hash.in_(gone[start : start + _IN_CHUNK]),
                 )
-            s.add_all(_row(region, e, now) for e in put)
+            )
+        insert = postgresql.insert if self._postgres else sqlite.insert
+        for start in range(0, len(put), _IN_CHUNK):
+            rows = [_values(region, e, now) for e in put[start : start + _IN_CHUNK]]
+            statement = insert(_PeerEntryRow).values(rows)
+            s.execute(
+                statement.on_conflict_do_update(
+                    index_elements=["region", "secret_hash"],
+                    set_={
+                        "key_id": statement.excluded.key_id,
+                        "entry": statement.excluded.entry,
+                        "update_time": statement.excluded.update_time,
+                    },
+                )
+            )
 
     def close(self) -> None:
         self._db.close()
 
 
-def _row(region: str, entry: kpb.KeyEntry, now: datetime) -> _PeerEntryRow:
-    return _PeerEntryRow(
-        region=region,
-        secret_hash=entry.secret_hash,
-        key_id=entry.key_id,
-        entry=entry.SerializeToString(deterministic=True),
-        update_time=now,
-    )
+def _values(region: str, entry: kpb.KeyEntry, now: datetime) -> dict[str, object]:
+    return {
+        "region": region,
+        "secret_hash": entry.secret_hash,
+        "key_id": entry.key_id,
+        "entry": entry.SerializeToString(deterministic=True),
+        "update_time": now,
+    }

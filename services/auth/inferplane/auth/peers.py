@@ -188,6 +188,7 @@ class PeerKeyTable:
         self.local_budgeted: Callable[[], Collection[str]] = frozenset
         self.on_change: Callable[[], None] = lambda: None
         self._entries: dict[str, Entries] = {name: {} for name in self.peers}
+        self._raw: dict[str, dict[str, bytes]] = {name: {} for name in self.peers}
         # Month totals: each peer's own (with the month they belong to); this region's own
         # ledger of its peers' budgeted keys.
         self._remote: dict[str, tuple[datetime, dict[str, int]]] = {}
@@ -240,6 +241,7 @@ class PeerKeyTable:
         """The key table's entries of every peer key (`peer_key` -> secret hash -> entry),
         budgets decided over every region; hashes in `skip` (this region's own) left out."""
         end = month_end(now)
+        resets = timestamp(end)
         tables: dict[str, Built] = {}
         for region, entries in self._entries.items():
             for secret_hash, entry in entries.items():
@@ -252,9 +254,12 @@ class PeerKeyTable:
                     used += self.others_month_tokens(entry.key_id, now)
                     entry.month_tokens = used
                     entry.budget_exhausted = used >= budget
-                    entry.budget_resets.CopyFrom(timestamp(end))
+                    entry.budget_resets.CopyFrom(resets)
+                    raw = entry.SerializeToString(deterministic=True)
+                else:  # as received: serialized once, when it arrived
+                    raw = self._raw[region][secret_hash]
                 table = tables.setdefault(peer_key(region, entry.key_id), {})
-                table[secret_hash] = (entry.SerializeToString(deterministic=True), entry)
+                table[secret_hash] = (raw, entry)
         return tables
 
     def budgeted(self) -> set[str]:
@@ -272,7 +277,7 @@ class PeerKeyTable:
         """Loads the stored copy, then follows every peer and their month totals."""
         loaded = await asyncio.to_thread(self._store.load, list(self.peers))
         for region, entries in loaded.items():
-            self._entries[region] = entries
+            self._hold(region, entries.values())
         self._changed()
         log.info(
             "peer_key_tables_loaded",
@@ -299,6 +304,16 @@ class PeerKeyTable:
         self._metrics.age.labels(name).set_function(lambda: self._age(name))
         for outcome in ("ok", "error"):
             self._metrics.budget_syncs.labels(name, outcome)
+
+    def _hold(self, region: str, put: Iterable[kpb.KeyEntry], gone: Iterable[str] = ()) -> None:
+        """Adds `put` to (and drops `gone` from) what is held of `region`, serialized once."""
+        held, raws = self._entries[region], self._raw[region]
+        for secret_hash in gone:
+            held.pop(secret_hash, None)
+            raws.pop(secret_hash, None)
+        for entry in put:
+            held[entry.secret_hash] = entry
+            raws[entry.secret_hash] = entry.SerializeToString(deterministic=True)
 
     def _changed(self) -> None:
         self._tenants = {
@@ -386,7 +401,8 @@ class PeerKeyTable:
     async def _replace(self, region: str, entries: Iterable[kpb.KeyEntry]) -> None:
         kept = self._own(region, entries)
         await asyncio.to_thread(self._store.replace, region, kept, self._clock.now())
-        self._entries[region] = {e.secret_hash: e for e in kept}
+        self._entries[region], self._raw[region] = {}, {}
+        self._hold(region, kept)
         self._changed()
 
     async def _apply(
@@ -397,10 +413,7 @@ class PeerKeyTable:
         # An entry no longer homed there (never expected) is dropped like a removed one.
         gone = set(removed) | {e.secret_hash for e in entries} - {e.secret_hash for e in kept}
         await asyncio.to_thread(self._store.apply, region, kept, gone, self._clock.now())
-        held = self._entries[region]
-        for secret_hash in gone:
-            held.pop(secret_hash, None)
-        held.update((e.secret_hash, e) for e in kept)
+        self._hold(region, kept, gone)
         self._changed()
 
     # -- budgets -------------------------------------------------------------------------------

@@ -302,6 +302,12 @@ def _cluster(config: GlobalTierConfig, name: str, regions: Sequence[str]) -> Res
         "typed_extension_protocol_options": _protocol_options(config),
         "upstream_connection_options": {"tcp_keepalive": _TCP_KEEPALIVE},
         "health_checks": [_health_check(config)],
+        # A region cut off mid-request answers nothing on the connections already open to it
+        # (TCP keepalive never probes a connection with a request outstanding): when its edge
+        # fails its health check, those connections close, so a request still without a
+        # response is retried in the next region (`reset`) and a stream already answering
+        # ends with a transport error, both within the health check's detection time.
+        "close_connections_on_host_health_failure": True,
         "outlier_detection": _outlier_detection(config),
         "circuit_breakers": {
             "thresholds": [

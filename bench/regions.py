@@ -218,6 +218,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens of each request")
     parser.add_argument("--token-delay", type=float, default=0.02, help="fake engine s/token")
+    parser.add_argument(
+        "--data-dir", type=Path, help="keep the stacks' folders (logs) here; default: a temp dir"
+    )
     args = parser.parse_args()
     reason = namespaces_unavailable()
     if reason:
@@ -226,8 +229,11 @@ def main() -> None:
     hosts = Hosts.fresh(names)
     hosts.create()
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-regions-") as tmp:
-            run(args, hosts, Path(tmp))
+        if args.data_dir is not None:
+            run(args, hosts, args.data_dir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="bench-regions-") as tmp:
+                run(args, hosts, Path(tmp))
     finally:
         hosts.delete()
 

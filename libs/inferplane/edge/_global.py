@@ -49,7 +49,7 @@ from inferplane.edge._base import (
 )
 from inferplane.edge._base import TYPE_URL_PREFIX as _T
 from inferplane.edge._bootstrap import connection_cap, node_and_admin
-from inferplane.edge._clusters import REPLICA_KEEPALIVE, lb_endpoints
+from inferplane.edge._clusters import lb_endpoints
 from inferplane.edge._config import EdgeConfig, Endpoint
 from inferplane.edge._errors import EdgeConfigError
 from inferplane.edge._global_replies import build_global_local_replies, pinned_route_prefix
@@ -238,13 +238,21 @@ _PREVIOUS_HOSTS = _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHo
 _ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
 _HCM = _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 #: TCP keepalive on the HTTP/1.1 connections to the edges: a silently cut region's streams end
-#: after ~10 + 3 × 2 s without an answer (HTTP/2 uses its own pings, `REPLICA_KEEPALIVE`).
+#: after ~10 + 3 × 2 s without an answer (HTTP/2 uses its own pings, `REGION_KEEPALIVE`).
+#: TCP keepalive never probes a connection with unacknowledged data, so an HTTP/1.1 request
+#: written to a region just cut waits for its edge's health check to fail (the connections
+#: close then, `close_connections_on_host_health_failure`) at best, or for TCP to give up.
 _TCP_KEEPALIVE = {"keepalive_time": 10, "keepalive_interval": 2, "keepalive_probes": 3}
+#: HTTP/2 pings on each h2c connection to an edge: a connection whose region went silent is
+#: closed within interval + timeout (~6 s), its requests that had no response yet retried in
+#: the next region (`reset`), its started streams ended with a transport error. Measured
+#: with the regions test and bench (docs/regions.md); the recommended upstream protocol.
+REGION_KEEPALIVE = {"interval": "4s", "timeout": "2s"}
 
 
 def _protocol_options(config: GlobalTierConfig) -> Resource:
     http: Resource = (
-        {"http2_protocol_options": {"connection_keepalive": REPLICA_KEEPALIVE}}
+        {"http2_protocol_options": {"connection_keepalive": REGION_KEEPALIVE}}
         if config.upstream_protocol == "h2c"
         else {"http_protocol_options": {}}
     )

@@ -141,8 +141,6 @@ def global_bootstrap() -> str:
             listen_port=GLOBAL_PORT,
             admin_host="0.0.0.0",
             admin_port=ADMIN_PORT,
-            # HTTP/2 pings find a silently cut region's connections (docs/regions.md).
-            upstream_protocol="h2c",
         )
     )
     return _dump(

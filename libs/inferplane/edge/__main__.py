@@ -95,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     glob.add_argument("--listen-host", default="127.0.0.1")
     glob.add_argument("--listen-port", type=int, default=8080)
     glob.add_argument("--admin-port", type=int, default=9901)
-    glob.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS, default="http1")
+    glob.add_argument("--upstream-protocol", choices=UPSTREAM_PROTOCOLS, default="h2c")
     glob.add_argument("--tls-cert", default="", help="PEM certificate chain: serve HTTPS")
     glob.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     glob.add_argument("--format", choices=("yaml", "json"), default="yaml")

@@ -105,7 +105,8 @@ class GlobalTierConfig:
             clients connect over TLS only (1.2+, ALPN h2 and http/1.1, as the edge's
             listener); both empty: plain text (a load balancer in front terminates TLS).
         admin_host / admin_port: Envoy's admin API (keep it on loopback).
-        upstream_protocol: how the tier speaks to the regions' edges: "http1" or "h2c"
+        upstream_protocol: how the tier speaks to the regions' edges: "h2c" (the default: its
+            pings find a silently cut region's connections, `REGION_KEEPALIVE`) or "http1"
             (both served by the edge's listener, `codec_type: AUTO`); the health checks use
             the same.
         node_id / node_cluster: the Envoy node identity.
@@ -139,7 +140,7 @@ class GlobalTierConfig:
     tls_key_path: str = ""
     admin_host: str = "127.0.0.1"
     admin_port: int = 9901
-    upstream_protocol: str = "http1"
+    upstream_protocol: str = "h2c"
     node_id: str = "inferplane-global"
     node_cluster: str = "inferplane-global"
     health_check_interval_s: float = 1.0

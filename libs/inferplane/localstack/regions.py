@@ -154,8 +154,6 @@ class Regions:
             regions=edges,
             fallbacks={name: cfg.fallback_of(name) for name in cfg.regions},
             default_region=next(iter(cfg.regions)),
-            # HTTP/2 pings find a silently cut region's connections (docs/regions.md).
-            upstream_protocol="h2c",
             listen_host=cfg.global_address,
             listen_port=cfg.global_port,
             admin_host=cfg.global_address,

@@ -69,6 +69,7 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
         regions={"eu": [eu.address], "us": [us.address]},
         listen_port=free_port(),
         admin_port=free_port(),
+        upstream_protocol="http1",  # the fake region edges speak HTTP/1.1 only
     )
     envoy = EnvoyProcess.from_global_config(config, tmp_path_factory.mktemp("global"))
     envoy.start()
@@ -348,6 +349,7 @@ def test_the_tier_terminates_tls(tier: Tier, tmp_path: Path) -> None:
         regions={"eu": [tier.eu.address], "us": [tier.us.address]},
         listen_port=free_port(),
         admin_port=free_port(),
+        upstream_protocol="http1",
         tls_cert_path=str(leaf.cert_path),
         tls_key_path=str(leaf.key_path),
     )

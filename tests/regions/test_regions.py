@@ -302,7 +302,10 @@ def test_a_region_cut_off_and_back(regions: Regions, hosts: Hosts) -> None:
         for stream in streams:
             stream.join(STREAM_END_BOUND_S + 30)
             assert not stream.is_alive(), "a stream of the lost region still hangs"
-            print(f"stream: error {stream.error[:120]!r}, done {stream.done}")
+            print(
+                f"stream ended +{stream.ended_at - cut_at:.1f} s after the cut: "
+                f"error {stream.error[:100]!r}, done {stream.done}"
+            )
             assert stream.error, "a stream of the lost region ended without an error"
             assert stream.ended_at - cut_at <= STREAM_END_BOUND_S
     finally:

@@ -12,7 +12,9 @@ Modules (private; import from here):
 - `_stack`: `Stack` (start-up order, stop, the deployments, queries) and `running_stack`;
 - `_prometheus`: deploy/'s Prometheus configuration, pointed at a stack's ports;
 - `netns` (public, imported as `inferplane.localstack.netns`): hosts made of Linux network
-  namespaces, for the multi-host and regions tests and benches.
+  namespaces, for the multi-host and regions tests and benches;
+- `regions` (public, `inferplane.localstack.regions`): several regions, each a whole stack, and
+  the global tier in front of them (docs/regions.md).
 """
 
 from inferplane.localstack._config import (

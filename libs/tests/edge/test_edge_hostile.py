@@ -13,6 +13,10 @@ import socket
 import time
 from typing import Any
 
+import h2.config
+import h2.connection
+import hpack
+import hyperframe.frame
 import pytest
 
 from inferplane.edge import MiB
@@ -96,6 +100,59 @@ def test_unroutable_methods_get_an_immediate_405(edge: Edge, request_line: bytes
     headers = assert_refused(reply, 405, "method_not_allowed")
     assert "POST" in headers["allow"] and "CONNECT" not in headers["allow"]
     assert len(edge.picker.picks) == picks  # the picker never saw it
+
+
+def h2_exchange(edge: Edge, headers: list[tuple[str, str]]) -> tuple[float, dict[str, str], Any]:
+    """One HTTP/2 request (h2c, prior knowledge) of `headers` and no body on a fresh
+    connection: (seconds until the reply's stream ended, its headers, its JSON body).
+
+    The reply's frames are read one by one (hyperframe, hpack), not through `h2`'s state
+    machine: Envoy sends a GOAWAY ahead of its answer to a refused CONNECT, after which `h2`
+    refuses every frame of the connection."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream = connection.get_next_available_stream_id()
+    connection.send_headers(stream, headers, end_stream=True)
+    decoder = hpack.Decoder()
+    got: dict[str, str] = {}
+    body = b""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", edge.config.listen_port), timeout=10) as s:
+        s.sendall(connection.data_to_send())
+        pending = b""
+        while True:
+            data = s.recv(65536)
+            assert data, f"the edge closed the connection first (headers {got})"
+            pending += data
+            while len(pending) >= 9:
+                frame, length = hyperframe.frame.Frame.parse_frame_header(memoryview(pending[:9]))
+                if len(pending) < 9 + length:
+                    break
+                frame.parse_body(memoryview(pending[9 : 9 + length]))
+                pending = pending[9 + length :]
+                if frame.stream_id != stream:
+                    continue
+                if isinstance(frame, hyperframe.frame.HeadersFrame):
+                    got |= {str(k): str(v) for k, v in decoder.decode(frame.data)}
+                elif isinstance(frame, hyperframe.frame.DataFrame):
+                    body += frame.data
+                if "END_STREAM" in frame.flags or isinstance(
+                    frame, hyperframe.frame.RstStreamFrame
+                ):
+                    return time.monotonic() - started, got, json.loads(body or b"null")
+
+
+def test_connect_over_http2_gets_an_immediate_405(edge: Edge) -> None:
+    """HTTP/2's CONNECT (RFC 9113 §8.5: `:method` and `:authority` only) is refused as on
+    HTTP/1.1: an immediate shaped 405, no key asked, the picker never sees it."""
+    picks = len(edge.picker.picks)
+    seconds, headers, body = h2_exchange(
+        edge, [(":method", "CONNECT"), (":authority", "api.openai.com:443")]
+    )
+    assert seconds < PROMPT_S
+    assert headers[":status"] == "405", (headers, body)
+    assert body["error"]["code"] == "method_not_allowed", body
+    assert len(edge.picker.picks) == picks
 
 
 def test_trace_on_anthropic_path_is_anthropic_shaped(edge: Edge) -> None:

@@ -43,68 +43,10 @@ from inferplane.runtime.processes.ports import free_port
 from inferplane.runtime.security.api_keys import SecretHasher
 from inferplane.runtime.security.pki import LocalCA
 from inferplane.testing.databases import drop_schema
+from inferplane.testing.links import Link
 from inferplane.testing.loop import LoopThread
 
 BUDGET = 1000
-
-
-class Link:
-    """A TCP forwarder on loopback to a port set later (`target`); `cut()` aborts every
-    connection and refuses new ones until `restore()`: a network cut between two regions."""
-
-    def __init__(self, loop: LoopThread) -> None:
-        self.loop = loop
-        self.target: int | None = None
-        self.up = True
-        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
-        self._server: asyncio.Server | None = None
-        self.port = loop.run(self._start())
-
-    async def _start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self.up or self.target is None:
-            writer.transport.abort()
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        pair = (writer, up_writer)
-        self._pairs.add(pair)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError, ConnectionError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        self._pairs.discard(pair)
-
-    def cut(self) -> None:
-        async def _cut() -> None:
-            self.up = False
-            for a, b in list(self._pairs):
-                a.transport.abort()
-                b.transport.abort()
-
-        self.loop.run(_cut())
-
-    def restore(self) -> None:
-        self.up = True
-
-    def close(self) -> None:
-        async def _close() -> None:
-            self.cut()
-            if self._server is not None:
-                self._server.close()
-
-        self.loop.run(_close())
 
 
 def eventually(check: Callable[[], Any], timeout: float = 8.0, what: str = "") -> Any:
@@ -237,6 +179,11 @@ def report(auth: Any, key_id: str, request_id: str, tokens: int) -> None:
         ),
         timeout=5,
     )
+
+
+def own_limits(entry: key_table_pb2.KeyEntry) -> auth_pb2.Limits:
+    """The key's own limits in a key table entry (`key_limits` when it carries a share)."""
+    return entry.key_limits if entry.HasField("key_limits") else entry.limits
 
 
 def connected(auth: Any, peer: str) -> bool:
@@ -380,7 +327,8 @@ def test_keys_replicate_revocation_within_the_bound_and_pins_stay_home(
         eventually(lambda: h.hash(admin_secret) in us1.components.peers.entries("eu1"))
         assert us1.check(admin_secret, "/v1/admin/api-keys").denied_response.status.code == 403
         assert (entry.key_id, entry.tenant, entry.home_region) == (key_id, "acme", "eu1")
-        assert entry.limits.requests_per_minute == 5 and not entry.revoked
+        # The key's own limit (us1's entry carries us1's share of it: inferplane.auth.shares).
+        assert own_limits(entry).requests_per_minute == 5 and not entry.revoked
         assert eventually(lambda: eu1_table.read().get(h.hash(us1_secret))).key_id == us1_key
         us1_table.read(0.5)
         assert h.hash(pinned) not in us1_table.entries  # never replicated
@@ -396,7 +344,7 @@ def test_keys_replicate_revocation_within_the_bound_and_pins_stay_home(
             )
         )
         eventually(
-            lambda: us1_table.read(0.02)[h.hash(secret)].limits.requests_per_minute == 9,
+            lambda: own_limits(us1_table.read(0.02)[h.hash(secret)]).requests_per_minute == 9,
             what="the limit change in us1",
         )
         _, rotated = eu1.run(manager.rotate(key_id, timedelta(hours=1), "test-admin"))

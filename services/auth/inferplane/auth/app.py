@@ -27,6 +27,7 @@ from inferplane.auth.peers import PeerKeyTable, PeerMetrics, PeerSettings, parse
 from inferplane.auth.responses_service import ResponsesService, ResponseStoreService
 from inferplane.auth.responses_store import SqlResponseStore
 from inferplane.auth.settings import AuthSettings, resolve_pepper
+from inferplane.auth.shares import ShareMetrics
 from inferplane.auth.sql_store import SqlApiKeyStore
 from inferplane.auth.store import ApiKeyStore
 from inferplane.auth.usage import UsageLedgerService, UsageMetrics, UsageService
@@ -336,6 +337,7 @@ def build_components(
                 ledger,
                 clock,
                 PeerMetrics(registry),
+                share_metrics=ShareMetrics(registry),
                 security=settings.security("auth"),
                 token=settings.internal_token,
                 settings=PeerSettings(

@@ -29,27 +29,34 @@ def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
     return ts
 
 
-def key_entries(key: ApiKey, month_tokens: int, now: datetime) -> list[kpb.KeyEntry]:
+def key_entries(
+    key: ApiKey, month_tokens: int, now: datetime, share: auth_pb2.Limits | None = None
+) -> list[kpb.KeyEntry]:
     """The entries of one key at `now`: its current secret, and its previous one while the
-    rotation's grace period runs. `month_tokens`: this month's tokens (keys with a budget)."""
+    rotation's grace period runs. `month_tokens`: this month's tokens (keys with a budget).
+    `share`: this region's share of the key's rate limits (`inferplane.auth.shares`), carried
+    in `limits` with the key's own in `key_limits`; None: `limits` are the key's own."""
     limits = key.limits
     budget = limits.monthly_token_budget
+    own = auth_pb2.Limits(
+        requests_per_minute=limits.requests_per_minute,
+        tokens_per_minute=limits.tokens_per_minute,
+        max_concurrent_requests=limits.max_concurrent_requests,
+        monthly_token_budget=budget,
+    )
     common: dict[str, Any] = {
         "key_id": key.key_id,
         "tenant": key.tenant,
         "scopes": list(key.scopes),
         "allowed_models": list(key.allowed_models),
         "tier": key.tier,
-        "limits": auth_pb2.Limits(
-            requests_per_minute=limits.requests_per_minute,
-            tokens_per_minute=limits.tokens_per_minute,
-            max_concurrent_requests=limits.max_concurrent_requests,
-            monthly_token_budget=budget,
-        ),
+        "limits": own if share is None else share,
         "revoked": key.revoke_time is not None,
         "home_region": key.home_region,
         "region_pinned": key.region_pinned,
     }
+    if share is not None:
+        common["key_limits"] = own
     if budget:
         common["month_tokens"] = max(0, month_tokens)
         common["budget_exhausted"] = month_tokens >= budget
@@ -72,10 +79,12 @@ def key_entries(key: ApiKey, month_tokens: int, now: datetime) -> list[kpb.KeyEn
     return entries
 
 
-def build_entries(key: ApiKey, month_tokens: int, now: datetime) -> Built:
+def build_entries(
+    key: ApiKey, month_tokens: int, now: datetime, share: auth_pb2.Limits | None = None
+) -> Built:
     return {
         e.secret_hash: (e.SerializeToString(deterministic=True), e)
-        for e in key_entries(key, month_tokens, now)
+        for e in key_entries(key, month_tokens, now, share)
     }
 
 

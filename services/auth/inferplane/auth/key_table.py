@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from inferplane.api.auth.v1 import auth_pb2
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import ApiKey
 from inferplane.auth.key_entries import (
@@ -129,6 +130,8 @@ class KeyTableFeed:
         self._ledger = ledger
         self._peers = peers
         self._peer_version = -1
+        # `RegionShares.version` the own keys' entries were last all built under.
+        self._shares_version = self._shares_now()
         self._clock = clock
         self.metrics = metrics
         self.settings = settings or KeyTableSettings()
@@ -379,6 +382,7 @@ class KeyTableFeed:
             self._seen.clear()
             self._holes.clear()
             self._loaded = True
+        self._reshare(change, as_of)
         self._merge_peers(change, as_of, force=True)
         self._done(as_of, change)
 
@@ -393,6 +397,7 @@ class KeyTableFeed:
         # table is only changed under the lock this read runs under).
         before = self._as_of
         same_month = before is not None and month_end(now) == month_end(before)
+        same_shares = self._shares_version == self._shares_now()
         built = {}
         for key in keys:
             month = months.get(key.key_id, 0)
@@ -401,13 +406,14 @@ class KeyTableFeed:
                 held is not None
                 and before is not None
                 and same_month
+                and same_shares
                 and self._keys.get(key.key_id) == key
                 and self._months.get(key.key_id, 0) == month
                 and grace_end(key, now) == grace_end(key, before)
             ):
                 built[key.key_id] = held
             else:
-                built[key.key_id] = build_entries(key, month, now)
+                built[key.key_id] = self._build(key, month, now)
         return last, keys, months, built
 
     async def _poll(self, *, all_budgets: bool) -> None:
@@ -455,7 +461,8 @@ class KeyTableFeed:
             if as_of >= end and key_id in self._keys:
                 key = self._keys[key_id]
                 month = self._months.get(key_id, 0)
-                self._set(key_id, key, build_entries(key, month, as_of), change, as_of)
+                self._set(key_id, key, self._build(key, month, as_of), change, as_of)
+        self._reshare(change, as_of)
         self._merge_peers(change, as_of, force=rolled)
         self._done(as_of, change)
 
@@ -480,12 +487,10 @@ class KeyTableFeed:
         months = self._months_of(months_of, now) if months_of else {}
         built: dict[str, Built] = {}
         for key_id, found in keys.items():
-            built[key_id] = (
-                {} if found is None else build_entries(found, months.get(key_id, 0), now)
-            )
+            built[key_id] = {} if found is None else self._build(found, months.get(key_id, 0), now)
         for key_id, (key, known) in budgeted.items():
             if key_id not in built and months.get(key_id, 0) != known:
-                built[key_id] = build_entries(key, months.get(key_id, 0), now)
+                built[key_id] = self._build(key, months.get(key_id, 0), now)
         return _Read(events, keys, months, built)
 
     def _follow(self, events: Iterable[tuple[int, str]]) -> None:
@@ -537,6 +542,40 @@ class KeyTableFeed:
             self._graces.pop(key_id, None)
         else:
             self._graces[key_id] = end
+
+    def _shares_now(self) -> int:
+        return -1 if self._peers is None else self._peers.shares.version
+
+    def _build(self, key: ApiKey, month: int, now: datetime) -> Built:
+        """`key`'s entries, with this region's share of its rate limits when it has peers and
+        the key is homed in a region and not pinned (`inferplane.auth.shares`)."""
+        share = None
+        if self._peers is not None and key.home_region and not key.region_pinned:
+            limits = auth_pb2.Limits(
+                requests_per_minute=key.limits.requests_per_minute,
+                tokens_per_minute=key.limits.tokens_per_minute,
+                max_concurrent_requests=key.limits.max_concurrent_requests,
+                monthly_token_budget=key.limits.monthly_token_budget,
+            )
+            share = self._peers.shares.limits_for(key.key_id, key.home_region, limits)
+        return build_entries(key, month, now, share)
+
+    def _reshare(self, change: Change, now: datetime) -> None:
+        """Builds again the entries of the own keys with rate limits when the shares changed
+        since they were built, and notes what differs in `change`."""
+        version = self._shares_now()
+        if version == self._shares_version:
+            return
+        self._shares_version = version
+        for key_id, key in list(self._keys.items()):
+            if (
+                key.limits.requests_per_minute
+                or key.limits.tokens_per_minute
+                or (key.limits.max_concurrent_requests)
+            ):
+                self._set(
+                    key_id, key, self._build(key, self._months.get(key_id, 0), now), change, now
+                )
 
     def _months_of(self, key_ids: Collection[str], now: datetime) -> dict[str, int]:
         """The month tokens of `key_ids`: this region's ledger plus, with peers, what the

@@ -359,6 +359,22 @@ class SqlUsageLedger:
             raise self._db.unavailable(exc) from exc
         return found
 
+    def recent_demand(self, since: datetime) -> dict[str, tuple[int, int]]:
+        """Key id -> (requests, prompt + completion tokens) of the rows that ended at or after
+        `since` (keys without one are absent): one range read of the end-time index. A
+        region's recent demand of each key (`inferplane.auth.shares`)."""
+        tokens = func.sum(usage_ledger.c.prompt_tokens + usage_ledger.c.completion_tokens)
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    select(usage_ledger.c.key_id, func.count(), tokens)
+                    .where(usage_ledger.c.end_time >= since)
+                    .group_by(usage_ledger.c.key_id)
+                )
+                return {str(k): (int(n), int(t or 0)) for k, n, t in rows}
+        except OperationalError as exc:
+            raise self._db.unavailable(exc) from exc
+
     def query(self, query: UsageQuery) -> UsagePage:
         """Rows (ordered by end time, then request id) or groups (ordered by group), one page.
 

@@ -23,6 +23,13 @@ region serves is its own ledger's month plus the last totals each peer reported
 keeps the other's last totals, so a key overspends its budget by at most what the regions it
 cannot see serve during the cut (plus one sync period).
 
+Per-key rate limits are global too (`inferplane.auth.shares`): on the same cadence each peer's
+answer carries its recent demand of every key (`RegionMonthTokensRequest.demand`), this
+region's own is read from its ledger, and every entry of a key with a rate limit (its own keys
+and its peers') carries this region's share of it. A peer from which nothing arrived for
+`cut_seconds` is left out of the split (its share taken back). An entry copied from a peer
+takes the key's own limits (`KeyEntry.key_limits`) when the peer sent its share.
+
 Metrics: `inferplane_auth_peer_connected{region}` (1 while the watch of that peer is open and
 has its snapshot), `inferplane_auth_peer_key_entries{region}`,
 `inferplane_auth_peer_update_age_seconds{region}` (since the last message from it, +Inf
@@ -37,7 +44,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import structlog
@@ -50,6 +57,12 @@ from inferplane.api.auth.v1 import key_table_pb2_grpc
 from inferplane.auth.key_entries import Built, timestamp
 from inferplane.auth.ledger import SqlUsageLedger, month_end
 from inferplane.auth.peer_store import Entries, SqlPeerKeyStore
+from inferplane.auth.shares import (
+    DEMAND_WINDOW_SECONDS,
+    Demand,
+    RegionShares,
+    ShareMetrics,
+)
 from inferplane.runtime import InvalidArgumentError
 from inferplane.runtime.security.identity import PeerSecurity
 from inferplane.runtime.time.clock import Clock
@@ -98,6 +111,9 @@ class PeerSettings:
         heartbeat_seconds: the heartbeat asked of each peer's watch.
         idle_seconds: a watch quiet this long is dropped and opened again.
         call_timeout_seconds: the deadline of one RegionMonthTokens call.
+        cut_seconds: a peer silent this long (no watch message) is left out of the split of
+            the rate limits; None: 2 × `budget_sync_seconds` (at least 2 heartbeats).
+        demand_window_seconds: the recent demand the split follows.
     """
 
     budget_sync_seconds: float = regions.BUDGET_SYNC_SECONDS
@@ -105,6 +121,14 @@ class PeerSettings:
     heartbeat_seconds: float = 1.0
     idle_seconds: float = 3.0
     call_timeout_seconds: float = 5.0
+    cut_seconds: float | None = None
+    demand_window_seconds: float = DEMAND_WINDOW_SECONDS
+
+    @property
+    def cut_after(self) -> float:
+        if self.cut_seconds is not None:
+            return self.cut_seconds
+        return max(2 * self.budget_sync_seconds, 2 * self.heartbeat_seconds)
 
 
 class PeerMetrics:
@@ -170,6 +194,7 @@ class PeerKeyTable:
         token: str = "",
         settings: PeerSettings | None = None,
         timer: Callable[[], float] = time.monotonic,
+        share_metrics: ShareMetrics | None = None,
     ) -> None:
         self.region = regions.validate_region(region)
         for name in peers:
@@ -200,6 +225,10 @@ class PeerKeyTable:
         self._tenants: dict[str, str] = {}
         self._by_hash: dict[str, kpb.KeyEntry] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # The split of the rate limits: its inputs (this region's demand, each peer's last).
+        self.shares = RegionShares(self.region, share_metrics)
+        self._demand: dict[str, Demand] = {}
+        self._peer_demand: dict[str, dict[str, Demand]] = {}
         for name in self.peers:
             self._gauges(name)
 
@@ -248,13 +277,18 @@ class PeerKeyTable:
                 if secret_hash in skip:
                     continue
                 budget = entry.limits.monthly_token_budget
-                if budget:
+                share = self.shares.limits_for(entry.key_id, region, entry.limits)
+                if budget or share is not None:
                     entry = kpb.KeyEntry.FromString(entry.SerializeToString())
-                    used = self._local.get(entry.key_id, 0)
-                    used += self.others_month_tokens(entry.key_id, now)
-                    entry.month_tokens = used
-                    entry.budget_exhausted = used >= budget
-                    entry.budget_resets.CopyFrom(resets)
+                    if share is not None:
+                        entry.key_limits.CopyFrom(entry.limits)
+                        entry.limits.CopyFrom(share)
+                    if budget:
+                        used = self._local.get(entry.key_id, 0)
+                        used += self.others_month_tokens(entry.key_id, now)
+                        entry.month_tokens = used
+                        entry.budget_exhausted = used >= budget
+                        entry.budget_resets.CopyFrom(resets)
                     raw = entry.SerializeToString(deterministic=True)
                 else:  # as received: serialized once, when it arrived
                     raw = self._raw[region][secret_hash]
@@ -395,8 +429,14 @@ class PeerKeyTable:
             raise _Lost(region)
 
     def _own(self, region: str, entries: Iterable[kpb.KeyEntry]) -> list[kpb.KeyEntry]:
-        """The entries homed in `region` and not pinned: what this region keeps of it."""
-        return [e for e in entries if e.home_region == region and not e.region_pinned]
+        """The entries homed in `region` and not pinned: what this region keeps of it, with
+        the key's own limits where `region` sent its share of them."""
+        kept = [e for e in entries if e.home_region == region and not e.region_pinned]
+        for entry in kept:
+            if entry.HasField("key_limits"):
+                entry.limits.CopyFrom(entry.key_limits)
+                entry.ClearField("key_limits")
+        return kept
 
     async def _replace(self, region: str, entries: Iterable[kpb.KeyEntry]) -> None:
         kept = self._own(region, entries)
@@ -433,38 +473,55 @@ class PeerKeyTable:
                 self._local = local
                 if self._timer() >= next_sync:
                     next_sync = self._timer() + self.settings.budget_sync_seconds
+                    since = now - timedelta(seconds=self.settings.demand_window_seconds)
+                    demand = await asyncio.to_thread(self._ledger.recent_demand, since)
+                    self._demand = {k: Demand(r, t) for k, (r, t) in demand.items()}
                     wanted = sorted(peer_ids | set(self.local_budgeted()))
                     results = await asyncio.gather(
                         *(self._sync(region, wanted) for region in self.peers)
                     )
                     changed = any(results) or changed
+                changed = self._reshare() or changed
                 if changed:
                     self._changed()
             except Exception:  # the database is away: try again at the next period
                 log.exception("peer_budget_read_failed")
             await asyncio.sleep(self.settings.local_budget_seconds)
 
+    def reachable(self) -> list[str]:
+        """The peers counted in the split: a watch message from each within `cut_seconds`."""
+        now, cut = self._timer(), self.settings.cut_after
+        return [r for r in self.peers if now - self._updated.get(r, -math.inf) <= cut]
+
+    def _reshare(self) -> bool:
+        """Gives the split its current inputs; True when they changed."""
+        return self.shares.update(
+            self._demand, self._peer_demand, self.reachable(), peers=self.peers
+        )
+
     async def _sync(self, region: str, key_ids: list[str]) -> bool:
-        """Reads `region`'s month totals of `key_ids`; True when they changed."""
-        if not key_ids:
-            changed = region in self._remote
-            self._remote.pop(region, None)
-            return changed
+        """Reads `region`'s month totals of `key_ids` and its recent demand; True when the
+        totals changed (the demand is kept for `_reshare`)."""
         channel = self._security.aio_channel(self.peers[region])
         try:
             stub = key_table_pb2_grpc.KeyTableServiceStub(channel)
             totals: dict[str, int] = {}
             end = None
-            for start in range(0, len(key_ids), MAX_MONTH_KEYS):
+            demand: dict[str, Demand] = {}
+            # The first call also asks the demand (one call when no key has a budget).
+            for start in range(0, max(1, len(key_ids)), MAX_MONTH_KEYS):
                 reply = await stub.RegionMonthTokens(
                     kpb.RegionMonthTokensRequest(
-                        key_ids=key_ids[start : start + MAX_MONTH_KEYS], region=self.region
+                        key_ids=key_ids[start : start + MAX_MONTH_KEYS],
+                        region=self.region,
+                        demand=start == 0,
                     ),
                     metadata=self._metadata(),
                     timeout=self.settings.call_timeout_seconds,
                 )
                 totals.update(reply.tokens)
                 end = reply.month_end.ToDatetime(tzinfo=UTC)
+                demand.update((k, Demand(d.requests, d.tokens)) for k, d in reply.demand.items())
         except grpc.aio.AioRpcError as exc:
             # The last totals stay: what the budget decision keeps during a cut.
             self._metrics.budget_syncs.labels(region, "error").inc()
@@ -474,15 +531,21 @@ class PeerKeyTable:
             await channel.close(grace=None)
         self._metrics.budget_syncs.labels(region, "ok").inc()
         assert end is not None
+        self._peer_demand[region] = demand
         before = self._remote.get(region)
         self._remote[region] = (end, totals)
         return before != (end, totals)
 
 
 async def region_month_tokens(
-    ledger: SqlUsageLedger, clock: Clock, region: str, request: kpb.RegionMonthTokensRequest
+    ledger: SqlUsageLedger,
+    clock: Clock,
+    region: str,
+    request: kpb.RegionMonthTokensRequest,
+    window: float = DEMAND_WINDOW_SECONDS,
 ) -> kpb.RegionMonthTokensResponse:
-    """The answer of `RegionMonthTokens`: `ledger`'s month totals of the requested keys.
+    """The answer of `RegionMonthTokens`: `ledger`'s month totals of the requested keys and,
+    when asked, its recent demand (`window` seconds up to `clock`'s now) of every key.
 
     Raises:
         InvalidArgumentError: more than `MAX_MONTH_KEYS` key ids.
@@ -496,6 +559,15 @@ async def region_month_tokens(
         if request.key_ids
         else {}
     )
-    return kpb.RegionMonthTokensResponse(
+    reply = kpb.RegionMonthTokensResponse(
         tokens=totals, region=region, month_end=timestamp(month_end(now))
     )
+    if request.demand:
+        since = now - timedelta(seconds=window)
+        for key_id, (requests, tokens) in (
+            await asyncio.to_thread(ledger.recent_demand, since)
+        ).items():
+            reply.demand[key_id].requests = requests
+            reply.demand[key_id].tokens = tokens
+        reply.demand_window_seconds = window
+    return reply

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from inferplane.api.auth.v1 import auth_pb2 as inferplane_dot_auth_dot_v1_dot_auth__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inferplane/auth/v1/key_table.proto\x12\x12inferplane.auth.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dinferplane/auth/v1/auth.proto\";\n\x18RegionMonthTokensRequest\x12\x0f\n\x07key_ids\x18\x01 \x03(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\"\xd4\x01\n\x19RegionMonthTokensResponse\x12I\n\x06tokens\x18\x01 \x03(\x0b\x32\x39.inferplane.auth.v1.RegionMonthTokensResponse.TokensEntry\x12\x0e\n\x06region\x18\x02 \x01(\t\x12-\n\tmonth_end\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"D\n\x14WatchKeyTableRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"\xa6\x01\n\x15WatchKeyTableResponse\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12-\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1c.inferplane.auth.v1.KeyEntry\x12\x0f\n\x07removed\x18\x03 \x03(\t\x12)\n\x05\x61s_of\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x05 \x01(\x04\"\x8b\x03\n\x08KeyEntry\x12\x13\n\x0bsecret_hash\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\x12\x16\n\x0e\x61llowed_models\x18\x05 \x03(\t\x12\x0c\n\x04tier\x18\x06 \x01(\t\x12*\n\x06limits\x18\x07 \x01(\x0b\x32\x1a.inferplane.auth.v1.Limits\x12/\n\x0bvalid_until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fprevious_secret\x18\t \x01(\x08\x12\x0f\n\x07revoked\x18\n \x01(\x08\x12\x18\n\x10\x62udget_exhausted\x18\x0b \x01(\x08\x12\x31\n\rbudget_resets\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmonth_tokens\x18\r \x01(\x04\x12\x13\n\x0bhome_region\x18\x0e \x01(\t\x12\x15\n\rregion_pinned\x18\x0f \x01(\x08\x32\xeb\x01\n\x0fKeyTableService\x12\x66\n\rWatchKeyTable\x12(.inferplane.auth.v1.WatchKeyTableRequest\x1a).inferplane.auth.v1.WatchKeyTableResponse0\x01\x12p\n\x11RegionMonthTokens\x12,.inferplane.auth.v1.RegionMonthTokensRequest\x1a-.inferplane.auth.v1.RegionMonthTokensResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inferplane/auth/v1/key_table.proto\x12\x12inferplane.auth.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dinferplane/auth/v1/auth.proto\"K\n\x18RegionMonthTokensRequest\x12\x0f\n\x07key_ids\x18\x01 \x03(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65mand\x18\x03 \x01(\x08\"-\n\tKeyDemand\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"\x8c\x03\n\x19RegionMonthTokensResponse\x12I\n\x06tokens\x18\x01 \x03(\x0b\x32\x39.inferplane.auth.v1.RegionMonthTokensResponse.TokensEntry\x12\x0e\n\x06region\x18\x02 \x01(\t\x12-\n\tmonth_end\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12I\n\x06\x64\x65mand\x18\x04 \x03(\x0b\x32\x39.inferplane.auth.v1.RegionMonthTokensResponse.DemandEntry\x12\x1d\n\x15\x64\x65mand_window_seconds\x18\x05 \x01(\x01\x1a-\n\x0bTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1aL\n\x0b\x44\x65mandEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.inferplane.auth.v1.KeyDemand:\x02\x38\x01\"D\n\x14WatchKeyTableRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"\xa6\x01\n\x15WatchKeyTableResponse\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12-\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1c.inferplane.auth.v1.KeyEntry\x12\x0f\n\x07removed\x18\x03 \x03(\t\x12)\n\x05\x61s_of\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x05 \x01(\x04\"\xbb\x03\n\x08KeyEntry\x12\x13\n\x0bsecret_hash\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\x12\x16\n\x0e\x61llowed_models\x18\x05 \x03(\t\x12\x0c\n\x04tier\x18\x06 \x01(\t\x12*\n\x06limits\x18\x07 \x01(\x0b\x32\x1a.inferplane.auth.v1.Limits\x12/\n\x0bvalid_until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fprevious_secret\x18\t \x01(\x08\x12\x0f\n\x07revoked\x18\n \x01(\x08\x12\x18\n\x10\x62udget_exhausted\x18\x0b \x01(\x08\x12\x31\n\rbudget_resets\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmonth_tokens\x18\r \x01(\x04\x12\x13\n\x0bhome_region\x18\x0e \x01(\t\x12\x15\n\rregion_pinned\x18\x0f \x01(\x08\x12.\n\nkey_limits\x18\x10 \x01(\x0b\x32\x1a.inferplane.auth.v1.Limits2\xeb\x01\n\x0fKeyTableService\x12\x66\n\rWatchKeyTable\x12(.inferplane.auth.v1.WatchKeyTableRequest\x1a).inferplane.auth.v1.WatchKeyTableResponse0\x01\x12p\n\x11RegionMonthTokens\x12,.inferplane.auth.v1.RegionMonthTokensRequest\x1a-.inferplane.auth.v1.RegionMonthTokensResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._loaded_options = None
   _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._serialized_options = b'8\001'
+  _globals['_REGIONMONTHTOKENSRESPONSE_DEMANDENTRY']._loaded_options = None
+  _globals['_REGIONMONTHTOKENSRESPONSE_DEMANDENTRY']._serialized_options = b'8\001'
   _globals['_REGIONMONTHTOKENSREQUEST']._serialized_start=122
-  _globals['_REGIONMONTHTOKENSREQUEST']._serialized_end=181
-  _globals['_REGIONMONTHTOKENSRESPONSE']._serialized_start=184
-  _globals['_REGIONMONTHTOKENSRESPONSE']._serialized_end=396
-  _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._serialized_start=351
-  _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._serialized_end=396
-  _globals['_WATCHKEYTABLEREQUEST']._serialized_start=398
-  _globals['_WATCHKEYTABLEREQUEST']._serialized_end=466
-  _globals['_WATCHKEYTABLERESPONSE']._serialized_start=469
-  _globals['_WATCHKEYTABLERESPONSE']._serialized_end=635
-  _globals['_KEYENTRY']._serialized_start=638
-  _globals['_KEYENTRY']._serialized_end=1033
-  _globals['_KEYTABLESERVICE']._serialized_start=1036
-  _globals['_KEYTABLESERVICE']._serialized_end=1271
+  _globals['_REGIONMONTHTOKENSREQUEST']._serialized_end=197
+  _globals['_KEYDEMAND']._serialized_start=199
+  _globals['_KEYDEMAND']._serialized_end=244
+  _globals['_REGIONMONTHTOKENSRESPONSE']._serialized_start=247
+  _globals['_REGIONMONTHTOKENSRESPONSE']._serialized_end=643
+  _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._serialized_start=520
+  _globals['_REGIONMONTHTOKENSRESPONSE_TOKENSENTRY']._serialized_end=565
+  _globals['_REGIONMONTHTOKENSRESPONSE_DEMANDENTRY']._serialized_start=567
+  _globals['_REGIONMONTHTOKENSRESPONSE_DEMANDENTRY']._serialized_end=643
+  _globals['_WATCHKEYTABLEREQUEST']._serialized_start=645
+  _globals['_WATCHKEYTABLEREQUEST']._serialized_end=713
+  _globals['_WATCHKEYTABLERESPONSE']._serialized_start=716
+  _globals['_WATCHKEYTABLERESPONSE']._serialized_end=882
+  _globals['_KEYENTRY']._serialized_start=885
+  _globals['_KEYENTRY']._serialized_end=1328
+  _globals['_KEYTABLESERVICE']._serialized_start=1331
+  _globals['_KEYTABLESERVICE']._serialized_end=1566
 # @@protoc_insertion_point(module_scope)

@@ -32,8 +32,13 @@ class RegionMonthTokensRequest(_message.Message):
 
     KEY_IDS_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The caller's region (logs only)."""
+    demand: _builtins.bool
+    """Also answer this region's recent demand of every key (`RegionMonthTokensResponse.demand`):
+    what the regions split each key's rate limits by (docs/regions.md).
+    """
     @_builtins.property
     def key_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The key ids (at most 10,000)."""
@@ -43,14 +48,43 @@ class RegionMonthTokensRequest(_message.Message):
         *,
         key_ids: _abc.Iterable[_builtins.str] | None = ...,
         region: _builtins.str = ...,
+        demand: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_ids", b"key_ids", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "key_ids", b"key_ids", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegionMonthTokensRequest: _TypeAlias = RegionMonthTokensRequest  # noqa: Y015
+
+@_typing.final
+class KeyDemand(_message.Message):
+    """One key's recent demand in one region: what its usage ledger recorded of the key's requests
+    that ended within the last `RegionMonthTokensResponse.demand_window_seconds`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    requests: _builtins.int
+    """Requests (served, whatever their status)."""
+    tokens: _builtins.int
+    """Their prompt + completion tokens."""
+    def __init__(
+        self,
+        *,
+        requests: _builtins.int = ...,
+        tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyDemand: _TypeAlias = KeyDemand  # noqa: Y015
 
 @_typing.final
 class RegionMonthTokensResponse(_message.Message):
@@ -78,11 +112,36 @@ class RegionMonthTokensResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class DemandEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___KeyDemand: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___KeyDemand | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TOKENS_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
     MONTH_END_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
+    DEMAND_WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The answering region's name ("" without one)."""
+    demand_window_seconds: _builtins.float
+    """The window `demand` covers (seconds, ending at the answer)."""
     @_builtins.property
     def tokens(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Key id -> tokens (prompt + completion) this region served this calendar month (UTC)."""
@@ -93,16 +152,24 @@ class RegionMonthTokensResponse(_message.Message):
         another month than the caller's are ignored.
         """
 
+    @_builtins.property
+    def demand(self) -> _containers.MessageMap[_builtins.str, Global___KeyDemand]:
+        """With `RegionMonthTokensRequest.demand`: key id -> this region's recent demand (its own
+        ledger only), every key with a request ending in the window; keys without one are absent.
+        """
+
     def __init__(
         self,
         *,
         tokens: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         region: _builtins.str = ...,
         month_end: _timestamp_pb2.Timestamp | None = ...,
+        demand: _abc.Mapping[_builtins.str, Global___KeyDemand] | None = ...,
+        demand_window_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["month_end", b"month_end"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["month_end", b"month_end", "region", b"region", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "demand_window_seconds", b"demand_window_seconds", "month_end", b"month_end", "region", b"region", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -206,6 +273,7 @@ class KeyEntry(_message.Message):
     MONTH_TOKENS_FIELD_NUMBER: _builtins.int
     HOME_REGION_FIELD_NUMBER: _builtins.int
     REGION_PINNED_FIELD_NUMBER: _builtins.int
+    KEY_LIMITS_FIELD_NUMBER: _builtins.int
     secret_hash: _builtins.str
     """Hex HMAC-SHA256(pepper, secret), as auth stores it (64 characters)."""
     key_id: _builtins.str
@@ -256,6 +324,14 @@ class KeyEntry(_message.Message):
     def budget_resets(self) -> _timestamp_pb2.Timestamp:
         """When the spent budget resets (the start of the next calendar month, UTC)."""
 
+    @_builtins.property
+    def key_limits(self) -> _auth_pb2.Limits:
+        """Set when `limits` holds this region's share of the key's rate limits (requests and tokens
+        per minute, concurrency: the regions split each key's limits by their recent demand,
+        docs/regions.md): the key's own limits, over every region together. Unset: `limits` are
+        the key's own. Another region's auth copying the entry takes these as the key's limits.
+        """
+
     def __init__(
         self,
         *,
@@ -274,10 +350,11 @@ class KeyEntry(_message.Message):
         month_tokens: _builtins.int = ...,
         home_region: _builtins.str = ...,
         region_pinned: _builtins.bool = ...,
+        key_limits: _auth_pb2.Limits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget_resets", b"budget_resets", "limits", b"limits", "valid_until", b"valid_until"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget_resets", b"budget_resets", "key_limits", b"key_limits", "limits", b"limits", "valid_until", b"valid_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "budget_exhausted", b"budget_exhausted", "budget_resets", b"budget_resets", "home_region", b"home_region", "key_id", b"key_id", "limits", b"limits", "month_tokens", b"month_tokens", "previous_secret", b"previous_secret", "region_pinned", b"region_pinned", "revoked", b"revoked", "scopes", b"scopes", "secret_hash", b"secret_hash", "tenant", b"tenant", "tier", b"tier", "valid_until", b"valid_until"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_models", b"allowed_models", "budget_exhausted", b"budget_exhausted", "budget_resets", b"budget_resets", "home_region", b"home_region", "key_id", b"key_id", "key_limits", b"key_limits", "limits", b"limits", "month_tokens", b"month_tokens", "previous_secret", b"previous_secret", "region_pinned", b"region_pinned", "revoked", b"revoked", "scopes", b"scopes", "secret_hash", b"secret_hash", "tenant", b"tenant", "tier", b"tier", "valid_until", b"valid_until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,9 @@ router's `KeyTable` in us1 following us1's auth through the real watch client
   eu1 is unknown there (401); us1's own keys work too.
 - 20 revocations in eu1, each refused as revoked by us1's router: the figures are printed and
   bounded by `regions.KEY_REPLICATION_SECONDS`.
+- A key's rate limit is global (`inferplane.auth.shares`): a key homed in eu1 with demand only
+  there is admitted up to the floor by us1's router (`inferplane.router.keylimits`), then
+  refused; once us1 serves the key too, us1's router admits its share of the limit.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 
 from inferplane import regions
 from inferplane.auth.app import build_components as build_auth
-from inferplane.auth.domain import KeySpec
+from inferplane.auth.domain import KeySpec, Limits
+from inferplane.auth.ledger import LedgerRow
 from inferplane.auth.settings import AuthSettings, resolve_pepper
 from inferplane.router.key_source import KeyTableWatch
+from inferplane.router.keylimits import KeyLimiter, RequestsLimitError
 from inferplane.router.keys import KeyTable
 from inferplane.runtime import RunningServer, UnauthenticatedError, UnavailableError
 from inferplane.runtime.processes.ports import free_port
@@ -69,6 +74,7 @@ async def two_regions(tmp_path: Path) -> AsyncIterator[tuple[dict[str, object], 
             limits_store="memory",
             grace_period_seconds=0.2,
             pepper=PEPPER,
+            budget_sync_seconds=0.2,
             region=name,
             peers={other: f"127.0.0.1:{ports[other]}"},
         )
@@ -141,3 +147,45 @@ def test_another_regions_keys_work_on_a_router_and_revocations_reach_it(tmp_path
         f"p99 {p99 * 1000:.0f} ms, max {took[-1] * 1000:.0f} ms over {len(took)}"
     )
     assert took[-1] < regions.KEY_REPLICATION_SECONDS
+
+
+def test_a_routers_region_admits_its_share_of_a_keys_limit(tmp_path: Path) -> None:
+    def served(auth: object, key_id: str, region: str, count: int, now: datetime) -> None:
+        rows = [
+            LedgerRow(f"{region}-{i}", key_id, "acme", "m", now, prompt_tokens=10)
+            for i in range(count)
+        ]
+        auth.ledger.record(rows)  # type: ignore[attr-defined]
+
+    def admitted(limiter: KeyLimiter, table: KeyTable, secret: str) -> int:
+        principal = table.authenticate({"authorization": f"Bearer {secret}"}, PATH)
+        n = 0
+        try:
+            while n < 1000:
+                limiter.admit(principal, f"r{n}").release()
+                n += 1
+        except RequestsLimitError:
+            pass
+        return n
+
+    def rpm(table: KeyTable, secret: str) -> int:
+        principal = table.authenticate({"authorization": f"Bearer {secret}"}, PATH)
+        return principal.limits.requests_per_minute
+
+    async def scenario() -> None:
+        async with two_regions(tmp_path) as (auths, table):
+            eu1 = auths["eu1"]
+            key, secret = await eu1.manager.create(  # type: ignore[attr-defined]
+                KeySpec(tenant="acme", limits=Limits(requests_per_minute=40)), "test"
+            )
+            clock = eu1.clock  # type: ignore[attr-defined]
+            served(eu1, key.key_id, "eu1", 30, clock.now())
+            # Demand only in eu1: us1's router gets the floor (5 % of 40, at least 1).
+            await _until(lambda: _refusal(table, secret) == "" and rpm(table, secret) == 2)
+            assert admitted(KeyLimiter(WallClock(clock)), table, secret) == 2
+            # us1 serves the key too (10 requests to eu1's 30): 2 + 36 / 4 = 11.
+            served(auths["us1"], key.key_id, "us1", 10, clock.now())
+            await _until(lambda: rpm(table, secret) == 11)
+            assert admitted(KeyLimiter(WallClock(clock)), table, secret) == 11
+
+    asyncio.run(scenario())

@@ -41,9 +41,16 @@ from pathlib import Path
 
 import httpx
 
-from inferplane.localstack import EDGE_PROCESS, MODEL_NAME, StackConfig
+from inferplane.localstack import MODEL_NAME
 from inferplane.localstack.netns import Hosts, namespaces_unavailable
-from inferplane.localstack.regions import Regions, RegionsConfig, running_regions
+from inferplane.localstack.regions import (
+    Regions,
+    control_host,
+    layout_host_names,
+    namespace_layout,
+    running_regions,
+    worker_host,
+)
 from inferplane.wire.headers import SERVED_REGION
 
 REGIONS = ("a", "b")
@@ -131,45 +138,25 @@ def p99(outcomes: Sequence[Outcome]) -> float:
     return latency[min(len(latency) - 1, int(0.99 * len(latency)))]
 
 
-def config(hosts: Hosts, root: Path, token_delay: float) -> RegionsConfig:
-    stacks: dict[str, StackConfig] = {}
-    for region in REGIONS:
-        control, worker = hosts.host(f"{region}ctl"), hosts.host(f"{region}w")
-        placement = {n: control for n in ("orchestrator", "auth", "router", "telemetry")}
-        placement |= {EDGE_PROCESS: control, "node_agent": worker}
-        stacks[region] = StackConfig(
-            data_dir=root / region,
-            hosts=placement,
-            nodes=(f"{region}w",),
-            transport="http-completions",
-            fake_engine_token_delay=token_delay,
-            max_model_len=2048,
-            startup_timeout_seconds=600,
-            service_args={
-                "orchestrator": ("--edge-telemetry-internal-token", INTERNAL_TOKEN),
-                "telemetry": ("--internal-token", INTERNAL_TOKEN),
-            },
-        )
-    return RegionsConfig(
-        regions=stacks,
-        data_dir=root / "global",
-        internal_token=INTERNAL_TOKEN,
-        global_host=hosts.host("glb"),
-    )
-
-
 def run(args: argparse.Namespace, hosts: Hosts, root: Path) -> None:
-    with running_regions(config(hosts, root, args.token_delay), print) as regions:
+    config = namespace_layout(
+        {name: hosts.host(name) for name in layout_host_names(REGIONS)},
+        REGIONS,
+        root,
+        internal_token=INTERNAL_TOKEN,
+        fake_engine_token_delay=args.token_delay,
+    )
+    with running_regions(config, print) as regions:
         keys = {r: regions.stacks[r].create_api_key(f"bench-{r}") for r in REGIONS}
         wait_served(regions, keys)
         up = asyncio.run(phase(regions.base_url, keys, args.rate, args.seconds, args.tokens))
         cut_at = time.monotonic()
-        for host in (f"{REGIONS[0]}ctl", f"{REGIONS[0]}w"):
+        for host in (control_host(REGIONS[0]), worker_host(REGIONS[0])):
             hosts.cut(host)
         try:
             cut = asyncio.run(phase(regions.base_url, keys, args.rate, args.seconds, args.tokens))
         finally:
-            for host in (f"{REGIONS[0]}ctl", f"{REGIONS[0]}w"):
+            for host in (control_host(REGIONS[0]), worker_host(REGIONS[0])):
                 hosts.restore(host)
         restored_at = time.monotonic()
         back = asyncio.run(phase(regions.base_url, keys, args.rate, args.seconds, args.tokens))
@@ -225,8 +212,7 @@ def main() -> None:
     reason = namespaces_unavailable()
     if reason:
         sys.exit(reason)
-    names = (*tuple(f"{r}{h}" for r in REGIONS for h in ("ctl", "w")), "glb")
-    hosts = Hosts.fresh(names)
+    hosts = Hosts.fresh(layout_host_names(REGIONS))
     hosts.create()
     try:
         if args.data_dir is not None:

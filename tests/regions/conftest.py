@@ -20,16 +20,9 @@ from collections.abc import Iterator
 import pytest
 
 from inferplane.localstack.netns import Hosts, NamespaceError, namespaces_unavailable
+from inferplane.localstack.regions import layout_host_names
 
 HOME, OTHER = "a", "b"
-
-
-def control_of(region: str) -> str:
-    return f"{region}ctl"
-
-
-def worker_of(region: str) -> str:
-    return f"{region}w"
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +30,7 @@ def hosts() -> Iterator[Hosts]:
     reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
-    names = (*tuple(h for r in (HOME, OTHER) for h in (control_of(r), worker_of(r))), "glb")
-    made = Hosts.fresh(names)
+    made = Hosts.fresh(layout_host_names((HOME, OTHER)))
     try:
         made.create()
     except NamespaceError as exc:

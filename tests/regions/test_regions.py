@@ -33,14 +33,21 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from inferplane.localstack import EDGE_PROCESS, MODEL_NAME, StackConfig
+from inferplane.localstack import MODEL_NAME
 from inferplane.localstack.netns import Hosts
-from inferplane.localstack.regions import Regions, RegionsConfig, running_regions
+from inferplane.localstack.regions import (
+    Regions,
+    control_host,
+    layout_host_names,
+    namespace_layout,
+    running_regions,
+    worker_host,
+)
 from inferplane.regions import KEY_REPLICATION_SECONDS, REGION_UNAVAILABLE
 from inferplane.sdk import Client, MergedUsage, MultiRegionUsage
 from inferplane.wire.headers import SERVED_REGION
 
-from .conftest import HOME, OTHER, control_of, worker_of
+from .conftest import HOME, OTHER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.scenario, pytest.mark.timeout(1200)]
 
@@ -74,30 +81,13 @@ class Sent:
 
 @pytest.fixture(scope="module")
 def regions(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Regions]:
-    root = tmp_path_factory.mktemp("regions")
-    stacks: dict[str, StackConfig] = {}
-    for region in (HOME, OTHER):
-        control, worker = hosts.host(control_of(region)), hosts.host(worker_of(region))
-        placement = {name: control for name in ("orchestrator", "auth", "router", "telemetry")}
-        placement |= {EDGE_PROCESS: control, "node_agent": worker}
-        stacks[region] = StackConfig(
-            data_dir=root / region,
-            hosts=placement,
-            nodes=(worker_of(region),),
-            transport="http-completions",
-            fake_engine_token_delay=TOKEN_DELAY_S,
-            max_model_len=2048,
-            startup_timeout_seconds=600,
-            service_args={
-                "orchestrator": ("--edge-telemetry-internal-token", INTERNAL_TOKEN),
-                "telemetry": ("--internal-token", INTERNAL_TOKEN),
-            },
-        )
-    config = RegionsConfig(
-        regions=stacks,
-        data_dir=root / "global",
+    names = layout_host_names((HOME, OTHER))
+    config = namespace_layout(
+        {name: hosts.host(name) for name in names},
+        (HOME, OTHER),
+        tmp_path_factory.mktemp("regions"),
         internal_token=INTERNAL_TOKEN,
-        global_host=hosts.host("glb"),
+        fake_engine_token_delay=TOKEN_DELAY_S,
     )
     with running_regions(config, print) as started:
         yield started
@@ -259,8 +249,8 @@ def test_a_region_cut_off_and_back(regions: Regions, hosts: Hosts) -> None:
 
     served: dict[str, str] = {}  # request id → the region that answered
     cut_at = time.monotonic()
-    hosts.cut(control_of(HOME))
-    hosts.cut(worker_of(HOME))
+    hosts.cut(control_host(HOME))
+    hosts.cut(worker_host(HOME))
     try:
         # New requests after the cut: each must succeed (retried by the global tier before
         # its first byte when it was sent to the lost region), in the other region.
@@ -309,8 +299,8 @@ def test_a_region_cut_off_and_back(regions: Regions, hosts: Hosts) -> None:
             assert stream.error, "a stream of the lost region ended without an error"
             assert stream.ended_at - cut_at <= STREAM_END_BOUND_S
     finally:
-        hosts.restore(control_of(HOME))
-        hosts.restore(worker_of(HOME))
+        hosts.restore(control_host(HOME))
+        hosts.restore(worker_host(HOME))
     restored_at = time.monotonic()
     _poll(
         "the home region to serve its keys again",

@@ -235,6 +235,69 @@ def _edge(stack: Stack) -> str:
     return f"{stack.config.host_address(EDGE_PROCESS)}:{stack.config.http_port}"
 
 
+#: The host names of `namespace_layout`: per region `<region>ctl` and `<region>w`, then this.
+GLOBAL_HOST = "glb"
+
+
+def control_host(region: str) -> str:
+    """The name of `region`'s control host in `namespace_layout`."""
+    return f"{region}ctl"
+
+
+def worker_host(region: str) -> str:
+    """The name of `region`'s worker host in `namespace_layout`."""
+    return f"{region}w"
+
+
+def layout_host_names(regions: Sequence[str]) -> tuple[str, ...]:
+    """The hosts `namespace_layout` places on, in address order (for `netns.Hosts`)."""
+    return (*(h for r in regions for h in (control_host(r), worker_host(r))), GLOBAL_HOST)
+
+
+def namespace_layout(
+    hosts: Mapping[str, StackHost],
+    regions: Sequence[str],
+    root: Path,
+    *,
+    internal_token: str,
+    fake_engine_token_delay: float,
+) -> RegionsConfig:
+    """Regions on separate hosts (network namespaces, `netns.Hosts`): per region a control
+    host (orchestrator, auth, router, telemetry, the edge) and a worker (its node-agent, one
+    kimi-tiny replica process around the fake vLLM HTTP engine, one token every
+    `fake_engine_token_delay` s), the global tier on `GLOBAL_HOST`; folders under `root`.
+
+    Args:
+        hosts: host name (`layout_host_names`) → the `StackHost` it is.
+    """
+    stacks: dict[str, StackConfig] = {}
+    for region in regions:
+        control, worker = hosts[control_host(region)], hosts[worker_host(region)]
+        placement = {name: control for name in ("orchestrator", "auth", "router", "telemetry")}
+        placement |= {EDGE_PROCESS: control, "node_agent": worker}
+        stacks[region] = StackConfig(
+            data_dir=root / region,
+            hosts=placement,
+            nodes=(worker_host(region),),
+            transport="http-completions",
+            fake_engine_token_delay=fake_engine_token_delay,
+            max_model_len=2048,
+            startup_timeout_seconds=600,
+            service_args={
+                # Telemetry takes the edge's overhead log and the routers' records from
+                # other hosts by this token.
+                "orchestrator": ("--edge-telemetry-internal-token", internal_token),
+                "telemetry": ("--internal-token", internal_token),
+            },
+        )
+    return RegionsConfig(
+        regions=stacks,
+        data_dir=root / "global",
+        internal_token=internal_token,
+        global_host=hosts[GLOBAL_HOST],
+    )
+
+
 @contextlib.contextmanager
 def running_regions(
     config: RegionsConfig, progress: Progress = lambda _m: None

@@ -71,6 +71,10 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
         listen_port=free_port(),
         admin_port=free_port(),
         upstream_protocol="http1",  # the fake region edges speak HTTP/1.1 only
+        # The fake edges are Python threads on a loaded 2-core box: a 1 s timeout missed twice
+        # made a healthy region unhealthy mid-test. A ready route's 503 or a refused
+        # connection still counts at once (the figures these tests measure).
+        health_check_timeout_s=3.0,
     )
     envoy = EnvoyProcess.from_global_config(config, tmp_path_factory.mktemp("global"))
     envoy.start()
@@ -206,6 +210,7 @@ def test_a_region_answering_503_is_retried_in_the_fallback_but_not_for_a_pinned_
     """A region without capacity answers 503 while its ready route says 200: the request is
     tried in the next region (before any byte reached the client); a pinned key gets its
     region's own 503, untouched."""
+    tier.wait_served_by(EU_KEY, "eu")
     tier.eu.busy = True
     try:
         eu_seen = len(tier.eu.requests)

@@ -382,7 +382,7 @@ class KeyTableFeed:
             self._seen.clear()
             self._holes.clear()
             self._loaded = True
-        self._reshare(change, as_of)
+        await self._reshare(change, as_of)
         self._merge_peers(change, as_of, force=True)
         self._done(as_of, change)
 
@@ -462,7 +462,7 @@ class KeyTableFeed:
                 key = self._keys[key_id]
                 month = self._months.get(key_id, 0)
                 self._set(key_id, key, self._build(key, month, as_of), change, as_of)
-        self._reshare(change, as_of)
+        await self._reshare(change, as_of)
         self._merge_peers(change, as_of, force=rolled)
         self._done(as_of, change)
 
@@ -560,22 +560,27 @@ class KeyTableFeed:
             share = self._peers.shares.limits_for(key.key_id, key.home_region, limits)
         return build_entries(key, month, now, share)
 
-    def _reshare(self, change: Change, now: datetime) -> None:
-        """Builds again the entries of the own keys with rate limits when the shares changed
-        since they were built, and notes what differs in `change`."""
+    async def _reshare(self, change: Change, now: datetime) -> None:
+        """Builds again (in a worker thread) the entries of the own keys with rate limits when
+        the shares changed since they were built, and notes what differs in `change`. Runs
+        under the feed's lock: the table does not change meanwhile."""
         version = self._shares_now()
         if version == self._shares_version:
             return
+        limited = [
+            (key_id, key, self._months.get(key_id, 0))
+            for key_id, key in self._keys.items()
+            if key.limits.requests_per_minute
+            or key.limits.tokens_per_minute
+            or key.limits.max_concurrent_requests
+        ]
+
+        def build() -> dict[str, Built]:
+            return {key_id: self._build(key, month, now) for key_id, key, month in limited}
+
+        for key_id, built in (await asyncio.to_thread(build) if limited else {}).items():
+            self._set(key_id, self._keys[key_id], built, change, now)
         self._shares_version = version
-        for key_id, key in list(self._keys.items()):
-            if (
-                key.limits.requests_per_minute
-                or key.limits.tokens_per_minute
-                or (key.limits.max_concurrent_requests)
-            ):
-                self._set(
-                    key_id, key, self._build(key, self._months.get(key_id, 0), now), change, now
-                )
 
     def _months_of(self, key_ids: Collection[str], now: datetime) -> dict[str, int]:
         """The month tokens of `key_ids`: this region's ledger plus, with peers, what the

@@ -208,9 +208,24 @@ class RegionShares:
         """This region's share of `limits` (the monthly budget unchanged), or None when the
         entry carries the key's own limits: no rate limit, no peer reachable, or a share equal
         to the whole limit."""
-        if len(self._state.reachable) < 2 or not has_rate_limits(limits):
+        state = self._state
+        if len(state.reachable) < 2 or not has_rate_limits(limits):
             return None
-        rpm, tpm, conc = self.shares_of(key_id, home, limits)[self.region]
+        if not any(key_id in d for d in state.demand.values()):
+            # No demand anywhere (most keys): the owner's whole limit, or the floor.
+            owner = home if home in state.demand else min(state.reachable)
+            if owner == self.region:
+                return None
+            rpm, tpm, conc = (
+                floor_of(limit) if limit else 0
+                for limit in (
+                    limits.requests_per_minute,
+                    limits.tokens_per_minute,
+                    limits.max_concurrent_requests,
+                )
+            )
+        else:
+            rpm, tpm, conc = self.shares_of(key_id, home, limits)[self.region]
         own = (limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent_requests)
         if (rpm, tpm, conc) == own:
             return None

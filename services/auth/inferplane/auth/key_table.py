@@ -74,6 +74,7 @@ from inferplane.auth.key_entries import KeyTableMetrics as KeyTableMetrics
 from inferplane.auth.key_entries import KeyTableSettings as KeyTableSettings
 from inferplane.auth.ledger import SqlUsageLedger, month_end
 from inferplane.auth.peers import PEER_KEY_PREFIX, PeerKeyTable
+from inferplane.auth.shares import has_rate_limits
 from inferplane.auth.store import ApiKeyStore
 from inferplane.runtime import UnavailableError
 from inferplane.runtime.time.clock import Clock
@@ -551,12 +552,7 @@ class KeyTableFeed:
         the key is homed in a region and not pinned (`inferplane.auth.shares`)."""
         share = None
         if self._peers is not None and key.home_region and not key.region_pinned:
-            limits = auth_pb2.Limits(
-                requests_per_minute=key.limits.requests_per_minute,
-                tokens_per_minute=key.limits.tokens_per_minute,
-                max_concurrent_requests=key.limits.max_concurrent_requests,
-                monthly_token_budget=key.limits.monthly_token_budget,
-            )
+            limits = auth_pb2.Limits(**dataclasses.asdict(key.limits))
             share = self._peers.shares.limits_for(key.key_id, key.home_region, limits)
         return build_entries(key, month, now, share)
 
@@ -570,9 +566,7 @@ class KeyTableFeed:
         limited = [
             (key_id, key, self._months.get(key_id, 0))
             for key_id, key in self._keys.items()
-            if key.limits.requests_per_minute
-            or key.limits.tokens_per_minute
-            or key.limits.max_concurrent_requests
+            if has_rate_limits(key.limits)
         ]
 
         def build() -> dict[str, Built]:

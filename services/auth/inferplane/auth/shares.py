@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterable, Mapping
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -105,8 +105,18 @@ def split(limit: int, demand: Mapping[str, int], owner: str) -> dict[str, int]:
     return shares
 
 
-def has_rate_limits(limits: auth_pb2.Limits) -> bool:
-    """Whether a key has a limit the regions split (requests, tokens, concurrency)."""
+class _RateLimits(Protocol):
+    @property
+    def requests_per_minute(self) -> int: ...
+    @property
+    def tokens_per_minute(self) -> int: ...
+    @property
+    def max_concurrent_requests(self) -> int: ...
+
+
+def has_rate_limits(limits: _RateLimits | auth_pb2.Limits) -> bool:
+    """Whether a key has a limit the regions split (requests, tokens, concurrency), in its
+    stored limits (`domain.Limits`) or an entry's."""
     return bool(
         limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent_requests
     )

@@ -522,14 +522,7 @@ class KeyTableFeed:
     ) -> None:
         """Makes `built` the entries of `key_id` (none: the key is gone) and notes in
         `change` what differs from before."""
-        old = self._by_key.get(key_id, {})
-        for secret_hash, (raw, entry) in built.items():
-            before = old.get(secret_hash)
-            if before is None or before[0] != raw:
-                change.put(secret_hash, entry)
-        for secret_hash in old.keys() - built.keys():
-            change.drop(secret_hash)
-        self._size += len(built) - len(old)
+        self._note(key_id, built, change)
         if key is None:
             self._by_key.pop(key_id, None)
             self._keys.pop(key_id, None)
@@ -597,18 +590,23 @@ class KeyTableFeed:
             if key_id not in tables:
                 tables[key_id] = {}
         for key_id, built in tables.items():
-            old = self._by_key.get(key_id, {})
-            for secret_hash, (raw, entry) in built.items():
-                before = old.get(secret_hash)
-                if before is None or before[0] != raw:
-                    change.put(secret_hash, entry)
-            for secret_hash in old.keys() - built.keys():
-                change.drop(secret_hash)
-            self._size += len(built) - len(old)
+            self._note(key_id, built, change)
             if built:
                 self._by_key[key_id] = built
             else:
                 self._by_key.pop(key_id, None)
+
+    def _note(self, key_id: str, built: Built, change: Change) -> None:
+        """Notes in `change` how `built` differs from `key_id`'s entries in the table (the
+        caller then stores or drops them), and counts the difference in size."""
+        old = self._by_key.get(key_id, {})
+        for secret_hash, (raw, entry) in built.items():
+            before = old.get(secret_hash)
+            if before is None or before[0] != raw:
+                change.put(secret_hash, entry)
+        for secret_hash in old.keys() - built.keys():
+            change.drop(secret_hash)
+        self._size += len(built) - len(old)
 
     def _done(self, as_of: datetime, change: Change) -> None:
         self._read_at = self._timer()

@@ -34,6 +34,8 @@
     }
     const kwargs = parseJson(form.elements.template_kwargs.value, "Chat template arguments", null);
     if (kwargs !== null) body.chat_template_kwargs = kwargs;
+    const temperature = form.elements.temperature.value.trim();
+    if (temperature !== "") body.temperature = Number(temperature);
     return body;
   }
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from inferplane.auth.app import AuthComponents, build_components
 from inferplane.auth.settings import AuthSettings
 from inferplane.runtime import RunningServer
 from inferplane.testing.clock import FakeClock
+from inferplane.testing.links import Link
 from inferplane.testing.loop import LoopThread
 
 T = TypeVar("T")
@@ -135,3 +137,34 @@ def make_settings() -> Any:
 def start_auth() -> Any:
     """`with start_auth(settings, clock) as harness:` for tests that restart the service."""
     return running_auth
+
+
+# -- two regions (test_regions.py, test_region_shares.py) -----------------------------------
+
+
+def eventually(check: Callable[[], Any], timeout: float = 8.0, what: str = "") -> Any:
+    """`check()`'s first truthy result, polled every 20 ms.
+
+    Raises: AssertionError (naming `what`) when none came within `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def links() -> Iterator[dict[str, Link]]:
+    """One cuttable link to each region's auth (what the other region dials)."""
+    loop = LoopThread()
+    made = {"eu1": Link(loop), "us1": Link(loop)}
+    try:
+        yield made
+    finally:
+        for link in made.values():
+            link.cut()
+        loop.close()

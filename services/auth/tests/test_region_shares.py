@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from inferplane.api.auth.v1 import auth_pb2, usage_pb2, usage_pb2_grpc
 from inferplane.api.auth.v1 import key_table_pb2 as kpb
 from inferplane.auth.domain import KeySpec, Limits
 from inferplane.auth.shares import Demand, RegionShares, floor_of, split
 from inferplane.testing.links import Link
-from inferplane.testing.loop import LoopThread
+
+from .conftest import eventually
 
 RPM, TPM, CONCURRENCY = 100, 10_000, 10
 
@@ -84,29 +83,6 @@ def test_region_shares_keep_the_whole_limit_alone_and_skip_unlimited_keys() -> N
 
 
 # -- two regions -------------------------------------------------------------------------------
-
-
-def eventually(check: Callable[[], Any], timeout: float = 8.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
-@pytest.fixture
-def links() -> Iterator[dict[str, Link]]:
-    loop = LoopThread()
-    made = {"eu1": Link(loop), "us1": Link(loop)}
-    try:
-        yield made
-    finally:
-        for link in made.values():
-            link.cut()
-        loop.close()
 
 
 @contextlib.contextmanager

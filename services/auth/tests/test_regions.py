@@ -15,7 +15,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -44,33 +44,10 @@ from inferplane.runtime.security.api_keys import SecretHasher
 from inferplane.runtime.security.pki import LocalCA
 from inferplane.testing.databases import drop_schema
 from inferplane.testing.links import Link
-from inferplane.testing.loop import LoopThread
+
+from .conftest import eventually
 
 BUDGET = 1000
-
-
-def eventually(check: Callable[[], Any], timeout: float = 8.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
-@pytest.fixture
-def links() -> Iterator[dict[str, Link]]:
-    """One link to each region's auth (what the other region dials)."""
-    loop = LoopThread()
-    made = {"eu1": Link(loop), "us1": Link(loop)}
-    try:
-        yield made
-    finally:
-        for link in made.values():
-            link.cut()
-        loop.close()
 
 
 @pytest.fixture
